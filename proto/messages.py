@@ -1,0 +1,242 @@
+"""Every message that crosses the bus, as msgspec Structs (msgpack maps on the wire).
+
+Rules: fields are added only at the end of a Struct and always with a default; a field is never
+renamed, retyped or reused. Golden encodings in tests/unit/test_proto.py keep old messages
+readable. Weights never ride the bus: WeightsPublished points at a snapshot on disk.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+
+class SampleStatus(str, enum.Enum):
+    """Lifecycle of one trajectory. The engine's finish_reason maps stop -> COMPLETED,
+    length -> TRUNCATED, abort -> ABORTED. FAILED (e.g. a reward function raised) is not
+    ABORTED: the buffer stores a FAILED group like any other."""
+
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+class Sample(msgspec.Struct, kw_only=True):
+    """One trajectory of a group (SPEC.md section 1). Constructible from keyword arguments,
+    every field defaulted; plugins may mutate it (reward, remove_sample, loss_mask)."""
+
+    index: int | None = None
+    """Global sample index: unique, increasing; group_index * n + position in the group."""
+    group_index: int | None = None
+    """Index of the prompt group this sample belongs to (kept across retries)."""
+    prompt: str | list[int] = ""
+    label: Any = None
+    tokens: list[int] = msgspec.field(default_factory=list)
+    """Prompt token ids followed by response token ids."""
+    response: str = ""
+    response_length: int = 0
+    reward: float | dict[str, float] | None = None
+    rollout_log_probs: list[float] = msgspec.field(default_factory=list)
+    """Engine log-probs of the response tokens, one per response token (behaviour policy)."""
+    loss_mask: list[int] | None = None
+    status: SampleStatus = SampleStatus.PENDING
+    weight_versions: list[int] = msgspec.field(default_factory=list)
+    """Every weight version that generated any token of this sample, in order."""
+    metadata: dict[str, Any] = msgspec.field(default_factory=dict)
+    remove_sample: bool = False
+    """Excluded from the loss, still counted in advantage normalisation."""
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) - self.response_length
+
+    def reset_for_retry(self) -> None:
+        """Keep index, group_index, prompt, label and metadata; clear everything generated."""
+        self.tokens = []
+        self.response = ""
+        self.response_length = 0
+        self.reward = None
+        self.rollout_log_probs = []
+        self.loss_mask = None
+        self.weight_versions = []
+        self.remove_sample = False
+        self.status = SampleStatus.ABORTED
+
+
+def flatten_group(group: list[Any]) -> list[Sample]:
+    """A trajectory may itself be a list of Samples (multi-agent, compaction): flatten one level."""
+    out: list[Sample] = []
+    for item in group:
+        if isinstance(item, list):
+            out.extend(item)
+        else:
+            out.append(item)
+    return out
+
+
+def oldest_weight_version(group: list[Any]) -> int | None:
+    """Min over every sample's versions; None when no sample carries a version."""
+    versions = [v for s in flatten_group(group) for v in s.weight_versions]
+    return min(versions) if versions else None
+
+
+class PromptMsg(msgspec.Struct, kw_only=True):
+    """A released prompt on the PROMPTS work queue. A producer turns it into one group."""
+
+    group_index: int
+    prompt: str | list[int]
+    label: Any = None
+    metadata: dict[str, Any] = msgspec.field(default_factory=dict)
+    attempt: int = 0
+    """0 for a fresh release, +1 for each retry recycle of this group_index."""
+    epoch: int = 0
+    row: int = 0
+    """Row of the dataset this prompt came from (0-based)."""
+    n_samples: int = 1
+    released_at: float = 0.0
+
+
+class RolloutGroup(msgspec.Struct, kw_only=True):
+    """A finished prompt group as published by a producer on ROLLOUTS."""
+
+    group_id: str
+    """Unique per release attempt: used as Nats-Msg-Id so retried publishes dedupe."""
+    group_index: int
+    attempt: int = 0
+    samples: list[Sample | list[Sample]] = msgspec.field(default_factory=list)
+    producer_id: str = ""
+    created_at: float = 0.0
+    generate_time_s: float = 0.0
+    epoch: int = 0
+    row: int = 0
+
+
+class GroupRef(msgspec.Struct, kw_only=True):
+    """A consumed group handed to the trainer: where to read it, plus what the buffer decided."""
+
+    group_id: str
+    group_index: int
+    stream_seq: int = 0
+    """Sequence of the RolloutGroup message on ROLLOUTS; 0 when the payload is inline."""
+    payload: bytes | None = None
+    """The encoded RolloutGroup, only when it is not on the stream (e.g. a custom buffer
+    returned a group it built itself)."""
+    staleness: int | None = None
+    oldest_version: int | None = None
+
+
+class BufferGetRequest(msgspec.Struct, kw_only=True):
+    """Trainer -> buffer (request/reply). Idempotent: the reply always lists every group leased
+    to `step` so far, so a lost reply or a restarted trainer simply asks again."""
+
+    step: int
+    count: int
+    current_version: int | None = None
+    """Staleness clock override; None means the buffer's live engine version."""
+    release_min_version: int | None = None
+    """Release no new prompts until the engines run at least this version (sync modes)."""
+    lookahead_steps: int = 0
+    """Prompt release may run this many steps ahead of `step` (0 sync, 1 one-step async)."""
+    wait_s: float = 2.0
+    context: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class BufferGetReply(msgspec.Struct, kw_only=True):
+    step: int
+    refs: list[GroupRef] = msgspec.field(default_factory=list)
+    complete: bool = False
+    metrics: dict[str, float] = msgspec.field(default_factory=dict)
+    """get_metrics() taken once, when the step's batch became complete."""
+    error: str | None = None
+
+
+class BufferCommit(msgspec.Struct, kw_only=True):
+    """Trainer -> buffer: every step <= `step` is trained and checkpointed; its groups are done."""
+
+    step: int
+    version: int = 0
+
+
+class BufferCommitReply(msgspec.Struct, kw_only=True):
+    step: int
+    num_groups_committed: int = 0
+    error: str | None = None
+
+
+class WeightsPublished(msgspec.Struct, kw_only=True):
+    """Trainer -> weight-sync, eval: a new weight version exists as an HF snapshot at `uri`."""
+
+    version: int
+    step: int
+    uri: str
+    sha256: str = ""
+    num_bytes: int = 0
+    created_at: float = 0.0
+
+
+class WeightsLive(msgspec.Struct, kw_only=True):
+    """Weight-sync -> everyone: the rollout engines now run `version` (the staleness clock)."""
+
+    version: int
+    engines: list[str] = msgspec.field(default_factory=list)
+    updated_at: float = 0.0
+    pause_mode: str = ""
+    duration_s: float = 0.0
+
+
+class ControlMsg(msgspec.Struct, kw_only=True):
+    """Small control-plane commands (core NATS)."""
+
+    command: str
+    """pause_submission | resume_submission | shutdown"""
+    reason: str = ""
+    token: str = ""
+    issued_at: float = 0.0
+
+
+class Heartbeat(msgspec.Struct, kw_only=True):
+    service: str
+    instance_id: str
+    http_url: str = ""
+    pid: int = 0
+    started_at: float = 0.0
+    ts: float = 0.0
+    info: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class ProgressRecord(msgspec.Struct, kw_only=True):
+    """Trainer -> launcher and dashboards: one per step (the JSONL record), plus a final one."""
+
+    step: int
+    record: dict[str, Any] = msgspec.field(default_factory=dict)
+    done: bool = False
+    error: str | None = None
+
+
+class EvalRequest(msgspec.Struct, kw_only=True):
+    step: int
+    version: int
+    snapshot_uri: str = ""
+    final: bool = False
+    requested_at: float = 0.0
+
+
+class EvalResult(msgspec.Struct, kw_only=True):
+    step: int
+    version: int
+    metrics: dict[str, float] = msgspec.field(default_factory=dict)
+    skipped_reason: str | None = None
+    duration_s: float = 0.0
+    final: bool = False
+
+
+class DeadLetter(msgspec.Struct, kw_only=True):
+    original_subject: str
+    reason: str
+    data: bytes = b""
+    service: str = ""
+    ts: float = 0.0

@@ -1,0 +1,159 @@
+"""Subject, stream and bucket names. Every name carries the run id so that many runs can share
+one NATS cluster. Stream specs are plain dicts of JetStream StreamConfig fields (no nats import).
+"""
+
+from __future__ import annotations
+
+import re
+
+from msgspec import Struct
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
+"""The server's max_payload that the embedded nats-server is started with (DESIGN.md)."""
+
+
+def check_run_id(run_id: str) -> str:
+    if not _RUN_ID.match(run_id):
+        raise ValueError(
+            f"run id {run_id!r} is not usable in NATS subjects: use 1-64 characters from "
+            "letters, digits, '_' and '-'"
+        )
+    return run_id
+
+
+class Subjects(Struct, frozen=True):
+    """All names of one run."""
+
+    run_id: str
+
+    # JetStream streams
+    @property
+    def prompts_stream(self) -> str:
+        return f"PROMPTS_{self.run_id}"
+
+    @property
+    def rollouts_stream(self) -> str:
+        return f"ROLLOUTS_{self.run_id}"
+
+    @property
+    def weights_stream(self) -> str:
+        return f"WEIGHTS_{self.run_id}"
+
+    @property
+    def eval_stream(self) -> str:
+        return f"EVAL_{self.run_id}"
+
+    @property
+    def progress_stream(self) -> str:
+        return f"PROGRESS_{self.run_id}"
+
+    @property
+    def deadletter_stream(self) -> str:
+        return f"DEADLETTER_{self.run_id}"
+
+    @property
+    def kv_bucket(self) -> str:
+        return f"ASYNCRL_{self.run_id}"
+
+    # subjects
+    def _s(self, tail: str) -> str:
+        return f"asyncrl.{self.run_id}.{tail}"
+
+    @property
+    def prompts(self) -> str:
+        return self._s("prompts")
+
+    @property
+    def rollouts(self) -> str:
+        return self._s("rollouts")
+
+    @property
+    def weights_published(self) -> str:
+        return self._s("weights.published")
+
+    @property
+    def weights_live(self) -> str:
+        return self._s("weights.live")
+
+    @property
+    def eval_requests(self) -> str:
+        return self._s("eval.requests")
+
+    @property
+    def eval_results(self) -> str:
+        return self._s("eval.results")
+
+    @property
+    def progress(self) -> str:
+        return self._s("progress")
+
+    @property
+    def buffer_get(self) -> str:
+        return self._s("buffer.get")
+
+    @property
+    def buffer_commit(self) -> str:
+        return self._s("buffer.commit")
+
+    @property
+    def control(self) -> str:
+        return self._s("control")
+
+    def heartbeat(self, service: str) -> str:
+        return self._s(f"heartbeat.{service}")
+
+    @property
+    def heartbeat_all(self) -> str:
+        return self._s("heartbeat.*")
+
+    def deadletter(self, subject: str) -> str:
+        """Dead letters keep the tail of the subject they failed on."""
+        prefix = self._s("")
+        tail = subject[len(prefix) :] if subject.startswith(prefix) else subject
+        return self._s(f"deadletter.{tail}")
+
+    # stream specs: StreamConfig fields, applied by services.common.bus
+    def stream_specs(self) -> list[dict]:
+        return [
+            {
+                "name": self.prompts_stream,
+                "subjects": [self.prompts],
+                "retention": "workqueue",
+                "storage": "file",
+            },
+            {
+                "name": self.rollouts_stream,
+                "subjects": [self.rollouts],
+                "retention": "limits",
+                "storage": "file",
+                "duplicate_window": 600.0,
+                "allow_direct": True,
+            },
+            {
+                "name": self.weights_stream,
+                "subjects": [self.weights_published, self.weights_live],
+                "retention": "limits",
+                "storage": "file",
+            },
+            {
+                "name": self.eval_stream,
+                "subjects": [self.eval_requests, self.eval_results],
+                "retention": "limits",
+                "storage": "file",
+            },
+            {
+                "name": self.progress_stream,
+                "subjects": [self.progress],
+                "retention": "limits",
+                "storage": "file",
+            },
+            {
+                "name": self.deadletter_stream,
+                "subjects": [self._s("deadletter.>")],
+                "retention": "limits",
+                "storage": "file",
+                "max_msgs": 100_000,
+            },
+        ]

@@ -1,0 +1,1 @@
+"""asyncrl services. The public plugin surface is services.api."""

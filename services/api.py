@@ -1,0 +1,21 @@
+"""The public plugin surface: plugin authors and tests import these names.
+
+- Sample, SampleStatus: one trajectory (SPEC.md section 1); a group is a list[Sample] of length n.
+- RunConfig: every flag under its snake_case name; RunConfig(**fields) with any subset.
+- DataBuffer, DefaultDataBuffer: the buffer contract (put / get / get_metrics) and its default.
+- DynamicFilterOutput, check_reward_nonzero_std: dynamic-sampling filter result and built-in filter.
+"""
+
+from asyncrl_proto.messages import Sample, SampleStatus
+from services.buffer.core import DataBuffer, DefaultDataBuffer, DynamicFilterOutput, check_reward_nonzero_std
+from services.common.config import RunConfig
+
+__all__ = [
+    "DataBuffer",
+    "DefaultDataBuffer",
+    "DynamicFilterOutput",
+    "RunConfig",
+    "Sample",
+    "SampleStatus",
+    "check_reward_nonzero_std",
+]

@@ -1,0 +1,1 @@
+"""The buffer service: put / get / get_metrics, prompt release, staleness, recycling."""

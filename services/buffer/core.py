@@ -1,0 +1,222 @@
+"""The data buffer: `put` / `get` / `get_metrics`, exactly as SPEC.md section 2 states them.
+
+Pure asyncio, no I/O: the buffer service feeds it groups decoded from ROLLOUTS and drains it for
+the trainer. A group is a `list[Sample]` (a trajectory may itself be a list of Samples).
+
+State machine of one group: put() -> {aborted: handed to the unused-samples handler |
+filtered: dropped with a reason | stored} ; stored -> get() -> {stale: handed to the handler |
+returned to the trainer}. One asyncio.Condition guards the FIFO; put() waits while `capacity`
+groups are stored (backpressure), get() waits while none is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import importlib
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl_proto.messages import Sample, SampleStatus, flatten_group, oldest_weight_version
+from services.common.config import RunConfig
+
+Group = list[Any]
+Recycle = Callable[[Group], Awaitable[None]]
+M = "rollout/fully_async/"
+
+
+@dataclass
+class DynamicFilterOutput:
+    """What a dynamic-sampling filter returns: keep the group, or drop it for `reason`."""
+
+    keep: bool
+    reason: str | None = None
+
+
+def load_object(path: str, what: str) -> Any:
+    """Import `module.attr` (or `module:attr`), with an error that names the flag's value."""
+    module_name, sep, attr = path.replace(":", ".").rpartition(".")
+    if not sep or not module_name:
+        raise ValueError(f"{what} {path!r} is not an import path of the form package.module.name")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{what} {path!r}: cannot import module {module_name!r}: {e}") from e
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"{what} {path!r}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def staleness(current_version: int | None, group: Group) -> int | None:
+    oldest = oldest_weight_version(group)
+    if current_version is None or oldest is None:
+        return None
+    return current_version - oldest
+
+
+def is_aborted(group: Group) -> bool:
+    return any(s.status == SampleStatus.ABORTED for s in flatten_group(group))
+
+
+def reset_group_for_retry(group: Group) -> None:
+    for s in flatten_group(group):
+        s.reset_for_retry()
+
+
+class DataBuffer:
+    """The buffer interface. A `--custom-async-data-buffer-path` class subclasses this and
+    implements all three methods; it is constructed as `cls(config, recycle)`, where `recycle`
+    is an async callable that gives a group's prompt back to the data source."""
+
+    def __init__(self, config: RunConfig, recycle: Recycle):
+        self.config = config
+        self.recycle = recycle
+
+    async def put(self, group: Group) -> None:
+        raise NotImplementedError
+
+    async def get(self, current_version: int | None = None, **context: Any) -> Group:
+        raise NotImplementedError
+
+    def get_metrics(self) -> dict[str, float]:
+        raise NotImplementedError
+
+
+class DefaultDataBuffer(DataBuffer):
+    """FIFO buffer with capacity backpressure, the dynamic-sampling filter at put, the staleness
+    filter at get, and drop/retry handling of aborted and stale groups."""
+
+    def __init__(self, config: RunConfig, recycle: Recycle):
+        super().__init__(config, recycle)
+        self.capacity = config.buffer_capacity
+        if config.async_data_buffer_capacity_factor <= 0 or self.capacity < 1:
+            raise ValueError(
+                f"buffer capacity floor({config.async_data_buffer_capacity_factor} * "
+                f"{config.rollout_batch_size}) = {self.capacity}: it must hold at least one group"
+            )
+        self._filter = None
+        if config.dynamic_sampling_filter_path:
+            self._filter = load_object(config.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
+        self._groups: collections.deque[Group] = collections.deque()
+        self._cond = asyncio.Condition()
+        self._latest_version: int | None = None
+        # windowed counters, reset by get_metrics()
+        self._aborted = 0
+        self._stale = 0
+        self._drops: collections.Counter[str] = collections.Counter()
+        self._consumed_staleness: list[int] = []
+        self.on_event: Callable[[str, Group, str | None], None] | None = None
+        """Optional observer of every decision: (kind, group, reason) with kind one of aborted,
+        filtered, stored, stale, consumed. The buffer service keeps its ledger with it."""
+
+    def _emit(self, kind: str, group: Group, reason: str | None = None) -> None:
+        if self.on_event is not None:
+            self.on_event(kind, group, reason)
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    async def put(self, group: Group) -> None:
+        if is_aborted(group):
+            self._aborted += 1
+            self._emit("aborted", group)
+            await self._handle_unused(group)
+            return
+        if self._filter is not None:
+            keep, reason = self._apply_filter(group)
+            if not keep:
+                if reason:
+                    self._drops[reason] += 1
+                self._emit("filtered", group, reason)
+                return
+        async with self._cond:
+            await self._cond.wait_for(lambda: len(self._groups) < self.capacity)
+            self._groups.append(group)
+            self._cond.notify_all()
+        self._emit("stored", group)
+
+    def _apply_filter(self, group: Group) -> tuple[bool, str | None]:
+        try:
+            out = self._filter(self.config, group)
+        except Exception as e:
+            raise RuntimeError(
+                f"--dynamic-sampling-filter-path {self.config.dynamic_sampling_filter_path} raised "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        if isinstance(out, DynamicFilterOutput) or hasattr(out, "keep"):
+            return bool(out.keep), getattr(out, "reason", None)
+        return bool(out), None
+
+    async def get(self, current_version: int | None = None, **context: Any) -> Group:
+        if current_version is not None:
+            self._latest_version = (
+                current_version if self._latest_version is None else max(self._latest_version, current_version)
+            )
+        while True:
+            async with self._cond:
+                await self._cond.wait_for(lambda: len(self._groups) > 0)
+                group = self._groups.popleft()
+                self._cond.notify_all()
+            st = staleness(current_version, group)
+            limit = self.config.max_weight_staleness
+            if limit is not None and st is not None and st > limit:
+                self._stale += 1
+                self._emit("stale", group)
+                await self._handle_unused(group)
+                continue
+            if st is not None:
+                self._consumed_staleness.append(st)
+            self._emit("consumed", group)
+            return group
+
+    async def _handle_unused(self, group: Group) -> None:
+        if self.config.async_unused_samples_handler == "retry":
+            reset_group_for_retry(group)
+            await self.recycle(group)
+
+    def stored_staleness(self) -> list[int]:
+        return [s for g in self._groups if (s := staleness(self._latest_version, g)) is not None]
+
+    def get_metrics(self) -> dict[str, float]:
+        m: dict[str, float] = {
+            M + "queue_size": len(self._groups),
+            M + "aborted_groups_filtered": self._aborted,
+            M + "stale_groups_filtered": self._stale,
+        }
+        if self._consumed_staleness:
+            m[M + "avg_staleness"] = sum(self._consumed_staleness) / len(self._consumed_staleness)
+            m[M + "max_staleness"] = max(self._consumed_staleness)
+        stored = self.stored_staleness()
+        if stored:
+            m[M + "buffer_avg_staleness"] = sum(stored) / len(stored)
+            m[M + "buffer_max_staleness"] = max(stored)
+        for reason, count in self._drops.items():
+            m[f"rollout/dynamic_filter/drop_{reason}"] = count
+        self._aborted = 0
+        self._stale = 0
+        self._drops.clear()
+        self._consumed_staleness = []
+        return m
+
+
+def check_reward_nonzero_std(config: RunConfig, group: Group) -> DynamicFilterOutput:
+    """Built-in dynamic-sampling filter: keep a group iff its rewards are not all equal."""
+    rewards = [_scalar_reward(config, s) for s in flatten_group(group)]
+    mean = sum(rewards) / len(rewards)
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+    if std > 1e-8:
+        return DynamicFilterOutput(keep=True)
+    return DynamicFilterOutput(keep=False, reason=f"zero_std_{round(rewards[0], 1)}")
+
+
+def _scalar_reward(config: RunConfig, sample: Sample) -> float:
+    r = sample.reward
+    if isinstance(r, dict):
+        key = config.reward_key
+        if key is None:
+            raise ValueError("a reward is a dict: set --reward-key to choose which entry to use")
+        return float(r[key])
+    return float(r or 0.0)

@@ -1,0 +1,43 @@
+"""Prompt release: the three Miles modes as admission rules (DESIGN.md, "Modes as admission
+policies"). Pure functions of counters, unit-tested without I/O.
+
+- sync: release the prompts of the step the trainer waits for, and only once the engines run
+  the weights of the previous step (`min_version`).
+- one_step: the same, one step ahead (`lookahead` 1): step r+1's batch is generated while step
+  r trains.
+- fully_async: keep `capacity` stored groups plus every producer's in-flight cap released; a
+  full buffer leaves nothing to release, which holds the producers back.
+Nothing is released before the trainer's first get (the producer starts with the first step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ReleaseState:
+    mode: str
+    batch_size: int
+    capacity: int
+    inflight_cap: int
+    """Sum of the in-flight caps (groups) of live producers."""
+    want_step: int | None
+    lookahead: int
+    groups_still_needed: int
+    """For sync modes: groups missing from the leases of steps want_step .. want_step+lookahead."""
+    stored: int
+    outstanding: int
+    """Released prompts not yet resolved by a put (in the queue, generating, or unread)."""
+    live_version: int | None
+    min_version: int | None
+
+
+def release_allowance(s: ReleaseState) -> int:
+    if s.want_step is None:
+        return 0
+    if s.mode == "fully_async":
+        return max(0, s.capacity + s.inflight_cap - s.stored - s.outstanding)
+    if s.min_version is not None and (s.live_version is None or s.live_version < s.min_version):
+        return 0
+    return max(0, s.groups_still_needed - s.stored - s.outstanding)

@@ -1,0 +1,107 @@
+"""The `asyncrl` command.
+
+  asyncrl train ...                    synchronous driver (SPEC.md section 6)
+  asyncrl train-async ...              one-step async driver
+  asyncrl train-async --fully-async    fully async driver (the default job of the README)
+  asyncrl service NAME ...             run one service alone against a NATS server
+  asyncrl engine ...                   run the built-in SGLang-compatible engine
+  asyncrl build-model --out DIR        build the bundled task's tiny model
+
+Imports stay light until a command runs, so --help is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _train_parser(prog: str, sync: bool) -> argparse.ArgumentParser:
+    from services.common.config import add_config_arguments
+
+    desc = (
+        "Synchronous RL: generate B groups on the current weights, train, push weights, repeat."
+        if sync
+        else "Asynchronous RL: one-step overlap, or --fully-async with a continuously fed buffer."
+    )
+    p = argparse.ArgumentParser(prog=prog, description=desc)
+    p.add_argument("--config", dest="config_file", default=None, help="YAML, TOML or JSON file of flag values")
+    add_config_arguments(p, skip=("driver",))
+    return p
+
+
+def _cmd_train(argv: list[str], sync: bool) -> int:
+    from services.common.config import ConfigError, resolve_config
+
+    prog = "asyncrl train" if sync else "asyncrl train-async"
+    args = vars(_train_parser(prog, sync).parse_args(argv))
+    config_file = args.pop("config_file")
+    args["driver"] = "sync" if sync else "async"
+    try:
+        config = resolve_config(args, config_file)
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    from services.launcher import LaunchError, launch
+
+    try:
+        result = launch(config)
+    except KeyboardInterrupt:
+        print("interrupted: every process of the run was stopped", file=sys.stderr)
+        return 130
+    except LaunchError as e:
+        print(f"{prog}: run failed: {e}", file=sys.stderr)
+        return 1
+    r0, r1 = result["heldout_reward_step0"], result["heldout_reward_final"]
+    print(f"done in {result['wall_s']:.0f}s: {result['steps']} steps, final weight version {result['final_weight_version']}")
+    if r0 is not None and r1 is not None:
+        print(f"held-out reward ({result['heldout_dataset']}): step 0 {r0:.3f} -> end {r1:.3f} ({r1 - r0:+.3f})")
+    print(json.dumps({k: v for k, v in result.items() if k != "evals"}))
+    return 0
+
+
+def _cmd_build_model(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="asyncrl build-model", description="Build the bundled task's tiny model.")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--warmup-sft-steps", type=int, default=20)
+    a = p.parse_args(argv)
+    from services.tasks.reverse_digits import build_model
+
+    build_model(a.out, seed=a.seed, warmup_sft_steps=a.warmup_sft_steps)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = ("train", "train-async", "service", "engine", "build-model")
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        return _cmd_train(rest, sync=True)
+    if cmd == "train-async":
+        return _cmd_train(rest, sync=False)
+    if cmd == "service":
+        from services.common.entry import SERVICES, service_main
+
+        if not rest or rest[0] not in SERVICES:
+            print(f"usage: asyncrl service {{{','.join(SERVICES)}}} --nats-url URL --run-id ID", file=sys.stderr)
+            return 2
+        service_main(rest[0], rest[1:])
+        return 0
+    if cmd == "engine":
+        from services.engine.__main__ import main as engine_main
+
+        engine_main(rest)
+        return 0
+    if cmd == "build-model":
+        return _cmd_build_model(rest)
+    print(f"asyncrl: unknown command {cmd!r}; commands: {', '.join(commands)}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Shared pieces of every service: bus, config, runtime, process control, SGLang client."""

@@ -1,0 +1,187 @@
+"""The NATS bus: the only coupling between services (DESIGN.md principle 1).
+
+A thin wrapper over nats-py: typed publish/request with the msgpack codec, idempotent stream
+and KV setup from the names in asyncrl_proto.subjects, pull consumers, direct gets, and
+dead-lettering. The connection reconnects forever, so a restarted nats-server (file storage) is
+survived by every service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, TypeVar
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.js import api
+
+from asyncrl_proto import DeadLetter, decode, encode
+from asyncrl_proto.subjects import Subjects
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_RETENTION = {
+    "workqueue": api.RetentionPolicy.WORK_QUEUE,
+    "limits": api.RetentionPolicy.LIMITS,
+    "interest": api.RetentionPolicy.INTEREST,
+}
+_STORAGE = {"file": api.StorageType.FILE, "memory": api.StorageType.MEMORY}
+
+
+class BusError(RuntimeError):
+    pass
+
+
+class Bus:
+    """One NATS connection of one service, bound to one run."""
+
+    def __init__(self, nc: nats.NATS, subjects: Subjects, service: str):
+        self.nc = nc
+        self.js = nc.jetstream(timeout=10.0)
+        self.subjects = subjects
+        self.service = service
+        self._kv = None
+
+    @classmethod
+    async def connect(
+        cls, url: str, run_id: str, service: str, connect_timeout_s: float = 30.0
+    ) -> Bus:
+        async def on_error(e: Exception) -> None:
+            log.warning("nats (%s): %s", service, e)
+
+        async def on_disconnect() -> None:
+            log.warning("nats (%s): disconnected, reconnecting", service)
+
+        async def on_reconnect() -> None:
+            log.info("nats (%s): reconnected", service)
+
+        deadline = time.monotonic() + connect_timeout_s
+        while True:
+            try:
+                nc = await nats.connect(
+                    url,
+                    name=f"asyncrl-{run_id}-{service}",
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    error_cb=on_error,
+                    disconnected_cb=on_disconnect,
+                    reconnected_cb=on_reconnect,
+                    connect_timeout=2,
+                    allow_reconnect=True,
+                )
+                break
+            except (OSError, nats.errors.NoServersError, asyncio.TimeoutError) as e:
+                if time.monotonic() > deadline:
+                    raise BusError(
+                        f"cannot connect to NATS at {url} within {connect_timeout_s:.0f}s: {e}. "
+                        "Is the server running (or drop --nats-url to use the embedded one)?"
+                    ) from e
+                log.info("waiting for NATS at %s (%s)", url, e)
+                await asyncio.sleep(0.5)
+        return cls(nc, Subjects(run_id=run_id), service)
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            try:
+                await self.nc.drain()
+            except (nats.errors.ConnectionClosedError, nats.errors.FlushTimeoutError, asyncio.TimeoutError):
+                await self.nc.close()
+
+    # ---- setup -----------------------------------------------------------------------------
+    async def ensure_streams(self) -> None:
+        """Create (or update) every stream of the run. Idempotent; any service may call it."""
+        for spec in self.subjects.stream_specs():
+            spec = dict(spec)
+            spec["retention"] = _RETENTION[spec["retention"]]
+            spec["storage"] = _STORAGE[spec["storage"]]
+            cfg = api.StreamConfig(**spec)
+            try:
+                await self.js.add_stream(cfg)
+            except nats.js.errors.BadRequestError:
+                await self.js.update_stream(cfg)
+
+    async def kv(self):
+        """The run's KV bucket (resolved config, live version, service state)."""
+        if self._kv is None:
+            bucket = self.subjects.kv_bucket
+            try:
+                self._kv = await self.js.key_value(bucket)
+            except nats.js.errors.BucketNotFoundError:
+                self._kv = await self.js.create_key_value(
+                    bucket=bucket, history=1, storage=api.StorageType.FILE
+                )
+        return self._kv
+
+    async def kv_get(self, key: str) -> bytes | None:
+        kv = await self.kv()
+        try:
+            entry = await kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        return entry.value
+
+    async def kv_put(self, key: str, value: bytes) -> None:
+        kv = await self.kv()
+        await kv.put(key, value)
+
+    # ---- messaging -------------------------------------------------------------------------
+    async def publish(self, subject: str, msg: Any, msg_id: str | None = None) -> api.PubAck:
+        """JetStream publish; `msg_id` dedupes retried publishes within the duplicate window."""
+        headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+        return await self.js.publish(subject, encode(msg), headers=headers)
+
+    async def publish_core(self, subject: str, msg: Any) -> None:
+        await self.nc.publish(subject, encode(msg))
+
+    async def request(self, subject: str, msg: Any, reply_type: type[T], timeout: float) -> T:
+        resp = await self.nc.request(subject, encode(msg), timeout=timeout)
+        return decode(resp.data, reply_type)
+
+    async def pull(
+        self,
+        stream: str,
+        subject: str,
+        durable: str,
+        ack_wait_s: float = 30.0,
+        max_deliver: int = -1,
+        max_ack_pending: int = 1000,
+        deliver_policy: api.DeliverPolicy = api.DeliverPolicy.ALL,
+    ):
+        cfg = api.ConsumerConfig(
+            durable_name=durable,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=ack_wait_s,
+            max_deliver=max_deliver,
+            max_ack_pending=max_ack_pending,
+            deliver_policy=deliver_policy,
+            filter_subject=subject,
+        )
+        return await self.js.pull_subscribe(subject, durable=durable, stream=stream, config=cfg)
+
+    async def get_payload(self, stream: str, seq: int) -> bytes:
+        raw = await self.js.get_msg(stream, seq=seq, direct=True)
+        if raw.data is None:
+            raise BusError(f"message {seq} of {stream} has no payload")
+        return raw.data
+
+    async def dead_letter(self, subject: str, data: bytes, reason: str) -> None:
+        target = self.subjects.deadletter(subject)
+        log.error("dead-lettered a message from %s to %s: %s", subject, target, reason)
+        await self.publish(
+            target,
+            DeadLetter(
+                original_subject=subject, reason=reason, data=data, service=self.service, ts=time.time()
+            ),
+        )
+
+
+async def fetch_some(psub, batch: int, timeout_s: float) -> list:
+    """fetch() that returns [] on timeout instead of raising."""
+    try:
+        return await psub.fetch(batch, timeout=timeout_s)
+    except (nats.errors.TimeoutError, asyncio.TimeoutError):
+        return []

@@ -1,0 +1,450 @@
+"""The run configuration: one typed model holding every flag under its snake_case name.
+
+Flags use Miles's names in kebab case on the command line (`--rollout-batch-size`). Precedence:
+defaults < config file (YAML/JSON/TOML) < environment (`ASYNCRL_<NAME>`) < command line. The
+resolved config is stored in the run's KV bucket so that every service reads the same one.
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A flag combination that cannot work; the message says what to set instead."""
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+    # ---- run and infrastructure -------------------------------------------------------------
+    driver: Literal["sync", "async"] = Field(
+        "async",
+        description="Set by the command: `train` is the synchronous driver, `train-async` the "
+        "one-step / fully-async driver.",
+    )
+    fully_async: bool = Field(
+        False, description="Fully async: producers fill the buffer continuously (train-async only)."
+    )
+    run_id: str | None = Field(
+        None, description="Run id used in every NATS name; default: derived from the start time."
+    )
+    run_dir: str | None = Field(
+        None, description="Directory for snapshots, checkpoints, metrics and logs; default runs/<run-id>."
+    )
+    nats_url: str | None = Field(
+        None,
+        description="NATS server to use. Unset: start an embedded nats-server with JetStream on a "
+        "free port, its store under the run directory.",
+    )
+    engine: Literal["builtin", "sglang"] = Field(
+        "builtin", description="Inference engines: asyncrl's built-in CPU/GPU engine or SGLang."
+    )
+    rollout_num_engines: int = Field(1, description="Number of engines the launcher starts.")
+    rollout_external_engine_addrs: list[str] = Field(
+        default_factory=list,
+        description="Attach to running engines (host:port or URLs) instead of launching any.",
+    )
+    rollout_engine_urls: list[str] = Field(
+        default_factory=list,
+        description="Resolved engine URLs (set by the launcher from the engines it started or "
+        "from --rollout-external-engine-addrs); producers and weight-sync use these.",
+    )
+    rollout_num_producers: int = Field(
+        1, description="Rollout producer processes the launcher starts (more can join at any time)."
+    )
+    engine_max_running_requests: int = Field(
+        256, description="Built-in engine: requests decoded together in one running batch."
+    )
+    torch_num_threads: int = Field(
+        1, description="torch intra-op threads per torch process (engine, trainer)."
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+
+    # ---- model and data ---------------------------------------------------------------------
+    task: Literal["reverse-digits"] = Field(
+        "reverse-digits",
+        description="Bundled verifiable task: supplies prompts, held-out prompts and the reward "
+        "when --prompt-data / --rm-type are not given, and the tiny model when --hf-checkpoint is unset.",
+    )
+    hf_checkpoint: str | None = Field(
+        None,
+        description="Hugging Face model directory (config, safetensors, tokenizer). Unset: build the "
+        "task's tiny model locally, no download.",
+    )
+    warmup_sft_steps: int = Field(
+        20,
+        description="Supervised warm-start steps applied when the tiny model is built (0 = none); the "
+        "held-out reward after it is reported as step 0.",
+    )
+    prompt_data: str | None = Field(None, description="JSONL file of prompts.")
+    input_key: str = Field("prompt", description="JSONL key of the prompt.")
+    label_key: str | None = Field("label", description="JSONL key of the label.")
+    metadata_key: str | None = Field("metadata", description="JSONL key of per-prompt metadata.")
+    apply_chat_template: bool = Field(
+        False, description="Format prompts with the tokenizer's chat template."
+    )
+    rollout_shuffle: bool = Field(False, description="Shuffle prompts every epoch.")
+    rollout_seed: int = Field(42, description="Seed for prompt shuffling and sampling.")
+    seed: int = Field(1234, description="Seed for model init and the trainer.")
+
+    # ---- rollout ------------------------------------------------------------------------------
+    rollout_batch_size: int = Field(16, description="B: prompt groups per training step.")
+    n_samples_per_prompt: int = Field(8, description="n: trajectories per prompt group.")
+    rollout_max_response_len: int = Field(8, description="max_new_tokens of every generation.")
+    rollout_temperature: float = Field(1.0, description="Sampling temperature.")
+    rollout_top_p: float = Field(1.0, description="Nucleus sampling p.")
+    rollout_top_k: int = Field(-1, description="Top-k sampling (-1: whole vocabulary).")
+    rollout_stop_token_ids: list[int] = Field(
+        default_factory=list, description="Stop token ids in addition to EOS."
+    )
+    num_rollout: int | None = Field(
+        None, description="Training steps to run; default 150 unless --num-epoch is given."
+    )
+    num_epoch: int | None = Field(
+        None, description="Epochs over --prompt-data; sets the step count when --num-rollout is unset."
+    )
+    rm_type: str | None = Field(
+        None, description="Built-in reward; default: the task's reward (reverse-digits)."
+    )
+    reward_key: str | None = Field(None, description="Key to read when a reward is a dict.")
+    custom_rm_path: str | None = Field(
+        None, description="module.fn: async fn(config, sample) -> float (group fn with --group-rm)."
+    )
+    group_rm: bool = Field(False, description="--custom-rm-path scores a whole group at once.")
+    custom_generate_function_path: str | None = Field(
+        None, description="module.fn: async fn(config, sample, engine, sampling_params)."
+    )
+    rollout_function_path: str | None = Field(
+        None, description="module.fn replacing the whole rollout loop (not with --fully-async)."
+    )
+    dynamic_sampling_filter_path: str | None = Field(
+        None, description="module.fn: fn(config, group) -> DynamicFilterOutput | bool, applied at put."
+    )
+    rollout_sample_filter_path: str | None = Field(
+        None, description="module.fn: fn(config, batch) marking remove_sample, applied per step."
+    )
+    custom_async_data_buffer_path: str | None = Field(
+        None, description="module.Class: a DataBuffer subclass replacing the default buffer."
+    )
+
+    # ---- async ------------------------------------------------------------------------------
+    max_weight_staleness: int | None = Field(
+        None,
+        description="Reject a group at get() when current version - oldest version > this. "
+        "Unset: never filter.",
+    )
+    async_data_buffer_capacity_factor: float = Field(
+        2.0, description="Buffer capacity = floor(factor * rollout batch size) stored groups."
+    )
+    async_unused_samples_handler: Literal["drop", "retry"] = Field(
+        "drop", description="What happens to aborted and stale groups: drop, or retry the prompt."
+    )
+    async_max_concurrent_samples: int | None = Field(
+        None, description="In-flight cap in samples (>= n); groups = max(1, this // n). Default B groups."
+    )
+    rollout_submission_granularity: Literal["sample", "group"] | None = Field(
+        None,
+        description="sample: a slot frees per finished trajectory; group: per finished group. "
+        "Default: sample under --fully-async, group otherwise.",
+    )
+    update_weights_interval: int = Field(1, description="Push weights every this many steps.")
+    pause_generation_mode: Literal["retract", "in_place", "abort"] = Field(
+        "retract", description="How engines pause for a weight update."
+    )
+    colocate: bool = Field(False, description="Training and rollout share devices (not with --fully-async).")
+    partial_rollout: bool = Field(False, description="Resume aborted samples (not with --fully-async).")
+    prompt_ack_wait_s: float = Field(
+        30.0, description="A producer that holds a prompt this long without a heartbeat loses it to another."
+    )
+    rollout_wait_warn_s: float = Field(
+        30.0, description="Trainer warns 'No completed rollout groups for ...' after this long."
+    )
+
+    # ---- training ---------------------------------------------------------------------------
+    train_backend: Literal["torch"] = Field("torch", description="Training backend.")
+    lr: float = Field(1e-3, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, description="AdamW beta2.")
+    clip_grad: float = Field(1.0, description="Gradient norm clip (0 = off).")
+    advantage_estimator: Literal["grpo"] = Field("grpo", description="Advantage estimator.")
+    grpo_std_normalization: bool = Field(
+        True, description="Divide group advantages by the group std (forced off when n == 1)."
+    )
+    eps_clip: float = Field(0.2, description="PPO clip range (lower, and upper unless --eps-clip-high).")
+    eps_clip_high: float | None = Field(None, description="Upper PPO clip range.")
+    use_rollout_logprobs: bool = Field(
+        True, description="Importance ratios against the engine's behaviour log-probs."
+    )
+    entropy_coef: float = Field(0.0, description="Entropy bonus coefficient.")
+    save: str | None = Field(None, description="Directory for training checkpoints.")
+    save_interval: int | None = Field(None, description="Save every this many steps (needs --save).")
+    load: str | None = Field(None, description="Resume from this checkpoint directory.")
+    save_hf: str | None = Field(None, description="Directory for periodic HF snapshots.")
+    keep_weight_snapshots: int = Field(
+        3, description="Weight snapshots kept on disk for the engines (older ones are deleted)."
+    )
+
+    # ---- evaluation -------------------------------------------------------------------------
+    eval_interval: int | None = Field(None, description="Evaluate every this many steps.")
+    eval_prompt_data: list[str] = Field(
+        default_factory=list,
+        description="NAME PATH pairs of held-out JSONL sets; default: the task's held-out set.",
+    )
+    n_samples_per_eval_prompt: int = Field(4, description="Samples per held-out prompt.")
+    eval_temperature: float = Field(1.0, description="Sampling temperature for evaluation.")
+    skip_eval_before_train: bool = Field(False, description="No evaluation at step 0.")
+
+    # ---- derived ------------------------------------------------------------------------------
+    @property
+    def mode(self) -> Literal["sync", "one_step", "fully_async"]:
+        if self.driver == "sync":
+            return "sync"
+        return "fully_async" if self.fully_async else "one_step"
+
+    @property
+    def buffer_capacity(self) -> int:
+        return math.floor(self.async_data_buffer_capacity_factor * self.rollout_batch_size)
+
+    @property
+    def inflight_groups(self) -> int:
+        """In-flight cap of one producer, in groups (SPEC.md section 4)."""
+        if self.async_max_concurrent_samples is not None:
+            return max(1, self.async_max_concurrent_samples // self.n_samples_per_prompt)
+        return self.rollout_batch_size
+
+    @property
+    def submission_granularity(self) -> Literal["sample", "group"]:
+        if self.rollout_submission_granularity is not None:
+            return self.rollout_submission_granularity
+        return "sample" if self.mode == "fully_async" else "group"
+
+    @property
+    def total_steps(self) -> int:
+        if self.num_rollout is not None:
+            return self.num_rollout
+        return 150
+
+    @model_validator(mode="after")
+    def _validate(self) -> RunConfig:
+        errs = validation_errors(self)
+        if errs:
+            raise ConfigError("\n".join(errs))
+        return self
+
+
+def validation_errors(c: RunConfig) -> list[str]:
+    """Every rule a config must satisfy, as messages that say what to do."""
+    errs: list[str] = []
+    if c.fully_async and c.driver == "sync":
+        errs.append("--fully-async requires the async driver: run train-async")
+    if c.fully_async:
+        if c.pause_generation_mode == "abort":
+            errs.append(
+                "--fully-async cannot use --pause-generation-mode abort: generation is always in "
+                "flight, so every weight update would kill it and force a full regeneration"
+            )
+        if c.colocate:
+            errs.append(
+                "--fully-async cannot be combined with --colocate: training and rollout must run "
+                "on separate devices so that generation never stops; drop --colocate"
+            )
+        if c.partial_rollout:
+            errs.append(
+                "--fully-async cannot be combined with --partial-rollout: the fully-async producer "
+                "recycles aborted groups itself; drop --partial-rollout"
+            )
+        if c.rollout_function_path:
+            errs.append(
+                "--fully-async cannot be combined with a custom rollout function "
+                "(--rollout-function-path): the fully-async producer owns the rollout loop; use "
+                "--custom-generate-function-path to customise generation instead"
+            )
+    if c.rollout_batch_size < 1:
+        errs.append(f"--rollout-batch-size must be >= 1 (got {c.rollout_batch_size})")
+    if c.n_samples_per_prompt < 1:
+        errs.append(f"--n-samples-per-prompt must be >= 1 (got {c.n_samples_per_prompt})")
+    if c.async_data_buffer_capacity_factor <= 0:
+        errs.append(
+            f"--async-data-buffer-capacity-factor must be > 0 (got "
+            f"{c.async_data_buffer_capacity_factor}); the default 2.0 holds two steps of groups"
+        )
+    elif c.buffer_capacity < 1:
+        errs.append(
+            f"buffer capacity floor({c.async_data_buffer_capacity_factor} * "
+            f"{c.rollout_batch_size}) = {c.buffer_capacity} holds no group: raise "
+            "--async-data-buffer-capacity-factor or --rollout-batch-size so that it is at least 1"
+        )
+    if (
+        c.async_max_concurrent_samples is not None
+        and c.async_max_concurrent_samples < c.n_samples_per_prompt
+    ):
+        errs.append(
+            f"--async-max-concurrent-samples ({c.async_max_concurrent_samples}) must be >= "
+            f"--n-samples-per-prompt ({c.n_samples_per_prompt}): whole prompt groups are "
+            "submitted, so a smaller cap could never submit one"
+        )
+    if c.update_weights_interval < 1:
+        errs.append(f"--update-weights-interval must be >= 1 (got {c.update_weights_interval})")
+    if c.max_weight_staleness is not None and c.max_weight_staleness < 0:
+        errs.append(
+            f"--max-weight-staleness must be >= 0 (got {c.max_weight_staleness}); leave it unset "
+            "to disable the staleness filter"
+        )
+    if c.save_interval is not None and not c.save:
+        errs.append("--save-interval needs --save: set --save DIR for the checkpoints")
+    if c.save_interval is not None and c.save_interval < 1:
+        errs.append(f"--save-interval must be >= 1 (got {c.save_interval})")
+    if c.num_rollout is not None and c.num_rollout < 1:
+        errs.append(f"--num-rollout must be >= 1 (got {c.num_rollout})")
+    if c.eval_interval is not None and c.eval_interval < 1:
+        errs.append(f"--eval-interval must be >= 1 (got {c.eval_interval})")
+    if len(c.eval_prompt_data) % 2:
+        errs.append("--eval-prompt-data takes NAME PATH pairs, e.g. --eval-prompt-data aime aime.jsonl")
+    if c.rollout_num_engines < 1 and not c.rollout_external_engine_addrs:
+        errs.append("--rollout-num-engines must be >= 1 unless --rollout-external-engine-addrs is set")
+    if c.rollout_num_producers < 0:
+        errs.append("--rollout-num-producers must be >= 0")
+    if not 0 < c.rollout_top_p <= 1:
+        errs.append(f"--rollout-top-p must be in (0, 1] (got {c.rollout_top_p})")
+    if c.rollout_top_k != -1 and c.rollout_top_k < 1:
+        errs.append(f"--rollout-top-k must be -1 or >= 1 (got {c.rollout_top_k})")
+    return errs
+
+
+# ---- loading: defaults < file < environment < command line ---------------------------------
+
+ENV_PREFIX = "ASYNCRL_"
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _field_kind(annotation) -> tuple[str, tuple | None]:
+    """Classify a field annotation as bool / int / float / str / list_int / list_str, plus the
+    Literal choices if any."""
+    args = typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        non_none = [a for a in args if a is not type(None)]
+        return _field_kind(non_none[0])
+    if origin is typing.Literal:
+        return "str", tuple(args)
+    if origin is list:
+        return ("list_int" if args and args[0] is int else "list_str"), None
+    return {bool: "bool", int: "int", float: "float"}.get(annotation, "str"), None
+
+
+def _parse_scalar(kind: str, text: str):
+    if text.lower() in ("none", "null") and kind != "str":
+        return None
+    if kind == "int":
+        return int(text)
+    if kind == "float":
+        return float(text)
+    if kind == "bool":
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"not a boolean: {text!r}")
+    return text
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One argument per RunConfig field, in Miles's kebab-case names. Defaults are suppressed so
+    that only flags the user gave override the file and the environment."""
+    for name, info in RunConfig.model_fields.items():
+        if name in skip:
+            continue
+        kind, choices = _field_kind(info.annotation)
+        kw: dict = {"dest": name, "default": argparse.SUPPRESS, "help": info.description}
+        if kind == "bool":
+            parser.add_argument(flag_name(name), action=argparse.BooleanOptionalAction, **kw)
+        elif kind.startswith("list"):
+            elem = int if kind == "list_int" else str
+            parser.add_argument(flag_name(name), nargs="*", type=elem, metavar="X", **kw)
+        else:
+            parser.add_argument(
+                flag_name(name),
+                type=lambda t, k=kind: _parse_scalar(k, t),
+                choices=choices,
+                metavar=("{" + ",".join(choices) + "}") if choices else kind.upper(),
+                **kw,
+            )
+
+
+def read_config_file(path: str | Path) -> dict:
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    elif path.suffix == ".toml":
+        import tomllib
+
+        data = tomllib.loads(text)
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a config file must hold a mapping of flag names to values")
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def env_overrides(environ: dict[str, str]) -> dict:
+    out = {}
+    for name, info in RunConfig.model_fields.items():
+        key = ENV_PREFIX + name.upper()
+        if key not in environ:
+            continue
+        kind, _ = _field_kind(info.annotation)
+        raw = environ[key]
+        if kind.startswith("list"):
+            elem = "int" if kind == "list_int" else "str"
+            out[name] = [_parse_scalar(elem, t) for t in raw.split()]
+        else:
+            out[name] = _parse_scalar(kind, raw)
+    return out
+
+
+def resolve_config(
+    cli: dict, config_file: str | None = None, environ: dict[str, str] | None = None
+) -> RunConfig:
+    """Merge the sources in precedence order and validate once."""
+    merged: dict = {}
+    if config_file:
+        merged.update(read_config_file(config_file))
+    merged.update(env_overrides(environ if environ is not None else dict(os.environ)))
+    merged.update(cli)
+    unknown = sorted(set(merged) - set(RunConfig.model_fields))
+    if unknown:
+        raise ConfigError(
+            "unknown settings: " + ", ".join(flag_name(u) for u in unknown)
+            + " (see `asyncrl train-async --help` for the flags)"
+        )
+    try:
+        return RunConfig(**merged)
+    except ValidationError as e:
+        raise ConfigError(_pretty(e)) from None
+
+
+def _pretty(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{flag_name(loc)}: {msg}" if loc else msg)
+    return "\n".join(lines)

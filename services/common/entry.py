@@ -1,0 +1,84 @@
+"""Start one service alone: `asyncrl service <name> --nats-url URL --run-id ID`.
+
+The resolved run config is read from the run's KV bucket (the launcher writes it), or from
+`--config-file`. Heavy imports happen after argument parsing so that --help is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import logging
+import sys
+import time
+
+SERVICES = {
+    "buffer": "services.buffer.service:BufferService",
+    "rollout": "services.rollout.service:RolloutService",
+    "trainer": "services.trainer.service:TrainerService",
+    "weight-sync": "services.weightsync.service:WeightSyncService",
+    "eval": "services.eval.service:EvalService",
+}
+
+log = logging.getLogger("asyncrl.entry")
+
+
+def service_parser(name: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"asyncrl service {name or '<name>'}")
+    p.add_argument("--nats-url", required=True, help="NATS server URL")
+    p.add_argument("--run-id", required=True, help="run id (NATS names carry it)")
+    p.add_argument("--http-host", default="127.0.0.1", help="address for this service's HTTP endpoints")
+    p.add_argument("--http-port", type=int, default=0, help="port for HTTP (0: any free port)")
+    p.add_argument("--instance-id", default=None, help="unique id of this replica")
+    p.add_argument("--config-file", default=None, help="resolved run config (default: read from the run's KV)")
+    p.add_argument("--config-wait-s", type=float, default=60.0, help="how long to wait for the run config in KV")
+    return p
+
+
+async def _load_config(bus, args):
+    from services.common.config import RunConfig, read_config_file
+
+    if args.config_file:
+        return RunConfig(**read_config_file(args.config_file))
+    deadline = time.monotonic() + args.config_wait_s
+    while True:
+        raw = await bus.kv_get("config")
+        if raw is not None:
+            return RunConfig(**json.loads(raw))
+        if time.monotonic() > deadline:
+            raise SystemExit(
+                f"no run config in KV bucket {bus.subjects.kv_bucket} after {args.config_wait_s:.0f}s: "
+                "start the run with `asyncrl train-async ...` or pass --config-file"
+            )
+        log.info("waiting for the run config in KV bucket %s", bus.subjects.kv_bucket)
+        await asyncio.sleep(1.0)
+
+
+async def _run(name: str, args) -> None:
+    from services.common.bus import Bus
+    from services.common.runtime import setup_logging
+
+    bus = await Bus.connect(args.nats_url, args.run_id, name)
+    config = await _load_config(bus, args)
+    setup_logging(config.log_level, name)
+    module_name, cls_name = SERVICES[name].split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    service = cls(config, bus, instance_id=args.instance_id, http_host=args.http_host, http_port=args.http_port)
+    await service.run()
+
+
+def service_main(name: str, argv: list[str] | None = None) -> None:
+    if name not in SERVICES:
+        raise SystemExit(f"unknown service {name!r}: choose one of {', '.join(SERVICES)}")
+    args = service_parser(name).parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [{name}] %(message)s")
+    from asyncrl_proto.subjects import check_run_id
+
+    check_run_id(args.run_id)
+    try:
+        asyncio.run(_run(name, args))
+    except KeyboardInterrupt:
+        pass
+    sys.exit(0)

@@ -1,0 +1,93 @@
+"""Child processes: started with a parent-death signal, tracked by PID, stopped by PID.
+
+Every process the launcher or a test starts goes through `spawn`, so that a crashed parent never
+leaves orphans (Linux PR_SET_PDEATHSIG) and every stop is SIGTERM, a deadline, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: orphans are then stopped by PID at shutdown only
+
+
+def spawn(
+    cmd: list[str],
+    log_path: str | Path | None = None,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+) -> subprocess.Popen:
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    try:
+        return subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=cwd,
+            preexec_fn=_die_with_parent,
+        )
+    finally:
+        if log_path:
+            out.close()
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 10.0) -> int | None:
+    """SIGTERM, wait up to timeout_s, then SIGKILL. Returns the exit code."""
+    if proc.poll() is not None:
+        return proc.returncode
+    try:
+        proc.send_signal(signal.SIGTERM)
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(timeout=10)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie still answers kill(0); read its state
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        return state != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process {proc.pid} ({proc.args[0]}) exited with {proc.returncode}")
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:.0f}s")

@@ -1,0 +1,250 @@
+"""Service runtime: named loops under one TaskGroup, an HTTP app, heartbeats, clean shutdown.
+
+Every service subclasses `Service` and provides `loops()` (named coroutines that run until
+stop()), `status()` (JSON for /status) and `metric_values()` (numbers for /metrics). The runtime
+serves /healthz, /readyz, /metrics, /status and /config on the service's own port, publishes a
+heartbeat every 2 s, and turns SIGTERM/SIGINT into stop(): loops are cancelled, `teardown()`
+runs, the NATS connection drains. A loop that returns while the service is not stopping is a bug
+and fails the process, so a supervisor restarts it and unacknowledged messages are redelivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from asyncrl_proto import Heartbeat
+from services.common.bus import Bus
+from services.common.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 2.0
+
+
+def setup_logging(level: str, service: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level, logging.INFO),
+        format=f"%(asctime)s %(levelname)s [{service}] %(name)s: %(message)s",
+        force=True,
+    )
+    for noisy in ("httpx", "httpcore", "uvicorn.access"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+_PROM_BAD = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def prom_name(name: str) -> str:
+    """Miles metric names carry '/' (rollout/fully_async/queue_size); Prometheus does not."""
+    return "asyncrl_" + _PROM_BAD.sub("_", name).strip("_")
+
+
+class _DictCollector:
+    def __init__(self, fn: Callable[[], dict[str, float]]):
+        self._fn = fn
+
+    def collect(self):
+        for key, value in sorted(self._fn().items()):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            fam = GaugeMetricFamily(prom_name(key), key)
+            fam.add_metric([], float(value))
+            yield fam
+
+
+class _QuietServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the service owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+class Service:
+    name = "service"
+
+    def __init__(
+        self,
+        config: RunConfig,
+        bus: Bus,
+        *,
+        instance_id: str | None = None,
+        http_host: str = "127.0.0.1",
+        http_port: int = 0,
+    ):
+        self.config = config
+        self.bus = bus
+        self.instance_id = instance_id or f"{self.name}-{uuid.uuid4().hex[:6]}"
+        self.http_host = http_host
+        self.http_port = http_port
+        self.http_url = ""
+        self.ready = False
+        self.started_at = time.time()
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self.registry = CollectorRegistry()
+        self.registry.register(_DictCollector(self.metric_values))
+        self.app = self._build_app()
+
+    # ---- to override ---------------------------------------------------------------------
+    def loops(self) -> dict[str, Callable[[], Awaitable[None]]]:
+        return {}
+
+    async def setup(self) -> None:
+        """Runs before the loops (connect consumers, restore state)."""
+
+    async def teardown(self) -> None:
+        """Runs after the loops stopped, before the NATS connection drains."""
+
+    def status(self) -> dict[str, Any]:
+        return {}
+
+    def metric_values(self) -> dict[str, float]:
+        return {}
+
+    def add_routes(self, app: FastAPI) -> None:
+        """Extra control endpoints."""
+
+    def heartbeat_info(self) -> dict[str, Any]:
+        return {}
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def wait_stopped(self, timeout: float) -> bool:
+        """Sleep up to `timeout` unless stop() comes first; True when stopping."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), timeout)
+        return self.stopping
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.stop)
+        sock = bind_socket(self.http_host, self.http_port)
+        self.http_port = sock.getsockname()[1]
+        self.http_url = f"http://{self.http_host}:{self.http_port}"
+        server = _QuietServer(
+            uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False)
+        )
+        http_task = asyncio.create_task(server.serve(sockets=[sock]), name=f"{self.name}-http")
+        log.info("%s %s serving HTTP on %s", self.name, self.instance_id, self.http_url)
+        try:
+            await self.setup()
+            async with asyncio.TaskGroup() as tg:
+                named = {**self.loops(), "heartbeat": self._heartbeat_loop}
+                self._tasks = [
+                    tg.create_task(self._supervise(n, fn), name=n) for n, fn in named.items()
+                ]
+                tg.create_task(self._cancel_on_stop(), name="stop-watch")
+        finally:
+            self.ready = False
+            with contextlib.suppress(Exception):
+                await self.teardown()
+            server.should_exit = True
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(http_task, 5)
+            await self.bus.close()
+            log.info("%s %s stopped", self.name, self.instance_id)
+
+    async def _supervise(self, name: str, fn: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await fn()
+        except asyncio.CancelledError:
+            if self.stopping:
+                return
+            raise
+        if not self.stopping:
+            raise RuntimeError(f"{self.name}: loop {name!r} ended without stop()")
+
+    async def _cancel_on_stop(self) -> None:
+        await self._stop.wait()
+        for t in self._tasks:
+            t.cancel()
+
+    async def _heartbeat_loop(self) -> None:
+        subject = self.bus.subjects.heartbeat(self.name)
+        while not self.stopping:
+            hb = Heartbeat(
+                service=self.name,
+                instance_id=self.instance_id,
+                http_url=self.http_url,
+                pid=os.getpid(),
+                started_at=self.started_at,
+                ts=time.time(),
+                info=self.heartbeat_info(),
+            )
+            with contextlib.suppress(Exception):
+                await self.bus.publish_core(subject, hb)
+            await self.wait_stopped(HEARTBEAT_INTERVAL_S)
+
+    # ---- HTTP ------------------------------------------------------------------------------
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title=f"asyncrl {self.name}", docs_url=None, redoc_url=None)
+
+        @app.get("/healthz")
+        async def healthz() -> Response:
+            dead = [t.get_name() for t in self._tasks if t.done()]
+            if dead and not self.stopping:
+                return PlainTextResponse(f"loops ended: {dead}\n", status_code=503)
+            return PlainTextResponse("ok\n")
+
+        @app.get("/readyz")
+        async def readyz() -> Response:
+            if self.ready and not self.stopping:
+                return PlainTextResponse("ready\n")
+            return PlainTextResponse("not ready\n", status_code=503)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
+
+        @app.get("/status")
+        async def status() -> JSONResponse:
+            base = {
+                "service": self.name,
+                "instance_id": self.instance_id,
+                "run_id": self.bus.subjects.run_id,
+                "ready": self.ready,
+                "pid": os.getpid(),
+                "uptime_s": round(time.time() - self.started_at, 3),
+            }
+            return JSONResponse({**base, **self.status()})
+
+        @app.get("/config")
+        async def config() -> JSONResponse:
+            return JSONResponse(self.config.model_dump(mode="json"))
+
+        self.add_routes(app)
+        return app

@@ -1,0 +1,60 @@
+"""python -m services.engine --model-path DIR --port P: the built-in SGLang-compatible engine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="asyncrl engine", description=__doc__)
+    p.add_argument("--model-path", required=True, help="HF checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--weight-version", default="default", help="initial weight version (SGLang's default is 'default')")
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--torch-num-threads", type=int, default=1)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--log-level", default="warning")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s [engine] %(message)s")
+    import torch
+    import uvicorn
+
+    from services.engine.scheduler import Scheduler
+    from services.engine.server import EngineServer
+    from services.model.hf_io import load_model
+    from services.model.tokenizer import Tokenizer
+
+    torch.set_num_threads(args.torch_num_threads)
+    model = load_model(args.model_path)
+    try:
+        tokenizer = Tokenizer(args.model_path)
+    except FileNotFoundError:
+        tokenizer = None
+    sched = Scheduler(
+        model,
+        max_running_requests=args.max_running_requests,
+        context_length=args.context_length,
+        weight_version=args.weight_version,
+        seed=args.random_seed,
+    )
+    sched.start()
+    server = EngineServer(sched, args.model_path, tokenizer, args.served_model_name, args.host, args.port)
+    try:
+        uvicorn.run(
+            server.app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False,
+            timeout_keep_alive=300,  # producers hold persistent connections
+        )
+    finally:
+        sched.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,442 @@
+"""The built-in engine's scheduler: continuous batching over a slot-indexed KV cache.
+
+Consumes: requests added by the HTTP layer (any thread). Produces: finished requests, delivered
+through each request's `on_done` callback. Waits for: work while idle, `continue` while paused.
+
+One scheduler thread runs the loop. A step admits waiting requests into free slots
+(reusing a cached prompt prefix when one is resident), runs one forward pass for every running
+request (new requests feed their uncached tokens, running ones their last sampled token), samples
+one token each, and finishes requests that hit a stop token, max_new_tokens or the context limit.
+Requests join and leave between steps, so long and short generations share the batch.
+
+Locks: `_work` guards all scheduling state and is held only to plan and to apply a step, never
+during the forward pass, so HTTP handlers and control calls never wait behind the model.
+`_model_lock` is held during the forward pass and while weights load; the weight version and
+the prefix-cache epoch change only under it, so each step knows exactly which weights it ran.
+
+Pause modes follow SGLang: `retract` puts running requests back in the waiting queue and drops
+their KV (recomputed under the new weights after continue); `in_place` freezes them with their
+cache; `abort` finishes everything with finish_reason abort and partial output. Requests that
+arrive while paused wait. Every output token records the weight version that sampled it.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from services.model.hf_io import load_weights_into
+from services.model.llama import CausalLM, KVCache
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-6
+
+
+@dataclass
+class Request:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    on_done: Callable[[Request], None]
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    slot: int | None = None
+    kv_len: int = 0
+    finish_reason: dict | None = None
+    num_retractions: int = 0
+    cached_tokens: int = 0
+    admitted: bool = False
+    created_at: float = field(default_factory=time.time)
+    finished_at: float = 0.0
+
+    @property
+    def seq(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    def version_spans(self) -> list[dict]:
+        """[{version, start, end}] over output-token positions (end exclusive), as SGLang 0.5.23."""
+        spans: list[dict] = []
+        for pos, v in enumerate(self.token_versions):
+            if spans and spans[-1]["version"] == v:
+                spans[-1]["end"] = pos + 1
+            else:
+                spans.append({"version": v, "start": pos, "end": pos + 1})
+        return spans
+
+
+class EngineStats:
+    def __init__(self) -> None:
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.num_requests_total = 0
+        self.num_aborted_requests_total = 0
+        self.num_retracted_requests_total = 0
+        self.weight_load_duration_s = 0.0
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+
+    def record_generated(self, n: int) -> None:
+        now = time.monotonic()
+        self.generation_tokens_total += n
+        self._recent.append((now, n))
+        while self._recent and now - self._recent[0][0] > 10.0:
+            self._recent.popleft()
+
+    @property
+    def gen_throughput(self) -> float:
+        if len(self._recent) < 2:
+            return 0.0
+        span = self._recent[-1][0] - self._recent[0][0]
+        return sum(n for _, n in self._recent) / span if span > 0 else 0.0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
+
+
+@dataclass
+class _Planned:
+    reqs: list[Request]
+    feeds: list[list[int]]
+    slots: list[int]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        model: CausalLM,
+        *,
+        max_running_requests: int = 256,
+        context_length: int | None = None,
+        weight_version: str = "default",
+        seed: int = 0,
+        eos_token_ids: list[int] | None = None,
+    ):
+        self.model = model.eval()
+        self.context_length = context_length or model.cfg.max_position_embeddings
+        self.cache = KVCache(model.cfg, max_running_requests, self.context_length)
+        self.eos_token_ids = eos_token_ids if eos_token_ids is not None else model.cfg.eos_ids
+        self.weight_version = weight_version
+        self.paused_mode: str | None = None
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.free_slots = list(range(max_running_requests))
+        # prefix cache: which slot holds a prompt's KV, and under which weights (epoch) it was computed
+        self.slot_prompt: dict[int, tuple[int, ...]] = {}
+        self.slot_kv_epoch: dict[int, int] = {}
+        self.kv_epoch = 0
+        self.stats = EngineStats()
+        self.last_step_at = time.monotonic()
+        self._inbox: collections.deque[Request] = collections.deque()
+        self._work = threading.Condition()
+        self._model_lock = threading.Lock()
+        self._gen = torch.Generator().manual_seed(seed)
+        self._shutdown = False
+        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+        self._rid_counter = itertools.count()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._work:
+            self._shutdown = True
+            self._work.notify_all()
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while True:
+            with self._work:
+                while True:
+                    if self._shutdown:
+                        return
+                    self._drain_inbox()
+                    if not self.paused_mode and (self.waiting or self.running):
+                        break
+                    self._work.wait()
+                plan = self._plan()
+            with self._model_lock:
+                version, epoch = self._version_int(), self.kv_epoch
+                outputs = [self._forward(p) for p in plan]
+            with self._work:
+                for p, out in zip(plan, outputs, strict=True):
+                    self._apply(p, out, version, epoch)
+                self.last_step_at = time.monotonic()
+                self._work.notify_all()
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Thread-safe and cheap: the request waits in an inbox for the next step."""
+        if not req.input_ids:
+            raise ValueError("input_ids must not be empty")
+        if len(req.input_ids) >= self.context_length:
+            raise ValueError(
+                f"The input ({len(req.input_ids)} tokens) is longer than the model's context length "
+                f"({self.context_length} tokens)."
+            )
+        self._inbox.append(req)
+        with self._work:
+            self._work.notify_all()
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            req = self._inbox.popleft()
+            self.stats.num_requests_total += 1
+            if req.params.max_new_tokens == 0:
+                self.stats.prompt_tokens_total += len(req.input_ids)
+                self._finish(req, {"type": "length", "length": 0})
+            else:
+                self.waiting.append(req)
+
+    def new_rid(self) -> str:
+        return f"req-{next(self._rid_counter)}-{time.monotonic_ns() % 10**9}"
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> int:
+        with self._work:
+            self._drain_inbox()
+            victims = [r for r in list(self.waiting) + self.running if abort_all or r.rid == rid]
+            for r in victims:
+                self._abort(r)
+            return len(victims)
+
+    def _abort(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+            self._release_slot(req)
+            reason = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+        else:
+            self.waiting.remove(req)
+            reason = {"type": "abort", "message": "Abort in waiting queue"}
+        self.stats.num_aborted_requests_total += 1
+        self._finish(req, reason)
+
+    # ---- pause / continue / weights ----------------------------------------------------------
+    def pause(self, mode: str) -> None:
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"unknown pause mode {mode!r}: use abort, retract or in_place")
+        with self._work:
+            self._drain_inbox()
+            if mode == "abort":
+                for r in list(self.running) + list(self.waiting):
+                    self._abort(r)
+            elif mode == "retract":
+                for r in reversed(self.running):
+                    self._release_slot(r)
+                    r.kv_len = 0
+                    r.num_retractions += 1
+                    self.stats.num_retracted_requests_total += 1
+                    self.waiting.appendleft(r)
+                self.running = []
+            self.paused_mode = mode
+
+    def resume(self) -> None:
+        with self._work:
+            self.paused_mode = None
+            self._work.notify_all()
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None, timeout_s: float = 600) -> dict:
+        """Load a snapshot in place. Paused: at once (after the step in flight). Not paused:
+        after in-flight requests finish, as SGLang's writer lock does."""
+        deadline = time.monotonic() + timeout_s
+        with self._work:
+            while not self.paused_mode and (self.running or self.waiting or self._inbox):
+                if not self._work.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError("in-flight requests did not finish; pause generation first")
+        with self._model_lock:
+            t0 = time.perf_counter()
+            load_weights_into(self.model, model_path)
+            self.stats.weight_load_duration_s = time.perf_counter() - t0
+            with self._work:
+                self.kv_epoch += 1  # every cached prefix was computed with the old weights
+                if weight_version is not None:
+                    self.weight_version = str(weight_version)
+                return {"num_paused_requests": len(self.running) + len(self.waiting)}
+
+    def set_weight_version(self, version: str) -> None:
+        with self._model_lock, self._work:
+            self.weight_version = str(version)
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache. Like SGLang, refuses while requests are running or waiting."""
+        with self._work:
+            if self.running or (self.waiting and not self.paused_mode):
+                return False
+            self.kv_epoch += 1
+            self.slot_prompt.clear()
+            return True
+
+    # ---- planning ------------------------------------------------------------------------------
+    def _version_int(self) -> int:
+        try:
+            return int(self.weight_version)
+        except ValueError:
+            return 0
+
+    def _take_slot(self) -> int:
+        # prefer a slot that caches nothing, else the least recently freed one
+        for i, s in enumerate(self.free_slots):
+            if s not in self.slot_prompt:
+                return self.free_slots.pop(i)
+        s = self.free_slots.pop(0)
+        self.slot_prompt.pop(s, None)
+        return s
+
+    def _release_slot(self, req: Request) -> None:
+        if req.slot is not None:
+            self.free_slots.append(req.slot)
+            req.slot = None
+
+    def _prefix_source(self, prompt: tuple[int, ...]) -> int | None:
+        for slot, cached in self.slot_prompt.items():
+            if cached == prompt and self.slot_kv_epoch.get(slot) == self.kv_epoch:
+                return slot
+        return None
+
+    def _admit(self) -> None:
+        """Move waiting requests into free slots. A fresh request whose prompt is resident in
+        another slot copies that prefix instead of prefilling it; one whose prompt is being
+        prefilled right now waits a step for it (a group's n samples share one prefill)."""
+        being_prefilled = {tuple(r.input_ids) for r in self.running if r.kv_len < len(r.input_ids)}
+        deferred: list[Request] = []
+        while self.waiting and self.free_slots:
+            req = self.waiting.popleft()
+            prompt = tuple(req.input_ids)
+            fresh = req.kv_len == 0 and not req.output_ids
+            src = self._prefix_source(prompt) if fresh and len(prompt) > 1 else None
+            if fresh and src is None and prompt in being_prefilled:
+                deferred.append(req)
+                continue
+            req.slot = self._take_slot()
+            if not req.admitted:
+                req.admitted = True
+                self.stats.prompt_tokens_total += len(req.input_ids)
+            req.kv_len = 0
+            if src is not None and src != req.slot:
+                reuse = len(prompt) - 1
+                self.cache.copy_prefix(src, req.slot, reuse)
+                req.kv_len = req.cached_tokens = reuse
+                self.stats.cached_tokens_total += reuse
+            elif fresh:
+                being_prefilled.add(prompt)
+            self.running.append(req)
+        self.waiting.extendleft(reversed(deferred))
+
+    def _plan(self) -> list[_Planned]:
+        """Admit, then one batch of prefills (several new tokens) and one of decodes (one)."""
+        self._admit()
+        prefill = [r for r in self.running if len(r.seq) - r.kv_len > 1]
+        decode = [r for r in self.running if len(r.seq) - r.kv_len == 1]
+        return [
+            _Planned(reqs=b, feeds=[r.seq[r.kv_len :] for r in b], slots=[r.slot for r in b])
+            for b in (prefill, decode)
+            if b
+        ]
+
+    # ---- the step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _forward(self, p: _Planned) -> tuple[list[int], list[float]]:
+        width = max(map(len, p.feeds))
+        ids = torch.tensor([f + [0] * (width - len(f)) for f in p.feeds], dtype=torch.long)
+        start = torch.tensor([r.kv_len for r in p.reqs], dtype=torch.long)
+        logits_ntv = self.model.forward_cached(ids, self.cache, torch.tensor(p.slots), start)
+        last = torch.tensor([len(f) - 1 for f in p.feeds])
+        logits_nv = logits_ntv[torch.arange(len(p.reqs)), last].float()
+        tokens, logprobs = self._sample(logits_nv, [r.params for r in p.reqs])
+        return tokens.tolist(), logprobs.tolist()
+
+    def _apply(self, p: _Planned, out: tuple[list[int], list[float]], version: int, epoch: int) -> None:
+        running = set(map(id, self.running))
+        for r, f, slot, tok, lp in zip(p.reqs, p.feeds, p.slots, *out, strict=True):
+            if id(r) not in running or r.slot != slot:
+                continue  # retracted or aborted while this step ran: its result is void
+            r.kv_len += len(f)
+            if len(f) > 1 and r.kv_len >= len(r.input_ids):
+                self.slot_prompt[slot] = tuple(r.input_ids)  # now a prefix source
+                self.slot_kv_epoch[slot] = epoch
+            r.output_ids.append(tok)
+            r.output_logprobs.append(lp)
+            r.token_versions.append(version)
+            self._maybe_finish(r, tok)
+        self.stats.record_generated(len(p.reqs))
+
+    def _sample(self, logits_nv: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample from softmax(logits / T) after top-k / top-p; report log p under
+        softmax(logits / T), the quantity the trainer recomputes (greedy: T = 1)."""
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params])
+        scaled = logits_nv / temps[:, None]
+        logprobs_nv = torch.log_softmax(scaled, dim=-1)
+        filtered = scaled
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            filtered = scaled.clone()
+            for i, p in enumerate(params):
+                if 0 < p.top_k < filtered.shape[-1]:
+                    kth = torch.topk(filtered[i], p.top_k).values[-1]
+                    filtered[i][filtered[i] < kth] = float("-inf")
+                if p.top_p < 1.0:
+                    sorted_logits, order = torch.sort(filtered[i], descending=True)
+                    probs = torch.softmax(sorted_logits, -1)
+                    drop = probs.cumsum(-1) - probs > p.top_p
+                    filtered[i][order[drop]] = float("-inf")
+        sampled = torch.multinomial(torch.softmax(filtered, dim=-1), 1, generator=self._gen).squeeze(1)
+        greedy = torch.tensor([p.greedy for p in params])
+        tokens = torch.where(greedy, scaled.argmax(-1), sampled)
+        return tokens, logprobs_nv.gather(-1, tokens[:, None]).squeeze(1)
+
+    def _maybe_finish(self, req: Request, tok: int) -> None:
+        p = req.params
+        n = len(req.output_ids)
+        reason = None
+        if n >= p.min_new_tokens and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)):
+            reason = {"type": "stop", "matched": tok}
+        elif n >= p.max_new_tokens or len(req.seq) >= self.context_length:
+            reason = {"type": "length", "length": n}
+        if reason is not None:
+            self.running.remove(req)
+            self._release_slot(req)
+            self._finish(req, reason)
+
+    def _finish(self, req: Request, reason: dict) -> None:
+        req.finish_reason = reason
+        req.finished_at = time.time()
+        req.on_done(req)
+
+    # ---- introspection ---------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        with self._work:
+            used = sum(r.kv_len for r in self.running)
+            queued = len(self.waiting) + len(self._inbox)
+            return {
+                "num_running_reqs": len(self.running),
+                "num_queue_reqs": queued,
+                "num_paused_reqs": (len(self.running) + queued) if self.paused_mode else 0,
+                "paused": self.paused_mode,
+                "token_usage": used / (self.cache.num_slots * self.cache.max_len),
+                "num_used_tokens": used,
+                "max_total_num_tokens": self.cache.num_slots * self.cache.max_len,
+                "weight_version": self.weight_version,
+            }

@@ -1,0 +1,310 @@
+"""The single-machine launcher behind `asyncrl train` / `asyncrl train-async`.
+
+Prepares the run (task data, tiny model, run directory), starts an embedded nats-server unless
+--nats-url is given, the engines, and every service as its own OS process; writes the resolved
+config to the run's KV bucket; shows one progress line per training step; and on completion,
+on a failed child or on Ctrl-C stops every process it started, by PID, in reverse order.
+Outputs in the run directory: config.json, pids.json, services.json, metrics.jsonl (trainer),
+eval.jsonl (eval), result.json (held-out reward at step 0 and at the end), logs/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+from asyncrl_proto import EvalRequest, EvalResult, ProgressRecord, decode
+from asyncrl_proto.codec import DecodeError
+from asyncrl_proto.subjects import check_run_id
+from services.common import procs
+from services.common.config import RunConfig
+from services.common.natsserver import EmbeddedNats
+
+SERVICE_MODULES = {
+    "buffer": "services.buffer",
+    "weight-sync": "services.weightsync",
+    "eval": "services.eval",
+    "rollout": "services.rollout",
+    "trainer": "services.trainer",
+}
+FINAL_EVAL_TIMEOUT_S = 300.0
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def default_run_id() -> str:
+    return time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:4]
+
+
+def prepare_run(config: RunConfig, log=print) -> RunConfig:
+    """Resolve run id and directory, write the task's data and build its model when needed."""
+    run_id = check_run_id(config.run_id or default_run_id())
+    run_dir = Path(config.run_dir or Path("runs") / run_id).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    updates: dict = {"run_id": run_id, "run_dir": str(run_dir)}
+    if config.task == "reverse-digits" and (config.prompt_data is None or not config.eval_prompt_data):
+        from services.tasks import reverse_digits
+
+        train, held_out = reverse_digits.write_datasets(run_dir / "data", seed=config.rollout_seed)
+        if config.prompt_data is None:
+            updates["prompt_data"] = str(train)
+        if not config.eval_prompt_data:
+            updates["eval_prompt_data"] = [reverse_digits.NAME, str(held_out)]
+    if config.hf_checkpoint is None:
+        from services.tasks import reverse_digits
+
+        model_dir = run_dir / "model" / "initial"
+        if not (model_dir / ".complete").exists():
+            reverse_digits.build_model(model_dir, seed=config.seed, warmup_sft_steps=config.warmup_sft_steps, log=log)
+        updates["hf_checkpoint"] = str(model_dir)
+    else:
+        updates["hf_checkpoint"] = str(Path(config.hf_checkpoint).resolve())
+    return config.model_copy(update=updates)
+
+
+class Launcher:
+    def __init__(self, config: RunConfig, out=print):
+        self.config = config
+        self.out = out
+        self.run_dir = Path(config.run_dir)
+        self.children: list[tuple[str, subprocess.Popen]] = []
+        self.services: dict[str, str] = {}
+        self.nats: EmbeddedNats | None = None
+        self.nats_url = config.nats_url
+        self.evals: dict[int, EvalResult] = {}
+        self.done: ProgressRecord | None = None
+        self.t0 = time.time()
+
+    # ---- start -----------------------------------------------------------------------------
+    def _env(self) -> dict:
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        env.setdefault("OMP_NUM_THREADS", str(self.config.torch_num_threads))
+        return env
+
+    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        proc = procs.spawn(cmd, log_path=self.run_dir / "logs" / f"{name}.log", env=self._env())
+        self.children.append((name, proc))
+        self._write_pids()
+        return proc
+
+    def _write_pids(self) -> None:
+        pids = {name: p.pid for name, p in self.children}
+        if self.nats and self.nats.proc:
+            pids["nats-server"] = self.nats.proc.pid
+        pids["launcher"] = os.getpid()
+        (self.run_dir / "pids.json").write_text(json.dumps(pids, indent=2))
+
+    def start_nats(self) -> None:
+        if self.nats_url:
+            return
+        self.nats = EmbeddedNats(self.run_dir / "nats", log_path=self.run_dir / "logs" / "nats-server.log").start()
+        self.nats_url = self.nats.url
+        self._write_pids()
+
+    def start_engines(self) -> list[str]:
+        c = self.config
+        if c.rollout_external_engine_addrs:
+            from services.common.sglang_client import normalize_url
+
+            return [normalize_url(a) for a in c.rollout_external_engine_addrs]
+        if c.engine != "builtin":
+            raise LaunchError("--engine sglang needs --rollout-external-engine-addrs on this launcher version")
+        urls = []
+        for i in range(c.rollout_num_engines):
+            port = procs.free_port()
+            self._spawn(f"engine-{i}", [
+                sys.executable, "-m", "services.engine", "--model-path", c.hf_checkpoint, "--port", str(port),
+                "--weight-version", "0", "--max-running-requests", str(c.engine_max_running_requests),
+                "--torch-num-threads", str(c.torch_num_threads), "--random-seed", str(c.seed + i),
+            ])  # fmt: skip
+            urls.append(f"http://127.0.0.1:{port}")
+        for i, url in enumerate(urls):
+            self.services[f"engine-{i}"] = url
+        return urls
+
+    def start_service(self, name: str, instance: str | None = None) -> None:
+        port = procs.free_port()
+        label = instance or name
+        self._spawn(label, [
+            sys.executable, "-m", SERVICE_MODULES[name], "--nats-url", self.nats_url, "--run-id",
+            self.config.run_id, "--http-port", str(port), "--instance-id", label,
+        ])  # fmt: skip
+        self.services[label] = f"http://127.0.0.1:{port}"
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = dict(self.services)
+        with httpx.Client(timeout=2.0) as http:
+            while pending:
+                self.check_children()
+                for label, url in list(pending.items()):
+                    path = "/health_generate" if label.startswith("engine") else "/readyz"
+                    with contextlib.suppress(httpx.HTTPError):
+                        if http.get(url + path).status_code == 200:
+                            del pending[label]
+                if pending and time.monotonic() > deadline:
+                    raise LaunchError(f"not ready after {timeout_s:.0f}s: {sorted(pending)} (see {self.run_dir}/logs)")
+                if pending:
+                    time.sleep(0.1)
+
+    def check_children(self, allow_exit: tuple[str, ...] = ()) -> None:
+        for name, proc in self.children:
+            code = proc.poll()
+            if code is not None and name not in allow_exit:
+                tail = _tail(self.run_dir / "logs" / f"{name}.log")
+                raise LaunchError(f"{name} (pid {proc.pid}) exited with code {code}; last log lines:\n{tail}")
+
+    # ---- run -------------------------------------------------------------------------------
+    async def run(self) -> dict:
+        c = self.config
+        self.start_nats()
+        urls = self.start_engines()
+        self.config = c = c.model_copy(update={"rollout_engine_urls": urls, "nats_url": self.nats_url})
+        (self.run_dir / "config.json").write_text(json.dumps(c.model_dump(mode="json"), indent=2))
+        from services.common.bus import Bus
+
+        bus = await Bus.connect(self.nats_url, c.run_id, "launcher")
+        try:
+            await bus.ensure_streams()
+            await bus.kv_put("config", json.dumps(c.model_dump(mode="json")).encode())
+            await asyncio.to_thread(self.wait_ready)  # engines first: every service talks to them
+            await bus.nc.subscribe(bus.subjects.progress, cb=self._on_progress)
+            await bus.nc.subscribe(bus.subjects.eval_results, cb=self._on_eval)
+            for name in ("buffer", "weight-sync", "eval"):
+                self.start_service(name)
+            for i in range(c.rollout_num_producers):
+                self.start_service("rollout", f"rollout-{i}")
+            self.start_service("trainer")
+            await asyncio.to_thread(self.wait_ready)
+            self._print_services()
+            await self._watch(bus)
+            if c.mode == "sync" and c.total_steps not in self.evals:
+                await bus.publish(bus.subjects.eval_requests, EvalRequest(step=c.total_steps, version=self._final_version(), final=True))
+            await self._wait_final_eval()
+        finally:
+            await bus.close()
+        return self.summary()
+
+    def _final_version(self) -> int:
+        return int(self.done.record.get("weight_version", 0)) if self.done else 0
+
+    async def _watch(self, bus) -> None:
+        while self.done is None:
+            self.check_children(allow_exit=("trainer",))
+            trainer = dict(self.children)["trainer"]
+            if trainer.poll() is not None and self.done is None:
+                await bus.nc.flush()
+                if self.done is None:
+                    self.check_children()
+            await asyncio.sleep(0.2)
+        if self.done.error:
+            raise LaunchError(f"trainer failed: {self.done.error}")
+
+    async def _wait_final_eval(self) -> None:
+        deadline = time.monotonic() + FINAL_EVAL_TIMEOUT_S
+        while self.config.total_steps not in self.evals:
+            self.check_children(allow_exit=("trainer",))
+            if time.monotonic() > deadline:
+                raise LaunchError(f"the final evaluation did not finish within {FINAL_EVAL_TIMEOUT_S:.0f}s")
+            await asyncio.sleep(0.2)
+
+    async def _on_progress(self, msg) -> None:
+        with contextlib.suppress(*DecodeError):
+            rec = decode(msg.data, ProgressRecord)
+            if rec.done:
+                self.done = rec
+            else:
+                self.out(format_progress(rec.step, self.config.total_steps, rec.record))
+
+    async def _on_eval(self, msg) -> None:
+        with contextlib.suppress(*DecodeError):
+            res = decode(msg.data, EvalResult)
+            self.evals[res.step] = res
+            main = {k: v for k, v in res.metrics.items() if k.count("/") == 1 and not k.startswith("eval/duration")}
+            shown = ", ".join(f"{k} {v:.3f}" for k, v in main.items() if k != "eval/step")
+            self.out(f"  eval @ step {res.step} (weights v{res.version}): {shown} [{res.duration_s:.1f}s]")
+
+    def _print_services(self) -> None:
+        self.out(f"run {self.config.run_id} in {self.run_dir}")
+        self.out(f"  nats: {self.nats_url}")
+        for label, url in self.services.items():
+            pid = dict(self.children)[label].pid
+            self.out(f"  {label:<12} pid {pid:<7} {url}")
+        (self.run_dir / "services.json").write_text(json.dumps(self.services, indent=2))
+
+    def summary(self) -> dict:
+        key = f"eval/{self.config.eval_prompt_data[0]}" if self.config.eval_prompt_data else None
+        first = self.evals.get(0)
+        last = self.evals.get(self.config.total_steps)
+        r0 = first.metrics.get(key) if first and key else None
+        r1 = last.metrics.get(key) if last and key else None
+        result = {
+            "run_id": self.config.run_id,
+            "mode": self.config.mode,
+            "steps": self.config.total_steps,
+            "wall_s": time.time() - self.t0,
+            "final_weight_version": self._final_version(),
+            "heldout_dataset": self.config.eval_prompt_data[0] if self.config.eval_prompt_data else None,
+            "heldout_reward_step0": r0,
+            "heldout_reward_final": r1,
+            "heldout_reward_gain": (r1 - r0) if r0 is not None and r1 is not None else None,
+            "evals": {str(k): v.metrics for k, v in sorted(self.evals.items())},
+        }
+        (self.run_dir / "result.json").write_text(json.dumps(result, indent=2))
+        return result
+
+    # ---- stop --------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        for _name, proc in reversed(self.children):
+            procs.stop(proc, timeout_s=15.0)
+        if self.nats:
+            self.nats.stop()
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def format_progress(step: int, total: int, rec: dict) -> str:
+    def f(key, fmt="{:.3f}", default="-"):
+        v = rec.get(key)
+        return fmt.format(v) if isinstance(v, (int, float)) else default
+
+    return (
+        f"[step {step + 1:>4}/{total}] reward {f('rollout/reward/mean')}"
+        f" | staleness avg {f('rollout/fully_async/avg_staleness', '{:.2f}')} max {f('rollout/fully_async/max_staleness', '{:.0f}')}"
+        f" | queue {f('rollout/fully_async/queue_size', '{:.0f}')}"
+        f" | v{rec.get('weight_version', '-')}"
+        f" | {f('perf/step_time_s', '{:.2f}')}s/step (wait {f('perf/rollout_wait_s', '{:.2f}')}s, train {f('perf/train_time_s', '{:.2f}')}s)"
+    )
+
+
+def launch(config: RunConfig, out=print) -> dict:
+    """Run a whole job; returns the summary. Every started process is stopped on every path."""
+    config = prepare_run(config, log=out)
+    launcher = Launcher(config, out=out)
+    old_term = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        result = asyncio.run(launcher.run())
+    finally:
+        launcher.shutdown()
+        signal.signal(signal.SIGTERM, old_term)
+    return result

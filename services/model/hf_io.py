@@ -1,0 +1,93 @@
+"""Hugging Face checkpoint I/O: config.json + model.safetensors + tokenizer files.
+
+A snapshot directory counts only once its `.complete` marker exists: the writer deletes a stale
+marker first and writes it last, so a reader never loads a half-written snapshot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.model.llama import CausalLM, ModelConfig
+
+COMPLETE_MARKER = ".complete"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def is_complete(path: str | Path) -> bool:
+    return (Path(path) / COMPLETE_MARKER).exists()
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    return ModelConfig.from_hf_dict(json.loads((Path(path) / "config.json").read_text()))
+
+
+def _weight_files(path: Path) -> list[Path]:
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    files = sorted(path.glob("model-*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no model*.safetensors in {path}")
+    return files
+
+
+def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for f in _weight_files(Path(path)):
+        state.update(load_file(str(f)))
+    return state
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM:
+    model = CausalLM(read_config(path))
+    load_weights_into(model, path)
+    return model.to(dtype)
+
+
+def load_weights_into(model: CausalLM, path: str | Path) -> None:
+    """Copy a snapshot's weights into an existing model in place (the engine's weight update)."""
+    state = load_state_dict(path)
+    if model.cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    own = dict(model.named_parameters())
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own) - {"lm_head.weight"})
+    if missing or unexpected:
+        raise ValueError(f"snapshot {path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for name, p in own.items():
+            p.copy_(state[name].to(p.dtype))
+
+
+def save_model(model: CausalLM, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> dict:
+    """Write an HF snapshot atomically enough for readers: stale marker removed first, weights
+    and config written, marker last. Returns {"sha256", "num_bytes"} of the weights file."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    marker = out / COMPLETE_MARKER
+    if marker.exists():
+        marker.unlink()
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if model.cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    weights = out / "model.safetensors"
+    tmp = out / "model.safetensors.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, weights)
+    (out / "config.json").write_text(json.dumps(model.cfg.to_hf_dict(), indent=2))
+    if tokenizer_dir is not None and Path(tokenizer_dir).resolve() != out.resolve():
+        for name in TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / name
+            if src.exists():
+                shutil.copyfile(src, out / name)
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    marker.write_text(json.dumps({"sha256": digest}))
+    return {"sha256": digest, "num_bytes": weights.stat().st_size}

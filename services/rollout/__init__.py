@@ -1,0 +1,1 @@
+"""Rollout producers: pull prompts, generate groups on the engines, score them, publish them."""

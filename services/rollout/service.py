@@ -1,0 +1,277 @@
+"""Rollout producer: turns released prompts into scored groups.
+
+Consumes: PromptMsg from the PROMPTS work queue (durable pull consumer "producers", shared by
+  every producer: a new producer joins by starting). Control commands (pause/resume submission).
+Produces: RolloutGroup on ROLLOUTS, published with Nats-Msg-Id = group id (retries dedupe); the
+  prompt is acknowledged only after its group is durably published, so a producer killed with
+  SIGKILL loses nothing: after ack_wait its prompts are redelivered to the others.
+Talks to: inference engines over the SGLang HTTP protocol (SGLangClient).
+Backpressure: submission credits (services.rollout.core.Credits) cap the trajectories in
+  flight; the buffer's release policy caps the prompts available at all.
+Shutdown: stop fetching; in-flight groups are abandoned unacknowledged (redelivered later).
+HTTP: /status (credits, groups in flight, paused), POST /control/pause_submission, /control/resume_submission.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from fastapi import FastAPI
+
+from asyncrl_proto import ControlMsg, PromptMsg, RolloutGroup, Sample, decode
+from asyncrl_proto.codec import DecodeError
+from asyncrl_proto.messages import SampleStatus
+from services.buffer.core import load_object
+from services.common.bus import fetch_some
+from services.common.runtime import Service
+from services.common.sglang_client import SGLangClient
+from services.model.tokenizer import Tokenizer
+from services.rollout.core import Credits, apply_response
+from services.rollout.rewards import resolve_reward, score_group, score_sample
+
+log = logging.getLogger(__name__)
+
+
+class EngineHandle:
+    """What a custom generate function receives as `engine`."""
+
+    def __init__(self, client: SGLangClient, tokenizer: Tokenizer):
+        self.client = client
+        self.tokenizer = tokenizer
+
+    async def generate(self, input_ids: list[int], sampling_params: dict, **extra) -> dict:
+        return await self.client.generate(
+            {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True, **extra}
+        )
+
+
+async def default_generate(config, sample: Sample, engine: EngineHandle, sampling_params: dict) -> Sample:
+    """One /generate call for one trajectory (the built-in generate function)."""
+    input_ids = sample.metadata.pop("_input_ids")
+    resp = await engine.generate(input_ids, sampling_params)
+    apply_response(sample, input_ids, resp)
+    return sample
+
+
+class RolloutService(Service):
+    name = "rollout"
+
+    def __init__(self, config, bus, **kw):
+        super().__init__(config, bus, **kw)
+        self.n = config.n_samples_per_prompt
+        self.credits = Credits(config.inflight_groups, self.n, config.submission_granularity)
+        self.tokenizer = Tokenizer(config.hf_checkpoint)
+        self.reward_fn = resolve_reward(config)
+        self.generate_fn = (
+            load_object(config.custom_generate_function_path, "--custom-generate-function-path")
+            if config.custom_generate_function_path
+            else default_generate
+        )
+        self.client = SGLangClient(config.rollout_engine_urls)
+        self.engine = EngineHandle(self.client, self.tokenizer)
+        self.submission_open = asyncio.Event()
+        self.submission_open.set()
+        self.pause_tokens: set[str] = set()
+        self.groups_in_flight: dict[int, tuple[object, float]] = {}
+        self.counters = {
+            "groups_published": 0,
+            "samples_generated": 0,
+            "reward_failures": 0,
+            "group_failures": 0,
+            "bad_prompts": 0,
+        }
+        self._psub = None
+
+    def sampling_params(self) -> dict:
+        c = self.config
+        stop = list(c.rollout_stop_token_ids)
+        return {
+            "max_new_tokens": c.rollout_max_response_len,
+            "temperature": c.rollout_temperature,
+            "top_p": c.rollout_top_p,
+            "top_k": c.rollout_top_k,
+            "stop_token_ids": stop,
+            "no_stop_trim": True,
+            "skip_special_tokens": True,
+        }
+
+    async def setup(self) -> None:
+        s = self.bus.subjects
+        await self.bus.ensure_streams()
+        self._psub = await self.bus.pull(
+            s.prompts_stream,
+            s.prompts,
+            durable="producers",
+            ack_wait_s=self.config.prompt_ack_wait_s,
+            max_ack_pending=100_000,
+        )
+        await self.bus.nc.subscribe(s.control, cb=self._on_control)
+        self.ready = True
+        log.info(
+            "producer %s ready: %d groups in flight max, %s granularity, engines %s",
+            self.instance_id, self.config.inflight_groups, self.credits.granularity, self.client.urls,
+        )
+
+    async def teardown(self) -> None:
+        await self.client.close()
+
+    def loops(self):
+        return {"submit": self._submit_loop, "keep_prompts": self._keep_prompts_alive}
+
+    # ---- submission --------------------------------------------------------------------------
+    async def _submit_loop(self) -> None:
+        tasks: set[asyncio.Task] = set()
+        while True:
+            await self.submission_open.wait()
+            free = self.credits.free_groups
+            if free == 0:
+                await self.credits.wait_changed(1.0)
+                continue
+            for msg in await fetch_some(self._psub, free, 1.0):
+                # a fetch can also return late messages of an earlier, expired fetch: never go
+                # over the cap, and never hold a prompt while submission is paused
+                if not self.submission_open.is_set() or self.credits.free_groups == 0:
+                    await msg.nak()
+                    continue
+                self.credits.take_group()
+                t = asyncio.create_task(self._run_group(msg))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+
+    async def _run_group(self, msg) -> None:
+        try:
+            prompt = decode(msg.data, PromptMsg)
+        except DecodeError as e:
+            self.counters["bad_prompts"] += 1
+            self.credits.group_done(0)
+            await self.bus.dead_letter(msg.subject, msg.data, f"undecodable PromptMsg: {e}")
+            await msg.term()
+            return
+        started = time.time()
+        self.groups_in_flight[id(msg)] = (msg, started)
+        given_back = [0]  # credits this group already returned, trajectory by trajectory
+        try:
+            input_ids = self.tokenizer.prompt_ids(prompt.prompt, self.config.apply_chat_template)
+            samples = [self._new_sample(prompt, i, input_ids) for i in range(self.n)]
+            tasks = [asyncio.create_task(self._run_trajectory(s, given_back)) for s in samples]
+            try:
+                results = await asyncio.gather(*tasks)
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)  # all settle before the group fails
+                raise
+            group = list(results)
+            if self.config.group_rm and self.config.custom_rm_path:
+                if not await score_group(self.reward_fn, self.config, group):
+                    self.counters["reward_failures"] += len(group)
+            rg = RolloutGroup(
+                group_id=f"g{prompt.group_index}-a{prompt.attempt}",
+                group_index=prompt.group_index,
+                attempt=prompt.attempt,
+                samples=group,
+                producer_id=self.instance_id,
+                created_at=time.time(),
+                generate_time_s=time.time() - started,
+                epoch=prompt.epoch,
+                row=prompt.row,
+            )
+            await self.bus.publish(self.bus.subjects.rollouts, rg, msg_id=rg.group_id)
+            await msg.ack()
+            self.counters["groups_published"] += 1
+            self.counters["samples_generated"] += len(group)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.counters["group_failures"] += 1
+            log.error("group %s failed, its prompt goes back to the queue: %s", prompt.group_index, e)
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=2.0)
+        finally:
+            self.groups_in_flight.pop(id(msg), None)
+            self.credits.group_done(given_back[0])
+
+    def _new_sample(self, prompt: PromptMsg, i: int, input_ids: list[int]) -> Sample:
+        return Sample(
+            index=prompt.group_index * self.n + i,
+            group_index=prompt.group_index,
+            prompt=prompt.prompt,
+            label=prompt.label,
+            metadata={**prompt.metadata, "_input_ids": input_ids},
+            status=SampleStatus.PENDING,
+        )
+
+    async def _run_trajectory(self, sample: Sample, given_back: list[int]):
+        out = await self.generate_fn(self.config, sample, self.engine, self.sampling_params())
+        sample.metadata.pop("_input_ids", None)
+        trajectory = out if isinstance(out, list) else [out]
+        if not (self.config.group_rm and self.config.custom_rm_path):
+            for s in trajectory:
+                if s.status != SampleStatus.ABORTED and not await score_sample(self.reward_fn, self.config, s):
+                    self.counters["reward_failures"] += 1
+        given_back[0] += self.credits.trajectory_done()
+        return out
+
+    async def _keep_prompts_alive(self) -> None:
+        """in_progress() on every prompt being generated, so ack_wait only expires for the dead."""
+        interval = max(0.5, self.config.prompt_ack_wait_s / 3)
+        while True:
+            await asyncio.sleep(interval)
+            for msg, _ in list(self.groups_in_flight.values()):
+                with contextlib.suppress(Exception):
+                    await msg.in_progress()
+
+    # ---- control ---------------------------------------------------------------------------------
+    async def _on_control(self, msg) -> None:
+        try:
+            ctl = decode(msg.data, ControlMsg)
+        except DecodeError:
+            return
+        self.apply_control(ctl.command, ctl.token or ctl.reason)
+
+    def apply_control(self, command: str, token: str = "") -> None:
+        if command == "pause_submission":
+            self.pause_tokens.add(token)
+            self.submission_open.clear()
+            log.info("submission paused (%s)", token)
+        elif command == "resume_submission":
+            self.pause_tokens.discard(token)
+            if not self.pause_tokens:
+                self.submission_open.set()
+                log.info("submission resumed")
+
+    def add_routes(self, app: FastAPI) -> None:
+        @app.post("/control/pause_submission")
+        async def pause_submission():
+            self.apply_control("pause_submission", "http")
+            return {"paused": True}
+
+        @app.post("/control/resume_submission")
+        async def resume_submission():
+            self.apply_control("resume_submission", "http")
+            return {"paused": not self.submission_open.is_set()}
+
+    def heartbeat_info(self) -> dict:
+        return {"inflight_groups": self.config.inflight_groups, "stopping": self.stopping}
+
+    def status(self) -> dict:
+        return {
+            "granularity": self.credits.granularity,
+            "credits_free": self.credits.free,
+            "credits_total": self.credits.total,
+            "groups_in_flight": len(self.groups_in_flight),
+            "submission_paused": not self.submission_open.is_set(),
+            "engines": {u: {"outstanding": self.client.outstanding[u], "healthy": self.client.healthy[u]} for u in self.client.urls},
+            **self.counters,
+        }
+
+    def metric_values(self) -> dict[str, float]:
+        return {
+            "rollout/producer/in_flight_samples": self.credits.in_flight,
+            "rollout/producer/groups_in_flight": len(self.groups_in_flight),
+            "rollout/producer/submission_paused": float(not self.submission_open.is_set()),
+            **{f"rollout/producer/{k}_total": v for k, v in self.counters.items()},
+        }

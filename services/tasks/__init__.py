@@ -1,0 +1,1 @@
+"""Bundled verifiable tasks: prompts, held-out prompts, reward, and a tiny model to start from."""

@@ -1,0 +1,158 @@
+"""The RL math of one training step, with no I/O: batch assembly, group-normalised advantages,
+and the GRPO / PPO-clip loss with importance ratios against the engine's behaviour log-probs.
+
+Token alignment: a sample's tokens are prompt + response; logits at position i predict token
+i + 1, so response token j (at absolute position p + j, p = prompt length) is scored by the
+logits at p + j - 1. `response_mask_bt` marks, in the shifted [B, T-1] grid, the positions that
+score response tokens and are in the sample's loss mask.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from asyncrl_proto.messages import Sample, flatten_group
+from services.model.llama import CausalLM, token_logprobs
+
+
+def scalar_reward(sample: Sample, reward_key: str | None) -> float:
+    r = sample.reward
+    if isinstance(r, dict):
+        if reward_key is None:
+            raise ValueError("rewards are dicts: set --reward-key to choose the entry to train on")
+        return float(r[reward_key])
+    return float(r if r is not None else 0.0)
+
+
+def group_advantages(rewards: list[float], std_normalization: bool, eps: float = 1e-6) -> list[float]:
+    """GRPO: (r - mean) / (std + eps) within one group (population std); std division is off
+    when asked or when the group has one sample."""
+    n = len(rewards)
+    mean = sum(rewards) / n
+    centered = [r - mean for r in rewards]
+    if not std_normalization or n == 1:
+        return centered
+    std = math.sqrt(sum(c * c for c in centered) / n)
+    return [c / (std + eps) for c in centered]
+
+
+def assemble_batch(groups: list[list], n: int) -> list[list]:
+    """SPEC.md section 3: every group holds n trajectories; sort by the first sample's index."""
+    for g in groups:
+        if len(g) != n:
+            raise ValueError(f"group {flatten_group(g)[0].group_index} has {len(g)} trajectories, expected {n}")
+    return sorted(groups, key=lambda g: flatten_group(g)[0].index or 0)
+
+
+@dataclass
+class TrainBatch:
+    input_ids_bt: torch.Tensor
+    attention_mask_bt: torch.Tensor
+    response_mask_bt: torch.Tensor  # [B, T-1], float
+    rollout_logprobs_bt: torch.Tensor  # [B, T-1]
+    advantages_b: torch.Tensor
+    num_samples: int
+    num_tokens: int
+
+
+def build_train_batch(groups: list[list], std_normalization: bool, reward_key: str | None, pad_id: int) -> TrainBatch:
+    """Flatten groups into padded tensors. Advantages are computed per group over every sample,
+    removed ones included; removed samples then get a zero mask (no loss)."""
+    samples: list[Sample] = []
+    advantages: list[float] = []
+    for g in groups:
+        flat = flatten_group(g)
+        advantages += group_advantages([scalar_reward(s, reward_key) for s in flat], std_normalization)
+        samples += flat
+    width = max(len(s.tokens) for s in samples)
+    b = len(samples)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((b, width), dtype=torch.long)
+    resp_mask = torch.zeros((b, width - 1))
+    old_lp = torch.zeros((b, width - 1))
+    for i, s in enumerate(samples):
+        length = len(s.tokens)
+        ids[i, :length] = torch.tensor(s.tokens)
+        attn[i, :length] = 1
+        p = length - s.response_length
+        if s.remove_sample or s.response_length == 0:
+            continue
+        mask = torch.ones(s.response_length) if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
+        resp_mask[i, p - 1 : length - 1] = mask
+        if s.rollout_log_probs:
+            old_lp[i, p - 1 : length - 1] = torch.tensor(s.rollout_log_probs)
+    return TrainBatch(
+        input_ids_bt=ids,
+        attention_mask_bt=attn,
+        response_mask_bt=resp_mask,
+        rollout_logprobs_bt=old_lp,
+        advantages_b=torch.tensor(advantages, dtype=torch.float32),
+        num_samples=b,
+        num_tokens=int(resp_mask.sum().item()),
+    )
+
+
+@dataclass
+class LossConfig:
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None
+    entropy_coef: float = 0.0
+    use_rollout_logprobs: bool = True
+    temperature: float = 1.0
+
+
+def policy_loss(model: CausalLM, batch: TrainBatch, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-clip on token log-probs, token-level mean over the batch's loss tokens."""
+    logits_btv = model(batch.input_ids_bt, batch.attention_mask_bt)[:, :-1]
+    targets_bt = batch.input_ids_bt[:, 1:]
+    logp_bt = token_logprobs(logits_btv, targets_bt, cfg.temperature)
+    mask = batch.response_mask_bt
+    denom = mask.sum().clamp(min=1.0)
+    old_bt = batch.rollout_logprobs_bt if cfg.use_rollout_logprobs else logp_bt.detach()
+    log_ratio = (logp_bt - old_bt) * mask
+    ratio = torch.exp(log_ratio)
+    adv_bt = batch.advantages_b[:, None].expand_as(ratio)
+    hi = cfg.eps_clip_high if cfg.eps_clip_high is not None else cfg.eps_clip
+    pg1 = -adv_bt * ratio
+    pg2 = -adv_bt * ratio.clamp(1.0 - cfg.eps_clip, 1.0 + hi)
+    pg_bt = torch.maximum(pg1, pg2)
+    loss = (pg_bt * mask).sum() / denom
+    stats = {}
+    with torch.no_grad():
+        clipped = ((pg2 > pg1).float() * mask).sum() / denom
+        diff = ((logp_bt - batch.rollout_logprobs_bt).abs() * mask).sum() / denom
+        ratios = ratio[mask > 0]
+        stats = {
+            "train/pg_loss": loss.item(),
+            "train/pg_clipfrac": clipped.item(),
+            "train/ppo_kl": ((-log_ratio) * mask).sum().item() / denom.item(),
+            "train/train_rollout_logprob_abs_diff": diff.item(),
+            "train/importance_ratio_mean": ratios.mean().item() if ratios.numel() else 1.0,
+            "train/importance_ratio_max": ratios.max().item() if ratios.numel() else 1.0,
+            "train/importance_ratio_min": ratios.min().item() if ratios.numel() else 1.0,
+        }
+    if cfg.entropy_coef:
+        logp_all = torch.log_softmax(logits_btv.float() / cfg.temperature, dim=-1)
+        entropy_bt = -(logp_all.exp() * logp_all).sum(-1)
+        entropy = (entropy_bt * mask).sum() / denom
+        loss = loss - cfg.entropy_coef * entropy
+        stats["train/entropy"] = entropy.item()
+    stats["train/loss"] = loss.item()
+    return loss, stats
+
+
+def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, batch: TrainBatch, cfg: LossConfig, clip_grad: float) -> dict[str, float]:
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    loss, stats = policy_loss(model, batch, cfg)
+    loss.backward()
+    if clip_grad > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
+    else:
+        grad_norm = torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in model.parameters() if p.grad is not None))
+    optimizer.step()
+    stats["train/grad_norm"] = float(grad_norm)
+    return stats

@@ -1,0 +1,307 @@
+"""Trainer service: pulls B groups per step, trains, publishes weight versions.
+
+Consumes: group references from the buffer (`buffer.get`, request/reply, idempotent per step)
+  and their payloads from ROLLOUTS (direct get by sequence); EvalResult messages (logged with
+  the next step); producer heartbeats (to fail loudly when every producer is gone).
+Produces: HF safetensors snapshots under <run_dir>/weights/v<N> and WeightsPublished every
+  --update-weights-interval steps; BufferCommit after each step; EvalRequest when due; one
+  JSONL record per step in <run_dir>/metrics.jsonl and on `progress`; a final `done` record.
+Drivers (SPEC.md section 6), all one loop with different admission rules:
+  sync: get(step) releases exactly this step's prompts, and only once the engines run the
+    previous step's weights (release_min_version);
+  one-step async: prompt release runs one step ahead (lookahead 1); on an update step the next
+    batch is fetched (so its generation is complete) before the push;
+  fully async: the buffer is fed continuously; the trainer drains B groups per step.
+Waits for: the batch (logging "No completed rollout groups for 30.0s" every 30 s); it fails if
+  the buffer stops answering or no producer is alive. The torch step runs in a worker thread so
+  heartbeats and HTTP keep answering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import nats.errors
+import torch
+
+from asyncrl_proto import (
+    BufferCommit,
+    BufferCommitReply,
+    BufferGetReply,
+    BufferGetRequest,
+    EvalRequest,
+    EvalResult,
+    ProgressRecord,
+    RolloutGroup,
+    WeightsPublished,
+    decode,
+)
+from asyncrl_proto.codec import DecodeError
+from asyncrl_proto.messages import flatten_group
+from services.buffer.core import load_object
+from services.common.runtime import Service
+from services.model.hf_io import load_model, save_model
+from services.trainer.core import LossConfig, assemble_batch, build_train_batch, scalar_reward, train_step
+
+log = logging.getLogger(__name__)
+
+BUFFER_SILENCE_FAIL_S = 60.0
+PRODUCERS_GONE_FAIL_S = 60.0
+
+
+class TrainerError(RuntimeError):
+    pass
+
+
+class TrainerService(Service):
+    name = "trainer"
+
+    def __init__(self, config, bus, **kw):
+        super().__init__(config, bus, **kw)
+        torch.set_num_threads(config.torch_num_threads)
+        torch.manual_seed(config.seed)
+        self.run_dir = Path(config.run_dir)
+        self.weights_dir = self.run_dir / "weights"
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.model = load_model(config.hf_checkpoint)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+            weight_decay=config.weight_decay,
+        )  # fmt: skip
+        self.loss_cfg = LossConfig(
+            eps_clip=config.eps_clip, eps_clip_high=config.eps_clip_high, entropy_coef=config.entropy_coef,
+            use_rollout_logprobs=config.use_rollout_logprobs, temperature=config.rollout_temperature,
+        )  # fmt: skip
+        self.sample_filter = (
+            load_object(config.rollout_sample_filter_path, "--rollout-sample-filter-path")
+            if config.rollout_sample_filter_path
+            else None
+        )
+        self.pad_id = self.model.cfg.pad_token_id if self.model.cfg.pad_token_id is not None else 0
+        self.version = 0
+        self.step = 0
+        self.last_record: dict = {}
+        self.pending_eval: list[dict] = []
+        self.last_producer_seen = time.monotonic()
+        self.snapshots: list[Path] = []
+
+    async def setup(self) -> None:
+        s = self.bus.subjects
+        await self.bus.ensure_streams()
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
+        await self.bus.nc.subscribe(s.eval_results, cb=self._on_eval_result)
+        await self.bus.nc.subscribe(s.heartbeat("rollout"), cb=self._on_producer_heartbeat)
+        self.ready = True
+
+    def loops(self):
+        return {"train": self._train_loop}
+
+    # ---- the loop ------------------------------------------------------------------------------
+    async def _train_loop(self) -> None:
+        c = self.config
+        total = c.total_steps
+        log.info("training %d steps, mode %s, B=%d n=%d", total, c.mode, c.rollout_batch_size, c.n_samples_per_prompt)
+        if not c.skip_eval_before_train:
+            await self._request_eval(0, final=False)
+        batch = await self._fetch(self.step)
+        while self.step < total:
+            step = self.step
+            t_step = time.perf_counter()
+            groups, buffer_metrics, wait_s = batch
+            train_stats, train_s = await self._train_on(groups)
+            update_due = (step + 1) % c.update_weights_interval == 0 or step + 1 == total
+            next_batch = None
+            if update_due and c.mode == "one_step" and step + 1 < total:
+                next_batch = await self._fetch(step + 1)  # the in-flight batch completes before the push
+            push_s = await self._push_weights(step) if update_due else 0.0
+            await self._commit(step)
+            record = self._record(step, groups, buffer_metrics, train_stats, wait_s, train_s, push_s, time.perf_counter() - t_step)
+            await self._emit(step, record)
+            self.step = step + 1
+            if c.eval_interval and self.step % c.eval_interval == 0 and self.step < total:
+                await self._request_eval(self.step, final=False)
+            if self.step < total:
+                batch = next_batch if next_batch is not None else await self._fetch(self.step)
+        if c.mode != "sync":
+            await self._request_eval(total, final=True)  # the last step forces eval in async drivers
+        await self.bus.publish(self.bus.subjects.progress, ProgressRecord(step=total, done=True, record=self.last_record))
+        log.info("training finished: %d steps, weight version %d", total, self.version)
+        self.stop()
+
+    async def _train_on(self, groups: list[list]) -> tuple[dict, float]:
+        t0 = time.perf_counter()
+        batch = build_train_batch(groups, self._std_norm(), self.config.reward_key, self.pad_id)
+        stats = await asyncio.to_thread(
+            train_step, self.model, self.optimizer, batch, self.loss_cfg, self.config.clip_grad
+        )
+        stats["train/num_loss_tokens"] = batch.num_tokens
+        return stats, time.perf_counter() - t0
+
+    def _std_norm(self) -> bool:
+        return self.config.grpo_std_normalization and self.config.n_samples_per_prompt > 1
+
+    # ---- batches -------------------------------------------------------------------------------
+    def _get_request(self, step: int) -> BufferGetRequest:
+        c = self.config
+        sync_like = c.mode in ("sync", "one_step")
+        return BufferGetRequest(
+            step=step,
+            count=c.rollout_batch_size,
+            lookahead_steps=1 if c.mode == "one_step" else 0,
+            release_min_version=self.version if sync_like else None,
+            wait_s=2.0,
+        )
+
+    async def _fetch(self, step: int) -> tuple[list[list], dict, float]:
+        """Wait for the step's B groups; returns (groups, buffer metrics, seconds waited)."""
+        t0 = time.monotonic()
+        last_progress, last_count, last_answer = t0, 0, t0
+        warn_every = self.config.rollout_wait_warn_s
+        next_warn = t0 + warn_every
+        req = self._get_request(step)
+        while True:
+            try:
+                reply = await self.bus.request(self.bus.subjects.buffer_get, req, BufferGetReply, timeout=req.wait_s + 5)
+                last_answer = time.monotonic()
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError) as e:
+                if time.monotonic() - last_answer > BUFFER_SILENCE_FAIL_S:
+                    raise TrainerError(
+                        f"the buffer service has not answered for {BUFFER_SILENCE_FAIL_S:.0f}s ({type(e).__name__}): is it running?"
+                    ) from e
+                await asyncio.sleep(0.5)
+                continue
+            if reply.error:
+                raise TrainerError(f"buffer refused get(step={step}): {reply.error}")
+            now = time.monotonic()
+            if len(reply.refs) > last_count:
+                last_count, last_progress, next_warn = len(reply.refs), now, now + warn_every
+            if reply.complete:
+                break
+            if now >= next_warn:
+                log.warning("No completed rollout groups for %.1fs", now - last_progress)
+                next_warn = now + warn_every
+            if now - self.last_producer_seen > PRODUCERS_GONE_FAIL_S:
+                raise TrainerError(
+                    f"no rollout producer has been alive for {PRODUCERS_GONE_FAIL_S:.0f}s while step {step} "
+                    f"waits for groups ({len(reply.refs)}/{req.count}): start producers (asyncrl service rollout)"
+                )
+        groups = [await self._load_group(ref) for ref in reply.refs]
+        groups = assemble_batch(groups, self.config.n_samples_per_prompt)
+        if self.sample_filter is not None:
+            self._apply_sample_filter(groups)
+        return groups, reply.metrics, time.monotonic() - t0
+
+    async def _load_group(self, ref) -> list:
+        data = ref.payload if ref.payload is not None else await self.bus.get_payload(
+            self.bus.subjects.rollouts_stream, ref.stream_seq
+        )
+        return decode(data, RolloutGroup).samples
+
+    def _apply_sample_filter(self, groups: list[list]) -> None:
+        samples = [s for g in groups for s in flatten_group(g)]
+        before = [(s.index, len(s.tokens), s.reward) for s in samples]
+        try:
+            self.sample_filter(self.config, samples)
+        except Exception as e:
+            raise TrainerError(f"--rollout-sample-filter-path {self.config.rollout_sample_filter_path} raised {type(e).__name__}: {e}") from e
+        if [(s.index, len(s.tokens), s.reward) for s in samples] != before:
+            raise TrainerError("--rollout-sample-filter-path may only set remove_sample; it changed samples")
+
+    # ---- weights, commits, evals ---------------------------------------------------------------
+    async def _push_weights(self, step: int) -> float:
+        t0 = time.perf_counter()
+        self.version += 1
+        path = self.weights_dir / f"v{self.version}"
+        info = await asyncio.to_thread(save_model, self.model, path, self.config.hf_checkpoint)
+        await self.bus.publish(
+            self.bus.subjects.weights_published,
+            WeightsPublished(version=self.version, step=step, uri=str(path.resolve()), sha256=info["sha256"],
+                             num_bytes=info["num_bytes"], created_at=time.time()),  # fmt: skip
+        )
+        self.snapshots.append(path)
+        while len(self.snapshots) > max(1, self.config.keep_weight_snapshots):
+            old = self.snapshots.pop(0)
+            shutil.rmtree(old, ignore_errors=True)
+        return time.perf_counter() - t0
+
+    async def _commit(self, step: int) -> None:
+        reply = await self.bus.request(
+            self.bus.subjects.buffer_commit, BufferCommit(step=step, version=self.version), BufferCommitReply, timeout=30
+        )
+        if reply.error:
+            raise TrainerError(f"buffer refused commit of step {step}: {reply.error}")
+
+    async def _request_eval(self, step: int, final: bool) -> None:
+        await self.bus.publish(
+            self.bus.subjects.eval_requests,
+            EvalRequest(step=step, version=self.version, final=final, requested_at=time.time()),
+        )
+
+    async def _on_eval_result(self, msg) -> None:
+        with contextlib.suppress(*DecodeError):
+            res = decode(msg.data, EvalResult)
+            metrics = dict(res.metrics)
+            metrics["eval/lag_steps"] = self.step - res.step
+            self.pending_eval.append(metrics)
+
+    async def _on_producer_heartbeat(self, msg) -> None:
+        self.last_producer_seen = time.monotonic()
+
+    # ---- records -------------------------------------------------------------------------------
+    def _record(self, step, groups, buffer_metrics, train_stats, wait_s, train_s, push_s, step_s) -> dict:
+        samples = [s for g in groups for s in flatten_group(g)]
+        rewards = [scalar_reward(s, self.config.reward_key) for s in samples]
+        mean = sum(rewards) / len(rewards)
+        oldest = [min(s.weight_versions) for s in samples if s.weight_versions]
+        newest = [max(s.weight_versions) for s in samples if s.weight_versions]
+        tokens = sum(s.response_length for s in samples)
+        rec = {
+            "step": step,
+            "weight_version": self.version,
+            "time": time.time(),
+            "rollout/reward/mean": mean,
+            "rollout/reward/std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
+            "rollout/reward/min": min(rewards),
+            "rollout/reward/max": max(rewards),
+            "rollout/response_length/mean": tokens / len(samples),
+            "rollout/truncated_ratio": sum(s.status.value == "truncated" for s in samples) / len(samples),
+            "rollout/num_samples": len(samples),
+            "perf/rollout_wait_s": wait_s,
+            "perf/train_time_s": train_s,
+            "perf/weight_push_s": push_s,
+            "perf/step_time_s": step_s,
+            "perf/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
+            **buffer_metrics,
+            **train_stats,
+        }
+        if oldest:
+            rec["rollout/weight_version/mean"] = sum(oldest) / len(oldest)
+            rec["rollout/weight_version/min"] = min(oldest)
+            rec["rollout/weight_version/max"] = max(newest)
+            rec["rollout/weight_version/mixed_version_ratio"] = sum(
+                len(set(s.weight_versions)) > 1 for s in samples
+            ) / len(samples)
+        while self.pending_eval:
+            rec.update(self.pending_eval.pop(0))
+        return rec
+
+    async def _emit(self, step: int, record: dict) -> None:
+        self.last_record = record
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        await self.bus.publish(self.bus.subjects.progress, ProgressRecord(step=step, record=record))
+
+    def status(self) -> dict:
+        return {"step": self.step, "total_steps": self.config.total_steps, "weight_version": self.version,
+                "mode": self.config.mode, "last_record": self.last_record}  # fmt: skip
+
+    def metric_values(self) -> dict[str, float]:
+        out = {"trainer/step": self.step, "trainer/weight_version": self.version}
+        out.update({k: v for k, v in self.last_record.items() if isinstance(v, (int, float))})
+        return out

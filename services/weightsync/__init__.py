@@ -1,0 +1,1 @@
+"""Weight-sync: moves the engines to each published weight version."""

@@ -1,0 +1,158 @@
+"""Weight-sync service: the only writer of the engines' weight version.
+
+Consumes: WeightsPublished from WEIGHTS (durable pull consumer "weight-sync"). When several
+  versions are waiting, only the newest is applied (the others are acknowledged unapplied).
+Produces: WeightsLive on `weights.live` and KV `live_version`: the staleness clock.
+Per update, on every engine concurrently: pause_generation(--pause-generation-mode) ->
+  update_weights_from_disk(snapshot, weight_version) -> continue_generation, then the version is
+  read back from /model_info. A failed engine update is retried; a persistent failure fails the
+  service loudly (the message is redelivered after restart).
+HTTP: /status shows the live version, the engines and the last update's duration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from asyncrl_proto import WeightsLive, WeightsPublished, decode, encode
+from asyncrl_proto.codec import DecodeError
+from services.common.bus import fetch_some
+from services.common.runtime import Service
+from services.common.sglang_client import EngineError, SGLangClient
+
+log = logging.getLogger(__name__)
+
+
+class WeightSyncService(Service):
+    name = "weight-sync"
+
+    def __init__(self, config, bus, **kw):
+        super().__init__(config, bus, **kw)
+        self.client = SGLangClient(config.rollout_engine_urls)
+        self.live_version: int | None = None
+        self.last_update_s = 0.0
+        self.num_updates = 0
+        self.num_skipped = 0
+        self._psub = None
+
+    async def setup(self) -> None:
+        s = self.bus.subjects
+        await self.bus.ensure_streams()
+        raw = await self.bus.kv_get("live_version")
+        if raw is not None:
+            self.live_version = decode(raw, WeightsLive).version
+        else:
+            self.live_version = await self._engine_version()
+            await self._announce(self.live_version, 0.0)
+        self._psub = await self.bus.pull(s.weights_stream, s.weights_published, durable="weight-sync", ack_wait_s=120.0)
+        self.ready = True
+        log.info("weight-sync ready: engines %s at version %s", self.client.urls, self.live_version)
+
+    async def teardown(self) -> None:
+        await self.client.close()
+
+    async def _engine_version(self, timeout_s: float = 120.0) -> int:
+        versions = set()
+        for url in self.client.urls:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    v = (await self.client.model_info(url)).get("weight_version")
+                    break
+                except EngineError as e:
+                    if time.monotonic() > deadline:
+                        raise EngineError(f"engine {url} did not answer /model_info within {timeout_s:.0f}s: {e}") from e
+                    log.info("waiting for engine %s (%s)", url, type(e).__name__)
+                    await asyncio.sleep(1.0)
+            try:
+                versions.add(int(v))
+            except (TypeError, ValueError):
+                versions.add(0)  # SGLang's initial "default": the initial weights, version 0
+        if len(versions) != 1:
+            log.warning("engines disagree on their weight version: %s; taking the lowest", versions)
+        return min(versions)
+
+    def loops(self):
+        return {"apply_updates": self._apply_updates}
+
+    async def _apply_updates(self) -> None:
+        while True:
+            msgs = await fetch_some(self._psub, 64, 1.0)
+            if not msgs:
+                continue
+            newest, newest_msg = None, None
+            for m in msgs:
+                try:
+                    pub = decode(m.data, WeightsPublished)
+                except DecodeError as e:
+                    await self.bus.dead_letter(m.subject, m.data, f"undecodable WeightsPublished: {e}")
+                    await m.term()
+                    continue
+                if newest is None or pub.version > newest.version:
+                    newest, newest_msg = pub, m
+            if newest is not None and (self.live_version is None or newest.version > self.live_version):
+                await self._update(newest, newest_msg)
+            for m in msgs:
+                if m is not newest_msg:
+                    self.num_skipped += 1
+                await m.ack()
+
+    async def _update(self, pub: WeightsPublished, msg) -> None:
+        t0 = time.perf_counter()
+        mode = self.config.pause_generation_mode
+        for attempt in range(3):
+            try:
+                await asyncio.gather(*(self._update_engine(url, pub, mode, msg) for url in self.client.urls))
+                break
+            except (EngineError, OSError) as e:
+                if attempt == 2:
+                    raise
+                log.warning("weight update to v%d failed (%s), retrying", pub.version, e)
+                await asyncio.sleep(1.0)
+        self.last_update_s = time.perf_counter() - t0
+        self.num_updates += 1
+        await self._announce(pub.version, self.last_update_s)
+        log.info("engines now at weight version %d (%.3fs, %s)", pub.version, self.last_update_s, mode)
+
+    async def _update_engine(self, url: str, pub: WeightsPublished, mode: str, msg) -> None:
+        await self.client.pause(url, mode)
+        try:
+            await self.client.update_weights_from_disk(url, pub.uri, str(pub.version), flush_cache=mode != "in_place")
+        finally:
+            await self.client.continue_generation(url)
+        got = (await self.client.model_info(url)).get("weight_version")
+        if str(got) != str(pub.version):
+            raise EngineError(f"{url} reports weight_version {got!r} after loading v{pub.version}")
+        await msg.in_progress()
+
+    async def _announce(self, version: int, duration_s: float) -> None:
+        self.live_version = version
+        live = WeightsLive(
+            version=version,
+            engines=list(self.client.urls),
+            updated_at=time.time(),
+            pause_mode=self.config.pause_generation_mode,
+            duration_s=duration_s,
+        )
+        await self.bus.kv_put("live_version", encode(live))
+        await self.bus.publish(self.bus.subjects.weights_live, live)
+
+    def status(self) -> dict:
+        return {
+            "live_version": self.live_version,
+            "engines": self.client.urls,
+            "pause_mode": self.config.pause_generation_mode,
+            "last_update_s": self.last_update_s,
+            "num_updates": self.num_updates,
+            "num_skipped_versions": self.num_skipped,
+        }
+
+    def metric_values(self) -> dict[str, float]:
+        return {
+            "weight_sync/live_version": self.live_version if self.live_version is not None else -1,
+            "weight_sync/last_update_seconds": self.last_update_s,
+            "weight_sync/updates_total": self.num_updates,
+            "weight_sync/skipped_versions_total": self.num_skipped,
+        }
