@@ -45,16 +45,20 @@ class Bus:
         self.subjects = subjects
         self.service = service
         self._kv = None
+        self._closing = {"yes": False}
 
     @classmethod
     async def connect(
         cls, url: str, run_id: str, service: str, connect_timeout_s: float = 30.0
     ) -> Bus:
+        closing = {"yes": False}
+
         async def on_error(e: Exception) -> None:
             log.warning("nats (%s): %s", service, e)
 
         async def on_disconnect() -> None:
-            log.warning("nats (%s): disconnected, reconnecting", service)
+            if not closing["yes"]:
+                log.warning("nats (%s): disconnected, reconnecting", service)
 
         async def on_reconnect() -> None:
             log.info("nats (%s): reconnected", service)
@@ -74,7 +78,7 @@ class Bus:
                     allow_reconnect=True,
                 )
                 break
-            except (OSError, nats.errors.NoServersError, asyncio.TimeoutError) as e:
+            except (OSError, nats.errors.NoServersError, asyncio.TimeoutError) as e:  # not up yet
                 if time.monotonic() > deadline:
                     raise BusError(
                         f"cannot connect to NATS at {url} within {connect_timeout_s:.0f}s: {e}. "
@@ -82,9 +86,12 @@ class Bus:
                     ) from e
                 log.info("waiting for NATS at %s (%s)", url, e)
                 await asyncio.sleep(0.5)
-        return cls(nc, Subjects(run_id=run_id), service)
+        bus = cls(nc, Subjects(run_id=run_id), service)
+        bus._closing = closing
+        return bus
 
     async def close(self) -> None:
+        self._closing["yes"] = True
         if not self.nc.is_closed:
             try:
                 await self.nc.drain()

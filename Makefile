@@ -1,0 +1,39 @@
+# One command per job; see README.md. Everything lives in .venv.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch; override for another build, e.g. make run TORCH="torch==2.13.0 --index-url ..."
+TORCH ?= torch==2.13.0
+
+.PHONY: setup run test test-all bench lint clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(BIN)/.test-installed: $(BIN)/.installed
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+setup: $(BIN)/.installed
+
+# The default job: fully async RL on the bundled task, embedded NATS, built-in engine, tiny model.
+run: setup
+	$(BIN)/asyncrl train-async --fully-async $(ARGS)
+
+# The test suite CI runs (.ci/run calls exactly this).
+test: $(BIN)/.test-installed
+	$(BIN)/python -m pytest -q
+
+# Everything, including the slow learning checks.
+test-all: $(BIN)/.test-installed
+	$(BIN)/python -m pytest -q -m "not gpu"
+
+bench: setup
+	$(BIN)/python bench/pipeline.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,88 @@
+"""Shared fixtures: a real nats-server with JetStream (one per test session, free port, temporary
+store), unique run ids, the task's tiny model and data, and a built-in engine over real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+
+import pytest
+
+from services.common import procs
+from services.common.natsserver import EmbeddedNats
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory):
+    srv = EmbeddedNats(tmp_path_factory.mktemp("nats")).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def run_id() -> str:
+    return "t" + uuid.uuid4().hex[:12]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from services.tasks import reverse_digits
+
+    d = tmp_path_factory.mktemp("model") / "tiny"
+    reverse_digits.build_model(d, seed=1234, warmup_sft_steps=20, log=lambda *_: None)
+    return d
+
+
+@pytest.fixture(scope="session")
+def task_data(tmp_path_factory):
+    from services.tasks import reverse_digits
+
+    return reverse_digits.write_datasets(tmp_path_factory.mktemp("data"), seed=0)
+
+
+class EngineThread:
+    """The built-in engine (scheduler + HTTP server) inside the test process, on a free port."""
+
+    def __init__(self, model_dir, weight_version: str = "0", max_running_requests: int = 64, seed: int = 0):
+        import uvicorn
+
+        from services.engine.scheduler import Scheduler
+        from services.engine.server import EngineServer
+        from services.model.hf_io import load_model
+        from services.model.tokenizer import Tokenizer
+
+        self.model = load_model(model_dir)
+        self.scheduler = Scheduler(
+            self.model, max_running_requests=max_running_requests, weight_version=weight_version, seed=seed
+        )
+        self.port = procs.free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = EngineServer(self.scheduler, str(model_dir), Tokenizer(model_dir), port=self.port)
+        self._uv = uvicorn.Server(
+            uvicorn.Config(self.server.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+        )
+        self._uv.install_signal_handlers = lambda: None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._uv.serve()), daemon=True)
+
+    def __enter__(self) -> EngineThread:
+        self.scheduler.start()
+        self._thread.start()
+        deadline = time.monotonic() + 20
+        while not self._uv.started:
+            if time.monotonic() > deadline:
+                raise TimeoutError("engine did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._uv.should_exit = True
+        self._thread.join(timeout=10)
+        self.scheduler.shutdown()
+
+
+@pytest.fixture
+def engine(tiny_model_dir):
+    with EngineThread(tiny_model_dir) as e:
+        yield e

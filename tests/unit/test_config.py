@@ -1,0 +1,86 @@
+"""Configuration: Miles's flag names, precedence, and every validation rule with its message."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from services.api import RunConfig
+from services.common.config import ConfigError, add_config_arguments, resolve_config
+
+
+def parse(argv: list[str]) -> dict:
+    p = argparse.ArgumentParser()
+    add_config_arguments(p)
+    return vars(p.parse_args(argv))
+
+
+def test_runconfig_accepts_any_subset_of_fields():
+    c = RunConfig(rollout_batch_size=4, n_samples_per_prompt=2)
+    assert c.rollout_batch_size == 4 and c.max_weight_staleness is None
+    assert c.buffer_capacity == 8 and c.inflight_groups == 4
+
+
+def test_kebab_case_flags_map_to_fields():
+    args = parse([
+        "--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--max-weight-staleness", "2",
+        "--async-data-buffer-capacity-factor", "1.5", "--update-weights-interval", "3",
+        "--pause-generation-mode", "in_place", "--fully-async", "--rollout-stop-token-ids", "5", "6",
+    ])  # fmt: skip
+    c = resolve_config(args, environ={})
+    assert (c.rollout_batch_size, c.n_samples_per_prompt, c.max_weight_staleness) == (8, 4, 2)
+    assert c.buffer_capacity == 12 and c.update_weights_interval == 3
+    assert c.pause_generation_mode == "in_place" and c.fully_async and c.rollout_stop_token_ids == [5, 6]
+
+
+def test_precedence_defaults_file_env_cli(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("rollout-batch-size: 4\nlr: 0.5\nn_samples_per_prompt: 2\n")
+    env = {"ASYNCRL_LR": "0.25", "ASYNCRL_N_SAMPLES_PER_PROMPT": "6"}
+    c = resolve_config({"n_samples_per_prompt": 3}, config_file=str(f), environ=env)
+    assert c.rollout_batch_size == 4  # file over default
+    assert c.lr == 0.25  # environment over file
+    assert c.n_samples_per_prompt == 3  # command line over environment
+
+
+def test_unknown_setting_in_file_is_an_error(tmp_path):
+    f = tmp_path / "run.json"
+    f.write_text('{"rollout_batchsize": 4}')
+    with pytest.raises(ConfigError, match="unknown settings: --rollout-batchsize"):
+        resolve_config({}, config_file=str(f), environ={})
+
+
+RULES = [
+    ({"driver": "sync", "fully_async": True}, "--fully-async requires the async driver: run train-async"),
+    ({"fully_async": True, "pause_generation_mode": "abort"},
+     "--fully-async cannot use --pause-generation-mode abort: generation is always in flight, so every "
+     "weight update would kill it and force a full regeneration"),
+    ({"fully_async": True, "colocate": True}, "--fully-async cannot be combined with --colocate"),
+    ({"fully_async": True, "partial_rollout": True}, "--fully-async cannot be combined with --partial-rollout"),
+    ({"fully_async": True, "rollout_function_path": "m.f"}, "--fully-async cannot be combined with a custom rollout function"),
+    ({"async_data_buffer_capacity_factor": 0}, "--async-data-buffer-capacity-factor must be > 0"),
+    ({"async_data_buffer_capacity_factor": 0.01, "rollout_batch_size": 4}, "holds no group"),
+    ({"async_max_concurrent_samples": 4, "n_samples_per_prompt": 8}, "must be >= --n-samples-per-prompt"),
+    ({"update_weights_interval": 0}, "--update-weights-interval must be >= 1"),
+    ({"max_weight_staleness": -1}, "--max-weight-staleness must be >= 0"),
+    ({"save_interval": 5}, "--save-interval needs --save"),
+    ({"eval_prompt_data": ["only-a-name"]}, "NAME PATH pairs"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fields", "message"), RULES)
+def test_validation_rules(fields, message):
+    with pytest.raises(ConfigError) as e:
+        resolve_config(fields, environ={})
+    assert message in str(e.value)
+    with pytest.raises(ValueError, match="validation error"):
+        RunConfig(**fields)  # the public constructor validates too
+
+
+def test_fully_async_defaults():
+    c = RunConfig(fully_async=True)
+    assert c.mode == "fully_async" and c.submission_granularity == "sample"
+    assert RunConfig().mode == "one_step" and RunConfig().submission_granularity == "group"
+    assert RunConfig(driver="sync").mode == "sync"
+    assert RunConfig(async_max_concurrent_samples=20, n_samples_per_prompt=8).inflight_groups == 2

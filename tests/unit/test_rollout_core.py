@@ -1,0 +1,65 @@
+"""Submission credits and response parsing (SPEC.md sections 1 and 4)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.api import Sample, SampleStatus
+from services.rollout.core import Credits, apply_response
+
+
+def test_sample_granularity_frees_a_slot_per_trajectory():
+    c = Credits(cap_groups=2, n=4, granularity="sample")
+    c.take_group()
+    c.take_group()
+    assert c.free_groups == 0
+    for _ in range(3):
+        c.trajectory_done()
+    assert c.free_groups == 0
+    c.trajectory_done()  # 4 trajectories finished, from any groups: a new group may go out
+    assert c.free_groups == 1
+    c.group_done(given_back_already=4)
+    assert c.free == 4
+
+
+def test_group_granularity_holds_the_slot_until_the_group_is_done():
+    c = Credits(cap_groups=1, n=2, granularity="group")
+    c.take_group()
+    assert c.trajectory_done() == 0 and c.trajectory_done() == 0 and c.free_groups == 0
+    c.group_done(0)
+    assert c.free_groups == 1
+
+
+def test_credits_are_conserved_on_failure():
+    c = Credits(cap_groups=1, n=3, granularity="sample")
+    c.take_group()
+    c.trajectory_done()  # one finished, then its siblings failed / were cancelled
+    c.group_done(given_back_already=1)
+    assert c.free == c.total
+    with pytest.raises(AssertionError):
+        c.group_done(0)  # returning twice is a bug
+
+
+def test_apply_response_reads_sglang_shapes():
+    s = Sample()
+    resp = {
+        "text": "21",
+        "output_ids": [6, 5, 2],
+        "meta_info": {
+            "finish_reason": {"type": "stop", "matched": 2},
+            "weight_version": "7",
+            "weight_versions": [{"version": 6, "start": 0, "end": 1}, {"version": 7, "start": 1, "end": 3}],
+            "output_token_logprobs": [[-0.1, 6, None], [-0.2, 5, None], [-0.3, 2, None]],
+        },
+    }
+    apply_response(s, [1, 5, 6, 15], resp)
+    assert s.tokens == [1, 5, 6, 15, 6, 5, 2] and s.response_length == 3 and s.response == "21"
+    assert s.rollout_log_probs == [-0.1, -0.2, -0.3] and s.status is SampleStatus.COMPLETED
+    assert s.weight_versions == [6, 7]
+
+
+@pytest.mark.parametrize(("reason", "status"), [("length", SampleStatus.TRUNCATED), ("abort", SampleStatus.ABORTED)])
+def test_finish_reason_mapping(reason, status):
+    s = Sample()
+    apply_response(s, [1], {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": reason}, "weight_version": "default"}})
+    assert s.status is status and s.weight_versions == []  # "default" is an unknown version
