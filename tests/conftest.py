@@ -86,3 +86,45 @@ class EngineThread:
 def engine(tiny_model_dir):
     with EngineThread(tiny_model_dir) as e:
         yield e
+
+
+class RunningService:
+    """A service object running inside the test's event loop, against the real broker."""
+
+    def __init__(self, service, task):
+        self.service = service
+        self.task = task
+
+    async def stop(self):
+        self.service.stop()
+        await asyncio.wait_for(self.task, 20)
+
+
+async def start_service(cls, config, nats_url: str, run_id: str, **kw) -> RunningService:
+    from services.common.bus import Bus
+
+    bus = await Bus.connect(nats_url, run_id, cls.name)
+    service = cls(config, bus, **kw)
+    task = asyncio.ensure_future(service.run())
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while not service.ready:
+        if task.done():
+            task.result()
+        if loop.time() > deadline:
+            raise TimeoutError(f"{cls.name} did not become ready")
+        await asyncio.sleep(0.01)
+    return RunningService(service, task)
+
+
+async def wait_until(pred, timeout: float = 10.0, what: str = "condition"):
+    """Poll a condition with a deadline: the tests' only way to wait (no sleep as synchronisation)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while True:
+        value = await pred() if asyncio.iscoroutinefunction(pred) else pred()
+        if value:
+            return value
+        if loop.time() > end:
+            raise TimeoutError(f"{what} not reached within {timeout}s")
+        await asyncio.sleep(0.01)

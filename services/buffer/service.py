@@ -116,21 +116,21 @@ class BufferService(Service):
         self.ledger: collections.Counter[str] = collections.Counter()
         self._wake_release = asyncio.Event()
         self._wake_pump = asyncio.Event()
+        self._stored = asyncio.Event()
         self._rollouts = None
 
     # ---- setup -----------------------------------------------------------------------------
     async def setup(self) -> None:
         s = self.bus.subjects
         await self.bus.ensure_streams()
-        raw = await self.bus.kv_get("live_version")
-        if raw is not None:
-            self.live_version = decode(raw, WeightsLive).version
         self._rollouts = await self.bus.pull(
             s.rollouts_stream, s.rollouts, durable="buffer", ack_wait_s=30.0, max_ack_pending=64
         )
+        # subscribe before reading the KV value, so that no update can fall in between
+        await self.bus.nc.subscribe(s.weights_live, cb=self._on_live)
+        await self._read_live_version()
         await self.bus.nc.subscribe(s.buffer_get, cb=self._on_get)
         await self.bus.nc.subscribe(s.buffer_commit, cb=self._on_commit)
-        await self.bus.nc.subscribe(s.weights_live, cb=self._on_live)
         await self.bus.nc.subscribe(s.heartbeat("rollout"), cb=self._on_producer_heartbeat)
         self.ready = True
         log.info(
@@ -203,6 +203,7 @@ class BufferService(Service):
                 self.meta.pop(id(group), None)
         elif kind == "stored":
             self.ledger["stored"] += 1
+            self._stored.set()
 
     async def _recycle(self, group: list) -> None:
         meta = self.meta.pop(id(group), None)
@@ -252,6 +253,8 @@ class BufferService(Service):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake_release.wait(), 1.0)
             self._wake_release.clear()
+            if self.live_version is None:
+                await self._read_live_version()  # weight-sync may have announced before we listened
             for _ in range(release_allowance(self.release_state())):
                 msg: PromptMsg = self.source.next_prompt()
                 await self.bus.publish(subject, msg, msg_id=f"prompt-{msg.group_index}-{msg.attempt}")
@@ -281,8 +284,9 @@ class BufferService(Service):
         self._override_version = req.current_version
         self._wake_release.set()
         self._wake_pump.set()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(lease.done.wait(), req.wait_s)
+        if req.wait_s > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(lease.done.wait(), req.wait_s)
         reply = BufferGetReply(step=req.step, refs=list(lease.refs), complete=lease.complete, metrics=lease.metrics)
         await msg.respond(encode(reply))
 
@@ -299,6 +303,11 @@ class BufferService(Service):
                 await self._wake_pump.wait()
                 self._wake_pump.clear()
                 continue
+            if self._observed:
+                # judge staleness when a group is there to judge, not when we started waiting
+                while len(self.buffer) == 0:
+                    self._stored.clear()
+                    await self._stored.wait()
             version = self._override_version if self._override_version is not None else self.live_version
             group = await self.buffer.get(current_version=version)
             lease.refs.append(self._ref_for(group, version))
@@ -343,11 +352,18 @@ class BufferService(Service):
 
     async def _on_live(self, msg) -> None:
         try:
-            live = decode(msg.data, WeightsLive)
+            self._set_live(decode(msg.data, WeightsLive).version)
         except DecodeError:
             return
-        if self.live_version is None or live.version > self.live_version:
-            self.live_version = live.version
+
+    async def _read_live_version(self) -> None:
+        raw = await self.bus.kv_get("live_version")
+        if raw is not None:
+            self._set_live(decode(raw, WeightsLive).version)
+
+    def _set_live(self, version: int) -> None:
+        if self.live_version is None or version > self.live_version:
+            self.live_version = version
             self._wake_release.set()
 
     async def _on_producer_heartbeat(self, msg) -> None:

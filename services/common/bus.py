@@ -9,6 +9,7 @@ survived by every service.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any, TypeVar
@@ -93,10 +94,11 @@ class Bus:
     async def close(self) -> None:
         self._closing["yes"] = True
         if not self.nc.is_closed:
-            try:
-                await self.nc.drain()
-            except (nats.errors.ConnectionClosedError, nats.errors.FlushTimeoutError, asyncio.TimeoutError):
-                await self.nc.close()
+            # flush what we published, then close; no drain: unacknowledged messages are
+            # redelivered anyway, and drain waits for pull subscriptions that no one reads
+            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError, OSError):
+                await self.nc.flush(timeout=2)
+            await self.nc.close()
 
     # ---- setup -----------------------------------------------------------------------------
     async def ensure_streams(self) -> None:

@@ -139,6 +139,8 @@ class Service:
         return self._stop.is_set()
 
     def stop(self) -> None:
+        if not self._stop.is_set():
+            log.info("%s %s stopping", self.name, self.instance_id)
         self._stop.set()
 
     async def wait_stopped(self, timeout: float) -> bool:

@@ -59,10 +59,10 @@ class EvalService(Service):
     async def setup(self) -> None:
         s = self.bus.subjects
         await self.bus.ensure_streams()
+        await self.bus.nc.subscribe(s.weights_live, cb=self._on_live)  # before the KV read: no gap
         raw = await self.bus.kv_get("live_version")
-        if raw is not None:
+        if raw is not None and self.live_version is None:
             self.live_version = decode(raw, WeightsLive).version
-        await self.bus.nc.subscribe(s.weights_live, cb=self._on_live)
         self._psub = await self.bus.pull(s.eval_stream, s.eval_requests, durable="eval", ack_wait_s=600.0)
         self.ready = True
 
@@ -103,6 +103,9 @@ class EvalService(Service):
             try:
                 await asyncio.wait_for(self._live_changed.wait(), 10.0)
             except asyncio.TimeoutError:
+                raw = await self.bus.kv_get("live_version")
+                if raw is not None:
+                    self.live_version = max(self.live_version or 0, decode(raw, WeightsLive).version)
                 await msg.in_progress()
                 log.info("eval of step waits for weight version %d (engines at %s)", version, self.live_version)
 

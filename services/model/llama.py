@@ -44,6 +44,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.model_type == "qwen2":
+            self.attention_bias = True  # Qwen2 always has q/k/v biases
 
     @property
     def eos_ids(self) -> list[int]:

@@ -118,8 +118,11 @@ class TrainerService(Service):
             update_due = (step + 1) % c.update_weights_interval == 0 or step + 1 == total
             next_batch = None
             if update_due and c.mode == "one_step" and step + 1 < total:
-                next_batch = await self._fetch(step + 1)  # the in-flight batch completes before the push
+                # the in-flight batch completes before the push, and nothing newer starts on old weights
+                next_batch = await self._fetch(step + 1, lookahead=0)
             push_s = await self._push_weights(step) if update_due else 0.0
+            if next_batch is not None:
+                await self._release_ahead(step + 1)  # step r+2 generates while r+1 trains, on the new weights
             await self._commit(step)
             record = self._record(step, groups, buffer_metrics, train_stats, wait_s, train_s, push_s, time.perf_counter() - t_step)
             await self._emit(step, record)
@@ -147,24 +150,30 @@ class TrainerService(Service):
         return self.config.grpo_std_normalization and self.config.n_samples_per_prompt > 1
 
     # ---- batches -------------------------------------------------------------------------------
-    def _get_request(self, step: int) -> BufferGetRequest:
+    def _get_request(self, step: int, lookahead: int | None = None, wait_s: float = 2.0) -> BufferGetRequest:
         c = self.config
-        sync_like = c.mode in ("sync", "one_step")
+        if lookahead is None:
+            lookahead = 1 if c.mode == "one_step" else 0
         return BufferGetRequest(
             step=step,
             count=c.rollout_batch_size,
-            lookahead_steps=1 if c.mode == "one_step" else 0,
-            release_min_version=self.version if sync_like else None,
-            wait_s=2.0,
+            lookahead_steps=lookahead,
+            release_min_version=self.version if c.mode in ("sync", "one_step") else None,
+            wait_s=wait_s,
         )
 
-    async def _fetch(self, step: int) -> tuple[list[list], dict, float]:
+    async def _release_ahead(self, step: int) -> None:
+        """Ask again for an already complete step, with lookahead: starts the next batch."""
+        req = self._get_request(step, lookahead=1, wait_s=0.0)
+        await self.bus.request(self.bus.subjects.buffer_get, req, BufferGetReply, timeout=10)
+
+    async def _fetch(self, step: int, lookahead: int | None = None) -> tuple[list[list], dict, float]:
         """Wait for the step's B groups; returns (groups, buffer metrics, seconds waited)."""
         t0 = time.monotonic()
         last_progress, last_count, last_answer = t0, 0, t0
         warn_every = self.config.rollout_wait_warn_s
         next_warn = t0 + warn_every
-        req = self._get_request(step)
+        req = self._get_request(step, lookahead)
         while True:
             try:
                 reply = await self.bus.request(self.bus.subjects.buffer_get, req, BufferGetReply, timeout=req.wait_s + 5)

@@ -1,0 +1,132 @@
+"""Whole runs through the real CLI: every service as its own process over real NATS, the
+built-in engine, the tiny model. Checks versions, trained groups, metrics, endpoints, cleanup."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.common.procs import pid_alive
+
+SMALL = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--async-data-buffer-capacity-factor", "1"]
+
+
+def asyncrl(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_nothing_left(run_dir: Path) -> None:
+    pids = json.loads((run_dir / "pids.json").read_text())
+    alive = {name: pid for name, pid in pids.items() if name != "launcher" and pid_alive(pid)}
+    assert not alive, f"processes outlived the run: {alive}"
+
+
+def test_sync_entrypoint_rejects_fully_async(tmp_path):
+    r = asyncrl("train", "--fully-async", cwd=tmp_path, timeout=60)
+    assert r.returncode == 2
+    assert "--fully-async requires the async driver: run train-async" in r.stderr
+
+
+def test_invalid_flags_say_what_to_do(tmp_path):
+    r = asyncrl("train-async", "--fully-async", "--pause-generation-mode", "abort", cwd=tmp_path, timeout=60)
+    assert r.returncode == 2 and "--fully-async cannot use --pause-generation-mode abort" in r.stderr
+
+
+def test_fully_async_run_end_to_end(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "train-async", "--fully-async", *SMALL, "--num-rollout", "8",
+         "--eval-interval", "4", "--run-dir", str(run_dir)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        # while it runs: every service answers its HTTP endpoints on its own port
+        deadline = time.monotonic() + 120
+        while not (run_dir / "services.json").exists():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "services never came up"
+            time.sleep(0.1)
+        services = json.loads((run_dir / "services.json").read_text())
+        assert {"buffer", "weight-sync", "eval", "rollout-0", "trainer", "engine-0"} <= set(services)
+        with httpx.Client(timeout=5) as http:
+            for name, url in services.items():
+                if name.startswith("engine"):
+                    assert http.get(url + "/model_info").status_code == 200
+                    continue
+                for path in ("/healthz", "/metrics", "/status"):
+                    r = http.get(url + path)
+                    assert r.status_code == 200, (name, path, r.text)
+                assert http.get(url + "/status").json()["service"] in name
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "held-out reward (reverse-digits): step 0" in out and "[step    8/8]" in out
+    recs = records(run_dir)
+    assert [r["step"] for r in recs] == list(range(8))
+    assert [r["weight_version"] for r in recs] == list(range(1, 9))  # one push per step
+    for key in ("rollout/fully_async/queue_size", "rollout/reward/mean", "rollout/reward/std", "perf/step_time_s",
+                "perf/rollout_wait_s", "perf/train_time_s", "train/loss", "rollout/weight_version/mean"):  # fmt: skip
+        assert all(key in r for r in recs), key
+    assert any("rollout/fully_async/avg_staleness" in r for r in recs)
+    assert max(r["rollout/weight_version/max"] for r in recs) >= 1  # samples carry advancing versions
+    assert all(r["rollout/num_samples"] == 16 for r in recs)
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["final_weight_version"] == 8 and result["heldout_reward_final"] is not None
+    assert set(result["evals"]) == {"0", "4", "8"}
+    assert_nothing_left(run_dir)
+
+
+@pytest.mark.parametrize("command", ["train", "train-async"])
+def test_sync_and_one_step_drivers(tmp_path, command):
+    run_dir = tmp_path / "run"
+    r = asyncrl(command, *SMALL, "--num-rollout", "4", "--run-dir", str(run_dir), "--update-weights-interval", "2", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    recs = records(run_dir)
+    assert [r["weight_version"] for r in recs] == [0, 1, 1, 2]  # pushes every 2 steps
+    if command == "train":
+        # synchronous: every batch was generated on the weights of the previous push
+        for rec in recs:
+            assert rec["rollout/weight_version/max"] == rec["rollout/weight_version/min"]
+        assert [rec["rollout/weight_version/min"] for rec in recs] == [0, 0, 1, 1]
+    else:
+        # one-step: step r+1's batch is generated while step r trains, so it lags by one step
+        assert [rec["rollout/weight_version/min"] for rec in recs] == [0, 0, 0, 1]
+    assert_nothing_left(run_dir)
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "train-async", "--fully-async", *SMALL, "--num-rollout", "1000",
+         "--run-dir", str(run_dir)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out
+    assert "every process of the run was stopped" in out
+    assert_nothing_left(run_dir)

@@ -1,0 +1,162 @@
+"""The buffer service against a real nats-server: release policy, leases, commits, staleness
+clock, dead letters. The test plays producer (PROMPTS -> ROLLOUTS) and trainer (get/commit)."""
+
+from __future__ import annotations
+
+import httpx
+import msgpack
+
+from asyncrl_proto import (
+    BufferCommit,
+    BufferCommitReply,
+    BufferGetReply,
+    BufferGetRequest,
+    PromptMsg,
+    RolloutGroup,
+    Sample,
+    SampleStatus,
+    WeightsLive,
+    decode,
+)
+from services.api import RunConfig
+from services.buffer.service import BufferService
+from services.common.bus import Bus, fetch_some
+from tests.conftest import start_service, wait_until
+
+
+def config(task_data, **kw) -> RunConfig:
+    base = dict(prompt_data=str(task_data[0]), rollout_batch_size=2, n_samples_per_prompt=2, fully_async=True,
+                async_data_buffer_capacity_factor=1.0, run_dir="/tmp")  # fmt: skip
+    base.update(kw)
+    return RunConfig(**base)
+
+
+class Harness:
+    def __init__(self, bus: Bus):
+        self.bus = bus
+        self.s = bus.subjects
+        self.psub = None
+
+    async def prompts(self, k: int, timeout: float = 5.0) -> list[PromptMsg]:
+        if self.psub is None:
+            self.psub = await self.bus.pull(self.s.prompts_stream, self.s.prompts, durable="producers")
+        out = []
+        while len(out) < k:
+            msgs = await fetch_some(self.psub, k - len(out), timeout)
+            assert msgs, f"expected {k} prompts, got {len(out)}"
+            for m in msgs:
+                out.append(decode(m.data, PromptMsg))
+                await m.ack()
+        return out
+
+    async def publish_group(self, p: PromptMsg, versions=(0,), n=2, status=SampleStatus.COMPLETED):
+        samples = [Sample(index=p.group_index * 2 + i, group_index=p.group_index, prompt=p.prompt, label=p.label,
+                          tokens=[1, 5, 15, 5, 2], response_length=2, reward=float(i), status=status,
+                          weight_versions=list(versions), rollout_log_probs=[-1.0, -1.0]) for i in range(n)]  # fmt: skip
+        rg = RolloutGroup(group_id=f"g{p.group_index}-a{p.attempt}", group_index=p.group_index, attempt=p.attempt, samples=samples)
+        await self.bus.publish(self.s.rollouts, rg, msg_id=rg.group_id)
+
+    async def get(self, step: int, **kw) -> BufferGetReply:
+        req = BufferGetRequest(step=step, count=2, wait_s=kw.pop("wait_s", 3.0), **kw)
+        return await self.bus.request(self.s.buffer_get, req, BufferGetReply, timeout=req.wait_s + 5)
+
+    async def stream_msgs(self, stream: str) -> int:
+        return (await self.bus.js.stream_info(stream)).state.messages
+
+
+async def _setup(nats_server, run_id, cfg):
+    svc = await start_service(BufferService, cfg, nats_server.url, run_id)
+    bus = await Bus.connect(nats_server.url, run_id, "test")
+    return svc, Harness(bus)
+
+
+async def test_release_waits_for_the_trainer_and_is_bounded(nats_server, run_id, task_data):
+    svc, h = await _setup(nats_server, run_id, config(task_data))
+    try:
+        assert await h.stream_msgs(h.s.prompts_stream) == 0  # nothing before the first get
+        reply = await h.get(0, wait_s=0.2)
+        assert not reply.complete and reply.refs == []
+        # capacity 2 + one producer's in-flight cap 2
+        await wait_until(lambda: svc.service.num_released == 4, what="4 releases")
+        assert await h.stream_msgs(h.s.prompts_stream) == 4
+    finally:
+        await svc.stop()
+        await h.bus.close()
+
+
+async def test_get_is_idempotent_per_step_and_commit_retires(nats_server, run_id, task_data):
+    svc, h = await _setup(nats_server, run_id, config(task_data))
+    try:
+        await h.get(0, wait_s=0.1)
+        for p in await h.prompts(2):
+            await h.publish_group(p)
+        reply = await h.get(0)
+        assert reply.complete and len(reply.refs) == 2
+        assert reply.metrics["rollout/fully_async/queue_size"] == 0
+        groups = [decode(await h.bus.get_payload(h.s.rollouts_stream, r.stream_seq), RolloutGroup) for r in reply.refs]
+        assert sorted(g.group_index for g in groups) == [0, 1]
+        again = await h.get(0)
+        assert [r.group_id for r in again.refs] == [r.group_id for r in reply.refs]  # same lease
+        done = await h.bus.request(h.s.buffer_commit, BufferCommit(step=0), BufferCommitReply, timeout=5)
+        assert done.num_groups_committed == 2 and svc.service.ledger["trained"] == 2
+        late = await h.get(0)
+        assert late.error and "already committed" in late.error
+    finally:
+        await svc.stop()
+        await h.bus.close()
+
+
+async def test_bad_messages_are_dead_lettered_and_the_service_keeps_running(nats_server, run_id, task_data):
+    svc, h = await _setup(nats_server, run_id, config(task_data))
+    try:
+        await h.bus.js.publish(h.s.rollouts, b"\xc1 not msgpack")
+        await h.bus.js.publish(h.s.rollouts, msgpack.packb({"group_id": 3}))
+        await h.get(0, wait_s=0.1)
+        prompts = await h.prompts(3)
+        await h.publish_group(prompts[0], n=3)  # wrong number of trajectories
+        await wait_until(lambda: svc.service.ledger["dead_lettered"] == 3, what="3 dead letters")
+        assert await h.stream_msgs(h.s.deadletter_stream) == 3
+        for p in prompts[1:]:
+            await h.publish_group(p)
+        assert (await h.get(0)).complete  # still serving
+        async with httpx.AsyncClient(base_url=svc.service.http_url) as c:
+            assert "asyncrl_buffer_ledger_dead_lettered_total 3.0" in (await c.get("/metrics")).text
+            status = (await c.get("/status")).json()
+        assert status["capacity"] == 2 and status["ledger"]["dead_lettered"] == 3
+    finally:
+        await svc.stop()
+        await h.bus.close()
+
+
+async def test_staleness_is_judged_against_the_live_version(nats_server, run_id, task_data):
+    svc, h = await _setup(nats_server, run_id, config(task_data, max_weight_staleness=1))
+    try:
+        await h.bus.publish(h.s.weights_live, WeightsLive(version=5))
+        await wait_until(lambda: svc.service.live_version == 5, what="live version 5")
+        await h.get(0, wait_s=0.1)
+        prompts = await h.prompts(4)
+        await h.publish_group(prompts[0], versions=(3,))  # staleness 2: rejected
+        for p in prompts[1:3]:
+            await h.publish_group(p, versions=(4, 5))
+        reply = await h.get(0)
+        assert reply.complete and [r.group_index for r in reply.refs] == [1, 2]
+        assert [r.staleness for r in reply.refs] == [1, 1]
+        assert reply.metrics["rollout/fully_async/stale_groups_filtered"] == 1
+        assert svc.service.ledger["stale_dropped"] == 1
+    finally:
+        await svc.stop()
+        await h.bus.close()
+
+
+async def test_sync_mode_releases_one_batch_on_the_right_weights(nats_server, run_id, task_data):
+    svc, h = await _setup(nats_server, run_id, config(task_data, fully_async=False, driver="sync"))
+    try:
+        await h.get(0, wait_s=0.2, release_min_version=1)
+        assert svc.service.num_released == 0  # engines still on version 0
+        await h.bus.publish(h.s.weights_live, WeightsLive(version=1))
+        await wait_until(lambda: svc.service.num_released == 2, what="one batch released")
+        await h.get(0, wait_s=0.3, release_min_version=1)
+        assert svc.service.num_released == 2  # exactly B, never more
+    finally:
+        await svc.stop()
+        await h.bus.close()
