@@ -22,7 +22,7 @@ setup: $(BIN)/.installed
 
 # The default job: fully async RL on the bundled task, embedded NATS, built-in engine, tiny model.
 run: setup
-	$(BIN)/asyncrl train-async --fully-async $(ARGS)
+	$(BIN)/asyncrl train-async --config deploy/configs/quickstart.yaml $(ARGS)
 
 # The test suite CI runs (.ci/run calls exactly this).
 test: $(BIN)/.test-installed

@@ -3,7 +3,7 @@ msgspec.DecodeError / ValidationError at the edge, never deep inside a loop."""
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from typing import Any, TypeVar
 
 import msgspec
@@ -17,7 +17,7 @@ def encode(obj: Any) -> bytes:
     return _encoder.encode(obj)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _decoder(tp: Any) -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(tp)
 

@@ -7,7 +7,13 @@
 """
 
 from asyncrl_proto.messages import Sample, SampleStatus
-from services.buffer.core import DataBuffer, DefaultDataBuffer, DynamicFilterOutput, check_reward_nonzero_std
+
+from services.buffer.core import (
+    DataBuffer,
+    DefaultDataBuffer,
+    DynamicFilterOutput,
+    check_reward_nonzero_std,
+)
 from services.common.config import RunConfig
 
 __all__ = [

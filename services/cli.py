@@ -3,6 +3,7 @@
   asyncrl train ...                    synchronous driver (SPEC.md section 6)
   asyncrl train-async ...              one-step async driver
   asyncrl train-async --fully-async    fully async driver (the default job of the README)
+  asyncrl init-run --nats-url URL ...  prepare a run for services started elsewhere (compose, k8s)
   asyncrl service NAME ...             run one service alone against a NATS server
   asyncrl engine ...                   run the built-in SGLang-compatible engine
   asyncrl build-model --out DIR        build the bundled task's tiny model
@@ -26,23 +27,44 @@ def _train_parser(prog: str, sync: bool) -> argparse.ArgumentParser:
         else "Asynchronous RL: one-step overlap, or --fully-async with a continuously fed buffer."
     )
     p = argparse.ArgumentParser(prog=prog, description=desc)
-    p.add_argument("--config", dest="config_file", default=None, help="YAML, TOML or JSON file of flag values")
+    p.add_argument(
+        "--config", dest="config_file", default=None, help="YAML, TOML or JSON file of flag values"
+    )
     add_config_arguments(p, skip=("driver",))
     return p
 
 
-def _cmd_train(argv: list[str], sync: bool) -> int:
+def _resolve(prog: str, argv: list[str], sync: bool):
+    """Parse and validate a training command line; returns a RunConfig or exits with 2."""
     from services.common.config import ConfigError, resolve_config
 
-    prog = "asyncrl train" if sync else "asyncrl train-async"
     args = vars(_train_parser(prog, sync).parse_args(argv))
     config_file = args.pop("config_file")
     args["driver"] = "sync" if sync else "async"
     try:
-        config = resolve_config(args, config_file)
-    except ConfigError as e:
+        return resolve_config(args, config_file)
+    except (ConfigError, OSError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _cmd_init_run(argv: list[str]) -> int:
+    sync = "--driver-sync" in argv
+    argv = [a for a in argv if a != "--driver-sync"]
+    config = _resolve("asyncrl init-run", argv, sync)
+    from services.launcher import LaunchError, init_run
+
+    try:
+        init_run(config)
+    except LaunchError as e:
+        print(f"asyncrl init-run: error: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _cmd_train(argv: list[str], sync: bool) -> int:
+    prog = "asyncrl train" if sync else "asyncrl train-async"
+    config = _resolve(prog, argv, sync)
     from services.launcher import LaunchError, launch
 
     try:
@@ -54,15 +76,21 @@ def _cmd_train(argv: list[str], sync: bool) -> int:
         print(f"{prog}: run failed: {e}", file=sys.stderr)
         return 1
     r0, r1 = result["heldout_reward_step0"], result["heldout_reward_final"]
-    print(f"done in {result['wall_s']:.0f}s: {result['steps']} steps, final weight version {result['final_weight_version']}")
+    print(
+        f"done in {result['wall_s']:.0f}s: {result['steps']} steps, final weight version {result['final_weight_version']}"
+    )
     if r0 is not None and r1 is not None:
-        print(f"held-out reward ({result['heldout_dataset']}): step 0 {r0:.3f} -> end {r1:.3f} ({r1 - r0:+.3f})")
+        print(
+            f"held-out reward ({result['heldout_dataset']}): step 0 {r0:.3f} -> end {r1:.3f} ({r1 - r0:+.3f})"
+        )
     print(json.dumps({k: v for k, v in result.items() if k != "evals"}))
     return 0
 
 
 def _cmd_build_model(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="asyncrl build-model", description="Build the bundled task's tiny model.")
+    p = argparse.ArgumentParser(
+        prog="asyncrl build-model", description="Build the bundled task's tiny model."
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--warmup-sft-steps", type=int, default=20)
@@ -73,9 +101,33 @@ def _cmd_build_model(argv: list[str]) -> int:
     return 0
 
 
+def check_argv(argv: list[str]) -> None:
+    """Parse a command line with the real parsers without running anything (SystemExit on an
+    invalid one). Used to check that deploy files only run real commands with valid flags."""
+    cmd, rest = argv[0], argv[1:]
+    if cmd in ("train", "train-async"):
+        _resolve(f"asyncrl {cmd}", rest, cmd == "train")
+    elif cmd == "init-run":
+        _resolve(
+            "asyncrl init-run", [a for a in rest if a != "--driver-sync"], "--driver-sync" in rest
+        )
+    elif cmd == "service":
+        from services.common.entry import SERVICES, service_parser
+
+        if not rest or rest[0] not in SERVICES:
+            raise SystemExit(f"unknown service {rest[:1]}")
+        service_parser(rest[0]).parse_args(rest[1:])
+    elif cmd == "engine":
+        from services.engine.__main__ import parse_args
+
+        parse_args(rest)
+    else:
+        raise SystemExit(f"unknown command {cmd!r}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ("train", "train-async", "service", "engine", "build-model")
+    commands = ("train", "train-async", "init-run", "service", "engine", "build-model")
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0
@@ -84,11 +136,16 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_train(rest, sync=True)
     if cmd == "train-async":
         return _cmd_train(rest, sync=False)
+    if cmd == "init-run":
+        return _cmd_init_run(rest)
     if cmd == "service":
         from services.common.entry import SERVICES, service_main
 
         if not rest or rest[0] not in SERVICES:
-            print(f"usage: asyncrl service {{{','.join(SERVICES)}}} --nats-url URL --run-id ID", file=sys.stderr)
+            print(
+                f"usage: asyncrl service {{{','.join(SERVICES)}}} --nats-url URL --run-id ID",
+                file=sys.stderr,
+            )
             return 2
         service_main(rest[0], rest[1:])
         return 0

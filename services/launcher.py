@@ -22,10 +22,10 @@ import uuid
 from pathlib import Path
 
 import httpx
-
 from asyncrl_proto import EvalRequest, EvalResult, ProgressRecord, decode
 from asyncrl_proto.codec import DecodeError
 from asyncrl_proto.subjects import check_run_id
+
 from services.common import procs
 from services.common.config import RunConfig
 from services.common.natsserver import EmbeddedNats
@@ -55,7 +55,9 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
     updates: dict = {"run_id": run_id, "run_dir": str(run_dir)}
-    if config.task == "reverse-digits" and (config.prompt_data is None or not config.eval_prompt_data):
+    if config.task == "reverse-digits" and (
+        config.prompt_data is None or not config.eval_prompt_data
+    ):
         from services.tasks import reverse_digits
 
         train, held_out = reverse_digits.write_datasets(run_dir / "data", seed=config.rollout_seed)
@@ -68,11 +70,54 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
 
         model_dir = run_dir / "model" / "initial"
         if not (model_dir / ".complete").exists():
-            reverse_digits.build_model(model_dir, seed=config.seed, warmup_sft_steps=config.warmup_sft_steps, log=log)
+            reverse_digits.build_model(
+                model_dir, seed=config.seed, warmup_sft_steps=config.warmup_sft_steps, log=log
+            )
         updates["hf_checkpoint"] = str(model_dir)
     else:
         updates["hf_checkpoint"] = str(Path(config.hf_checkpoint).resolve())
     return config.model_copy(update=updates)
+
+
+async def publish_run_config(config: RunConfig) -> None:
+    """Create the run's streams and write its resolved config to KV, for services started
+    elsewhere (docker compose, Kubernetes, Ray) with `asyncrl service NAME`."""
+    from services.common.bus import Bus
+
+    bus = await Bus.connect(config.nats_url, config.run_id, "init-run", connect_timeout_s=120)
+    try:
+        await bus.ensure_streams()
+        await bus.kv_put("config", json.dumps(config.model_dump(mode="json")).encode())
+    finally:
+        await bus.close()
+
+
+def init_run(config: RunConfig, log=print) -> RunConfig:
+    if not config.nats_url:
+        raise LaunchError(
+            "init-run needs --nats-url: the services it prepares for read their config from NATS"
+        )
+    if not config.rollout_engine_urls and not config.rollout_external_engine_addrs:
+        raise LaunchError(
+            "init-run needs --rollout-engine-urls (or --rollout-external-engine-addrs): where the engines listen"
+        )
+    config = prepare_run(config, log=log)
+    if not config.rollout_engine_urls:
+        from services.common.sglang_client import normalize_url
+
+        config = config.model_copy(
+            update={
+                "rollout_engine_urls": [
+                    normalize_url(a) for a in config.rollout_external_engine_addrs
+                ]
+            }
+        )
+    (Path(config.run_dir) / "config.json").write_text(
+        json.dumps(config.model_dump(mode="json"), indent=2)
+    )
+    asyncio.run(publish_run_config(config))
+    log(f"run {config.run_id} prepared in {config.run_dir}; config published to {config.nats_url}")
+    return config
 
 
 class Launcher:
@@ -111,7 +156,9 @@ class Launcher:
     def start_nats(self) -> None:
         if self.nats_url:
             return
-        self.nats = EmbeddedNats(self.run_dir / "nats", log_path=self.run_dir / "logs" / "nats-server.log").start()
+        self.nats = EmbeddedNats(
+            self.run_dir / "nats", log_path=self.run_dir / "logs" / "nats-server.log"
+        ).start()
         self.nats_url = self.nats.url
         self._write_pids()
 
@@ -122,7 +169,9 @@ class Launcher:
 
             return [normalize_url(a) for a in c.rollout_external_engine_addrs]
         if c.engine != "builtin":
-            raise LaunchError("--engine sglang needs --rollout-external-engine-addrs on this launcher version")
+            raise LaunchError(
+                "--engine sglang needs --rollout-external-engine-addrs on this launcher version"
+            )
         urls = []
         for i in range(c.rollout_num_engines):
             port = procs.free_port()
@@ -157,7 +206,9 @@ class Launcher:
                         if http.get(url + path).status_code == 200:
                             del pending[label]
                 if pending and time.monotonic() > deadline:
-                    raise LaunchError(f"not ready after {timeout_s:.0f}s: {sorted(pending)} (see {self.run_dir}/logs)")
+                    raise LaunchError(
+                        f"not ready after {timeout_s:.0f}s: {sorted(pending)} (see {self.run_dir}/logs)"
+                    )
                 if pending:
                     time.sleep(0.1)
 
@@ -166,14 +217,18 @@ class Launcher:
             code = proc.poll()
             if code is not None and name not in allow_exit:
                 tail = _tail(self.run_dir / "logs" / f"{name}.log")
-                raise LaunchError(f"{name} (pid {proc.pid}) exited with code {code}; last log lines:\n{tail}")
+                raise LaunchError(
+                    f"{name} (pid {proc.pid}) exited with code {code}; last log lines:\n{tail}"
+                )
 
     # ---- run -------------------------------------------------------------------------------
     async def run(self) -> dict:
         c = self.config
         self.start_nats()
         urls = self.start_engines()
-        self.config = c = c.model_copy(update={"rollout_engine_urls": urls, "nats_url": self.nats_url})
+        self.config = c = c.model_copy(
+            update={"rollout_engine_urls": urls, "nats_url": self.nats_url}
+        )
         (self.run_dir / "config.json").write_text(json.dumps(c.model_dump(mode="json"), indent=2))
         from services.common.bus import Bus
 
@@ -193,7 +248,10 @@ class Launcher:
             self._print_services()
             await self._watch(bus)
             if c.mode == "sync" and c.total_steps not in self.evals:
-                await bus.publish(bus.subjects.eval_requests, EvalRequest(step=c.total_steps, version=self._final_version(), final=True))
+                await bus.publish(
+                    bus.subjects.eval_requests,
+                    EvalRequest(step=c.total_steps, version=self._final_version(), final=True),
+                )
             await self._wait_final_eval()
         finally:
             await bus.close()
@@ -219,7 +277,9 @@ class Launcher:
         while self.config.total_steps not in self.evals:
             self.check_children(allow_exit=("trainer",))
             if time.monotonic() > deadline:
-                raise LaunchError(f"the final evaluation did not finish within {FINAL_EVAL_TIMEOUT_S:.0f}s")
+                raise LaunchError(
+                    f"the final evaluation did not finish within {FINAL_EVAL_TIMEOUT_S:.0f}s"
+                )
             await asyncio.sleep(0.2)
 
     async def _on_progress(self, msg) -> None:
@@ -234,9 +294,15 @@ class Launcher:
         with contextlib.suppress(*DecodeError):
             res = decode(msg.data, EvalResult)
             self.evals[res.step] = res
-            main = {k: v for k, v in res.metrics.items() if k.count("/") == 1 and not k.startswith("eval/duration")}
+            main = {
+                k: v
+                for k, v in res.metrics.items()
+                if k.count("/") == 1 and not k.startswith("eval/duration")
+            }
             shown = ", ".join(f"{k} {v:.3f}" for k, v in main.items() if k != "eval/step")
-            self.out(f"  eval @ step {res.step} (weights v{res.version}): {shown} [{res.duration_s:.1f}s]")
+            self.out(
+                f"  eval @ step {res.step} (weights v{res.version}): {shown} [{res.duration_s:.1f}s]"
+            )
 
     def _print_services(self) -> None:
         self.out(f"run {self.config.run_id} in {self.run_dir}")
@@ -258,7 +324,9 @@ class Launcher:
             "steps": self.config.total_steps,
             "wall_s": time.time() - self.t0,
             "final_weight_version": self._final_version(),
-            "heldout_dataset": self.config.eval_prompt_data[0] if self.config.eval_prompt_data else None,
+            "heldout_dataset": self.config.eval_prompt_data[0]
+            if self.config.eval_prompt_data
+            else None,
             "heldout_reward_step0": r0,
             "heldout_reward_final": r1,
             "heldout_reward_gain": (r1 - r0) if r0 is not None and r1 is not None else None,

@@ -45,7 +45,9 @@ def task_data(tmp_path_factory):
 class EngineThread:
     """The built-in engine (scheduler + HTTP server) inside the test process, on a free port."""
 
-    def __init__(self, model_dir, weight_version: str = "0", max_running_requests: int = 64, seed: int = 0):
+    def __init__(
+        self, model_dir, weight_version: str = "0", max_running_requests: int = 64, seed: int = 0
+    ):
         import uvicorn
 
         from services.engine.scheduler import Scheduler
@@ -55,13 +57,24 @@ class EngineThread:
 
         self.model = load_model(model_dir)
         self.scheduler = Scheduler(
-            self.model, max_running_requests=max_running_requests, weight_version=weight_version, seed=seed
+            self.model,
+            max_running_requests=max_running_requests,
+            weight_version=weight_version,
+            seed=seed,
         )
         self.port = procs.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = EngineServer(self.scheduler, str(model_dir), Tokenizer(model_dir), port=self.port)
+        self.server = EngineServer(
+            self.scheduler, str(model_dir), Tokenizer(model_dir), port=self.port
+        )
         self._uv = uvicorn.Server(
-            uvicorn.Config(self.server.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+            uvicorn.Config(
+                self.server.app,
+                host="127.0.0.1",
+                port=self.port,
+                log_level="warning",
+                lifespan="off",
+            )
         )
         self._uv.install_signal_handlers = lambda: None
         self._thread = threading.Thread(target=lambda: asyncio.run(self._uv.serve()), daemon=True)
@@ -97,7 +110,12 @@ class RunningService:
 
     async def stop(self):
         self.service.stop()
-        await asyncio.wait_for(self.task, 20)
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), 20)
+        except TimeoutError:
+            for t in asyncio.all_tasks():
+                t.print_stack(limit=6)
+            raise
 
 
 async def start_service(cls, config, nats_url: str, run_id: str, **kw) -> RunningService:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl_proto.messages import Sample, SampleStatus, flatten_group, oldest_weight_version
+
 from services.common.config import RunConfig
 
 Group = list[Any]
@@ -47,7 +48,9 @@ def load_object(path: str, what: str) -> Any:
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise ValueError(f"{what} {path!r}: module {module_name!r} has no attribute {attr!r}") from None
+        raise ValueError(
+            f"{what} {path!r}: module {module_name!r} has no attribute {attr!r}"
+        ) from None
 
 
 def staleness(current_version: int | None, group: Group) -> int | None:
@@ -99,7 +102,9 @@ class DefaultDataBuffer(DataBuffer):
             )
         self._filter = None
         if config.dynamic_sampling_filter_path:
-            self._filter = load_object(config.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
+            self._filter = load_object(
+                config.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path"
+            )
         self._groups: collections.deque[Group] = collections.deque()
         self._cond = asyncio.Condition()
         self._latest_version: int | None = None
@@ -153,7 +158,9 @@ class DefaultDataBuffer(DataBuffer):
     async def get(self, current_version: int | None = None, **context: Any) -> Group:
         if current_version is not None:
             self._latest_version = (
-                current_version if self._latest_version is None else max(self._latest_version, current_version)
+                current_version
+                if self._latest_version is None
+                else max(self._latest_version, current_version)
             )
         while True:
             async with self._cond:

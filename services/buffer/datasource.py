@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl_proto import PromptMsg
+
 from services.common.config import RunConfig
 
 
@@ -23,7 +24,9 @@ class DataError(ValueError):
     pass
 
 
-def load_rows(path: str | Path, input_key: str, label_key: str | None, metadata_key: str | None) -> list[dict]:
+def load_rows(
+    path: str | Path, input_key: str, label_key: str | None, metadata_key: str | None
+) -> list[dict]:
     """Parse a JSONL prompt file; a malformed row is reported with its file and line number."""
     path = Path(path)
     if not path.exists():
@@ -100,7 +103,16 @@ class PromptSource:
             released_at=time.time(),
         )
 
-    def recycle(self, group_index: int, prompt: Any, label: Any, metadata: dict, attempt: int, epoch: int, row: int) -> PromptMsg:
+    def recycle(
+        self,
+        group_index: int,
+        prompt: Any,
+        label: Any,
+        metadata: dict,
+        attempt: int,
+        epoch: int,
+        row: int,
+    ) -> PromptMsg:
         msg = PromptMsg(
             group_index=group_index,
             prompt=prompt,

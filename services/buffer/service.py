@@ -38,11 +38,12 @@ from asyncrl_proto import (
 )
 from asyncrl_proto.codec import DecodeError
 from asyncrl_proto.messages import flatten_group, oldest_weight_version
+
 from services.buffer.core import DataBuffer, DefaultDataBuffer, load_object, staleness
 from services.buffer.datasource import PromptSource, load_rows
 from services.buffer.policy import ReleaseState, release_allowance
 from services.common.bus import fetch_some
-from services.common.runtime import Service
+from services.common.runtime import Service, wait_event
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +95,12 @@ class BufferService(Service):
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
         if not config.prompt_data:
-            raise ValueError("the buffer needs --prompt-data (the launcher sets it to the task's data)")
+            raise ValueError(
+                "the buffer needs --prompt-data (the launcher sets it to the task's data)"
+            )
         self.source = PromptSource(
-            config, load_rows(config.prompt_data, config.input_key, config.label_key, config.metadata_key)
+            config,
+            load_rows(config.prompt_data, config.input_key, config.label_key, config.metadata_key),
         )
         self.buffer = make_buffer(config, self._recycle)
         self._observed = isinstance(self.buffer, DefaultDataBuffer)
@@ -132,10 +136,11 @@ class BufferService(Service):
         await self.bus.nc.subscribe(s.buffer_get, cb=self._on_get)
         await self.bus.nc.subscribe(s.buffer_commit, cb=self._on_commit)
         await self.bus.nc.subscribe(s.heartbeat("rollout"), cb=self._on_producer_heartbeat)
-        self.ready = True
         log.info(
             "buffer ready: capacity %d groups, %d prompts per epoch, mode %s",
-            self.config.buffer_capacity, self.source.epoch_size, self.config.mode,
+            self.config.buffer_capacity,
+            self.source.epoch_size,
+            self.config.mode,
         )
 
     def loops(self):
@@ -164,7 +169,9 @@ class BufferService(Service):
         if len(rg.samples) != n:
             self.ledger["dead_lettered"] += 1
             await self.bus.dead_letter(
-                subject, msg.data, f"group {rg.group_id} has {len(rg.samples)} trajectories, expected n={n}"
+                subject,
+                msg.data,
+                f"group {rg.group_id} has {len(rg.samples)} trajectories, expected n={n}",
             )
             await msg.term()
             return
@@ -209,10 +216,22 @@ class BufferService(Service):
         meta = self.meta.pop(id(group), None)
         first = flatten_group(group)[0]
         if meta is None:
-            log.warning("recycling a group the buffer does not know (group_index %s)", first.group_index)
-            self.source.recycle(first.group_index, first.prompt, first.label, dict(first.metadata), 0, 0, 0)
+            log.warning(
+                "recycling a group the buffer does not know (group_index %s)", first.group_index
+            )
+            self.source.recycle(
+                first.group_index, first.prompt, first.label, dict(first.metadata), 0, 0, 0
+            )
         else:
-            self.source.recycle(meta.group_index, meta.prompt, meta.label, meta.metadata, meta.attempt, meta.epoch, meta.row)
+            self.source.recycle(
+                meta.group_index,
+                meta.prompt,
+                meta.label,
+                meta.metadata,
+                meta.attempt,
+                meta.epoch,
+                meta.row,
+            )
         self.ledger["recycled"] += 1
         self._wake_release.set()
 
@@ -250,14 +269,15 @@ class BufferService(Service):
     async def _release_prompts(self) -> None:
         subject = self.bus.subjects.prompts
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake_release.wait(), 1.0)
+            await wait_event(self._wake_release, 1.0)
             self._wake_release.clear()
             if self.live_version is None:
                 await self._read_live_version()  # weight-sync may have announced before we listened
             for _ in range(release_allowance(self.release_state())):
                 msg: PromptMsg = self.source.next_prompt()
-                await self.bus.publish(subject, msg, msg_id=f"prompt-{msg.group_index}-{msg.attempt}")
+                await self.bus.publish(
+                    subject, msg, msg_id=f"prompt-{msg.group_index}-{msg.attempt}"
+                )
                 self.num_released += 1
                 self.ledger["released"] += 1 if msg.attempt == 0 else 0
                 self.ledger["rereleased"] += 1 if msg.attempt > 0 else 0
@@ -273,7 +293,9 @@ class BufferService(Service):
             await self.bus.dead_letter(msg.subject, msg.data, f"undecodable BufferGetRequest: {e}")
             return
         if req.step <= self.committed_step:
-            await msg.respond(encode(BufferGetReply(step=req.step, error=f"step {req.step} is already committed")))
+            await msg.respond(
+                encode(BufferGetReply(step=req.step, error=f"step {req.step} is already committed"))
+            )
             return
         lease = self.leases.get(req.step)
         if lease is None:
@@ -285,9 +307,10 @@ class BufferService(Service):
         self._wake_release.set()
         self._wake_pump.set()
         if req.wait_s > 0:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(lease.done.wait(), req.wait_s)
-        reply = BufferGetReply(step=req.step, refs=list(lease.refs), complete=lease.complete, metrics=lease.metrics)
+            await wait_event(lease.done, req.wait_s)
+        reply = BufferGetReply(
+            step=req.step, refs=list(lease.refs), complete=lease.complete, metrics=lease.metrics
+        )
         await msg.respond(encode(reply))
 
     def _next_incomplete_lease(self) -> Lease | None:
@@ -308,7 +331,9 @@ class BufferService(Service):
                 while len(self.buffer) == 0:
                     self._stored.clear()
                     await self._stored.wait()
-            version = self._override_version if self._override_version is not None else self.live_version
+            version = (
+                self._override_version if self._override_version is not None else self.live_version
+            )
             group = await self.buffer.get(current_version=version)
             lease.refs.append(self._ref_for(group, version))
             self.ledger["consumed"] += 1
@@ -345,7 +370,9 @@ class BufferService(Service):
             for ref in lease.refs:
                 if ref.stream_seq:
                     with contextlib.suppress(Exception):
-                        await self.bus.js.delete_msg(self.bus.subjects.rollouts_stream, ref.stream_seq)
+                        await self.bus.js.delete_msg(
+                            self.bus.subjects.rollouts_stream, ref.stream_seq
+                        )
         self.ledger["trained"] += num
         self.committed_step = max(self.committed_step, req.step)
         await msg.respond(encode(BufferCommitReply(step=req.step, num_groups_committed=num)))
@@ -390,10 +417,15 @@ class BufferService(Service):
             "committed_step": self.committed_step,
             "released": self.num_released,
             "outstanding": rs.outstanding,
-            "producers": len([1 for ts, _ in self.producers.values() if time.time() - ts < PRODUCER_TIMEOUT_S]),
-            "data_source": {"epoch": self.source.epoch, "cursor": self.source.cursor,
-                            "next_group_index": self.source.next_group_index,
-                            "recycled_waiting": len(self.source.recycled)},  # fmt: skip
+            "producers": len(
+                [1 for ts, _ in self.producers.values() if time.time() - ts < PRODUCER_TIMEOUT_S]
+            ),
+            "data_source": {
+                "epoch": self.source.epoch,
+                "cursor": self.source.cursor,
+                "next_group_index": self.source.next_group_index,
+                "recycled_waiting": len(self.source.recycled),
+            },  # fmt: skip
             "ledger": dict(self.ledger),
         }
 

@@ -17,10 +17,9 @@ from typing import Any, TypeVar
 import nats
 import nats.errors
 import nats.js.errors
-from nats.js import api
-
 from asyncrl_proto import DeadLetter, decode, encode
 from asyncrl_proto.subjects import Subjects
+from nats.js import api
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -79,7 +78,7 @@ class Bus:
                     allow_reconnect=True,
                 )
                 break
-            except (OSError, nats.errors.NoServersError, asyncio.TimeoutError) as e:  # not up yet
+            except (TimeoutError, OSError, nats.errors.NoServersError) as e:  # not up yet
                 if time.monotonic() > deadline:
                     raise BusError(
                         f"cannot connect to NATS at {url} within {connect_timeout_s:.0f}s: {e}. "
@@ -183,7 +182,11 @@ class Bus:
         await self.publish(
             target,
             DeadLetter(
-                original_subject=subject, reason=reason, data=data, service=self.service, ts=time.time()
+                original_subject=subject,
+                reason=reason,
+                data=data,
+                service=self.service,
+                ts=time.time(),
             ),
         )
 
@@ -192,5 +195,5 @@ async def fetch_some(psub, batch: int, timeout_s: float) -> list:
     """fetch() that returns [] on timeout instead of raising."""
     try:
         return await psub.fetch(batch, timeout=timeout_s)
-    except (nats.errors.TimeoutError, asyncio.TimeoutError):
+    except (TimeoutError, nats.errors.TimeoutError):
         return []

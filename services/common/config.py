@@ -40,7 +40,8 @@ class RunConfig(BaseModel):
         None, description="Run id used in every NATS name; default: derived from the start time."
     )
     run_dir: str | None = Field(
-        None, description="Directory for snapshots, checkpoints, metrics and logs; default runs/<run-id>."
+        None,
+        description="Directory for snapshots, checkpoints, metrics and logs; default runs/<run-id>.",
     )
     nats_url: str | None = Field(
         None,
@@ -69,7 +70,9 @@ class RunConfig(BaseModel):
     torch_num_threads: int = Field(
         1, description="torch intra-op threads per torch process (engine, trainer)."
     )
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="Log level."
+    )
 
     # ---- model and data ---------------------------------------------------------------------
     task: Literal["reverse-digits"] = Field(
@@ -112,7 +115,8 @@ class RunConfig(BaseModel):
         None, description="Training steps to run; default 150 unless --num-epoch is given."
     )
     num_epoch: int | None = Field(
-        None, description="Epochs over --prompt-data; sets the step count when --num-rollout is unset."
+        None,
+        description="Epochs over --prompt-data; sets the step count when --num-rollout is unset.",
     )
     rm_type: str | None = Field(
         None, description="Built-in reward; default: the task's reward (reverse-digits)."
@@ -129,7 +133,8 @@ class RunConfig(BaseModel):
         None, description="module.fn replacing the whole rollout loop (not with --fully-async)."
     )
     dynamic_sampling_filter_path: str | None = Field(
-        None, description="module.fn: fn(config, group) -> DynamicFilterOutput | bool, applied at put."
+        None,
+        description="module.fn: fn(config, group) -> DynamicFilterOutput | bool, applied at put.",
     )
     rollout_sample_filter_path: str | None = Field(
         None, description="module.fn: fn(config, batch) marking remove_sample, applied per step."
@@ -151,7 +156,8 @@ class RunConfig(BaseModel):
         "drop", description="What happens to aborted and stale groups: drop, or retry the prompt."
     )
     async_max_concurrent_samples: int | None = Field(
-        None, description="In-flight cap in samples (>= n); groups = max(1, this // n). Default B groups."
+        None,
+        description="In-flight cap in samples (>= n); groups = max(1, this // n). Default B groups.",
     )
     rollout_submission_granularity: Literal["sample", "group"] | None = Field(
         None,
@@ -162,10 +168,15 @@ class RunConfig(BaseModel):
     pause_generation_mode: Literal["retract", "in_place", "abort"] = Field(
         "retract", description="How engines pause for a weight update."
     )
-    colocate: bool = Field(False, description="Training and rollout share devices (not with --fully-async).")
-    partial_rollout: bool = Field(False, description="Resume aborted samples (not with --fully-async).")
+    colocate: bool = Field(
+        False, description="Training and rollout share devices (not with --fully-async)."
+    )
+    partial_rollout: bool = Field(
+        False, description="Resume aborted samples (not with --fully-async)."
+    )
     prompt_ack_wait_s: float = Field(
-        30.0, description="A producer that holds a prompt this long without a heartbeat loses it to another."
+        30.0,
+        description="A producer that holds a prompt this long without a heartbeat loses it to another.",
     )
     rollout_wait_warn_s: float = Field(
         30.0, description="Trainer warns 'No completed rollout groups for ...' after this long."
@@ -182,14 +193,18 @@ class RunConfig(BaseModel):
     grpo_std_normalization: bool = Field(
         True, description="Divide group advantages by the group std (forced off when n == 1)."
     )
-    eps_clip: float = Field(0.2, description="PPO clip range (lower, and upper unless --eps-clip-high).")
+    eps_clip: float = Field(
+        0.2, description="PPO clip range (lower, and upper unless --eps-clip-high)."
+    )
     eps_clip_high: float | None = Field(None, description="Upper PPO clip range.")
     use_rollout_logprobs: bool = Field(
         True, description="Importance ratios against the engine's behaviour log-probs."
     )
     entropy_coef: float = Field(0.0, description="Entropy bonus coefficient.")
     save: str | None = Field(None, description="Directory for training checkpoints.")
-    save_interval: int | None = Field(None, description="Save every this many steps (needs --save).")
+    save_interval: int | None = Field(
+        None, description="Save every this many steps (needs --save)."
+    )
     load: str | None = Field(None, description="Resume from this checkpoint directory.")
     save_hf: str | None = Field(None, description="Directory for periodic HF snapshots.")
     keep_weight_snapshots: int = Field(
@@ -311,9 +326,13 @@ def validation_errors(c: RunConfig) -> list[str]:
     if c.eval_interval is not None and c.eval_interval < 1:
         errs.append(f"--eval-interval must be >= 1 (got {c.eval_interval})")
     if len(c.eval_prompt_data) % 2:
-        errs.append("--eval-prompt-data takes NAME PATH pairs, e.g. --eval-prompt-data aime aime.jsonl")
+        errs.append(
+            "--eval-prompt-data takes NAME PATH pairs, e.g. --eval-prompt-data aime aime.jsonl"
+        )
     if c.rollout_num_engines < 1 and not c.rollout_external_engine_addrs:
-        errs.append("--rollout-num-engines must be >= 1 unless --rollout-external-engine-addrs is set")
+        errs.append(
+            "--rollout-num-engines must be >= 1 unless --rollout-external-engine-addrs is set"
+        )
     if c.rollout_num_producers < 0:
         errs.append("--rollout-num-producers must be >= 0")
     if not 0 < c.rollout_top_p <= 1:
@@ -432,7 +451,8 @@ def resolve_config(
     unknown = sorted(set(merged) - set(RunConfig.model_fields))
     if unknown:
         raise ConfigError(
-            "unknown settings: " + ", ".join(flag_name(u) for u in unknown)
+            "unknown settings: "
+            + ", ".join(flag_name(u) for u in unknown)
             + " (see `asyncrl train-async --help` for the flags)"
         )
     try:

@@ -23,12 +23,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import uvicorn
+from asyncrl_proto import Heartbeat
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from asyncrl_proto import Heartbeat
 from services.common.bus import Bus
 from services.common.config import RunConfig
 
@@ -45,6 +45,18 @@ def setup_logging(level: str, service: str) -> None:
     )
     for noisy in ("httpx", "httpcore", "uvicorn.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+    """Wait for an event up to `timeout`; True if it is set. Uses asyncio.timeout(), because
+    Python 3.11's asyncio.wait_for can swallow a cancellation that races with completion,
+    which leaves a service unable to stop."""
+    try:
+        async with asyncio.timeout(timeout):
+            await event.wait()
+    except TimeoutError:
+        pass
+    return event.is_set()
 
 
 _PROM_BAD = re.compile(r"[^a-zA-Z0-9_]")
@@ -116,7 +128,7 @@ class Service:
         return {}
 
     async def setup(self) -> None:
-        """Runs before the loops (connect consumers, restore state)."""
+        """Runs before the loops (connect consumers, restore state); the service is ready after it."""
 
     async def teardown(self) -> None:
         """Runs after the loops stopped, before the NATS connection drains."""
@@ -145,9 +157,7 @@ class Service:
 
     async def wait_stopped(self, timeout: float) -> bool:
         """Sleep up to `timeout` unless stop() comes first; True when stopping."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), timeout)
-        return self.stopping
+        return await wait_event(self._stop, timeout)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -164,6 +174,10 @@ class Service:
         log.info("%s %s serving HTTP on %s", self.name, self.instance_id, self.http_url)
         try:
             await self.setup()
+            await self.bus.nc.flush(
+                timeout=10
+            )  # subscriptions are live on the server before we say ready
+            self.ready = True
             async with asyncio.TaskGroup() as tg:
                 named = {**self.loops(), "heartbeat": self._heartbeat_loop}
                 self._tasks = [
@@ -192,8 +206,10 @@ class Service:
 
     async def _cancel_on_stop(self) -> None:
         await self._stop.wait()
-        for t in self._tasks:
-            t.cancel()
+        while pending := [t for t in self._tasks if not t.done()]:
+            for t in pending:  # repeated: a cancellation swallowed by library code is retried
+                t.cancel()
+            await asyncio.wait(pending, timeout=1.0)
 
     async def _heartbeat_loop(self) -> None:
         subject = self.bus.subjects.heartbeat(self.name)

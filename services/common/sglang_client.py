@@ -33,7 +33,9 @@ def normalize_url(addr: str) -> str:
 class SGLangClient:
     def __init__(self, urls: list[str], max_retries: int = 3, retry_delay_s: float = 1.0):
         if not urls:
-            raise ValueError("no engine URLs: start engines or pass --rollout-external-engine-addrs")
+            raise ValueError(
+                "no engine URLs: start engines or pass --rollout-external-engine-addrs"
+            )
         self.urls = [normalize_url(u) for u in urls]
         self.outstanding = dict.fromkeys(self.urls, 0)
         self.healthy = dict.fromkeys(self.urls, True)
@@ -73,9 +75,11 @@ class SGLangClient:
                         return await r.json()
                     text = await r.text()
                 if 400 <= r.status < 500:
-                    raise EngineError(f"{url}/generate rejected the request ({r.status}): {text[:300]}")
+                    raise EngineError(
+                        f"{url}/generate rejected the request ({r.status}): {text[:300]}"
+                    )
                 last = EngineError(f"{url}/generate returned {r.status}: {text[:300]}")
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+            except (TimeoutError, aiohttp.ClientConnectionError) as e:
                 last = e
                 self.healthy[url] = False
             finally:
@@ -88,7 +92,9 @@ class SGLangClient:
         raise EngineError(f"generate failed after {self.max_retries + 1} attempts: {last}")
 
     # ---- control plane (one engine) ------------------------------------------------------------
-    async def _call(self, method: str, url: str, path: str, body: dict | None = None, timeout: float = 600.0) -> Any:
+    async def _call(
+        self, method: str, url: str, path: str, body: dict | None = None, timeout: float = 600.0
+    ) -> Any:
         try:
             async with self.http.request(
                 method, f"{url}{path}", json=body, timeout=aiohttp.ClientTimeout(total=timeout)
@@ -96,7 +102,7 @@ class SGLangClient:
                 text = await r.text()
                 if r.status != 200:
                     raise EngineError(f"{url}{path} returned {r.status}: {text[:300]}")
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientConnectionError) as e:
             raise EngineError(f"{url}{path} failed: {type(e).__name__}: {e}") from e
         import json
 
@@ -108,8 +114,14 @@ class SGLangClient:
     async def continue_generation(self, url: str) -> None:
         await self._call("POST", url, "/continue_generation", {})
 
-    async def update_weights_from_disk(self, url: str, model_path: str, weight_version: str, flush_cache: bool = True) -> dict:
-        body = {"model_path": model_path, "weight_version": weight_version, "flush_cache": flush_cache}
+    async def update_weights_from_disk(
+        self, url: str, model_path: str, weight_version: str, flush_cache: bool = True
+    ) -> dict:
+        body = {
+            "model_path": model_path,
+            "weight_version": weight_version,
+            "flush_cache": flush_cache,
+        }
         return await self._call("POST", url, "/update_weights_from_disk", body)
 
     async def model_info(self, url: str) -> dict:

@@ -11,7 +11,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-path", required=True, help="HF checkpoint directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--weight-version", default="default", help="initial weight version (SGLang's default is 'default')")
+    p.add_argument(
+        "--weight-version",
+        default="default",
+        help="initial weight version (SGLang's default is 'default')",
+    )
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--random-seed", type=int, default=0)
@@ -23,7 +27,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s [engine] %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s [engine] %(message)s"
+    )
     import torch
     import uvicorn
 
@@ -46,10 +52,16 @@ def main(argv=None) -> None:
         seed=args.random_seed,
     )
     sched.start()
-    server = EngineServer(sched, args.model_path, tokenizer, args.served_model_name, args.host, args.port)
+    server = EngineServer(
+        sched, args.model_path, tokenizer, args.served_model_name, args.host, args.port
+    )
     try:
         uvicorn.run(
-            server.app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False,
+            server.app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level.lower(),
+            access_log=False,
             timeout_keep_alive=300,  # producers hold persistent connections
         )
     finally:

@@ -70,13 +70,22 @@ def parse_sampling_params(raw: dict | None) -> tuple[SamplingParams, int]:
     if p.top_k != -1 and p.top_k < 1:
         raise BadRequest("top_k must be -1 (whole vocabulary) or >= 1")
     if raw.get("stop"):
-        raise BadRequest("stop strings are not supported by the built-in engine: use stop_token_ids")
+        raise BadRequest(
+            "stop strings are not supported by the built-in engine: use stop_token_ids"
+        )
     return p, n
 
 
 class EngineServer:
-    def __init__(self, scheduler: Scheduler, model_path: str, tokenizer=None, served_model_name: str | None = None,
-                 host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        model_path: str,
+        tokenizer=None,
+        served_model_name: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ):
         self.scheduler = scheduler
         self.model_path = model_path
         self.tokenizer = tokenizer
@@ -141,7 +150,9 @@ class EngineServer:
             for r in reqs:
                 self.scheduler.abort(rid=r.rid)
             raise
-        rl = return_logprob if isinstance(return_logprob, list) else [return_logprob] * len(finished)
+        rl = (
+            return_logprob if isinstance(return_logprob, list) else [return_logprob] * len(finished)
+        )
         outs = [self._response(r, bool(rl[min(k, len(rl) - 1)])) for k, r in enumerate(finished)]
         return outs if is_batch else outs[0]
 
@@ -154,7 +165,9 @@ class EngineServer:
             "completion_tokens": len(req.output_ids),
             "e2e_latency": req.finished_at - req.created_at,
         }
-        waiting_abort = reason.get("type") == "abort" and reason.get("message") == "Abort in waiting queue"
+        waiting_abort = (
+            reason.get("type") == "abort" and reason.get("message") == "Abort in waiting queue"
+        )
         if not waiting_abort:
             meta.update(
                 prompt_tokens=len(req.input_ids),
@@ -279,9 +292,15 @@ class EngineServer:
                 return Response(status_code=200)  # the scheduler is alive and holds work
             try:
                 await asyncio.wait_for(
-                    self.generate({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}), 20
+                    self.generate(
+                        {
+                            "input_ids": [0],
+                            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                        }
+                    ),
+                    20,
                 )
-            except (asyncio.TimeoutError, ValueError):
+            except (TimeoutError, ValueError):
                 return Response(status_code=503)
             return Response(status_code=200)
 
@@ -298,7 +317,9 @@ class EngineServer:
         @app.post("/abort_request")
         async def abort_request(request: Request):
             body = await body_of(request)
-            await asyncio.to_thread(sched.abort, str(body.get("rid") or ""), bool(body.get("abort_all", False)))
+            await asyncio.to_thread(
+                sched.abort, str(body.get("rid") or ""), bool(body.get("abort_all", False))
+            )
             return Response(status_code=200)
 
         @app.post("/pause_generation")
@@ -320,25 +341,35 @@ class EngineServer:
             body = await body_of(request)
             path = body.get("model_path")
             if not path:
-                return JSONResponse({"success": False, "message": "model_path is required"}, status_code=400)
+                return JSONResponse(
+                    {"success": False, "message": "model_path is required"}, status_code=400
+                )
             version = body.get("weight_version")
             try:
                 if body.get("abort_all_requests"):
                     await asyncio.to_thread(sched.abort, "", True)
                 res = await asyncio.to_thread(sched.update_weights_from_disk, path, version)
             except (OSError, ValueError, TimeoutError) as e:
-                return JSONResponse({"success": False, "message": f"Failed to update weights: {e}"}, status_code=400)
+                return JSONResponse(
+                    {"success": False, "message": f"Failed to update weights: {e}"}, status_code=400
+                )
             self.model_path = path
             msg = "Succeeded to update model weights."
             if version is not None:
                 msg += f" Weight version updated to {version}."
-            return {"success": True, "message": msg, "num_paused_requests": res["num_paused_requests"]}
+            return {
+                "success": True,
+                "message": msg,
+                "num_paused_requests": res["num_paused_requests"],
+            }
 
         @app.post("/update_weight_version")
         async def update_weight_version(request: Request):
             body = await body_of(request)
             if "new_version" not in body:
-                return JSONResponse({"success": False, "message": "new_version is required"}, status_code=400)
+                return JSONResponse(
+                    {"success": False, "message": "new_version is required"}, status_code=400
+                )
             if body.get("abort_all_requests", True):
                 await asyncio.to_thread(sched.abort, "", True)
             await asyncio.to_thread(sched.set_weight_version, str(body["new_version"]))
@@ -366,16 +397,26 @@ class EngineServer:
 
         @app.get("/healthz")
         async def healthz():
-            return PlainTextResponse("ok\n" if sched.alive else "scheduler thread died\n", status_code=200 if sched.alive else 503)
+            return PlainTextResponse(
+                "ok\n" if sched.alive else "scheduler thread died\n",
+                status_code=200 if sched.alive else 503,
+            )
 
         @app.get("/readyz")
         async def readyz():
-            return PlainTextResponse("ready\n" if sched.alive else "not ready\n", status_code=200 if sched.alive else 503)
+            return PlainTextResponse(
+                "ready\n" if sched.alive else "not ready\n", status_code=200 if sched.alive else 503
+            )
 
         @app.get("/status")
         async def status():
-            return {"service": "engine", "model_path": self.model_path, "uptime_s": time.time() - self.started_at,
-                    **sched.snapshot(), "cache_hit_rate": sched.stats.cache_hit_rate,
-                    "gen_throughput": sched.stats.gen_throughput}
+            return {
+                "service": "engine",
+                "model_path": self.model_path,
+                "uptime_s": time.time() - self.started_at,
+                **sched.snapshot(),
+                "cache_hit_rate": sched.stats.cache_hit_rate,
+                "gen_throughput": sched.stats.gen_throughput,
+            }
 
         return app

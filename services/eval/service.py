@@ -22,9 +22,10 @@ from pathlib import Path
 
 from asyncrl_proto import ControlMsg, EvalRequest, EvalResult, Sample, WeightsLive, decode
 from asyncrl_proto.codec import DecodeError
+
 from services.buffer.datasource import load_rows
 from services.common.bus import fetch_some
-from services.common.runtime import Service
+from services.common.runtime import Service, wait_event
 from services.common.sglang_client import SGLangClient
 from services.model.tokenizer import Tokenizer
 from services.rollout.core import apply_response
@@ -63,8 +64,9 @@ class EvalService(Service):
         raw = await self.bus.kv_get("live_version")
         if raw is not None and self.live_version is None:
             self.live_version = decode(raw, WeightsLive).version
-        self._psub = await self.bus.pull(s.eval_stream, s.eval_requests, durable="eval", ack_wait_s=600.0)
-        self.ready = True
+        self._psub = await self.bus.pull(
+            s.eval_stream, s.eval_requests, durable="eval", ack_wait_s=600.0
+        )
 
     async def teardown(self) -> None:
         await self.client.close()
@@ -87,7 +89,9 @@ class EvalService(Service):
                 try:
                     req = decode(msg.data, EvalRequest)
                 except DecodeError as e:
-                    await self.bus.dead_letter(msg.subject, msg.data, f"undecodable EvalRequest: {e}")
+                    await self.bus.dead_letter(
+                        msg.subject, msg.data, f"undecodable EvalRequest: {e}"
+                    )
                     await msg.term()
                     continue
                 result = await self._run_point(req, msg)
@@ -100,14 +104,18 @@ class EvalService(Service):
     async def _wait_for_version(self, version: int, msg) -> None:
         while self.live_version is None or self.live_version < version:
             self._live_changed.clear()
-            try:
-                await asyncio.wait_for(self._live_changed.wait(), 10.0)
-            except asyncio.TimeoutError:
+            if not await wait_event(self._live_changed, 10.0):
                 raw = await self.bus.kv_get("live_version")
                 if raw is not None:
-                    self.live_version = max(self.live_version or 0, decode(raw, WeightsLive).version)
+                    self.live_version = max(
+                        self.live_version or 0, decode(raw, WeightsLive).version
+                    )
                 await msg.in_progress()
-                log.info("eval of step waits for weight version %d (engines at %s)", version, self.live_version)
+                log.info(
+                    "eval of step waits for weight version %d (engines at %s)",
+                    version,
+                    self.live_version,
+                )
 
     async def _run_point(self, req: EvalRequest, msg) -> EvalResult:
         await self._wait_for_version(req.version, msg)
@@ -127,7 +135,13 @@ class EvalService(Service):
         metrics["eval/step"] = req.step
         log.info("eval at step %d (v%d): %s", req.step, req.version,
                  {k: round(v, 4) for k, v in metrics.items() if "/" in k and k.count("/") == 1})  # fmt: skip
-        res = EvalResult(step=req.step, version=req.version, metrics=metrics, duration_s=duration, final=req.final)
+        res = EvalResult(
+            step=req.step,
+            version=req.version,
+            metrics=metrics,
+            duration_s=duration,
+            final=req.final,
+        )
         self.results.append({"step": req.step, **metrics})
         return res
 
@@ -144,12 +158,16 @@ class EvalService(Service):
         async def one(row: dict) -> Sample:
             ids = self.tokenizer.prompt_ids(row["prompt"], c.apply_chat_template)
             s = Sample(prompt=row["prompt"], label=row["label"], metadata=dict(row["metadata"]))
-            resp = await self.client.generate({"input_ids": ids, "sampling_params": params, "return_logprob": True})
+            resp = await self.client.generate(
+                {"input_ids": ids, "sampling_params": params, "return_logprob": True}
+            )
             apply_response(s, ids, resp)
             await score_sample(self.reward_fn, c, s)
             return s
 
-        samples = await asyncio.gather(*(one(r) for r in rows for _ in range(c.n_samples_per_eval_prompt)))
+        samples = await asyncio.gather(
+            *(one(r) for r in rows for _ in range(c.n_samples_per_eval_prompt))
+        )
         rewards = [float(s.reward or 0.0) for s in samples]
         versions = [min(s.weight_versions) for s in samples if s.weight_versions]
         out = {f"eval/{name}": sum(rewards) / len(rewards)}
@@ -162,7 +180,8 @@ class EvalService(Service):
 
     async def _control(self, command: str, token: str) -> None:
         await self.bus.publish_core(
-            self.bus.subjects.control, ControlMsg(command=command, token=token, issued_at=time.time())
+            self.bus.subjects.control,
+            ControlMsg(command=command, token=token, issued_at=time.time()),
         )
         await self.bus.nc.flush()
 
@@ -172,4 +191,3 @@ class EvalService(Service):
 
     def metric_values(self) -> dict[str, float]:
         return {"eval/busy": float(self.busy), "eval/points_total": len(self.results)}
-

@@ -18,7 +18,12 @@ from safetensors.torch import load_file, save_file
 from services.model.llama import CausalLM, ModelConfig
 
 COMPLETE_MARKER = ".complete"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
 
 
 def is_complete(path: str | Path) -> bool:
@@ -61,13 +66,17 @@ def load_weights_into(model: CausalLM, path: str | Path) -> None:
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own) - {"lm_head.weight"})
     if missing or unexpected:
-        raise ValueError(f"snapshot {path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"snapshot {path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     with torch.no_grad():
         for name, p in own.items():
             p.copy_(state[name].to(p.dtype))
 
 
-def save_model(model: CausalLM, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> dict:
+def save_model(
+    model: CausalLM, out_dir: str | Path, tokenizer_dir: str | Path | None = None
+) -> dict:
     """Write an HF snapshot atomically enough for readers: stale marker removed first, weights
     and config written, marker last. Returns {"sha256", "num_bytes"} of the weights file."""
     out = Path(out_dir)

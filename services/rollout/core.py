@@ -61,8 +61,9 @@ class Credits:
 
     async def wait_changed(self, timeout: float) -> None:
         try:
-            await asyncio.wait_for(self._changed.wait(), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):
+                await self._changed.wait()
+        except TimeoutError:
             pass
         self._changed.clear()
 

@@ -19,11 +19,11 @@ import contextlib
 import logging
 import time
 
-from fastapi import FastAPI
-
 from asyncrl_proto import ControlMsg, PromptMsg, RolloutGroup, Sample, decode
 from asyncrl_proto.codec import DecodeError
 from asyncrl_proto.messages import SampleStatus
+from fastapi import FastAPI
+
 from services.buffer.core import load_object
 from services.common.bus import fetch_some
 from services.common.runtime import Service
@@ -44,11 +44,18 @@ class EngineHandle:
 
     async def generate(self, input_ids: list[int], sampling_params: dict, **extra) -> dict:
         return await self.client.generate(
-            {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True, **extra}
+            {
+                "input_ids": input_ids,
+                "sampling_params": sampling_params,
+                "return_logprob": True,
+                **extra,
+            }
         )
 
 
-async def default_generate(config, sample: Sample, engine: EngineHandle, sampling_params: dict) -> Sample:
+async def default_generate(
+    config, sample: Sample, engine: EngineHandle, sampling_params: dict
+) -> Sample:
     """One /generate call for one trajectory (the built-in generate function)."""
     input_ids = sample.metadata.pop("_input_ids")
     resp = await engine.generate(input_ids, sampling_params)
@@ -109,10 +116,12 @@ class RolloutService(Service):
             max_ack_pending=100_000,
         )
         await self.bus.nc.subscribe(s.control, cb=self._on_control)
-        self.ready = True
         log.info(
             "producer %s ready: %d groups in flight max, %s granularity, engines %s",
-            self.instance_id, self.config.inflight_groups, self.credits.granularity, self.client.urls,
+            self.instance_id,
+            self.config.inflight_groups,
+            self.credits.granularity,
+            self.client.urls,
         )
 
     async def teardown(self) -> None:
@@ -162,7 +171,9 @@ class RolloutService(Service):
             except BaseException:
                 for t in tasks:
                     t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)  # all settle before the group fails
+                await asyncio.gather(
+                    *tasks, return_exceptions=True
+                )  # all settle before the group fails
                 raise
             group = list(results)
             if self.config.group_rm and self.config.custom_rm_path:
@@ -187,7 +198,9 @@ class RolloutService(Service):
             raise
         except Exception as e:
             self.counters["group_failures"] += 1
-            log.error("group %s failed, its prompt goes back to the queue: %s", prompt.group_index, e)
+            log.error(
+                "group %s failed, its prompt goes back to the queue: %s", prompt.group_index, e
+            )
             with contextlib.suppress(Exception):
                 await msg.nak(delay=2.0)
         finally:
@@ -210,7 +223,9 @@ class RolloutService(Service):
         trajectory = out if isinstance(out, list) else [out]
         if not (self.config.group_rm and self.config.custom_rm_path):
             for s in trajectory:
-                if s.status != SampleStatus.ABORTED and not await score_sample(self.reward_fn, self.config, s):
+                if s.status != SampleStatus.ABORTED and not await score_sample(
+                    self.reward_fn, self.config, s
+                ):
                     self.counters["reward_failures"] += 1
         given_back[0] += self.credits.trajectory_done()
         return out
@@ -264,7 +279,10 @@ class RolloutService(Service):
             "credits_total": self.credits.total,
             "groups_in_flight": len(self.groups_in_flight),
             "submission_paused": not self.submission_open.is_set(),
-            "engines": {u: {"outstanding": self.client.outstanding[u], "healthy": self.client.healthy[u]} for u in self.client.urls},
+            "engines": {
+                u: {"outstanding": self.client.outstanding[u], "healthy": self.client.healthy[u]}
+                for u in self.client.urls
+            },
             **self.counters,
         }
 

@@ -32,7 +32,9 @@ def build_tokenizer(out_dir: str | Path) -> None:
         vocab[c] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS_ID)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", BOS_ID)]
+    )
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(SPECIAL)
     out = Path(out_dir)
@@ -75,7 +77,10 @@ def write_datasets(data_dir: str | Path, seed: int = 0) -> tuple[Path, Path]:
     data_dir.mkdir(parents=True, exist_ok=True)
     eval_rows = make_rows(NUM_EVAL_PROMPTS, seed + 1)
     train_rows = make_rows(NUM_TRAIN_PROMPTS, seed, exclude={r["label"][::-1] for r in eval_rows})
-    train, held_out = data_dir / "reverse_digits_train.jsonl", data_dir / "reverse_digits_eval.jsonl"
+    train, held_out = (
+        data_dir / "reverse_digits_train.jsonl",
+        data_dir / "reverse_digits_eval.jsonl",
+    )
     for path, rows in ((train, train_rows), (held_out, eval_rows)):
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return train, held_out
@@ -98,7 +103,9 @@ async def reward(config, sample) -> float:
 # ---- the tiny model ------------------------------------------------------------------------
 
 
-def build_model(out_dir: str | Path, seed: int = 1234, warmup_sft_steps: int = 20, log=print) -> dict:
+def build_model(
+    out_dir: str | Path, seed: int = 1234, warmup_sft_steps: int = 20, log=print
+) -> dict:
     """Build the 0.5M-parameter Llama, warm-start it with a few supervised steps on correct
     answers, and save it as an HF checkpoint. Returns a summary dict."""
     import time
@@ -130,8 +137,15 @@ def build_model(out_dir: str | Path, seed: int = 1234, warmup_sft_steps: int = 2
     build_tokenizer(out)
     info = save_model(model, out)
     n_params = sum(p.numel() for p in model.parameters())
-    summary = {"params": n_params, "warmup_sft_steps": warmup_sft_steps, "warmup_s": time.perf_counter() - t0, **info}
-    log(f"built tiny model: {n_params:,} parameters, {warmup_sft_steps} warm-start steps in {summary['warmup_s']:.2f}s")
+    summary = {
+        "params": n_params,
+        "warmup_sft_steps": warmup_sft_steps,
+        "warmup_s": time.perf_counter() - t0,
+        **info,
+    }
+    log(
+        f"built tiny model: {n_params:,} parameters, {warmup_sft_steps} warm-start steps in {summary['warmup_s']:.2f}s"
+    )
     return summary
 
 
@@ -156,7 +170,9 @@ def _supervised_warm_start(model, steps: int, seed: int, batch: int = 64, lr: fl
         attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
         logits = model(ids, attn)[:, :-1]
         targets = ids[:, 1:]
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
+        )
         mask = loss_mask[:, 1:].reshape(-1)
         loss = (nll * mask).sum() / mask.sum()
         opt.zero_grad()

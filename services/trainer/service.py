@@ -29,7 +29,6 @@ from pathlib import Path
 
 import nats.errors
 import torch
-
 from asyncrl_proto import (
     BufferCommit,
     BufferCommitReply,
@@ -44,10 +43,17 @@ from asyncrl_proto import (
 )
 from asyncrl_proto.codec import DecodeError
 from asyncrl_proto.messages import flatten_group
+
 from services.buffer.core import load_object
 from services.common.runtime import Service
 from services.model.hf_io import load_model, save_model
-from services.trainer.core import LossConfig, assemble_batch, build_train_batch, scalar_reward, train_step
+from services.trainer.core import (
+    LossConfig,
+    assemble_batch,
+    build_train_batch,
+    scalar_reward,
+    train_step,
+)
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +96,7 @@ class TrainerService(Service):
         self.pending_eval: list[dict] = []
         self.last_producer_seen = time.monotonic()
         self.snapshots: list[Path] = []
+        self.loop_started = time.perf_counter()
 
     async def setup(self) -> None:
         s = self.bus.subjects
@@ -97,7 +104,6 @@ class TrainerService(Service):
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         await self.bus.nc.subscribe(s.eval_results, cb=self._on_eval_result)
         await self.bus.nc.subscribe(s.heartbeat("rollout"), cb=self._on_producer_heartbeat)
-        self.ready = True
 
     def loops(self):
         return {"train": self._train_loop}
@@ -106,9 +112,16 @@ class TrainerService(Service):
     async def _train_loop(self) -> None:
         c = self.config
         total = c.total_steps
-        log.info("training %d steps, mode %s, B=%d n=%d", total, c.mode, c.rollout_batch_size, c.n_samples_per_prompt)
+        log.info(
+            "training %d steps, mode %s, B=%d n=%d",
+            total,
+            c.mode,
+            c.rollout_batch_size,
+            c.n_samples_per_prompt,
+        )
         if not c.skip_eval_before_train:
             await self._request_eval(0, final=False)
+        self.loop_started = time.perf_counter()
         batch = await self._fetch(self.step)
         while self.step < total:
             step = self.step
@@ -122,9 +135,20 @@ class TrainerService(Service):
                 next_batch = await self._fetch(step + 1, lookahead=0)
             push_s = await self._push_weights(step) if update_due else 0.0
             if next_batch is not None:
-                await self._release_ahead(step + 1)  # step r+2 generates while r+1 trains, on the new weights
+                await self._release_ahead(
+                    step + 1
+                )  # step r+2 generates while r+1 trains, on the new weights
             await self._commit(step)
-            record = self._record(step, groups, buffer_metrics, train_stats, wait_s, train_s, push_s, time.perf_counter() - t_step)
+            record = self._record(
+                step,
+                groups,
+                buffer_metrics,
+                train_stats,
+                wait_s,
+                train_s,
+                push_s,
+                time.perf_counter() - t_step,
+            )
             await self._emit(step, record)
             self.step = step + 1
             if c.eval_interval and self.step % c.eval_interval == 0 and self.step < total:
@@ -132,8 +156,13 @@ class TrainerService(Service):
             if self.step < total:
                 batch = next_batch if next_batch is not None else await self._fetch(self.step)
         if c.mode != "sync":
-            await self._request_eval(total, final=True)  # the last step forces eval in async drivers
-        await self.bus.publish(self.bus.subjects.progress, ProgressRecord(step=total, done=True, record=self.last_record))
+            await self._request_eval(
+                total, final=True
+            )  # the last step forces eval in async drivers
+        await self.bus.publish(
+            self.bus.subjects.progress,
+            ProgressRecord(step=total, done=True, record=self.last_record),
+        )
         log.info("training finished: %d steps, weight version %d", total, self.version)
         self.stop()
 
@@ -150,7 +179,9 @@ class TrainerService(Service):
         return self.config.grpo_std_normalization and self.config.n_samples_per_prompt > 1
 
     # ---- batches -------------------------------------------------------------------------------
-    def _get_request(self, step: int, lookahead: int | None = None, wait_s: float = 2.0) -> BufferGetRequest:
+    def _get_request(
+        self, step: int, lookahead: int | None = None, wait_s: float = 2.0
+    ) -> BufferGetRequest:
         c = self.config
         if lookahead is None:
             lookahead = 1 if c.mode == "one_step" else 0
@@ -167,7 +198,9 @@ class TrainerService(Service):
         req = self._get_request(step, lookahead=1, wait_s=0.0)
         await self.bus.request(self.bus.subjects.buffer_get, req, BufferGetReply, timeout=10)
 
-    async def _fetch(self, step: int, lookahead: int | None = None) -> tuple[list[list], dict, float]:
+    async def _fetch(
+        self, step: int, lookahead: int | None = None
+    ) -> tuple[list[list], dict, float]:
         """Wait for the step's B groups; returns (groups, buffer metrics, seconds waited)."""
         t0 = time.monotonic()
         last_progress, last_count, last_answer = t0, 0, t0
@@ -176,9 +209,11 @@ class TrainerService(Service):
         req = self._get_request(step, lookahead)
         while True:
             try:
-                reply = await self.bus.request(self.bus.subjects.buffer_get, req, BufferGetReply, timeout=req.wait_s + 5)
+                reply = await self.bus.request(
+                    self.bus.subjects.buffer_get, req, BufferGetReply, timeout=req.wait_s + 5
+                )
                 last_answer = time.monotonic()
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError) as e:
+            except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
                 if time.monotonic() - last_answer > BUFFER_SILENCE_FAIL_S:
                     raise TrainerError(
                         f"the buffer service has not answered for {BUFFER_SILENCE_FAIL_S:.0f}s ({type(e).__name__}): is it running?"
@@ -207,8 +242,10 @@ class TrainerService(Service):
         return groups, reply.metrics, time.monotonic() - t0
 
     async def _load_group(self, ref) -> list:
-        data = ref.payload if ref.payload is not None else await self.bus.get_payload(
-            self.bus.subjects.rollouts_stream, ref.stream_seq
+        data = (
+            ref.payload
+            if ref.payload is not None
+            else await self.bus.get_payload(self.bus.subjects.rollouts_stream, ref.stream_seq)
         )
         return decode(data, RolloutGroup).samples
 
@@ -218,9 +255,13 @@ class TrainerService(Service):
         try:
             self.sample_filter(self.config, samples)
         except Exception as e:
-            raise TrainerError(f"--rollout-sample-filter-path {self.config.rollout_sample_filter_path} raised {type(e).__name__}: {e}") from e
+            raise TrainerError(
+                f"--rollout-sample-filter-path {self.config.rollout_sample_filter_path} raised {type(e).__name__}: {e}"
+            ) from e
         if [(s.index, len(s.tokens), s.reward) for s in samples] != before:
-            raise TrainerError("--rollout-sample-filter-path may only set remove_sample; it changed samples")
+            raise TrainerError(
+                "--rollout-sample-filter-path may only set remove_sample; it changed samples"
+            )
 
     # ---- weights, commits, evals ---------------------------------------------------------------
     async def _push_weights(self, step: int) -> float:
@@ -230,8 +271,14 @@ class TrainerService(Service):
         info = await asyncio.to_thread(save_model, self.model, path, self.config.hf_checkpoint)
         await self.bus.publish(
             self.bus.subjects.weights_published,
-            WeightsPublished(version=self.version, step=step, uri=str(path.resolve()), sha256=info["sha256"],
-                             num_bytes=info["num_bytes"], created_at=time.time()),  # fmt: skip
+            WeightsPublished(
+                version=self.version,
+                step=step,
+                uri=str(path.resolve()),
+                sha256=info["sha256"],
+                num_bytes=info["num_bytes"],
+                created_at=time.time(),
+            ),  # fmt: skip
         )
         self.snapshots.append(path)
         while len(self.snapshots) > max(1, self.config.keep_weight_snapshots):
@@ -241,7 +288,10 @@ class TrainerService(Service):
 
     async def _commit(self, step: int) -> None:
         reply = await self.bus.request(
-            self.bus.subjects.buffer_commit, BufferCommit(step=step, version=self.version), BufferCommitReply, timeout=30
+            self.bus.subjects.buffer_commit,
+            BufferCommit(step=step, version=self.version),
+            BufferCommitReply,
+            timeout=30,
         )
         if reply.error:
             raise TrainerError(f"buffer refused commit of step {step}: {reply.error}")
@@ -263,7 +313,9 @@ class TrainerService(Service):
         self.last_producer_seen = time.monotonic()
 
     # ---- records -------------------------------------------------------------------------------
-    def _record(self, step, groups, buffer_metrics, train_stats, wait_s, train_s, push_s, step_s) -> dict:
+    def _record(
+        self, step, groups, buffer_metrics, train_stats, wait_s, train_s, push_s, step_s
+    ) -> dict:
         samples = [s for g in groups for s in flatten_group(g)]
         rewards = [scalar_reward(s, self.config.reward_key) for s in samples]
         mean = sum(rewards) / len(rewards)
@@ -279,12 +331,14 @@ class TrainerService(Service):
             "rollout/reward/min": min(rewards),
             "rollout/reward/max": max(rewards),
             "rollout/response_length/mean": tokens / len(samples),
-            "rollout/truncated_ratio": sum(s.status.value == "truncated" for s in samples) / len(samples),
+            "rollout/truncated_ratio": sum(s.status.value == "truncated" for s in samples)
+            / len(samples),
             "rollout/num_samples": len(samples),
             "perf/rollout_wait_s": wait_s,
             "perf/train_time_s": train_s,
             "perf/weight_push_s": push_s,
             "perf/step_time_s": step_s,
+            "perf/elapsed_s": time.perf_counter() - self.loop_started,
             "perf/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
             **buffer_metrics,
             **train_stats,

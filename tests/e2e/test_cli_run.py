@@ -16,12 +16,23 @@ import pytest
 
 from services.common.procs import pid_alive
 
-SMALL = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--async-data-buffer-capacity-factor", "1"]
+SMALL = [
+    "--rollout-batch-size",
+    "4",
+    "--n-samples-per-prompt",
+    "4",
+    "--async-data-buffer-capacity-factor",
+    "1",
+]
 
 
 def asyncrl(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "services.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -42,8 +53,12 @@ def test_sync_entrypoint_rejects_fully_async(tmp_path):
 
 
 def test_invalid_flags_say_what_to_do(tmp_path):
-    r = asyncrl("train-async", "--fully-async", "--pause-generation-mode", "abort", cwd=tmp_path, timeout=60)
-    assert r.returncode == 2 and "--fully-async cannot use --pause-generation-mode abort" in r.stderr
+    r = asyncrl(
+        "train-async", "--fully-async", "--pause-generation-mode", "abort", cwd=tmp_path, timeout=60
+    )
+    assert (
+        r.returncode == 2 and "--fully-async cannot use --pause-generation-mode abort" in r.stderr
+    )
 
 
 def test_fully_async_run_end_to_end(tmp_path):
@@ -61,7 +76,9 @@ def test_fully_async_run_end_to_end(tmp_path):
             assert time.monotonic() < deadline, "services never came up"
             time.sleep(0.1)
         services = json.loads((run_dir / "services.json").read_text())
-        assert {"buffer", "weight-sync", "eval", "rollout-0", "trainer", "engine-0"} <= set(services)
+        assert {"buffer", "weight-sync", "eval", "rollout-0", "trainer", "engine-0"} <= set(
+            services
+        )
         with httpx.Client(timeout=5) as http:
             for name, url in services.items():
                 if name.startswith("engine"):
@@ -84,7 +101,9 @@ def test_fully_async_run_end_to_end(tmp_path):
                 "perf/rollout_wait_s", "perf/train_time_s", "train/loss", "rollout/weight_version/mean"):  # fmt: skip
         assert all(key in r for r in recs), key
     assert any("rollout/fully_async/avg_staleness" in r for r in recs)
-    assert max(r["rollout/weight_version/max"] for r in recs) >= 1  # samples carry advancing versions
+    assert (
+        max(r["rollout/weight_version/max"] for r in recs) >= 1
+    )  # samples carry advancing versions
     assert all(r["rollout/num_samples"] == 16 for r in recs)
     result = json.loads((run_dir / "result.json").read_text())
     assert result["final_weight_version"] == 8 and result["heldout_reward_final"] is not None
@@ -95,7 +114,17 @@ def test_fully_async_run_end_to_end(tmp_path):
 @pytest.mark.parametrize("command", ["train", "train-async"])
 def test_sync_and_one_step_drivers(tmp_path, command):
     run_dir = tmp_path / "run"
-    r = asyncrl(command, *SMALL, "--num-rollout", "4", "--run-dir", str(run_dir), "--update-weights-interval", "2", cwd=tmp_path)
+    r = asyncrl(
+        command,
+        *SMALL,
+        "--num-rollout",
+        "4",
+        "--run-dir",
+        str(run_dir),
+        "--update-weights-interval",
+        "2",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     recs = records(run_dir)
     assert [r["weight_version"] for r in recs] == [0, 1, 1, 2]  # pushes every 2 steps

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import httpx
 import msgpack
-
 from asyncrl_proto import (
     BufferCommit,
     BufferCommitReply,
@@ -18,6 +17,7 @@ from asyncrl_proto import (
     WeightsLive,
     decode,
 )
+
 from services.api import RunConfig
 from services.buffer.service import BufferService
 from services.common.bus import Bus, fetch_some
@@ -39,7 +39,9 @@ class Harness:
 
     async def prompts(self, k: int, timeout: float = 5.0) -> list[PromptMsg]:
         if self.psub is None:
-            self.psub = await self.bus.pull(self.s.prompts_stream, self.s.prompts, durable="producers")
+            self.psub = await self.bus.pull(
+                self.s.prompts_stream, self.s.prompts, durable="producers"
+            )
         out = []
         while len(out) < k:
             msgs = await fetch_some(self.psub, k - len(out), timeout)
@@ -53,12 +55,19 @@ class Harness:
         samples = [Sample(index=p.group_index * 2 + i, group_index=p.group_index, prompt=p.prompt, label=p.label,
                           tokens=[1, 5, 15, 5, 2], response_length=2, reward=float(i), status=status,
                           weight_versions=list(versions), rollout_log_probs=[-1.0, -1.0]) for i in range(n)]  # fmt: skip
-        rg = RolloutGroup(group_id=f"g{p.group_index}-a{p.attempt}", group_index=p.group_index, attempt=p.attempt, samples=samples)
+        rg = RolloutGroup(
+            group_id=f"g{p.group_index}-a{p.attempt}",
+            group_index=p.group_index,
+            attempt=p.attempt,
+            samples=samples,
+        )
         await self.bus.publish(self.s.rollouts, rg, msg_id=rg.group_id)
 
     async def get(self, step: int, **kw) -> BufferGetReply:
         req = BufferGetRequest(step=step, count=2, wait_s=kw.pop("wait_s", 3.0), **kw)
-        return await self.bus.request(self.s.buffer_get, req, BufferGetReply, timeout=req.wait_s + 5)
+        return await self.bus.request(
+            self.s.buffer_get, req, BufferGetReply, timeout=req.wait_s + 5
+        )
 
     async def stream_msgs(self, stream: str) -> int:
         return (await self.bus.js.stream_info(stream)).state.messages
@@ -93,11 +102,16 @@ async def test_get_is_idempotent_per_step_and_commit_retires(nats_server, run_id
         reply = await h.get(0)
         assert reply.complete and len(reply.refs) == 2
         assert reply.metrics["rollout/fully_async/queue_size"] == 0
-        groups = [decode(await h.bus.get_payload(h.s.rollouts_stream, r.stream_seq), RolloutGroup) for r in reply.refs]
+        groups = [
+            decode(await h.bus.get_payload(h.s.rollouts_stream, r.stream_seq), RolloutGroup)
+            for r in reply.refs
+        ]
         assert sorted(g.group_index for g in groups) == [0, 1]
         again = await h.get(0)
         assert [r.group_id for r in again.refs] == [r.group_id for r in reply.refs]  # same lease
-        done = await h.bus.request(h.s.buffer_commit, BufferCommit(step=0), BufferCommitReply, timeout=5)
+        done = await h.bus.request(
+            h.s.buffer_commit, BufferCommit(step=0), BufferCommitReply, timeout=5
+        )
         assert done.num_groups_committed == 2 and svc.service.ledger["trained"] == 2
         late = await h.get(0)
         assert late.error and "already committed" in late.error
@@ -106,7 +120,9 @@ async def test_get_is_idempotent_per_step_and_commit_retires(nats_server, run_id
         await h.bus.close()
 
 
-async def test_bad_messages_are_dead_lettered_and_the_service_keeps_running(nats_server, run_id, task_data):
+async def test_bad_messages_are_dead_lettered_and_the_service_keeps_running(
+    nats_server, run_id, task_data
+):
     svc, h = await _setup(nats_server, run_id, config(task_data))
     try:
         await h.bus.js.publish(h.s.rollouts, b"\xc1 not msgpack")

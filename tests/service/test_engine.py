@@ -7,7 +7,6 @@ import asyncio
 import threading
 
 import httpx
-import pytest
 import torch
 
 from services.model.hf_io import load_model, save_model
@@ -33,8 +32,17 @@ async def test_generate_response_shape(engine):
     out = r.json()
     meta = out["meta_info"]
     assert set(out) >= {"text", "output_ids", "meta_info"}
-    assert {"id", "finish_reason", "prompt_tokens", "completion_tokens", "weight_version", "cached_tokens"} <= set(meta)
-    assert meta["prompt_tokens"] == len(PROMPT) and meta["completion_tokens"] == len(out["output_ids"])
+    assert {
+        "id",
+        "finish_reason",
+        "prompt_tokens",
+        "completion_tokens",
+        "weight_version",
+        "cached_tokens",
+    } <= set(meta)
+    assert meta["prompt_tokens"] == len(PROMPT) and meta["completion_tokens"] == len(
+        out["output_ids"]
+    )
     assert [t[1] for t in meta["output_token_logprobs"]] == out["output_ids"]
     assert all(t[2] is None and t[0] <= 0 for t in meta["output_token_logprobs"])
     assert meta["input_token_logprobs"] == [] and meta["weight_version"] == "0"
@@ -48,12 +56,24 @@ async def test_finish_reasons_and_zero_tokens(engine):
     out = (await post(engine, "/generate", gen_body(stop_token_ids=every))).json()
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": out["output_ids"][-1]}
     out = (await post(engine, "/generate", gen_body(max_new_tokens=0))).json()
-    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {
+        "type": "length",
+        "length": 0,
+    }
 
 
 async def test_greedy_is_deterministic_and_batches_keep_order(engine):
     a = (await post(engine, "/generate", gen_body(temperature=0))).json()
-    b = (await post(engine, "/generate", {"input_ids": [PROMPT, [1, 9, 9, 15]], "sampling_params": {"temperature": 0, "max_new_tokens": 8}})).json()
+    b = (
+        await post(
+            engine,
+            "/generate",
+            {
+                "input_ids": [PROMPT, [1, 9, 9, 15]],
+                "sampling_params": {"temperature": 0, "max_new_tokens": 8},
+            },
+        )
+    ).json()
     assert isinstance(b, list) and len(b) == 2 and b[0]["output_ids"] == a["output_ids"]
     n3 = (await post(engine, "/generate", gen_body(n=3, temperature=0))).json()
     assert len(n3) == 3 and all(x["output_ids"] == a["output_ids"] for x in n3)
@@ -136,10 +156,16 @@ def perturbed_snapshot(src_dir, dst_dir):
 
 
 async def _tokens_generated(engine, gate, k):
-    task = asyncio.ensure_future(post(engine, "/generate", gen_body(max_new_tokens=40, ignore_eos=True)))
-    await until(lambda: engine.scheduler.snapshot()["num_running_reqs"] == 1)  # admitted, held at the gate
+    task = asyncio.ensure_future(
+        post(engine, "/generate", gen_body(max_new_tokens=40, ignore_eos=True))
+    )
+    await until(
+        lambda: engine.scheduler.snapshot()["num_running_reqs"] == 1
+    )  # admitted, held at the gate
     gate.release(k)
-    await until(lambda: bool(engine.scheduler.running) and len(engine.scheduler.running[0].output_ids) == k)
+    await until(
+        lambda: bool(engine.scheduler.running) and len(engine.scheduler.running[0].output_ids) == k
+    )
     return task
 
 
@@ -147,11 +173,17 @@ async def test_retract_recomputes_under_new_weights(engine, tiny_model_dir, tmp_
     gate = StepGate(engine.scheduler)
     task = await _tokens_generated(engine, gate, 3)
     assert (await post(engine, "/pause_generation", {"mode": "retract"})).json()["status"] == "ok"
-    gate.release(1)  # the step already in flight finishes; its result is void for a retracted request
+    gate.release(
+        1
+    )  # the step already in flight finishes; its result is void for a retracted request
     snap = engine.scheduler.snapshot()
     assert snap["num_running_reqs"] == 0 and snap["num_queue_reqs"] == 1
     new_model = perturbed_snapshot(tiny_model_dir, tmp_path / "v1")
-    r = await post(engine, "/update_weights_from_disk", {"model_path": str(tmp_path / "v1"), "weight_version": "1"})
+    r = await post(
+        engine,
+        "/update_weights_from_disk",
+        {"model_path": str(tmp_path / "v1"), "weight_version": "1"},
+    )
     assert r.json()["success"] and "Weight version updated to 1" in r.json()["message"]
     async with httpx.AsyncClient(base_url=engine.url) as c:
         assert (await c.get("/model_info")).json()["weight_version"] == "1"
@@ -160,7 +192,10 @@ async def test_retract_recomputes_under_new_weights(engine, tiny_model_dir, tmp_
     out = (await task).json()
     meta = out["meta_info"]
     assert meta["num_retractions"] == 1 and meta["weight_version"] == "1"
-    assert meta["weight_versions"] == [{"version": 0, "start": 0, "end": 3}, {"version": 1, "start": 3, "end": 40}]
+    assert meta["weight_versions"] == [
+        {"version": 0, "start": 0, "end": 3},
+        {"version": 1, "start": 3, "end": 40},
+    ]
     # tokens after the update were sampled from the new weights with a recomputed cache
     seq = torch.tensor([PROMPT + out["output_ids"]])
     with torch.no_grad():
@@ -177,7 +212,11 @@ async def test_in_place_keeps_the_request_running(engine, tiny_model_dir, tmp_pa
     await until(lambda: len(engine.scheduler.running[0].output_ids) == 3)
     assert engine.scheduler.snapshot()["num_running_reqs"] == 1  # frozen with its cache
     perturbed_snapshot(tiny_model_dir, tmp_path / "v1")
-    await post(engine, "/update_weights_from_disk", {"model_path": str(tmp_path / "v1"), "weight_version": "1", "flush_cache": False})
+    await post(
+        engine,
+        "/update_weights_from_disk",
+        {"model_path": str(tmp_path / "v1"), "weight_version": "1", "flush_cache": False},
+    )
     await post(engine, "/continue_generation")
     gate.open()
     meta = (await task).json()["meta_info"]
@@ -216,7 +255,9 @@ async def test_abort_request_by_rid_and_flush_cache(engine):
     assert (await post(engine, "/flush_cache")).status_code == 400  # busy
     assert (await post(engine, "/abort_request", {"rid": "victim"})).status_code == 200
     out = (await task).json()
-    assert out["meta_info"]["id"] == "victim" and out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert (
+        out["meta_info"]["id"] == "victim" and out["meta_info"]["finish_reason"]["type"] == "abort"
+    )
     gate.open()
     r = await post(engine, "/flush_cache")
     assert r.status_code == 200 and r.text.startswith("Cache flushed.")
@@ -228,6 +269,13 @@ async def test_info_and_health_endpoints(engine):
         assert info["weight_version"] == "0" and info["architectures"] == ["LlamaForCausalLM"]
         assert (await c.get("/get_model_info")).json() == info
         server = (await c.get("/server_info")).json()
-        assert {"model_path", "tp_size", "dp_size", "version", "weight_version", "max_total_num_tokens"} <= set(server)
+        assert {
+            "model_path",
+            "tp_size",
+            "dp_size",
+            "version",
+            "weight_version",
+            "max_total_num_tokens",
+        } <= set(server)
         assert (await c.get("/health_generate")).status_code == 200
         assert (await c.get("/health")).status_code == 200

@@ -8,7 +8,6 @@ import pathlib
 import msgpack
 import msgspec
 import pytest
-
 from asyncrl_proto import (
     BufferGetRequest,
     GroupRef,
@@ -57,14 +56,24 @@ def test_malformed_message_is_rejected_at_decode():
 # that breaks them breaks every message already stored on a stream.
 GOLDEN = {
     "PromptMsg": (
-        PromptMsg(group_index=7, prompt="12=", label="21", attempt=1, epoch=0, row=3, n_samples=8, released_at=1.5),
+        PromptMsg(
+            group_index=7,
+            prompt="12=",
+            label="21",
+            attempt=1,
+            epoch=0,
+            row=3,
+            n_samples=8,
+            released_at=1.5,
+        ),
         "89ab67726f75705f696e64657807a670726f6d7074a331323da56c6162656ca23231a86d65746164617461"
         "80a7617474656d707401a565706f636800a3726f7703a96e5f73616d706c657308ab72656c65617365645f"
         "6174cb3ff8000000000000",
     ),
     "WeightsPublished": (
         WeightsPublished(version=2, step=1, uri="/w/v2", sha256="ab", num_bytes=10, created_at=2.0),
-        "86a776657273696f6e02a473746570" "01a3757269a52f772f7632a6736861323536a26162a96e756d5f6279746573"
+        "86a776657273696f6e02a473746570"
+        "01a3757269a52f772f7632a6736861323536a26162a96e756d5f6279746573"
         "0aaa637265617465645f6174cb4000000000000000",
     ),
 }

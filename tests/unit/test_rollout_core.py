@@ -48,7 +48,10 @@ def test_apply_response_reads_sglang_shapes():
         "meta_info": {
             "finish_reason": {"type": "stop", "matched": 2},
             "weight_version": "7",
-            "weight_versions": [{"version": 6, "start": 0, "end": 1}, {"version": 7, "start": 1, "end": 3}],
+            "weight_versions": [
+                {"version": 6, "start": 0, "end": 1},
+                {"version": 7, "start": 1, "end": 3},
+            ],
             "output_token_logprobs": [[-0.1, 6, None], [-0.2, 5, None], [-0.3, 2, None]],
         },
     }
@@ -58,8 +61,18 @@ def test_apply_response_reads_sglang_shapes():
     assert s.weight_versions == [6, 7]
 
 
-@pytest.mark.parametrize(("reason", "status"), [("length", SampleStatus.TRUNCATED), ("abort", SampleStatus.ABORTED)])
+@pytest.mark.parametrize(
+    ("reason", "status"), [("length", SampleStatus.TRUNCATED), ("abort", SampleStatus.ABORTED)]
+)
 def test_finish_reason_mapping(reason, status):
     s = Sample()
-    apply_response(s, [1], {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": reason}, "weight_version": "default"}})
+    apply_response(
+        s,
+        [1],
+        {
+            "text": "",
+            "output_ids": [],
+            "meta_info": {"finish_reason": {"type": reason}, "weight_version": "default"},
+        },
+    )
     assert s.status is status and s.weight_versions == []  # "default" is an unknown version

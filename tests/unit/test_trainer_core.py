@@ -9,7 +9,13 @@ import torch
 
 from services.api import Sample
 from services.model.llama import CausalLM, ModelConfig
-from services.trainer.core import LossConfig, assemble_batch, build_train_batch, group_advantages, policy_loss
+from services.trainer.core import (
+    LossConfig,
+    assemble_batch,
+    build_train_batch,
+    group_advantages,
+    policy_loss,
+)
 
 
 def test_group_advantages_by_hand():
@@ -37,8 +43,21 @@ def tiny_model(seed=0) -> CausalLM:
 
 
 def test_alignment_masks_and_removed_samples():
-    a = Sample(index=0, tokens=[1, 2, 3, 4, 5], response_length=2, reward=1.0, rollout_log_probs=[-1.0, -2.0])
-    b = Sample(index=1, tokens=[1, 2, 3], response_length=1, reward=0.0, rollout_log_probs=[-3.0], remove_sample=True)
+    a = Sample(
+        index=0,
+        tokens=[1, 2, 3, 4, 5],
+        response_length=2,
+        reward=1.0,
+        rollout_log_probs=[-1.0, -2.0],
+    )
+    b = Sample(
+        index=1,
+        tokens=[1, 2, 3],
+        response_length=1,
+        reward=0.0,
+        rollout_log_probs=[-3.0],
+        remove_sample=True,
+    )
     batch = build_train_batch([[a, b]], std_normalization=True, reward_key=None, pad_id=0)
     assert batch.input_ids_bt.tolist() == [[1, 2, 3, 4, 5], [1, 2, 3, 0, 0]]
     # response tokens 4, 5 are predicted at shifted positions 2, 3
@@ -50,8 +69,16 @@ def test_alignment_masks_and_removed_samples():
 
 def test_ppo_clip_loss_matches_a_hand_computation():
     model = tiny_model()
-    a = Sample(index=0, tokens=[1, 2, 3, 4, 5], response_length=2, reward=1.0, rollout_log_probs=[-1.2, -2.5])
-    b = Sample(index=1, tokens=[1, 2, 6, 3], response_length=1, reward=0.0, rollout_log_probs=[-0.4])
+    a = Sample(
+        index=0,
+        tokens=[1, 2, 3, 4, 5],
+        response_length=2,
+        reward=1.0,
+        rollout_log_probs=[-1.2, -2.5],
+    )
+    b = Sample(
+        index=1, tokens=[1, 2, 6, 3], response_length=1, reward=0.0, rollout_log_probs=[-0.4]
+    )
     batch = build_train_batch([[a, b]], std_normalization=True, reward_key=None, pad_id=0)
     cfg = LossConfig(eps_clip=0.2, eps_clip_high=0.3)
     loss, stats = policy_loss(model, batch, cfg)
