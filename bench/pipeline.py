@@ -30,9 +30,7 @@ def run(command: list[str], run_dir: Path) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--out", default=None, help="also write the figures as JSON here")
     a = p.parse_args()
@@ -56,9 +54,7 @@ def main() -> None:
         "sync_rollout_s": round(rollout, 2),
         "sync_train_s": round(train, 2),
         "ideal_speedup": round(ideal, 3),
-        "fraction_of_ideal": round((wall_sync / wall_async - 1) / (ideal - 1), 3)
-        if ideal > 1
-        else None,
+        "fraction_of_ideal": round((wall_sync / wall_async - 1) / (ideal - 1), 3) if ideal > 1 else None,
         "fully_async_avg_staleness": round(
             sum(r.get("rollout/fully_async/avg_staleness", 0.0) for r in fully) / len(fully), 2
         ),
@@ -66,9 +62,7 @@ def main() -> None:
     print(f"\n{'':24}{'sync':>10}{'fully async':>14}")
     print(f"{'training loop wall (s)':24}{wall_sync:>10.1f}{wall_async:>14.1f}")
     print(f"sync breakdown: rollout {rollout:.1f}s + train {train:.1f}s")
-    print(
-        f"speedup sync/fully-async: {result['speedup']:.2f}x   ideal for this workload: {ideal:.2f}x"
-    )
+    print(f"speedup sync/fully-async: {result['speedup']:.2f}x   ideal for this workload: {ideal:.2f}x")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -240,3 +240,31 @@ class DeadLetter(msgspec.Struct, kw_only=True):
     data: bytes = b""
     service: str = ""
     ts: float = 0.0
+
+
+class LedgerEvent(msgspec.Struct, kw_only=True):
+    """One decision of the buffer, appended to LEDGER_<run>. The log is both the buffer's
+    write-ahead log (its state is the fold of these events) and the audit ledger of the run.
+
+    kinds: released (prompt), put (outcome stored|filtered|aborted|duplicate|accepted), leased
+    (group -> step), stale (rejected at get), lease_complete (step, metrics), committed (step).
+    `recycled` marks an aborted/stale group whose prompt went back to the data source."""
+
+    seq: int
+    """Position in the log, from 1; also the Nats-Msg-Id suffix so a retried append dedupes."""
+    kind: str
+    group_id: str = ""
+    group_index: int = -1
+    attempt: int = 0
+    step: int = -1
+    stream_seq: int = 0
+    outcome: str = ""
+    reason: str = ""
+    recycled: bool = False
+    staleness: int | None = None
+    oldest_version: int | None = None
+    prompt: PromptMsg | None = None
+    source: dict[str, int] = msgspec.field(default_factory=dict)
+    """For `released`: the data source cursor after the release (epoch, cursor, next_group_index)."""
+    metrics: dict[str, float] = msgspec.field(default_factory=dict)
+    ts: float = 0.0

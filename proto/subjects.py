@@ -17,8 +17,7 @@ MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 def check_run_id(run_id: str) -> str:
     if not _RUN_ID.match(run_id):
         raise ValueError(
-            f"run id {run_id!r} is not usable in NATS subjects: use 1-64 characters from "
-            "letters, digits, '_' and '-'"
+            f"run id {run_id!r} is not usable in NATS subjects: use 1-64 characters from letters, digits, '_' and '-'"
         )
     return run_id
 
@@ -52,6 +51,10 @@ class Subjects(Struct, frozen=True):
     @property
     def deadletter_stream(self) -> str:
         return f"DEADLETTER_{self.run_id}"
+
+    @property
+    def ledger_stream(self) -> str:
+        return f"LEDGER_{self.run_id}"
 
     @property
     def kv_bucket(self) -> str:
@@ -88,6 +91,10 @@ class Subjects(Struct, frozen=True):
     @property
     def progress(self) -> str:
         return self._s("progress")
+
+    @property
+    def ledger(self) -> str:
+        return self._s("ledger")
 
     @property
     def buffer_get(self) -> str:
@@ -148,6 +155,14 @@ class Subjects(Struct, frozen=True):
                 "subjects": [self.progress],
                 "retention": "limits",
                 "storage": "file",
+            },
+            {
+                "name": self.ledger_stream,
+                "subjects": [self.ledger],
+                "retention": "limits",
+                "storage": "file",
+                "duplicate_window": 600.0,
+                "allow_direct": True,
             },
             {
                 "name": self.deadletter_stream,

@@ -7,7 +7,6 @@
 """
 
 from asyncrl_proto.messages import Sample, SampleStatus
-
 from services.buffer.core import (
     DataBuffer,
     DefaultDataBuffer,

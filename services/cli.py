@@ -6,6 +6,7 @@
   asyncrl init-run --nats-url URL ...  prepare a run for services started elsewhere (compose, k8s)
   asyncrl service NAME ...             run one service alone against a NATS server
   asyncrl engine ...                   run the built-in SGLang-compatible engine
+  asyncrl audit RUN_DIR                balance a run's ledger (exit 0 when balanced)
   asyncrl build-model --out DIR        build the bundled task's tiny model
 
 Imports stay light until a command runs, so --help is instant.
@@ -27,9 +28,7 @@ def _train_parser(prog: str, sync: bool) -> argparse.ArgumentParser:
         else "Asynchronous RL: one-step overlap, or --fully-async with a continuously fed buffer."
     )
     p = argparse.ArgumentParser(prog=prog, description=desc)
-    p.add_argument(
-        "--config", dest="config_file", default=None, help="YAML, TOML or JSON file of flag values"
-    )
+    p.add_argument("--config", dest="config_file", default=None, help="YAML, TOML or JSON file of flag values")
     add_config_arguments(p, skip=("driver",))
     return p
 
@@ -80,17 +79,13 @@ def _cmd_train(argv: list[str], sync: bool) -> int:
         f"done in {result['wall_s']:.0f}s: {result['steps']} steps, final weight version {result['final_weight_version']}"
     )
     if r0 is not None and r1 is not None:
-        print(
-            f"held-out reward ({result['heldout_dataset']}): step 0 {r0:.3f} -> end {r1:.3f} ({r1 - r0:+.3f})"
-        )
+        print(f"held-out reward ({result['heldout_dataset']}): step 0 {r0:.3f} -> end {r1:.3f} ({r1 - r0:+.3f})")
     print(json.dumps({k: v for k, v in result.items() if k != "evals"}))
     return 0
 
 
 def _cmd_build_model(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="asyncrl build-model", description="Build the bundled task's tiny model."
-    )
+    p = argparse.ArgumentParser(prog="asyncrl build-model", description="Build the bundled task's tiny model.")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--warmup-sft-steps", type=int, default=20)
@@ -108,9 +103,7 @@ def check_argv(argv: list[str]) -> None:
     if cmd in ("train", "train-async"):
         _resolve(f"asyncrl {cmd}", rest, cmd == "train")
     elif cmd == "init-run":
-        _resolve(
-            "asyncrl init-run", [a for a in rest if a != "--driver-sync"], "--driver-sync" in rest
-        )
+        _resolve("asyncrl init-run", [a for a in rest if a != "--driver-sync"], "--driver-sync" in rest)
     elif cmd == "service":
         from services.common.entry import SERVICES, service_parser
 
@@ -127,7 +120,7 @@ def check_argv(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ("train", "train-async", "init-run", "service", "engine", "build-model")
+    commands = ("train", "train-async", "init-run", "service", "engine", "audit", "build-model")
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0
@@ -156,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if cmd == "build-model":
         return _cmd_build_model(rest)
+    if cmd == "audit":
+        from services.audit import main as audit_main
+
+        return audit_main(rest)
     print(f"asyncrl: unknown command {cmd!r}; commands: {', '.join(commands)}", file=sys.stderr)
     return 2
 

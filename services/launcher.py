@@ -22,10 +22,10 @@ import uuid
 from pathlib import Path
 
 import httpx
+
 from asyncrl_proto import EvalRequest, EvalResult, ProgressRecord, decode
 from asyncrl_proto.codec import DecodeError
 from asyncrl_proto.subjects import check_run_id
-
 from services.common import procs
 from services.common.config import RunConfig
 from services.common.natsserver import EmbeddedNats
@@ -55,9 +55,7 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
     updates: dict = {"run_id": run_id, "run_dir": str(run_dir)}
-    if config.task == "reverse-digits" and (
-        config.prompt_data is None or not config.eval_prompt_data
-    ):
+    if config.task == "reverse-digits" and (config.prompt_data is None or not config.eval_prompt_data):
         from services.tasks import reverse_digits
 
         train, held_out = reverse_digits.write_datasets(run_dir / "data", seed=config.rollout_seed)
@@ -70,9 +68,7 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
 
         model_dir = run_dir / "model" / "initial"
         if not (model_dir / ".complete").exists():
-            reverse_digits.build_model(
-                model_dir, seed=config.seed, warmup_sft_steps=config.warmup_sft_steps, log=log
-            )
+            reverse_digits.build_model(model_dir, seed=config.seed, warmup_sft_steps=config.warmup_sft_steps, log=log)
         updates["hf_checkpoint"] = str(model_dir)
     else:
         updates["hf_checkpoint"] = str(Path(config.hf_checkpoint).resolve())
@@ -94,9 +90,7 @@ async def publish_run_config(config: RunConfig) -> None:
 
 def init_run(config: RunConfig, log=print) -> RunConfig:
     if not config.nats_url:
-        raise LaunchError(
-            "init-run needs --nats-url: the services it prepares for read their config from NATS"
-        )
+        raise LaunchError("init-run needs --nats-url: the services it prepares for read their config from NATS")
     if not config.rollout_engine_urls and not config.rollout_external_engine_addrs:
         raise LaunchError(
             "init-run needs --rollout-engine-urls (or --rollout-external-engine-addrs): where the engines listen"
@@ -106,18 +100,18 @@ def init_run(config: RunConfig, log=print) -> RunConfig:
         from services.common.sglang_client import normalize_url
 
         config = config.model_copy(
-            update={
-                "rollout_engine_urls": [
-                    normalize_url(a) for a in config.rollout_external_engine_addrs
-                ]
-            }
+            update={"rollout_engine_urls": [normalize_url(a) for a in config.rollout_external_engine_addrs]}
         )
-    (Path(config.run_dir) / "config.json").write_text(
-        json.dumps(config.model_dump(mode="json"), indent=2)
-    )
+    (Path(config.run_dir) / "config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
     asyncio.run(publish_run_config(config))
     log(f"run {config.run_id} prepared in {config.run_dir}; config published to {config.nats_url}")
     return config
+
+
+class Child:
+    def __init__(self, name: str, cmd: list[str], proc: subprocess.Popen):
+        self.name, self.cmd, self.proc = name, cmd, proc
+        self.restarts = 0
 
 
 class Launcher:
@@ -125,7 +119,8 @@ class Launcher:
         self.config = config
         self.out = out
         self.run_dir = Path(config.run_dir)
-        self.children: list[tuple[str, subprocess.Popen]] = []
+        self.children: list[Child] = []
+        self.nats_restarts = 0
         self.services: dict[str, str] = {}
         self.nats: EmbeddedNats | None = None
         self.nats_url = config.nats_url
@@ -142,12 +137,15 @@ class Launcher:
 
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
         proc = procs.spawn(cmd, log_path=self.run_dir / "logs" / f"{name}.log", env=self._env())
-        self.children.append((name, proc))
+        self.children.append(Child(name, cmd, proc))
         self._write_pids()
         return proc
 
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
     def _write_pids(self) -> None:
-        pids = {name: p.pid for name, p in self.children}
+        pids = {c.name: c.proc.pid for c in self.children}
         if self.nats and self.nats.proc:
             pids["nats-server"] = self.nats.proc.pid
         pids["launcher"] = os.getpid()
@@ -156,9 +154,7 @@ class Launcher:
     def start_nats(self) -> None:
         if self.nats_url:
             return
-        self.nats = EmbeddedNats(
-            self.run_dir / "nats", log_path=self.run_dir / "logs" / "nats-server.log"
-        ).start()
+        self.nats = EmbeddedNats(self.run_dir / "nats", log_path=self.run_dir / "logs" / "nats-server.log").start()
         self.nats_url = self.nats.url
         self._write_pids()
 
@@ -169,9 +165,7 @@ class Launcher:
 
             return [normalize_url(a) for a in c.rollout_external_engine_addrs]
         if c.engine != "builtin":
-            raise LaunchError(
-                "--engine sglang needs --rollout-external-engine-addrs on this launcher version"
-            )
+            raise LaunchError("--engine sglang needs --rollout-external-engine-addrs on this launcher version")
         urls = []
         for i in range(c.rollout_num_engines):
             port = procs.free_port()
@@ -206,29 +200,44 @@ class Launcher:
                         if http.get(url + path).status_code == 200:
                             del pending[label]
                 if pending and time.monotonic() > deadline:
-                    raise LaunchError(
-                        f"not ready after {timeout_s:.0f}s: {sorted(pending)} (see {self.run_dir}/logs)"
-                    )
+                    raise LaunchError(f"not ready after {timeout_s:.0f}s: {sorted(pending)} (see {self.run_dir}/logs)")
                 if pending:
                     time.sleep(0.1)
 
     def check_children(self, allow_exit: tuple[str, ...] = ()) -> None:
-        for name, proc in self.children:
-            code = proc.poll()
-            if code is not None and name not in allow_exit:
-                tail = _tail(self.run_dir / "logs" / f"{name}.log")
-                raise LaunchError(
-                    f"{name} (pid {proc.pid}) exited with code {code}; last log lines:\n{tail}"
-                )
+        """Restart a crashed child (same command, same ports) up to --service-restarts times;
+        a child that keeps crashing fails the run with its last log lines."""
+        if self.nats and self.nats.proc and self.nats.proc.poll() is not None:
+            self._restart_nats()
+        for c in self.children:
+            code = c.proc.poll()
+            if code is None or (c.name in allow_exit and code == 0):
+                continue
+            tail = _tail(self.run_dir / "logs" / f"{c.name}.log")
+            if c.restarts >= self.config.service_restarts:
+                raise LaunchError(f"{c.name} (pid {c.proc.pid}) exited with code {code}; last log lines:\n{tail}")
+            c.restarts += 1
+            self.out(
+                f"  {c.name} (pid {c.proc.pid}) exited with code {code}; "
+                f"restarting ({c.restarts}/{self.config.service_restarts})"
+            )
+            c.proc = procs.spawn(c.cmd, log_path=self.run_dir / "logs" / f"{c.name}.log", env=self._env())
+            self._write_pids()
+
+    def _restart_nats(self) -> None:
+        self.nats_restarts += 1
+        if self.nats_restarts > self.config.service_restarts:
+            raise LaunchError(f"nats-server exited {self.nats_restarts} times; see {self.run_dir}/logs/nats-server.log")
+        self.out(f"  nats-server exited with code {self.nats.proc.returncode}; restarting on the same store")
+        self.nats.start()
+        self._write_pids()
 
     # ---- run -------------------------------------------------------------------------------
     async def run(self) -> dict:
         c = self.config
         self.start_nats()
         urls = self.start_engines()
-        self.config = c = c.model_copy(
-            update={"rollout_engine_urls": urls, "nats_url": self.nats_url}
-        )
+        self.config = c = c.model_copy(update={"rollout_engine_urls": urls, "nats_url": self.nats_url})
         (self.run_dir / "config.json").write_text(json.dumps(c.model_dump(mode="json"), indent=2))
         from services.common.bus import Bus
 
@@ -263,23 +272,29 @@ class Launcher:
     async def _watch(self, bus) -> None:
         while self.done is None:
             self.check_children(allow_exit=("trainer",))
-            trainer = dict(self.children)["trainer"]
-            if trainer.poll() is not None and self.done is None:
-                await bus.nc.flush()
+            if self.child("trainer").proc.poll() == 0 and self.done is None:
+                await self._read_final_progress(bus)  # finished while we were cut off from NATS?
                 if self.done is None:
-                    self.check_children()
+                    raise LaunchError("the trainer exited without its final record; see logs/trainer.log")
             await asyncio.sleep(0.2)
         if self.done.error:
             raise LaunchError(f"trainer failed: {self.done.error}")
+
+    async def _read_final_progress(self, bus) -> None:
+        import nats.js.errors
+
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            raw = await bus.js.get_last_msg(bus.subjects.progress_stream, bus.subjects.progress)
+            rec = decode(raw.data, ProgressRecord)
+            if rec.done:
+                self.done = rec
 
     async def _wait_final_eval(self) -> None:
         deadline = time.monotonic() + FINAL_EVAL_TIMEOUT_S
         while self.config.total_steps not in self.evals:
             self.check_children(allow_exit=("trainer",))
             if time.monotonic() > deadline:
-                raise LaunchError(
-                    f"the final evaluation did not finish within {FINAL_EVAL_TIMEOUT_S:.0f}s"
-                )
+                raise LaunchError(f"the final evaluation did not finish within {FINAL_EVAL_TIMEOUT_S:.0f}s")
             await asyncio.sleep(0.2)
 
     async def _on_progress(self, msg) -> None:
@@ -294,21 +309,15 @@ class Launcher:
         with contextlib.suppress(*DecodeError):
             res = decode(msg.data, EvalResult)
             self.evals[res.step] = res
-            main = {
-                k: v
-                for k, v in res.metrics.items()
-                if k.count("/") == 1 and not k.startswith("eval/duration")
-            }
+            main = {k: v for k, v in res.metrics.items() if k.count("/") == 1 and not k.startswith("eval/duration")}
             shown = ", ".join(f"{k} {v:.3f}" for k, v in main.items() if k != "eval/step")
-            self.out(
-                f"  eval @ step {res.step} (weights v{res.version}): {shown} [{res.duration_s:.1f}s]"
-            )
+            self.out(f"  eval @ step {res.step} (weights v{res.version}): {shown} [{res.duration_s:.1f}s]")
 
     def _print_services(self) -> None:
         self.out(f"run {self.config.run_id} in {self.run_dir}")
         self.out(f"  nats: {self.nats_url}")
         for label, url in self.services.items():
-            pid = dict(self.children)[label].pid
+            pid = self.child(label).proc.pid
             self.out(f"  {label:<12} pid {pid:<7} {url}")
         (self.run_dir / "services.json").write_text(json.dumps(self.services, indent=2))
 
@@ -324,9 +333,7 @@ class Launcher:
             "steps": self.config.total_steps,
             "wall_s": time.time() - self.t0,
             "final_weight_version": self._final_version(),
-            "heldout_dataset": self.config.eval_prompt_data[0]
-            if self.config.eval_prompt_data
-            else None,
+            "heldout_dataset": self.config.eval_prompt_data[0] if self.config.eval_prompt_data else None,
             "heldout_reward_step0": r0,
             "heldout_reward_final": r1,
             "heldout_reward_gain": (r1 - r0) if r0 is not None and r1 is not None else None,
@@ -336,9 +343,12 @@ class Launcher:
         return result
 
     # ---- stop --------------------------------------------------------------------------------
+    def stop_services(self) -> None:
+        for c in reversed(self.children):
+            procs.stop(c.proc, timeout_s=15.0)
+
     def shutdown(self) -> None:
-        for _name, proc in reversed(self.children):
-            procs.stop(proc, timeout_s=15.0)
+        self.stop_services()
         if self.nats:
             self.nats.stop()
 
@@ -365,13 +375,27 @@ def format_progress(step: int, total: int, rec: dict) -> str:
 
 
 def launch(config: RunConfig, out=print) -> dict:
-    """Run a whole job; returns the summary. Every started process is stopped on every path."""
+    """Run a whole job; returns the summary. Every started process is stopped on every path.
+    After training, with the services stopped and the broker still up, the ledger is audited
+    (RUN_DIR/audit.json)."""
     config = prepare_run(config, log=out)
     launcher = Launcher(config, out=out)
     old_term = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         result = asyncio.run(launcher.run())
+        launcher.stop_services()
+        from services.audit import collect
+
+        report = asyncio.run(collect(launcher.nats_url, launcher.config.run_id, launcher.run_dir))
+        (launcher.run_dir / "audit.json").write_text(json.dumps(report, indent=2))
+        result["ledger_balanced"] = report["balanced"]
+        out(
+            f"ledger: {report['released_prompts']} prompts released, {report['trained']} trained once, "
+            f"{sum(report['filtered'].values())} filtered, {report['aborted_dropped'] + report['stale_dropped']} dropped, "
+            f"{sum(report['in_flight_at_end'].values())} in flight at the end, {report['lost']} lost, "
+            f"{report['trained_twice']} trained twice ({'balanced' if report['balanced'] else 'NOT balanced'}; asyncrl audit {launcher.run_dir})"
+        )
     finally:
         launcher.shutdown()
         signal.signal(signal.SIGTERM, old_term)

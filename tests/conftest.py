@@ -45,9 +45,7 @@ def task_data(tmp_path_factory):
 class EngineThread:
     """The built-in engine (scheduler + HTTP server) inside the test process, on a free port."""
 
-    def __init__(
-        self, model_dir, weight_version: str = "0", max_running_requests: int = 64, seed: int = 0
-    ):
+    def __init__(self, model_dir, weight_version: str = "0", max_running_requests: int = 64, seed: int = 0):
         import uvicorn
 
         from services.engine.scheduler import Scheduler
@@ -64,9 +62,7 @@ class EngineThread:
         )
         self.port = procs.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = EngineServer(
-            self.scheduler, str(model_dir), Tokenizer(model_dir), port=self.port
-        )
+        self.server = EngineServer(self.scheduler, str(model_dir), Tokenizer(model_dir), port=self.port)
         self._uv = uvicorn.Server(
             uvicorn.Config(
                 self.server.app,

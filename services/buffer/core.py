@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl_proto.messages import Sample, SampleStatus, flatten_group, oldest_weight_version
-
 from services.common.config import RunConfig
 
 Group = list[Any]
@@ -48,9 +47,7 @@ def load_object(path: str, what: str) -> Any:
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise ValueError(
-            f"{what} {path!r}: module {module_name!r} has no attribute {attr!r}"
-        ) from None
+        raise ValueError(f"{what} {path!r}: module {module_name!r} has no attribute {attr!r}") from None
 
 
 def staleness(current_version: int | None, group: Group) -> int | None:
@@ -102,9 +99,7 @@ class DefaultDataBuffer(DataBuffer):
             )
         self._filter = None
         if config.dynamic_sampling_filter_path:
-            self._filter = load_object(
-                config.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path"
-            )
+            self._filter = load_object(config.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
         self._groups: collections.deque[Group] = collections.deque()
         self._cond = asyncio.Condition()
         self._latest_version: int | None = None
@@ -123,6 +118,11 @@ class DefaultDataBuffer(DataBuffer):
 
     def __len__(self) -> int:
         return len(self._groups)
+
+    def restore(self, groups: list[Group]) -> None:
+        """Refill after a restart with groups that were already stored: no filter, no capacity
+        wait, no events (they were decided before)."""
+        self._groups.extend(groups)
 
     async def put(self, group: Group) -> None:
         if is_aborted(group):
@@ -158,9 +158,7 @@ class DefaultDataBuffer(DataBuffer):
     async def get(self, current_version: int | None = None, **context: Any) -> Group:
         if current_version is not None:
             self._latest_version = (
-                current_version
-                if self._latest_version is None
-                else max(self._latest_version, current_version)
+                current_version if self._latest_version is None else max(self._latest_version, current_version)
             )
         while True:
             async with self._cond:

@@ -1,22 +1,23 @@
 """The prompt data source: JSONL rows released as prompt groups, recycled prompts first.
 
-Each release gets the next `group_index`; sample indices are group_index * n + position, so
-indices are global, unique and increasing. Epochs wrap without stopping (reshuffled per epoch
-with --rollout-seed when --rollout-shuffle is set). The whole state (epoch, cursor, next index,
-recycled prompts) is a small dict that the buffer service persists.
+Each fresh release gets the next `group_index`; sample indices are group_index * n + position,
+so indices are global, unique and increasing. Epochs wrap without stopping (reshuffled per
+epoch with --rollout-seed when --rollout-shuffle is set). The cursor (epoch, position, next
+index) and the recycled queue live in the buffer's durable state (services.buffer.state); this
+class only turns that state into the next prompt, deterministically, so a restarted buffer
+releases exactly what it would have released.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import random
 import time
 from pathlib import Path
-from typing import Any
+
+import msgspec
 
 from asyncrl_proto import PromptMsg
-
 from services.common.config import RunConfig
 
 
@@ -24,9 +25,7 @@ class DataError(ValueError):
     pass
 
 
-def load_rows(
-    path: str | Path, input_key: str, label_key: str | None, metadata_key: str | None
-) -> list[dict]:
+def load_rows(path: str | Path, input_key: str, label_key: str | None, metadata_key: str | None) -> list[dict]:
     """Parse a JSONL prompt file; a malformed row is reported with its file and line number."""
     path = Path(path)
     if not path.exists():
@@ -64,87 +63,38 @@ class PromptSource:
         self.config = config
         self.rows = rows
         self.n = config.n_samples_per_prompt
-        self.epoch = 0
-        self.cursor = 0
-        self.next_group_index = 0
-        self.recycled: collections.deque[PromptMsg] = collections.deque()
-        self._order = self._epoch_order(0)
-
-    def _epoch_order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.rows)))
-        if self.config.rollout_shuffle:
-            random.Random(self.config.rollout_seed + epoch).shuffle(order)
-        return order
-
-    def next_prompt(self) -> PromptMsg:
-        """Recycled prompts first, with their original group_index; then fresh rows."""
-        if self.recycled:
-            msg = self.recycled.popleft()
-            msg.released_at = time.time()
-            return msg
-        if self.cursor >= len(self._order):
-            self.epoch += 1
-            self.cursor = 0
-            self._order = self._epoch_order(self.epoch)
-        row_id = self._order[self.cursor]
-        row = self.rows[row_id]
-        self.cursor += 1
-        gi = self.next_group_index
-        self.next_group_index += 1
-        return PromptMsg(
-            group_index=gi,
-            prompt=row["prompt"],
-            label=row["label"],
-            metadata=dict(row["metadata"]),
-            attempt=0,
-            epoch=self.epoch,
-            row=row_id,
-            n_samples=self.n,
-            released_at=time.time(),
-        )
-
-    def recycle(
-        self,
-        group_index: int,
-        prompt: Any,
-        label: Any,
-        metadata: dict,
-        attempt: int,
-        epoch: int,
-        row: int,
-    ) -> PromptMsg:
-        msg = PromptMsg(
-            group_index=group_index,
-            prompt=prompt,
-            label=label,
-            metadata=metadata,
-            attempt=attempt + 1,
-            epoch=epoch,
-            row=row,
-            n_samples=self.n,
-        )
-        self.recycled.append(msg)
-        return msg
+        self._orders: dict[int, list[int]] = {}
 
     @property
     def epoch_size(self) -> int:
         return len(self.rows)
 
-    def state_dict(self) -> dict:
-        from asyncrl_proto import encode
+    def order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(len(self.rows)))
+            if self.config.rollout_shuffle:
+                random.Random(self.config.rollout_seed + epoch).shuffle(order)
+            self._orders = {epoch: order}  # one epoch at a time is all we ever need
+        return self._orders[epoch]
 
-        return {
-            "epoch": self.epoch,
-            "cursor": self.cursor,
-            "next_group_index": self.next_group_index,
-            "recycled": [encode(m) for m in self.recycled],
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        from asyncrl_proto import decode
-
-        self.epoch = state["epoch"]
-        self.cursor = state["cursor"]
-        self.next_group_index = state["next_group_index"]
-        self.recycled = collections.deque(decode(b, PromptMsg) for b in state["recycled"])
-        self._order = self._epoch_order(self.epoch)
+    def next_release(self, epoch: int, cursor: int, next_group_index: int, recycled: list[PromptMsg]):
+        """The next prompt and the cursor after it: the head of the recycled queue (original
+        group_index, attempt + 1) if any, else the next row. Pure: nothing is mutated."""
+        if recycled:
+            return msgspec.structs.replace(recycled[0], released_at=time.time()), {}
+        if cursor >= len(self.rows):
+            epoch, cursor = epoch + 1, 0
+        row_id = self.order(epoch)[cursor]
+        row = self.rows[row_id]
+        msg = PromptMsg(
+            group_index=next_group_index,
+            prompt=row["prompt"],
+            label=row["label"],
+            metadata=dict(row["metadata"]),
+            attempt=0,
+            epoch=epoch,
+            row=row_id,
+            n_samples=self.n,
+            released_at=time.time(),
+        )
+        return msg, {"epoch": epoch, "cursor": cursor + 1, "next_group_index": next_group_index + 1}

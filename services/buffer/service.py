@@ -1,26 +1,30 @@
-"""Buffer service: the one place where group-level decisions are made.
+"""Buffer service: the one place where group-level decisions are made, durably.
 
-Consumes: RolloutGroup messages from ROLLOUTS (durable pull consumer "buffer"), acknowledged
-  once put() has decided their fate; `buffer.get` and `buffer.commit` requests from the trainer;
-  `weights.live` (the staleness clock); producer heartbeats (their in-flight caps).
-Produces: PromptMsg on PROMPTS (the data source's releases, recycled prompts first); replies
-  with GroupRefs (where the trainer reads each group on ROLLOUTS) and the step's get_metrics().
-Backpressure: put() blocks while the buffer is full, so the consumer stops reading ROLLOUTS and
-  the release policy (services.buffer.policy) stops releasing prompts: producers run dry.
-Leases: every group handed out belongs to a step; a repeated get for that step returns the same
-  groups (idempotent), until the trainer commits the step, which retires them.
-Shutdown: SIGTERM stops the loops; unacknowledged messages are redelivered on restart.
+Consumes: RolloutGroup messages from ROLLOUTS (durable pull consumer "buffer"); `buffer.get`
+  and `buffer.commit` requests from the trainer; `weights.live` (the staleness clock); producer
+  heartbeats (their in-flight caps, for the fully-async release policy).
+Produces: PromptMsg on PROMPTS (releases, recycled prompts first); LedgerEvent on LEDGER (every
+  decision); replies with GroupRefs (where the trainer reads each group on ROLLOUTS) and the
+  step's get_metrics() snapshot.
+Durability: the state (services.buffer.state) is the fold of the ledger. Every decision is
+  appended to LEDGER before its effect leaves the process: before a ROLLOUTS message is
+  acknowledged, before a lease is handed to the trainer. A prompt is published to PROMPTS (with
+  a deterministic Nats-Msg-Id) before its release is recorded. After SIGKILL the service loads
+  the last KV snapshot, replays the ledger after it, refills the DataBuffer from ROLLOUTS and
+  carries on; redelivered messages are recognised (their group is no longer outstanding).
+Backpressure: put() blocks while the buffer is full, so the consumer stops reading ROLLOUTS
+  and the release policy stops releasing prompts: producers run dry.
+Leases: a repeated get for a step returns the same groups until the trainer commits the step
+  (after its checkpoint); a restarted trainer gets exactly the groups it had.
 HTTP: /status shows capacity, stored groups, the staleness clock and the ledger counters.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl_proto import (
@@ -28,9 +32,8 @@ from asyncrl_proto import (
     BufferCommitReply,
     BufferGetReply,
     BufferGetRequest,
-    GroupRef,
     Heartbeat,
-    PromptMsg,
+    LedgerEvent,
     RolloutGroup,
     WeightsLive,
     decode,
@@ -38,43 +41,22 @@ from asyncrl_proto import (
 )
 from asyncrl_proto.codec import DecodeError
 from asyncrl_proto.messages import flatten_group, oldest_weight_version
-
 from services.buffer.core import DataBuffer, DefaultDataBuffer, load_object, staleness
 from services.buffer.datasource import PromptSource, load_rows
 from services.buffer.policy import ReleaseState, release_allowance
-from services.common.bus import fetch_some
+from services.buffer.state import BufferState, apply, decode_state, encode_state, group_id
+from services.common.bus import fetch_some, settle
 from services.common.runtime import Service, wait_event
 
 log = logging.getLogger(__name__)
 
 PRODUCER_TIMEOUT_S = 10.0
+SNAPSHOT_EVERY = 500
+ROLLOUTS_ACK_WAIT_S = 10.0
 
 
-@dataclass
-class GroupMeta:
-    group_id: str
-    group_index: int
-    attempt: int
-    epoch: int
-    row: int
-    stream_seq: int
-    prompt: Any
-    label: Any
-    metadata: dict
-    group: list
-
-
-@dataclass
-class Lease:
-    step: int
-    count: int
-    refs: list[GroupRef] = field(default_factory=list)
-    metrics: dict[str, float] = field(default_factory=dict)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def complete(self) -> bool:
-        return self.done.is_set()
+class BufferPluginError(RuntimeError):
+    pass
 
 
 def make_buffer(config, recycle) -> DataBuffer:
@@ -95,40 +77,42 @@ class BufferService(Service):
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
         if not config.prompt_data:
-            raise ValueError(
-                "the buffer needs --prompt-data (the launcher sets it to the task's data)"
-            )
+            raise ValueError("the buffer needs --prompt-data (the launcher sets it to the task's data)")
         self.source = PromptSource(
-            config,
-            load_rows(config.prompt_data, config.input_key, config.label_key, config.metadata_key),
+            config, load_rows(config.prompt_data, config.input_key, config.label_key, config.metadata_key)
         )
         self.buffer = make_buffer(config, self._recycle)
         self._observed = isinstance(self.buffer, DefaultDataBuffer)
         if self._observed:
             self.buffer.on_event = self._on_buffer_event
+        self.plugin_path = config.custom_async_data_buffer_path or "services.api.DefaultDataBuffer"
+        self.state = BufferState()
         self.live_version: int | None = None
-        self.leases: dict[int, Lease] = {}
-        self.committed_step = -1
-        self.meta: dict[int, GroupMeta] = {}
-        self.seen_group_ids: set[str] = set()
+        self.requested: dict[int, int] = {}  # step -> B, for steps the trainer has asked for
         self.want_step: int | None = None
         self.lookahead = 0
         self.min_version: int | None = None
+        self.override_version: int | None = None
         self.producers: dict[str, tuple[float, int]] = {}
-        self.num_released = 0
-        self.num_resolved = 0
-        self.ledger: collections.Counter[str] = collections.Counter()
+        self.gid_of: dict[int, tuple[str, list]] = {}  # id(group) -> (group id, group)
+        self.dead_lettered = 0
+        self._unflushed: list[LedgerEvent] = []
+        self._flush_lock = asyncio.Lock()
+        self._snapshot_seq = 0
+        self._current_put: dict = {}
         self._wake_release = asyncio.Event()
         self._wake_pump = asyncio.Event()
         self._stored = asyncio.Event()
+        self._lease_done: dict[int, asyncio.Event] = {}
         self._rollouts = None
 
-    # ---- setup -----------------------------------------------------------------------------
+    # ---- setup and recovery ----------------------------------------------------------------
     async def setup(self) -> None:
         s = self.bus.subjects
         await self.bus.ensure_streams()
+        await self._recover()
         self._rollouts = await self.bus.pull(
-            s.rollouts_stream, s.rollouts, durable="buffer", ack_wait_s=30.0, max_ack_pending=64
+            s.rollouts_stream, s.rollouts, durable="buffer", ack_wait_s=ROLLOUTS_ACK_WAIT_S, max_ack_pending=256
         )
         # subscribe before reading the KV value, so that no update can fall in between
         await self.bus.nc.subscribe(s.weights_live, cb=self._on_live)
@@ -137,11 +121,46 @@ class BufferService(Service):
         await self.bus.nc.subscribe(s.buffer_commit, cb=self._on_commit)
         await self.bus.nc.subscribe(s.heartbeat("rollout"), cb=self._on_producer_heartbeat)
         log.info(
-            "buffer ready: capacity %d groups, %d prompts per epoch, mode %s",
-            self.config.buffer_capacity,
-            self.source.epoch_size,
-            self.config.mode,
-        )
+            "buffer ready: capacity %d groups, %d prompts per epoch, mode %s, %d ledger events, "
+            "%d stored, %d outstanding, committed step %d",
+            self.config.buffer_capacity, self.source.epoch_size, self.config.mode, self.state.seq,
+            len(self.state.stored), len(self.state.outstanding), self.state.committed_step,
+        )  # fmt: skip
+
+    async def _recover(self) -> None:
+        """Last snapshot + the ledger after it; then the stored groups back into the DataBuffer."""
+        raw = await self.bus.kv_get("buffer_snapshot")
+        if raw is not None:
+            self.state = decode_state(raw)
+            self._snapshot_seq = self.state.seq
+        stream = self.bus.subjects.ledger_stream
+        last = (await self.bus.js.stream_info(stream)).state.last_seq
+        replayed = 0
+        for seq in range(self.state.log_stream_seq + 1, last + 1):
+            try:
+                ev = decode(await self.bus.get_payload(stream, seq), LedgerEvent)
+            except Exception as e:  # a gap (deleted message) is corruption: say so
+                raise RuntimeError(f"cannot replay ledger message {seq} of {stream}: {e}") from e
+            if ev.seq <= self.state.seq:
+                continue  # an append retried beyond the dedupe window
+            apply(self.state, ev)
+            self.state.log_stream_seq = seq
+            replayed += 1
+        groups = []
+        for gid, ref in self.state.stored.items():
+            data = await self.bus.get_payload(self.bus.subjects.rollouts_stream, ref.stream_seq)
+            group = decode(data, RolloutGroup).samples
+            self.gid_of[id(group)] = (gid, group)
+            groups.append(group)
+        if groups:
+            if self._observed:
+                self.buffer.restore(groups)
+            else:
+                for g in groups:
+                    await self._plugin(self.buffer.put(g), "put")
+        if raw is not None or replayed:
+            log.info("recovered the buffer: snapshot at event %d, %d events replayed, %d groups restored",
+                     self._snapshot_seq, replayed, len(groups))  # fmt: skip
 
     def loops(self):
         return {
@@ -150,90 +169,135 @@ class BufferService(Service):
             "pump_gets": self._pump_gets,
         }
 
+    async def teardown(self) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._flush(snapshot=True), 5)
+
+    # ---- the ledger ----------------------------------------------------------------------------
+    def _record(self, kind: str, **fields: Any) -> LedgerEvent:
+        ev = LedgerEvent(seq=self.state.seq + 1, kind=kind, ts=time.time(), **fields)
+        apply(self.state, ev)
+        self._unflushed.append(ev)
+        return ev
+
+    async def _flush(self, snapshot: bool = False) -> None:
+        """Make every recorded event durable, in order; snapshot the state now and then."""
+        async with self._flush_lock:
+            while self._unflushed:
+                batch, self._unflushed = self._unflushed, []
+                subject, run = self.bus.subjects.ledger, self.bus.subjects.run_id
+                acks = await self.bus.publish_durably(
+                    [(subject, ev, f"{run}-L{ev.seq}") for ev in batch], f"{len(batch)} ledger events"
+                )
+                self.state.log_stream_seq = max(self.state.log_stream_seq, acks[-1].seq)
+            if snapshot or self.state.seq - self._snapshot_seq >= SNAPSHOT_EVERY:
+                await self.bus.kv_put("buffer_snapshot", encode_state(self.state))
+                self._snapshot_seq = self.state.seq
+
+    async def _plugin(self, awaitable, what: str):
+        """Calls into the DataBuffer: a plugin that raises fails the service with its path."""
+        try:
+            return await awaitable
+        except Exception as e:
+            raise BufferPluginError(f"{self.plugin_path}.{what} raised {type(e).__name__}: {e}") from e
+
     # ---- put path ----------------------------------------------------------------------------
     async def _consume_rollouts(self) -> None:
         while True:
-            for msg in await fetch_some(self._rollouts, 8, 1.0):
-                await self._put_one(msg)
+            msgs = await fetch_some(self._rollouts, 32, 1.0)
+            done = []
+            for msg in msgs:
+                if await self._put_one(msg, pending=[m for m in msgs if m not in done]):
+                    done.append(msg)
+            await self._flush()
+            for msg in done:
+                await settle(msg)
+            if done:
+                self._wake_release.set()
 
-    async def _put_one(self, msg) -> None:
-        subject = self.bus.subjects.rollouts
+    async def _put_one(self, msg, pending: list) -> bool:
+        """Decide one group. Returns True when the message should be acknowledged after the
+        next flush (False: it was terminated as a dead letter)."""
         try:
             rg = decode(msg.data, RolloutGroup)
         except DecodeError as e:
-            self.ledger["dead_lettered"] += 1
-            await self.bus.dead_letter(subject, msg.data, f"undecodable RolloutGroup: {e}")
-            await msg.term()
-            return
+            await self._dead_letter(msg, f"undecodable RolloutGroup: {e}")
+            return False
         n = self.config.n_samples_per_prompt
         if len(rg.samples) != n:
-            self.ledger["dead_lettered"] += 1
-            await self.bus.dead_letter(
-                subject,
-                msg.data,
-                f"group {rg.group_id} has {len(rg.samples)} trajectories, expected n={n}",
-            )
-            await msg.term()
-            return
-        if rg.group_id in self.seen_group_ids:
-            self.ledger["duplicate_groups"] += 1
-            await msg.ack()
-            return
-        self.seen_group_ids.add(rg.group_id)
-        first = flatten_group(rg.samples)[0]
-        self.meta[id(rg.samples)] = GroupMeta(
-            group_id=rg.group_id, group_index=rg.group_index, attempt=rg.attempt, epoch=rg.epoch,
-            row=rg.row, stream_seq=msg.metadata.sequence.stream, prompt=first.prompt,
-            label=first.label, metadata=dict(first.metadata), group=rg.samples,
-        )  # fmt: skip
-        put = asyncio.ensure_future(self.buffer.put(rg.samples))
+            await self._dead_letter(msg, f"group {rg.group_id} has {len(rg.samples)} trajectories, expected n={n}")
+            return False
+        gid = group_id(rg.group_index, rg.attempt)
+        common = {"group_id": gid, "group_index": rg.group_index, "attempt": rg.attempt}
+        if rg.group_id != gid or gid not in self.state.outstanding:
+            self._record("put", outcome="duplicate", stream_seq=msg.metadata.sequence.stream, **common)
+            return True
+        group = rg.samples
+        self.gid_of[id(group)] = (gid, group)
+        self._current_put = {
+            **common, "stream_seq": msg.metadata.sequence.stream, "oldest_version": oldest_weight_version(group),
+            "recorded": False, "recycled": False,
+        }  # fmt: skip
+        put = asyncio.ensure_future(self._plugin(self.buffer.put(group), "put"))
         while not put.done():
-            done, _ = await asyncio.wait({put}, timeout=10.0)
+            await self._flush()  # a full buffer blocks: let what is decided become durable meanwhile
+            done, _ = await asyncio.wait({put}, timeout=ROLLOUTS_ACK_WAIT_S / 3)
             if not done:
-                await msg.in_progress()  # blocked by a full buffer: keep the message ours
+                for m in pending:
+                    await settle(m, "in_progress")  # still ours while we wait for room
         put.result()
-        self.num_resolved += 1
-        if not self._observed:
-            self.ledger["put"] += 1  # a custom buffer: its decision is not observable
-        await msg.ack()
-        self._wake_release.set()
+        if not self._current_put["recorded"]:  # a custom buffer: its decision is not observable
+            self._record_put(
+                "aborted" if self._current_put["recycled"] else "accepted", recycled=self._current_put["recycled"]
+            )
+        return True
+
+    def _record_put(self, outcome: str, reason: str = "", recycled: bool = False) -> None:
+        """Record the decision on the group being put. Called the moment it is made (from the
+        DefaultDataBuffer's event), before any other coroutine can get the stored group."""
+        cur = self._current_put
+        fields = {k: v for k, v in cur.items() if k not in ("recorded", "recycled")}
+        self._record("put", outcome=outcome, reason=reason, recycled=recycled, **fields)
+        cur["recorded"] = True
+        if outcome in ("stored", "accepted"):
+            self._stored.set()
+        else:
+            self.gid_of.pop(next((k for k, (g, _) in self.gid_of.items() if g == cur["group_id"]), None), None)
+
+    async def _dead_letter(self, msg, reason: str) -> None:
+        self.dead_lettered += 1
+        await self.bus.dead_letter(msg.subject, msg.data, reason)
+        await msg.term()
 
     def _on_buffer_event(self, kind: str, group: list, reason: str | None) -> None:
-        """Ledger bookkeeping from the DefaultDataBuffer's decisions."""
-        handler_retries = self.config.async_unused_samples_handler == "retry"
-        if kind == "filtered":
-            self.ledger[f"filtered/{reason or 'unspecified'}"] += 1
-            self.meta.pop(id(group), None)
-        elif kind in ("aborted", "stale"):
-            self.ledger[f"{kind}_{'recycled' if handler_retries else 'dropped'}"] += 1
-            if not handler_retries:
-                self.meta.pop(id(group), None)
-        elif kind == "stored":
-            self.ledger["stored"] += 1
-            self._stored.set()
+        """The DefaultDataBuffer's decisions, synchronously, as they happen."""
+        retry = self.config.async_unused_samples_handler == "retry"
+        if kind == "stored":
+            self._record_put("stored")
+        elif kind == "filtered":
+            self._record_put("filtered", reason or "")
+        elif kind == "aborted":
+            self._record_put("aborted", recycled=retry)
+        elif kind == "stale":
+            gid, _ = self.gid_of.pop(id(group))
+            self._record("stale", group_id=gid, group_index=flatten_group(group)[0].group_index or 0,
+                         staleness=staleness(self._clock(), group), recycled=retry)  # fmt: skip
 
     async def _recycle(self, group: list) -> None:
-        meta = self.meta.pop(id(group), None)
-        first = flatten_group(group)[0]
-        if meta is None:
-            log.warning(
-                "recycling a group the buffer does not know (group_index %s)", first.group_index
-            )
-            self.source.recycle(
-                first.group_index, first.prompt, first.label, dict(first.metadata), 0, 0, 0
-            )
-        else:
-            self.source.recycle(
-                meta.group_index,
-                meta.prompt,
-                meta.label,
-                meta.metadata,
-                meta.attempt,
-                meta.epoch,
-                meta.row,
-            )
-        self.ledger["recycled"] += 1
-        self._wake_release.set()
+        """The unused-samples handler gives a prompt back. The DefaultDataBuffer's recycling is
+        recorded through its events; a custom buffer's is recorded here."""
+        if self._observed:
+            return
+        entry = self.gid_of.pop(id(group), None)
+        if entry is None:
+            log.warning("%s recycled a group the buffer does not know; ignored", self.plugin_path)
+            return
+        gid, _ = entry
+        gi = flatten_group(group)[0].group_index or 0
+        if gid in self.state.stored:
+            self._record("stale", group_id=gid, group_index=gi, recycled=True)
+        else:  # during put: an aborted group
+            self._current_put["recycled"] = True
 
     # ---- prompt release ------------------------------------------------------------------------
     def _inflight_cap(self) -> int:
@@ -244,10 +308,9 @@ class BufferService(Service):
     def _groups_still_needed(self) -> int:
         if self.want_step is None:
             return 0
-        first = self.committed_step + 1
         need = 0
-        for step in range(first, self.want_step + self.lookahead + 1):
-            lease = self.leases.get(step)
+        for step in range(self.state.committed_step + 1, self.want_step + self.lookahead + 1):
+            lease = self.state.leases.get(step)
             need += self.config.rollout_batch_size - (len(lease.refs) if lease else 0)
         return need
 
@@ -260,27 +323,44 @@ class BufferService(Service):
             want_step=self.want_step,
             lookahead=self.lookahead,
             groups_still_needed=self._groups_still_needed(),
-            stored=len(self.buffer) if hasattr(self.buffer, "__len__") else 0,
-            outstanding=self.num_released - self.num_resolved,
+            stored=len(self.state.stored),
+            outstanding=len(self.state.outstanding),
             live_version=self.live_version,
             min_version=self.min_version,
         )
 
     async def _release_prompts(self) -> None:
-        subject = self.bus.subjects.prompts
         while True:
             await wait_event(self._wake_release, 1.0)
             self._wake_release.clear()
             if self.live_version is None:
                 await self._read_live_version()  # weight-sync may have announced before we listened
-            for _ in range(release_allowance(self.release_state())):
-                msg: PromptMsg = self.source.next_prompt()
-                await self.bus.publish(
-                    subject, msg, msg_id=f"prompt-{msg.group_index}-{msg.attempt}"
-                )
-                self.num_released += 1
-                self.ledger["released"] += 1 if msg.attempt == 0 else 0
-                self.ledger["rereleased"] += 1 if msg.attempt > 0 else 0
+            k = release_allowance(self.release_state())
+            if k > 0:
+                await self._release(k)
+
+    async def _release(self, k: int) -> None:
+        """Publish k prompts (deterministic ids: a re-release after a crash dedupes), then
+        record the releases."""
+        s = self.state
+        epoch, cursor, nxt = s.epoch, s.cursor, s.next_group_index
+        recycled = list(s.recycled)
+        planned = []
+        for _ in range(k):
+            prompt, cur = self.source.next_release(epoch, cursor, nxt, recycled)
+            if recycled:
+                recycled.pop(0)
+            else:
+                epoch, cursor, nxt = cur["epoch"], cur["cursor"], cur["next_group_index"]
+            planned.append((prompt, cur))
+        subject = self.bus.subjects.prompts
+        await self.bus.publish_durably(
+            [(subject, p, f"prompt-{group_id(p.group_index, p.attempt)}") for p, _ in planned], f"{k} prompts"
+        )
+        for prompt, cur in planned:
+            self._record("released", group_id=group_id(prompt.group_index, prompt.attempt),
+                         group_index=prompt.group_index, attempt=prompt.attempt, prompt=prompt, source=cur)  # fmt: skip
+        await self._flush()
 
     # ---- get path ------------------------------------------------------------------------------
     async def _on_get(self, msg) -> None:
@@ -292,69 +372,89 @@ class BufferService(Service):
         except DecodeError as e:
             await self.bus.dead_letter(msg.subject, msg.data, f"undecodable BufferGetRequest: {e}")
             return
-        if req.step <= self.committed_step:
-            await msg.respond(
-                encode(BufferGetReply(step=req.step, error=f"step {req.step} is already committed"))
-            )
+        if req.step <= self.state.committed_step:
+            await msg.respond(encode(BufferGetReply(step=req.step, error=f"step {req.step} is already committed")))
             return
-        lease = self.leases.get(req.step)
-        if lease is None:
-            lease = self.leases[req.step] = Lease(step=req.step, count=req.count)
+        self.requested.setdefault(req.step, req.count)
         self.want_step = req.step if self.want_step is None else max(self.want_step, req.step)
         self.lookahead = req.lookahead_steps
         self.min_version = req.release_min_version
-        self._override_version = req.current_version
+        self.override_version = req.current_version
         self._wake_release.set()
         self._wake_pump.set()
+        done = self._lease_done.setdefault(req.step, asyncio.Event())
+        if self._lease_complete(req.step):
+            done.set()
         if req.wait_s > 0:
-            await wait_event(lease.done, req.wait_s)
+            await wait_event(done, req.wait_s)
+        await self._flush()  # never hand out a lease that is not durable
+        lease = self.state.leases.get(req.step)
         reply = BufferGetReply(
-            step=req.step, refs=list(lease.refs), complete=lease.complete, metrics=lease.metrics
+            step=req.step,
+            refs=list(lease.refs) if lease else [],
+            complete=bool(lease and lease.complete),
+            metrics=dict(lease.metrics) if lease else {},
         )
         await msg.respond(encode(reply))
 
-    def _next_incomplete_lease(self) -> Lease | None:
-        pending = [lease for s, lease in sorted(self.leases.items()) if not lease.complete]
-        return pending[0] if pending else None
+    def _lease_complete(self, step: int) -> bool:
+        lease = self.state.leases.get(step)
+        return bool(lease and lease.complete)
+
+    def _next_step_to_fill(self) -> int | None:
+        steps = sorted(s for s in self.requested if s > self.state.committed_step and not self._lease_complete(s))
+        return steps[0] if steps else None
+
+    def _clock(self) -> int | None:
+        return self.override_version if self.override_version is not None else self.live_version
 
     async def _pump_gets(self) -> None:
-        """Drain the DataBuffer into the lease of the oldest step still short of groups."""
-        self._override_version = None
+        """Drain the DataBuffer into the lease of the oldest requested step short of groups."""
         while True:
-            lease = self._next_incomplete_lease()
-            if lease is None:
+            step = self._next_step_to_fill()
+            if step is None:
                 await self._wake_pump.wait()
                 self._wake_pump.clear()
                 continue
-            if self._observed:
-                # judge staleness when a group is there to judge, not when we started waiting
-                while len(self.buffer) == 0:
-                    self._stored.clear()
-                    await self._stored.wait()
-            version = (
-                self._override_version if self._override_version is not None else self.live_version
-            )
-            group = await self.buffer.get(current_version=version)
-            lease.refs.append(self._ref_for(group, version))
-            self.ledger["consumed"] += 1
-            self._wake_release.set()
-            if len(lease.refs) >= lease.count:
-                lease.metrics = {k: float(v) for k, v in self.buffer.get_metrics().items()}
-                lease.done.set()
+            count = self.requested[step]
+            lease = self.state.leases.get(step)
+            if lease is None or len(lease.refs) < count:
+                if self._observed:
+                    # judge staleness when a group is there to judge, not when we started waiting
+                    while len(self.buffer) == 0:
+                        self._stored.clear()
+                        await self._stored.wait()
+                version = self._clock()
+                group = await self._plugin(self.buffer.get(current_version=version, step=step), "get")
+                self._lease(step, group, version)
+                self._wake_release.set()
+            lease = self.state.leases.get(step)
+            if lease is not None and len(lease.refs) >= count:
+                metrics = await self._plugin(_sync(self.buffer.get_metrics), "get_metrics")
+                self._record("lease_complete", step=step, metrics={k: float(v) for k, v in metrics.items()})
+                await self._flush()
+                self._lease_done.setdefault(step, asyncio.Event()).set()
 
-    def _ref_for(self, group: list, version: int | None) -> GroupRef:
-        meta = self.meta.pop(id(group), None)
-        st = staleness(version, group)
-        oldest = oldest_weight_version(group)
-        if meta is not None:
-            return GroupRef(group_id=meta.group_id, group_index=meta.group_index, stream_seq=meta.stream_seq,
-                            staleness=st, oldest_version=oldest)  # fmt: skip
-        # a custom buffer built this group itself: ship it inline
-        first = flatten_group(group)[0]
-        rg = RolloutGroup(group_id=f"inline-{first.group_index}-{time.time_ns()}", group_index=first.group_index or 0,
-                          samples=group)  # fmt: skip
-        return GroupRef(group_id=rg.group_id, group_index=rg.group_index, payload=encode(rg), staleness=st,
-                        oldest_version=oldest)  # fmt: skip
+    def _lease(self, step: int, group: list, version: int | None) -> None:
+        entry = self.gid_of.pop(id(group), None)
+        if entry is None:  # a custom buffer may hand back a copy: find it by its prompt
+            gi = flatten_group(group)[0].group_index
+            key = next((k for k, (gid, _) in self.gid_of.items() if gid.startswith(f"g{gi}-")), None)
+            entry = self.gid_of.pop(key) if key is not None else None
+        if entry is None:
+            raise BufferPluginError(
+                f"{self.plugin_path}.get returned a group that was never put (group_index "
+                f"{flatten_group(group)[0].group_index}); a DataBuffer must return the groups it was given"
+            )
+        gid, _ = entry
+        if (
+            gid not in self.state.stored
+            and self._current_put.get("group_id") == gid
+            and not self._current_put["recorded"]
+        ):
+            self._record_put("accepted")  # a custom buffer handed it out before its put() returned
+        self._record("leased", group_id=gid, group_index=flatten_group(group)[0].group_index or 0, step=step,
+                     staleness=staleness(version, group))  # fmt: skip
 
     # ---- commit, live version, producers ------------------------------------------------------
     async def _on_commit(self, msg) -> None:
@@ -363,25 +463,21 @@ class BufferService(Service):
         except DecodeError as e:
             await self.bus.dead_letter(msg.subject, msg.data, f"undecodable BufferCommit: {e}")
             return
-        num = 0
-        for step in sorted(s for s in self.leases if s <= req.step):
-            lease = self.leases.pop(step)
-            num += len(lease.refs)
-            for ref in lease.refs:
-                if ref.stream_seq:
-                    with contextlib.suppress(Exception):
-                        await self.bus.js.delete_msg(
-                            self.bus.subjects.rollouts_stream, ref.stream_seq
-                        )
-        self.ledger["trained"] += num
-        self.committed_step = max(self.committed_step, req.step)
-        await msg.respond(encode(BufferCommitReply(step=req.step, num_groups_committed=num)))
+        seqs = [r.stream_seq for s, lease in self.state.leases.items() if s <= req.step for r in lease.refs]
+        if req.step > self.state.committed_step:
+            self._record("committed", step=req.step)
+            await self._flush()
+            for step in [s for s in self.requested if s <= req.step]:
+                self.requested.pop(step)
+                self._lease_done.pop(step, None)
+        await msg.respond(encode(BufferCommitReply(step=req.step, num_groups_committed=len(seqs))))
+        for seq in seqs:  # trained: the payloads are no longer needed
+            with contextlib.suppress(Exception):
+                await self.bus.js.delete_msg(self.bus.subjects.rollouts_stream, seq)
 
     async def _on_live(self, msg) -> None:
-        try:
+        with contextlib.suppress(*DecodeError):
             self._set_live(decode(msg.data, WeightsLive).version)
-        except DecodeError:
-            return
 
     async def _read_live_version(self) -> None:
         raw = await self.bus.kv_get("live_version")
@@ -398,11 +494,13 @@ class BufferService(Service):
             hb = decode(msg.data, Heartbeat)
         except DecodeError:
             return
-        cap = int(hb.info.get("inflight_groups", self.config.inflight_groups))
         if hb.info.get("stopping"):
             self.producers.pop(hb.instance_id, None)
         else:
-            self.producers[hb.instance_id] = (time.time(), cap)
+            self.producers[hb.instance_id] = (
+                time.time(),
+                int(hb.info.get("inflight_groups", self.config.inflight_groups)),
+            )
         self._wake_release.set()
 
     # ---- observability -------------------------------------------------------------------------
@@ -414,19 +512,17 @@ class BufferService(Service):
             "live_version": self.live_version,
             "mode": self.config.mode,
             "want_step": self.want_step,
-            "committed_step": self.committed_step,
-            "released": self.num_released,
-            "outstanding": rs.outstanding,
-            "producers": len(
-                [1 for ts, _ in self.producers.values() if time.time() - ts < PRODUCER_TIMEOUT_S]
-            ),
+            "committed_step": self.state.committed_step,
+            "outstanding_prompts": rs.outstanding,
+            "producers": len([1 for ts, _ in self.producers.values() if time.time() - ts < PRODUCER_TIMEOUT_S]),
             "data_source": {
-                "epoch": self.source.epoch,
-                "cursor": self.source.cursor,
-                "next_group_index": self.source.next_group_index,
-                "recycled_waiting": len(self.source.recycled),
+                "epoch": self.state.epoch,
+                "cursor": self.state.cursor,
+                "next_group_index": self.state.next_group_index,
+                "recycled_waiting": len(self.state.recycled),
             },  # fmt: skip
-            "ledger": dict(self.ledger),
+            "ledger": {**self.state.counters, "dead_lettered": self.dead_lettered, "events": self.state.seq},
+            "buffer_class": self.plugin_path,
         }
 
     def metric_values(self) -> dict[str, float]:
@@ -436,12 +532,18 @@ class BufferService(Service):
             "buffer/capacity": self.config.buffer_capacity,
             "buffer/outstanding_prompts": rs.outstanding,
             "buffer/live_version": self.live_version if self.live_version is not None else -1,
-            "buffer/committed_step": self.committed_step,
+            "buffer/committed_step": self.state.committed_step,
+            "buffer/ledger_events": self.state.seq,
+            "buffer/ledger/dead_lettered_total": self.dead_lettered,
         }
-        out.update({f"buffer/ledger/{k}_total": v for k, v in self.ledger.items()})
-        if hasattr(self.buffer, "stored_staleness"):
+        out.update({f"buffer/ledger/{k}_total": v for k, v in self.state.counters.items()})
+        if self._observed:
             stored = self.buffer.stored_staleness()
             if stored:
                 out["rollout/fully_async/buffer_avg_staleness"] = sum(stored) / len(stored)
                 out["rollout/fully_async/buffer_max_staleness"] = max(stored)
         return out
+
+
+async def _sync(fn):
+    return fn()

@@ -17,9 +17,10 @@ from typing import Any, TypeVar
 import nats
 import nats.errors
 import nats.js.errors
+from nats.js import api
+
 from asyncrl_proto import DeadLetter, decode, encode
 from asyncrl_proto.subjects import Subjects
-from nats.js import api
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,9 +49,7 @@ class Bus:
         self._closing = {"yes": False}
 
     @classmethod
-    async def connect(
-        cls, url: str, run_id: str, service: str, connect_timeout_s: float = 30.0
-    ) -> Bus:
+    async def connect(cls, url: str, run_id: str, service: str, connect_timeout_s: float = 30.0) -> Bus:
         closing = {"yes": False}
 
         async def on_error(e: Exception) -> None:
@@ -119,9 +118,7 @@ class Bus:
             try:
                 self._kv = await self.js.key_value(bucket)
             except nats.js.errors.BucketNotFoundError:
-                self._kv = await self.js.create_key_value(
-                    bucket=bucket, history=1, storage=api.StorageType.FILE
-                )
+                self._kv = await self.js.create_key_value(bucket=bucket, history=1, storage=api.StorageType.FILE)
         return self._kv
 
     async def kv_get(self, key: str) -> bytes | None:
@@ -141,6 +138,41 @@ class Bus:
         """JetStream publish; `msg_id` dedupes retried publishes within the duplicate window."""
         headers = {"Nats-Msg-Id": msg_id} if msg_id else None
         return await self.js.publish(subject, encode(msg), headers=headers)
+
+    async def publish_batch(
+        self, items: list[tuple[str, Any, str | None]], timeout_s: float = 10.0
+    ) -> list[api.PubAck]:
+        """Pipelined JetStream publishes of (subject, msg, msg_id), in order; raises BusError
+        unless every one is acknowledged within timeout_s."""
+        futures = []
+        for subject, msg, msg_id in items:
+            headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+            futures.append(await self.js.publish_async(subject, encode(msg), headers=headers))
+        if not futures:
+            return []
+        done, pending = await asyncio.wait(futures, timeout=timeout_s)
+        for f in pending:
+            f.cancel()
+        if pending:
+            raise BusError(f"{len(pending)} of {len(futures)} publishes were not acknowledged within {timeout_s}s")
+        return [f.result() for f in futures]
+
+    async def publish_durably(
+        self, items: list[tuple[str, Any, str | None]], what: str, deadline_s: float = 180.0
+    ) -> list[api.PubAck]:
+        """publish_batch, retried through a broker outage (msg ids make retries idempotent);
+        gives up loudly after deadline_s."""
+        end = time.monotonic() + deadline_s
+        delay = 0.2
+        while True:
+            try:
+                return await self.publish_batch(items)
+            except (TimeoutError, BusError, nats.errors.Error, nats.js.errors.Error, OSError) as e:
+                if time.monotonic() > end:
+                    raise BusError(f"could not publish {what} for {deadline_s:.0f}s: {e}") from e
+                log.warning("publishing %s failed (%s); retrying", what, type(e).__name__)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
 
     async def publish_core(self, subject: str, msg: Any) -> None:
         await self.nc.publish(subject, encode(msg))
@@ -192,8 +224,22 @@ class Bus:
 
 
 async def fetch_some(psub, batch: int, timeout_s: float) -> list:
-    """fetch() that returns [] on timeout instead of raising."""
+    """fetch() that returns [] on a timeout, and also while the connection is down (the
+    consumer lives on the server and resumes after the reconnect)."""
     try:
         return await psub.fetch(batch, timeout=timeout_s)
     except (TimeoutError, nats.errors.TimeoutError):
         return []
+    except (nats.errors.Error, nats.js.errors.Error, OSError) as e:
+        log.warning("fetch failed (%s); retrying after the reconnect", type(e).__name__)
+        await asyncio.sleep(0.5)
+        return []
+
+
+async def settle(msg, how: str = "ack") -> None:
+    """ack / nak / in_progress that never fails the caller: a lost acknowledgement only means
+    a redelivery, which every consumer recognises."""
+    try:
+        await getattr(msg, how)()
+    except (TimeoutError, nats.errors.Error, nats.js.errors.Error, OSError) as e:
+        log.warning("%s failed (%s); the message will be redelivered", how, type(e).__name__)

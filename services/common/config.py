@@ -67,12 +67,11 @@ class RunConfig(BaseModel):
     engine_max_running_requests: int = Field(
         256, description="Built-in engine: requests decoded together in one running batch."
     )
-    torch_num_threads: int = Field(
-        1, description="torch intra-op threads per torch process (engine, trainer)."
+    service_restarts: int = Field(
+        3, description="The launcher restarts a crashed service (or its nats-server) up to this many times."
     )
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        "INFO", description="Log level."
-    )
+    torch_num_threads: int = Field(1, description="torch intra-op threads per torch process (engine, trainer).")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
 
     # ---- model and data ---------------------------------------------------------------------
     task: Literal["reverse-digits"] = Field(
@@ -94,9 +93,7 @@ class RunConfig(BaseModel):
     input_key: str = Field("prompt", description="JSONL key of the prompt.")
     label_key: str | None = Field("label", description="JSONL key of the label.")
     metadata_key: str | None = Field("metadata", description="JSONL key of per-prompt metadata.")
-    apply_chat_template: bool = Field(
-        False, description="Format prompts with the tokenizer's chat template."
-    )
+    apply_chat_template: bool = Field(False, description="Format prompts with the tokenizer's chat template.")
     rollout_shuffle: bool = Field(False, description="Shuffle prompts every epoch.")
     rollout_seed: int = Field(42, description="Seed for prompt shuffling and sampling.")
     seed: int = Field(1234, description="Seed for model init and the trainer.")
@@ -108,19 +105,13 @@ class RunConfig(BaseModel):
     rollout_temperature: float = Field(1.0, description="Sampling temperature.")
     rollout_top_p: float = Field(1.0, description="Nucleus sampling p.")
     rollout_top_k: int = Field(-1, description="Top-k sampling (-1: whole vocabulary).")
-    rollout_stop_token_ids: list[int] = Field(
-        default_factory=list, description="Stop token ids in addition to EOS."
-    )
-    num_rollout: int | None = Field(
-        None, description="Training steps to run; default 150 unless --num-epoch is given."
-    )
+    rollout_stop_token_ids: list[int] = Field(default_factory=list, description="Stop token ids in addition to EOS.")
+    num_rollout: int | None = Field(None, description="Training steps to run; default 150 unless --num-epoch is given.")
     num_epoch: int | None = Field(
         None,
         description="Epochs over --prompt-data; sets the step count when --num-rollout is unset.",
     )
-    rm_type: str | None = Field(
-        None, description="Built-in reward; default: the task's reward (reverse-digits)."
-    )
+    rm_type: str | None = Field(None, description="Built-in reward; default: the task's reward (reverse-digits).")
     reward_key: str | None = Field(None, description="Key to read when a reward is a dict.")
     custom_rm_path: str | None = Field(
         None, description="module.fn: async fn(config, sample) -> float (group fn with --group-rm)."
@@ -146,8 +137,7 @@ class RunConfig(BaseModel):
     # ---- async ------------------------------------------------------------------------------
     max_weight_staleness: int | None = Field(
         None,
-        description="Reject a group at get() when current version - oldest version > this. "
-        "Unset: never filter.",
+        description="Reject a group at get() when current version - oldest version > this. Unset: never filter.",
     )
     async_data_buffer_capacity_factor: float = Field(
         2.0, description="Buffer capacity = floor(factor * rollout batch size) stored groups."
@@ -168,12 +158,8 @@ class RunConfig(BaseModel):
     pause_generation_mode: Literal["retract", "in_place", "abort"] = Field(
         "retract", description="How engines pause for a weight update."
     )
-    colocate: bool = Field(
-        False, description="Training and rollout share devices (not with --fully-async)."
-    )
-    partial_rollout: bool = Field(
-        False, description="Resume aborted samples (not with --fully-async)."
-    )
+    colocate: bool = Field(False, description="Training and rollout share devices (not with --fully-async).")
+    partial_rollout: bool = Field(False, description="Resume aborted samples (not with --fully-async).")
     prompt_ack_wait_s: float = Field(
         30.0,
         description="A producer that holds a prompt this long without a heartbeat loses it to another.",
@@ -193,18 +179,12 @@ class RunConfig(BaseModel):
     grpo_std_normalization: bool = Field(
         True, description="Divide group advantages by the group std (forced off when n == 1)."
     )
-    eps_clip: float = Field(
-        0.2, description="PPO clip range (lower, and upper unless --eps-clip-high)."
-    )
+    eps_clip: float = Field(0.2, description="PPO clip range (lower, and upper unless --eps-clip-high).")
     eps_clip_high: float | None = Field(None, description="Upper PPO clip range.")
-    use_rollout_logprobs: bool = Field(
-        True, description="Importance ratios against the engine's behaviour log-probs."
-    )
+    use_rollout_logprobs: bool = Field(True, description="Importance ratios against the engine's behaviour log-probs.")
     entropy_coef: float = Field(0.0, description="Entropy bonus coefficient.")
     save: str | None = Field(None, description="Directory for training checkpoints.")
-    save_interval: int | None = Field(
-        None, description="Save every this many steps (needs --save)."
-    )
+    save_interval: int | None = Field(None, description="Save every this many steps (needs --save).")
     load: str | None = Field(None, description="Resume from this checkpoint directory.")
     save_hf: str | None = Field(None, description="Directory for periodic HF snapshots.")
     keep_weight_snapshots: int = Field(
@@ -301,10 +281,7 @@ def validation_errors(c: RunConfig) -> list[str]:
             f"{c.rollout_batch_size}) = {c.buffer_capacity} holds no group: raise "
             "--async-data-buffer-capacity-factor or --rollout-batch-size so that it is at least 1"
         )
-    if (
-        c.async_max_concurrent_samples is not None
-        and c.async_max_concurrent_samples < c.n_samples_per_prompt
-    ):
+    if c.async_max_concurrent_samples is not None and c.async_max_concurrent_samples < c.n_samples_per_prompt:
         errs.append(
             f"--async-max-concurrent-samples ({c.async_max_concurrent_samples}) must be >= "
             f"--n-samples-per-prompt ({c.n_samples_per_prompt}): whole prompt groups are "
@@ -326,13 +303,9 @@ def validation_errors(c: RunConfig) -> list[str]:
     if c.eval_interval is not None and c.eval_interval < 1:
         errs.append(f"--eval-interval must be >= 1 (got {c.eval_interval})")
     if len(c.eval_prompt_data) % 2:
-        errs.append(
-            "--eval-prompt-data takes NAME PATH pairs, e.g. --eval-prompt-data aime aime.jsonl"
-        )
+        errs.append("--eval-prompt-data takes NAME PATH pairs, e.g. --eval-prompt-data aime aime.jsonl")
     if c.rollout_num_engines < 1 and not c.rollout_external_engine_addrs:
-        errs.append(
-            "--rollout-num-engines must be >= 1 unless --rollout-external-engine-addrs is set"
-        )
+        errs.append("--rollout-num-engines must be >= 1 unless --rollout-external-engine-addrs is set")
     if c.rollout_num_producers < 0:
         errs.append("--rollout-num-producers must be >= 0")
     if not 0 < c.rollout_top_p <= 1:
@@ -439,9 +412,7 @@ def env_overrides(environ: dict[str, str]) -> dict:
     return out
 
 
-def resolve_config(
-    cli: dict, config_file: str | None = None, environ: dict[str, str] | None = None
-) -> RunConfig:
+def resolve_config(cli: dict, config_file: str | None = None, environ: dict[str, str] | None = None) -> RunConfig:
     """Merge the sources in precedence order and validate once."""
     merged: dict = {}
     if config_file:

@@ -29,14 +29,10 @@ def service_parser(name: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"asyncrl service {name or '<name>'}")
     p.add_argument("--nats-url", required=True, help="NATS server URL")
     p.add_argument("--run-id", required=True, help="run id (NATS names carry it)")
-    p.add_argument(
-        "--http-host", default="127.0.0.1", help="address for this service's HTTP endpoints"
-    )
+    p.add_argument("--http-host", default="127.0.0.1", help="address for this service's HTTP endpoints")
     p.add_argument("--http-port", type=int, default=0, help="port for HTTP (0: any free port)")
     p.add_argument("--instance-id", default=None, help="unique id of this replica")
-    p.add_argument(
-        "--config-file", default=None, help="resolved run config (default: read from the run's KV)"
-    )
+    p.add_argument("--config-file", default=None, help="resolved run config (default: read from the run's KV)")
     p.add_argument(
         "--config-wait-s",
         type=float,
@@ -88,9 +84,7 @@ def service_main(name: str, argv: list[str] | None = None) -> None:
     if name not in SERVICES:
         raise SystemExit(f"unknown service {name!r}: choose one of {', '.join(SERVICES)}")
     args = service_parser(name).parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s %(levelname)s [{name}] %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [{name}] %(message)s")
     from asyncrl_proto.subjects import check_run_id
 
     check_run_id(args.run_id)

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 from asyncrl_proto.subjects import MAX_PAYLOAD_BYTES
-
 from services.common import procs
 
 
@@ -29,9 +28,7 @@ def nats_server_binary() -> str:
 class EmbeddedNats:
     """A nats-server child process. `start()` returns once it accepts connections."""
 
-    def __init__(
-        self, store_dir: str | Path, port: int | None = None, log_path: str | Path | None = None
-    ):
+    def __init__(self, store_dir: str | Path, port: int | None = None, log_path: str | Path | None = None):
         self.store_dir = Path(store_dir)
         self.port = port or procs.free_port()
         self.log_path = Path(log_path) if log_path else self.store_dir / "nats-server.log"

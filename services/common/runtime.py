@@ -23,12 +23,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import uvicorn
-from asyncrl_proto import Heartbeat
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from asyncrl_proto import Heartbeat
 from services.common.bus import Bus
 from services.common.config import RunConfig
 
@@ -167,22 +167,16 @@ class Service:
         sock = bind_socket(self.http_host, self.http_port)
         self.http_port = sock.getsockname()[1]
         self.http_url = f"http://{self.http_host}:{self.http_port}"
-        server = _QuietServer(
-            uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False)
-        )
+        server = _QuietServer(uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False))
         http_task = asyncio.create_task(server.serve(sockets=[sock]), name=f"{self.name}-http")
         log.info("%s %s serving HTTP on %s", self.name, self.instance_id, self.http_url)
         try:
             await self.setup()
-            await self.bus.nc.flush(
-                timeout=10
-            )  # subscriptions are live on the server before we say ready
+            await self.bus.nc.flush(timeout=10)  # subscriptions are live on the server before we say ready
             self.ready = True
             async with asyncio.TaskGroup() as tg:
                 named = {**self.loops(), "heartbeat": self._heartbeat_loop}
-                self._tasks = [
-                    tg.create_task(self._supervise(n, fn), name=n) for n, fn in named.items()
-                ]
+                self._tasks = [tg.create_task(self._supervise(n, fn), name=n) for n, fn in named.items()]
                 tg.create_task(self._cancel_on_stop(), name="stop-watch")
         finally:
             self.ready = False

@@ -33,9 +33,7 @@ def normalize_url(addr: str) -> str:
 class SGLangClient:
     def __init__(self, urls: list[str], max_retries: int = 3, retry_delay_s: float = 1.0):
         if not urls:
-            raise ValueError(
-                "no engine URLs: start engines or pass --rollout-external-engine-addrs"
-            )
+            raise ValueError("no engine URLs: start engines or pass --rollout-external-engine-addrs")
         self.urls = [normalize_url(u) for u in urls]
         self.outstanding = dict.fromkeys(self.urls, 0)
         self.healthy = dict.fromkeys(self.urls, True)
@@ -75,9 +73,7 @@ class SGLangClient:
                         return await r.json()
                     text = await r.text()
                 if 400 <= r.status < 500:
-                    raise EngineError(
-                        f"{url}/generate rejected the request ({r.status}): {text[:300]}"
-                    )
+                    raise EngineError(f"{url}/generate rejected the request ({r.status}): {text[:300]}")
                 last = EngineError(f"{url}/generate returned {r.status}: {text[:300]}")
             except (TimeoutError, aiohttp.ClientConnectionError) as e:
                 last = e
@@ -92,9 +88,7 @@ class SGLangClient:
         raise EngineError(f"generate failed after {self.max_retries + 1} attempts: {last}")
 
     # ---- control plane (one engine) ------------------------------------------------------------
-    async def _call(
-        self, method: str, url: str, path: str, body: dict | None = None, timeout: float = 600.0
-    ) -> Any:
+    async def _call(self, method: str, url: str, path: str, body: dict | None = None, timeout: float = 600.0) -> Any:
         try:
             async with self.http.request(
                 method, f"{url}{path}", json=body, timeout=aiohttp.ClientTimeout(total=timeout)

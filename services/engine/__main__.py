@@ -27,9 +27,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s [engine] %(message)s"
-    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s [engine] %(message)s")
     import torch
     import uvicorn
 
@@ -52,9 +50,7 @@ def main(argv=None) -> None:
         seed=args.random_seed,
     )
     sched.start()
-    server = EngineServer(
-        sched, args.model_path, tokenizer, args.served_model_name, args.host, args.port
-    )
+    server = EngineServer(sched, args.model_path, tokenizer, args.served_model_name, args.host, args.port)
     try:
         uvicorn.run(
             server.app,

@@ -111,9 +111,7 @@ class EngineStats:
 
     @property
     def cache_hit_rate(self) -> float:
-        return (
-            self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
-        )
+        return self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
 
 
 @dataclass
@@ -261,9 +259,7 @@ class Scheduler:
             self.paused_mode = None
             self._work.notify_all()
 
-    def update_weights_from_disk(
-        self, model_path: str, weight_version: str | None, timeout_s: float = 600
-    ) -> dict:
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None, timeout_s: float = 600) -> dict:
         """Load a snapshot in place. Paused: at once (after the step in flight). Not paused:
         after in-flight requests finish, as SGLang's writer lock does."""
         deadline = time.monotonic() + timeout_s
@@ -373,9 +369,7 @@ class Scheduler:
         tokens, logprobs = self._sample(logits_nv, [r.params for r in p.reqs])
         return tokens.tolist(), logprobs.tolist()
 
-    def _apply(
-        self, p: _Planned, out: tuple[list[int], list[float]], version: int, epoch: int
-    ) -> None:
+    def _apply(self, p: _Planned, out: tuple[list[int], list[float]], version: int, epoch: int) -> None:
         running = set(map(id, self.running))
         for r, f, slot, tok, lp in zip(p.reqs, p.feeds, p.slots, *out, strict=True):
             if id(r) not in running or r.slot != slot:
@@ -390,9 +384,7 @@ class Scheduler:
             self._maybe_finish(r, tok)
         self.stats.record_generated(len(p.reqs))
 
-    def _sample(
-        self, logits_nv: torch.Tensor, params: list[SamplingParams]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits_nv: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample from softmax(logits / T) after top-k / top-p; report log p under
         softmax(logits / T), the quantity the trainer recomputes (greedy: T = 1)."""
         temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params])
@@ -410,9 +402,7 @@ class Scheduler:
                     probs = torch.softmax(sorted_logits, -1)
                     drop = probs.cumsum(-1) - probs > p.top_p
                     filtered[i][order[drop]] = float("-inf")
-        sampled = torch.multinomial(
-            torch.softmax(filtered, dim=-1), 1, generator=self._gen
-        ).squeeze(1)
+        sampled = torch.multinomial(torch.softmax(filtered, dim=-1), 1, generator=self._gen).squeeze(1)
         greedy = torch.tensor([p.greedy for p in params])
         tokens = torch.where(greedy, scaled.argmax(-1), sampled)
         return tokens, logprobs_nv.gather(-1, tokens[:, None]).squeeze(1)
@@ -421,9 +411,7 @@ class Scheduler:
         p = req.params
         n = len(req.output_ids)
         reason = None
-        if n >= p.min_new_tokens and (
-            tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)
-        ):
+        if n >= p.min_new_tokens and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)):
             reason = {"type": "stop", "matched": tok}
         elif n >= p.max_new_tokens or len(req.seq) >= self.context_length:
             reason = {"type": "length", "length": n}

@@ -70,9 +70,7 @@ def parse_sampling_params(raw: dict | None) -> tuple[SamplingParams, int]:
     if p.top_k != -1 and p.top_k < 1:
         raise BadRequest("top_k must be -1 (whole vocabulary) or >= 1")
     if raw.get("stop"):
-        raise BadRequest(
-            "stop strings are not supported by the built-in engine: use stop_token_ids"
-        )
+        raise BadRequest("stop strings are not supported by the built-in engine: use stop_token_ids")
     return p, n
 
 
@@ -150,9 +148,7 @@ class EngineServer:
             for r in reqs:
                 self.scheduler.abort(rid=r.rid)
             raise
-        rl = (
-            return_logprob if isinstance(return_logprob, list) else [return_logprob] * len(finished)
-        )
+        rl = return_logprob if isinstance(return_logprob, list) else [return_logprob] * len(finished)
         outs = [self._response(r, bool(rl[min(k, len(rl) - 1)])) for k, r in enumerate(finished)]
         return outs if is_batch else outs[0]
 
@@ -165,9 +161,7 @@ class EngineServer:
             "completion_tokens": len(req.output_ids),
             "e2e_latency": req.finished_at - req.created_at,
         }
-        waiting_abort = (
-            reason.get("type") == "abort" and reason.get("message") == "Abort in waiting queue"
-        )
+        waiting_abort = reason.get("type") == "abort" and reason.get("message") == "Abort in waiting queue"
         if not waiting_abort:
             meta.update(
                 prompt_tokens=len(req.input_ids),
@@ -317,9 +311,7 @@ class EngineServer:
         @app.post("/abort_request")
         async def abort_request(request: Request):
             body = await body_of(request)
-            await asyncio.to_thread(
-                sched.abort, str(body.get("rid") or ""), bool(body.get("abort_all", False))
-            )
+            await asyncio.to_thread(sched.abort, str(body.get("rid") or ""), bool(body.get("abort_all", False)))
             return Response(status_code=200)
 
         @app.post("/pause_generation")
@@ -341,18 +333,14 @@ class EngineServer:
             body = await body_of(request)
             path = body.get("model_path")
             if not path:
-                return JSONResponse(
-                    {"success": False, "message": "model_path is required"}, status_code=400
-                )
+                return JSONResponse({"success": False, "message": "model_path is required"}, status_code=400)
             version = body.get("weight_version")
             try:
                 if body.get("abort_all_requests"):
                     await asyncio.to_thread(sched.abort, "", True)
                 res = await asyncio.to_thread(sched.update_weights_from_disk, path, version)
             except (OSError, ValueError, TimeoutError) as e:
-                return JSONResponse(
-                    {"success": False, "message": f"Failed to update weights: {e}"}, status_code=400
-                )
+                return JSONResponse({"success": False, "message": f"Failed to update weights: {e}"}, status_code=400)
             self.model_path = path
             msg = "Succeeded to update model weights."
             if version is not None:
@@ -367,9 +355,7 @@ class EngineServer:
         async def update_weight_version(request: Request):
             body = await body_of(request)
             if "new_version" not in body:
-                return JSONResponse(
-                    {"success": False, "message": "new_version is required"}, status_code=400
-                )
+                return JSONResponse({"success": False, "message": "new_version is required"}, status_code=400)
             if body.get("abort_all_requests", True):
                 await asyncio.to_thread(sched.abort, "", True)
             await asyncio.to_thread(sched.set_weight_version, str(body["new_version"]))

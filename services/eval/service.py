@@ -22,9 +22,8 @@ from pathlib import Path
 
 from asyncrl_proto import ControlMsg, EvalRequest, EvalResult, Sample, WeightsLive, decode
 from asyncrl_proto.codec import DecodeError
-
 from services.buffer.datasource import load_rows
-from services.common.bus import fetch_some
+from services.common.bus import fetch_some, settle
 from services.common.runtime import Service, wait_event
 from services.common.sglang_client import SGLangClient
 from services.model.tokenizer import Tokenizer
@@ -64,9 +63,7 @@ class EvalService(Service):
         raw = await self.bus.kv_get("live_version")
         if raw is not None and self.live_version is None:
             self.live_version = decode(raw, WeightsLive).version
-        self._psub = await self.bus.pull(
-            s.eval_stream, s.eval_requests, durable="eval", ack_wait_s=600.0
-        )
+        self._psub = await self.bus.pull(s.eval_stream, s.eval_requests, durable="eval", ack_wait_s=600.0)
 
     async def teardown(self) -> None:
         await self.client.close()
@@ -89,17 +86,15 @@ class EvalService(Service):
                 try:
                     req = decode(msg.data, EvalRequest)
                 except DecodeError as e:
-                    await self.bus.dead_letter(
-                        msg.subject, msg.data, f"undecodable EvalRequest: {e}"
-                    )
+                    await self.bus.dead_letter(msg.subject, msg.data, f"undecodable EvalRequest: {e}")
                     await msg.term()
                     continue
                 result = await self._run_point(req, msg)
-                await self.bus.publish(self.bus.subjects.eval_results, result)
+                await self.bus.publish_durably([(self.bus.subjects.eval_results, result, None)], "an eval result")
                 with (Path(self.config.run_dir) / "eval.jsonl").open("a") as f:
                     f.write(json.dumps({"step": result.step, "version": result.version, "final": result.final,
                                         "skipped": result.skipped_reason, **result.metrics}) + "\n")  # fmt: skip
-                await msg.ack()
+                await settle(msg)
 
     async def _wait_for_version(self, version: int, msg) -> None:
         while self.live_version is None or self.live_version < version:
@@ -107,10 +102,8 @@ class EvalService(Service):
             if not await wait_event(self._live_changed, 10.0):
                 raw = await self.bus.kv_get("live_version")
                 if raw is not None:
-                    self.live_version = max(
-                        self.live_version or 0, decode(raw, WeightsLive).version
-                    )
-                await msg.in_progress()
+                    self.live_version = max(self.live_version or 0, decode(raw, WeightsLive).version)
+                await settle(msg, "in_progress")
                 log.info(
                     "eval of step waits for weight version %d (engines at %s)",
                     version,
@@ -158,16 +151,12 @@ class EvalService(Service):
         async def one(row: dict) -> Sample:
             ids = self.tokenizer.prompt_ids(row["prompt"], c.apply_chat_template)
             s = Sample(prompt=row["prompt"], label=row["label"], metadata=dict(row["metadata"]))
-            resp = await self.client.generate(
-                {"input_ids": ids, "sampling_params": params, "return_logprob": True}
-            )
+            resp = await self.client.generate({"input_ids": ids, "sampling_params": params, "return_logprob": True})
             apply_response(s, ids, resp)
             await score_sample(self.reward_fn, c, s)
             return s
 
-        samples = await asyncio.gather(
-            *(one(r) for r in rows for _ in range(c.n_samples_per_eval_prompt))
-        )
+        samples = await asyncio.gather(*(one(r) for r in rows for _ in range(c.n_samples_per_eval_prompt)))
         rewards = [float(s.reward or 0.0) for s in samples]
         versions = [min(s.weight_versions) for s in samples if s.weight_versions]
         out = {f"eval/{name}": sum(rewards) / len(rewards)}

@@ -74,9 +74,7 @@ def load_weights_into(model: CausalLM, path: str | Path) -> None:
             p.copy_(state[name].to(p.dtype))
 
 
-def save_model(
-    model: CausalLM, out_dir: str | Path, tokenizer_dir: str | Path | None = None
-) -> dict:
+def save_model(model: CausalLM, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> dict:
     """Write an HF snapshot atomically enough for readers: stale marker removed first, weights
     and config written, marker last. Returns {"sha256", "num_bytes"} of the weights file."""
     out = Path(out_dir)

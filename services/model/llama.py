@@ -51,9 +51,7 @@ class ModelConfig:
     def eos_ids(self) -> list[int]:
         if self.eos_token_id is None:
             return []
-        return (
-            list(self.eos_token_id) if isinstance(self.eos_token_id, list) else [self.eos_token_id]
-        )
+        return list(self.eos_token_id) if isinstance(self.eos_token_id, list) else [self.eos_token_id]
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> ModelConfig:
@@ -65,9 +63,7 @@ class ModelConfig:
             )
         rope = d.get("rope_parameters") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if (d.get("rope_scaling") or {}).get(
-            "rope_type", "default"
-        ) != "default" or rope_type != "default":
+        if (d.get("rope_scaling") or {}).get("rope_type", "default") != "default" or rope_type != "default":
             raise ValueError("only default RoPE is supported by the built-in model")
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         known = {
@@ -127,9 +123,7 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape positions.shape + (head_dim,), computed exactly as HF Llama does."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     freqs = positions.float()[..., None] * inv_freq
@@ -198,9 +192,7 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x_btc, cos, sin)
         return self._attend(q, k, v, allowed_btt)
 
-    def forward_cached(
-        self, x_ntc, cos, sin, layer: int, cache: KVCache, slots_n, pos_nt, allowed_ntk
-    ):
+    def forward_cached(self, x_ntc, cos, sin, layer: int, cache: KVCache, slots_n, pos_nt, allowed_ntk):
         q, k, v = self._qkv(x_ntc, cos, sin)
         n, _, t, _ = k.shape
         kl = allowed_ntk.shape[-1]
@@ -261,9 +253,7 @@ class CausalLM(nn.Module):
                 with torch.no_grad():
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
 
-    def forward(
-        self, input_ids_bt: torch.Tensor, attention_mask_bt: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def forward(self, input_ids_bt: torch.Tensor, attention_mask_bt: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, V] for right-padded sequences (padding only ever at the end)."""
         b, t = input_ids_bt.shape
         pos_bt = torch.arange(t).expand(b, t)
@@ -306,9 +296,7 @@ class CausalLM(nn.Module):
         return self.lm_head(self.model.norm(x))
 
 
-def token_logprobs(
-    logits_btv: torch.Tensor, targets_bt: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
+def token_logprobs(logits_btv: torch.Tensor, targets_bt: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log p(target) under softmax(logits / temperature): the quantity the engine reports."""
     if temperature != 1.0 and temperature > 0:
         logits_btv = logits_btv / temperature

@@ -17,9 +17,7 @@ class Tokenizer:
         self.model_dir = Path(model_dir)
         path = self.model_dir / "tokenizer.json"
         if not path.exists():
-            raise FileNotFoundError(
-                f"{path} not found: the checkpoint needs a fast tokenizer (tokenizer.json)"
-            )
+            raise FileNotFoundError(f"{path} not found: the checkpoint needs a fast tokenizer (tokenizer.json)")
         self._tok = _HFTokenizer.from_file(str(path))
         cfg_path = self.model_dir / "tokenizer_config.json"
         self._cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
@@ -78,7 +76,5 @@ class Tokenizer:
         if chat_template:
             return self.encode(self.apply_chat_template(prompt), add_special_tokens=False)
         if not isinstance(prompt, str):
-            raise ValueError(
-                "a prompt must be text or token ids unless --apply-chat-template is set"
-            )
+            raise ValueError("a prompt must be text or token ids unless --apply-chat-template is set")
         return self.encode(prompt, add_special_tokens=True)

@@ -8,7 +8,6 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from asyncrl_proto.messages import Sample, SampleStatus
-
 from services.buffer.core import load_object
 from services.common.config import RunConfig
 
@@ -22,9 +21,7 @@ def resolve_reward(config: RunConfig) -> Callable:
         return load_object(config.custom_rm_path, "--custom-rm-path")
     name = config.rm_type or config.task
     if name not in BUILTIN_RM:
-        raise ValueError(
-            f"--rm-type {name!r} is unknown: choose one of {sorted(BUILTIN_RM)} or set --custom-rm-path"
-        )
+        raise ValueError(f"--rm-type {name!r} is unknown: choose one of {sorted(BUILTIN_RM)} or set --custom-rm-path")
     return load_object(BUILTIN_RM[name], "--rm-type")
 
 
@@ -32,9 +29,7 @@ async def _maybe_await(x):
     return await x if inspect.isawaitable(x) else x
 
 
-async def score_sample(
-    fn: Callable[..., Awaitable[float]], config: RunConfig, sample: Sample
-) -> bool:
+async def score_sample(fn: Callable[..., Awaitable[float]], config: RunConfig, sample: Sample) -> bool:
     """Sets sample.reward; on an exception marks the sample FAILED. Returns success."""
     try:
         sample.reward = await _maybe_await(fn(config, sample))
@@ -51,9 +46,7 @@ async def score_group(fn, config: RunConfig, group: list[Sample]) -> bool:
     try:
         rewards = await _maybe_await(fn(config, group))
         if len(rewards) != len(group):
-            raise ValueError(
-                f"--group-rm function returned {len(rewards)} rewards for {len(group)} samples"
-            )
+            raise ValueError(f"--group-rm function returned {len(rewards)} rewards for {len(group)} samples")
         for s, r in zip(group, rewards, strict=True):
             s.reward = r
         return True

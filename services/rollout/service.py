@@ -15,17 +15,16 @@ HTTP: /status (credits, groups in flight, paused), POST /control/pause_submissio
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
+
+from fastapi import FastAPI
 
 from asyncrl_proto import ControlMsg, PromptMsg, RolloutGroup, Sample, decode
 from asyncrl_proto.codec import DecodeError
 from asyncrl_proto.messages import SampleStatus
-from fastapi import FastAPI
-
 from services.buffer.core import load_object
-from services.common.bus import fetch_some
+from services.common.bus import fetch_some, settle
 from services.common.runtime import Service
 from services.common.sglang_client import SGLangClient
 from services.model.tokenizer import Tokenizer
@@ -53,9 +52,7 @@ class EngineHandle:
         )
 
 
-async def default_generate(
-    config, sample: Sample, engine: EngineHandle, sampling_params: dict
-) -> Sample:
+async def default_generate(config, sample: Sample, engine: EngineHandle, sampling_params: dict) -> Sample:
     """One /generate call for one trajectory (the built-in generate function)."""
     input_ids = sample.metadata.pop("_input_ids")
     resp = await engine.generate(input_ids, sampling_params)
@@ -143,7 +140,7 @@ class RolloutService(Service):
                 # a fetch can also return late messages of an earlier, expired fetch: never go
                 # over the cap, and never hold a prompt while submission is paused
                 if not self.submission_open.is_set() or self.credits.free_groups == 0:
-                    await msg.nak()
+                    await settle(msg, "nak")
                     continue
                 self.credits.take_group()
                 t = asyncio.create_task(self._run_group(msg))
@@ -171,9 +168,7 @@ class RolloutService(Service):
             except BaseException:
                 for t in tasks:
                     t.cancel()
-                await asyncio.gather(
-                    *tasks, return_exceptions=True
-                )  # all settle before the group fails
+                await asyncio.gather(*tasks, return_exceptions=True)  # all settle before the group fails
                 raise
             group = list(results)
             if self.config.group_rm and self.config.custom_rm_path:
@@ -191,18 +186,15 @@ class RolloutService(Service):
                 row=prompt.row,
             )
             await self.bus.publish(self.bus.subjects.rollouts, rg, msg_id=rg.group_id)
-            await msg.ack()
+            await settle(msg)
             self.counters["groups_published"] += 1
             self.counters["samples_generated"] += len(group)
         except asyncio.CancelledError:
             raise
         except Exception as e:
             self.counters["group_failures"] += 1
-            log.error(
-                "group %s failed, its prompt goes back to the queue: %s", prompt.group_index, e
-            )
-            with contextlib.suppress(Exception):
-                await msg.nak(delay=2.0)
+            log.error("group %s failed, its prompt goes back to the queue: %s", prompt.group_index, e)
+            await settle(msg, "nak")
         finally:
             self.groups_in_flight.pop(id(msg), None)
             self.credits.group_done(given_back[0])
@@ -223,9 +215,7 @@ class RolloutService(Service):
         trajectory = out if isinstance(out, list) else [out]
         if not (self.config.group_rm and self.config.custom_rm_path):
             for s in trajectory:
-                if s.status != SampleStatus.ABORTED and not await score_sample(
-                    self.reward_fn, self.config, s
-                ):
+                if s.status != SampleStatus.ABORTED and not await score_sample(self.reward_fn, self.config, s):
                     self.counters["reward_failures"] += 1
         given_back[0] += self.credits.trajectory_done()
         return out
@@ -236,8 +226,7 @@ class RolloutService(Service):
         while True:
             await asyncio.sleep(interval)
             for msg, _ in list(self.groups_in_flight.values()):
-                with contextlib.suppress(Exception):
-                    await msg.in_progress()
+                await settle(msg, "in_progress")
 
     # ---- control ---------------------------------------------------------------------------------
     async def _on_control(self, msg) -> None:

@@ -32,9 +32,7 @@ def build_tokenizer(out_dir: str | Path) -> None:
         vocab[c] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", BOS_ID)]
-    )
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS_ID)])
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(SPECIAL)
     out = Path(out_dir)
@@ -103,9 +101,7 @@ async def reward(config, sample) -> float:
 # ---- the tiny model ------------------------------------------------------------------------
 
 
-def build_model(
-    out_dir: str | Path, seed: int = 1234, warmup_sft_steps: int = 20, log=print
-) -> dict:
+def build_model(out_dir: str | Path, seed: int = 1234, warmup_sft_steps: int = 20, log=print) -> dict:
     """Build the 0.5M-parameter Llama, warm-start it with a few supervised steps on correct
     answers, and save it as an HF checkpoint. Returns a summary dict."""
     import time
@@ -143,9 +139,7 @@ def build_model(
         "warmup_s": time.perf_counter() - t0,
         **info,
     }
-    log(
-        f"built tiny model: {n_params:,} parameters, {warmup_sft_steps} warm-start steps in {summary['warmup_s']:.2f}s"
-    )
+    log(f"built tiny model: {n_params:,} parameters, {warmup_sft_steps} warm-start steps in {summary['warmup_s']:.2f}s")
     return summary
 
 

@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-from asyncrl_proto.messages import Sample, flatten_group
 
+from asyncrl_proto.messages import Sample, flatten_group
 from services.model.llama import CausalLM, token_logprobs
 
 
@@ -27,9 +27,7 @@ def scalar_reward(sample: Sample, reward_key: str | None) -> float:
     return float(r if r is not None else 0.0)
 
 
-def group_advantages(
-    rewards: list[float], std_normalization: bool, eps: float = 1e-6
-) -> list[float]:
+def group_advantages(rewards: list[float], std_normalization: bool, eps: float = 1e-6) -> list[float]:
     """GRPO: (r - mean) / (std + eps) within one group (population std); std division is off
     when asked or when the group has one sample."""
     n = len(rewards)
@@ -45,9 +43,7 @@ def assemble_batch(groups: list[list], n: int) -> list[list]:
     """SPEC.md section 3: every group holds n trajectories; sort by the first sample's index."""
     for g in groups:
         if len(g) != n:
-            raise ValueError(
-                f"group {flatten_group(g)[0].group_index} has {len(g)} trajectories, expected {n}"
-            )
+            raise ValueError(f"group {flatten_group(g)[0].group_index} has {len(g)} trajectories, expected {n}")
     return sorted(groups, key=lambda g: flatten_group(g)[0].index or 0)
 
 
@@ -62,18 +58,14 @@ class TrainBatch:
     num_tokens: int
 
 
-def build_train_batch(
-    groups: list[list], std_normalization: bool, reward_key: str | None, pad_id: int
-) -> TrainBatch:
+def build_train_batch(groups: list[list], std_normalization: bool, reward_key: str | None, pad_id: int) -> TrainBatch:
     """Flatten groups into padded tensors. Advantages are computed per group over every sample,
     removed ones included; removed samples then get a zero mask (no loss)."""
     samples: list[Sample] = []
     advantages: list[float] = []
     for g in groups:
         flat = flatten_group(g)
-        advantages += group_advantages(
-            [scalar_reward(s, reward_key) for s in flat], std_normalization
-        )
+        advantages += group_advantages([scalar_reward(s, reward_key) for s in flat], std_normalization)
         samples += flat
     width = max(len(s.tokens) for s in samples)
     b = len(samples)
@@ -88,11 +80,7 @@ def build_train_batch(
         p = length - s.response_length
         if s.remove_sample or s.response_length == 0:
             continue
-        mask = (
-            torch.ones(s.response_length)
-            if s.loss_mask is None
-            else torch.tensor(s.loss_mask, dtype=torch.float32)
-        )
+        mask = torch.ones(s.response_length) if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
         resp_mask[i, p - 1 : length - 1] = mask
         if s.rollout_log_probs:
             old_lp[i, p - 1 : length - 1] = torch.tensor(s.rollout_log_probs)
@@ -116,9 +104,7 @@ class LossConfig:
     temperature: float = 1.0
 
 
-def policy_loss(
-    model: CausalLM, batch: TrainBatch, cfg: LossConfig
-) -> tuple[torch.Tensor, dict[str, float]]:
+def policy_loss(model: CausalLM, batch: TrainBatch, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip on token log-probs, token-level mean over the batch's loss tokens."""
     logits_btv = model(batch.input_ids_bt, batch.attention_mask_bt)[:, :-1]
     targets_bt = batch.input_ids_bt[:, 1:]
@@ -172,9 +158,7 @@ def train_step(
     if clip_grad > 0:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
     else:
-        grad_norm = torch.sqrt(
-            sum((p.grad.detach() ** 2).sum() for p in model.parameters() if p.grad is not None)
-        )
+        grad_norm = torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in model.parameters() if p.grad is not None))
     optimizer.step()
     stats["train/grad_norm"] = float(grad_norm)
     return stats

@@ -28,7 +28,9 @@ import time
 from pathlib import Path
 
 import nats.errors
+import nats.js.errors
 import torch
+
 from asyncrl_proto import (
     BufferCommit,
     BufferCommitReply,
@@ -43,10 +45,10 @@ from asyncrl_proto import (
 )
 from asyncrl_proto.codec import DecodeError
 from asyncrl_proto.messages import flatten_group
-
 from services.buffer.core import load_object
 from services.common.runtime import Service
 from services.model.hf_io import load_model, save_model
+from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.core import (
     LossConfig,
     assemble_batch,
@@ -95,15 +97,52 @@ class TrainerService(Service):
         self.last_record: dict = {}
         self.pending_eval: list[dict] = []
         self.last_producer_seen = time.monotonic()
-        self.snapshots: list[Path] = []
+        self.snapshots: list[Path] = sorted(
+            (p for p in self.weights_dir.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:])
+        )
         self.loop_started = time.perf_counter()
+        self.trained_path = self.run_dir / "trained.jsonl"
+        self.uncommitted: dict[int, list[int]] = {}  # step -> group indices, until committed
+        self.resumed_from: int | None = None
 
     async def setup(self) -> None:
         s = self.bus.subjects
         await self.bus.ensure_streams()
         self.weights_dir.mkdir(parents=True, exist_ok=True)
+        await self._resume()
         await self.bus.nc.subscribe(s.eval_results, cb=self._on_eval_result)
         await self.bus.nc.subscribe(s.heartbeat("rollout"), cb=self._on_producer_heartbeat)
+
+    async def _latest_published_version(self) -> int:
+        s = self.bus.subjects
+        try:
+            raw = await self.bus.js.get_last_msg(s.weights_stream, s.weights_published)
+        except nats.js.errors.NotFoundError:
+            return 0
+        return decode(raw.data, WeightsPublished).version
+
+    async def _resume(self) -> None:
+        """Continue from the newest complete checkpoint, if any. The weight version continues
+        from the newest version ever published, so a version number never names two weights."""
+        published = await self._latest_published_version()
+        ckpt = latest_checkpoint(self.config.load or self.config.save)
+        if ckpt is None:
+            self.version = published
+            return
+        info = await asyncio.to_thread(load_checkpoint, ckpt, self.model, self.optimizer)
+        self.step = info["step"] + 1
+        self.version = max(info["version"], published)
+        self.resumed_from = info["step"]
+        self._truncate_records(info["step"])
+        await self._commit(info["step"])  # in case we died between the checkpoint and its commit
+        log.info("resumed from %s: next step %d, weight version %d", ckpt, self.step, self.version)
+
+    def _truncate_records(self, last_step: int) -> None:
+        """Steps after the checkpoint are trained again: drop their records."""
+        for path in (self.metrics_path, self.trained_path):
+            if path.exists():
+                keep = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
+                path.write_text("".join(line + "\n" for line in keep))
 
     def loops(self):
         return {"train": self._train_loop}
@@ -119,7 +158,7 @@ class TrainerService(Service):
             c.rollout_batch_size,
             c.n_samples_per_prompt,
         )
-        if not c.skip_eval_before_train:
+        if not c.skip_eval_before_train and self.step == 0:
             await self._request_eval(0, final=False)
         self.loop_started = time.perf_counter()
         batch = await self._fetch(self.step)
@@ -135,10 +174,9 @@ class TrainerService(Service):
                 next_batch = await self._fetch(step + 1, lookahead=0)
             push_s = await self._push_weights(step) if update_due else 0.0
             if next_batch is not None:
-                await self._release_ahead(
-                    step + 1
-                )  # step r+2 generates while r+1 trains, on the new weights
-            await self._commit(step)
+                await self._release_ahead(step + 1)  # step r+2 generates while r+1 trains, on the new weights
+            self.uncommitted[step] = sorted(flatten_group(g)[0].group_index for g in groups)
+            await self._checkpoint_and_commit(step, last=step + 1 == total)
             record = self._record(
                 step,
                 groups,
@@ -156,13 +194,9 @@ class TrainerService(Service):
             if self.step < total:
                 batch = next_batch if next_batch is not None else await self._fetch(self.step)
         if c.mode != "sync":
-            await self._request_eval(
-                total, final=True
-            )  # the last step forces eval in async drivers
-        await self.bus.publish(
-            self.bus.subjects.progress,
-            ProgressRecord(step=total, done=True, record=self.last_record),
-        )
+            await self._request_eval(total, final=True)  # the last step forces eval in async drivers
+        done = ProgressRecord(step=total, done=True, record=self.last_record)
+        await self.bus.publish_durably([(self.bus.subjects.progress, done, None)], "the final progress record")
         log.info("training finished: %d steps, weight version %d", total, self.version)
         self.stop()
 
@@ -179,9 +213,7 @@ class TrainerService(Service):
         return self.config.grpo_std_normalization and self.config.n_samples_per_prompt > 1
 
     # ---- batches -------------------------------------------------------------------------------
-    def _get_request(
-        self, step: int, lookahead: int | None = None, wait_s: float = 2.0
-    ) -> BufferGetRequest:
+    def _get_request(self, step: int, lookahead: int | None = None, wait_s: float = 2.0) -> BufferGetRequest:
         c = self.config
         if lookahead is None:
             lookahead = 1 if c.mode == "one_step" else 0
@@ -196,11 +228,9 @@ class TrainerService(Service):
     async def _release_ahead(self, step: int) -> None:
         """Ask again for an already complete step, with lookahead: starts the next batch."""
         req = self._get_request(step, lookahead=1, wait_s=0.0)
-        await self.bus.request(self.bus.subjects.buffer_get, req, BufferGetReply, timeout=10)
+        await self._request(self.bus.subjects.buffer_get, req, BufferGetReply, "release of the next batch")
 
-    async def _fetch(
-        self, step: int, lookahead: int | None = None
-    ) -> tuple[list[list], dict, float]:
+    async def _fetch(self, step: int, lookahead: int | None = None) -> tuple[list[list], dict, float]:
         """Wait for the step's B groups; returns (groups, buffer metrics, seconds waited)."""
         t0 = time.monotonic()
         last_progress, last_count, last_answer = t0, 0, t0
@@ -213,7 +243,7 @@ class TrainerService(Service):
                     self.bus.subjects.buffer_get, req, BufferGetReply, timeout=req.wait_s + 5
                 )
                 last_answer = time.monotonic()
-            except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
+            except (TimeoutError, nats.errors.Error) as e:
                 if time.monotonic() - last_answer > BUFFER_SILENCE_FAIL_S:
                     raise TrainerError(
                         f"the buffer service has not answered for {BUFFER_SILENCE_FAIL_S:.0f}s ({type(e).__name__}): is it running?"
@@ -259,9 +289,7 @@ class TrainerService(Service):
                 f"--rollout-sample-filter-path {self.config.rollout_sample_filter_path} raised {type(e).__name__}: {e}"
             ) from e
         if [(s.index, len(s.tokens), s.reward) for s in samples] != before:
-            raise TrainerError(
-                "--rollout-sample-filter-path may only set remove_sample; it changed samples"
-            )
+            raise TrainerError("--rollout-sample-filter-path may only set remove_sample; it changed samples")
 
     # ---- weights, commits, evals ---------------------------------------------------------------
     async def _push_weights(self, step: int) -> float:
@@ -269,38 +297,59 @@ class TrainerService(Service):
         self.version += 1
         path = self.weights_dir / f"v{self.version}"
         info = await asyncio.to_thread(save_model, self.model, path, self.config.hf_checkpoint)
-        await self.bus.publish(
-            self.bus.subjects.weights_published,
-            WeightsPublished(
-                version=self.version,
-                step=step,
-                uri=str(path.resolve()),
-                sha256=info["sha256"],
-                num_bytes=info["num_bytes"],
-                created_at=time.time(),
-            ),  # fmt: skip
-        )
+        pub = WeightsPublished(
+            version=self.version, step=step, uri=str(path.resolve()), sha256=info["sha256"],
+            num_bytes=info["num_bytes"], created_at=time.time(),
+        )  # fmt: skip
+        subject = self.bus.subjects.weights_published
+        await self.bus.publish_durably([(subject, pub, f"weights-v{self.version}")], f"weights v{self.version}")
         self.snapshots.append(path)
         while len(self.snapshots) > max(1, self.config.keep_weight_snapshots):
             old = self.snapshots.pop(0)
             shutil.rmtree(old, ignore_errors=True)
         return time.perf_counter() - t0
 
+    async def _checkpoint_and_commit(self, step: int, last: bool) -> None:
+        """With --save, the buffer learns a step is done only once it is in a checkpoint, so a
+        restarted trainer gets the later steps' groups again; without --save, every step."""
+        c = self.config
+        if c.save:
+            if not (last or (c.save_interval and (step + 1) % c.save_interval == 0)):
+                return
+            await asyncio.to_thread(
+                save_checkpoint, c.save, step, self.model, self.optimizer, self.version, c.hf_checkpoint
+            )
+        await self._commit(step)
+
     async def _commit(self, step: int) -> None:
-        reply = await self.bus.request(
-            self.bus.subjects.buffer_commit,
-            BufferCommit(step=step, version=self.version),
-            BufferCommitReply,
-            timeout=30,
-        )
+        req = BufferCommit(step=step, version=self.version)
+        reply = await self._request(self.bus.subjects.buffer_commit, req, BufferCommitReply, f"commit of step {step}")
         if reply.error:
             raise TrainerError(f"buffer refused commit of step {step}: {reply.error}")
+        done = sorted(s for s in self.uncommitted if s <= step)
+        if done:
+            with self.trained_path.open("a") as f:
+                for s in done:
+                    f.write(json.dumps({"step": s, "groups": self.uncommitted.pop(s)}) + "\n")
+
+    async def _request(self, subject: str, msg, reply_type, what: str):
+        """Request/reply that rides out a restarting buffer or broker, up to a deadline."""
+        start = time.monotonic()
+        while True:
+            try:
+                return await self.bus.request(subject, msg, reply_type, timeout=10)
+            except (TimeoutError, nats.errors.Error) as e:
+                if time.monotonic() - start > BUFFER_SILENCE_FAIL_S:
+                    raise TrainerError(
+                        f"the buffer service has not answered the {what} for {BUFFER_SILENCE_FAIL_S:.0f}s "
+                        f"({type(e).__name__}): is it running?"
+                    ) from e
+                await asyncio.sleep(0.5)
 
     async def _request_eval(self, step: int, final: bool) -> None:
-        await self.bus.publish(
-            self.bus.subjects.eval_requests,
-            EvalRequest(step=step, version=self.version, final=final, requested_at=time.time()),
-        )
+        req = EvalRequest(step=step, version=self.version, final=final, requested_at=time.time())
+        # one request per eval point, even when a resumed trainer passes the point again
+        await self.bus.publish_durably([(self.bus.subjects.eval_requests, req, f"eval-{step}")], f"eval request {step}")
 
     async def _on_eval_result(self, msg) -> None:
         with contextlib.suppress(*DecodeError):
@@ -313,9 +362,7 @@ class TrainerService(Service):
         self.last_producer_seen = time.monotonic()
 
     # ---- records -------------------------------------------------------------------------------
-    def _record(
-        self, step, groups, buffer_metrics, train_stats, wait_s, train_s, push_s, step_s
-    ) -> dict:
+    def _record(self, step, groups, buffer_metrics, train_stats, wait_s, train_s, push_s, step_s) -> dict:
         samples = [s for g in groups for s in flatten_group(g)]
         rewards = [scalar_reward(s, self.config.reward_key) for s in samples]
         mean = sum(rewards) / len(rewards)
@@ -331,8 +378,7 @@ class TrainerService(Service):
             "rollout/reward/min": min(rewards),
             "rollout/reward/max": max(rewards),
             "rollout/response_length/mean": tokens / len(samples),
-            "rollout/truncated_ratio": sum(s.status.value == "truncated" for s in samples)
-            / len(samples),
+            "rollout/truncated_ratio": sum(s.status.value == "truncated" for s in samples) / len(samples),
             "rollout/num_samples": len(samples),
             "perf/rollout_wait_s": wait_s,
             "perf/train_time_s": train_s,
@@ -358,7 +404,9 @@ class TrainerService(Service):
         self.last_record = record
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        await self.bus.publish(self.bus.subjects.progress, ProgressRecord(step=step, record=record))
+        await self.bus.publish_durably(
+            [(self.bus.subjects.progress, ProgressRecord(step=step, record=record), None)], "progress"
+        )
 
     def status(self) -> dict:
         return {"step": self.step, "total_steps": self.config.total_steps, "weight_version": self.version,

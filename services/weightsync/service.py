@@ -18,8 +18,7 @@ import time
 
 from asyncrl_proto import WeightsLive, WeightsPublished, decode, encode
 from asyncrl_proto.codec import DecodeError
-
-from services.common.bus import fetch_some
+from services.common.bus import fetch_some, settle
 from services.common.runtime import Service
 from services.common.sglang_client import EngineError, SGLangClient
 
@@ -47,9 +46,7 @@ class WeightSyncService(Service):
         else:
             self.live_version = await self._engine_version()
             await self._announce(self.live_version, 0.0)
-        self._psub = await self.bus.pull(
-            s.weights_stream, s.weights_published, durable="weight-sync", ack_wait_s=120.0
-        )
+        self._psub = await self.bus.pull(s.weights_stream, s.weights_published, durable="weight-sync", ack_wait_s=120.0)
         log.info("weight-sync ready: engines %s at version %s", self.client.urls, self.live_version)
 
     async def teardown(self) -> None:
@@ -91,30 +88,24 @@ class WeightSyncService(Service):
                 try:
                     pub = decode(m.data, WeightsPublished)
                 except DecodeError as e:
-                    await self.bus.dead_letter(
-                        m.subject, m.data, f"undecodable WeightsPublished: {e}"
-                    )
+                    await self.bus.dead_letter(m.subject, m.data, f"undecodable WeightsPublished: {e}")
                     await m.term()
                     continue
                 if newest is None or pub.version > newest.version:
                     newest, newest_msg = pub, m
-            if newest is not None and (
-                self.live_version is None or newest.version > self.live_version
-            ):
+            if newest is not None and (self.live_version is None or newest.version > self.live_version):
                 await self._update(newest, newest_msg)
             for m in msgs:
                 if m is not newest_msg:
                     self.num_skipped += 1
-                await m.ack()
+                await settle(m)
 
     async def _update(self, pub: WeightsPublished, msg) -> None:
         t0 = time.perf_counter()
         mode = self.config.pause_generation_mode
         for attempt in range(3):
             try:
-                await asyncio.gather(
-                    *(self._update_engine(url, pub, mode, msg) for url in self.client.urls)
-                )
+                await asyncio.gather(*(self._update_engine(url, pub, mode, msg) for url in self.client.urls))
                 break
             except (EngineError, OSError) as e:
                 if attempt == 2:
@@ -124,22 +115,18 @@ class WeightSyncService(Service):
         self.last_update_s = time.perf_counter() - t0
         self.num_updates += 1
         await self._announce(pub.version, self.last_update_s)
-        log.info(
-            "engines now at weight version %d (%.3fs, %s)", pub.version, self.last_update_s, mode
-        )
+        log.info("engines now at weight version %d (%.3fs, %s)", pub.version, self.last_update_s, mode)
 
     async def _update_engine(self, url: str, pub: WeightsPublished, mode: str, msg) -> None:
         await self.client.pause(url, mode)
         try:
-            await self.client.update_weights_from_disk(
-                url, pub.uri, str(pub.version), flush_cache=mode != "in_place"
-            )
+            await self.client.update_weights_from_disk(url, pub.uri, str(pub.version), flush_cache=mode != "in_place")
         finally:
             await self.client.continue_generation(url)
         got = (await self.client.model_info(url)).get("weight_version")
         if str(got) != str(pub.version):
             raise EngineError(f"{url} reports weight_version {got!r} after loading v{pub.version}")
-        await msg.in_progress()
+        await settle(msg, "in_progress")
 
     async def _announce(self, version: int, duration_s: float) -> None:
         self.live_version = version
@@ -151,7 +138,7 @@ class WeightSyncService(Service):
             duration_s=duration_s,
         )
         await self.bus.kv_put("live_version", encode(live))
-        await self.bus.publish(self.bus.subjects.weights_live, live)
+        await self.bus.publish_durably([(self.bus.subjects.weights_live, live, None)], f"live version {version}")
 
     def status(self) -> dict:
         return {

@@ -53,12 +53,8 @@ def test_sync_entrypoint_rejects_fully_async(tmp_path):
 
 
 def test_invalid_flags_say_what_to_do(tmp_path):
-    r = asyncrl(
-        "train-async", "--fully-async", "--pause-generation-mode", "abort", cwd=tmp_path, timeout=60
-    )
-    assert (
-        r.returncode == 2 and "--fully-async cannot use --pause-generation-mode abort" in r.stderr
-    )
+    r = asyncrl("train-async", "--fully-async", "--pause-generation-mode", "abort", cwd=tmp_path, timeout=60)
+    assert r.returncode == 2 and "--fully-async cannot use --pause-generation-mode abort" in r.stderr
 
 
 def test_fully_async_run_end_to_end(tmp_path):
@@ -76,9 +72,7 @@ def test_fully_async_run_end_to_end(tmp_path):
             assert time.monotonic() < deadline, "services never came up"
             time.sleep(0.1)
         services = json.loads((run_dir / "services.json").read_text())
-        assert {"buffer", "weight-sync", "eval", "rollout-0", "trainer", "engine-0"} <= set(
-            services
-        )
+        assert {"buffer", "weight-sync", "eval", "rollout-0", "trainer", "engine-0"} <= set(services)
         with httpx.Client(timeout=5) as http:
             for name, url in services.items():
                 if name.startswith("engine"):
@@ -101,9 +95,7 @@ def test_fully_async_run_end_to_end(tmp_path):
                 "perf/rollout_wait_s", "perf/train_time_s", "train/loss", "rollout/weight_version/mean"):  # fmt: skip
         assert all(key in r for r in recs), key
     assert any("rollout/fully_async/avg_staleness" in r for r in recs)
-    assert (
-        max(r["rollout/weight_version/max"] for r in recs) >= 1
-    )  # samples carry advancing versions
+    assert max(r["rollout/weight_version/max"] for r in recs) >= 1  # samples carry advancing versions
     assert all(r["rollout/num_samples"] == 16 for r in recs)
     result = json.loads((run_dir / "result.json").read_text())
     assert result["final_weight_version"] == 8 and result["heldout_reward_final"] is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import httpx
 import msgpack
+
 from asyncrl_proto import (
     BufferCommit,
     BufferCommitReply,
@@ -17,7 +18,6 @@ from asyncrl_proto import (
     WeightsLive,
     decode,
 )
-
 from services.api import RunConfig
 from services.buffer.service import BufferService
 from services.common.bus import Bus, fetch_some
@@ -39,9 +39,7 @@ class Harness:
 
     async def prompts(self, k: int, timeout: float = 5.0) -> list[PromptMsg]:
         if self.psub is None:
-            self.psub = await self.bus.pull(
-                self.s.prompts_stream, self.s.prompts, durable="producers"
-            )
+            self.psub = await self.bus.pull(self.s.prompts_stream, self.s.prompts, durable="producers")
         out = []
         while len(out) < k:
             msgs = await fetch_some(self.psub, k - len(out), timeout)
@@ -65,9 +63,7 @@ class Harness:
 
     async def get(self, step: int, **kw) -> BufferGetReply:
         req = BufferGetRequest(step=step, count=2, wait_s=kw.pop("wait_s", 3.0), **kw)
-        return await self.bus.request(
-            self.s.buffer_get, req, BufferGetReply, timeout=req.wait_s + 5
-        )
+        return await self.bus.request(self.s.buffer_get, req, BufferGetReply, timeout=req.wait_s + 5)
 
     async def stream_msgs(self, stream: str) -> int:
         return (await self.bus.js.stream_info(stream)).state.messages
@@ -86,7 +82,7 @@ async def test_release_waits_for_the_trainer_and_is_bounded(nats_server, run_id,
         reply = await h.get(0, wait_s=0.2)
         assert not reply.complete and reply.refs == []
         # capacity 2 + one producer's in-flight cap 2
-        await wait_until(lambda: svc.service.num_released == 4, what="4 releases")
+        await wait_until(lambda: svc.service.state.counters.get("released") == 4, what="4 releases")
         assert await h.stream_msgs(h.s.prompts_stream) == 4
     finally:
         await svc.stop()
@@ -102,17 +98,12 @@ async def test_get_is_idempotent_per_step_and_commit_retires(nats_server, run_id
         reply = await h.get(0)
         assert reply.complete and len(reply.refs) == 2
         assert reply.metrics["rollout/fully_async/queue_size"] == 0
-        groups = [
-            decode(await h.bus.get_payload(h.s.rollouts_stream, r.stream_seq), RolloutGroup)
-            for r in reply.refs
-        ]
+        groups = [decode(await h.bus.get_payload(h.s.rollouts_stream, r.stream_seq), RolloutGroup) for r in reply.refs]
         assert sorted(g.group_index for g in groups) == [0, 1]
         again = await h.get(0)
         assert [r.group_id for r in again.refs] == [r.group_id for r in reply.refs]  # same lease
-        done = await h.bus.request(
-            h.s.buffer_commit, BufferCommit(step=0), BufferCommitReply, timeout=5
-        )
-        assert done.num_groups_committed == 2 and svc.service.ledger["trained"] == 2
+        done = await h.bus.request(h.s.buffer_commit, BufferCommit(step=0), BufferCommitReply, timeout=5)
+        assert done.num_groups_committed == 2 and svc.service.state.counters["trained"] == 2
         late = await h.get(0)
         assert late.error and "already committed" in late.error
     finally:
@@ -120,9 +111,7 @@ async def test_get_is_idempotent_per_step_and_commit_retires(nats_server, run_id
         await h.bus.close()
 
 
-async def test_bad_messages_are_dead_lettered_and_the_service_keeps_running(
-    nats_server, run_id, task_data
-):
+async def test_bad_messages_are_dead_lettered_and_the_service_keeps_running(nats_server, run_id, task_data):
     svc, h = await _setup(nats_server, run_id, config(task_data))
     try:
         await h.bus.js.publish(h.s.rollouts, b"\xc1 not msgpack")
@@ -130,7 +119,7 @@ async def test_bad_messages_are_dead_lettered_and_the_service_keeps_running(
         await h.get(0, wait_s=0.1)
         prompts = await h.prompts(3)
         await h.publish_group(prompts[0], n=3)  # wrong number of trajectories
-        await wait_until(lambda: svc.service.ledger["dead_lettered"] == 3, what="3 dead letters")
+        await wait_until(lambda: svc.service.dead_lettered == 3, what="3 dead letters")
         assert await h.stream_msgs(h.s.deadletter_stream) == 3
         for p in prompts[1:]:
             await h.publish_group(p)
@@ -158,7 +147,7 @@ async def test_staleness_is_judged_against_the_live_version(nats_server, run_id,
         assert reply.complete and [r.group_index for r in reply.refs] == [1, 2]
         assert [r.staleness for r in reply.refs] == [1, 1]
         assert reply.metrics["rollout/fully_async/stale_groups_filtered"] == 1
-        assert svc.service.ledger["stale_dropped"] == 1
+        assert svc.service.state.counters["stale_dropped"] == 1
     finally:
         await svc.stop()
         await h.bus.close()
@@ -168,11 +157,11 @@ async def test_sync_mode_releases_one_batch_on_the_right_weights(nats_server, ru
     svc, h = await _setup(nats_server, run_id, config(task_data, fully_async=False, driver="sync"))
     try:
         await h.get(0, wait_s=0.2, release_min_version=1)
-        assert svc.service.num_released == 0  # engines still on version 0
+        assert svc.service.state.counters.get("released", 0) == 0  # engines still on version 0
         await h.bus.publish(h.s.weights_live, WeightsLive(version=1))
-        await wait_until(lambda: svc.service.num_released == 2, what="one batch released")
+        await wait_until(lambda: svc.service.state.counters.get("released") == 2, what="one batch released")
         await h.get(0, wait_s=0.3, release_min_version=1)
-        assert svc.service.num_released == 2  # exactly B, never more
+        assert svc.service.state.counters.get("released") == 2  # exactly B, never more
     finally:
         await svc.stop()
         await h.bus.close()

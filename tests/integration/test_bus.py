@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import msgpack
-from asyncrl_proto import DeadLetter, PromptMsg, decode
 
+from asyncrl_proto import DeadLetter, PromptMsg, decode
 from services.common.bus import Bus, fetch_some
 
 
@@ -50,9 +50,7 @@ async def test_dead_letter_keeps_subject_and_payload(nats_server, run_id):
         sub = await bus.pull(s.deadletter_stream, s.deadletter(s.rollouts), durable="t")
         [msg] = await fetch_some(sub, 1, 2.0)
         dl = decode(msg.data, DeadLetter)
-        assert (
-            dl.original_subject == s.rollouts and dl.data == b"\x00garbage" and dl.service == "test"
-        )
+        assert dl.original_subject == s.rollouts and dl.data == b"\x00garbage" and dl.service == "test"
         assert msgpack.unpackb(msg.data)["reason"] == "undecodable"
         assert msg.subject == f"asyncrl.{run_id}.deadletter.rollouts"
     finally:

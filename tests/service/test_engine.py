@@ -40,9 +40,7 @@ async def test_generate_response_shape(engine):
         "weight_version",
         "cached_tokens",
     } <= set(meta)
-    assert meta["prompt_tokens"] == len(PROMPT) and meta["completion_tokens"] == len(
-        out["output_ids"]
-    )
+    assert meta["prompt_tokens"] == len(PROMPT) and meta["completion_tokens"] == len(out["output_ids"])
     assert [t[1] for t in meta["output_token_logprobs"]] == out["output_ids"]
     assert all(t[2] is None and t[0] <= 0 for t in meta["output_token_logprobs"])
     assert meta["input_token_logprobs"] == [] and meta["weight_version"] == "0"
@@ -156,16 +154,10 @@ def perturbed_snapshot(src_dir, dst_dir):
 
 
 async def _tokens_generated(engine, gate, k):
-    task = asyncio.ensure_future(
-        post(engine, "/generate", gen_body(max_new_tokens=40, ignore_eos=True))
-    )
-    await until(
-        lambda: engine.scheduler.snapshot()["num_running_reqs"] == 1
-    )  # admitted, held at the gate
+    task = asyncio.ensure_future(post(engine, "/generate", gen_body(max_new_tokens=40, ignore_eos=True)))
+    await until(lambda: engine.scheduler.snapshot()["num_running_reqs"] == 1)  # admitted, held at the gate
     gate.release(k)
-    await until(
-        lambda: bool(engine.scheduler.running) and len(engine.scheduler.running[0].output_ids) == k
-    )
+    await until(lambda: bool(engine.scheduler.running) and len(engine.scheduler.running[0].output_ids) == k)
     return task
 
 
@@ -173,9 +165,7 @@ async def test_retract_recomputes_under_new_weights(engine, tiny_model_dir, tmp_
     gate = StepGate(engine.scheduler)
     task = await _tokens_generated(engine, gate, 3)
     assert (await post(engine, "/pause_generation", {"mode": "retract"})).json()["status"] == "ok"
-    gate.release(
-        1
-    )  # the step already in flight finishes; its result is void for a retracted request
+    gate.release(1)  # the step already in flight finishes; its result is void for a retracted request
     snap = engine.scheduler.snapshot()
     assert snap["num_running_reqs"] == 0 and snap["num_queue_reqs"] == 1
     new_model = perturbed_snapshot(tiny_model_dir, tmp_path / "v1")
@@ -255,9 +245,7 @@ async def test_abort_request_by_rid_and_flush_cache(engine):
     assert (await post(engine, "/flush_cache")).status_code == 400  # busy
     assert (await post(engine, "/abort_request", {"rid": "victim"})).status_code == 200
     out = (await task).json()
-    assert (
-        out["meta_info"]["id"] == "victim" and out["meta_info"]["finish_reason"]["type"] == "abort"
-    )
+    assert out["meta_info"]["id"] == "victim" and out["meta_info"]["finish_reason"]["type"] == "abort"
     gate.open()
     r = await post(engine, "/flush_cache")
     assert r.status_code == 200 and r.text.startswith("Cache flushed.")

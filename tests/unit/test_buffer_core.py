@@ -22,9 +22,7 @@ from services.buffer.core import load_object
 M = "rollout/fully_async/"
 
 
-def group(
-    gi: int, n: int = 2, versions=(0,), status=SampleStatus.COMPLETED, rewards=None
-) -> list[Sample]:
+def group(gi: int, n: int = 2, versions=(0,), status=SampleStatus.COMPLETED, rewards=None) -> list[Sample]:
     rewards = rewards or [float(i) for i in range(n)]
     return [
         Sample(
@@ -70,9 +68,7 @@ async def test_fifo_and_capacity_backpressure():
 
 
 async def test_aborted_group_never_blocks_and_goes_to_the_handler():
-    buf, recycled = make(
-        async_data_buffer_capacity_factor=1.0, async_unused_samples_handler="retry"
-    )
+    buf, recycled = make(async_data_buffer_capacity_factor=1.0, async_unused_samples_handler="retry")
     await buf.put(group(0))
     await buf.put(group(1))
     g = group(2)
@@ -108,9 +104,7 @@ def _install_filters():
 
 async def test_dynamic_filter_counts_reason_and_never_recycles():
     _install_filters()
-    buf, recycled = make(
-        dynamic_sampling_filter_path="tfilters.reject_all", async_unused_samples_handler="retry"
-    )
+    buf, recycled = make(dynamic_sampling_filter_path="tfilters.reject_all", async_unused_samples_handler="retry")
     await buf.put(group(0))
     await buf.put(group(1))
     m = buf.get_metrics()
@@ -185,9 +179,7 @@ async def test_metrics_keys_windows_and_presence():
     m = buf.get_metrics()
     assert m[M + "queue_size"] == 1
     assert m[M + "avg_staleness"] == 3 and m[M + "max_staleness"] == 3
-    assert (
-        m[M + "buffer_avg_staleness"] == 1 and m[M + "buffer_max_staleness"] == 1
-    )  # vs latest seen (4)
+    assert m[M + "buffer_avg_staleness"] == 1 and m[M + "buffer_max_staleness"] == 1  # vs latest seen (4)
     m = buf.get_metrics()
     assert M + "avg_staleness" not in m and m[M + "buffer_max_staleness"] == 1
 

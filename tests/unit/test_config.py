@@ -31,11 +31,7 @@ def test_kebab_case_flags_map_to_fields():
     c = resolve_config(args, environ={})
     assert (c.rollout_batch_size, c.n_samples_per_prompt, c.max_weight_staleness) == (8, 4, 2)
     assert c.buffer_capacity == 12 and c.update_weights_interval == 3
-    assert (
-        c.pause_generation_mode == "in_place"
-        and c.fully_async
-        and c.rollout_stop_token_ids == [5, 6]
-    )
+    assert c.pause_generation_mode == "in_place" and c.fully_async and c.rollout_stop_token_ids == [5, 6]
 
 
 def test_precedence_defaults_file_env_cli(tmp_path):

@@ -21,9 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def compose_commands() -> dict[str, list[str]]:
     spec = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     return {
-        name: svc["command"]
-        for name, svc in spec["services"].items()
-        if svc.get("command", [None])[0] == "asyncrl"
+        name: svc["command"] for name, svc in spec["services"].items() if svc.get("command", [None])[0] == "asyncrl"
     }
 
 
@@ -49,18 +47,14 @@ def test_check_argv_rejects_bad_flags():
         check_argv(["service", "nonexistent"])
 
 
-@pytest.mark.parametrize(
-    "path", sorted(p.name for p in (ROOT / "deploy" / "configs").glob("*.yaml"))
-)
+@pytest.mark.parametrize("path", sorted(p.name for p in (ROOT / "deploy" / "configs").glob("*.yaml")))
 def test_every_shipped_config_parses(path):
     cfg = resolve_config({}, config_file=str(ROOT / "deploy" / "configs" / path), environ={})
     assert cfg.fully_async or cfg.driver
 
 
 def test_every_package_is_listed_for_installation():
-    listed = set(
-        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-    )
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {"asyncrl_proto"} | {
         ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "services").rglob("__init__.py")
     }
@@ -74,14 +68,10 @@ def test_a_foreign_top_level_proto_package_does_not_break_us(tmp_path):
     (fake / "__init__.py").write_text("raise ImportError('this is proto-plus, not asyncrl')\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     code = "import services.api, services.buffer.service, services.rollout.service; import proto; print(proto.__name__)"
-    r = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
-    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert "this is proto-plus" in r.stderr  # `import proto` finds the foreign package first...
     code = "import services.api, services.buffer.service, services.rollout.service, services.trainer.core; print('ok')"
-    r = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
-    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr  # ...and asyncrl never needs it
 
 

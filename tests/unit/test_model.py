@@ -14,9 +14,7 @@ from services.model.llama import CausalLM, KVCache, ModelConfig
 def test_logits_match_transformers(tiny_model_dir):
     transformers = pytest.importorskip("transformers")
     ours = load_model(tiny_model_dir)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(tiny_model_dir), attn_implementation="eager"
-    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), attn_implementation="eager")
     ids = torch.tensor([[1, 5, 6, 7, 15, 9, 8], [1, 4, 15, 6, 6, 2, 0]])
     with torch.no_grad():
         assert (ours(ids) - hf(ids).logits).abs().max().item() < 1e-5
@@ -51,10 +49,7 @@ def test_snapshot_round_trip_and_complete_marker(tmp_path):
     out.mkdir()
     (out / COMPLETE_MARKER).write_text("stale")
     info = save_model(model, out)
-    assert (
-        is_complete(out)
-        and json.loads((out / COMPLETE_MARKER).read_text())["sha256"] == info["sha256"]
-    )
+    assert is_complete(out) and json.loads((out / COMPLETE_MARKER).read_text())["sha256"] == info["sha256"]
     back = load_model(out)
     ids = torch.tensor([[1, 2, 3]])
     with torch.no_grad():

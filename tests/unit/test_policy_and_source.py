@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from asyncrl_proto import PromptMsg
 from services.api import RunConfig
 from services.buffer.datasource import DataError, PromptSource, load_rows
 from services.buffer.policy import ReleaseState, release_allowance
@@ -66,30 +67,35 @@ def test_keys_and_metadata(tmp_path):
     assert rows == [{"prompt": "a", "label": "b", "metadata": {"x": 1}}]
 
 
-def test_indices_epochs_recycling_and_state(tmp_path):
+def test_indices_epochs_and_recycled_first(tmp_path):
     p = write(tmp_path, [json.dumps({"prompt": str(i)}) for i in range(3)])
-    cfg = RunConfig(n_samples_per_prompt=4)
-    src = PromptSource(cfg, load_rows(p, "prompt", None, None))
-    got = [src.next_prompt() for _ in range(4)]
+    src = PromptSource(RunConfig(n_samples_per_prompt=4), load_rows(p, "prompt", None, None))
+    cur = {"epoch": 0, "cursor": 0, "next_group_index": 0}
+    got = []
+    for _ in range(4):
+        msg, cur = src.next_release(cur["epoch"], cur["cursor"], cur["next_group_index"], [])
+        got.append(msg)
     assert [m.group_index for m in got] == [0, 1, 2, 3]
-    assert [m.prompt for m in got] == ["0", "1", "2", "0"] and got[3].epoch == 1  # wraps
-    src.recycle(1, "1", None, {}, attempt=0, epoch=0, row=1)
-    again = src.next_prompt()
-    assert (again.group_index, again.attempt, again.prompt) == (1, 1, "1")  # recycled first
-    state = src.state_dict()
-    src.recycle(2, "2", None, {}, attempt=0, epoch=0, row=2)
-    other = PromptSource(cfg, src.rows)
-    other.load_state_dict(src.state_dict())
-    assert other.next_prompt().group_index == 2 and other.next_prompt().group_index == 4
-    assert state["next_group_index"] == 4
+    assert [m.prompt for m in got] == ["0", "1", "2", "0"] and got[3].epoch == 1  # epochs wrap
+    assert cur == {"epoch": 1, "cursor": 1, "next_group_index": 4}
+    recycled = [PromptMsg(group_index=1, prompt="1", attempt=1)]
+    again, moved = src.next_release(cur["epoch"], cur["cursor"], cur["next_group_index"], recycled)
+    assert (again.group_index, again.attempt, moved) == (1, 1, {})  # recycled first, cursor unmoved
 
 
 def test_shuffle_is_seeded_per_epoch(tmp_path):
     p = write(tmp_path, [json.dumps({"prompt": str(i)}) for i in range(20)])
     rows = load_rows(p, "prompt", None, None)
-    a = PromptSource(RunConfig(rollout_shuffle=True, rollout_seed=1), rows)
-    b = PromptSource(RunConfig(rollout_shuffle=True, rollout_seed=1), rows)
-    first = [a.next_prompt().prompt for _ in range(40)]
-    assert first == [b.next_prompt().prompt for _ in range(40)]
+
+    def first_40(seed):
+        src = PromptSource(RunConfig(rollout_shuffle=True, rollout_seed=seed), rows)
+        cur, out = {"epoch": 0, "cursor": 0, "next_group_index": 0}, []
+        for _ in range(40):
+            msg, cur = src.next_release(cur["epoch"], cur["cursor"], cur["next_group_index"], [])
+            out.append(msg.prompt)
+        return out
+
+    first = first_40(1)
+    assert first == first_40(1)
     assert first[:20] != [str(i) for i in range(20)] and sorted(first[:20]) == sorted(first[20:])
     assert first[:20] != first[20:]

@@ -8,6 +8,7 @@ import pathlib
 import msgpack
 import msgspec
 import pytest
+
 from asyncrl_proto import (
     BufferGetRequest,
     GroupRef,

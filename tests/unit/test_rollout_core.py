@@ -61,9 +61,7 @@ def test_apply_response_reads_sglang_shapes():
     assert s.weight_versions == [6, 7]
 
 
-@pytest.mark.parametrize(
-    ("reason", "status"), [("length", SampleStatus.TRUNCATED), ("abort", SampleStatus.ABORTED)]
-)
+@pytest.mark.parametrize(("reason", "status"), [("length", SampleStatus.TRUNCATED), ("abort", SampleStatus.ABORTED)])
 def test_finish_reason_mapping(reason, status):
     s = Sample()
     apply_response(

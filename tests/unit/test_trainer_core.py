@@ -76,9 +76,7 @@ def test_ppo_clip_loss_matches_a_hand_computation():
         reward=1.0,
         rollout_log_probs=[-1.2, -2.5],
     )
-    b = Sample(
-        index=1, tokens=[1, 2, 6, 3], response_length=1, reward=0.0, rollout_log_probs=[-0.4]
-    )
+    b = Sample(index=1, tokens=[1, 2, 6, 3], response_length=1, reward=0.0, rollout_log_probs=[-0.4])
     batch = build_train_batch([[a, b]], std_normalization=True, reward_key=None, pad_id=0)
     cfg = LossConfig(eps_clip=0.2, eps_clip_high=0.3)
     loss, stats = policy_loss(model, batch, cfg)

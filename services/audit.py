@@ -1,0 +1,133 @@
+"""`asyncrl audit RUN_DIR`: balance a run's ledger, prompt by prompt.
+
+Reads the buffer's ledger (LEDGER_<run>), the prompts still on PROMPTS and the groups still on
+ROLLOUTS from the run's NATS server - the live one if it answers, otherwise a temporary
+nats-server started on the run's own store (embedded runs keep it under RUN_DIR/nats) - and the
+trainer's record of what it trained (RUN_DIR/trained.jsonl). Exit code 0 when balanced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from asyncrl_proto import LedgerEvent, PromptMsg, RolloutGroup, decode
+from services.buffer.state import audit, group_id
+
+
+async def _read_stream(bus, stream: str) -> list[bytes]:
+    import nats.js.errors
+
+    try:
+        info = await bus.js.stream_info(stream)
+    except nats.js.errors.NotFoundError:
+        return []
+    out = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        try:
+            raw = await bus.js.get_msg(stream, seq=seq)
+        except nats.js.errors.NotFoundError:
+            continue  # acknowledged (work queue) or deleted after training
+        if raw.data:
+            out.append(raw.data)
+    return out
+
+
+async def collect(nats_url: str, run_id: str, run_dir: Path) -> dict:
+    from services.common.bus import Bus
+
+    bus = await Bus.connect(nats_url, run_id, "audit", connect_timeout_s=10)
+    try:
+        s = bus.subjects
+        events = [decode(d, LedgerEvent) for d in await _read_stream(bus, s.ledger_stream)]
+        prompts = {
+            group_id(p.group_index, p.attempt)
+            for p in (decode(d, PromptMsg) for d in await _read_stream(bus, s.prompts_stream))
+        }
+        rollouts = set()
+        for d in await _read_stream(bus, s.rollouts_stream):
+            try:
+                rollouts.add(decode(d, RolloutGroup).group_id)
+            except Exception:
+                continue  # a malformed message (it was dead-lettered)
+    finally:
+        await bus.close()
+    trained = None
+    path = run_dir / "trained.jsonl"
+    if path.exists():
+        trained = {}
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            trained[rec["step"]] = rec["groups"]
+    events.sort(key=lambda e: e.seq)
+    unique = []
+    for ev in events:  # an append retried beyond the dedupe window appears twice: keep one
+        if not unique or ev.seq > unique[-1].seq:
+            unique.append(ev)
+    return audit(unique, remaining_prompts=prompts, remaining_rollouts=rollouts, trained_by_trainer=trained)
+
+
+def audit_run(run_dir: str | Path) -> dict:
+    run_dir = Path(run_dir)
+    cfg_path = run_dir / "config.json"
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"{cfg_path} not found: is {run_dir} a run directory?")
+    cfg = json.loads(cfg_path.read_text())
+    url, run_id = cfg.get("nats_url"), cfg["run_id"]
+    if url and _answers(url):
+        return asyncio.run(collect(url, run_id, run_dir))
+    store = run_dir / "nats"
+    if not (store / "jetstream").exists():
+        raise RuntimeError(f"the run's NATS server at {url} does not answer and {store} holds no store")
+    from services.common.natsserver import EmbeddedNats
+
+    with EmbeddedNats(store, log_path=run_dir / "logs" / "audit-nats-server.log") as srv:
+        return asyncio.run(collect(srv.url, run_id, run_dir))
+
+
+def _answers(url: str) -> bool:
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    try:
+        with socket.create_connection((u.hostname or "127.0.0.1", u.port or 4222), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def format_report(r: dict) -> str:
+    lines = [
+        f"released prompts       {r['released_prompts']}",
+        f"  trained once         {r['trained']}",
+        f"  filtered             {sum(r['filtered'].values())}" + (f"  {r['filtered']}" if r["filtered"] else ""),
+        f"  dropped (aborted)    {r['aborted_dropped']}",
+        f"  dropped (stale)      {r['stale_dropped']}",
+        f"  in flight at the end {sum(r['in_flight_at_end'].values())}  {r['in_flight_at_end']}",
+        f"recycled (then one of the above) {r['recycled']}",
+        f"duplicate groups ignored         {r['duplicates_ignored']}",
+        f"lost {r['lost']}, trained twice {r['trained_twice']}  ({r['events']} ledger events)",
+        "BALANCED" if r["balanced"] else "NOT BALANCED:\n  " + "\n  ".join(r["problems"][:20]),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="asyncrl audit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("run_dir")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    a = p.parse_args(argv)
+    try:
+        report = audit_run(a.run_dir)
+    except (FileNotFoundError, RuntimeError) as e:
+        print(f"asyncrl audit: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if a.json else format_report(report))
+    return 0 if report["balanced"] else 1

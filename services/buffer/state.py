@@ -1,0 +1,257 @@
+"""The buffer's durable state, as a fold over its ledger events (pure, no I/O).
+
+Every group-level decision of the buffer service is a LedgerEvent appended to LEDGER_<run>
+before it takes effect outside the process (before a ROLLOUTS message is acknowledged, a
+lease is handed to the trainer, or a prompt's release is counted). The state below is exactly
+`fold(apply, events)`, so after a SIGKILL the service rebuilds it from the last snapshot plus
+the events after it, and continues where it stopped:
+
+    released  prompt -> outstanding            (the data source cursor moves)
+    put       outstanding -> stored | filtered | aborted (-> recycled queue if retry) | duplicate
+    stale     stored -> dropped | recycled queue
+    leased    stored -> lease of a step
+    lease_complete   the step's B groups are all leased; its get_metrics() snapshot
+    committed leases of steps <= s -> trained
+
+A custom DataBuffer hides its decisions: its puts are recorded as outcome "accepted" (kept in
+`stored` so that they can be handed back to a fresh instance after a restart).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import msgspec
+
+from asyncrl_proto import GroupRef, LedgerEvent, PromptMsg
+
+
+def group_id(group_index: int, attempt: int) -> str:
+    """One id per release attempt of a prompt; producers use it as the group's Nats-Msg-Id."""
+    return f"g{group_index}-a{attempt}"
+
+
+class StoredRef(msgspec.Struct, kw_only=True):
+    group_id: str
+    stream_seq: int
+    oldest_version: int | None = None
+    prompt: PromptMsg
+
+
+class LeaseRecord(msgspec.Struct, kw_only=True):
+    step: int
+    refs: list[GroupRef] = msgspec.field(default_factory=list)
+    complete: bool = False
+    metrics: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+class BufferState(msgspec.Struct, kw_only=True):
+    seq: int = 0
+    """Events applied."""
+    log_stream_seq: int = 0
+    """Stream sequence of the last applied event (where a replay resumes)."""
+    epoch: int = 0
+    cursor: int = 0
+    next_group_index: int = 0
+    recycled: list[PromptMsg] = msgspec.field(default_factory=list)
+    outstanding: dict[str, PromptMsg] = msgspec.field(default_factory=dict)
+    stored: dict[str, StoredRef] = msgspec.field(default_factory=dict)
+    leases: dict[int, LeaseRecord] = msgspec.field(default_factory=dict)
+    committed_step: int = -1
+    counters: dict[str, int] = msgspec.field(default_factory=dict)
+
+    def count(self, key: str, k: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + k
+
+
+class StateError(RuntimeError):
+    """An event that cannot follow the state: the log is corrupt or out of order."""
+
+
+def _recycle(state: BufferState, p: PromptMsg) -> None:
+    state.recycled.append(msgspec.structs.replace(p, attempt=p.attempt + 1, released_at=0.0))
+    state.count("recycled")
+
+
+def apply(state: BufferState, ev: LedgerEvent) -> None:
+    if ev.seq != state.seq + 1:
+        raise StateError(f"ledger event {ev.seq} does not follow event {state.seq}")
+    state.seq = ev.seq
+    kind = ev.kind
+    if kind == "released":
+        p = ev.prompt
+        gid = group_id(p.group_index, p.attempt)
+        if p.attempt > 0:
+            if not state.recycled or group_id(state.recycled[0].group_index, state.recycled[0].attempt) != gid:
+                raise StateError(f"re-release of {gid} is not the head of the recycled queue")
+            state.recycled.pop(0)
+            state.count("rereleased")
+        else:
+            state.epoch = ev.source.get("epoch", state.epoch)
+            state.cursor = ev.source.get("cursor", state.cursor)
+            state.next_group_index = ev.source.get("next_group_index", state.next_group_index)
+            state.count("released")
+        state.outstanding[gid] = p
+    elif kind == "put":
+        if ev.outcome == "duplicate":
+            state.count("duplicate_groups")
+            return
+        p = state.outstanding.pop(ev.group_id, None)
+        if p is None:
+            raise StateError(f"put of {ev.group_id}, which is not outstanding")
+        if ev.outcome in ("stored", "accepted"):
+            state.stored[ev.group_id] = StoredRef(
+                group_id=ev.group_id, stream_seq=ev.stream_seq, oldest_version=ev.oldest_version, prompt=p
+            )
+            state.count(ev.outcome)
+        elif ev.outcome == "filtered":
+            state.count(f"filtered/{ev.reason or 'unspecified'}")
+        elif ev.outcome == "aborted":
+            state.count("aborted_recycled" if ev.recycled else "aborted_dropped")
+            if ev.recycled:
+                _recycle(state, p)
+        else:
+            raise StateError(f"unknown put outcome {ev.outcome!r}")
+    elif kind == "stale":
+        ref = state.stored.pop(ev.group_id, None)
+        if ref is None:
+            raise StateError(f"stale rejection of {ev.group_id}, which is not stored")
+        state.count("stale_recycled" if ev.recycled else "stale_dropped")
+        if ev.recycled:
+            _recycle(state, ref.prompt)
+    elif kind == "leased":
+        ref = state.stored.pop(ev.group_id, None)
+        if ref is None:
+            raise StateError(f"lease of {ev.group_id}, which is not stored")
+        lease = state.leases.setdefault(ev.step, LeaseRecord(step=ev.step))
+        lease.refs.append(
+            GroupRef(
+                group_id=ref.group_id,
+                group_index=ref.prompt.group_index,
+                stream_seq=ref.stream_seq,
+                staleness=ev.staleness,
+                oldest_version=ref.oldest_version,
+            )
+        )
+        state.count("consumed")
+    elif kind == "lease_complete":
+        lease = state.leases.setdefault(ev.step, LeaseRecord(step=ev.step))
+        lease.complete = True
+        lease.metrics = dict(ev.metrics)
+    elif kind == "committed":
+        for step in sorted(s for s in state.leases if s <= ev.step):
+            state.count("trained", len(state.leases.pop(step).refs))
+        state.committed_step = max(state.committed_step, ev.step)
+    else:
+        raise StateError(f"unknown ledger event kind {kind!r}")
+
+
+def fold(events, state: BufferState | None = None) -> BufferState:
+    state = state or BufferState()
+    for ev in events:
+        apply(state, ev)
+    return state
+
+
+def encode_state(state: BufferState) -> bytes:
+    return msgspec.msgpack.encode(state)
+
+
+def decode_state(data: bytes) -> BufferState:
+    return msgspec.msgpack.decode(data, type=BufferState)
+
+
+# ---- the audit ---------------------------------------------------------------------------------
+
+
+def audit(events, remaining_prompts: set[str] | None = None, remaining_rollouts: set[str] | None = None,
+          trained_by_trainer: dict[int, list[int]] | None = None) -> dict:  # fmt: skip
+    """Check the ledger prompt by prompt and balance it.
+
+    Every released prompt must end as exactly one of: trained (once), filtered (with reason),
+    dropped as aborted or stale, or still in flight when the run stopped (outstanding, stored,
+    leased to an uncommitted step, or waiting in the recycled queue) - after any number of
+    recycles. `remaining_prompts` / `remaining_rollouts` (group ids still on PROMPTS / ROLLOUTS)
+    prove that outstanding prompts and stored groups still exist; `trained_by_trainer` (step ->
+    group indices, from the trainer's own record) is cross-checked against the ledger.
+    """
+    state = BufferState()
+    problems: list[str] = []
+    terminal: dict[int, str] = {}
+    trained_steps: dict[int, int] = {}
+    first_release: set[int] = set()
+    for ev in events:
+        try:
+            apply_checked(state, ev, terminal, trained_steps, first_release, problems)
+        except StateError as e:
+            problems.append(str(e))
+            break
+    in_flight = collections.Counter()
+    for gid in state.outstanding:
+        in_flight["outstanding"] += 1
+        if remaining_prompts is not None and remaining_rollouts is not None:
+            if gid not in remaining_prompts and gid not in remaining_rollouts:
+                problems.append(f"{gid} is outstanding but neither on PROMPTS nor on ROLLOUTS: lost")
+    for gid in state.stored:
+        in_flight["stored"] += 1
+        if remaining_rollouts is not None and gid not in remaining_rollouts:
+            problems.append(f"{gid} is stored but its payload is gone from ROLLOUTS: lost")
+    for lease in state.leases.values():
+        in_flight["leased_uncommitted"] += len(lease.refs)
+    in_flight["recycled_waiting"] = len(state.recycled)
+    accounted = set(terminal) | {p.group_index for p in state.outstanding.values()}
+    accounted |= {r.prompt.group_index for r in state.stored.values()}
+    accounted |= {r.group_index for lease in state.leases.values() for r in lease.refs}
+    accounted |= {p.group_index for p in state.recycled}
+    lost = sorted(first_release - accounted)
+    for gi in lost[:20]:
+        problems.append(f"prompt {gi} was released and has no outcome: lost")
+    twice = sorted(gi for gi, n in trained_steps.items() if n > 1)
+    for gi in twice[:20]:
+        problems.append(f"prompt {gi} was trained {trained_steps[gi]} times")
+    if trained_by_trainer is not None:
+        by_trainer = collections.Counter(gi for gis in trained_by_trainer.values() for gi in gis)
+        ledger_trained = {gi for gi, t in terminal.items() if t == "trained"}
+        if set(by_trainer) != ledger_trained:
+            diff = sorted(set(by_trainer) ^ ledger_trained)[:10]
+            problems.append(f"trainer and ledger disagree on trained prompts, e.g. {diff}")
+        for gi, n in by_trainer.items():
+            if n > 1:
+                problems.append(f"the trainer recorded prompt {gi} {n} times")
+    outcomes = collections.Counter(terminal.values())
+    return {
+        "released_prompts": len(first_release),
+        "trained": outcomes.get("trained", 0),
+        "filtered": {k.removeprefix("filtered/"): v for k, v in outcomes.items() if k.startswith("filtered/")},
+        "aborted_dropped": outcomes.get("aborted_dropped", 0),
+        "stale_dropped": outcomes.get("stale_dropped", 0),
+        "recycled": state.counters.get("recycled", 0),
+        "duplicates_ignored": state.counters.get("duplicate_groups", 0),
+        "in_flight_at_end": dict(in_flight),
+        "lost": len(lost),
+        "trained_twice": len(twice),
+        "events": state.seq,
+        "problems": problems,
+        "balanced": not problems,
+    }
+
+
+def apply_checked(state, ev, terminal, trained_steps, first_release, problems) -> None:
+    """apply() plus the per-prompt bookkeeping of the audit."""
+    if ev.kind == "released" and ev.prompt.attempt == 0:
+        if ev.prompt.group_index in first_release:
+            problems.append(f"prompt {ev.prompt.group_index} was released twice as a fresh prompt")
+        first_release.add(ev.prompt.group_index)
+    if ev.kind == "committed":
+        for step in [s for s in state.leases if s <= ev.step]:
+            for ref in state.leases[step].refs:
+                trained_steps[ref.group_index] = trained_steps.get(ref.group_index, 0) + 1
+                terminal[ref.group_index] = "trained"
+    apply(state, ev)
+    gi = ev.group_index
+    if ev.kind == "put" and ev.outcome == "filtered":
+        terminal[gi] = f"filtered/{ev.reason or 'unspecified'}"
+    elif ev.kind == "put" and ev.outcome == "aborted" and not ev.recycled:
+        terminal[gi] = "aborted_dropped"
+    elif ev.kind == "stale" and not ev.recycled:
+        terminal[gi] = "stale_dropped"

@@ -1,0 +1,60 @@
+"""Trainer checkpoints: `<save>/iter_<step>/` holds the model as an HF snapshot (hf/), the
+optimizer, step, weight version and RNG state (trainer_state.pt), and a `.complete` marker
+written last; `latest_checkpointed_iteration.txt` names the newest complete one."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from services.model.hf_io import COMPLETE_MARKER, load_weights_into, save_model
+
+LATEST = "latest_checkpointed_iteration.txt"
+
+
+def save_checkpoint(
+    save_dir: str | Path, step: int, model, optimizer, version: int, tokenizer_dir, keep: int = 2
+) -> Path:
+    save_dir = Path(save_dir)
+    path = save_dir / f"iter_{step:07d}"
+    path.mkdir(parents=True, exist_ok=True)
+    marker = path / COMPLETE_MARKER
+    if marker.exists():
+        marker.unlink()
+    save_model(model, path / "hf", tokenizer_dir)
+    state = {
+        "optimizer": optimizer.state_dict(),
+        "step": step,
+        "version": version,
+        "torch_rng": torch.get_rng_state(),
+    }
+    torch.save(state, path / "trainer_state.pt")
+    marker.write_text(json.dumps({"step": step, "version": version}))
+    tmp = save_dir / (LATEST + ".tmp")
+    tmp.write_text(str(step))
+    os.replace(tmp, save_dir / LATEST)
+    complete = sorted(p for p in save_dir.glob("iter_*") if (p / COMPLETE_MARKER).exists())
+    for old in complete[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def latest_checkpoint(save_dir: str | Path | None) -> Path | None:
+    if not save_dir:
+        return None
+    save_dir = Path(save_dir)
+    complete = sorted(p for p in save_dir.glob("iter_*") if (p / COMPLETE_MARKER).exists())
+    return complete[-1] if complete else None
+
+
+def load_checkpoint(path: str | Path, model, optimizer) -> dict:
+    path = Path(path)
+    load_weights_into(model, path / "hf")
+    state = torch.load(path / "trainer_state.pt", weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["torch_rng"])
+    return {"step": state["step"], "version": state["version"]}
