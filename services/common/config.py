@@ -164,6 +164,12 @@ class RunConfig(BaseModel):
         30.0,
         description="A producer that holds a prompt this long without a heartbeat loses it to another.",
     )
+    producer_timeout_s: float = Field(
+        60.0, description="The trainer fails loudly when no producer heartbeat arrives for this long while it waits."
+    )
+    buffer_timeout_s: float = Field(
+        60.0, description="The trainer fails loudly when the buffer service does not answer for this long."
+    )
     rollout_wait_warn_s: float = Field(
         30.0, description="Trainer warns 'No completed rollout groups for ...' after this long."
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from asyncrl_proto.messages import Sample, flatten_group
@@ -45,6 +46,25 @@ def assemble_batch(groups: list[list], n: int) -> list[list]:
         if len(g) != n:
             raise ValueError(f"group {flatten_group(g)[0].group_index} has {len(g)} trajectories, expected {n}")
     return sorted(groups, key=lambda g: flatten_group(g)[0].index or 0)
+
+
+def apply_sample_filter(fn, config, batch: list[list], path: str) -> None:
+    """Run --rollout-sample-filter-path on the batch (a list of groups). It may only mark
+    samples' remove_sample; the batch never shrinks and nothing else may change."""
+
+    def snapshot():
+        return [
+            [msgspec.msgpack.encode(msgspec.structs.replace(s, remove_sample=False)) for s in flatten_group(g)]
+            for g in batch
+        ]
+
+    before, size = snapshot(), len(batch)
+    try:
+        fn(config, batch)
+    except Exception as e:
+        raise ValueError(f"--rollout-sample-filter-path {path} raised {type(e).__name__}: {e}") from e
+    if len(batch) != size or snapshot() != before:
+        raise ValueError(f"--rollout-sample-filter-path {path} may only set remove_sample; it changed the batch")
 
 
 @dataclass

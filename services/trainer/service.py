@@ -51,6 +51,7 @@ from services.model.hf_io import load_model, save_model
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.core import (
     LossConfig,
+    apply_sample_filter,
     assemble_batch,
     build_train_batch,
     scalar_reward,
@@ -58,9 +59,6 @@ from services.trainer.core import (
 )
 
 log = logging.getLogger(__name__)
-
-BUFFER_SILENCE_FAIL_S = 60.0
-PRODUCERS_GONE_FAIL_S = 60.0
 
 
 class TrainerError(RuntimeError):
@@ -244,9 +242,9 @@ class TrainerService(Service):
                 )
                 last_answer = time.monotonic()
             except (TimeoutError, nats.errors.Error) as e:
-                if time.monotonic() - last_answer > BUFFER_SILENCE_FAIL_S:
+                if time.monotonic() - last_answer > self.config.buffer_timeout_s:
                     raise TrainerError(
-                        f"the buffer service has not answered for {BUFFER_SILENCE_FAIL_S:.0f}s ({type(e).__name__}): is it running?"
+                        f"the buffer service has not answered for {self.config.buffer_timeout_s:.0f}s ({type(e).__name__}): is it running?"
                     ) from e
                 await asyncio.sleep(0.5)
                 continue
@@ -257,12 +255,12 @@ class TrainerService(Service):
                 last_count, last_progress, next_warn = len(reply.refs), now, now + warn_every
             if reply.complete:
                 break
-            if now >= next_warn:
-                log.warning("No completed rollout groups for %.1fs", now - last_progress)
-                next_warn = now + warn_every
-            if now - self.last_producer_seen > PRODUCERS_GONE_FAIL_S:
+            while now >= next_warn:  # "for 30.0s", then "for 60.0s", ... as Miles logs it
+                log.warning("No completed rollout groups for %.1fs", next_warn - last_progress)
+                next_warn += warn_every
+            if now - self.last_producer_seen > self.config.producer_timeout_s:
                 raise TrainerError(
-                    f"no rollout producer has been alive for {PRODUCERS_GONE_FAIL_S:.0f}s while step {step} "
+                    f"no rollout producer has been alive for {self.config.producer_timeout_s:.0f}s while step {step} "
                     f"waits for groups ({len(reply.refs)}/{req.count}): start producers (asyncrl service rollout)"
                 )
         groups = [await self._load_group(ref) for ref in reply.refs]
@@ -280,16 +278,10 @@ class TrainerService(Service):
         return decode(data, RolloutGroup).samples
 
     def _apply_sample_filter(self, groups: list[list]) -> None:
-        samples = [s for g in groups for s in flatten_group(g)]
-        before = [(s.index, len(s.tokens), s.reward) for s in samples]
         try:
-            self.sample_filter(self.config, samples)
-        except Exception as e:
-            raise TrainerError(
-                f"--rollout-sample-filter-path {self.config.rollout_sample_filter_path} raised {type(e).__name__}: {e}"
-            ) from e
-        if [(s.index, len(s.tokens), s.reward) for s in samples] != before:
-            raise TrainerError("--rollout-sample-filter-path may only set remove_sample; it changed samples")
+            apply_sample_filter(self.sample_filter, self.config, groups, self.config.rollout_sample_filter_path)
+        except ValueError as e:
+            raise TrainerError(str(e)) from e
 
     # ---- weights, commits, evals ---------------------------------------------------------------
     async def _push_weights(self, step: int) -> float:
@@ -339,9 +331,9 @@ class TrainerService(Service):
             try:
                 return await self.bus.request(subject, msg, reply_type, timeout=10)
             except (TimeoutError, nats.errors.Error) as e:
-                if time.monotonic() - start > BUFFER_SILENCE_FAIL_S:
+                if time.monotonic() - start > self.config.buffer_timeout_s:
                     raise TrainerError(
-                        f"the buffer service has not answered the {what} for {BUFFER_SILENCE_FAIL_S:.0f}s "
+                        f"the buffer service has not answered the {what} for {self.config.buffer_timeout_s:.0f}s "
                         f"({type(e).__name__}): is it running?"
                     ) from e
                 await asyncio.sleep(0.5)

@@ -115,3 +115,35 @@ def test_on_policy_ratios_are_one():
     assert stats["train/importance_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert stats["train/train_rollout_logprob_abs_diff"] < 1e-5
     assert stats["train/pg_clipfrac"] == 0.0
+
+
+def test_rollout_sample_filter_may_only_mark_remove_sample():
+    from services.trainer.core import apply_sample_filter
+
+    batch = [[Sample(index=0, reward=1.0), Sample(index=1, reward=0.0)], [Sample(index=2), Sample(index=3)]]
+
+    def drop_zero_reward(config, b):
+        for g in b:
+            for s in g:
+                s.remove_sample = s.reward == 0.0
+
+    apply_sample_filter(drop_zero_reward, None, batch, "m.drop_zero_reward")
+    assert [s.remove_sample for g in batch for s in g] == [False, True, False, False]
+
+    def shrink(config, b):
+        b.pop()
+
+    with pytest.raises(ValueError, match="may only set remove_sample"):
+        apply_sample_filter(shrink, None, batch, "m.shrink")
+
+    def edit(config, b):
+        b[0][0].reward = 5.0
+
+    with pytest.raises(ValueError, match="m.edit may only set remove_sample"):
+        apply_sample_filter(edit, None, batch, "m.edit")
+
+    def boom(config, b):
+        raise KeyError("x")
+
+    with pytest.raises(ValueError, match="m.boom raised KeyError"):
+        apply_sample_filter(boom, None, batch, "m.boom")

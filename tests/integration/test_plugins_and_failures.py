@@ -1,0 +1,130 @@
+"""Plugins inside the buffer service (custom DataBuffer, dynamic-sampling filter) and the
+trainer's loud failures, against a real nats-server."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from services.api import DataBuffer, RunConfig
+from services.buffer.service import BufferService
+from services.common.bus import Bus
+from tests.conftest import start_service, wait_until
+from tests.integration.test_buffer_service import Harness, config
+
+
+class ListBuffer(DataBuffer):
+    """A custom buffer: unbounded FIFO, counts what it saw."""
+
+    def __init__(self, config, recycle):
+        super().__init__(config, recycle)
+        import asyncio
+
+        self.items = asyncio.Queue()
+        self.puts = 0
+
+    async def put(self, group):
+        self.puts += 1
+        await self.items.put(group)
+
+    async def get(self, current_version=None, **context):
+        return await self.items.get()
+
+    def get_metrics(self):
+        return {"custom/puts": self.puts}
+
+
+class ExplodingBuffer(ListBuffer):
+    async def put(self, group):
+        raise KeyError("boom")
+
+
+async def test_custom_buffer_takes_over_all_three_methods(nats_server, run_id, task_data):
+    cfg = config(task_data, custom_async_data_buffer_path=f"{__name__}.ListBuffer")
+    svc = await start_service(BufferService, cfg, nats_server.url, run_id)
+    h = Harness(await Bus.connect(nats_server.url, run_id, "test"))
+    try:
+        assert isinstance(svc.service.buffer, ListBuffer)
+        await h.get(0, wait_s=0.1)
+        for p in await h.prompts(2):
+            await h.publish_group(p)
+        reply = await h.get(0)
+        assert reply.complete and reply.metrics == {"custom/puts": 2.0}
+        assert svc.service.state.counters["accepted"] == 2
+    finally:
+        await svc.stop()
+        await h.bus.close()
+
+
+async def test_a_raising_custom_buffer_fails_loudly_with_its_path(nats_server, run_id, task_data):
+    path = f"{__name__}.ExplodingBuffer"
+    svc = await start_service(
+        BufferService, config(task_data, custom_async_data_buffer_path=path), nats_server.url, run_id
+    )
+    h = Harness(await Bus.connect(nats_server.url, run_id, "test"))
+    try:
+        await h.get(0, wait_s=0.1)
+        await h.publish_group((await h.prompts(1))[0])
+        await wait_until(lambda: svc.task.done(), timeout=10, what="the service to fail")
+        with pytest.raises(BaseException) as e:
+            svc.task.result()
+        assert f"{path}.put raised KeyError" in str(e.value.exceptions[0])
+    finally:
+        await h.bus.close()
+
+
+async def test_dynamic_filter_by_import_path(nats_server, run_id, task_data):
+    cfg = config(task_data, dynamic_sampling_filter_path="services.api.check_reward_nonzero_std")
+    svc = await start_service(BufferService, cfg, nats_server.url, run_id)
+    h = Harness(await Bus.connect(nats_server.url, run_id, "test"))
+    try:
+        await h.get(0, wait_s=0.1)
+        prompts = await h.prompts(4)
+        from asyncrl_proto import RolloutGroup, Sample
+
+        same = [Sample(index=i, group_index=prompts[0].group_index, reward=1.0, tokens=[1, 2], response_length=1)
+                for i in range(2)]  # fmt: skip
+        rg = RolloutGroup(group_id=f"g{prompts[0].group_index}-a0", group_index=prompts[0].group_index, samples=same)
+        await h.bus.publish(h.s.rollouts, rg, msg_id=rg.group_id)
+        for p in prompts[1:3]:
+            await h.publish_group(p)  # rewards 0 and 1: kept
+        reply = await h.get(0)
+        assert reply.complete and reply.metrics["rollout/dynamic_filter/drop_zero_std_1.0"] == 1
+        assert svc.service.state.counters["filtered/zero_std_1.0"] == 1
+    finally:
+        await svc.stop()
+        await h.bus.close()
+
+
+async def _trainer_failure(nats_server, run_id, task_data, tiny_model_dir, with_buffer: bool, caplog):
+    from services.trainer.service import TrainerService
+
+    cfg = RunConfig(prompt_data=str(task_data[0]), hf_checkpoint=str(tiny_model_dir), rollout_batch_size=2,
+                    n_samples_per_prompt=2, fully_async=True, run_dir=str(nats_server.store_dir / run_id),
+                    rollout_wait_warn_s=0.5, producer_timeout_s=2.0, buffer_timeout_s=2.0,
+                    skip_eval_before_train=True)  # fmt: skip
+    buf = await start_service(BufferService, config(task_data), nats_server.url, run_id) if with_buffer else None
+    caplog.set_level(logging.WARNING)
+    trainer = await start_service(TrainerService, cfg, nats_server.url, run_id)
+    try:
+        await wait_until(lambda: trainer.task.done(), timeout=30, what="the trainer to fail")
+        with pytest.raises(BaseException) as e:
+            trainer.task.result()
+        return str(e.value.exceptions[0])
+    finally:
+        if buf:
+            await buf.stop()
+
+
+async def test_trainer_warns_then_fails_when_no_producer_is_alive(
+    nats_server, run_id, task_data, tiny_model_dir, caplog
+):
+    msg = await _trainer_failure(nats_server, run_id, task_data, tiny_model_dir, True, caplog)
+    assert "no rollout producer has been alive for 2s" in msg
+    assert any("No completed rollout groups for 0.5s" in r.getMessage() for r in caplog.records)
+
+
+async def test_trainer_fails_when_the_buffer_does_not_answer(nats_server, run_id, task_data, tiny_model_dir, caplog):
+    msg = await _trainer_failure(nats_server, run_id, task_data, tiny_model_dir, False, caplog)
+    assert "the buffer service has not answered" in msg

@@ -1,0 +1,35 @@
+"""Client-side tokenization: plain prompts, token-id prompts, and --apply-chat-template."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from services.model.tokenizer import Tokenizer
+
+
+def test_plain_and_token_id_prompts(tiny_model_dir):
+    tok = Tokenizer(tiny_model_dir)
+    assert tok.prompt_ids("12=", chat_template=False) == [1, 5, 6, 15]  # BOS added
+    assert tok.prompt_ids([1, 5, 15], chat_template=False) == [1, 5, 15]
+    assert tok.decode([7, 8, 2]) == "34" and tok.eos_token_id == 2
+
+
+def test_chat_template_when_the_tokenizer_has_one(tiny_model_dir, tmp_path):
+    pytest.importorskip("transformers")
+    d = tmp_path / "chat"
+    shutil.copytree(tiny_model_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "<s>{% for m in messages %}{{ m['content'] }}{% endfor %}="
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = Tokenizer(d)
+    assert tok.has_chat_template
+    assert tok.prompt_ids("12", chat_template=True) == [1, 5, 6, 15]  # the template carries BOS
+    assert tok.prompt_ids([{"role": "user", "content": "9"}], chat_template=True) == [1, 13, 15]
+
+
+def test_chat_template_flag_without_a_template_says_what_to_do(tiny_model_dir):
+    with pytest.raises(ValueError, match="has no chat template; drop the flag"):
+        Tokenizer(tiny_model_dir).prompt_ids("12", chat_template=True)
