@@ -268,3 +268,37 @@ class LedgerEvent(msgspec.Struct, kw_only=True):
     """For `released`: the data source cursor after the release (epoch, cursor, next_group_index)."""
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
     ts: float = 0.0
+
+
+class SampleView(msgspec.Struct, kw_only=True):
+    """A Sample decoded without its token-level payload (tokens, response text, log-probs, loss
+    mask): msgspec skips those bytes without building Python objects. Everything the buffer
+    decides on is here. Decodes any encoded Sample."""
+
+    index: int | None = None
+    group_index: int | None = None
+    prompt: str | list[int] = ""
+    label: Any = None
+    response_length: int = 0
+    reward: float | dict[str, float] | None = None
+    status: SampleStatus = SampleStatus.PENDING
+    weight_versions: list[int] = msgspec.field(default_factory=list)
+    metadata: dict[str, Any] = msgspec.field(default_factory=dict)
+    remove_sample: bool = False
+
+    def reset_for_retry(self) -> None:
+        self.reward = None
+        self.response_length = 0
+        self.weight_versions = []
+        self.remove_sample = False
+        self.status = SampleStatus.ABORTED
+
+
+class RolloutGroupView(msgspec.Struct, kw_only=True):
+    """A RolloutGroup decoded as SampleViews (see SampleView)."""
+
+    group_id: str
+    group_index: int
+    attempt: int = 0
+    samples: list[SampleView | list[SampleView]] = msgspec.field(default_factory=list)
+    producer_id: str = ""

@@ -27,14 +27,18 @@ import logging
 import time
 from typing import Any
 
+import msgspec
+
 from asyncrl_proto import (
     BufferCommit,
     BufferCommitReply,
     BufferGetReply,
     BufferGetRequest,
+    GroupRef,
     Heartbeat,
     LedgerEvent,
     RolloutGroup,
+    RolloutGroupView,
     WeightsLive,
     decode,
     encode,
@@ -45,7 +49,7 @@ from services.buffer.core import DataBuffer, DefaultDataBuffer, load_object, sta
 from services.buffer.datasource import PromptSource, load_rows
 from services.buffer.policy import ReleaseState, release_allowance
 from services.buffer.state import BufferState, apply, decode_state, encode_state, group_id
-from services.common.bus import fetch_some, settle
+from services.common.bus import next_batch, settle
 from services.common.runtime import Service, wait_event
 
 log = logging.getLogger(__name__)
@@ -53,6 +57,10 @@ log = logging.getLogger(__name__)
 PRODUCER_TIMEOUT_S = 10.0
 SNAPSHOT_EVERY = 500
 ROLLOUTS_ACK_WAIT_S = 10.0
+INLINE_MAX_BYTES = 64 * 1024
+"""Groups up to this size travel inline in the get reply (they are in memory anyway), which
+saves the trainer a round trip per group; larger ones are read from ROLLOUTS by sequence."""
+INLINE_REPLY_MAX_BYTES = 4 * 1024 * 1024
 
 
 class BufferPluginError(RuntimeError):
@@ -86,6 +94,11 @@ class BufferService(Service):
         if self._observed:
             self.buffer.on_event = self._on_buffer_event
         self.plugin_path = config.custom_async_data_buffer_path or "services.api.DefaultDataBuffer"
+        # The default buffer and the built-in filter decide on rewards, statuses and versions
+        # only: decode groups without their tokens (4-20x cheaper for long trajectories).
+        # Plugins may look at anything, so they get full Samples.
+        builtin_filter = config.dynamic_sampling_filter_path in (None, "services.api.check_reward_nonzero_std")
+        self._group_type = RolloutGroupView if self._observed and builtin_filter else RolloutGroup
         self.state = BufferState()
         self.live_version: int | None = None
         self.requested: dict[int, int] = {}  # step -> B, for steps the trainer has asked for
@@ -105,13 +118,17 @@ class BufferService(Service):
         self._stored = asyncio.Event()
         self._lease_done: dict[int, asyncio.Event] = {}
         self._rollouts = None
+        self.raw_of: dict[str, bytes] = {}  # group id -> encoded group, for small groups
+        self._background: set[asyncio.Task] = set()
+        self._purging = False
+        self._purged_upto = 0
 
     # ---- setup and recovery ----------------------------------------------------------------
     async def setup(self) -> None:
         s = self.bus.subjects
         await self.bus.ensure_streams()
         await self._recover()
-        self._rollouts = await self.bus.pull(
+        self._rollouts = await self.bus.push(
             s.rollouts_stream, s.rollouts, durable="buffer", ack_wait_s=ROLLOUTS_ACK_WAIT_S, max_ack_pending=256
         )
         # subscribe before reading the KV value, so that no update can fall in between
@@ -149,7 +166,7 @@ class BufferService(Service):
         groups = []
         for gid, ref in self.state.stored.items():
             data = await self.bus.get_payload(self.bus.subjects.rollouts_stream, ref.stream_seq)
-            group = decode(data, RolloutGroup).samples
+            group = decode(data, self._group_type).samples
             self.gid_of[id(group)] = (gid, group)
             groups.append(group)
         if groups:
@@ -204,11 +221,12 @@ class BufferService(Service):
     # ---- put path ----------------------------------------------------------------------------
     async def _consume_rollouts(self) -> None:
         while True:
-            msgs = await fetch_some(self._rollouts, 32, 1.0)
+            msgs = await next_batch(self._rollouts, 64, 1.0)
             done = []
-            for msg in msgs:
-                if await self._put_one(msg, pending=[m for m in msgs if m not in done]):
+            for i, msg in enumerate(msgs):
+                if await self._put_one(msg, pending=msgs[i:]):
                     done.append(msg)
+            await asyncio.sleep(0)  # let the pump lease what was just stored: one flush for both
             await self._flush()
             for msg in done:
                 await settle(msg)
@@ -219,7 +237,7 @@ class BufferService(Service):
         """Decide one group. Returns True when the message should be acknowledged after the
         next flush (False: it was terminated as a dead letter)."""
         try:
-            rg = decode(msg.data, RolloutGroup)
+            rg = decode(msg.data, self._group_type)
         except DecodeError as e:
             await self._dead_letter(msg, f"undecodable RolloutGroup: {e}")
             return False
@@ -234,17 +252,19 @@ class BufferService(Service):
             return True
         group = rg.samples
         self.gid_of[id(group)] = (gid, group)
+        if len(msg.data) <= INLINE_MAX_BYTES:
+            self.raw_of[gid] = msg.data
         self._current_put = {
             **common, "stream_seq": msg.metadata.sequence.stream, "oldest_version": oldest_weight_version(group),
             "recorded": False, "recycled": False,
         }  # fmt: skip
         put = asyncio.ensure_future(self._plugin(self.buffer.put(group), "put"))
-        while not put.done():
-            await self._flush()  # a full buffer blocks: let what is decided become durable meanwhile
-            done, _ = await asyncio.wait({put}, timeout=ROLLOUTS_ACK_WAIT_S / 3)
-            if not done:
-                for m in pending:
-                    await settle(m, "in_progress")  # still ours while we wait for room
+        await asyncio.wait({put}, timeout=0.05)
+        while not put.done():  # a full buffer holds the producers back
+            await self._flush()  # what is decided becomes durable meanwhile
+            for m in pending:
+                await settle(m, "in_progress")  # and the waiting messages stay ours
+            await asyncio.wait({put}, timeout=ROLLOUTS_ACK_WAIT_S / 3)
         put.result()
         if not self._current_put["recorded"]:  # a custom buffer: its decision is not observable
             self._record_put(
@@ -262,6 +282,7 @@ class BufferService(Service):
         if outcome in ("stored", "accepted"):
             self._stored.set()
         else:
+            self.raw_of.pop(cur["group_id"], None)
             self.gid_of.pop(next((k for k, (g, _) in self.gid_of.items() if g == cur["group_id"]), None), None)
 
     async def _dead_letter(self, msg, reason: str) -> None:
@@ -280,6 +301,7 @@ class BufferService(Service):
             self._record_put("aborted", recycled=retry)
         elif kind == "stale":
             gid, _ = self.gid_of.pop(id(group))
+            self.raw_of.pop(gid, None)
             self._record("stale", group_id=gid, group_index=flatten_group(group)[0].group_index or 0,
                          staleness=staleness(self._clock(), group), recycled=retry)  # fmt: skip
 
@@ -391,11 +413,21 @@ class BufferService(Service):
         lease = self.state.leases.get(req.step)
         reply = BufferGetReply(
             step=req.step,
-            refs=list(lease.refs) if lease else [],
+            refs=self._with_payloads(lease.refs) if lease else [],
             complete=bool(lease and lease.complete),
             metrics=dict(lease.metrics) if lease else {},
         )
         await msg.respond(encode(reply))
+
+    def _with_payloads(self, refs: list[GroupRef]) -> list[GroupRef]:
+        out, budget = [], INLINE_REPLY_MAX_BYTES
+        for r in refs:
+            raw = self.raw_of.get(r.group_id)
+            if raw is not None and len(raw) <= budget:
+                budget -= len(raw)
+                r = msgspec.structs.replace(r, payload=raw)
+            out.append(r)
+        return out
 
     def _lease_complete(self, step: int) -> bool:
         lease = self.state.leases.get(step)
@@ -463,7 +495,10 @@ class BufferService(Service):
         except DecodeError as e:
             await self.bus.dead_letter(msg.subject, msg.data, f"undecodable BufferCommit: {e}")
             return
-        seqs = [r.stream_seq for s, lease in self.state.leases.items() if s <= req.step for r in lease.refs]
+        done_refs = [r for s, lease in self.state.leases.items() if s <= req.step for r in lease.refs]
+        seqs = [r.stream_seq for r in done_refs]
+        for r in done_refs:
+            self.raw_of.pop(r.group_id, None)
         if req.step > self.state.committed_step:
             self._record("committed", step=req.step)
             await self._flush()
@@ -471,9 +506,29 @@ class BufferService(Service):
                 self.requested.pop(step)
                 self._lease_done.pop(step, None)
         await msg.respond(encode(BufferCommitReply(step=req.step, num_groups_committed=len(seqs))))
-        for seq in seqs:  # trained: the payloads are no longer needed
-            with contextlib.suppress(Exception):
-                await self.bus.js.delete_msg(self.bus.subjects.rollouts_stream, seq)
+        if seqs and not self._purging:  # trained: their payloads are no longer needed
+            self._purging = True
+            task = asyncio.ensure_future(self._purge_trained())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _purge_trained(self) -> None:
+        """Drop ROLLOUTS messages below the oldest one still needed (stored, leased, or not yet
+        acknowledged by this consumer). One purge, not a delete per group: per-message deletes
+        in a file store cost the whole pipeline an order of magnitude in throughput."""
+        try:
+            stream = self.bus.subjects.rollouts_stream
+            info = await self.bus.js.consumer_info(stream, "buffer")
+            needed = [r.stream_seq for r in self.state.stored.values()]
+            needed += [r.stream_seq for lease in self.state.leases.values() for r in lease.refs]
+            upto = min([info.ack_floor.stream_seq + 1, *needed])
+            if upto > self._purged_upto + 1:
+                await self.bus.js.purge_stream(stream, seq=upto)
+                self._purged_upto = upto - 1
+        except Exception as e:  # storage hygiene only: never fail the buffer for it
+            log.warning("could not purge trained payloads from ROLLOUTS: %s", e)
+        finally:
+            self._purging = False
 
     async def _on_live(self, msg) -> None:
         with contextlib.suppress(*DecodeError):

@@ -202,6 +202,20 @@ class Bus:
         )
         return await self.js.pull_subscribe(subject, durable=durable, stream=stream, config=cfg)
 
+    async def push(self, stream: str, subject: str, durable: str, ack_wait_s: float = 30.0, max_ack_pending: int = 256):
+        """A durable push consumer: messages arrive as soon as they are stored (a pull fetch of
+        several messages lingers until its batch is full), at most max_ack_pending unacknowledged."""
+        cfg = api.ConsumerConfig(
+            durable_name=durable,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=ack_wait_s,
+            max_ack_pending=max_ack_pending,
+            deliver_policy=api.DeliverPolicy.ALL,
+            filter_subject=subject,
+        )
+        return await self.js.subscribe(subject, durable=durable, stream=stream, manual_ack=True, config=cfg,
+                                       pending_msgs_limit=max_ack_pending * 2)  # fmt: skip
+
     async def get_payload(self, stream: str, seq: int) -> bytes:
         raw = await self.js.get_msg(stream, seq=seq, direct=True)
         if raw.data is None:
@@ -224,16 +238,47 @@ class Bus:
 
 
 async def fetch_some(psub, batch: int, timeout_s: float) -> list:
-    """fetch() that returns [] on a timeout, and also while the connection is down (the
-    consumer lives on the server and resumes after the reconnect)."""
+    """Up to `batch` messages, returned as soon as at least one is there.
+
+    nats-py's fetch(batch) waits, once the stream is drained, until `batch` messages arrived or
+    the timeout passed: under a trickle that adds up to `timeout_s` of latency to every message.
+    So: wait for one message, then take whatever else is ready with a no-wait fetch. Returns []
+    on a timeout, and while the connection is down (the consumer lives on the server and resumes
+    after the reconnect)."""
     try:
-        return await psub.fetch(batch, timeout=timeout_s)
+        msgs = await psub.fetch(1, timeout=timeout_s)
     except (TimeoutError, nats.errors.TimeoutError):
         return []
+    except nats.errors.ConnectionClosedError:
+        raise  # closed by us (nats-py also turns a cancellation into this): stop, never loop
     except (nats.errors.Error, nats.js.errors.Error, OSError) as e:
         log.warning("fetch failed (%s); retrying after the reconnect", type(e).__name__)
         await asyncio.sleep(0.5)
         return []
+    if batch > 1:
+        try:
+            msgs += await psub.fetch(batch - 1, timeout=0.002)
+        except (TimeoutError, nats.errors.TimeoutError):
+            pass  # nothing else ready; a late delivery is picked up by the next fetch
+        except nats.errors.ConnectionClosedError:
+            raise
+        except (nats.errors.Error, nats.js.errors.Error, OSError):
+            pass
+    return msgs
+
+
+async def next_batch(sub, batch: int, timeout_s: float) -> list:
+    """From a push subscription: wait for one message, then take what is already queued."""
+    try:
+        msgs = [await sub.next_msg(timeout=timeout_s)]
+    except (TimeoutError, nats.errors.TimeoutError):
+        return []
+    while len(msgs) < batch and sub.pending_msgs > 0:
+        try:
+            msgs.append(await sub.next_msg(timeout=0.01))
+        except (TimeoutError, nats.errors.TimeoutError):
+            break
+    return msgs
 
 
 async def settle(msg, how: str = "ack") -> None:

@@ -1,0 +1,243 @@
+"""Buffer benchmark: the buffer service path vs raw JetStream, same payloads, same server.
+
+Buffer path: a producer (this process) takes released prompts from PROMPTS and publishes a
+RolloutGroup of the given size to ROLLOUTS; the buffer service (its own process, the real
+service) puts it, leases it to a step and records both in its ledger; a trainer (this process)
+asks `buffer.get`, reads the payload from ROLLOUTS by sequence, and commits each step.
+Raw path: publish the same bytes to a JetStream stream, consume them with a pull consumer.
+
+Measured for 4 KB and 256 KB groups:
+  latency   publish -> trainer has the decoded group, at a paced load (B = 1 group per step)
+  throughput groups/s, all at once (B = 64 groups per step)
+
+    python bench/buffer.py [--groups 2000] [--out docs/bench/buffer.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import nats.errors
+
+from asyncrl_proto import (
+    BufferCommit,
+    BufferCommitReply,
+    BufferGetReply,
+    BufferGetRequest,
+    PromptMsg,
+    RolloutGroup,
+    Sample,
+    decode,
+    encode,
+)
+from services.common import procs
+from services.common.bus import Bus, fetch_some, next_batch
+from services.common.config import RunConfig
+from services.common.natsserver import EmbeddedNats
+
+
+def make_group(p: PromptMsg, size_bytes: int, n: int = 4) -> RolloutGroup:
+    per_sample = max(1, size_bytes // n)  # a token id below 128 is one msgpack byte
+    samples = [
+        Sample(
+            index=p.group_index * n + i,
+            group_index=p.group_index,
+            prompt=p.prompt,
+            tokens=[7] * per_sample,
+            response_length=1,
+            reward=float(i),
+            rollout_log_probs=[-1.0],
+            weight_versions=[0],
+        )  # fmt: skip
+        for i in range(n)
+    ]
+    return RolloutGroup(
+        group_id=f"g{p.group_index}-a{p.attempt}", group_index=p.group_index, attempt=p.attempt, samples=samples
+    )
+
+
+async def _payload(bus, stream: str, ref) -> bytes:
+    return ref.payload if ref.payload is not None else await bus.get_payload(stream, ref.stream_seq)
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+# ---- raw JetStream ------------------------------------------------------------------------------
+
+
+async def raw_path(url: str, payload: bytes, count: int, rate: float | None) -> dict:
+    bus = await Bus.connect(url, "raw" + uuid.uuid4().hex[:6], "bench")
+    stream, subject = f"RAW_{bus.subjects.run_id}", f"raw.{bus.subjects.run_id}"
+    await bus.js.add_stream(name=stream, subjects=[subject])
+    psub = await bus.push(stream, subject, durable="c")  # the lowest-latency raw consumer
+    sent: dict[int, float] = {}
+    lat: list[float] = []
+
+    async def consume():
+        while len(lat) < count:
+            for m in await next_batch(psub, 256, 1.0):
+                i = int(m.headers["i"])
+                _ = decode(m.data, RolloutGroup)  # the trainer decodes what it receives
+                lat.append(time.perf_counter() - sent[i])
+                await m.ack()
+
+    task = asyncio.ensure_future(consume())
+    t0 = time.perf_counter()
+    for i in range(count):
+        sent[i] = time.perf_counter()
+        if rate:
+            await bus.js.publish(subject, payload, headers={"i": str(i)})
+            await asyncio.sleep(max(0.0, t0 + (i + 1) / rate - time.perf_counter()))
+        else:
+            await bus.js.publish_async(subject, payload, headers={"i": str(i)})
+    await task
+    elapsed = time.perf_counter() - t0
+    await bus.close()
+    return {"groups_per_s": count / elapsed, "p50_ms": 1000 * pct(lat, 0.5), "p99_ms": 1000 * pct(lat, 0.99)}
+
+
+# ---- the buffer service -------------------------------------------------------------------------
+
+
+async def buffer_path(
+    url: str, data: Path, run_dir: Path, size: int, count: int, batch: int, rate: float | None
+) -> dict:
+    run_id = "bench" + uuid.uuid4().hex[:6]
+    cfg = RunConfig(prompt_data=str(data), rollout_batch_size=batch, n_samples_per_prompt=4, fully_async=True,
+                    async_data_buffer_capacity_factor=max(4.0, 256 / batch), run_id=run_id, run_dir=str(run_dir))  # fmt: skip
+    bus = await Bus.connect(url, run_id, "bench")
+    await bus.ensure_streams()
+    await bus.kv_put("config", json.dumps(cfg.model_dump(mode="json")).encode())
+    proc = procs.spawn([sys.executable, "-m", "services.buffer", "--nats-url", url, "--run-id", run_id],
+                       log_path=run_dir / f"buffer-{run_id}.log")  # fmt: skip
+    s = bus.subjects
+    sent: dict[str, float] = {}
+    lat: list[float] = []
+    try:
+        while True:  # measure the running service, not its start-up
+            try:
+                await bus.request(
+                    s.buffer_get, BufferGetRequest(step=0, count=batch, wait_s=0.0), BufferGetReply, timeout=2
+                )
+                break
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                await asyncio.sleep(0.1)
+        psub = await bus.pull(s.prompts_stream, s.prompts, durable="producers")
+
+        async def publish(m) -> None:
+            p = decode(m.data, PromptMsg)
+            rg = make_group(p, size)
+            sent[rg.group_id] = time.perf_counter()
+            await bus.js.publish(s.rollouts, encode(rg), headers={"Nats-Msg-Id": rg.group_id})
+            await m.ack()
+
+        async def produce():
+            """Like a producer fleet: many groups in flight, each published when it is done."""
+            t0, i = time.perf_counter(), 0
+            while i < count:
+                msgs = await fetch_some(psub, 64, 1.0)
+                if rate:
+                    for m in msgs:
+                        await publish(m)
+                        i += 1
+                        await asyncio.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
+                else:
+                    await asyncio.gather(*(publish(m) for m in msgs))
+                    i += len(msgs)
+
+        async def train():
+            """Like the trainer: one get per step, payloads inline or read by sequence; the
+            commit of a step goes out while the next step is requested."""
+            step, commits = 0, []
+            while len(lat) < count:
+                req = BufferGetRequest(step=step, count=batch, wait_s=5.0)
+                reply = await bus.request(s.buffer_get, req, BufferGetReply, timeout=15)
+                if not reply.complete:
+                    continue
+                datas = await asyncio.gather(*(_payload(bus, s.rollouts_stream, r) for r in reply.refs))
+                now = time.perf_counter()
+                for d in datas:
+                    lat.append(now - sent[decode(d, RolloutGroup).group_id])
+                commits.append(asyncio.ensure_future(
+                    bus.request(s.buffer_commit, BufferCommit(step=step), BufferCommitReply, timeout=15)
+                ))  # fmt: skip
+                step += 1
+            await asyncio.gather(*commits)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(produce(), train())
+        elapsed = time.perf_counter() - t0
+    finally:
+        procs.stop(proc)
+        await bus.close()
+    return {"groups_per_s": count / elapsed, "p50_ms": 1000 * pct(lat, 0.5), "p99_ms": 1000 * pct(lat, 0.99)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--groups", type=int, default=2000, help="groups per throughput measurement")
+    p.add_argument("--latency-groups", type=int, default=300)
+    p.add_argument("--rate", type=float, default=100.0, help="paced load for the latency measurement (groups/s)")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        data = tmp / "prompts.jsonl"
+        data.write_text("".join(json.dumps({"prompt": f"{i}=", "label": str(i)}) + "\n" for i in range(1000)))
+        with EmbeddedNats(tmp / "nats") as srv:
+            for size in (4 * 1024, 256 * 1024):
+                payload = encode(make_group(PromptMsg(group_index=0, prompt="0="), size))
+                count = a.groups if size <= 4096 else max(256, a.groups // 10)
+                count -= count % 64  # whole steps of 64 groups
+                label = f"{size // 1024} KB"
+                print(f"[{label}] latency at {a.rate:.0f} groups/s ...", flush=True)
+                raw_lat = asyncio.run(raw_path(srv.url, payload, a.latency_groups, a.rate))
+                buf_lat = asyncio.run(buffer_path(srv.url, data, tmp, size, a.latency_groups, 1, a.rate))
+                print(f"[{label}] throughput, {count} groups ...", flush=True)
+                raw_tp = asyncio.run(raw_path(srv.url, payload, count, None))
+                buf_tp = asyncio.run(buffer_path(srv.url, data, tmp, size, count, 64, None))
+                results[label] = {
+                    "payload_bytes": len(payload),
+                    "raw": {
+                        "p50_ms": raw_lat["p50_ms"],
+                        "p99_ms": raw_lat["p99_ms"],
+                        "groups_per_s": raw_tp["groups_per_s"],
+                    },
+                    "buffer": {
+                        "p50_ms": buf_lat["p50_ms"],
+                        "p99_ms": buf_lat["p99_ms"],
+                        "groups_per_s": buf_tp["groups_per_s"],
+                    },
+                    "p50_ratio": buf_lat["p50_ms"] / raw_lat["p50_ms"],
+                    "p99_ratio": buf_lat["p99_ms"] / raw_lat["p99_ms"],
+                    "throughput_ratio": buf_tp["groups_per_s"] / raw_tp["groups_per_s"],
+                }
+    print(f"\n{'':8}{'path':8}{'p50 ms':>9}{'p99 ms':>9}{'groups/s':>10}")
+    for label, r in results.items():
+        for path in ("raw", "buffer"):
+            x = r[path]
+            print(f"{label:8}{path:8}{x['p50_ms']:>9.2f}{x['p99_ms']:>9.2f}{x['groups_per_s']:>10.0f}")
+        print(f"{label:8}{'ratio':8}{r['p50_ratio']:>8.2f}x{r['p99_ratio']:>8.2f}x{r['throughput_ratio']:>9.2f}x")
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(
+        json.dumps(
+            {k: {kk: round(vv, 3) if isinstance(vv, float) else vv for kk, vv in v.items()} for k, v in results.items()}
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
