@@ -13,23 +13,41 @@ import json
 import sys
 from pathlib import Path
 
-from asyncrl_proto import LedgerEvent, PromptMsg, RolloutGroup, decode
+from asyncrl_proto import LedgerEvent, PromptMsg, RolloutGroupView, decode
 from services.buffer.state import audit, group_id
 
 
-async def _read_stream(bus, stream: str) -> list[bytes]:
+async def _read_stream(bus, stream: str, subject: str | None = None) -> list[bytes]:
+    """Every message still in a stream. A limits stream is read with an ephemeral consumer in
+    large batches; a work-queue stream (which admits one consumer per subject) message by message."""
     import nats.js.errors
+    from nats.js import api
 
     try:
         info = await bus.js.stream_info(stream)
     except nats.js.errors.NotFoundError:
         return []
-    out = []
+    total = info.state.messages
+    out: list[bytes] = []
+    if subject is not None and total:
+        cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL,
+                                 inactive_threshold=30.0)  # fmt: skip
+        sub = await bus.js.pull_subscribe(subject, stream=stream, config=cfg)
+        try:
+            while len(out) < total:
+                try:
+                    msgs = await sub.fetch(min(1000, total - len(out)), timeout=2.0)
+                except (TimeoutError, nats.errors.TimeoutError):
+                    break
+                out += [m.data for m in msgs if m.data]
+        finally:
+            await sub.unsubscribe()
+        return out
     for seq in range(info.state.first_seq, info.state.last_seq + 1):
         try:
             raw = await bus.js.get_msg(stream, seq=seq)
         except nats.js.errors.NotFoundError:
-            continue  # acknowledged (work queue) or deleted after training
+            continue  # acknowledged (work queue) or purged after training
         if raw.data:
             out.append(raw.data)
     return out
@@ -41,15 +59,15 @@ async def collect(nats_url: str, run_id: str, run_dir: Path) -> dict:
     bus = await Bus.connect(nats_url, run_id, "audit", connect_timeout_s=10)
     try:
         s = bus.subjects
-        events = [decode(d, LedgerEvent) for d in await _read_stream(bus, s.ledger_stream)]
+        events = [decode(d, LedgerEvent) for d in await _read_stream(bus, s.ledger_stream, s.ledger)]
         prompts = {
             group_id(p.group_index, p.attempt)
             for p in (decode(d, PromptMsg) for d in await _read_stream(bus, s.prompts_stream))
         }
         rollouts = set()
-        for d in await _read_stream(bus, s.rollouts_stream):
+        for d in await _read_stream(bus, s.rollouts_stream, s.rollouts):
             try:
-                rollouts.add(decode(d, RolloutGroup).group_id)
+                rollouts.add(decode(d, RolloutGroupView).group_id)
             except Exception:
                 continue  # a malformed message (it was dead-lettered)
     finally:
