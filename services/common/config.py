@@ -160,6 +160,12 @@ class RunConfig(BaseModel):
     )
     colocate: bool = Field(False, description="Training and rollout share devices (not with --fully-async).")
     partial_rollout: bool = Field(False, description="Resume aborted samples (not with --fully-async).")
+    rollout_health_check_interval: float = Field(
+        30.0, description="Producers poll every engine's /health_generate this often (0 = never)."
+    )
+    rollout_health_check_timeout: float = Field(
+        30.0, description="An engine whose /health_generate takes longer than this is unhealthy."
+    )
     prompt_ack_wait_s: float = Field(
         30.0,
         description="A producer that holds a prompt this long without a heartbeat loses it to another.",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from typing import Any
 
 import aiohttp
@@ -22,7 +23,15 @@ log = logging.getLogger(__name__)
 
 
 class EngineError(RuntimeError):
-    pass
+    def __init__(self, message: str, client_error: bool = False):
+        super().__init__(message)
+        self.client_error = client_error
+
+
+class _EngineDown(Exception):
+    def __init__(self, cause: Exception):
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 def normalize_url(addr: str) -> str:
@@ -31,6 +40,11 @@ def normalize_url(addr: str) -> str:
 
 
 class SGLangClient:
+    """Engines are picked by fewest outstanding requests among the healthy ones. An engine is
+    marked unhealthy when a call to it fails or when `monitor_health` sees /health_generate
+    fail; its unfinished requests are then cancelled there and retried on another engine. A
+    cancelled generate (e.g. a sibling trajectory failed) is aborted on its engine by rid."""
+
     def __init__(self, urls: list[str], max_retries: int = 3, retry_delay_s: float = 1.0):
         if not urls:
             raise ValueError("no engine URLs: start engines or pass --rollout-external-engine-addrs")
@@ -39,6 +53,9 @@ class SGLangClient:
         self.healthy = dict.fromkeys(self.urls, True)
         self.max_retries = max_retries
         self.retry_delay_s = retry_delay_s
+        self.num_retried = 0
+        self.num_aborted = 0
+        self._down: dict[str, asyncio.Event] = {}
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -60,32 +77,90 @@ class SGLangClient:
             candidates = [u for u in self.urls if u not in exclude] or self.urls
         return min(candidates, key=lambda u: self.outstanding[u])
 
+    def _down_event(self, url: str) -> asyncio.Event:
+        if url not in self._down or self._down[url].is_set() and self.healthy[url]:
+            self._down[url] = asyncio.Event()
+        return self._down[url]
+
+    def mark(self, url: str, healthy: bool) -> None:
+        if self.healthy[url] and not healthy:
+            log.warning("engine %s is unhealthy: no new requests; its unfinished ones go elsewhere", url)
+            self._down_event(url).set()
+        elif not self.healthy[url] and healthy:
+            log.info("engine %s is healthy again", url)
+        self.healthy[url] = healthy
+        if healthy:
+            self._down_event(url)
+
+    async def monitor_health(self, interval_s: float, timeout_s: float) -> None:
+        """Poll /health_generate on every engine, forever (a producer loop)."""
+        while True:
+            results = await asyncio.gather(*(self.health_generate(u, timeout_s) for u in self.urls))
+            for url, ok in zip(self.urls, results, strict=True):
+                self.mark(url, ok)
+            await asyncio.sleep(interval_s)
+
     async def generate(self, payload: dict[str, Any]) -> dict:
+        base_rid = payload.get("rid") or uuid.uuid4().hex
         tried: set[str] = set()
         last: Exception | None = None
         for attempt in range(self.max_retries + 1):
             url = self.pick(tried)
-            self.outstanding[url] += 1
+            body = {**payload, "rid": base_rid if attempt == 0 else f"{base_rid}-r{attempt}"}
             try:
-                async with self.http.post(f"{url}/generate", json=payload) as r:
-                    if r.status == 200:
-                        self.healthy[url] = True
-                        return await r.json()
-                    text = await r.text()
-                if 400 <= r.status < 500:
-                    raise EngineError(f"{url}/generate rejected the request ({r.status}): {text[:300]}")
-                last = EngineError(f"{url}/generate returned {r.status}: {text[:300]}")
-            except (TimeoutError, aiohttp.ClientConnectionError) as e:
+                return await self._generate_on(url, body)
+            except _EngineDown as e:
+                last = e.cause
+                self.mark(url, False)
+            except EngineError as e:
+                if e.client_error:
+                    raise
                 last = e
-                self.healthy[url] = False
-            finally:
-                self.outstanding[url] -= 1
             tried.add(url)
             if len(tried) >= len(self.urls):
                 tried = set()
+            self.num_retried += 1
             log.warning("generate failed on %s (attempt %d): %s", url, attempt + 1, last)
             await asyncio.sleep(self.retry_delay_s)
         raise EngineError(f"generate failed after {self.max_retries + 1} attempts: {last}")
+
+    async def _generate_on(self, url: str, body: dict) -> dict:
+        """One call, raced against the engine being declared down; cancelled -> aborted there."""
+        self.outstanding[url] += 1
+        call = asyncio.ensure_future(self._post_generate(url, body))
+        down = asyncio.ensure_future(self._down_event(url).wait())
+        try:
+            await asyncio.wait({call, down}, return_when=asyncio.FIRST_COMPLETED)
+            if call.done():
+                return call.result()
+            call.cancel()
+            raise _EngineDown(EngineError(f"{url} went down during the request"))
+        except asyncio.CancelledError:
+            call.cancel()
+            self.num_aborted += 1
+            asyncio.ensure_future(self._abort_quietly(url, body["rid"]))
+            raise
+        finally:
+            down.cancel()
+            self.outstanding[url] -= 1
+
+    async def _post_generate(self, url: str, body: dict) -> dict:
+        try:
+            async with self.http.post(f"{url}/generate", json=body) as r:
+                if r.status == 200:
+                    return await r.json()
+                text = await r.text()
+        except (TimeoutError, aiohttp.ClientConnectionError) as e:
+            raise _EngineDown(e) from e
+        if 400 <= r.status < 500:
+            raise EngineError(f"{url}/generate rejected the request ({r.status}): {text[:300]}", client_error=True)
+        raise EngineError(f"{url}/generate returned {r.status}: {text[:300]}")
+
+    async def _abort_quietly(self, url: str, rid: str) -> None:
+        try:
+            await self._call("POST", url, "/abort_request", {"rid": rid}, timeout=5.0)
+        except EngineError:
+            pass  # the engine is gone or the request already finished
 
     # ---- control plane (one engine) ------------------------------------------------------------
     async def _call(self, method: str, url: str, path: str, body: dict | None = None, timeout: float = 600.0) -> Any:

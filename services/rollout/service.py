@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 from fastapi import FastAPI
 
@@ -55,7 +56,7 @@ class EngineHandle:
 async def default_generate(config, sample: Sample, engine: EngineHandle, sampling_params: dict) -> Sample:
     """One /generate call for one trajectory (the built-in generate function)."""
     input_ids = sample.metadata.pop("_input_ids")
-    resp = await engine.generate(input_ids, sampling_params)
+    resp = await engine.generate(input_ids, sampling_params, rid=f"s{sample.index}-{uuid.uuid4().hex[:8]}")
     apply_response(sample, input_ids, resp)
     return sample
 
@@ -125,7 +126,14 @@ class RolloutService(Service):
         await self.client.close()
 
     def loops(self):
-        return {"submit": self._submit_loop, "keep_prompts": self._keep_prompts_alive}
+        loops = {"submit": self._submit_loop, "keep_prompts": self._keep_prompts_alive}
+        if self.config.rollout_health_check_interval > 0:
+            loops["engine_health"] = self._engine_health
+        return loops
+
+    async def _engine_health(self) -> None:
+        c = self.config
+        await self.client.monitor_health(c.rollout_health_check_interval, c.rollout_health_check_timeout)
 
     # ---- submission --------------------------------------------------------------------------
     async def _submit_loop(self) -> None:
@@ -272,6 +280,8 @@ class RolloutService(Service):
                 u: {"outstanding": self.client.outstanding[u], "healthy": self.client.healthy[u]}
                 for u in self.client.urls
             },
+            "generate_retries": self.client.num_retried,
+            "generate_aborted": self.client.num_aborted,
             **self.counters,
         }
 

@@ -151,3 +151,16 @@ def test_ctrl_c_stops_every_process(tmp_path):
     assert proc.returncode == 130, out
     assert "every process of the run was stopped" in out
     assert_nothing_left(run_dir)
+
+
+def test_multiturn_example_trains_end_to_end(tmp_path):
+    run_dir = tmp_path / "run"
+    r = asyncrl("train-async", "--fully-async", *SMALL, "--num-rollout", "3", "--run-dir", str(run_dir),
+                "--custom-generate-function-path", "services.tasks.multiturn.generate",
+                "--custom-rm-path", "services.tasks.multiturn.reward", "--skip-eval-before-train", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    recs = records(run_dir)
+    assert [x["step"] for x in recs] == [0, 1, 2]
+    # two model turns and a masked tool token per sample: more response than loss tokens
+    assert all(x["train/num_loss_tokens"] < x["rollout/response_length/mean"] * x["rollout/num_samples"] for x in recs)
+    assert_nothing_left(run_dir)
