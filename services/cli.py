@@ -35,9 +35,13 @@ def _train_parser(prog: str, sync: bool) -> argparse.ArgumentParser:
 
 def _resolve(prog: str, argv: list[str], sync: bool):
     """Parse and validate a training command line; returns a RunConfig or exits with 2."""
-    from services.common.config import ConfigError, resolve_config
+    from services.common.config import ConfigError, resolve_config, split_passthrough
 
+    argv, passthrough = split_passthrough(argv)
     args = vars(_train_parser(prog, sync).parse_args(argv))
+    for field, extra in passthrough.items():
+        if extra:
+            args[field] = list(args.get(field, [])) + extra
     config_file = args.pop("config_file")
     args["driver"] = "sync" if sync else "async"
     try:

@@ -108,6 +108,21 @@ def init_run(config: RunConfig, log=print) -> RunConfig:
     return config
 
 
+def sglang_engine_commands(c: RunConfig, ports: list[int]) -> list[tuple[list[str], dict]]:
+    """One `sglang.launch_server` command per engine: the checkpoint, a port, version 0,
+    metrics on, its own slice of GPUs, then every --sglang-<flag> of the run."""
+    out, g = [], c.rollout_num_gpus_per_engine
+    extra = list(c.sglang_server_args)
+    for i, port in enumerate(ports):
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", c.hf_checkpoint, "--host", "127.0.0.1",
+               "--port", str(port), "--weight-version", "0", "--enable-metrics", "--skip-server-warmup",
+               "--random-seed", str(c.seed + i)]  # fmt: skip
+        if not {"--tp-size", "--tp"} & {a.split("=")[0] for a in extra}:
+            cmd += ["--tp-size", str(g)]
+        out.append((cmd + extra, {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in range(i * g, (i + 1) * g))}))
+    return out
+
+
 class Child:
     def __init__(self, name: str, cmd: list[str], proc: subprocess.Popen):
         self.name, self.cmd, self.proc = name, cmd, proc
@@ -121,6 +136,7 @@ class Launcher:
         self.run_dir = Path(config.run_dir)
         self.children: list[Child] = []
         self.nats_restarts = 0
+        self.router_url: str | None = None
         self.services: dict[str, str] = {}
         self.nats: EmbeddedNats | None = None
         self.nats_url = config.nats_url
@@ -135,8 +151,10 @@ class Launcher:
         env.setdefault("OMP_NUM_THREADS", str(self.config.torch_num_threads))
         return env
 
-    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
-        proc = procs.spawn(cmd, log_path=self.run_dir / "logs" / f"{name}.log", env=self._env())
+    def _spawn(self, name: str, cmd: list[str], extra_env: dict | None = None) -> subprocess.Popen:
+        proc = procs.spawn(
+            cmd, log_path=self.run_dir / "logs" / f"{name}.log", env={**self._env(), **(extra_env or {})}
+        )
         self.children.append(Child(name, cmd, proc))
         self._write_pids()
         return proc
@@ -159,13 +177,15 @@ class Launcher:
         self._write_pids()
 
     def start_engines(self) -> list[str]:
+        """The engines' URLs: attached (--rollout-external-engine-addrs), or launched here -
+        built-in engines, or SGLang servers with every --sglang-<flag> passed through."""
         c = self.config
         if c.rollout_external_engine_addrs:
             from services.common.sglang_client import normalize_url
 
             return [normalize_url(a) for a in c.rollout_external_engine_addrs]
-        if c.engine != "builtin":
-            raise LaunchError("--engine sglang needs --rollout-external-engine-addrs on this launcher version")
+        if c.engine == "sglang":
+            return self._start_sglang()
         urls = []
         for i in range(c.rollout_num_engines):
             port = procs.free_port()
@@ -175,8 +195,33 @@ class Launcher:
                 "--torch-num-threads", str(c.torch_num_threads), "--random-seed", str(c.seed + i),
             ])  # fmt: skip
             urls.append(f"http://127.0.0.1:{port}")
-        for i, url in enumerate(urls):
-            self.services[f"engine-{i}"] = url
+            self.services[f"engine-{i}"] = urls[-1]
+        return urls
+
+    def _start_sglang(self) -> list[str]:
+        import importlib.util
+
+        c = self.config
+        if importlib.util.find_spec("sglang") is None:
+            raise LaunchError(
+                "--engine sglang needs SGLang installed (pip install 'sglang[all]') on a machine with GPUs; "
+                "or attach to running servers with --rollout-external-engine-addrs HOST:PORT ..."
+            )
+        urls = []
+        for i, (cmd, env) in enumerate(
+            sglang_engine_commands(c, [procs.free_port() for _ in range(c.rollout_num_engines)])
+        ):
+            self._spawn(f"engine-{i}", cmd, extra_env=env)
+            urls.append(f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}")
+            self.services[f"engine-{i}"] = urls[-1]
+        if c.use_sglang_router:
+            if importlib.util.find_spec("sglang_router") is None:
+                raise LaunchError("--use-sglang-router needs the sglang-router package (pip install sglang-router)")
+            port = procs.free_port()
+            self._spawn("router", [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                                   "--port", str(port), "--worker-urls", *urls, *c.sglang_router_args])  # fmt: skip
+            self.router_url = f"http://127.0.0.1:{port}"
+            self.services["router"] = self.router_url
         return urls
 
     def start_service(self, name: str, instance: str | None = None) -> None:
@@ -188,14 +233,16 @@ class Launcher:
         ])  # fmt: skip
         self.services[label] = f"http://127.0.0.1:{port}"
 
-    def wait_ready(self, timeout_s: float = 180.0) -> None:
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        if timeout_s is None:  # an SGLang server loads and captures CUDA graphs: minutes, not seconds
+            timeout_s = 900.0 if self.config.engine == "sglang" else 180.0
         deadline = time.monotonic() + timeout_s
         pending = dict(self.services)
         with httpx.Client(timeout=2.0) as http:
             while pending:
                 self.check_children()
                 for label, url in list(pending.items()):
-                    path = "/health_generate" if label.startswith("engine") else "/readyz"
+                    path = {"engine": "/health_generate", "router": "/health"}.get(label.split("-")[0], "/readyz")
                     with contextlib.suppress(httpx.HTTPError):
                         if http.get(url + path).status_code == 200:
                             del pending[label]
@@ -237,7 +284,9 @@ class Launcher:
         c = self.config
         self.start_nats()
         urls = self.start_engines()
-        self.config = c = c.model_copy(update={"rollout_engine_urls": urls, "nats_url": self.nats_url})
+        self.config = c = c.model_copy(
+            update={"rollout_engine_urls": urls, "nats_url": self.nats_url, "rollout_router_url": self.router_url}
+        )
         (self.run_dir / "config.json").write_text(json.dumps(c.model_dump(mode="json"), indent=2))
         from services.common.bus import Bus
 

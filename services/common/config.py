@@ -61,6 +61,25 @@ class RunConfig(BaseModel):
         description="Resolved engine URLs (set by the launcher from the engines it started or "
         "from --rollout-external-engine-addrs); producers and weight-sync use these.",
     )
+    rollout_num_gpus_per_engine: int = Field(
+        1,
+        description="SGLang engines: GPUs per engine (its tensor-parallel size unless --sglang-tp-size says otherwise).",
+    )
+    use_sglang_router: bool = Field(
+        False, description="SGLang engines: launch the SGLang router in front of them; producers generate through it."
+    )
+    sglang_server_args: list[str] = Field(
+        default_factory=list,
+        description="Extra `sglang.launch_server` arguments, collected from every --sglang-<flag> on the "
+        "command line (e.g. --sglang-mem-fraction-static 0.5 -> --mem-fraction-static 0.5).",
+    )
+    sglang_router_args: list[str] = Field(
+        default_factory=list,
+        description="Extra router arguments, collected from every --router-<flag> (e.g. --router-policy cache_aware).",
+    )
+    rollout_router_url: str | None = Field(
+        None, description="Resolved router URL (set by the launcher); producers send /generate there when set."
+    )
     rollout_num_producers: int = Field(
         1, description="Rollout producer processes the launcher starts (more can join at any time)."
     )
@@ -365,6 +384,33 @@ def _parse_scalar(kind: str, text: str):
             return False
         raise ValueError(f"not a boolean: {text!r}")
     return text
+
+
+PASSTHROUGH = {"--sglang-": "sglang_server_args", "--router-": "sglang_router_args"}
+
+
+def split_passthrough(argv: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """Take every --sglang-<flag> / --router-<flag> (and its value, if any) that is not one of
+    our own flags out of argv, renamed to the flag the SGLang server / router knows."""
+    own = {flag_name(f) for f in RunConfig.model_fields}
+    rest: list[str] = []
+    found: dict[str, list[str]] = {field: [] for field in PASSTHROUGH.values()}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        flag = arg.split("=", 1)[0]
+        prefix = next((p for p in PASSTHROUGH if flag.startswith(p)), None)
+        if prefix is None or flag in own or flag.replace("--no-", "--") in own:
+            rest.append(arg)
+            i += 1
+            continue
+        target = found[PASSTHROUGH[prefix]]
+        target.append("--" + arg[len(prefix) :])
+        if "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            target.append(argv[i + 1])
+            i += 1
+        i += 1
+    return rest, found
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:

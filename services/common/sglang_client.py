@@ -193,6 +193,13 @@ class SGLangClient:
         }
         return await self._call("POST", url, "/update_weights_from_disk", body)
 
+    async def flush_cache(self, url: str) -> bool:
+        try:
+            await self._call("POST", url, "/flush_cache", timeout=60.0)
+        except EngineError:
+            return False
+        return True
+
     async def model_info(self, url: str) -> dict:
         return await self._call("GET", url, "/model_info", timeout=30.0)
 

@@ -43,7 +43,9 @@ class EvalService(Service):
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
-        self.client = SGLangClient(config.rollout_engine_urls)
+        self.client = SGLangClient(
+            [config.rollout_router_url] if config.rollout_router_url else config.rollout_engine_urls
+        )
         self.tokenizer = Tokenizer(config.hf_checkpoint)
         self.reward_fn = resolve_reward(config)
         self.datasets = {

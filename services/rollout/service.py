@@ -75,7 +75,9 @@ class RolloutService(Service):
             if config.custom_generate_function_path
             else default_generate
         )
-        self.client = SGLangClient(config.rollout_engine_urls)
+        self.client = SGLangClient(
+            [config.rollout_router_url] if config.rollout_router_url else config.rollout_engine_urls
+        )
         self.engine = EngineHandle(self.client, self.tokenizer)
         self.submission_open = asyncio.Event()
         self.submission_open.set()

@@ -118,9 +118,14 @@ class WeightSyncService(Service):
         log.info("engines now at weight version %d (%.3fs, %s)", pub.version, self.last_update_s, mode)
 
     async def _update_engine(self, url: str, pub: WeightsPublished, mode: str, msg) -> None:
+        """Miles's disk sequence: pause; flush the prefix cache unless requests stay resident
+        (in_place), so no new request reuses KV computed with the old weights; load with
+        flush_cache false (SGLang asserts a flush that finds resident requests); continue."""
         await self.client.pause(url, mode)
         try:
-            await self.client.update_weights_from_disk(url, pub.uri, str(pub.version), flush_cache=mode != "in_place")
+            if mode != "in_place" and not await self.client.flush_cache(url):
+                log.warning("%s refused to flush its cache while paused (SGLang < 0.5.23 with retracted requests)", url)
+            await self.client.update_weights_from_disk(url, pub.uri, str(pub.version), flush_cache=False)
         finally:
             await self.client.continue_generation(url)
         got = (await self.client.model_info(url)).get("weight_version")
