@@ -93,10 +93,13 @@ def _cmd_build_model(argv: list[str]) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--warmup-sft-steps", type=int, default=20)
+    p.add_argument("--max-position-embeddings", type=int, default=64, help="context length of the model")
     a = p.parse_args(argv)
     from services.tasks.reverse_digits import build_model
 
-    build_model(a.out, seed=a.seed, warmup_sft_steps=a.warmup_sft_steps)
+    build_model(
+        a.out, seed=a.seed, warmup_sft_steps=a.warmup_sft_steps, max_position_embeddings=a.max_position_embeddings
+    )
     return 0
 
 

@@ -187,13 +187,14 @@ class Launcher:
         if c.engine == "sglang":
             return self._start_sglang()
         urls = []
+        pins = procs.split_cpus(c.rollout_num_engines) if c.pin_cpus else None
         for i in range(c.rollout_num_engines):
             port = procs.free_port()
             self._spawn(f"engine-{i}", [
                 sys.executable, "-m", "services.engine", "--model-path", c.hf_checkpoint, "--port", str(port),
                 "--weight-version", "0", "--max-running-requests", str(c.engine_max_running_requests),
                 "--torch-num-threads", str(c.torch_num_threads), "--random-seed", str(c.seed + i),
-            ])  # fmt: skip
+            ], extra_env={procs.CPU_ENV: pins[0][i]} if pins else None)  # fmt: skip
             urls.append(f"http://127.0.0.1:{port}")
             self.services[f"engine-{i}"] = urls[-1]
         return urls
@@ -227,10 +228,11 @@ class Launcher:
     def start_service(self, name: str, instance: str | None = None) -> None:
         port = procs.free_port()
         label = instance or name
+        pins = procs.split_cpus(self.config.rollout_num_engines) if self.config.pin_cpus and name == "trainer" else None
         self._spawn(label, [
             sys.executable, "-m", SERVICE_MODULES[name], "--nats-url", self.nats_url, "--run-id",
             self.config.run_id, "--http-port", str(port), "--instance-id", label,
-        ])  # fmt: skip
+        ], extra_env={procs.CPU_ENV: pins[1]} if pins else None)  # fmt: skip
         self.services[label] = f"http://127.0.0.1:{port}"
 
     def wait_ready(self, timeout_s: float | None = None) -> None:

@@ -89,6 +89,11 @@ class RunConfig(BaseModel):
     service_restarts: int = Field(
         3, description="The launcher restarts a crashed service (or its nats-server) up to this many times."
     )
+    pin_cpus: bool = Field(
+        False,
+        description="Pin the built-in engines to the lower half of the CPUs and the trainer to the upper half, "
+        "so that generation and training do not take cores from each other (as on separate GPUs).",
+    )
     torch_num_threads: int = Field(1, description="torch intra-op threads per torch process (engine, trainer).")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
 
@@ -213,6 +218,12 @@ class RunConfig(BaseModel):
     eps_clip: float = Field(0.2, description="PPO clip range (lower, and upper unless --eps-clip-high).")
     eps_clip_high: float | None = Field(None, description="Upper PPO clip range.")
     use_rollout_logprobs: bool = Field(True, description="Importance ratios against the engine's behaviour log-probs.")
+    use_dynamic_batch_size: bool = Field(
+        True,
+        description="Split each step into micro-batches of similar lengths, at most --max-tokens-per-gpu padded "
+        "tokens each (same gradient, far less padding with long-tail lengths).",
+    )
+    max_tokens_per_gpu: int = Field(8192, description="Padded tokens per micro-batch with --use-dynamic-batch-size.")
     entropy_coef: float = Field(0.0, description="Entropy bonus coefficient.")
     save: str | None = Field(None, description="Directory for training checkpoints.")
     save_interval: int | None = Field(None, description="Save every this many steps (needs --save).")

@@ -84,6 +84,9 @@ def service_main(name: str, argv: list[str] | None = None) -> None:
     if name not in SERVICES:
         raise SystemExit(f"unknown service {name!r}: choose one of {', '.join(SERVICES)}")
     args = service_parser(name).parse_args(argv)
+    from services.common.procs import apply_cpu_affinity_from_env
+
+    apply_cpu_affinity_from_env()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [{name}] %(message)s")
     from asyncrl_proto.subjects import check_run_id
 

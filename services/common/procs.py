@@ -91,3 +91,26 @@ def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen
         except OSError:
             time.sleep(0.05)
     raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:.0f}s")
+
+
+CPU_ENV = "ASYNCRL_CPUS"
+
+
+def apply_cpu_affinity_from_env() -> None:
+    """Pin this process to the CPUs listed in ASYNCRL_CPUS (e.g. "0" or "2,3"), if set: the
+    launcher's --pin-cpus gives engines and the trainer separate cores, as GPUs would be."""
+    cpus = os.environ.get(CPU_ENV)
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",") if c.strip()})
+
+
+def split_cpus(num_engines: int) -> tuple[list[str], str] | None:
+    """CPU lists for each engine and for the trainer: the trainer gets the upper half of the
+    machine's CPUs, the engines share the lower half. None when there is only one CPU."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) < 2:
+        return None
+    half = len(cpus) // 2
+    engine_cpus, trainer_cpus = cpus[:half], cpus[half:]
+    per = [engine_cpus[i % len(engine_cpus)] for i in range(num_engines)]
+    return [str(c) for c in per], ",".join(str(c) for c in trainer_cpus)

@@ -27,6 +27,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    from services.common.procs import apply_cpu_affinity_from_env
+
+    apply_cpu_affinity_from_env()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s [engine] %(message)s")
     import torch
     import uvicorn

@@ -101,7 +101,9 @@ async def reward(config, sample) -> float:
 # ---- the tiny model ------------------------------------------------------------------------
 
 
-def build_model(out_dir: str | Path, seed: int = 1234, warmup_sft_steps: int = 20, log=print) -> dict:
+def build_model(
+    out_dir: str | Path, seed: int = 1234, warmup_sft_steps: int = 20, log=print, max_position_embeddings: int = 64
+) -> dict:
     """Build the 0.5M-parameter Llama, warm-start it with a few supervised steps on correct
     answers, and save it as an HF checkpoint. Returns a summary dict."""
     import time
@@ -119,7 +121,7 @@ def build_model(out_dir: str | Path, seed: int = 1234, warmup_sft_steps: int = 2
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=64,
+        max_position_embeddings=max_position_embeddings,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,

@@ -78,22 +78,28 @@ class TrainBatch:
     num_tokens: int
 
 
-def build_train_batch(groups: list[list], std_normalization: bool, reward_key: str | None, pad_id: int) -> TrainBatch:
-    """Flatten groups into padded tensors. Advantages are computed per group over every sample,
-    removed ones included; removed samples then get a zero mask (no loss)."""
-    samples: list[Sample] = []
-    advantages: list[float] = []
+def samples_with_advantages(
+    groups: list[list], std_normalization: bool, reward_key: str | None
+) -> list[tuple[Sample, float]]:
+    """Advantages are computed per group over every sample, removed ones included; removed
+    samples then get a zero loss mask."""
+    out: list[tuple[Sample, float]] = []
     for g in groups:
         flat = flatten_group(g)
-        advantages += group_advantages([scalar_reward(s, reward_key) for s in flat], std_normalization)
-        samples += flat
-    width = max(len(s.tokens) for s in samples)
-    b = len(samples)
+        advs = group_advantages([scalar_reward(s, reward_key) for s in flat], std_normalization)
+        out += list(zip(flat, advs, strict=True))
+    return out
+
+
+def make_batch(items: list[tuple[Sample, float]], pad_id: int) -> TrainBatch:
+    """Right-padded tensors for (sample, advantage) pairs."""
+    width = max(len(s.tokens) for s, _ in items)
+    b = len(items)
     ids = torch.full((b, width), pad_id, dtype=torch.long)
     attn = torch.zeros((b, width), dtype=torch.long)
     resp_mask = torch.zeros((b, width - 1))
     old_lp = torch.zeros((b, width - 1))
-    for i, s in enumerate(samples):
+    for i, (s, _) in enumerate(items):
         length = len(s.tokens)
         ids[i, :length] = torch.tensor(s.tokens)
         attn[i, :length] = 1
@@ -109,10 +115,34 @@ def build_train_batch(groups: list[list], std_normalization: bool, reward_key: s
         attention_mask_bt=attn,
         response_mask_bt=resp_mask,
         rollout_logprobs_bt=old_lp,
-        advantages_b=torch.tensor(advantages, dtype=torch.float32),
+        advantages_b=torch.tensor([a for _, a in items], dtype=torch.float32),
         num_samples=b,
         num_tokens=int(resp_mask.sum().item()),
     )
+
+
+def build_train_batch(groups: list[list], std_normalization: bool, reward_key: str | None, pad_id: int) -> TrainBatch:
+    """The whole step as one padded batch."""
+    return make_batch(samples_with_advantages(groups, std_normalization, reward_key), pad_id)
+
+
+def build_micro_batches(
+    groups: list[list], std_normalization: bool, reward_key: str | None, pad_id: int, max_tokens: int | None
+) -> list[TrainBatch]:
+    """The step split into micro-batches of similar lengths, each at most `max_tokens` padded
+    tokens (one sample at least): with a long tail of lengths, padding every sample to the
+    longest one would multiply the work. Same loss and gradient as one batch (see train_step)."""
+    items = samples_with_advantages(groups, std_normalization, reward_key)
+    if not max_tokens:
+        return [make_batch(items, pad_id)]
+    items.sort(key=lambda it: len(it[0].tokens))
+    chunks: list[list[tuple[Sample, float]]] = [[]]
+    for it in items:
+        width = len(it[0].tokens)  # sorted: the newcomer is the longest in its chunk
+        if chunks[-1] and (len(chunks[-1]) + 1) * width > max_tokens:
+            chunks.append([])
+        chunks[-1].append(it)
+    return [make_batch(c, pad_id) for c in chunks]
 
 
 @dataclass
@@ -124,13 +154,17 @@ class LossConfig:
     temperature: float = 1.0
 
 
-def policy_loss(model: CausalLM, batch: TrainBatch, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO-clip on token log-probs, token-level mean over the batch's loss tokens."""
+def policy_loss(
+    model: CausalLM, batch: TrainBatch, cfg: LossConfig, denom: float | None = None
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-clip on token log-probs: the sum over the batch's loss tokens divided by `denom`
+    (default: their count, i.e. a token-level mean; a micro-batch passes the step's count)."""
     logits_btv = model(batch.input_ids_bt, batch.attention_mask_bt)[:, :-1]
     targets_bt = batch.input_ids_bt[:, 1:]
     logp_bt = token_logprobs(logits_btv, targets_bt, cfg.temperature)
     mask = batch.response_mask_bt
-    denom = mask.sum().clamp(min=1.0)
+    own = mask.sum().clamp(min=1.0)
+    denom = own if denom is None else torch.tensor(float(max(denom, 1)))
     old_bt = batch.rollout_logprobs_bt if cfg.use_rollout_logprobs else logp_bt.detach()
     log_ratio = (logp_bt - old_bt) * mask
     ratio = torch.exp(log_ratio)
@@ -142,13 +176,13 @@ def policy_loss(model: CausalLM, batch: TrainBatch, cfg: LossConfig) -> tuple[to
     loss = (pg_bt * mask).sum() / denom
     stats = {}
     with torch.no_grad():
-        clipped = ((pg2 > pg1).float() * mask).sum() / denom
-        diff = ((logp_bt - batch.rollout_logprobs_bt).abs() * mask).sum() / denom
+        clipped = ((pg2 > pg1).float() * mask).sum() / own
+        diff = ((logp_bt - batch.rollout_logprobs_bt).abs() * mask).sum() / own
         ratios = ratio[mask > 0]
         stats = {
             "train/pg_loss": loss.item(),
             "train/pg_clipfrac": clipped.item(),
-            "train/ppo_kl": ((-log_ratio) * mask).sum().item() / denom.item(),
+            "train/ppo_kl": ((-log_ratio) * mask).sum().item() / own.item(),
             "train/train_rollout_logprob_abs_diff": diff.item(),
             "train/importance_ratio_mean": ratios.mean().item() if ratios.numel() else 1.0,
             "train/importance_ratio_max": ratios.max().item() if ratios.numel() else 1.0,
@@ -159,7 +193,7 @@ def policy_loss(model: CausalLM, batch: TrainBatch, cfg: LossConfig) -> tuple[to
         entropy_bt = -(logp_all.exp() * logp_all).sum(-1)
         entropy = (entropy_bt * mask).sum() / denom
         loss = loss - cfg.entropy_coef * entropy
-        stats["train/entropy"] = entropy.item()
+        stats["train/entropy"] = ((entropy_bt * mask).sum() / own).item()
     stats["train/loss"] = loss.item()
     return loss, stats
 
@@ -167,18 +201,35 @@ def policy_loss(model: CausalLM, batch: TrainBatch, cfg: LossConfig) -> tuple[to
 def train_step(
     model: CausalLM,
     optimizer: torch.optim.Optimizer,
-    batch: TrainBatch,
+    batches: TrainBatch | list[TrainBatch],
     cfg: LossConfig,
     clip_grad: float,
 ) -> dict[str, float]:
+    """One optimizer step over the micro-batches of a training step, the loss normalised by
+    the step's total loss tokens so that the gradient equals that of one big batch."""
+    batches = batches if isinstance(batches, list) else [batches]
+    total = sum(b.num_tokens for b in batches)
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    loss, stats = policy_loss(model, batch, cfg)
-    loss.backward()
+    stats: dict[str, float] = {}
+    for b in batches:
+        loss, s = policy_loss(model, b, cfg, denom=total)
+        loss.backward()
+        w = b.num_tokens / max(total, 1)
+        for k, v in s.items():
+            if k in ("train/loss", "train/pg_loss"):
+                stats[k] = stats.get(k, 0.0) + v  # already divided by the step's tokens
+            elif k.endswith("_max"):
+                stats[k] = max(stats.get(k, v), v)
+            elif k.endswith("_min"):
+                stats[k] = min(stats.get(k, v), v)
+            else:
+                stats[k] = stats.get(k, 0.0) + w * v
     if clip_grad > 0:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
     else:
         grad_norm = torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in model.parameters() if p.grad is not None))
     optimizer.step()
     stats["train/grad_norm"] = float(grad_norm)
+    stats["train/num_micro_batches"] = len(batches)
     return stats

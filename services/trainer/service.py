@@ -53,7 +53,7 @@ from services.trainer.core import (
     LossConfig,
     apply_sample_filter,
     assemble_batch,
-    build_train_batch,
+    build_micro_batches,
     scalar_reward,
     train_step,
 )
@@ -200,11 +200,16 @@ class TrainerService(Service):
 
     async def _train_on(self, groups: list[list]) -> tuple[dict, float]:
         t0 = time.perf_counter()
-        batch = build_train_batch(groups, self._std_norm(), self.config.reward_key, self.pad_id)
-        stats = await asyncio.to_thread(
-            train_step, self.model, self.optimizer, batch, self.loss_cfg, self.config.clip_grad
+        c = self.config
+        batches = build_micro_batches(
+            groups,
+            self._std_norm(),
+            c.reward_key,
+            self.pad_id,
+            c.max_tokens_per_gpu if c.use_dynamic_batch_size else None,
         )
-        stats["train/num_loss_tokens"] = batch.num_tokens
+        stats = await asyncio.to_thread(train_step, self.model, self.optimizer, batches, self.loss_cfg, c.clip_grad)
+        stats["train/num_loss_tokens"] = sum(b.num_tokens for b in batches)
         return stats, time.perf_counter() - t0
 
     def _std_norm(self) -> bool:

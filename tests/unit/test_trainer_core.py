@@ -147,3 +147,29 @@ def test_rollout_sample_filter_may_only_mark_remove_sample():
 
     with pytest.raises(ValueError, match="m.boom raised KeyError"):
         apply_sample_filter(boom, None, batch, "m.boom")
+
+
+def test_micro_batches_give_the_same_gradient_as_one_batch():
+    from services.trainer.core import build_micro_batches, train_step
+
+    torch.manual_seed(0)
+    groups = []
+    for g in range(3):
+        grp = []
+        for i in range(4):
+            plen, rlen = 2 + (i % 2), 1 + (g * 4 + i) % 5
+            toks = torch.randint(1, 7, (plen + rlen,)).tolist()
+            grp.append(Sample(index=g * 4 + i, tokens=toks, response_length=rlen, reward=float((g + i) % 3),
+                              rollout_log_probs=[-1.0] * rlen))  # fmt: skip
+        groups.append(grp)
+    grads, stats = [], []
+    for max_tokens in (None, 12):
+        model = tiny_model(3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        batches = build_micro_batches(groups, True, None, 0, max_tokens)
+        stats.append(train_step(model, opt, batches, LossConfig(entropy_coef=0.01), clip_grad=0.0))
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert stats[0]["train/num_micro_batches"] == 1 and stats[1]["train/num_micro_batches"] > 1
+    assert (grads[0] - grads[1]).abs().max().item() < 1e-6
+    for k in ("train/loss", "train/pg_clipfrac", "train/entropy", "train/importance_ratio_max"):
+        assert stats[0][k] == pytest.approx(stats[1][k], abs=1e-6), k
