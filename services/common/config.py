@@ -218,6 +218,16 @@ class RunConfig(BaseModel):
     eps_clip: float = Field(0.2, description="PPO clip range (lower, and upper unless --eps-clip-high).")
     eps_clip_high: float | None = Field(None, description="Upper PPO clip range.")
     use_rollout_logprobs: bool = Field(True, description="Importance ratios against the engine's behaviour log-probs.")
+    use_tis: bool = Field(
+        False, description="Truncated importance sampling: weight the loss by exp(logp_trainer - logp_engine), clipped."
+    )
+    tis_clip: float = Field(2.0, description="Upper clip of the TIS weight.")
+    tis_clip_low: float = Field(0.0, description="Lower clip of the TIS weight.")
+    kl_coef: float = Field(0.0, description="Weight of the KL penalty to the frozen initial policy (0 = off).")
+    kl_loss_type: Literal["k1", "k2", "low_var_kl"] = Field("low_var_kl", description="KL estimator.")
+    loss_aggregation: Literal["token", "sequence"] = Field(
+        "token", description="token: mean over every loss token of the step; sequence: mean of per-sequence means."
+    )
     use_dynamic_batch_size: bool = Field(
         True,
         description="Split each step into micro-batches of similar lengths, at most --max-tokens-per-gpu padded "

@@ -151,20 +151,61 @@ class LossConfig:
     eps_clip_high: float | None = None
     entropy_coef: float = 0.0
     use_rollout_logprobs: bool = True
+    use_tis: bool = False
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+    kl_coef: float = 0.0
+    kl_loss_type: str = "low_var_kl"
+    aggregation: str = "token"
     temperature: float = 1.0
 
 
+def kl_per_token(logp_bt: torch.Tensor, ref_logp_bt: torch.Tensor, kind: str) -> torch.Tensor:
+    """KL(policy || reference) estimators on sampled tokens: k1 = log r, k2 = (log r)^2 / 2,
+    low_var_kl (k3) = exp(-log r) + log r - 1, with log r = logp - ref_logp."""
+    log_r = logp_bt - ref_logp_bt
+    if kind == "k1":
+        return log_r
+    if kind == "k2":
+        return 0.5 * log_r**2
+    if kind == "low_var_kl":
+        return torch.exp(-log_r) + log_r - 1.0
+    raise ValueError(f"--kl-loss-type {kind!r}: use k1, k2 or low_var_kl")
+
+
+def _aggregate(per_token_bt: torch.Tensor, mask: torch.Tensor, how: str, denom: float) -> torch.Tensor:
+    """token: sum over loss tokens / denom (tokens of the step); sequence: sum over sequences of
+    each one's token mean / denom (sequences of the step)."""
+    if how == "token":
+        return (per_token_bt * mask).sum() / denom
+    seq_tokens = mask.sum(1)
+    per_seq = (per_token_bt * mask).sum(1) / seq_tokens.clamp(min=1.0)
+    return per_seq[seq_tokens > 0].sum() / denom
+
+
 def policy_loss(
-    model: CausalLM, batch: TrainBatch, cfg: LossConfig, denom: float | None = None
+    model: CausalLM,
+    batch: TrainBatch,
+    cfg: LossConfig,
+    denom: float | None = None,
+    ref_logp_bt: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO-clip on token log-probs: the sum over the batch's loss tokens divided by `denom`
-    (default: their count, i.e. a token-level mean; a micro-batch passes the step's count)."""
+    """GRPO / PPO-clip on token log-probs.
+
+    ratio = exp(logp - old), old = the engine's behaviour log-probs (--use-rollout-logprobs) or
+    the trainer's own (then the ratio is 1 and --use-tis corrects the engine/trainer mismatch
+    with exp(logp_trainer - logp_engine) clipped to [tis_clip_low, tis_clip]);
+    per token: max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps_high)) [* tis]
+               + kl_coef * KL(policy || reference) - entropy_coef * entropy;
+    aggregated per token or per sequence over `denom` (default: this batch's tokens or sequences).
+    """
     logits_btv = model(batch.input_ids_bt, batch.attention_mask_bt)[:, :-1]
     targets_bt = batch.input_ids_bt[:, 1:]
     logp_bt = token_logprobs(logits_btv, targets_bt, cfg.temperature)
     mask = batch.response_mask_bt
     own = mask.sum().clamp(min=1.0)
-    denom = own if denom is None else torch.tensor(float(max(denom, 1)))
+    if denom is None:
+        denom = own.item() if cfg.aggregation == "token" else float((mask.sum(1) > 0).sum().clamp(min=1).item())
     old_bt = batch.rollout_logprobs_bt if cfg.use_rollout_logprobs else logp_bt.detach()
     log_ratio = (logp_bt - old_bt) * mask
     ratio = torch.exp(log_ratio)
@@ -173,29 +214,44 @@ def policy_loss(
     pg1 = -adv_bt * ratio
     pg2 = -adv_bt * ratio.clamp(1.0 - cfg.eps_clip, 1.0 + hi)
     pg_bt = torch.maximum(pg1, pg2)
-    loss = (pg_bt * mask).sum() / denom
-    stats = {}
-    with torch.no_grad():
-        clipped = ((pg2 > pg1).float() * mask).sum() / own
-        diff = ((logp_bt - batch.rollout_logprobs_bt).abs() * mask).sum() / own
-        ratios = ratio[mask > 0]
-        stats = {
-            "train/pg_loss": loss.item(),
-            "train/pg_clipfrac": clipped.item(),
-            "train/ppo_kl": ((-log_ratio) * mask).sum().item() / own.item(),
-            "train/train_rollout_logprob_abs_diff": diff.item(),
-            "train/importance_ratio_mean": ratios.mean().item() if ratios.numel() else 1.0,
-            "train/importance_ratio_max": ratios.max().item() if ratios.numel() else 1.0,
-            "train/importance_ratio_min": ratios.min().item() if ratios.numel() else 1.0,
-        }
+    stats: dict[str, float] = {}
+    if cfg.use_tis:
+        tis_bt = torch.exp(logp_bt.detach() - batch.rollout_logprobs_bt).clamp(cfg.tis_clip_low, cfg.tis_clip)
+        pg_bt = pg_bt * tis_bt
+        stats["train/tis_mean"] = ((tis_bt * mask).sum() / own).item()
+        stats["train/tis_clipfrac"] = (((tis_bt >= cfg.tis_clip).float() * mask).sum() / own).item()
+    loss = _aggregate(pg_bt, mask, cfg.aggregation, denom)
+    stats["train/pg_loss"] = loss.item()
+    if cfg.kl_coef:
+        if ref_logp_bt is None:
+            raise ValueError("--kl-coef needs the reference model's log-probs")
+        kl_bt = kl_per_token(logp_bt, ref_logp_bt, cfg.kl_loss_type)
+        kl = _aggregate(kl_bt, mask, cfg.aggregation, denom)
+        loss = loss + cfg.kl_coef * kl
+        stats["train/kl_loss"] = kl.item()
     if cfg.entropy_coef:
         logp_all = torch.log_softmax(logits_btv.float() / cfg.temperature, dim=-1)
         entropy_bt = -(logp_all.exp() * logp_all).sum(-1)
-        entropy = (entropy_bt * mask).sum() / denom
-        loss = loss - cfg.entropy_coef * entropy
+        loss = loss - cfg.entropy_coef * _aggregate(entropy_bt, mask, cfg.aggregation, denom)
         stats["train/entropy"] = ((entropy_bt * mask).sum() / own).item()
+    with torch.no_grad():
+        ratios = ratio[mask > 0]
+        stats.update({
+            "train/pg_clipfrac": (((pg2 > pg1).float() * mask).sum() / own).item(),
+            "train/ppo_kl": ((-log_ratio) * mask).sum().item() / own.item(),
+            "train/train_rollout_logprob_abs_diff": (((logp_bt - batch.rollout_logprobs_bt).abs() * mask).sum() / own).item(),
+            "train/importance_ratio_mean": ratios.mean().item() if ratios.numel() else 1.0,
+            "train/importance_ratio_max": ratios.max().item() if ratios.numel() else 1.0,
+            "train/importance_ratio_min": ratios.min().item() if ratios.numel() else 1.0,
+        })  # fmt: skip
     stats["train/loss"] = loss.item()
     return loss, stats
+
+
+def step_denominator(batches: list[TrainBatch], aggregation: str) -> float:
+    if aggregation == "token":
+        return float(sum(b.num_tokens for b in batches))
+    return float(sum(int((b.response_mask_bt.sum(1) > 0).sum()) for b in batches))
 
 
 def train_step(
@@ -204,20 +260,27 @@ def train_step(
     batches: TrainBatch | list[TrainBatch],
     cfg: LossConfig,
     clip_grad: float,
+    ref_model: CausalLM | None = None,
 ) -> dict[str, float]:
     """One optimizer step over the micro-batches of a training step, the loss normalised by
-    the step's total loss tokens so that the gradient equals that of one big batch."""
+    the whole step's tokens (or sequences) so that the gradient equals that of one big batch."""
     batches = batches if isinstance(batches, list) else [batches]
     total = sum(b.num_tokens for b in batches)
+    denom = step_denominator(batches, cfg.aggregation)
     model.train()
     optimizer.zero_grad(set_to_none=True)
     stats: dict[str, float] = {}
     for b in batches:
-        loss, s = policy_loss(model, b, cfg, denom=total)
+        ref = None
+        if cfg.kl_coef and ref_model is not None:
+            with torch.no_grad():
+                logits = ref_model(b.input_ids_bt, b.attention_mask_bt)[:, :-1]
+                ref = token_logprobs(logits, b.input_ids_bt[:, 1:], cfg.temperature)
+        loss, s = policy_loss(model, b, cfg, denom=denom, ref_logp_bt=ref)
         loss.backward()
         w = b.num_tokens / max(total, 1)
         for k, v in s.items():
-            if k in ("train/loss", "train/pg_loss"):
+            if k in ("train/loss", "train/pg_loss", "train/kl_loss"):
                 stats[k] = stats.get(k, 0.0) + v  # already divided by the step's tokens
             elif k.endswith("_max"):
                 stats[k] = max(stats.get(k, v), v)

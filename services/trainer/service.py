@@ -82,8 +82,12 @@ class TrainerService(Service):
         )  # fmt: skip
         self.loss_cfg = LossConfig(
             eps_clip=config.eps_clip, eps_clip_high=config.eps_clip_high, entropy_coef=config.entropy_coef,
-            use_rollout_logprobs=config.use_rollout_logprobs, temperature=config.rollout_temperature,
+            use_rollout_logprobs=config.use_rollout_logprobs, use_tis=config.use_tis, tis_clip=config.tis_clip,
+            tis_clip_low=config.tis_clip_low, kl_coef=config.kl_coef, kl_loss_type=config.kl_loss_type,
+            aggregation=config.loss_aggregation, temperature=config.rollout_temperature,
         )  # fmt: skip
+        # the KL reference is the initial policy, frozen
+        self.ref_model = load_model(config.hf_checkpoint).eval().requires_grad_(False) if config.kl_coef else None  # fmt: skip
         self.sample_filter = (
             load_object(config.rollout_sample_filter_path, "--rollout-sample-filter-path")
             if config.rollout_sample_filter_path
@@ -208,7 +212,9 @@ class TrainerService(Service):
             self.pad_id,
             c.max_tokens_per_gpu if c.use_dynamic_batch_size else None,
         )
-        stats = await asyncio.to_thread(train_step, self.model, self.optimizer, batches, self.loss_cfg, c.clip_grad)
+        stats = await asyncio.to_thread(
+            train_step, self.model, self.optimizer, batches, self.loss_cfg, c.clip_grad, self.ref_model
+        )
         stats["train/num_loss_tokens"] = sum(b.num_tokens for b in batches)
         return stats, time.perf_counter() - t0
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.api import Sample
-from services.model.llama import CausalLM, ModelConfig
+from services.model.llama import CausalLM, ModelConfig, token_logprobs
 from services.trainer.core import (
     LossConfig,
     assemble_batch,
@@ -173,3 +173,69 @@ def test_micro_batches_give_the_same_gradient_as_one_batch():
     assert (grads[0] - grads[1]).abs().max().item() < 1e-6
     for k in ("train/loss", "train/pg_clipfrac", "train/entropy", "train/importance_ratio_max"):
         assert stats[0][k] == pytest.approx(stats[1][k], abs=1e-6), k
+
+
+def _hand_logps(model, samples):
+    """Per sample, the log-probs of its response tokens from an unbatched forward pass, plus
+    the per-token entropies, computed with plain Python floats."""
+    out = []
+    for s in samples:
+        with torch.no_grad():
+            logits = model(torch.tensor([s.tokens]))[0]
+        p = len(s.tokens) - s.response_length
+        rows = [logits[p + j - 1].tolist() for j in range(s.response_length)]
+        lps, ents = [], []
+        for j, row in enumerate(rows):
+            lse = math.log(sum(math.exp(x) for x in row))
+            lps.append(row[s.tokens[p + j]] - lse)
+            ents.append(-sum(math.exp(x - lse) * (x - lse) for x in row))
+        out.append((lps, ents))
+    return out
+
+
+def _two_samples():
+    a = Sample(index=0, tokens=[1, 2, 3, 4, 5], response_length=2, reward=1.0, rollout_log_probs=[-1.2, -2.5])
+    b = Sample(index=1, tokens=[1, 2, 6, 3], response_length=1, reward=0.0, rollout_log_probs=[-0.4])
+    return a, b
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "low_var_kl"])
+def test_kl_entropy_tis_and_aggregation_by_hand(kind):
+    model, ref = tiny_model(0), tiny_model(5)
+    a, b = _two_samples()
+    batch = build_train_batch([[a, b]], std_normalization=True, reward_key=None, pad_id=0)
+    cfg = LossConfig(use_rollout_logprobs=False, use_tis=True, tis_clip=1.5, tis_clip_low=0.1, kl_coef=0.3,
+                     kl_loss_type=kind, entropy_coef=0.05, aggregation="sequence")  # fmt: skip
+    with torch.no_grad():
+        ref_lp = token_logprobs(ref(batch.input_ids_bt)[:, :-1], batch.input_ids_bt[:, 1:])
+    loss, stats = policy_loss(model, batch, cfg, ref_logp_bt=ref_lp)
+
+    kl = {"k1": lambda r: r, "k2": lambda r: 0.5 * r * r, "low_var_kl": lambda r: math.exp(-r) + r - 1}[kind]
+    per_seq = []
+    for (lps, ents), (rlps, _), s, adv in zip(
+        _hand_logps(model, [a, b]), _hand_logps(ref, [a, b]), (a, b), (1.0, -1.0), strict=False
+    ):
+        terms = []
+        for lp, ent, rlp, beh in zip(lps, ents, rlps, s.rollout_log_probs, strict=False):
+            pg = -adv * 1.0  # the trainer's own old log-probs: ratio 1, nothing clipped
+            tis = min(max(math.exp(lp - beh), 0.1), 1.5)
+            terms.append(pg * tis + 0.3 * kl(lp - rlp) - 0.05 * ent)
+        per_seq.append(sum(terms) / len(terms))
+    assert loss.item() == pytest.approx(sum(per_seq) / 2, rel=1e-5)
+    tis_all = [min(max(math.exp(lp - beh), 0.1), 1.5) for (lps, _), s in zip(_hand_logps(model, [a, b]), (a, b), strict=False)
+               for lp, beh in zip(lps, s.rollout_log_probs, strict=False)]  # fmt: skip
+    assert stats["train/tis_mean"] == pytest.approx(sum(tis_all) / 3, rel=1e-5)
+
+
+def test_token_aggregation_weights_long_sequences_more():
+    model = tiny_model(2)
+    a, b = _two_samples()
+    batch = build_train_batch([[a, b]], True, None, 0)
+    (lps_a, _), (lps_b, _) = _hand_logps(model, [a, b])
+    terms = [-1.0 * math.exp(lp - beh) for lp, beh in zip(lps_a, a.rollout_log_probs, strict=False)]
+    terms += [1.0 * math.exp(lp - beh) for lp, beh in zip(lps_b, b.rollout_log_probs, strict=False)]
+    cfg = LossConfig(eps_clip=10.0)  # no clipping: the plain importance-weighted policy gradient
+    tok, _ = policy_loss(model, batch, cfg)
+    seq, _ = policy_loss(model, batch, LossConfig(eps_clip=10.0, aggregation="sequence"))
+    assert tok.item() == pytest.approx(sum(terms) / 3, rel=1e-5)
+    assert seq.item() == pytest.approx((sum(terms[:2]) / 2 + terms[2]) / 2, rel=1e-5)
