@@ -206,6 +206,13 @@ class RunConfig(BaseModel):
 
     # ---- training ---------------------------------------------------------------------------
     train_backend: Literal["torch"] = Field("torch", description="Training backend.")
+    trainer_num_ranks: int = Field(
+        1, description="Data-parallel trainer ranks (torch.distributed); rank 0 owns the bus and HTTP."
+    )
+    use_ray: bool = Field(False, description="Place trainer ranks 1..K-1 as Ray actors in a placement group.")
+    dist_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend of the trainer ranks (auto: NCCL on GPU, gloo on CPU)."
+    )
     lr: float = Field(1e-3, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, description="AdamW weight decay.")
     adam_beta1: float = Field(0.9, description="AdamW beta1.")
@@ -350,6 +357,8 @@ def validation_errors(c: RunConfig) -> list[str]:
         errs.append("--save-interval needs --save: set --save DIR for the checkpoints")
     if c.save_interval is not None and c.save_interval < 1:
         errs.append(f"--save-interval must be >= 1 (got {c.save_interval})")
+    if c.trainer_num_ranks < 1:
+        errs.append(f"--trainer-num-ranks must be >= 1 (got {c.trainer_num_ranks})")
     if c.num_rollout is not None and c.num_rollout < 1:
         errs.append(f"--num-rollout must be >= 1 (got {c.num_rollout})")
     if c.eval_interval is not None and c.eval_interval < 1:

@@ -65,6 +65,15 @@ class TrainerError(RuntimeError):
     pass
 
 
+def loss_config(config) -> LossConfig:
+    return LossConfig(
+        eps_clip=config.eps_clip, eps_clip_high=config.eps_clip_high, entropy_coef=config.entropy_coef,
+        use_rollout_logprobs=config.use_rollout_logprobs, use_tis=config.use_tis, tis_clip=config.tis_clip,
+        tis_clip_low=config.tis_clip_low, kl_coef=config.kl_coef, kl_loss_type=config.kl_loss_type,
+        aggregation=config.loss_aggregation, temperature=config.rollout_temperature,
+    )  # fmt: skip
+
+
 class TrainerService(Service):
     name = "trainer"
 
@@ -80,12 +89,7 @@ class TrainerService(Service):
             self.model.parameters(), lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
             weight_decay=config.weight_decay,
         )  # fmt: skip
-        self.loss_cfg = LossConfig(
-            eps_clip=config.eps_clip, eps_clip_high=config.eps_clip_high, entropy_coef=config.entropy_coef,
-            use_rollout_logprobs=config.use_rollout_logprobs, use_tis=config.use_tis, tis_clip=config.tis_clip,
-            tis_clip_low=config.tis_clip_low, kl_coef=config.kl_coef, kl_loss_type=config.kl_loss_type,
-            aggregation=config.loss_aggregation, temperature=config.rollout_temperature,
-        )  # fmt: skip
+        self.loss_cfg = loss_config(config)
         # the KL reference is the initial policy, frozen
         self.ref_model = load_model(config.hf_checkpoint).eval().requires_grad_(False) if config.kl_coef else None  # fmt: skip
         self.sample_filter = (
@@ -106,12 +110,23 @@ class TrainerService(Service):
         self.trained_path = self.run_dir / "trained.jsonl"
         self.uncommitted: dict[int, list[int]] = {}  # step -> group indices, until committed
         self.resumed_from: int | None = None
+        self.dp = None
 
     async def setup(self) -> None:
         s = self.bus.subjects
         await self.bus.ensure_streams()
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         await self._resume()
+        if self.config.trainer_num_ranks > 1:
+            cfg_file = self.run_dir / "trainer-config.json"
+            cfg_file.write_text(json.dumps(self.config.model_dump(mode="json")))
+            from services.trainer.parallel import DataParallel
+
+            self.dp = await asyncio.to_thread(
+                DataParallel, self.config, self.model, self.optimizer, self.ref_model, self.pad_id, cfg_file,
+                self.run_dir / "logs",
+            )  # fmt: skip
+            log.info("data parallel over %d ranks (%s)", self.config.trainer_num_ranks, self.dp.backend)
         await self.bus.nc.subscribe(s.eval_results, cb=self._on_eval_result)
         await self.bus.nc.subscribe(s.heartbeat("rollout"), cb=self._on_producer_heartbeat)
 
@@ -148,6 +163,10 @@ class TrainerService(Service):
 
     def loops(self):
         return {"train": self._train_loop}
+
+    async def teardown(self) -> None:
+        if self.dp is not None:
+            await asyncio.to_thread(self.dp.stop)
 
     # ---- the loop ------------------------------------------------------------------------------
     async def _train_loop(self) -> None:
@@ -205,6 +224,9 @@ class TrainerService(Service):
     async def _train_on(self, groups: list[list]) -> tuple[dict, float]:
         t0 = time.perf_counter()
         c = self.config
+        if self.dp is not None:
+            stats = await asyncio.to_thread(self.dp.train, groups, self.loss_cfg)
+            return stats, time.perf_counter() - t0
         batches = build_micro_batches(
             groups,
             self._std_norm(),

@@ -164,3 +164,20 @@ def test_multiturn_example_trains_end_to_end(tmp_path):
     # two model turns and a masked tool token per sample: more response than loss tokens
     assert all(x["train/num_loss_tokens"] < x["rollout/response_length/mean"] * x["rollout/num_samples"] for x in recs)
     assert_nothing_left(run_dir)
+
+
+@pytest.mark.parametrize("placement", ["processes", "ray"])
+def test_data_parallel_trainer(tmp_path, placement):
+    if placement == "ray":
+        pytest.importorskip("ray")
+    run_dir = tmp_path / "run"
+    extra = ["--use-ray"] if placement == "ray" else []
+    r = asyncrl("train-async", "--fully-async", *SMALL, "--num-rollout", "3", "--trainer-num-ranks", "2",
+                "--skip-eval-before-train", "--run-dir", str(run_dir), *extra, cwd=tmp_path, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    recs = records(run_dir)
+    assert [x["step"] for x in recs] == [0, 1, 2] and all(x["train/dp_world_size"] == 2 for x in recs)
+    ranks = json.loads((run_dir / "trainer-ranks.json").read_text())
+    assert (ranks["ray_actors"], len(ranks["ranks"])) == ((1, 0) if placement == "ray" else (0, 1))
+    assert not any(pid_alive(p) for p in ranks["ranks"])
+    assert_nothing_left(run_dir)

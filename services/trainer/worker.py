@@ -1,0 +1,68 @@
+"""A data-parallel trainer rank (1..K-1): `python -m services.trainer.worker --rank R ...`.
+
+Started by rank 0 (the trainer service) as a process, or as a Ray actor with --use-ray. It
+holds a replica of the model and optimizer, receives each step's groups from rank 0, computes
+the gradient of its share and applies the same update as every other rank. It talks to no
+service: rank 0 owns the bus and HTTP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m services.trainer.worker")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--master-addr", required=True)
+    p.add_argument("--master-port", type=int, required=True)
+    p.add_argument("--config-file", required=True, help="the run's resolved config (JSON)")
+    p.add_argument("--backend", default="gloo")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [trainer-rank{a.rank}] %(message)s")
+    import torch
+    import torch.distributed as dist
+
+    from asyncrl_proto import RolloutGroup, decode
+    from services.common.config import RunConfig
+    from services.common.procs import apply_cpu_affinity_from_env
+    from services.model.hf_io import load_model
+    from services.trainer.parallel import broadcast_state, dp_train_step, init_group
+    from services.trainer.service import loss_config
+
+    apply_cpu_affinity_from_env()
+    with open(a.config_file) as f:
+        config = RunConfig(**json.load(f))
+    torch.set_num_threads(config.torch_num_threads)
+    model = load_model(config.hf_checkpoint)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+                                  weight_decay=config.weight_decay)  # fmt: skip
+    ref_model = load_model(config.hf_checkpoint).eval().requires_grad_(False) if config.kl_coef else None
+    pad_id = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
+    cfg = loss_config(config)
+    init_group(a.rank, a.world_size, a.master_addr, a.master_port, a.backend)
+    broadcast_state(model, optimizer)
+    logging.info("rank %d of %d ready (%s)", a.rank, a.world_size, a.backend)
+    while True:
+        cmd = [None]
+        dist.broadcast_object_list(cmd, src=0)
+        kind, payload = cmd[0]
+        if kind == "train":
+            groups = [decode(b, RolloutGroup).samples for b in payload]
+            dp_train_step(model, optimizer, groups, cfg, config.clip_grad,
+                          std_norm=config.grpo_std_normalization and config.n_samples_per_prompt > 1,
+                          reward_key=config.reward_key, pad_id=pad_id,
+                          max_tokens=config.max_tokens_per_gpu if config.use_dynamic_batch_size else None,
+                          ref_model=ref_model)  # fmt: skip
+        elif kind == "sync":
+            broadcast_state(model, optimizer)
+        elif kind == "stop":
+            break
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Data parallel on CPU (gloo): 2 ranks give the same update as 1 rank on the same batch."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from services.api import Sample
+from services.common.procs import free_port
+from services.trainer.core import LossConfig, build_micro_batches, train_step
+from tests.unit.test_trainer_core import tiny_model
+
+
+def make_groups():
+    g = torch.Generator().manual_seed(7)
+    groups = []
+    for gi in range(3):
+        grp = []
+        for i in range(4):
+            plen, rlen = 2 + i % 2, 1 + (gi + i) % 4
+            toks = torch.randint(1, 7, (plen + rlen,), generator=g).tolist()
+            grp.append(Sample(index=gi * 4 + i, group_index=gi, tokens=toks, response_length=rlen,
+                              reward=float((gi * i) % 3), rollout_log_probs=[-1.5] * rlen))  # fmt: skip
+        groups.append(grp)
+    return groups
+
+
+CFG = LossConfig(entropy_coef=0.01, kl_coef=0.1)
+
+
+def one_step(model, ref, optimizer, groups, world_rank=None):
+    from services.trainer.parallel import dp_train_step
+
+    if world_rank is None:
+        return train_step(model, optimizer, build_micro_batches(groups, True, None, 0, 12), CFG, 1.0, ref)
+    return dp_train_step(model, optimizer, groups, CFG, 1.0, std_norm=True, reward_key=None, pad_id=0,
+                         max_tokens=12, ref_model=ref)  # fmt: skip
+
+
+def _rank(rank: int, world: int, port: int, out_dir: str):
+    torch.set_num_threads(1)
+    from services.trainer.parallel import broadcast_state, init_group
+
+    init_group(rank, world, "127.0.0.1", port, "gloo")
+    model, ref = tiny_model(0), tiny_model(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    broadcast_state(model, opt)
+    stats = one_step(model, ref, opt, make_groups(), world_rank=rank)
+    torch.save({"params": [p.detach().clone() for p in model.parameters()], "stats": stats},
+               os.path.join(out_dir, f"rank{rank}.pt"))  # fmt: skip
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def test_two_ranks_equal_one_rank(tmp_path):
+    model, ref = tiny_model(0), tiny_model(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    single = one_step(model, ref, opt, make_groups())
+    mp.start_processes(_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    for p, a, b in zip(model.parameters(), r0["params"], r1["params"], strict=True):
+        assert torch.equal(a, b), "the replicas diverged"
+        assert (p.detach() - a).abs().max().item() < 1e-6
+    for k in ("train/loss", "train/pg_clipfrac", "train/kl_loss", "train/entropy", "train/grad_norm"):
+        assert r0["stats"][k] == pytest.approx(single[k], abs=1e-5), k
+    assert r0["stats"]["train/dp_world_size"] == 2
