@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -63,6 +64,11 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
             updates["prompt_data"] = str(train)
         if not config.eval_prompt_data:
             updates["eval_prompt_data"] = [reverse_digits.NAME, str(held_out)]
+    if config.num_rollout is None and config.num_epoch is not None:
+        data = updates.get("prompt_data", config.prompt_data)
+        rows = sum(1 for line in Path(data).read_text().splitlines() if line.strip())
+        updates["num_rollout"] = max(1, math.ceil(config.num_epoch * rows / config.rollout_batch_size))
+        log(f"--num-epoch {config.num_epoch}: {rows} prompts per epoch -> {updates['num_rollout']} steps")
     if config.hf_checkpoint is None:
         from services.tasks import reverse_digits
 

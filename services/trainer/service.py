@@ -335,11 +335,17 @@ class TrainerService(Service):
         return time.perf_counter() - t0
 
     async def _checkpoint_and_commit(self, step: int, last: bool) -> None:
-        """With --save, the buffer learns a step is done only once it is in a checkpoint, so a
-        restarted trainer gets the later steps' groups again; without --save, every step."""
+        """Save due after step r when (r + 1) % --save-interval == 0, and after the last step.
+        With --save, the buffer learns a step is done only once it is in a checkpoint, so a
+        restarted trainer gets the later steps' groups again; without --save, every step.
+        --save-hf writes an HF snapshot (`step_<r + 1>`, `.complete` last) at the same points."""
         c = self.config
+        due = last or bool(c.save_interval and (step + 1) % c.save_interval == 0)
+        if due and c.save_hf:
+            path = Path(c.save_hf) / f"step_{step + 1}"
+            await asyncio.to_thread(save_model, self.model, path, c.hf_checkpoint)
         if c.save:
-            if not (last or (c.save_interval and (step + 1) % c.save_interval == 0)):
+            if not due:
                 return
             await asyncio.to_thread(
                 save_checkpoint, c.save, step, self.model, self.optimizer, self.version, c.hf_checkpoint

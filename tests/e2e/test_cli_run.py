@@ -106,20 +106,15 @@ def test_fully_async_run_end_to_end(tmp_path):
 @pytest.mark.parametrize("command", ["train", "train-async"])
 def test_sync_and_one_step_drivers(tmp_path, command):
     run_dir = tmp_path / "run"
-    r = asyncrl(
-        command,
-        *SMALL,
-        "--num-rollout",
-        "4",
-        "--run-dir",
-        str(run_dir),
-        "--update-weights-interval",
-        "2",
-        cwd=tmp_path,
-    )
+    r = asyncrl(command, *SMALL, "--num-rollout", "4", "--run-dir", str(run_dir), "--update-weights-interval", "2",
+                "--save", str(run_dir / "ckpt"), "--save-interval", "2", "--save-hf", str(run_dir / "hf"), cwd=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     recs = records(run_dir)
     assert [r["weight_version"] for r in recs] == [0, 1, 1, 2]  # pushes every 2 steps
+    # saves due after steps 1 and 3 ((r + 1) % 2 == 0): checkpoints and HF snapshots, markers last
+    assert sorted(p.name for p in (run_dir / "ckpt").glob("iter_*")) == ["iter_0000001", "iter_0000003"]
+    assert sorted(p.name for p in (run_dir / "hf").iterdir()) == ["step_2", "step_4"]
+    assert all((p / ".complete").exists() for p in (run_dir / "hf").iterdir())
     if command == "train":
         # synchronous: every batch was generated on the weights of the previous push
         for rec in recs:

@@ -55,3 +55,21 @@ def test_snapshot_round_trip_and_complete_marker(tmp_path):
     with torch.no_grad():
         assert torch.equal(model(ids), back(ids))
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+
+
+def test_a_trained_snapshot_loads_in_transformers_with_the_trainers_logits(tiny_model_dir, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from services.api import Sample
+    from services.trainer.core import LossConfig, build_train_batch, train_step
+
+    model = load_model(tiny_model_dir)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    group = [Sample(index=i, tokens=[1, 5, 6, 15, 6 + i, 2], response_length=2, reward=float(i), rollout_log_probs=[-1.0, -1.0])
+             for i in range(4)]  # fmt: skip
+    for _ in range(3):
+        train_step(model, opt, build_train_batch([group], True, None, 0), LossConfig(), 1.0)
+    save_model(model, tmp_path / "snap", tiny_model_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "snap"), attn_implementation="eager")
+    ids = torch.tensor([[1, 5, 6, 7, 15, 9, 8]])
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max().item() < 1e-5
