@@ -205,7 +205,9 @@ class RunConfig(BaseModel):
     )
 
     # ---- training ---------------------------------------------------------------------------
-    train_backend: Literal["torch"] = Field("torch", description="Training backend.")
+    train_backend: Literal["torch", "megatron"] = Field(
+        "torch", description="Training backend: plain torch, or megatron-core's GPTModel (pip install megatron-core)."
+    )
     trainer_num_ranks: int = Field(
         1, description="Data-parallel trainer ranks (torch.distributed); rank 0 owns the bus and HTTP."
     )
@@ -357,6 +359,11 @@ def validation_errors(c: RunConfig) -> list[str]:
         errs.append("--save-interval needs --save: set --save DIR for the checkpoints")
     if c.save_interval is not None and c.save_interval < 1:
         errs.append(f"--save-interval must be >= 1 (got {c.save_interval})")
+    if c.train_backend == "megatron" and c.trainer_num_ranks > 1:
+        errs.append(
+            "--train-backend megatron runs one trainer rank in this version (tensor/pipeline parallel sizes 1): "
+            "drop --trainer-num-ranks or use --train-backend torch for data parallelism"
+        )
     if c.trainer_num_ranks < 1:
         errs.append(f"--trainer-num-ranks must be >= 1 (got {c.trainer_num_ranks})")
     if c.num_rollout is not None and c.num_rollout < 1:

@@ -58,8 +58,12 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM
 
 
 def load_weights_into(model: CausalLM, path: str | Path) -> None:
-    """Copy a snapshot's weights into an existing model in place (the engine's weight update)."""
+    """Copy a snapshot's weights into an existing model in place (the engine's weight update).
+    A model in another layout (the Megatron backend) converts through load_hf_state_dict."""
     state = load_state_dict(path)
+    if hasattr(model, "load_hf_state_dict"):
+        model.load_hf_state_dict(state)
+        return
     if model.cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     own = dict(model.named_parameters())
@@ -82,7 +86,8 @@ def save_model(model: CausalLM, out_dir: str | Path, tokenizer_dir: str | Path |
     marker = out / COMPLETE_MARKER
     if marker.exists():
         marker.unlink()
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    raw = model.hf_state_dict() if hasattr(model, "hf_state_dict") else model.state_dict()
+    state = {k: v.detach().contiguous().cpu() for k, v in raw.items()}
     if model.cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     weights = out / "model.safetensors"

@@ -65,6 +65,17 @@ class TrainerError(RuntimeError):
     pass
 
 
+def build_model(config):
+    """The policy in the configured backend; the KL reference always uses the plain model."""
+    if config.train_backend == "megatron":
+        try:
+            from services.trainer.megatron_backend import load_megatron_model
+        except ImportError as e:
+            raise TrainerError(f"--train-backend megatron needs megatron-core (pip install megatron-core): {e}") from e
+        return load_megatron_model(config.hf_checkpoint, config.seed)
+    return load_model(config.hf_checkpoint)
+
+
 def loss_config(config) -> LossConfig:
     return LossConfig(
         eps_clip=config.eps_clip, eps_clip_high=config.eps_clip_high, entropy_coef=config.entropy_coef,
@@ -84,7 +95,7 @@ class TrainerService(Service):
         self.run_dir = Path(config.run_dir)
         self.weights_dir = self.run_dir / "weights"
         self.metrics_path = self.run_dir / "metrics.jsonl"
-        self.model = load_model(config.hf_checkpoint)
+        self.model = build_model(config)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
             weight_decay=config.weight_decay,

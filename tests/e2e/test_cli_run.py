@@ -176,3 +176,16 @@ def test_data_parallel_trainer(tmp_path, placement):
     assert (ranks["ray_actors"], len(ranks["ranks"])) == ((1, 0) if placement == "ray" else (0, 1))
     assert not any(pid_alive(p) for p in ranks["ranks"])
     assert_nothing_left(run_dir)
+
+
+def test_megatron_backend_trains_and_its_snapshots_serve(tmp_path):
+    pytest.importorskip("megatron.core")
+    run_dir = tmp_path / "run"
+    r = asyncrl("train-async", "--fully-async", *SMALL, "--num-rollout", "3", "--train-backend", "megatron",
+                "--run-dir", str(run_dir), cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    recs = records(run_dir)
+    assert [x["weight_version"] for x in recs] == [1, 2, 3]
+    result = json.loads((run_dir / "result.json").read_text())
+    # the final eval ran on the engines at version 3: they loaded the Megatron-trained HF snapshot
+    assert result["evals"]["3"]["eval/reverse-digits/weight_version/mean"] == 3.0

@@ -1,0 +1,205 @@
+"""`--train-backend megatron`: train with megatron-core's GPTModel, speak Hugging Face outside.
+
+The trainer only needs a module whose forward(input_ids, attention_mask) returns logits, plus
+a way in and out of HF layouts: `MegatronCausalLM` wraps GPTModel (RMSNorm, SwiGLU, RoPE, GQA,
+optional QKV bias: Llama and Qwen2) and converts weights both ways, so checkpoints and weight
+snapshots are ordinary HF directories that the engines (SGLang or built-in) load like any other.
+
+Parallelism: tensor and pipeline parallel sizes 1 here (the layouts below are for unsharded
+weights); data parallelism comes from the trainer's own ranks.
+
+On a machine without CUDA, megatron-core 0.16.1 still runs forward and backward with gloo after
+three small shims (`cpu_shims`): torch.cuda.current_device() answers "cpu" (megatron allocates its
+global memory buffer and moves RoPE frequencies there), and the CUDA RNG tracker's fork is a
+no-op (dropout is off). They change nothing where CUDA exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.model.llama import ModelConfig
+
+_SHIMMED = False
+
+
+def cpu_shims() -> None:
+    global _SHIMMED
+    if _SHIMMED or torch.cuda.is_available():
+        return
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    mrandom.CudaRNGStatesTracker.fork = lambda self, name="model-parallel-rng": contextlib.nullcontext()
+    _SHIMMED = True
+
+
+def init_megatron(seed: int = 1234) -> None:
+    """A single-rank model-parallel world (gloo on CPU, NCCL on GPU) unless one exists."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    cpu_shims()
+    if not dist.is_initialized():
+        from services.common.procs import free_port
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def transformer_config(cfg: ModelConfig):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_key_value_heads,
+        kv_channels=cfg.head_dim,
+        ffn_hidden_size=cfg.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=cfg.attention_bias,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=torch.float32,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+# ---- HF <-> Megatron layouts -------------------------------------------------------------------
+
+
+def _fuse_qkv(q, k, v, cfg: ModelConfig):
+    """Megatron's fused QKV: per query group, that group's query heads, then its key, then its value."""
+    g, d = cfg.num_key_value_heads, cfg.head_dim
+    per = cfg.num_attention_heads // g
+    tail = q.shape[1:]
+    return torch.cat([q.reshape(g, per * d, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)], dim=1).reshape(
+        -1, *tail
+    )
+
+
+def _split_qkv(qkv, cfg: ModelConfig):
+    g, d = cfg.num_key_value_heads, cfg.head_dim
+    per = cfg.num_attention_heads // g
+    tail = qkv.shape[1:]
+    x = qkv.reshape(g, (per + 2) * d, *tail)
+    q, k, v = x[:, : per * d], x[:, per * d : (per + 1) * d], x[:, (per + 1) * d :]
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": hf["model.norm.weight"]}  # fmt: skip
+    if not cfg.tie_word_embeddings:
+        out["output_layer.weight"] = hf["lm_head.weight"]
+    for i in range(cfg.num_hidden_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        a = h + "self_attn."
+        out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
+        out[m + "self_attention.linear_qkv.weight"] = _fuse_qkv(
+            hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], cfg
+        )
+        if cfg.attention_bias:
+            out[m + "self_attention.linear_qkv.bias"] = _fuse_qkv(
+                hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], cfg
+            )
+        out[m + "self_attention.linear_proj.weight"] = hf[a + "o_proj.weight"]
+        out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], 0)
+        out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
+    return out
+
+
+def megatron_to_hf(mg: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    out = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"],
+           "model.norm.weight": mg["decoder.final_layernorm.weight"]}  # fmt: skip
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = mg["output_layer.weight"]
+    for i in range(cfg.num_hidden_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        a = h + "self_attn."
+        out[h + "input_layernorm.weight"] = mg[m + "input_layernorm.weight"]
+        q, k, v = _split_qkv(mg[m + "self_attention.linear_qkv.weight"], cfg)
+        out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = q, k, v
+        if cfg.attention_bias:
+            qb, kb, vb = _split_qkv(mg[m + "self_attention.linear_qkv.bias"], cfg)
+            out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = qb, kb, vb
+        out[a + "o_proj.weight"] = mg[m + "self_attention.linear_proj.weight"]
+        out[h + "post_attention_layernorm.weight"] = mg[m + "pre_mlp_layernorm.weight"]
+        gate, up = mg[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
+        out[h + "mlp.down_proj.weight"] = mg[m + "mlp.linear_fc2.weight"]
+    return out
+
+
+class MegatronCausalLM(nn.Module):
+    """GPTModel behind the trainer's model interface: forward(input_ids, attention_mask) -> logits."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        self.cfg = cfg
+        self.gpt = GPTModel(
+            config=transformer_config(cfg),
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            vocab_size=cfg.vocab_size,
+            max_sequence_length=cfg.max_position_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(cfg.rope_theta),
+            share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+        )
+
+    def forward(self, input_ids_bt: torch.Tensor, attention_mask_bt: torch.Tensor | None = None) -> torch.Tensor:
+        b, t = input_ids_bt.shape
+        pos_bt = torch.arange(t, device=input_ids_bt.device).expand(b, t)
+        masked = torch.ones(t, t, dtype=torch.bool, device=input_ids_bt.device).triu(1)[None, None].expand(b, 1, t, t)
+        if attention_mask_bt is not None:
+            masked = masked | ~attention_mask_bt.bool()[:, None, None, :]
+            masked = masked & ~torch.eye(t, dtype=torch.bool, device=input_ids_bt.device)  # padded rows see themselves
+        return self.gpt(input_ids_bt, pos_bt, attention_mask=masked)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        mg = {k.removeprefix("gpt."): v for k, v in self.state_dict().items() if not k.endswith("_extra_state")}
+        return megatron_to_hf(mg, self.cfg)
+
+    def load_hf_state_dict(self, hf: dict[str, torch.Tensor]) -> None:
+        mg = hf_to_megatron(hf, self.cfg)
+        own = {k.removeprefix("gpt."): v for k, v in self.state_dict().items() if not k.endswith("_extra_state")}
+        missing = sorted(set(own) - set(mg))
+        if missing:
+            raise ValueError(f"HF weights do not cover the Megatron model: missing {missing[:5]}")
+        with torch.no_grad():
+            for name, p in own.items():
+                p.copy_(mg[name].to(p.dtype))
+
+
+def load_megatron_model(path: str | os.PathLike, seed: int = 1234) -> MegatronCausalLM:
+    from services.model.hf_io import load_state_dict, read_config
+
+    init_megatron(seed)
+    model = MegatronCausalLM(read_config(path))
+    model.load_hf_state_dict(load_state_dict(path))
+    return model
