@@ -218,11 +218,17 @@ class ProgressRecord(msgspec.Struct, kw_only=True):
 
 
 class EvalRequest(msgspec.Struct, kw_only=True):
+    """Trainer -> eval: evaluate the policy after `step` steps. Snapshot backends get the HF
+    snapshot to pin (`snapshot_uri`); the shared-engines backend uses the live engines."""
+
     step: int
     version: int
     snapshot_uri: str = ""
     final: bool = False
     requested_at: float = 0.0
+    exported: bool = False
+    """The snapshot was exported for this point (so the eval service may retire it)."""
+    export_time_s: float = 0.0
 
 
 class EvalResult(msgspec.Struct, kw_only=True):

@@ -4,6 +4,7 @@
 - RunConfig: every flag under its snake_case name; RunConfig(**fields) with any subset.
 - DataBuffer, DefaultDataBuffer: the buffer contract (put / get / get_metrics) and its default.
 - DynamicFilterOutput, check_reward_nonzero_std: dynamic-sampling filter result and built-in filter.
+- CheckpointEvalFn, EvalSkip: the external evaluator contract (--eval-function-path).
 """
 
 from asyncrl_proto.messages import Sample, SampleStatus
@@ -14,11 +15,14 @@ from services.buffer.core import (
     check_reward_nonzero_std,
 )
 from services.common.config import RunConfig
+from services.eval.contract import CheckpointEvalFn, EvalSkip
 
 __all__ = [
+    "CheckpointEvalFn",
     "DataBuffer",
     "DefaultDataBuffer",
     "DynamicFilterOutput",
+    "EvalSkip",
     "RunConfig",
     "Sample",
     "SampleStatus",

@@ -56,6 +56,9 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
     updates: dict = {"run_id": run_id, "run_dir": str(run_dir)}
+    for field in ("save", "save_hf", "load", "eval_hf_dir", "prompt_data"):  # services may run elsewhere
+        if getattr(config, field):
+            updates[field] = str(Path(getattr(config, field)).resolve())
     if config.task == "reverse-digits" and (config.prompt_data is None or not config.eval_prompt_data):
         from services.tasks import reverse_digits
 

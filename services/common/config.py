@@ -261,6 +261,35 @@ class RunConfig(BaseModel):
     n_samples_per_eval_prompt: int = Field(4, description="Samples per held-out prompt.")
     eval_temperature: float = Field(1.0, description="Sampling temperature for evaluation.")
     skip_eval_before_train: bool = Field(False, description="No evaluation at step 0.")
+    eval_max_response_len: int | None = Field(
+        None, description="max_new_tokens for evaluation (default: the rollout's)."
+    )
+    eval_top_p: float | None = Field(None, description="top_p for evaluation (default: the rollout's).")
+    eval_num_gpus: int = Field(
+        0, description="Dedicated eval fleet: this many engines' worth of devices owned by the eval service (0 = none)."
+    )
+    eval_num_gpus_per_engine: int = Field(1, description="Devices per eval-fleet engine.")
+    eval_function_path: str | None = Field(
+        None, description="module.Class: a services.api.CheckpointEvalFn subclass that evaluates each snapshot."
+    )
+    eval_hf_dir: str | None = Field(
+        None, description="Export a fresh HF snapshot per eval point here (snapshot backends)."
+    )
+    eval_max_in_flight: int = Field(2, description="Eval points that may be pending at once.")
+    eval_overflow_policy: Literal["backpressure", "skip"] = Field(
+        "backpressure",
+        description="When --eval-max-in-flight points are pending: wait for the oldest, or skip as busy.",
+    )
+    eval_keep_snapshots: int = Field(2, description="Exported eval snapshots kept after their evaluation.")
+    eval_engine_urls: list[str] = Field(
+        default_factory=list,
+        description="Attach the eval fleet to these running engines instead of launching --eval-num-gpus of them.",
+    )
+    eval_sglang_args: list[str] = Field(
+        default_factory=list,
+        description="Overrides of the fleet engines' settings, collected from every --eval-sglang-<flag> "
+        "(and --no-eval-sglang-<flag>) on the command line.",
+    )
 
     # ---- derived ------------------------------------------------------------------------------
     @property
@@ -298,6 +327,50 @@ class RunConfig(BaseModel):
         if errs:
             raise ConfigError("\n".join(errs))
         return self
+
+
+def eval_backend(c: RunConfig) -> str:
+    if c.eval_num_gpus > 0 or c.eval_engine_urls:
+        return "fleet"
+    if c.eval_function_path:
+        return "external"
+    return "shared"
+
+
+def eval_validation_errors(c: RunConfig) -> list[str]:
+    """SPEC.md section 7: every eval combination that cannot work, with what to set."""
+    errs: list[str] = []
+    if (c.eval_num_gpus > 0 or c.eval_engine_urls) and c.eval_function_path:
+        errs.append(
+            "--eval-num-gpus (a dedicated eval fleet) and --eval-function-path (an external evaluator) each select "
+            "an eval backend: pass one of them"
+        )
+    if c.eval_max_in_flight < 1:
+        errs.append(f"--eval-max-in-flight must be >= 1 (got {c.eval_max_in_flight})")
+    if c.eval_keep_snapshots < 1:
+        errs.append(f"--eval-keep-snapshots must be >= 1 (got {c.eval_keep_snapshots})")
+    if c.eval_num_gpus < 0 or (c.eval_num_gpus and c.eval_num_gpus % max(c.eval_num_gpus_per_engine, 1)):
+        errs.append(
+            f"--eval-num-gpus ({c.eval_num_gpus}) must be a multiple of --eval-num-gpus-per-engine "
+            f"({c.eval_num_gpus_per_engine})"
+        )
+    if eval_backend(c) != "shared":
+        if c.eval_interval is None:
+            errs.append("Snapshot eval requires --eval-interval.")
+        if not c.eval_hf_dir and not c.save_hf:
+            errs.append(
+                "Snapshot eval requires a snapshot source: set --eval-hf-dir (staging exports) or --save-hf "
+                "(reuse periodic HF checkpoints)."
+            )
+        if not c.eval_hf_dir and c.save_hf and c.eval_interval:
+            save_every = c.save_interval or c.total_steps
+            if c.eval_interval % save_every:
+                errs.append(
+                    f"Snapshot eval from --save-hf checkpoints needs --eval-interval ({c.eval_interval}) to be a "
+                    f"multiple of --save-interval ({save_every}): set --eval-interval {save_every * max(1, c.eval_interval // save_every)} "
+                    "or --eval-hf-dir to export a snapshot per eval point"
+                )
+    return errs
 
 
 def validation_errors(c: RunConfig) -> list[str]:
@@ -370,6 +443,7 @@ def validation_errors(c: RunConfig) -> list[str]:
         errs.append(f"--num-rollout must be >= 1 (got {c.num_rollout})")
     if c.eval_interval is not None and c.eval_interval < 1:
         errs.append(f"--eval-interval must be >= 1 (got {c.eval_interval})")
+    errs += eval_validation_errors(c)
     if len(c.eval_prompt_data) % 2:
         errs.append("--eval-prompt-data takes NAME PATH pairs, e.g. --eval-prompt-data aime aime.jsonl")
     if c.rollout_num_engines < 1 and not c.rollout_external_engine_addrs:
@@ -423,7 +497,8 @@ def _parse_scalar(kind: str, text: str):
     return text
 
 
-PASSTHROUGH = {"--sglang-": "sglang_server_args", "--router-": "sglang_router_args"}
+PASSTHROUGH = {"--eval-sglang-": "eval_sglang_args", "--no-eval-sglang-": "eval_sglang_args",
+               "--sglang-": "sglang_server_args", "--router-": "sglang_router_args"}  # fmt: skip
 
 
 def split_passthrough(argv: list[str]) -> tuple[list[str], dict[str, list[str]]]:
@@ -442,6 +517,10 @@ def split_passthrough(argv: list[str]) -> tuple[list[str], dict[str, list[str]]]
             i += 1
             continue
         target = found[PASSTHROUGH[prefix]]
+        if prefix.startswith("--no-"):  # a boolean turned off: recorded as --no-<flag>, no value
+            target.append("--no-" + arg[len(prefix) :])
+            i += 1
+            continue
         target.append("--" + arg[len(prefix) :])
         if "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
             target.append(argv[i + 1])

@@ -1,36 +1,62 @@
-"""Eval service (shared-engines backend): held-out evaluation off the trainer's critical path.
+"""Eval service: held-out evaluation off the trainer's critical path, three backends.
 
-Consumes: EvalRequest from EVAL (durable pull consumer "eval"), one at a time, in order.
+Consumes: EvalRequest from EVAL (durable pull consumer "eval"), one point at a time, in order.
 Produces: EvalResult on `eval.results` (the trainer logs it with its next step, the launcher
   reports it) and a line in <run_dir>/eval.jsonl.
-Per eval point: wait until the engines run at least the requested weight version; tell the
-  producers to stop submitting (in-flight requests finish and are buffered; nothing is aborted);
-  generate --n-samples-per-eval-prompt samples per held-out prompt on the rollout engines;
-  score them with the task's reward; let the producers resume.
-Metrics: eval/<dataset> (mean reward), eval/<dataset>/weight_version/{mean,mixed_version_ratio},
-  eval/duration_seconds, eval/step.
+Backends (SPEC.md section 7; services.common.config.eval_backend picks one):
+  shared   (default) the rollout engines at the live version: producers stop submitting for the
+           eval's duration (in-flight requests finish and are buffered; nothing is aborted).
+  fleet    (--eval-num-gpus) engines owned by this service: every point pins them to the point's
+           HF snapshot (update_weights_from_disk, weight_version = str(step), read back, one
+           retry); an unhealthy fleet skips as `unhealthy`, a pin that does not hold as
+           `pin_violation`. Training never pauses for it.
+  external (--eval-function-path) a CheckpointEvalFn subclass evaluates the snapshot; EvalSkip
+           records a skipped point with its reason.
+A snapshot counts only with its `.complete` marker (`ckpt_missing` otherwise); an evaluator that
+raises reports `crashed`. Snapshots exported for eval points are retired after their point on
+every outcome, keeping the newest --eval-keep-snapshots; other snapshots are never deleted.
+Metrics: eval/<dataset>, eval/<dataset>/weight_version/{mean,mixed_version_ratio},
+  eval/duration_seconds, eval/export_time_seconds, eval/step, eval/skipped_<reason>.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import inspect
 import json
 import logging
+import shutil
 import time
 import uuid
 from pathlib import Path
 
 from asyncrl_proto import ControlMsg, EvalRequest, EvalResult, Sample, WeightsLive, decode
 from asyncrl_proto.codec import DecodeError
+from services.buffer.core import load_object
 from services.buffer.datasource import load_rows
+from services.common import procs
 from services.common.bus import fetch_some, settle
+from services.common.config import eval_backend
 from services.common.runtime import Service, wait_event
-from services.common.sglang_client import SGLangClient
+from services.common.sglang_client import EngineError, SGLangClient
+from services.eval.contract import CheckpointEvalFn, EvalSkip
+from services.eval.fleet import launch_fleet
+from services.model.hf_io import COMPLETE_MARKER
 from services.model.tokenizer import Tokenizer
 from services.rollout.core import apply_response
 from services.rollout.rewards import resolve_reward, score_sample
 
 log = logging.getLogger(__name__)
+
+FLEET_START_TIMEOUT_S = 900.0
+HEALTH_TIMEOUT_S = 30.0
+
+
+class SkipPoint(Exception):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 def eval_datasets(config) -> list[tuple[str, str]]:
@@ -43,21 +69,33 @@ class EvalService(Service):
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
-        self.client = SGLangClient(
-            [config.rollout_router_url] if config.rollout_router_url else config.rollout_engine_urls
-        )
+        self.backend = eval_backend(config)
         self.tokenizer = Tokenizer(config.hf_checkpoint)
         self.reward_fn = resolve_reward(config)
         self.datasets = {
             name: load_rows(path, config.input_key, config.label_key, config.metadata_key)
             for name, path in eval_datasets(config)
         }
+        rollout_urls = [config.rollout_router_url] if config.rollout_router_url else config.rollout_engine_urls
+        self.client = SGLangClient(rollout_urls)  # the shared backend's engines
+        self.fleet_client: SGLangClient | None = None
+        self.fleet_children = []
+        self.evaluator: CheckpointEvalFn | None = None
+        if self.backend == "external":
+            cls = load_object(config.eval_function_path, "--eval-function-path")
+            if not (isinstance(cls, type) and issubclass(cls, CheckpointEvalFn)):
+                raise ValueError(
+                    f"--eval-function-path {config.eval_function_path} must name a CheckpointEvalFn subclass"
+                )
+            self.evaluator = cls(config)
         self.live_version: int | None = None
         self._live_changed = asyncio.Event()
+        self.exported: collections.deque[Path] = collections.deque()
         self.results: list[dict] = []
         self.busy = False
         self._psub = None
 
+    # ---- setup -----------------------------------------------------------------------------
     async def setup(self) -> None:
         s = self.bus.subjects
         await self.bus.ensure_streams()
@@ -65,10 +103,31 @@ class EvalService(Service):
         raw = await self.bus.kv_get("live_version")
         if raw is not None and self.live_version is None:
             self.live_version = decode(raw, WeightsLive).version
+        if self.backend == "fleet":
+            await self._start_fleet()
         self._psub = await self.bus.pull(s.eval_stream, s.eval_requests, durable="eval", ack_wait_s=600.0)
 
+    async def _start_fleet(self) -> None:
+        urls = list(self.config.eval_engine_urls)
+        if not urls:
+            self.fleet_children, urls = launch_fleet(self.config, Path(self.config.run_dir) / "logs")
+        self.fleet_client = SGLangClient(urls)
+        deadline = time.monotonic() + FLEET_START_TIMEOUT_S
+        for url in urls:
+            while not await self.fleet_client.health_generate(url, timeout=5.0):
+                if any(c.poll() is not None for c in self.fleet_children):
+                    raise RuntimeError(f"an eval fleet engine exited; see {self.config.run_dir}/logs/eval-engine-*.log")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"eval fleet engine {url} not healthy after {FLEET_START_TIMEOUT_S:.0f}s")
+                await asyncio.sleep(0.5)
+        log.info("eval fleet ready: %s", urls)
+
     async def teardown(self) -> None:
-        await self.client.close()
+        for client in (self.client, self.fleet_client):
+            if client is not None:
+                await client.close()
+        for child in self.fleet_children:
+            procs.stop(child)
 
     async def _on_live(self, msg) -> None:
         try:
@@ -82,6 +141,7 @@ class EvalService(Service):
     def loops(self):
         return {"evaluate": self._evaluate_loop}
 
+    # ---- the loop ------------------------------------------------------------------------------
     async def _evaluate_loop(self) -> None:
         while True:
             for msg in await fetch_some(self._psub, 1, 1.0):
@@ -96,89 +156,160 @@ class EvalService(Service):
                 with (Path(self.config.run_dir) / "eval.jsonl").open("a") as f:
                     f.write(json.dumps({"step": result.step, "version": result.version, "final": result.final,
                                         "skipped": result.skipped_reason, **result.metrics}) + "\n")  # fmt: skip
+                self._retire(req)
                 await settle(msg)
 
-    async def _wait_for_version(self, version: int, msg) -> None:
-        while self.live_version is None or self.live_version < version:
+    async def _run_point(self, req: EvalRequest, msg) -> EvalResult:
+        t0 = time.perf_counter()
+        self.busy = True
+        skipped = None
+        metrics: dict[str, float] = {}
+        try:
+            if self.backend == "shared":
+                metrics = await self._shared(req, msg)
+            elif self.backend == "fleet":
+                metrics = await self._fleet(req)
+            else:
+                metrics = await self._external(req)
+        except SkipPoint as e:
+            skipped = e.reason
+        except Exception as e:
+            log.exception("eval at step %d crashed: %s", req.step, e)
+            skipped = "crashed"
+        finally:
+            self.busy = False
+        duration = time.perf_counter() - t0
+        metrics = {**metrics, "eval/step": req.step, "eval/duration_seconds": duration}
+        if req.exported:
+            metrics["eval/export_time_seconds"] = req.export_time_s
+        if skipped:
+            metrics[f"eval/skipped_{skipped}"] = 1.0
+            log.warning("eval point %d skipped: %s", req.step, skipped)
+        else:
+            shown = {k: round(v, 4) for k, v in metrics.items() if k.count("/") == 1 and "seconds" not in k}
+            log.info("eval at step %d (v%d, %s): %s", req.step, req.version, self.backend, shown)
+        self.results.append({"step": req.step, "skipped": skipped, **metrics})
+        return EvalResult(step=req.step, version=req.version, metrics=metrics, skipped_reason=skipped,
+                          duration_s=duration, final=req.final)  # fmt: skip
+
+    def _retire(self, req: EvalRequest) -> None:
+        """Exported snapshots retire on every outcome; the newest --eval-keep-snapshots stay."""
+        if not (req.exported and req.snapshot_uri):
+            return
+        self.exported.append(Path(req.snapshot_uri))
+        while len(self.exported) > self.config.eval_keep_snapshots:
+            shutil.rmtree(self.exported.popleft(), ignore_errors=True)
+
+    # ---- backends ------------------------------------------------------------------------------
+    async def _shared(self, req: EvalRequest, msg) -> dict[str, float]:
+        while self.live_version is None or self.live_version < req.version:
             self._live_changed.clear()
             if not await wait_event(self._live_changed, 10.0):
                 raw = await self.bus.kv_get("live_version")
                 if raw is not None:
                     self.live_version = max(self.live_version or 0, decode(raw, WeightsLive).version)
                 await settle(msg, "in_progress")
-                log.info(
-                    "eval of step waits for weight version %d (engines at %s)",
-                    version,
-                    self.live_version,
-                )
-
-    async def _run_point(self, req: EvalRequest, msg) -> EvalResult:
-        await self._wait_for_version(req.version, msg)
         token = f"eval-{req.step}-{uuid.uuid4().hex[:6]}"
         await self._control("pause_submission", token)
-        t0 = time.perf_counter()
-        self.busy = True
         try:
-            metrics: dict[str, float] = {}
-            for name, rows in self.datasets.items():
-                metrics.update(await self._evaluate_dataset(name, rows))
+            return await self._evaluate_all(self.client)
         finally:
-            self.busy = False
             await self._control("resume_submission", token)
-        duration = time.perf_counter() - t0
-        metrics["eval/duration_seconds"] = duration
-        metrics["eval/step"] = req.step
-        log.info("eval at step %d (v%d): %s", req.step, req.version,
-                 {k: round(v, 4) for k, v in metrics.items() if "/" in k and k.count("/") == 1})  # fmt: skip
-        res = EvalResult(
-            step=req.step,
-            version=req.version,
-            metrics=metrics,
-            duration_s=duration,
-            final=req.final,
-        )
-        self.results.append({"step": req.step, **metrics})
-        return res
 
-    async def _evaluate_dataset(self, name: str, rows: list[dict]) -> dict[str, float]:
+    def _snapshot(self, req: EvalRequest) -> str:
+        path = Path(req.snapshot_uri) if req.snapshot_uri else None
+        if path is None or not (path / COMPLETE_MARKER).exists():
+            raise SkipPoint("ckpt_missing")
+        return str(path)
+
+    async def _fleet(self, req: EvalRequest) -> dict[str, float]:
+        snapshot = self._snapshot(req)
+        c = self.fleet_client
+        health = await asyncio.gather(*(c.health_generate(u, HEALTH_TIMEOUT_S) for u in c.urls))
+        if not all(health):
+            raise SkipPoint("unhealthy")
+        await asyncio.gather(*(self._pin(u, snapshot, str(req.step)) for u in c.urls))
+        return await self._evaluate_all(c)
+
+    async def _pin(self, url: str, snapshot: str, version: str) -> None:
+        for _attempt in range(2):  # load, read the version back, one retry
+            try:
+                await self.fleet_client.update_weights_from_disk(url, snapshot, version)
+                if str((await self.fleet_client.model_info(url)).get("weight_version")) == version:
+                    return
+            except EngineError as e:
+                log.warning("pinning %s to %s failed: %s", url, snapshot, e)
+        raise SkipPoint("pin_violation")
+
+    async def _external(self, req: EvalRequest) -> dict[str, float]:
+        snapshot = self._snapshot(req)
+        inp = {
+            "step": req.step,
+            "weight_version": req.version,
+            "datasets": self.datasets,
+            "n_samples_per_prompt": self.config.n_samples_per_eval_prompt,
+            "sampling_params": self._sampling_params(),
+        }
+        try:
+            out = self.evaluator.evaluate_checkpoint(snapshot, inp)
+            if inspect.isawaitable(out):
+                out = await out
+        except EvalSkip as e:
+            raise SkipPoint(e.reason) from None
+        return {(k if k.startswith("eval/") else f"eval/{k}"): float(v) for k, v in (out or {}).items()}
+
+    # ---- generation and scoring ----------------------------------------------------------------
+    def _sampling_params(self) -> dict:
         c = self.config
-        params = {
-            "max_new_tokens": c.rollout_max_response_len,
+        return {
+            "max_new_tokens": c.eval_max_response_len or c.rollout_max_response_len,
             "temperature": c.eval_temperature,
-            "top_p": c.rollout_top_p,
+            "top_p": c.eval_top_p if c.eval_top_p is not None else c.rollout_top_p,
             "top_k": c.rollout_top_k,
             "stop_token_ids": list(c.rollout_stop_token_ids),
         }
 
-        async def one(row: dict) -> Sample:
-            ids = self.tokenizer.prompt_ids(row["prompt"], c.apply_chat_template)
-            s = Sample(prompt=row["prompt"], label=row["label"], metadata=dict(row["metadata"]))
-            resp = await self.client.generate({"input_ids": ids, "sampling_params": params, "return_logprob": True})
-            apply_response(s, ids, resp)
-            await score_sample(self.reward_fn, c, s)
-            return s
-
-        samples = await asyncio.gather(*(one(r) for r in rows for _ in range(c.n_samples_per_eval_prompt)))
-        rewards = [float(s.reward or 0.0) for s in samples]
-        versions = [min(s.weight_versions) for s in samples if s.weight_versions]
-        out = {f"eval/{name}": sum(rewards) / len(rewards)}
-        if versions:
-            out[f"eval/{name}/weight_version/mean"] = sum(versions) / len(versions)
-            out[f"eval/{name}/weight_version/mixed_version_ratio"] = sum(
-                len(set(s.weight_versions)) > 1 for s in samples
-            ) / len(samples)
-        return out
+    async def _evaluate_all(self, client: SGLangClient) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        for name, rows in self.datasets.items():
+            metrics.update(await evaluate_dataset(client, self.tokenizer, self.reward_fn, self.config, name, rows,
+                                                  self._sampling_params()))  # fmt: skip
+        return metrics
 
     async def _control(self, command: str, token: str) -> None:
         await self.bus.publish_core(
-            self.bus.subjects.control,
-            ControlMsg(command=command, token=token, issued_at=time.time()),
+            self.bus.subjects.control, ControlMsg(command=command, token=token, issued_at=time.time())
         )
         await self.bus.nc.flush()
 
     def status(self) -> dict:
-        return {"backend": "shared", "busy": self.busy, "live_version": self.live_version,
+        return {"backend": self.backend, "busy": self.busy, "live_version": self.live_version,
+                "fleet": self.fleet_client.urls if self.fleet_client else [],
                 "datasets": {k: len(v) for k, v in self.datasets.items()}, "results": self.results[-10:]}  # fmt: skip
 
     def metric_values(self) -> dict[str, float]:
-        return {"eval/busy": float(self.busy), "eval/points_total": len(self.results)}
+        return {"eval/busy": float(self.busy), "eval/points_total": len(self.results),
+                "eval/points_skipped_total": sum(1 for r in self.results if r["skipped"])}  # fmt: skip
+
+
+async def evaluate_dataset(client, tokenizer, reward_fn, config, name: str, rows: list[dict], params: dict) -> dict:
+    """n samples per held-out prompt on `client`'s engines; mean reward and version facts."""
+
+    async def one(row: dict) -> Sample:
+        ids = tokenizer.prompt_ids(row["prompt"], config.apply_chat_template)
+        s = Sample(prompt=row["prompt"], label=row["label"], metadata=dict(row["metadata"]))
+        resp = await client.generate({"input_ids": ids, "sampling_params": params, "return_logprob": True})
+        apply_response(s, ids, resp)
+        await score_sample(reward_fn, config, s)
+        return s
+
+    samples = await asyncio.gather(*(one(r) for r in rows for _ in range(config.n_samples_per_eval_prompt)))
+    rewards = [float(s.reward or 0.0) for s in samples]
+    versions = [min(s.weight_versions) for s in samples if s.weight_versions]
+    out = {f"eval/{name}": sum(rewards) / len(rewards)}
+    if versions:
+        out[f"eval/{name}/weight_version/mean"] = sum(versions) / len(versions)
+        out[f"eval/{name}/weight_version/mixed_version_ratio"] = sum(
+            len(set(s.weight_versions)) > 1 for s in samples
+        ) / len(samples)
+    return out

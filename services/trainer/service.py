@@ -46,6 +46,7 @@ from asyncrl_proto import (
 from asyncrl_proto.codec import DecodeError
 from asyncrl_proto.messages import flatten_group
 from services.buffer.core import load_object
+from services.common.config import eval_backend
 from services.common.runtime import Service
 from services.model.hf_io import load_model, save_model
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -122,6 +123,8 @@ class TrainerService(Service):
         self.uncommitted: dict[int, list[int]] = {}  # step -> group indices, until committed
         self.resumed_from: int | None = None
         self.dp = None
+        self.eval_pending: set[int] = set()  # eval points requested and not yet answered
+        self._eval_done = asyncio.Event()
 
     async def setup(self) -> None:
         s = self.bus.subjects
@@ -389,9 +392,44 @@ class TrainerService(Service):
                 await asyncio.sleep(0.5)
 
     async def _request_eval(self, step: int, final: bool) -> None:
-        req = EvalRequest(step=step, version=self.version, final=final, requested_at=time.time())
+        """Dispatch an eval point (SPEC.md section 7): at most --eval-max-in-flight pending, then
+        wait for the oldest (backpressure) or skip as `busy` (never the final point); snapshot
+        backends get a fresh export in --eval-hf-dir, or the --save-hf checkpoint of the step."""
+        c = self.config
+        while len(self.eval_pending) >= c.eval_max_in_flight:
+            if c.eval_overflow_policy == "skip" and not final:
+                await self._publish_eval_skip(step, "busy")
+                return
+            self._eval_done.clear()
+            await self._eval_done.wait()
+        uri, exported, export_s = "", False, 0.0
+        if eval_backend(c) != "shared":
+            if c.eval_hf_dir:
+                path = Path(c.eval_hf_dir) / f"step_{step}"
+                t0 = time.perf_counter()
+                try:
+                    await asyncio.to_thread(save_model, self.model, path, c.hf_checkpoint)
+                except Exception as e:
+                    log.error("exporting the eval snapshot of step %d to %s failed: %s", step, path, e)
+                    await asyncio.to_thread(shutil.rmtree, path, True)  # a failed export leaves nothing behind
+                    await self._publish_eval_skip(step, "export_failed")
+                    return
+                uri, exported, export_s = str(path), True, time.perf_counter() - t0  # paths are absolute (launcher)
+            elif step == 0:
+                uri = c.hf_checkpoint  # the initial weights, before any save
+            else:
+                uri = str(Path(c.save_hf) / f"step_{step}")
+        req = EvalRequest(step=step, version=self.version, snapshot_uri=uri, final=final, requested_at=time.time(),
+                          exported=exported, export_time_s=export_s)  # fmt: skip
+        self.eval_pending.add(step)
         # one request per eval point, even when a resumed trainer passes the point again
         await self.bus.publish_durably([(self.bus.subjects.eval_requests, req, f"eval-{step}")], f"eval request {step}")
+
+    async def _publish_eval_skip(self, step: int, reason: str) -> None:
+        res = EvalResult(step=step, version=self.version, skipped_reason=reason,
+                         metrics={f"eval/skipped_{reason}": 1.0, "eval/step": step})  # fmt: skip
+        log.warning("eval point %d skipped: %s", step, reason)
+        await self.bus.publish_durably([(self.bus.subjects.eval_results, res, None)], f"eval skip {step}")
 
     async def _on_eval_result(self, msg) -> None:
         with contextlib.suppress(*DecodeError):
@@ -399,6 +437,8 @@ class TrainerService(Service):
             metrics = dict(res.metrics)
             metrics["eval/lag_steps"] = self.step - res.step
             self.pending_eval.append(metrics)
+            self.eval_pending.discard(res.step)
+            self._eval_done.set()
 
     async def _on_producer_heartbeat(self, msg) -> None:
         self.last_producer_seen = time.monotonic()

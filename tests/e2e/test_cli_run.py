@@ -44,6 +44,15 @@ def assert_nothing_left(run_dir: Path) -> None:
     pids = json.loads((run_dir / "pids.json").read_text())
     alive = {name: pid for name, pid in pids.items() if name != "launcher" and pid_alive(pid)}
     assert not alive, f"processes outlived the run: {alive}"
+    # and nothing they started themselves (fleet engines, trainer ranks): no process mentions the run
+    mine = str(run_dir)
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            assert mine not in cmdline or not pid_alive(int(proc.name)), f"left running: {cmdline}"
 
 
 def test_sync_entrypoint_rejects_fully_async(tmp_path):
@@ -189,3 +198,74 @@ def test_megatron_backend_trains_and_its_snapshots_serve(tmp_path):
     result = json.loads((run_dir / "result.json").read_text())
     # the final eval ran on the engines at version 3: they loaded the Megatron-trained HF snapshot
     assert result["evals"]["3"]["eval/reverse-digits/weight_version/mean"] == 3.0
+
+
+def test_dedicated_eval_fleet(tmp_path):
+    run_dir = tmp_path / "run"
+    r = asyncrl("train-async", "--fully-async", *SMALL, "--num-rollout", "4", "--eval-num-gpus", "1",
+                "--eval-interval", "2", "--eval-hf-dir", str(run_dir / "evalhf"), "--run-dir", str(run_dir), cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    evals = json.loads((run_dir / "result.json").read_text())["evals"]
+    assert set(evals) == {"0", "2", "4"}
+    for step, m in evals.items():  # snapshot points: the fleet ran exactly the snapshot of the step
+        assert m["eval/reverse-digits/weight_version/mean"] == int(step) == m["eval/step"]
+        assert m["eval/reverse-digits/weight_version/mixed_version_ratio"] == 0.0
+        assert m["eval/export_time_seconds"] > 0
+    assert len(list((run_dir / "evalhf").iterdir())) == 2  # retired down to --eval-keep-snapshots
+    assert (run_dir / "logs" / "eval-engine-0.log").exists()
+    assert_nothing_left(run_dir)
+
+
+def test_external_evaluator_attached_to_an_sglang_protocol_server(tmp_path, tiny_model_dir):
+    from tests.conftest import EngineThread
+
+    run_dir = tmp_path / "run"
+    with EngineThread(tiny_model_dir) as server:
+        env = {**os.environ, "ASYNCRL_EVAL_SERVER_URL": server.url}
+        r = subprocess.run(
+            [sys.executable, "-m", "services.cli", "train-async", "--fully-async", *SMALL, "--num-rollout", "2",
+             "--eval-function-path", "services.eval.reference.SGLangServerEval", "--eval-interval", "2",
+             "--eval-hf-dir", str(run_dir / "evalhf"), "--run-dir", str(run_dir)],
+            cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert server.scheduler.weight_version == "2"  # the evaluator pinned the server to step 2's snapshot
+    evals = json.loads((run_dir / "result.json").read_text())["evals"]
+    assert evals["2"]["eval/reverse-digits/weight_version/mean"] == 2.0 and "eval/skipped_crashed" not in evals["2"]
+
+
+SLOW_EVAL = """
+import time
+from services.api import CheckpointEvalFn
+
+class SlowEval(CheckpointEvalFn):
+    def evaluate_checkpoint(self, checkpoint_dir, input):
+        time.sleep(1.5)  # a slow external benchmark
+        return {"slow": 1.0}
+"""
+
+
+def test_busy_points_are_skipped_and_failed_exports_reported(tmp_path):
+    (tmp_path / "sloweval.py").write_text(SLOW_EVAL)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    run_dir = tmp_path / "run"
+    base = [sys.executable, "-m", "services.cli", "train-async", "--fully-async", *SMALL, "--num-rollout", "6",
+            "--eval-function-path", "sloweval.SlowEval", "--eval-interval", "1", "--skip-eval-before-train"]  # fmt: skip
+    r = subprocess.run([*base, "--eval-hf-dir", str(run_dir / "evalhf"), "--eval-max-in-flight", "1",
+                        "--eval-overflow-policy", "skip", "--run-dir", str(run_dir)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    evals = json.loads((run_dir / "result.json").read_text())["evals"]
+    busy = [s for s, m in evals.items() if "eval/skipped_busy" in m]
+    assert busy and "6" not in busy and evals["6"]["eval/slow"] == 1.0  # the final point is never skipped
+    # a snapshot directory that cannot be written: every point reports export_failed, the run goes on
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")
+    run2 = tmp_path / "run2"
+    r = subprocess.run([*base, "--eval-hf-dir", str(blocked), "--run-dir", str(run2)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    evals = json.loads((run2 / "result.json").read_text())["evals"]
+    assert all("eval/skipped_export_failed" in m for m in evals.values()) and set(evals) == {
+        str(i) for i in range(1, 7)
+    }

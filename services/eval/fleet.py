@@ -1,0 +1,95 @@
+"""The dedicated eval fleet: engines owned by the eval service, pinned to a snapshot per point.
+
+Fleet engines inherit every engine setting of the rollout engines; `--eval-sglang-<flag> V`
+overrides one (`--no-eval-sglang-<flag>` turns a boolean off). When the fleet's tensor-parallel
+size differs from the rollout's, the data/pipeline/expert/attention-context parallel sizes are
+not inherited (they default to 1), since they were chosen for the rollout's layout.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from services.common import procs
+
+TP_FLAGS = ("--tp-size", "--tp", "--tensor-parallel-size")
+NOT_INHERITED_ACROSS_TP = ("--dp-size", "--dp", "--pp-size", "--pp", "--ep-size", "--ep", "--attn-cp-size")
+
+
+def parse_flags(args: list[str]) -> dict[str, str | None]:
+    """['--a', '1', '--b', '--c=2'] -> {'--a': '1', '--b': None, '--c': '2'} (order kept)."""
+    out: dict[str, str | None] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if "=" in arg:
+            k, v = arg.split("=", 1)
+            out[k] = v
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            out[arg] = args[i + 1]
+            i += 1
+        else:
+            out[arg] = None
+        i += 1
+    return out
+
+
+def tp_of(flags: dict[str, str | None], default: int) -> int:
+    for k in TP_FLAGS:
+        if flags.get(k) is not None:
+            return int(flags[k])
+    return default
+
+
+def fleet_server_args(rollout_args: list[str], overrides: list[str], rollout_tp: int, eval_tp: int) -> list[str]:
+    """The fleet's engine arguments: the rollout's, then the eval overrides."""
+    flags = parse_flags(rollout_args)
+    over = parse_flags(overrides)
+    eval_tp = tp_of(over, eval_tp)
+    if eval_tp != tp_of(flags, rollout_tp):
+        for k in NOT_INHERITED_ACROSS_TP:
+            flags.pop(k, None)
+    for k, v in over.items():
+        if k.startswith("--no-"):
+            flags.pop("--" + k[len("--no-") :], None)
+        else:
+            flags[k] = v
+    for k in TP_FLAGS:
+        flags.pop(k, None)
+    flags["--tp-size"] = str(eval_tp)
+    out: list[str] = []
+    for k, v in flags.items():
+        out += [k] if v is None else [k, v]
+    return out
+
+
+# the built-in engine's own flags (a subset of SGLang's names) that a fleet engine inherits
+BUILTIN_FLAGS = ("--max-running-requests", "--context-length", "--random-seed", "--torch-num-threads")
+
+
+def launch_fleet(config, log_dir: Path) -> tuple[list[subprocess.Popen], list[str]]:
+    """Start the fleet's engines (children of the eval service: they die with it)."""
+    n = config.eval_num_gpus // max(config.eval_num_gpus_per_engine, 1)
+    children, urls = [], []
+    for i in range(n):
+        port = procs.free_port()
+        if config.engine == "sglang":
+            args = fleet_server_args(list(config.sglang_server_args), list(config.eval_sglang_args),
+                                     config.rollout_num_gpus_per_engine, config.eval_num_gpus_per_engine)  # fmt: skip
+            cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", config.hf_checkpoint,
+                   "--host", "127.0.0.1", "--port", str(port), "--enable-metrics", "--skip-server-warmup", *args]  # fmt: skip
+        else:
+            inherited = ["--max-running-requests", str(config.engine_max_running_requests),
+                         "--torch-num-threads", str(config.torch_num_threads), "--random-seed", str(config.seed + 100 + i)]  # fmt: skip
+            flags = parse_flags(inherited)
+            flags.update({k: v for k, v in parse_flags(list(config.eval_sglang_args)).items() if k in BUILTIN_FLAGS})
+            cmd = [sys.executable, "-m", "services.engine", "--model-path", config.hf_checkpoint, "--port", str(port),
+                   "--weight-version", "0"]  # fmt: skip
+            for k, v in flags.items():
+                cmd += [k] if v is None else [k, v]
+        children.append(procs.spawn(cmd, log_path=log_dir / f"eval-engine-{i}.log", env=os.environ.copy()))
+        urls.append(f"http://127.0.0.1:{port}")
+    return children, urls

@@ -1,0 +1,54 @@
+"""A reference CheckpointEvalFn: evaluate each snapshot on any server that speaks the SGLang
+HTTP protocol (a real SGLang server, the SGLang router, or asyncrl's built-in engine).
+
+    --eval-function-path services.eval.reference.SGLangServerEval
+    ASYNCRL_EVAL_SERVER_URL=http://host:port   (the server to attach to)
+
+Per snapshot: load it on the server (update_weights_from_disk, weight_version = str(step)),
+read the version back (one retry, else EvalSkip("pin_violation")), generate the held-out prompts
+and score them with the run's reward. A server that is not healthy skips as "unhealthy".
+"""
+
+from __future__ import annotations
+
+import os
+
+from services.common.sglang_client import SGLangClient
+from services.eval.contract import CheckpointEvalFn, EvalSkip
+from services.model.tokenizer import Tokenizer
+from services.rollout.rewards import resolve_reward
+
+SERVER_ENV = "ASYNCRL_EVAL_SERVER_URL"
+
+
+class SGLangServerEval(CheckpointEvalFn):
+    def __init__(self, config):
+        super().__init__(config)
+        url = os.environ.get(SERVER_ENV)
+        if not url:
+            raise ValueError(f"{type(self).__name__} needs {SERVER_ENV}=http://host:port: the server to evaluate on")
+        self.url = url
+        self.tokenizer = Tokenizer(config.hf_checkpoint)
+        self.reward_fn = resolve_reward(config)
+
+    async def evaluate_checkpoint(self, checkpoint_dir: str, input: dict) -> dict[str, float]:  # noqa: A002
+        from services.eval.service import evaluate_dataset
+
+        client = SGLangClient([self.url])
+        try:
+            if not await client.health_generate(client.urls[0], timeout=30.0):
+                raise EvalSkip("unhealthy")
+            version = str(input["step"])
+            for _attempt in range(2):
+                await client.update_weights_from_disk(client.urls[0], checkpoint_dir, version)
+                if str((await client.model_info(client.urls[0])).get("weight_version")) == version:
+                    break
+            else:
+                raise EvalSkip("pin_violation")
+            metrics: dict[str, float] = {}
+            for name, rows in input["datasets"].items():
+                metrics.update(await evaluate_dataset(client, self.tokenizer, self.reward_fn, self.config, name, rows,
+                                                      input["sampling_params"]))  # fmt: skip
+            return metrics
+        finally:
+            await client.close()

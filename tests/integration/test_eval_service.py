@@ -1,0 +1,132 @@
+"""The eval service's backends against a real nats-server and real engines: a pinned fleet
+point, every skip reason, an external evaluator, snapshot retirement."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl_proto import EvalRequest, EvalResult, decode
+from services.api import CheckpointEvalFn, EvalSkip, RunConfig
+from services.common.bus import Bus, fetch_some
+from services.eval.service import EvalService
+from services.model.hf_io import COMPLETE_MARKER, load_model, save_model
+from tests.conftest import EngineThread, start_service
+
+
+class GoodEval(CheckpointEvalFn):
+    def evaluate_checkpoint(self, checkpoint_dir, input):
+        return {"custom-set": 0.5, "eval/custom-set/extra": float(input["step"])}
+
+
+class SkippingEval(CheckpointEvalFn):
+    async def evaluate_checkpoint(self, checkpoint_dir, input):
+        raise EvalSkip("too_early")
+
+
+class CrashingEval(CheckpointEvalFn):
+    def evaluate_checkpoint(self, checkpoint_dir, input):
+        raise RuntimeError("evaluator bug")
+
+
+def config(task_data, model_dir, run_dir, **kw) -> RunConfig:
+    base = dict(hf_checkpoint=str(model_dir), prompt_data=str(task_data[0]), run_dir=str(run_dir),
+                eval_prompt_data=["heldout", str(task_data[1])], n_samples_per_eval_prompt=1, eval_interval=1,
+                eval_hf_dir=str(run_dir / "evalhf"), rollout_engine_urls=["http://127.0.0.1:1"], eval_keep_snapshots=2)  # fmt: skip
+    base.update(kw)
+    return RunConfig(**base)
+
+
+async def ask(bus: Bus, req: EvalRequest) -> EvalResult:
+    s = bus.subjects
+    sub = await bus.pull(s.eval_stream, s.eval_results, durable=f"t{req.step}-{id(req)}")
+    await bus.publish(s.eval_requests, req)
+    for _ in range(60):
+        for m in await fetch_some(sub, 1, 1.0):
+            res = decode(m.data, EvalResult)
+            await m.ack()
+            if res.step == req.step:
+                return res
+    raise TimeoutError(f"no result for step {req.step}")
+
+
+def snapshot(model_dir, path, complete=True) -> str:
+    save_model(load_model(model_dir), path, model_dir)
+    if not complete:
+        (path / COMPLETE_MARKER).unlink()
+    return str(path)
+
+
+async def test_fleet_pins_each_point_to_its_snapshot(nats_server, run_id, task_data, tiny_model_dir, tmp_path):
+    with EngineThread(tiny_model_dir) as fleet:
+        cfg = config(task_data, tiny_model_dir, tmp_path, eval_engine_urls=[fleet.url])
+        svc = await start_service(EvalService, cfg, nats_server.url, run_id)
+        bus = await Bus.connect(nats_server.url, run_id, "test")
+        try:
+            res = await ask(bus, EvalRequest(step=3, version=3, snapshot_uri=snapshot(tiny_model_dir, tmp_path / "s3")))
+            m = res.metrics
+            assert res.skipped_reason is None and m["eval/step"] == 3 and "eval/heldout" in m
+            assert m["eval/heldout/weight_version/mean"] == 3.0  # every sample came from the pinned snapshot
+            assert m["eval/heldout/weight_version/mixed_version_ratio"] == 0.0
+            missing = await ask(
+                bus,
+                EvalRequest(step=4, version=4, snapshot_uri=snapshot(tiny_model_dir, tmp_path / "s4", complete=False)),
+            )
+            assert missing.skipped_reason == "ckpt_missing" and missing.metrics["eval/skipped_ckpt_missing"] == 1.0
+            # an engine that does not take the version: the pin does not hold
+            real = fleet.scheduler.update_weights_from_disk
+            fleet.scheduler.update_weights_from_disk = lambda path, version, **kw: real(path, None, **kw)
+            pin = await ask(bus, EvalRequest(step=5, version=5, snapshot_uri=snapshot(tiny_model_dir, tmp_path / "s5")))
+            assert pin.skipped_reason == "pin_violation"
+        finally:
+            await svc.stop()
+            await bus.close()
+
+
+async def test_an_unhealthy_fleet_skips(nats_server, run_id, task_data, tiny_model_dir, tmp_path):
+    fleet = EngineThread(tiny_model_dir).__enter__()
+    cfg = config(task_data, tiny_model_dir, tmp_path, eval_engine_urls=[fleet.url])
+    svc = await start_service(EvalService, cfg, nats_server.url, run_id)
+    bus = await Bus.connect(nats_server.url, run_id, "test")
+    try:
+        fleet.__exit__(None, None, None)  # the fleet engine goes away after start-up
+        res = await ask(bus, EvalRequest(step=2, version=2, snapshot_uri=snapshot(tiny_model_dir, tmp_path / "s2")))
+        assert res.skipped_reason == "unhealthy" and res.metrics["eval/skipped_unhealthy"] == 1.0
+    finally:
+        await svc.stop()
+        await bus.close()
+
+
+@pytest.mark.parametrize(
+    ("cls", "expect"), [("GoodEval", None), ("SkippingEval", "too_early"), ("CrashingEval", "crashed")]
+)
+async def test_external_evaluator(nats_server, run_id, task_data, tiny_model_dir, tmp_path, cls, expect):
+    cfg = config(task_data, tiny_model_dir, tmp_path, eval_function_path=f"{__name__}.{cls}")
+    svc = await start_service(EvalService, cfg, nats_server.url, run_id)
+    bus = await Bus.connect(nats_server.url, run_id, "test")
+    try:
+        res = await ask(bus, EvalRequest(step=1, version=1, snapshot_uri=snapshot(tiny_model_dir, tmp_path / "s1")))
+        assert res.skipped_reason == expect
+        if expect is None:
+            assert res.metrics["eval/custom-set"] == 0.5 and res.metrics["eval/custom-set/extra"] == 1.0
+        else:
+            assert res.metrics[f"eval/skipped_{expect}"] == 1.0
+    finally:
+        await svc.stop()
+        await bus.close()
+
+
+async def test_exported_snapshots_retire_and_others_stay(nats_server, run_id, task_data, tiny_model_dir, tmp_path):
+    cfg = config(task_data, tiny_model_dir, tmp_path, eval_function_path=f"{__name__}.GoodEval")
+    svc = await start_service(EvalService, cfg, nats_server.url, run_id)
+    bus = await Bus.connect(nats_server.url, run_id, "test")
+    try:
+        ours = [snapshot(tiny_model_dir, tmp_path / "evalhf" / f"step_{i}") for i in range(4)]
+        theirs = snapshot(tiny_model_dir, tmp_path / "users-checkpoint")
+        for i, path in enumerate(ours):
+            await ask(bus, EvalRequest(step=i, version=i, snapshot_uri=path, exported=True, export_time_s=0.1))
+        await ask(bus, EvalRequest(step=9, version=9, snapshot_uri=theirs))
+        assert [p.name for p in sorted((tmp_path / "evalhf").iterdir())] == ["step_2", "step_3"]
+        assert (tmp_path / "users-checkpoint" / COMPLETE_MARKER).exists()
+    finally:
+        await svc.stop()
+        await bus.close()

@@ -1,0 +1,56 @@
+"""Eval flag combinations that cannot work, and the fleet's engine settings."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.cli import _resolve
+from services.common.config import ConfigError, eval_backend, resolve_config
+from services.eval.fleet import fleet_server_args
+
+RULES = [
+    ({"eval_num_gpus": 1, "eval_function_path": "m.C"}, "each select an eval backend: pass one of them"),
+    ({"eval_num_gpus": 1, "eval_hf_dir": "/x"}, "Snapshot eval requires --eval-interval."),
+    ({"eval_function_path": "m.C", "eval_interval": 5},
+     "Snapshot eval requires a snapshot source: set --eval-hf-dir (staging exports) or --save-hf (reuse periodic HF checkpoints)."),
+    ({"eval_num_gpus": 1, "eval_interval": 5, "save_hf": "/h", "save": "/s", "save_interval": 2},
+     "needs --eval-interval (5) to be a multiple of --save-interval (2)"),
+    ({"eval_max_in_flight": 0}, "--eval-max-in-flight must be >= 1"),
+    ({"eval_num_gpus": 3, "eval_num_gpus_per_engine": 2, "eval_interval": 2, "eval_hf_dir": "/x"}, "must be a multiple of --eval-num-gpus-per-engine"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fields", "message"), RULES)
+def test_eval_validation(fields, message):
+    with pytest.raises(ConfigError) as e:
+        resolve_config(fields, environ={})
+    assert message in str(e.value)
+
+
+def test_backend_selection():
+    assert eval_backend(resolve_config({}, environ={})) == "shared"
+    assert (
+        eval_backend(resolve_config({"eval_num_gpus": 2, "eval_interval": 2, "eval_hf_dir": "/x"}, environ={}))
+        == "fleet"
+    )
+    cfg = resolve_config({"eval_function_path": "m.C", "eval_interval": 4, "save_hf": "/h", "save": "/s", "save_interval": 2},
+                         environ={})  # fmt: skip
+    assert eval_backend(cfg) == "external"
+
+
+def test_fleet_inherits_rollout_settings_with_overrides():
+    rollout = ["--mem-fraction-static", "0.8", "--enable-torch-compile", "--dp-size", "2", "--tp-size", "2"]
+    same_tp = fleet_server_args(rollout, ["--mem-fraction-static", "0.5", "--no-enable-torch-compile"], 2, 2)
+    assert same_tp == ["--mem-fraction-static", "0.5", "--dp-size", "2", "--tp-size", "2"]
+    other_tp = fleet_server_args(rollout + ["--pp-size", "2", "--attn-cp-size", "2"], [], 2, 1)
+    assert "--dp-size" not in other_tp and "--pp-size" not in other_tp and "--attn-cp-size" not in other_tp
+    assert other_tp[-2:] == ["--tp-size", "1"] and "--enable-torch-compile" in other_tp
+    explicit = fleet_server_args(rollout, ["--tp-size", "4", "--dp-size", "3"], 2, 1)
+    assert explicit[explicit.index("--dp-size") + 1] == "3" and explicit[-1] == "4"
+
+
+def test_eval_sglang_flags_on_the_command_line():
+    c = _resolve("asyncrl train-async", ["--eval-sglang-mem-fraction-static", "0.4", "--no-eval-sglang-enable-torch-compile",
+                                          "--sglang-enable-torch-compile"], sync=False)  # fmt: skip
+    assert c.eval_sglang_args == ["--mem-fraction-static", "0.4", "--no-enable-torch-compile"]
+    assert c.sglang_server_args == ["--enable-torch-compile"]
