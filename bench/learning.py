@@ -40,7 +40,9 @@ def run(mode: list[str], seed: int, steps: int, interval: int, run_dir: Path) ->
     t0 = recs[0]["time"] - recs[0]["perf/elapsed_s"]  # the training loop's start
     by_step = {r["step"] + 1: r["time"] - t0 for r in recs}
     by_step[0] = 0.0
-    key = next(k for k in evals[0] if k.startswith("eval/") and k.count("/") == 1 and k != "eval/step" and "duration" not in k)
+    key = next(
+        k for k in evals[0] if k.startswith("eval/") and k.count("/") == 1 and k != "eval/step" and "duration" not in k
+    )
     points = sorted((e["step"], by_step.get(e["step"], 0.0), e[key]) for e in evals if not e.get("skipped"))
     return {"points": points, "loop_wall_s": recs[-1]["perf/elapsed_s"]}
 
