@@ -38,6 +38,28 @@ def test_compose_commands_are_valid_cli_invocations(name, monkeypatch):
     check_argv(compose_commands()[name][1:])
 
 
+def k8s_commands() -> dict[str, list[str]]:
+    out = {}
+    for doc in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "asyncrl.yaml").read_text()):
+        spec = (doc.get("spec") or {}).get("template", {}).get("spec", {})
+        for c in spec.get("containers", []):
+            if c.get("command", [None])[0] == "asyncrl":
+                out[f"{doc['metadata']['name']}/{c['name']}"] = c["command"]
+    return out
+
+
+def test_k8s_runs_every_service_and_scales_producers_separately():
+    names = set(k8s_commands())
+    assert {"asyncrl-init/init", "asyncrl-engine/engine", "asyncrl-buffer/buffer", "asyncrl-rollout/rollout",
+            "asyncrl-trainer/trainer", "asyncrl-weight-sync/weight-sync", "asyncrl-eval/eval"} <= names  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(k8s_commands()))
+def test_k8s_commands_are_valid_cli_invocations(name, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    check_argv(k8s_commands()[name][1:])
+
+
 def test_check_argv_rejects_bad_flags():
     with pytest.raises(SystemExit):
         check_argv(["service", "buffer", "--nats-url", "x", "--run-id", "r", "--no-such-flag"])
