@@ -36,6 +36,7 @@ from asyncrl_proto import (
     Sample,
     decode,
     encode,
+    group_id,
 )
 from services.common import procs
 from services.common.bus import Bus, fetch_some, next_batch
@@ -59,7 +60,7 @@ def make_group(p: PromptMsg, size_bytes: int, n: int = 4) -> RolloutGroup:
         for i in range(n)
     ]
     return RolloutGroup(
-        group_id=f"g{p.group_index}-a{p.attempt}", group_index=p.group_index, attempt=p.attempt, samples=samples
+        group_id=group_id(p.group_index, p.attempt), group_index=p.group_index, attempt=p.attempt, samples=samples
     )
 
 

@@ -26,6 +26,7 @@ from asyncrl_proto.messages import (
     SampleStatus,
     WeightsLive,
     WeightsPublished,
+    group_id,
 )
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "SampleStatus",
     "WeightsLive",
     "WeightsPublished",
+    "group_id",
     "decode",
     "encode",
 ]

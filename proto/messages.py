@@ -13,6 +13,12 @@ from typing import Any
 import msgspec
 
 
+def group_id(group_index: int, attempt: int) -> str:
+    """One id per release attempt of a prompt; producers publish the group under it as its
+    Nats-Msg-Id, and the buffer's ledger names the group by it."""
+    return f"g{group_index}-a{attempt}"
+
+
 class SampleStatus(str, enum.Enum):
     """Lifecycle of one trajectory. The engine's finish_reason maps stop -> COMPLETED,
     length -> TRUNCATED, abort -> ABORTED. FAILED (e.g. a reward function raised) is not
@@ -33,7 +39,8 @@ class Sample(msgspec.Struct, kw_only=True):
     """Global sample index: unique, increasing; group_index * n + position in the group."""
     group_index: int | None = None
     """Index of the prompt group this sample belongs to (kept across retries)."""
-    prompt: str | list[int] = ""
+    prompt: Any = ""
+    """Text, token ids, or chat messages (a list of {"role", "content"} dicts)."""
     label: Any = None
     tokens: list[int] = msgspec.field(default_factory=list)
     """Prompt token ids followed by response token ids."""
@@ -67,6 +74,17 @@ class Sample(msgspec.Struct, kw_only=True):
         self.status = SampleStatus.ABORTED
 
 
+def scalar_reward(sample: Sample, reward_key: str | None = None) -> float:
+    """The number a sample's reward stands for: a float as is, a dict's `--reward-key` entry,
+    and 0.0 for no reward (a FAILED sample)."""
+    r = sample.reward
+    if isinstance(r, dict):
+        if reward_key is None:
+            raise ValueError("rewards are dicts: set --reward-key to choose the entry to train and report on")
+        return float(r[reward_key])
+    return float(r if r is not None else 0.0)
+
+
 def flatten_group(group: list[Any]) -> list[Sample]:
     """A trajectory may itself be a list of Samples (multi-agent, compaction): flatten one level."""
     out: list[Sample] = []
@@ -88,7 +106,8 @@ class PromptMsg(msgspec.Struct, kw_only=True):
     """A released prompt on the PROMPTS work queue. A producer turns it into one group."""
 
     group_index: int
-    prompt: str | list[int]
+    prompt: Any
+    """Text, token ids, or chat messages (a list of {"role", "content"} dicts)."""
     label: Any = None
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)
     attempt: int = 0
@@ -192,7 +211,7 @@ class ControlMsg(msgspec.Struct, kw_only=True):
     """Small control-plane commands (core NATS)."""
 
     command: str
-    """pause_submission | resume_submission | shutdown"""
+    """pause_submission | resume_submission (producers; a shared-engine eval sends them)"""
     reason: str = ""
     token: str = ""
     issued_at: float = 0.0
@@ -283,7 +302,7 @@ class SampleView(msgspec.Struct, kw_only=True):
 
     index: int | None = None
     group_index: int | None = None
-    prompt: str | list[int] = ""
+    prompt: Any = ""
     label: Any = None
     response_length: int = 0
     reward: float | dict[str, float] | None = None

@@ -149,6 +149,7 @@ class Subjects(Struct, frozen=True):
                 "subjects": [self.eval_requests, self.eval_results],
                 "retention": "limits",
                 "storage": "file",
+                "duplicate_window": 600.0,
             },
             {
                 "name": self.progress_stream,

@@ -30,6 +30,7 @@ from asyncrl_proto.subjects import check_run_id
 from services.common import procs
 from services.common.config import RunConfig
 from services.common.natsserver import EmbeddedNats
+from services.engine.commands import builtin_engine_command, builtin_engine_flags, sglang_server_command
 
 SERVICE_MODULES = {
     "buffer": "services.buffer",
@@ -123,18 +124,17 @@ def sglang_engine_commands(c: RunConfig, ports: list[int]) -> list[tuple[list[st
     out, g = [], c.rollout_num_gpus_per_engine
     extra = list(c.sglang_server_args)
     for i, port in enumerate(ports):
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", c.hf_checkpoint, "--host", "127.0.0.1",
-               "--port", str(port), "--weight-version", "0", "--enable-metrics", "--skip-server-warmup",
-               "--random-seed", str(c.seed + i)]  # fmt: skip
+        args = ["--weight-version", "0"]
         if not {"--tp-size", "--tp"} & {a.split("=")[0] for a in extra}:
-            cmd += ["--tp-size", str(g)]
-        out.append((cmd + extra, {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in range(i * g, (i + 1) * g))}))
+            args += ["--tp-size", str(g)]
+        cmd = sglang_server_command(c.hf_checkpoint, port, c.seed + i, args + extra)
+        out.append((cmd, {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in range(i * g, (i + 1) * g))}))
     return out
 
 
 class Child:
-    def __init__(self, name: str, cmd: list[str], proc: subprocess.Popen):
-        self.name, self.cmd, self.proc = name, cmd, proc
+    def __init__(self, name: str, cmd: list[str], env: dict, proc: subprocess.Popen):
+        self.name, self.cmd, self.env, self.proc = name, cmd, env, proc
         self.restarts = 0
 
 
@@ -161,10 +161,9 @@ class Launcher:
         return env
 
     def _spawn(self, name: str, cmd: list[str], extra_env: dict | None = None) -> subprocess.Popen:
-        proc = procs.spawn(
-            cmd, log_path=self.run_dir / "logs" / f"{name}.log", env={**self._env(), **(extra_env or {})}
-        )
-        self.children.append(Child(name, cmd, proc))
+        env = {**self._env(), **(extra_env or {})}
+        proc = procs.spawn(cmd, log_path=self.run_dir / "logs" / f"{name}.log", env=env)
+        self.children.append(Child(name, cmd, env, proc))
         self._write_pids()
         return proc
 
@@ -199,11 +198,8 @@ class Launcher:
         pins = procs.split_cpus(c.rollout_num_engines) if c.pin_cpus else None
         for i in range(c.rollout_num_engines):
             port = procs.free_port()
-            self._spawn(f"engine-{i}", [
-                sys.executable, "-m", "services.engine", "--model-path", c.hf_checkpoint, "--port", str(port),
-                "--weight-version", "0", "--max-running-requests", str(c.engine_max_running_requests),
-                "--torch-num-threads", str(c.torch_num_threads), "--random-seed", str(c.seed + i),
-            ], extra_env={procs.CPU_ENV: pins[0][i]} if pins else None)  # fmt: skip
+            cmd = builtin_engine_command(c.hf_checkpoint, port, builtin_engine_flags(c, c.seed + i))
+            self._spawn(f"engine-{i}", cmd, extra_env={procs.CPU_ENV: pins[0][i]} if pins else None)
             urls.append(f"http://127.0.0.1:{port}")
             self.services[f"engine-{i}"] = urls[-1]
         return urls
@@ -279,7 +275,7 @@ class Launcher:
                 f"  {c.name} (pid {c.proc.pid}) exited with code {code}; "
                 f"restarting ({c.restarts}/{self.config.service_restarts})"
             )
-            c.proc = procs.spawn(c.cmd, log_path=self.run_dir / "logs" / f"{c.name}.log", env=self._env())
+            c.proc = procs.spawn(c.cmd, log_path=self.run_dir / "logs" / f"{c.name}.log", env=c.env)
             self._write_pids()
 
     def _restart_nats(self) -> None:
@@ -319,7 +315,13 @@ class Launcher:
             if c.mode == "sync" and c.total_steps not in self.evals:
                 await bus.publish(
                     bus.subjects.eval_requests,
-                    EvalRequest(step=c.total_steps, version=self._final_version(), final=True),
+                    EvalRequest(
+                        step=c.total_steps,
+                        version=self._final_version(),
+                        final=True,
+                        snapshot_uri=self._final_snapshot(),
+                        requested_at=time.time(),
+                    ),  # fmt: skip
                 )
             await self._wait_final_eval()
         finally:
@@ -328,6 +330,16 @@ class Launcher:
 
     def _final_version(self) -> int:
         return int(self.done.record.get("weight_version", 0)) if self.done else 0
+
+    def _final_snapshot(self) -> str:
+        """The final weights as an HF snapshot, for the snapshot eval backends: the last step's
+        --save-hf checkpoint, else the last pushed version, else the initial checkpoint."""
+        c = self.config
+        if c.save_hf and (Path(c.save_hf) / f"step_{c.total_steps}").is_dir():
+            return str(Path(c.save_hf) / f"step_{c.total_steps}")
+        version = self._final_version()
+        pushed = self.run_dir / "weights" / f"v{version}"
+        return str(pushed.resolve()) if version > 0 and pushed.is_dir() else c.hf_checkpoint
 
     async def _watch(self, bus) -> None:
         while self.done is None:
@@ -434,6 +446,10 @@ def format_progress(step: int, total: int, rec: dict) -> str:
     )
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def launch(config: RunConfig, out=print) -> dict:
     """Run a whole job; returns the summary. Every started process is stopped on every path.
     After training, with the services stopped and the broker still up, the ledger is audited
@@ -441,7 +457,7 @@ def launch(config: RunConfig, out=print) -> dict:
     config = prepare_run(config, log=out)
     launcher = Launcher(config, out=out)
     old_term = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the run the way Ctrl-C does
     try:
         result = asyncio.run(launcher.run())
         launcher.stop_services()

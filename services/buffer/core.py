@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl_proto.messages import Sample, SampleStatus, flatten_group, oldest_weight_version
+from asyncrl_proto.messages import SampleStatus, flatten_group, oldest_weight_version, scalar_reward
 from services.common.config import RunConfig
 
 Group = list[Any]
@@ -209,19 +209,9 @@ class DefaultDataBuffer(DataBuffer):
 
 def check_reward_nonzero_std(config: RunConfig, group: Group) -> DynamicFilterOutput:
     """Built-in dynamic-sampling filter: keep a group iff its rewards are not all equal."""
-    rewards = [_scalar_reward(config, s) for s in flatten_group(group)]
+    rewards = [scalar_reward(s, config.reward_key) for s in flatten_group(group)]
     mean = sum(rewards) / len(rewards)
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
     if std > 1e-8:
         return DynamicFilterOutput(keep=True)
     return DynamicFilterOutput(keep=False, reason=f"zero_std_{round(rewards[0], 1)}")
-
-
-def _scalar_reward(config: RunConfig, sample: Sample) -> float:
-    r = sample.reward
-    if isinstance(r, dict):
-        key = config.reward_key
-        if key is None:
-            raise ValueError("a reward is a dict: set --reward-key to choose which entry to use")
-        return float(r[key])
-    return float(r or 0.0)

@@ -25,7 +25,8 @@ class ReleaseState:
     want_step: int | None
     lookahead: int
     groups_still_needed: int
-    """For sync modes: groups missing from the leases of steps want_step .. want_step+lookahead."""
+    """For sync modes: groups missing from the leases of the uncommitted steps up to
+    want_step + lookahead."""
     stored: int
     outstanding: int
     """Released prompts not yet resolved by a put (in the queue, generating, or unread)."""

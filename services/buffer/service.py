@@ -1,6 +1,6 @@
 """Buffer service: the one place where group-level decisions are made, durably.
 
-Consumes: RolloutGroup messages from ROLLOUTS (durable pull consumer "buffer"); `buffer.get`
+Consumes: RolloutGroup messages from ROLLOUTS (durable push consumer "buffer"); `buffer.get`
   and `buffer.commit` requests from the trainer; `weights.live` (the staleness clock); producer
   heartbeats (their in-flight caps, for the fully-async release policy).
 Produces: PromptMsg on PROMPTS (releases, recycled prompts first); LedgerEvent on LEDGER (every
@@ -119,7 +119,6 @@ class BufferService(Service):
         self._lease_done: dict[int, asyncio.Event] = {}
         self._rollouts = None
         self.raw_of: dict[str, bytes] = {}  # group id -> encoded group, for small groups
-        self._background: set[asyncio.Task] = set()
         self._purging = False
         self._purged_upto = 0
 
@@ -256,7 +255,7 @@ class BufferService(Service):
             self.raw_of[gid] = msg.data
         self._current_put = {
             **common, "stream_seq": msg.metadata.sequence.stream, "oldest_version": oldest_weight_version(group),
-            "recorded": False, "recycled": False,
+            "recorded": False, "recycled": False, "key": id(group),
         }  # fmt: skip
         put = asyncio.ensure_future(self._plugin(self.buffer.put(group), "put"))
         await asyncio.wait({put}, timeout=0.05)
@@ -276,19 +275,18 @@ class BufferService(Service):
         """Record the decision on the group being put. Called the moment it is made (from the
         DefaultDataBuffer's event), before any other coroutine can get the stored group."""
         cur = self._current_put
-        fields = {k: v for k, v in cur.items() if k not in ("recorded", "recycled")}
+        fields = {k: v for k, v in cur.items() if k not in ("recorded", "recycled", "key")}
         self._record("put", outcome=outcome, reason=reason, recycled=recycled, **fields)
         cur["recorded"] = True
         if outcome in ("stored", "accepted"):
             self._stored.set()
         else:
             self.raw_of.pop(cur["group_id"], None)
-            self.gid_of.pop(next((k for k, (g, _) in self.gid_of.items() if g == cur["group_id"]), None), None)
+            self.gid_of.pop(cur["key"], None)
 
     async def _dead_letter(self, msg, reason: str) -> None:
         self.dead_lettered += 1
-        await self.bus.dead_letter(msg.subject, msg.data, reason)
-        await msg.term()
+        await self.bus.dead_letter_msg(msg, reason)
 
     def _on_buffer_event(self, kind: str, group: list, reason: str | None) -> None:
         """The DefaultDataBuffer's decisions, synchronously, as they happen."""
@@ -386,7 +384,7 @@ class BufferService(Service):
 
     # ---- get path ------------------------------------------------------------------------------
     async def _on_get(self, msg) -> None:
-        asyncio.ensure_future(self._handle_get(msg))
+        self.background(self._handle_get(msg), "a get request")
 
     async def _handle_get(self, msg) -> None:
         try:
@@ -508,9 +506,7 @@ class BufferService(Service):
         await msg.respond(encode(BufferCommitReply(step=req.step, num_groups_committed=len(seqs))))
         if seqs and not self._purging:  # trained: their payloads are no longer needed
             self._purging = True
-            task = asyncio.ensure_future(self._purge_trained())
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self.background(self._purge_trained(), "purging trained groups")
 
     async def _purge_trained(self) -> None:
         """Drop ROLLOUTS messages below the oldest one still needed (stored, leased, or not yet

@@ -23,12 +23,9 @@ import collections
 
 import msgspec
 
-from asyncrl_proto import GroupRef, LedgerEvent, PromptMsg
+from asyncrl_proto import GroupRef, LedgerEvent, PromptMsg, group_id
 
-
-def group_id(group_index: int, attempt: int) -> str:
-    """One id per release attempt of a prompt; producers use it as the group's Nats-Msg-Id."""
-    return f"g{group_index}-a{attempt}"
+__all__ = ["group_id"]  # re-exported: the buffer and the audit name groups by it
 
 
 class StoredRef(msgspec.Struct, kw_only=True):

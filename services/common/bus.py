@@ -46,17 +46,17 @@ class Bus:
         self.subjects = subjects
         self.service = service
         self._kv = None
-        self._closing = {"yes": False}
+        self.closing = False
 
     @classmethod
     async def connect(cls, url: str, run_id: str, service: str, connect_timeout_s: float = 30.0) -> Bus:
-        closing = {"yes": False}
+        bus: Bus | None = None  # the callbacks read it once it exists
 
         async def on_error(e: Exception) -> None:
             log.warning("nats (%s): %s", service, e)
 
         async def on_disconnect() -> None:
-            if not closing["yes"]:
+            if bus is None or not bus.closing:
                 log.warning("nats (%s): disconnected, reconnecting", service)
 
         async def on_reconnect() -> None:
@@ -86,11 +86,10 @@ class Bus:
                 log.info("waiting for NATS at %s (%s)", url, e)
                 await asyncio.sleep(0.5)
         bus = cls(nc, Subjects(run_id=run_id), service)
-        bus._closing = closing
         return bus
 
     async def close(self) -> None:
-        self._closing["yes"] = True
+        self.closing = True
         if not self.nc.is_closed:
             # flush what we published, then close; no drain: unacknowledged messages are
             # redelivered anyway, and drain waits for pull subscriptions that no one reads
@@ -236,6 +235,11 @@ class Bus:
             ),
         )
 
+    async def dead_letter_msg(self, msg, reason: str) -> None:
+        """Dead-letter a JetStream message and terminate it (never redelivered)."""
+        await self.dead_letter(msg.subject, msg.data, reason)
+        await settle(msg, "term")
+
 
 async def fetch_some(psub, batch: int, timeout_s: float) -> list:
     """Up to `batch` messages, returned as soon as at least one is there.
@@ -281,10 +285,10 @@ async def next_batch(sub, batch: int, timeout_s: float) -> list:
     return msgs
 
 
-async def settle(msg, how: str = "ack") -> None:
+async def settle(msg, how: str = "ack", **kw) -> None:
     """ack / nak / in_progress that never fails the caller: a lost acknowledgement only means
     a redelivery, which every consumer recognises."""
     try:
-        await getattr(msg, how)()
+        await getattr(msg, how)(**kw)
     except (TimeoutError, nats.errors.Error, nats.js.errors.Error, OSError) as e:
         log.warning("%s failed (%s); the message will be redelivered", how, type(e).__name__)

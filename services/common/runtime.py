@@ -4,7 +4,7 @@ Every service subclasses `Service` and provides `loops()` (named coroutines that
 stop()), `status()` (JSON for /status) and `metric_values()` (numbers for /metrics). The runtime
 serves /healthz, /readyz, /metrics, /status and /config on the service's own port, publishes a
 heartbeat every 2 s, and turns SIGTERM/SIGINT into stop(): loops are cancelled, `teardown()`
-runs, the NATS connection drains. A loop that returns while the service is not stopping is a bug
+runs, the NATS connection flushes and closes. A loop that returns while the service is not stopping is a bug
 and fails the process, so a supervisor restarts it and unacknowledged messages are redelivered.
 """
 
@@ -118,6 +118,7 @@ class Service:
         self.ready = False
         self.started_at = time.time()
         self._stop = asyncio.Event()
+        self._background: set[asyncio.Task] = set()
         self._tasks: list[asyncio.Task] = []
         self.registry = CollectorRegistry()
         self.registry.register(_DictCollector(self.metric_values))
@@ -155,6 +156,20 @@ class Service:
             log.info("%s %s stopping", self.name, self.instance_id)
         self._stop.set()
 
+    def background(self, coro: Awaitable[None], what: str) -> asyncio.Task:
+        """A fire-and-forget task, referenced until done (the event loop keeps only weak ones),
+        whose exception is logged rather than lost."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._background.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.error("%s failed: %r", what, t.exception(), exc_info=t.exception())
+
+        task.add_done_callback(done)
+        return task
+
     async def wait_stopped(self, timeout: float) -> bool:
         """Sleep up to `timeout` unless stop() comes first; True when stopping."""
         return await wait_event(self._stop, timeout)
@@ -182,6 +197,8 @@ class Service:
             self.ready = False
             with contextlib.suppress(Exception):
                 await self.teardown()
+            if self.stopping:  # not after a crash: a restarted instance is the same producer
+                await self._send_heartbeat()
             server.should_exit = True
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(http_task, 5)
@@ -205,20 +222,20 @@ class Service:
                 t.cancel()
             await asyncio.wait(pending, timeout=1.0)
 
+    async def _send_heartbeat(self) -> None:
+        """Best effort (core NATS); the last one, sent on the way out, says `stopping` so that
+        peers forget this instance at once instead of after a timeout."""
+        info = self.heartbeat_info()
+        if self.stopping:
+            info["stopping"] = True
+        hb = Heartbeat(service=self.name, instance_id=self.instance_id, http_url=self.http_url, pid=os.getpid(),
+                       started_at=self.started_at, ts=time.time(), info=info)  # fmt: skip
+        with contextlib.suppress(Exception):
+            await self.bus.publish_core(self.bus.subjects.heartbeat(self.name), hb)
+
     async def _heartbeat_loop(self) -> None:
-        subject = self.bus.subjects.heartbeat(self.name)
         while not self.stopping:
-            hb = Heartbeat(
-                service=self.name,
-                instance_id=self.instance_id,
-                http_url=self.http_url,
-                pid=os.getpid(),
-                started_at=self.started_at,
-                ts=time.time(),
-                info=self.heartbeat_info(),
-            )
-            with contextlib.suppress(Exception):
-                await self.bus.publish_core(subject, hb)
+            await self._send_heartbeat()
             await self.wait_stopped(HEARTBEAT_INTERVAL_S)
 
     # ---- HTTP ------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ against the built-in engine), which would make the client, not the engine, the b
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from typing import Any
@@ -56,6 +57,7 @@ class SGLangClient:
         self.num_retried = 0
         self.num_aborted = 0
         self._down: dict[str, asyncio.Event] = {}
+        self._aborts: set[asyncio.Task] = set()  # fire-and-forget aborts, referenced until done
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -128,20 +130,31 @@ class SGLangClient:
         """One call, raced against the engine being declared down; cancelled -> aborted there."""
         self.outstanding[url] += 1
         call = asyncio.ensure_future(self._post_generate(url, body))
-        down = asyncio.ensure_future(self._down_event(url).wait())
+        # Raced against the engine going down only if it is up now: when every engine is marked
+        # down, `pick` still returns one, and the call itself decides whether it is back.
+        waits = {call}
+        down = None
+        if self.healthy[url]:
+            down = asyncio.ensure_future(self._down_event(url).wait())
+            waits.add(down)
         try:
-            await asyncio.wait({call, down}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if call.done():
-                return call.result()
+                result = call.result()
+                self.mark(url, True)
+                return result
             call.cancel()
             raise _EngineDown(EngineError(f"{url} went down during the request"))
         except asyncio.CancelledError:
             call.cancel()
             self.num_aborted += 1
-            asyncio.ensure_future(self._abort_quietly(url, body["rid"]))
+            task = asyncio.ensure_future(self._abort_quietly(url, body["rid"]))
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
             raise
         finally:
-            down.cancel()
+            if down is not None:
+                down.cancel()
             self.outstanding[url] -= 1
 
     async def _post_generate(self, url: str, body: dict) -> dict:
@@ -159,8 +172,8 @@ class SGLangClient:
     async def _abort_quietly(self, url: str, rid: str) -> None:
         try:
             await self._call("POST", url, "/abort_request", {"rid": rid}, timeout=5.0)
-        except EngineError:
-            pass  # the engine is gone or the request already finished
+        except EngineError as e:  # the engine is gone or the request already finished
+            log.debug("abort of %s on %s: %s", rid, url, e)
 
     # ---- control plane (one engine) ------------------------------------------------------------
     async def _call(self, method: str, url: str, path: str, body: dict | None = None, timeout: float = 600.0) -> Any:
@@ -173,7 +186,6 @@ class SGLangClient:
                     raise EngineError(f"{url}{path} returned {r.status}: {text[:300]}")
         except (TimeoutError, aiohttp.ClientConnectionError) as e:
             raise EngineError(f"{url}{path} failed: {type(e).__name__}: {e}") from e
-        import json
 
         return json.loads(text) if text.strip().startswith(("{", "[")) else text
 
@@ -192,6 +204,20 @@ class SGLangClient:
             "flush_cache": flush_cache,
         }
         return await self._call("POST", url, "/update_weights_from_disk", body)
+
+    async def pin(self, url: str, model_path: str, version: str, attempts: int = 2) -> bool:
+        """Load a snapshot under `version` and read the version back (SPEC.md section 7: one
+        retry); True once the engine reports it."""
+        for attempt in range(attempts):
+            try:
+                await self.update_weights_from_disk(url, model_path, version)
+                got = (await self.model_info(url)).get("weight_version")
+                if str(got) == version:
+                    return True
+                log.warning("%s reports weight_version %r after loading %s as %s", url, got, model_path, version)
+            except EngineError as e:
+                log.warning("pinning %s to %s failed (attempt %d): %s", url, model_path, attempt + 1, e)
+        return False
 
     async def flush_cache(self, url: str) -> bool:
         try:

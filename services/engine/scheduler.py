@@ -146,7 +146,6 @@ class Scheduler:
         self.slot_kv_epoch: dict[int, int] = {}
         self.kv_epoch = 0
         self.stats = EngineStats()
-        self.last_step_at = time.monotonic()
         self._inbox: collections.deque[Request] = collections.deque()
         self._work = threading.Condition()
         self._model_lock = threading.Lock()
@@ -186,7 +185,6 @@ class Scheduler:
             with self._work:
                 for p, out in zip(plan, outputs, strict=True):
                     self._apply(p, out, version, epoch)
-                self.last_step_at = time.monotonic()
                 self._work.notify_all()
 
     # ---- requests ------------------------------------------------------------------------------

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from services.common import procs
+from services.engine.commands import builtin_engine_command, builtin_engine_flags, sglang_server_command
 
 TP_FLAGS = ("--tp-size", "--tp", "--tensor-parallel-size")
 NOT_INHERITED_ACROSS_TP = ("--dp-size", "--dp", "--pp-size", "--pp", "--ep-size", "--ep", "--attn-cp-size")
@@ -79,17 +79,11 @@ def launch_fleet(config, log_dir: Path) -> tuple[list[subprocess.Popen], list[st
         if config.engine == "sglang":
             args = fleet_server_args(list(config.sglang_server_args), list(config.eval_sglang_args),
                                      config.rollout_num_gpus_per_engine, config.eval_num_gpus_per_engine)  # fmt: skip
-            cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", config.hf_checkpoint,
-                   "--host", "127.0.0.1", "--port", str(port), "--enable-metrics", "--skip-server-warmup", *args]  # fmt: skip
+            cmd = sglang_server_command(config.hf_checkpoint, port, config.seed + 100 + i, args)
         else:
-            inherited = ["--max-running-requests", str(config.engine_max_running_requests),
-                         "--torch-num-threads", str(config.torch_num_threads), "--random-seed", str(config.seed + 100 + i)]  # fmt: skip
-            flags = parse_flags(inherited)
+            flags = builtin_engine_flags(config, config.seed + 100 + i)
             flags.update({k: v for k, v in parse_flags(list(config.eval_sglang_args)).items() if k in BUILTIN_FLAGS})
-            cmd = [sys.executable, "-m", "services.engine", "--model-path", config.hf_checkpoint, "--port", str(port),
-                   "--weight-version", "0"]  # fmt: skip
-            for k, v in flags.items():
-                cmd += [k] if v is None else [k, v]
+            cmd = builtin_engine_command(config.hf_checkpoint, port, flags)
         children.append(procs.spawn(cmd, log_path=log_dir / f"eval-engine-{i}.log", env=os.environ.copy()))
         urls.append(f"http://127.0.0.1:{port}")
     return children, urls

@@ -38,12 +38,7 @@ class SGLangServerEval(CheckpointEvalFn):
         try:
             if not await client.health_generate(client.urls[0], timeout=30.0):
                 raise EvalSkip("unhealthy")
-            version = str(input["step"])
-            for _attempt in range(2):
-                await client.update_weights_from_disk(client.urls[0], checkpoint_dir, version)
-                if str((await client.model_info(client.urls[0])).get("weight_version")) == version:
-                    break
-            else:
+            if not await client.pin(client.urls[0], checkpoint_dir, str(input["step"])):
                 raise EvalSkip("pin_violation")
             metrics: dict[str, float] = {}
             for name, rows in input["datasets"].items():

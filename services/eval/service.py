@@ -33,16 +33,17 @@ from pathlib import Path
 
 from asyncrl_proto import ControlMsg, EvalRequest, EvalResult, Sample, WeightsLive, decode
 from asyncrl_proto.codec import DecodeError
+from asyncrl_proto.messages import scalar_reward
 from services.buffer.core import load_object
 from services.buffer.datasource import load_rows
 from services.common import procs
 from services.common.bus import fetch_some, settle
 from services.common.config import eval_backend
 from services.common.runtime import Service, wait_event
-from services.common.sglang_client import EngineError, SGLangClient
+from services.common.sglang_client import SGLangClient
 from services.eval.contract import CheckpointEvalFn, EvalSkip
 from services.eval.fleet import launch_fleet
-from services.model.hf_io import COMPLETE_MARKER
+from services.model.hf_io import is_complete
 from services.model.tokenizer import Tokenizer
 from services.rollout.core import apply_response
 from services.rollout.rewards import resolve_reward, score_sample
@@ -148,8 +149,7 @@ class EvalService(Service):
                 try:
                     req = decode(msg.data, EvalRequest)
                 except DecodeError as e:
-                    await self.bus.dead_letter(msg.subject, msg.data, f"undecodable EvalRequest: {e}")
-                    await msg.term()
+                    await self.bus.dead_letter_msg(msg, f"undecodable EvalRequest: {e}")
                     continue
                 result = await self._run_point(req, msg)
                 await self.bus.publish_durably([(self.bus.subjects.eval_results, result, None)], "an eval result")
@@ -218,7 +218,10 @@ class EvalService(Service):
 
     def _snapshot(self, req: EvalRequest) -> str:
         path = Path(req.snapshot_uri) if req.snapshot_uri else None
-        if path is None or not (path / COMPLETE_MARKER).exists():
+        if path is None or not path.is_dir():
+            raise SkipPoint("ckpt_missing")
+        # the initial --hf-checkpoint was not written by this run, so it has no marker to wait for
+        if not is_complete(path) and path.resolve() != Path(self.config.hf_checkpoint).resolve():
             raise SkipPoint("ckpt_missing")
         return str(path)
 
@@ -228,18 +231,10 @@ class EvalService(Service):
         health = await asyncio.gather(*(c.health_generate(u, HEALTH_TIMEOUT_S) for u in c.urls))
         if not all(health):
             raise SkipPoint("unhealthy")
-        await asyncio.gather(*(self._pin(u, snapshot, str(req.step)) for u in c.urls))
+        pinned = await asyncio.gather(*(c.pin(u, snapshot, str(req.step)) for u in c.urls))
+        if not all(pinned):
+            raise SkipPoint("pin_violation")
         return await self._evaluate_all(c)
-
-    async def _pin(self, url: str, snapshot: str, version: str) -> None:
-        for _attempt in range(2):  # load, read the version back, one retry
-            try:
-                await self.fleet_client.update_weights_from_disk(url, snapshot, version)
-                if str((await self.fleet_client.model_info(url)).get("weight_version")) == version:
-                    return
-            except EngineError as e:
-                log.warning("pinning %s to %s failed: %s", url, snapshot, e)
-        raise SkipPoint("pin_violation")
 
     async def _external(self, req: EvalRequest) -> dict[str, float]:
         snapshot = self._snapshot(req)
@@ -304,7 +299,7 @@ async def evaluate_dataset(client, tokenizer, reward_fn, config, name: str, rows
         return s
 
     samples = await asyncio.gather(*(one(r) for r in rows for _ in range(config.n_samples_per_eval_prompt)))
-    rewards = [float(s.reward or 0.0) for s in samples]
+    rewards = [scalar_reward(s, config.reward_key) for s in samples]
     versions = [min(s.weight_versions) for s in samples if s.weight_versions]
     out = {f"eval/{name}": sum(rewards) / len(rewards)}
     if versions:

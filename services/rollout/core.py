@@ -68,7 +68,9 @@ class Credits:
         self._changed.clear()
 
 
-def _versions_of(meta: dict) -> list[int]:
+def versions_of(meta: dict) -> list[int]:
+    """The weight versions an engine reports for one /generate call: its version spans, else
+    its weight_version; an unparsable one (SGLang's initial "default") is unknown."""
     spans = meta.get("weight_versions")
     if spans:
         return [int(s["version"]) for s in spans]
@@ -99,10 +101,9 @@ def apply_response(sample: Sample, input_ids: list[int], resp: dict) -> None:
     sample.rollout_log_probs += logprobs
     reason = (meta.get("finish_reason") or {}).get("type", "stop")
     sample.status = FINISH_STATUS.get(reason, SampleStatus.COMPLETED)
-    for v in _versions_of(meta):
+    for v in versions_of(meta):
         if not sample.weight_versions or sample.weight_versions[-1] != v:
             sample.weight_versions.append(v)
-    sample.metadata.setdefault("engine", {})
     sample.metadata["engine"] = {
         "cached_tokens": meta.get("cached_tokens", 0),
         "num_retractions": meta.get("num_retractions", 0),

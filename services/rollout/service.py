@@ -15,13 +15,14 @@ HTTP: /status (credits, groups in flight, paused), POST /control/pause_submissio
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 
 from fastapi import FastAPI
 
-from asyncrl_proto import ControlMsg, PromptMsg, RolloutGroup, Sample, decode
+from asyncrl_proto import ControlMsg, PromptMsg, RolloutGroup, Sample, decode, group_id
 from asyncrl_proto.codec import DecodeError
 from asyncrl_proto.messages import SampleStatus
 from services.buffer.core import load_object
@@ -31,6 +32,11 @@ from services.common.sglang_client import SGLangClient
 from services.model.tokenizer import Tokenizer
 from services.rollout.core import Credits, apply_response
 from services.rollout.rewards import resolve_reward, score_group, score_sample
+
+MAX_GROUP_DELIVERIES = 5
+"""A group that fails this many times (engine errors every time) is published as FAILED."""
+RETRY_BACKOFF_S = 1.0
+"""A failed group's prompt is redelivered after RETRY_BACKOFF_S * 2^(delivery - 1), at most 30 s."""
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +146,15 @@ class RolloutService(Service):
     # ---- submission --------------------------------------------------------------------------
     async def _submit_loop(self) -> None:
         tasks: set[asyncio.Task] = set()
+        try:
+            await self._submit(tasks)
+        finally:  # shutting down: in-flight groups are cancelled and their prompts given back
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=5.0)
+
+    async def _submit(self, tasks: set[asyncio.Task]) -> None:
         while True:
             await self.submission_open.wait()
             free = self.credits.free_groups
@@ -163,8 +178,7 @@ class RolloutService(Service):
         except DecodeError as e:
             self.counters["bad_prompts"] += 1
             self.credits.group_done(0)
-            await self.bus.dead_letter(msg.subject, msg.data, f"undecodable PromptMsg: {e}")
-            await msg.term()
+            await self.bus.dead_letter_msg(msg, f"undecodable PromptMsg: {e}")
             return
         started = time.time()
         self.groups_in_flight[id(msg)] = (msg, started)
@@ -184,30 +198,59 @@ class RolloutService(Service):
             if self.config.group_rm and self.config.custom_rm_path:
                 if not await score_group(self.reward_fn, self.config, group):
                     self.counters["reward_failures"] += len(group)
-            rg = RolloutGroup(
-                group_id=f"g{prompt.group_index}-a{prompt.attempt}",
-                group_index=prompt.group_index,
-                attempt=prompt.attempt,
-                samples=group,
-                producer_id=self.instance_id,
-                created_at=time.time(),
-                generate_time_s=time.time() - started,
-                epoch=prompt.epoch,
-                row=prompt.row,
-            )
+            rg = self._group(prompt, group, started)
             await self.bus.publish(self.bus.subjects.rollouts, rg, msg_id=rg.group_id)
             await settle(msg)
             self.counters["groups_published"] += 1
             self.counters["samples_generated"] += len(group)
         except asyncio.CancelledError:
+            # stopping: the prompt goes back to the queue now rather than after ack_wait
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(settle(msg, "nak"), 2.0)
             raise
         except Exception as e:
             self.counters["group_failures"] += 1
-            log.error("group %s failed, its prompt goes back to the queue: %s", prompt.group_index, e)
-            await settle(msg, "nak")
+            deliveries = msg.metadata.num_delivered
+            if deliveries < MAX_GROUP_DELIVERIES:
+                delay = min(RETRY_BACKOFF_S * 2.0 ** (deliveries - 1), 30.0)
+                log.error("group %s failed (delivery %d of %d), its prompt goes back to the queue in %.1fs: %s",
+                          prompt.group_index, deliveries, MAX_GROUP_DELIVERIES, delay, e)  # fmt: skip
+                await settle(msg, "nak", delay=delay)
+            else:
+                # settled as a FAILED group: the buffer and the ledger account for it (zero loss,
+                # it trains nothing), and a prompt that can never succeed does not loop forever
+                log.error("group %s failed %d times; published as FAILED: %s", prompt.group_index, deliveries, e)
+                await self._publish_failed(msg, prompt, started, f"{type(e).__name__}: {e}")
         finally:
             self.groups_in_flight.pop(id(msg), None)
             self.credits.group_done(given_back[0])
+
+    async def _publish_failed(self, msg, prompt: PromptMsg, started: float, error: str) -> None:
+        samples = [
+            Sample(index=prompt.group_index * self.n + i, group_index=prompt.group_index, prompt=prompt.prompt,
+                   label=prompt.label, metadata={**prompt.metadata, "error": error}, status=SampleStatus.FAILED)
+            for i in range(self.n)
+        ]  # fmt: skip
+        rg = self._group(prompt, samples, started)
+        try:
+            await self.bus.publish(self.bus.subjects.rollouts, rg, msg_id=rg.group_id)
+        except Exception as e:  # the broker is away: the prompt comes back after ack_wait
+            log.error("publishing failed group %s: %s", rg.group_id, e)
+            return
+        await settle(msg)
+
+    def _group(self, prompt: PromptMsg, samples: list[Sample], started: float) -> RolloutGroup:
+        return RolloutGroup(
+            group_id=group_id(prompt.group_index, prompt.attempt),
+            group_index=prompt.group_index,
+            attempt=prompt.attempt,
+            samples=samples,
+            producer_id=self.instance_id,
+            created_at=time.time(),
+            generate_time_s=time.time() - started,
+            epoch=prompt.epoch,
+            row=prompt.row,
+        )
 
     def _new_sample(self, prompt: PromptMsg, i: int, input_ids: list[int]) -> Sample:
         return Sample(
@@ -269,7 +312,7 @@ class RolloutService(Service):
             return {"paused": not self.submission_open.is_set()}
 
     def heartbeat_info(self) -> dict:
-        return {"inflight_groups": self.config.inflight_groups, "stopping": self.stopping}
+        return {"inflight_groups": self.config.inflight_groups}
 
     def status(self) -> dict:
         return {

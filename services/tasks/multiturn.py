@@ -14,7 +14,7 @@ sample's weight_versions lists them all. The reward scores the last turn only.
 from __future__ import annotations
 
 from asyncrl_proto.messages import Sample, SampleStatus
-from services.rollout.core import apply_response
+from services.rollout.core import apply_response, versions_of
 from services.tasks.reverse_digits import score
 
 TOOL_REPLY = "="
@@ -32,7 +32,7 @@ async def generate(config, sample: Sample, engine, sampling_params: dict) -> Sam
         apply_response(sample, context, resp)
         mask += [1] * (sample.response_length - tokens_before)
         turns.append(sample.response[text_before:])
-        turn_versions.append(_turn_versions(resp))
+        turn_versions.append(versions_of(resp.get("meta_info", {})))
         if sample.status is SampleStatus.ABORTED or turn == NUM_TURNS - 1:
             break
         tool = engine.tokenizer.encode(TOOL_REPLY, add_special_tokens=False)
@@ -47,17 +47,6 @@ async def generate(config, sample: Sample, engine, sampling_params: dict) -> Sam
     sample.metadata["turn_versions"] = turn_versions
     sample.metadata["prompt_length"] = prompt_len
     return sample
-
-
-def _turn_versions(resp: dict) -> list[int]:
-    meta = resp.get("meta_info", {})
-    spans = meta.get("weight_versions") or []
-    if spans:
-        return [int(s["version"]) for s in spans]
-    try:
-        return [int(meta.get("weight_version"))]
-    except (TypeError, ValueError):
-        return []
 
 
 async def reward(config, sample: Sample) -> float:

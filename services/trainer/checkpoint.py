@@ -4,6 +4,7 @@ written last; `latest_checkpointed_iteration.txt` names the newest complete one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from services.model.hf_io import COMPLETE_MARKER, load_weights_into, save_model
+from services.model.hf_io import COMPLETE_MARKER, is_complete, load_weights_into, save_model
 
 LATEST = "latest_checkpointed_iteration.txt"
 
@@ -37,7 +38,7 @@ def save_checkpoint(
     tmp = save_dir / (LATEST + ".tmp")
     tmp.write_text(str(step))
     os.replace(tmp, save_dir / LATEST)
-    complete = sorted(p for p in save_dir.glob("iter_*") if (p / COMPLETE_MARKER).exists())
+    complete = sorted(p for p in save_dir.glob("iter_*") if is_complete(p))
     for old in complete[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return path
@@ -47,7 +48,13 @@ def latest_checkpoint(save_dir: str | Path | None) -> Path | None:
     if not save_dir:
         return None
     save_dir = Path(save_dir)
-    complete = sorted(p for p in save_dir.glob("iter_*") if (p / COMPLETE_MARKER).exists())
+    latest = save_dir / LATEST
+    if latest.exists():  # written after the checkpoint's marker: names the newest complete one
+        with contextlib.suppress(ValueError):
+            path = save_dir / f"iter_{int(latest.read_text().strip()):07d}"
+            if is_complete(path):
+                return path
+    complete = sorted(p for p in save_dir.glob("iter_*") if is_complete(p))  # e.g. LATEST lost
     return complete[-1] if complete else None
 
 

@@ -15,17 +15,13 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from asyncrl_proto.messages import Sample, flatten_group
+from asyncrl_proto.messages import Sample, flatten_group, scalar_reward
 from services.model.llama import CausalLM, token_logprobs
 
 
-def scalar_reward(sample: Sample, reward_key: str | None) -> float:
-    r = sample.reward
-    if isinstance(r, dict):
-        if reward_key is None:
-            raise ValueError("rewards are dicts: set --reward-key to choose the entry to train on")
-        return float(r[reward_key])
-    return float(r if r is not None else 0.0)
+def std_normalization(config) -> bool:
+    """--grpo-std-normalization, forced off when n == 1 (a group of one has no spread)."""
+    return bool(config.grpo_std_normalization and config.n_samples_per_prompt > 1)
 
 
 def group_advantages(rewards: list[float], std_normalization: bool, eps: float = 1e-6) -> list[float]:
@@ -93,7 +89,7 @@ def samples_with_advantages(
 
 def make_batch(items: list[tuple[Sample, float]], pad_id: int) -> TrainBatch:
     """Right-padded tensors for (sample, advantage) pairs."""
-    width = max(len(s.tokens) for s, _ in items)
+    width = max(2, max(len(s.tokens) for s, _ in items))  # 2: a FAILED sample may have no tokens
     b = len(items)
     ids = torch.full((b, width), pad_id, dtype=torch.long)
     attn = torch.zeros((b, width), dtype=torch.long)
@@ -136,13 +132,19 @@ def build_micro_batches(
     if not max_tokens:
         return [make_batch(items, pad_id)]
     items.sort(key=lambda it: len(it[0].tokens))
+    return [make_batch(c, pad_id) for c in chunk_by_tokens(items, max_tokens)]
+
+
+def chunk_by_tokens(items: list[tuple[Sample, float]], max_tokens: int) -> list[list[tuple[Sample, float]]]:
+    """Consecutive chunks of length-sorted items, each at most `max_tokens` once padded to its
+    longest member (one item at least)."""
     chunks: list[list[tuple[Sample, float]]] = [[]]
     for it in items:
         width = len(it[0].tokens)  # sorted: the newcomer is the longest in its chunk
         if chunks[-1] and (len(chunks[-1]) + 1) * width > max_tokens:
             chunks.append([])
         chunks[-1].append(it)
-    return [make_batch(c, pad_id) for c in chunks]
+    return chunks if chunks[0] else []
 
 
 @dataclass
@@ -254,6 +256,53 @@ def step_denominator(batches: list[TrainBatch], aggregation: str) -> float:
     return float(sum(int((b.response_mask_bt.sum(1) > 0).sum()) for b in batches))
 
 
+def accumulate_gradients(
+    model: CausalLM, batches: list[TrainBatch], cfg: LossConfig, denom: float, ref_model: CausalLM | None = None
+) -> list[tuple[dict[str, float], int]]:
+    """Backward on each micro-batch, the loss divided by the step's `denom`; returns (stats,
+    loss tokens) per micro-batch for `merge_stats`."""
+    parts = []
+    for b in batches:
+        ref = None
+        if cfg.kl_coef and ref_model is not None:
+            with torch.no_grad():
+                logits = ref_model(b.input_ids_bt, b.attention_mask_bt)[:, :-1]
+                ref = token_logprobs(logits, b.input_ids_bt[:, 1:], cfg.temperature)
+        loss, s = policy_loss(model, b, cfg, denom=denom, ref_logp_bt=ref)
+        loss.backward()
+        parts.append((s, b.num_tokens))
+    return parts
+
+
+def merge_stats(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """Per-micro-batch stats -> the step's: losses add up (each is already divided by the
+    step's denominator), extremes take the extreme, the rest are token-weighted means."""
+    total = sum(n for _, n in parts)
+    stats: dict[str, float] = {}
+    for s, n in parts:
+        w = n / max(total, 1)
+        for k, v in s.items():
+            if k in ("train/loss", "train/pg_loss", "train/kl_loss"):
+                stats[k] = stats.get(k, 0.0) + v
+            elif k.endswith("_max"):
+                stats[k] = max(stats.get(k, v), v)
+            elif k.endswith("_min"):
+                stats[k] = min(stats.get(k, v), v)
+            else:
+                stats[k] = stats.get(k, 0.0) + w * v
+    return stats
+
+
+def apply_update(model: CausalLM, optimizer: torch.optim.Optimizer, clip_grad: float) -> float:
+    """Clip (when clip_grad > 0), step; returns the gradient norm before clipping."""
+    if clip_grad > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
+    else:
+        grad_norm = torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in model.parameters() if p.grad is not None))
+    optimizer.step()
+    return float(grad_norm)
+
+
 def train_step(
     model: CausalLM,
     optimizer: torch.optim.Optimizer,
@@ -265,34 +314,11 @@ def train_step(
     """One optimizer step over the micro-batches of a training step, the loss normalised by
     the whole step's tokens (or sequences) so that the gradient equals that of one big batch."""
     batches = batches if isinstance(batches, list) else [batches]
-    total = sum(b.num_tokens for b in batches)
-    denom = step_denominator(batches, cfg.aggregation)
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    stats: dict[str, float] = {}
-    for b in batches:
-        ref = None
-        if cfg.kl_coef and ref_model is not None:
-            with torch.no_grad():
-                logits = ref_model(b.input_ids_bt, b.attention_mask_bt)[:, :-1]
-                ref = token_logprobs(logits, b.input_ids_bt[:, 1:], cfg.temperature)
-        loss, s = policy_loss(model, b, cfg, denom=denom, ref_logp_bt=ref)
-        loss.backward()
-        w = b.num_tokens / max(total, 1)
-        for k, v in s.items():
-            if k in ("train/loss", "train/pg_loss", "train/kl_loss"):
-                stats[k] = stats.get(k, 0.0) + v  # already divided by the step's tokens
-            elif k.endswith("_max"):
-                stats[k] = max(stats.get(k, v), v)
-            elif k.endswith("_min"):
-                stats[k] = min(stats.get(k, v), v)
-            else:
-                stats[k] = stats.get(k, 0.0) + w * v
-    if clip_grad > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
-    else:
-        grad_norm = torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in model.parameters() if p.grad is not None))
-    optimizer.step()
-    stats["train/grad_norm"] = float(grad_norm)
+    parts = accumulate_gradients(model, batches, cfg, step_denominator(batches, cfg.aggregation), ref_model)
+    stats = merge_stats(parts)
+    stats["train/grad_norm"] = apply_update(model, optimizer, clip_grad)
     stats["train/num_micro_batches"] = len(batches)
+    stats["train/num_loss_tokens"] = sum(b.num_tokens for b in batches)
     return stats

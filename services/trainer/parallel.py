@@ -21,8 +21,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from services.model.llama import token_logprobs
-from services.trainer.core import LossConfig, make_batch, samples_with_advantages, step_denominator
+from services.trainer.core import (
+    LossConfig,
+    accumulate_gradients,
+    apply_update,
+    chunk_by_tokens,
+    make_batch,
+    merge_stats,
+    samples_with_advantages,
+    std_normalization,
+    step_denominator,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,46 +49,7 @@ def shard_batches(groups, rank: int, world: int, std_norm: bool, reward_key, pad
         return [], denoms
     if not max_tokens:
         return [make_batch(mine, pad_id)], denoms
-    chunks: list[list] = [[]]
-    for it in mine:
-        width = len(it[0].tokens)
-        if chunks[-1] and (len(chunks[-1]) + 1) * width > max_tokens:
-            chunks.append([])
-        chunks[-1].append(it)
-    return [make_batch(c, pad_id) for c in chunks], denoms
-
-
-def local_gradients(model, batches, cfg: LossConfig, denom: float, ref_model=None) -> list[tuple[dict, int]]:
-    """Backward on this rank's micro-batches; returns (stats, loss tokens) per micro-batch."""
-    from services.trainer.core import policy_loss
-
-    out = []
-    for b in batches:
-        ref = None
-        if cfg.kl_coef and ref_model is not None:
-            with torch.no_grad():
-                ref = token_logprobs(ref_model(b.input_ids_bt, b.attention_mask_bt)[:, :-1], b.input_ids_bt[:, 1:])
-        loss, stats = policy_loss(model, b, cfg, denom=denom, ref_logp_bt=ref)
-        loss.backward()
-        out.append((stats, b.num_tokens))
-    return out
-
-
-def combine_stats(parts: list[tuple[dict, int]]) -> dict:
-    total = sum(n for _, n in parts)
-    stats: dict[str, float] = {}
-    for s, n in parts:
-        w = n / max(total, 1)
-        for k, v in s.items():
-            if k in ("train/loss", "train/pg_loss", "train/kl_loss"):
-                stats[k] = stats.get(k, 0.0) + v
-            elif k.endswith("_max"):
-                stats[k] = max(stats.get(k, v), v)
-            elif k.endswith("_min"):
-                stats[k] = min(stats.get(k, v), v)
-            else:
-                stats[k] = stats.get(k, 0.0) + w * v
-    return stats
+    return [make_batch(c, pad_id) for c in chunk_by_tokens(mine, max_tokens)], denoms
 
 
 def dp_train_step(model, optimizer, groups, cfg: LossConfig, clip_grad: float, *, std_norm: bool, reward_key,
@@ -89,21 +59,19 @@ def dp_train_step(model, optimizer, groups, cfg: LossConfig, clip_grad: float, *
     batches, denoms = shard_batches(groups, rank, world, std_norm, reward_key, pad_id, max_tokens)
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    parts = local_gradients(model, batches, cfg, denoms[cfg.aggregation], ref_model)
+    parts = accumulate_gradients(model, batches, cfg, denoms[cfg.aggregation], ref_model)
     for p in model.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-    if clip_grad > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
-    else:
-        grad_norm = torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in model.parameters()))
-    optimizer.step()
+    grad_norm = apply_update(model, optimizer, clip_grad)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, parts)
-    stats = combine_stats([p for rank_parts in gathered for p in rank_parts])
-    stats["train/grad_norm"] = float(grad_norm)
-    stats["train/num_micro_batches"] = sum(len(g) for g in gathered)
+    every = [p for rank_parts in gathered for p in rank_parts]
+    stats = merge_stats(every)
+    stats["train/grad_norm"] = grad_norm
+    stats["train/num_micro_batches"] = len(every)
+    stats["train/num_loss_tokens"] = sum(n for _, n in every)
     stats["train/dp_world_size"] = world
     return stats
 
@@ -162,17 +130,10 @@ class DataParallel:
         payload = [encode(RolloutGroup(group_id=f"dp-{i}", group_index=i, samples=g)) for i, g in enumerate(groups)]
         dist.broadcast_object_list([("train", payload)], src=0)
         c = self.config
-        return dp_train_step(self.model, self.optimizer, groups, cfg, c.clip_grad, std_norm=self._std_norm(),
+        return dp_train_step(self.model, self.optimizer, groups, cfg, c.clip_grad, std_norm=std_normalization(c),
                              reward_key=c.reward_key, pad_id=self.pad_id,
                              max_tokens=c.max_tokens_per_gpu if c.use_dynamic_batch_size else None,
                              ref_model=self.ref_model)  # fmt: skip
-
-    def resync(self) -> None:
-        dist.broadcast_object_list([("sync", None)], src=0)
-        broadcast_state(self.model, self.optimizer)
-
-    def _std_norm(self) -> bool:
-        return self.config.grpo_std_normalization and self.config.n_samples_per_prompt > 1
 
     def stop(self) -> None:
         from services.common import procs

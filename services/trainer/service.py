@@ -56,6 +56,7 @@ from services.trainer.core import (
     assemble_batch,
     build_micro_batches,
     scalar_reward,
+    std_normalization,
     train_step,
 )
 
@@ -75,6 +76,16 @@ def build_model(config):
             raise TrainerError(f"--train-backend megatron needs megatron-core (pip install megatron-core): {e}") from e
         return load_megatron_model(config.hf_checkpoint, config.seed)
     return load_model(config.hf_checkpoint)
+
+
+def build_optimizer(config, model) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+                             weight_decay=config.weight_decay)  # fmt: skip
+
+
+def build_reference(config):
+    """The KL reference: the initial policy, frozen (None without --kl-coef)."""
+    return load_model(config.hf_checkpoint).eval().requires_grad_(False) if config.kl_coef else None
 
 
 def loss_config(config) -> LossConfig:
@@ -97,13 +108,9 @@ class TrainerService(Service):
         self.weights_dir = self.run_dir / "weights"
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.model = build_model(config)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-            weight_decay=config.weight_decay,
-        )  # fmt: skip
+        self.optimizer = build_optimizer(config, self.model)
         self.loss_cfg = loss_config(config)
-        # the KL reference is the initial policy, frozen
-        self.ref_model = load_model(config.hf_checkpoint).eval().requires_grad_(False) if config.kl_coef else None  # fmt: skip
+        self.ref_model = build_reference(config)
         self.sample_filter = (
             load_object(config.rollout_sample_filter_path, "--rollout-sample-filter-path")
             if config.rollout_sample_filter_path
@@ -121,7 +128,6 @@ class TrainerService(Service):
         self.loop_started = time.perf_counter()
         self.trained_path = self.run_dir / "trained.jsonl"
         self.uncommitted: dict[int, list[int]] = {}  # step -> group indices, until committed
-        self.resumed_from: int | None = None
         self.dp = None
         self.eval_pending: set[int] = set()  # eval points requested and not yet answered
         self._eval_done = asyncio.Event()
@@ -163,7 +169,6 @@ class TrainerService(Service):
         info = await asyncio.to_thread(load_checkpoint, ckpt, self.model, self.optimizer)
         self.step = info["step"] + 1
         self.version = max(info["version"], published)
-        self.resumed_from = info["step"]
         self._truncate_records(info["step"])
         await self._commit(info["step"])  # in case we died between the checkpoint and its commit
         log.info("resumed from %s: next step %d, weight version %d", ckpt, self.step, self.version)
@@ -196,7 +201,7 @@ class TrainerService(Service):
         if not c.skip_eval_before_train and self.step == 0:
             await self._request_eval(0, final=False)
         self.loop_started = time.perf_counter()
-        batch = await self._fetch(self.step)
+        batch = await self._fetch(self.step) if self.step < total else None  # resumed after the last step?
         while self.step < total:
             step = self.step
             t_step = time.perf_counter()
@@ -243,7 +248,7 @@ class TrainerService(Service):
             return stats, time.perf_counter() - t0
         batches = build_micro_batches(
             groups,
-            self._std_norm(),
+            std_normalization(c),
             c.reward_key,
             self.pad_id,
             c.max_tokens_per_gpu if c.use_dynamic_batch_size else None,
@@ -251,11 +256,7 @@ class TrainerService(Service):
         stats = await asyncio.to_thread(
             train_step, self.model, self.optimizer, batches, self.loss_cfg, c.clip_grad, self.ref_model
         )
-        stats["train/num_loss_tokens"] = sum(b.num_tokens for b in batches)
         return stats, time.perf_counter() - t0
-
-    def _std_norm(self) -> bool:
-        return self.config.grpo_std_normalization and self.config.n_samples_per_prompt > 1
 
     # ---- batches -------------------------------------------------------------------------------
     def _get_request(self, step: int, lookahead: int | None = None, wait_s: float = 2.0) -> BufferGetRequest:
@@ -422,8 +423,13 @@ class TrainerService(Service):
         req = EvalRequest(step=step, version=self.version, snapshot_uri=uri, final=final, requested_at=time.time(),
                           exported=exported, export_time_s=export_s)  # fmt: skip
         self.eval_pending.add(step)
-        # one request per eval point, even when a resumed trainer passes the point again
-        await self.bus.publish_durably([(self.bus.subjects.eval_requests, req, f"eval-{step}")], f"eval request {step}")
+        # one request per eval point, even when a resumed trainer passes the point again; a
+        # duplicate was answered before the restart (or will be, and the answer clears it anyway)
+        (ack,) = await self.bus.publish_durably(
+            [(self.bus.subjects.eval_requests, req, f"eval-{step}")], f"eval request {step}"
+        )
+        if ack.duplicate:
+            self.eval_pending.discard(step)
 
     async def _publish_eval_skip(self, step: int, reason: str) -> None:
         res = EvalResult(step=step, version=self.version, skipped_reason=reason,

@@ -29,18 +29,17 @@ def main(argv: list[str] | None = None) -> None:
     from asyncrl_proto import RolloutGroup, decode
     from services.common.config import RunConfig
     from services.common.procs import apply_cpu_affinity_from_env
-    from services.model.hf_io import load_model
+    from services.trainer.core import std_normalization
     from services.trainer.parallel import broadcast_state, dp_train_step, init_group
-    from services.trainer.service import loss_config
+    from services.trainer.service import build_model, build_optimizer, build_reference, loss_config
 
     apply_cpu_affinity_from_env()
     with open(a.config_file) as f:
         config = RunConfig(**json.load(f))
     torch.set_num_threads(config.torch_num_threads)
-    model = load_model(config.hf_checkpoint)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                                  weight_decay=config.weight_decay)  # fmt: skip
-    ref_model = load_model(config.hf_checkpoint).eval().requires_grad_(False) if config.kl_coef else None
+    model = build_model(config)
+    optimizer = build_optimizer(config, model)
+    ref_model = build_reference(config)
     pad_id = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
     cfg = loss_config(config)
     init_group(a.rank, a.world_size, a.master_addr, a.master_port, a.backend)
@@ -52,13 +51,10 @@ def main(argv: list[str] | None = None) -> None:
         kind, payload = cmd[0]
         if kind == "train":
             groups = [decode(b, RolloutGroup).samples for b in payload]
-            dp_train_step(model, optimizer, groups, cfg, config.clip_grad,
-                          std_norm=config.grpo_std_normalization and config.n_samples_per_prompt > 1,
+            dp_train_step(model, optimizer, groups, cfg, config.clip_grad, std_norm=std_normalization(config),
                           reward_key=config.reward_key, pad_id=pad_id,
                           max_tokens=config.max_tokens_per_gpu if config.use_dynamic_batch_size else None,
                           ref_model=ref_model)  # fmt: skip
-        elif kind == "sync":
-            broadcast_state(model, optimizer)
         elif kind == "stop":
             break
     dist.destroy_process_group()

@@ -83,35 +83,42 @@ class WeightSyncService(Service):
             msgs = await fetch_some(self._psub, 64, 1.0)
             if not msgs:
                 continue
-            newest, newest_msg = None, None
+            valid = []
             for m in msgs:
                 try:
-                    pub = decode(m.data, WeightsPublished)
+                    valid.append((decode(m.data, WeightsPublished), m))
                 except DecodeError as e:
-                    await self.bus.dead_letter(m.subject, m.data, f"undecodable WeightsPublished: {e}")
-                    await m.term()
-                    continue
-                if newest is None or pub.version > newest.version:
-                    newest, newest_msg = pub, m
-            if newest is not None and (self.live_version is None or newest.version > self.live_version):
+                    await self.bus.dead_letter_msg(m, f"undecodable WeightsPublished: {e}")
+            if not valid:
+                continue
+            newest, newest_msg = max(valid, key=lambda pm: pm[0].version)
+            applied = self.live_version is None or newest.version > self.live_version
+            if applied:
                 await self._update(newest, newest_msg)
-            for m in msgs:
-                if m is not newest_msg:
-                    self.num_skipped += 1
+            # versions superseded within the batch (or already live) are never loaded
+            self.num_skipped += len(valid) - (1 if applied else 0)
+            for _, m in valid:
                 await settle(m)
 
     async def _update(self, pub: WeightsPublished, msg) -> None:
         t0 = time.perf_counter()
         mode = self.config.pause_generation_mode
+        pending = list(self.client.urls)
         for attempt in range(3):
-            try:
-                await asyncio.gather(*(self._update_engine(url, pub, mode, msg) for url in self.client.urls))
+            results = await asyncio.gather(
+                *(self._update_engine(url, pub, mode, msg) for url in pending), return_exceptions=True
+            )
+            failed = [(url, r) for url, r in zip(pending, results, strict=True) if isinstance(r, BaseException)]
+            for _, r in failed:
+                if not isinstance(r, (EngineError, OSError)):
+                    raise r
+            if not failed:
                 break
-            except (EngineError, OSError) as e:
-                if attempt == 2:
-                    raise
-                log.warning("weight update to v%d failed (%s), retrying", pub.version, e)
-                await asyncio.sleep(1.0)
+            if attempt == 2:
+                raise failed[0][1]
+            pending = [url for url, _ in failed]  # only the engines that failed load again
+            log.warning("weight update to v%d failed on %s (%s), retrying", pub.version, pending, failed[0][1])
+            await asyncio.sleep(1.0)
         self.last_update_s = time.perf_counter() - t0
         self.num_updates += 1
         await self._announce(pub.version, self.last_update_s)

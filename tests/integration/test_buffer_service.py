@@ -17,6 +17,7 @@ from asyncrl_proto import (
     SampleStatus,
     WeightsLive,
     decode,
+    group_id,
 )
 from services.api import RunConfig
 from services.buffer.service import BufferService
@@ -54,7 +55,7 @@ class Harness:
                           tokens=[1, 5, 15, 5, 2], response_length=2, reward=float(i), status=status,
                           weight_versions=list(versions), rollout_log_probs=[-1.0, -1.0]) for i in range(n)]  # fmt: skip
         rg = RolloutGroup(
-            group_id=f"g{p.group_index}-a{p.attempt}",
+            group_id=group_id(p.group_index, p.attempt),
             group_index=p.group_index,
             attempt=p.attempt,
             samples=samples,

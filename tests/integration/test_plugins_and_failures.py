@@ -9,7 +9,7 @@ import pytest
 
 from services.api import DataBuffer, RunConfig
 from services.buffer.service import BufferService
-from services.common.bus import Bus
+from services.common.bus import Bus, fetch_some
 from tests.conftest import start_service, wait_until
 from tests.integration.test_buffer_service import Harness, config
 
@@ -81,11 +81,13 @@ async def test_dynamic_filter_by_import_path(nats_server, run_id, task_data):
     try:
         await h.get(0, wait_s=0.1)
         prompts = await h.prompts(4)
-        from asyncrl_proto import RolloutGroup, Sample
+        from asyncrl_proto import RolloutGroup, Sample, group_id
 
         same = [Sample(index=i, group_index=prompts[0].group_index, reward=1.0, tokens=[1, 2], response_length=1)
                 for i in range(2)]  # fmt: skip
-        rg = RolloutGroup(group_id=f"g{prompts[0].group_index}-a0", group_index=prompts[0].group_index, samples=same)
+        rg = RolloutGroup(
+            group_id=group_id(prompts[0].group_index, 0), group_index=prompts[0].group_index, samples=same
+        )
         await h.bus.publish(h.s.rollouts, rg, msg_id=rg.group_id)
         for p in prompts[1:3]:
             await h.publish_group(p)  # rewards 0 and 1: kept
@@ -128,3 +130,77 @@ async def test_trainer_warns_then_fails_when_no_producer_is_alive(
 async def test_trainer_fails_when_the_buffer_does_not_answer(nats_server, run_id, task_data, tiny_model_dir, caplog):
     msg = await _trainer_failure(nats_server, run_id, task_data, tiny_model_dir, False, caplog)
     assert "the buffer service has not answered" in msg
+
+
+async def test_a_prompt_that_always_fails_ends_as_a_failed_group(nats_server, run_id, task_data, tiny_model_dir,
+                                                                 monkeypatch):  # fmt: skip
+    """An engine that rejects every request (SGLang answers 400 to a prompt that is too long):
+    the prompt is retried with a growing delay, then published as a FAILED group, so the buffer
+    and its ledger account for it instead of it looping forever."""
+    from aiohttp import web
+
+    from asyncrl_proto import PromptMsg, RolloutGroup, SampleStatus, decode
+    from services.common import procs
+    from services.rollout import service as rollout_service
+
+    monkeypatch.setattr(rollout_service, "RETRY_BACKOFF_S", 0.05)
+    calls = []
+
+    async def generate(request):
+        calls.append(await request.json())
+        return web.Response(status=400, text="the input is longer than the context length")
+
+    async def healthy(request):
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.add_routes([web.post("/generate", generate), web.get("/health_generate", healthy)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = procs.free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    cfg = RunConfig(prompt_data=str(task_data[0]), hf_checkpoint=str(tiny_model_dir), rollout_batch_size=2,
+                    n_samples_per_prompt=2, fully_async=True, run_dir=str(nats_server.store_dir / run_id),
+                    rollout_engine_urls=[f"http://127.0.0.1:{port}"])  # fmt: skip
+    bus = await Bus.connect(nats_server.url, run_id, "test")
+    await bus.ensure_streams()
+    rollouts = await bus.pull(bus.subjects.rollouts_stream, bus.subjects.rollouts, durable="test")
+    producer = await start_service(rollout_service.RolloutService, cfg, nats_server.url, run_id)
+    try:
+        await bus.publish(bus.subjects.prompts, PromptMsg(group_index=7, prompt="12345", label="54321"))
+        msgs = []
+
+        async def published() -> bool:
+            msgs.extend(await fetch_some(rollouts, 1, 0.2))
+            return bool(msgs)
+
+        await wait_until(published, timeout=20, what="the failed group")
+        rg = decode(msgs[0].data, RolloutGroup)
+        assert rg.group_index == 7 and len(rg.samples) == 2
+        assert all(s.status is SampleStatus.FAILED and s.response_length == 0 for s in rg.samples)
+        assert "longer than the context length" in rg.samples[0].metadata["error"]
+        assert producer.service.counters["group_failures"] == rollout_service.MAX_GROUP_DELIVERIES
+        assert len(calls) >= rollout_service.MAX_GROUP_DELIVERIES
+        assert (await bus.js.stream_info(bus.subjects.prompts_stream)).state.messages == 0  # settled
+    finally:
+        await producer.stop()
+        await bus.close()
+        await runner.cleanup()
+
+
+async def test_a_producer_that_stops_is_forgotten_at_once(nats_server, run_id, task_data, tiny_model_dir, engine):
+    """A producer's last heartbeat says it is stopping: the buffer stops counting its in-flight
+    capacity at once instead of after the heartbeat timeout."""
+    from services.rollout.service import RolloutService
+
+    cfg = config(task_data, hf_checkpoint=str(tiny_model_dir), rollout_engine_urls=[engine.url])
+    buf = await start_service(BufferService, cfg, nats_server.url, run_id)
+    producer = await start_service(RolloutService, cfg, nats_server.url, run_id)
+    try:
+        pid = producer.service.instance_id
+        await wait_until(lambda: pid in buf.service.producers, what="the producer's first heartbeat")
+        await producer.stop()
+        await wait_until(lambda: pid not in buf.service.producers, timeout=3, what="the producer forgotten")
+    finally:
+        await producer.stop()
+        await buf.stop()

@@ -62,3 +62,17 @@ async def test_a_cancelled_generate_is_aborted_on_its_engine(tiny_model_dir):
             gate.open()
         finally:
             await client.close()
+
+
+async def test_an_engine_marked_down_still_serves_when_it_is_the_only_one(tiny_model_dir):
+    """Every engine marked down (e.g. a health check timed out under load): requests still go
+    to one, and a success marks it healthy again instead of failing at once."""
+    with EngineThread(tiny_model_dir) as a:
+        client = SGLangClient([a.url], retry_delay_s=0.05)
+        try:
+            client.mark(a.url, False)
+            out = await client.generate(gen_body())
+            assert out["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+            assert client.healthy[a.url] and client.num_retried == 0
+        finally:
+            await client.close()

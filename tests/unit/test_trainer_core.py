@@ -239,3 +239,42 @@ def test_token_aggregation_weights_long_sequences_more():
     seq, _ = policy_loss(model, batch, LossConfig(eps_clip=10.0, aggregation="sequence"))
     assert tok.item() == pytest.approx(sum(terms) / 3, rel=1e-5)
     assert seq.item() == pytest.approx((sum(terms[:2]) / 2 + terms[2]) / 2, rel=1e-5)
+
+
+def test_a_failed_group_trains_nothing_and_breaks_nothing():
+    """A group the producer gave up on (FAILED, no tokens, no reward) goes through the step:
+    no loss tokens, zero advantages, and the other group's batch is unchanged."""
+    from asyncrl_proto import SampleStatus
+
+    failed = [Sample(index=i, group_index=0, status=SampleStatus.FAILED) for i in range(2)]
+    ok = [Sample(index=2 + i, group_index=1, tokens=[1, 5, 6], response_length=1, reward=float(i),
+                 rollout_log_probs=[-1.0]) for i in range(2)]  # fmt: skip
+    only_failed = build_train_batch([failed], True, None, 0)
+    assert only_failed.num_tokens == 0 and only_failed.advantages_b.tolist() == [0.0, 0.0]
+    both = build_train_batch([failed, ok], True, None, 0)
+    assert both.num_tokens == 2 and both.advantages_b.tolist()[:2] == [0.0, 0.0]
+
+
+def test_dict_rewards_need_a_reward_key():
+    from asyncrl_proto.messages import scalar_reward
+
+    s = Sample(reward={"acc": 1.0, "format": 0.5})
+    assert scalar_reward(s, "format") == 0.5
+    with pytest.raises(ValueError, match="--reward-key"):
+        scalar_reward(s, None)
+    assert scalar_reward(Sample(reward=None), None) == 0.0
+
+
+def test_latest_checkpoint_follows_the_latest_file(tmp_path):
+    from services.model.hf_io import COMPLETE_MARKER
+    from services.trainer.checkpoint import LATEST, latest_checkpoint
+
+    for step in (3, 7):
+        d = tmp_path / f"iter_{step:07d}"
+        d.mkdir()
+        (d / COMPLETE_MARKER).write_text("{}")
+    assert latest_checkpoint(tmp_path) == tmp_path / "iter_0000007"  # no LATEST file: the newest complete
+    (tmp_path / LATEST).write_text("3")  # e.g. --load of a run whose later save is not its choice
+    assert latest_checkpoint(tmp_path) == tmp_path / "iter_0000003"
+    (tmp_path / LATEST).write_text("9")  # names a checkpoint that is not complete: fall back
+    assert latest_checkpoint(tmp_path) == tmp_path / "iter_0000007"

@@ -1,0 +1,32 @@
+"""Command lines that start an engine: the built-in one or an SGLang server. The launcher (rollout
+engines) and the eval service (its fleet) build them here, so both start engines the same way."""
+
+from __future__ import annotations
+
+import sys
+
+
+def builtin_engine_command(model_path: str, port: int, flags: dict[str, str | None]) -> list[str]:
+    """`python -m services.engine` serving `model_path` at version 0 on 127.0.0.1:`port`, with
+    its own flags (SGLang's names: --max-running-requests, --torch-num-threads, ...)."""
+    cmd = [sys.executable, "-m", "services.engine", "--model-path", model_path, "--port", str(port),
+           "--weight-version", "0"]  # fmt: skip
+    for k, v in flags.items():
+        cmd += [k] if v is None else [k, v]
+    return cmd
+
+
+def builtin_engine_flags(config, seed: int) -> dict[str, str | None]:
+    """The built-in engine settings a run gives every engine it starts."""
+    return {
+        "--max-running-requests": str(config.engine_max_running_requests),
+        "--torch-num-threads": str(config.torch_num_threads),
+        "--random-seed": str(seed),
+    }
+
+
+def sglang_server_command(model_path: str, port: int, seed: int, args: list[str]) -> list[str]:
+    """`sglang.launch_server` on 127.0.0.1:`port` with metrics on, then `args` (--sglang-* of the run)."""
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", "127.0.0.1",
+            "--port", str(port), "--enable-metrics", "--skip-server-warmup", "--random-seed", str(seed),
+            *args]  # fmt: skip
