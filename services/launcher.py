@@ -30,6 +30,7 @@ from asyncrl_proto.subjects import check_run_id
 from services.common import procs
 from services.common.config import RunConfig
 from services.common.natsserver import EmbeddedNats
+from services.common.snapshot import is_complete
 from services.engine.commands import builtin_engine_command, builtin_engine_flags, sglang_server_command
 
 SERVICE_MODULES = {
@@ -333,13 +334,17 @@ class Launcher:
 
     def _final_snapshot(self) -> str:
         """The final weights as an HF snapshot, for the snapshot eval backends: the last step's
-        --save-hf checkpoint, else the last pushed version, else the initial checkpoint."""
+        --save-hf checkpoint, else the last pushed version, else (nothing pushed) the initial
+        checkpoint; "" when the final weights are nowhere complete (the point is skipped)."""
         c = self.config
-        if c.save_hf and (Path(c.save_hf) / f"step_{c.total_steps}").is_dir():
-            return str(Path(c.save_hf) / f"step_{c.total_steps}")
+        saved = Path(c.save_hf) / f"step_{c.total_steps}" if c.save_hf else None
+        if saved is not None and is_complete(saved):
+            return str(saved)
         version = self._final_version()
+        if version == 0:
+            return c.hf_checkpoint
         pushed = self.run_dir / "weights" / f"v{version}"
-        return str(pushed.resolve()) if version > 0 and pushed.is_dir() else c.hf_checkpoint
+        return str(pushed.resolve()) if is_complete(pushed) else ""
 
     async def _watch(self, bus) -> None:
         while self.done is None:

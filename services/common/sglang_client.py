@@ -70,6 +70,8 @@ class SGLangClient:
         return self._session
 
     async def close(self) -> None:
+        if self._aborts:  # aborts of cancelled requests go out before the session closes
+            await asyncio.wait(self._aborts, timeout=2.0)
         if self._session is not None:
             await self._session.close()
 
@@ -80,19 +82,19 @@ class SGLangClient:
         return min(candidates, key=lambda u: self.outstanding[u])
 
     def _down_event(self, url: str) -> asyncio.Event:
-        if url not in self._down or self._down[url].is_set() and self.healthy[url]:
-            self._down[url] = asyncio.Event()
-        return self._down[url]
+        """Set at the next failure of `url` (a failed call or health check): the calls in
+        flight there then give up and retry elsewhere."""
+        return self._down.setdefault(url, asyncio.Event())
 
     def mark(self, url: str, healthy: bool) -> None:
-        if self.healthy[url] and not healthy:
-            log.warning("engine %s is unhealthy: no new requests; its unfinished ones go elsewhere", url)
-            self._down_event(url).set()
-        elif not self.healthy[url] and healthy:
+        if not healthy:
+            if self.healthy[url]:
+                log.warning("engine %s is unhealthy: no new requests; its unfinished ones go elsewhere", url)
+            self._down_event(url).set()  # every failure, not only the first: a stuck engine
+            self._down[url] = asyncio.Event()  # the calls from now on wait for the next one
+        elif not self.healthy[url]:
             log.info("engine %s is healthy again", url)
         self.healthy[url] = healthy
-        if healthy:
-            self._down_event(url)
 
     async def monitor_health(self, interval_s: float, timeout_s: float) -> None:
         """Poll /health_generate on every engine, forever (a producer loop)."""
@@ -130,15 +132,11 @@ class SGLangClient:
         """One call, raced against the engine being declared down; cancelled -> aborted there."""
         self.outstanding[url] += 1
         call = asyncio.ensure_future(self._post_generate(url, body))
-        # Raced against the engine going down only if it is up now: when every engine is marked
-        # down, `pick` still returns one, and the call itself decides whether it is back.
-        waits = {call}
-        down = None
-        if self.healthy[url]:
-            down = asyncio.ensure_future(self._down_event(url).wait())
-            waits.add(down)
+        # raced against the engine's next failure; `pick` may choose an engine marked down
+        # (none is up), and then a success marks it up again
+        down = asyncio.ensure_future(self._down_event(url).wait())
         try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({call, down}, return_when=asyncio.FIRST_COMPLETED)
             if call.done():
                 result = call.result()
                 self.mark(url, True)
@@ -153,8 +151,7 @@ class SGLangClient:
             task.add_done_callback(self._aborts.discard)
             raise
         finally:
-            if down is not None:
-                down.cancel()
+            down.cancel()
             self.outstanding[url] -= 1
 
     async def _post_generate(self, url: str, body: dict) -> dict:
@@ -172,7 +169,7 @@ class SGLangClient:
     async def _abort_quietly(self, url: str, rid: str) -> None:
         try:
             await self._call("POST", url, "/abort_request", {"rid": rid}, timeout=5.0)
-        except EngineError as e:  # the engine is gone or the request already finished
+        except Exception as e:  # the engine is gone, the request finished, or we are closing
             log.debug("abort of %s on %s: %s", rid, url, e)
 
     # ---- control plane (one engine) ------------------------------------------------------------

@@ -41,9 +41,9 @@ from services.common.bus import fetch_some, settle
 from services.common.config import eval_backend
 from services.common.runtime import Service, wait_event
 from services.common.sglang_client import SGLangClient
+from services.common.snapshot import is_complete
 from services.eval.contract import CheckpointEvalFn, EvalSkip
 from services.eval.fleet import launch_fleet
-from services.model.hf_io import is_complete
 from services.model.tokenizer import Tokenizer
 from services.rollout.core import apply_response
 from services.rollout.rewards import resolve_reward, score_sample

@@ -15,19 +15,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from services.common.snapshot import COMPLETE_MARKER
 from services.model.llama import CausalLM, ModelConfig
 
-COMPLETE_MARKER = ".complete"
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "generation_config.json",
 )
-
-
-def is_complete(path: str | Path) -> bool:
-    return (Path(path) / COMPLETE_MARKER).exists()
 
 
 def read_config(path: str | Path) -> ModelConfig:

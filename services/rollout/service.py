@@ -8,7 +8,8 @@ Produces: RolloutGroup on ROLLOUTS, published with Nats-Msg-Id = group id (retri
 Talks to: inference engines over the SGLang HTTP protocol (SGLangClient).
 Backpressure: submission credits (services.rollout.core.Credits) cap the trajectories in
   flight; the buffer's release policy caps the prompts available at all.
-Shutdown: stop fetching; in-flight groups are abandoned unacknowledged (redelivered later).
+Shutdown: stop fetching; in-flight groups are cancelled and their prompts nak'ed (redelivered
+  to the other producers at once; after ack_wait if the nak is lost).
 HTTP: /status (credits, groups in flight, paused), POST /control/pause_submission, /control/resume_submission.
 """
 
@@ -34,7 +35,7 @@ from services.rollout.core import Credits, apply_response
 from services.rollout.rewards import resolve_reward, score_group, score_sample
 
 MAX_GROUP_DELIVERIES = 5
-"""A group that fails this many times (engine errors every time) is published as FAILED."""
+"""A group whose generation fails this many times on one producer is published as FAILED."""
 RETRY_BACKOFF_S = 1.0
 """A failed group's prompt is redelivered after RETRY_BACKOFF_S * 2^(delivery - 1), at most 30 s."""
 
@@ -89,6 +90,7 @@ class RolloutService(Service):
         self.submission_open.set()
         self.pause_tokens: set[str] = set()
         self.groups_in_flight: dict[int, tuple[object, float]] = {}
+        self.failures: dict[str, int] = {}  # group id -> generation failures seen here
         self.counters = {
             "groups_published": 0,
             "samples_generated": 0,
@@ -151,8 +153,9 @@ class RolloutService(Service):
         finally:  # shutting down: in-flight groups are cancelled and their prompts given back
             for t in tasks:
                 t.cancel()
-            if tasks:
-                await asyncio.wait(tasks, timeout=5.0)
+            if tasks:  # the runtime re-cancels this loop every second: the naks are sent by then
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait(tasks, timeout=1.0)
 
     async def _submit(self, tasks: set[asyncio.Task]) -> None:
         while True:
@@ -184,59 +187,77 @@ class RolloutService(Service):
         self.groups_in_flight[id(msg)] = (msg, started)
         given_back = [0]  # credits this group already returned, trajectory by trajectory
         try:
-            input_ids = self.tokenizer.prompt_ids(prompt.prompt, self.config.apply_chat_template)
-            samples = [self._new_sample(prompt, i, input_ids) for i in range(self.n)]
-            tasks = [asyncio.create_task(self._run_trajectory(s, given_back)) for s in samples]
             try:
-                results = await asyncio.gather(*tasks)
-            except BaseException:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)  # all settle before the group fails
+                rg = await self._generate_group(prompt, started, given_back)
+            except asyncio.CancelledError:
+                # stopping: the prompt goes back to the queue now rather than after ack_wait
+                # (a nak is one buffered publish, sent at the latest when the connection closes)
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(settle(msg, "nak"), 2.0)
                 raise
-            group = list(results)
-            if self.config.group_rm and self.config.custom_rm_path:
-                if not await score_group(self.reward_fn, self.config, group):
-                    self.counters["reward_failures"] += len(group)
-            rg = self._group(prompt, group, started)
-            await self.bus.publish(self.bus.subjects.rollouts, rg, msg_id=rg.group_id)
+            except Exception as e:
+                await self._group_failed(msg, prompt, started, e)
+                return
+            self.failures.pop(rg.group_id, None)
+            try:
+                await self.bus.publish(self.bus.subjects.rollouts, rg, msg_id=rg.group_id)
+            except Exception as e:  # the broker is away: the finished work is not a failure
+                log.warning("publishing group %s failed (%s); its prompt goes back to the queue", rg.group_id, e)
+                await settle(msg, "nak", delay=1.0)
+                return
             await settle(msg)
             self.counters["groups_published"] += 1
-            self.counters["samples_generated"] += len(group)
-        except asyncio.CancelledError:
-            # stopping: the prompt goes back to the queue now rather than after ack_wait
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(settle(msg, "nak"), 2.0)
-            raise
-        except Exception as e:
-            self.counters["group_failures"] += 1
-            deliveries = msg.metadata.num_delivered
-            if deliveries < MAX_GROUP_DELIVERIES:
-                delay = min(RETRY_BACKOFF_S * 2.0 ** (deliveries - 1), 30.0)
-                log.error("group %s failed (delivery %d of %d), its prompt goes back to the queue in %.1fs: %s",
-                          prompt.group_index, deliveries, MAX_GROUP_DELIVERIES, delay, e)  # fmt: skip
-                await settle(msg, "nak", delay=delay)
-            else:
-                # settled as a FAILED group: the buffer and the ledger account for it (zero loss,
-                # it trains nothing), and a prompt that can never succeed does not loop forever
-                log.error("group %s failed %d times; published as FAILED: %s", prompt.group_index, deliveries, e)
-                await self._publish_failed(msg, prompt, started, f"{type(e).__name__}: {e}")
+            self.counters["samples_generated"] += len(rg.samples)
         finally:
             self.groups_in_flight.pop(id(msg), None)
             self.credits.group_done(given_back[0])
 
-    async def _publish_failed(self, msg, prompt: PromptMsg, started: float, error: str) -> None:
+    async def _generate_group(self, prompt: PromptMsg, started: float, given_back: list[int]) -> RolloutGroup:
+        input_ids = self.tokenizer.prompt_ids(prompt.prompt, self.config.apply_chat_template)
+        samples = [self._new_sample(prompt, i, input_ids) for i in range(self.n)]
+        tasks = [asyncio.create_task(self._run_trajectory(s, given_back)) for s in samples]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # all settle before the group fails
+            raise
+        group = list(results)
+        if self.config.group_rm and self.config.custom_rm_path:
+            if not await score_group(self.reward_fn, self.config, group):
+                self.counters["reward_failures"] += len(group)
+        return self._group(prompt, group, started)
+
+    async def _group_failed(self, msg, prompt: PromptMsg, started: float, error: Exception) -> None:
+        """Generation failed (every retry on every engine): back to the queue with a growing
+        delay; the MAX_GROUP_DELIVERIES-th failure seen here publishes the group as FAILED."""
+        self.counters["group_failures"] += 1
+        gid = group_id(prompt.group_index, prompt.attempt)
+        failures = self.failures[gid] = self.failures.get(gid, 0) + 1
+        if failures < MAX_GROUP_DELIVERIES:
+            delay = min(RETRY_BACKOFF_S * 2.0 ** (failures - 1), 30.0)
+            log.error("group %s failed (%d of %d), its prompt goes back to the queue in %.1fs: %s",
+                      gid, failures, MAX_GROUP_DELIVERIES, delay, error)  # fmt: skip
+            await settle(msg, "nak", delay=delay)
+            return
+        # settled as a FAILED group: the buffer and the ledger account for it (zero loss, it
+        # trains nothing), and a prompt that can never succeed does not loop forever
+        log.error("group %s failed %d times; published as FAILED: %s", gid, failures, error)
         samples = [
             Sample(index=prompt.group_index * self.n + i, group_index=prompt.group_index, prompt=prompt.prompt,
-                   label=prompt.label, metadata={**prompt.metadata, "error": error}, status=SampleStatus.FAILED)
+                   label=prompt.label, metadata={**prompt.metadata, "error": f"{type(error).__name__}: {error}"},
+                   status=SampleStatus.FAILED)
             for i in range(self.n)
         ]  # fmt: skip
         rg = self._group(prompt, samples, started)
         try:
             await self.bus.publish(self.bus.subjects.rollouts, rg, msg_id=rg.group_id)
-        except Exception as e:  # the broker is away: the prompt comes back after ack_wait
+        except Exception as e:  # the broker is away: the prompt comes back and fails once more
             log.error("publishing failed group %s: %s", rg.group_id, e)
+            await settle(msg, "nak", delay=1.0)
             return
+        self.failures.pop(gid, None)
         await settle(msg)
 
     def _group(self, prompt: PromptMsg, samples: list[Sample], started: float) -> RolloutGroup:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from services.model.hf_io import COMPLETE_MARKER, is_complete, load_weights_into, save_model
+from services.common.snapshot import COMPLETE_MARKER, is_complete
+from services.model.hf_io import load_weights_into, save_model
 
 LATEST = "latest_checkpointed_iteration.txt"
 

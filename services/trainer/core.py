@@ -316,7 +316,10 @@ def train_step(
     batches = batches if isinstance(batches, list) else [batches]
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    parts = accumulate_gradients(model, batches, cfg, step_denominator(batches, cfg.aggregation), ref_model)
+    denom = step_denominator(batches, cfg.aggregation)
+    if denom == 0:  # nothing to learn from (every group FAILED): no update, not a 0/0
+        return {"train/grad_norm": 0.0, "train/num_micro_batches": 0, "train/num_loss_tokens": 0, "train/skipped": 1.0}
+    parts = accumulate_gradients(model, batches, cfg, denom, ref_model)
     stats = merge_stats(parts)
     stats["train/grad_norm"] = apply_update(model, optimizer, clip_grad)
     stats["train/num_micro_batches"] = len(batches)

@@ -57,6 +57,9 @@ def dp_train_step(model, optimizer, groups, cfg: LossConfig, clip_grad: float, *
     """One data-parallel step; call on every rank with the same groups."""
     rank, world = dist.get_rank(), dist.get_world_size()
     batches, denoms = shard_batches(groups, rank, world, std_norm, reward_key, pad_id, max_tokens)
+    if denoms[cfg.aggregation] == 0:  # every rank sees the same: no update (every group FAILED)
+        return {"train/grad_norm": 0.0, "train/num_micro_batches": 0, "train/num_loss_tokens": 0, "train/skipped": 1.0,
+                "train/dp_world_size": world}  # fmt: skip
     model.train()
     optimizer.zero_grad(set_to_none=True)
     parts = accumulate_gradients(model, batches, cfg, denoms[cfg.aggregation], ref_model)

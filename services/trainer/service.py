@@ -38,6 +38,7 @@ from asyncrl_proto import (
     BufferGetRequest,
     EvalRequest,
     EvalResult,
+    Heartbeat,
     ProgressRecord,
     RolloutGroup,
     WeightsPublished,
@@ -424,7 +425,9 @@ class TrainerService(Service):
                           exported=exported, export_time_s=export_s)  # fmt: skip
         self.eval_pending.add(step)
         # one request per eval point, even when a resumed trainer passes the point again; a
-        # duplicate was answered before the restart (or will be, and the answer clears it anyway)
+        # duplicate was answered before the restart (or will be, and the answer clears it anyway;
+        # a retry whose first ack was lost also reads as one: the count is then one short until
+        # the next answer, which clears every point up to its own, since evals run in order)
         (ack,) = await self.bus.publish_durably(
             [(self.bus.subjects.eval_requests, req, f"eval-{step}")], f"eval request {step}"
         )
@@ -443,11 +446,14 @@ class TrainerService(Service):
             metrics = dict(res.metrics)
             metrics["eval/lag_steps"] = self.step - res.step
             self.pending_eval.append(metrics)
-            self.eval_pending.discard(res.step)
+            if res.step in self.eval_pending:  # the eval service answers its requests in order
+                self.eval_pending -= {s for s in self.eval_pending if s <= res.step}
             self._eval_done.set()
 
     async def _on_producer_heartbeat(self, msg) -> None:
-        self.last_producer_seen = time.monotonic()
+        with contextlib.suppress(*DecodeError):
+            if not decode(msg.data, Heartbeat).info.get("stopping"):  # a last word is no sign of life
+                self.last_producer_seen = time.monotonic()
 
     # ---- records -------------------------------------------------------------------------------
     def _record(self, step, groups, buffer_metrics, train_stats, wait_s, train_s, push_s, step_s) -> dict:

@@ -8,8 +8,9 @@ import pytest
 from asyncrl_proto import EvalRequest, EvalResult, decode
 from services.api import CheckpointEvalFn, EvalSkip, RunConfig
 from services.common.bus import Bus, fetch_some
+from services.common.snapshot import COMPLETE_MARKER
 from services.eval.service import EvalService
-from services.model.hf_io import COMPLETE_MARKER, load_model, save_model
+from services.model.hf_io import load_model, save_model
 from tests.conftest import EngineThread, start_service
 
 

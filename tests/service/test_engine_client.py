@@ -76,3 +76,24 @@ async def test_an_engine_marked_down_still_serves_when_it_is_the_only_one(tiny_m
             assert client.healthy[a.url] and client.num_retried == 0
         finally:
             await client.close()
+
+
+async def test_a_request_on_a_stuck_engine_marked_down_does_not_hang(tiny_model_dir):
+    """The only engine is stuck and marked down: requests sent to it (no engine is up) give up
+    at its next failed health check instead of waiting forever."""
+    import pytest
+
+    from services.common.sglang_client import EngineError
+
+    with EngineThread(tiny_model_dir) as a:
+        gate = StepGate(a.scheduler)  # accepts requests, never steps
+        client = SGLangClient([a.url], max_retries=2, retry_delay_s=0.05)
+        monitor = asyncio.ensure_future(client.monitor_health(interval_s=0.2, timeout_s=0.3))
+        try:
+            with pytest.raises(EngineError, match="went down"):
+                await asyncio.wait_for(client.generate(gen_body()), 20)
+            assert not client.healthy[a.url] and client.num_retried == 3
+        finally:
+            gate.open()
+            monitor.cancel()
+            await client.close()

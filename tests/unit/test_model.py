@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from services.model.hf_io import COMPLETE_MARKER, is_complete, load_model, save_model
+from services.common.snapshot import COMPLETE_MARKER, is_complete
+from services.model.hf_io import load_model, save_model
 from services.model.llama import CausalLM, KVCache, ModelConfig
 
 

@@ -253,6 +253,16 @@ def test_a_failed_group_trains_nothing_and_breaks_nothing():
     assert only_failed.num_tokens == 0 and only_failed.advantages_b.tolist() == [0.0, 0.0]
     both = build_train_batch([failed, ok], True, None, 0)
     assert both.num_tokens == 2 and both.advantages_b.tolist()[:2] == [0.0, 0.0]
+    # a step of FAILED groups only: no update at all (not a 0/0 that turns the weights into NaN)
+    from services.trainer.core import train_step
+
+    model = tiny_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for aggregation in ("token", "sequence"):
+        stats = train_step(model, opt, only_failed, LossConfig(aggregation=aggregation), clip_grad=1.0)
+        assert stats["train/skipped"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def test_dict_rewards_need_a_reward_key():
@@ -266,7 +276,7 @@ def test_dict_rewards_need_a_reward_key():
 
 
 def test_latest_checkpoint_follows_the_latest_file(tmp_path):
-    from services.model.hf_io import COMPLETE_MARKER
+    from services.common.snapshot import COMPLETE_MARKER
     from services.trainer.checkpoint import LATEST, latest_checkpoint
 
     for step in (3, 7):
