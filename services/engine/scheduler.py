@@ -150,6 +150,10 @@ class Scheduler:
         self._work = threading.Condition()
         self._model_lock = threading.Lock()
         self._gen = torch.Generator().manual_seed(seed)
+        self.last_progress = time.monotonic()
+        """When the loop last started work or finished a step (for /health_generate)."""
+        self.stall_timeout_s = 20.0
+        """Holding work with no step for this long reads as stuck."""
         self._shutdown = False
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._rid_counter = itertools.count()
@@ -168,6 +172,12 @@ class Scheduler:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def stalled(self) -> bool:
+        """Work is held and running, but no step has finished for stall_timeout_s."""
+        busy = not self.paused_mode and (self.running or self.waiting)
+        return bool(busy) and time.monotonic() - self.last_progress > self.stall_timeout_s
+
     def _loop(self) -> None:
         while True:
             with self._work:
@@ -178,6 +188,7 @@ class Scheduler:
                     if not self.paused_mode and (self.waiting or self.running):
                         break
                     self._work.wait()
+                    self.last_progress = time.monotonic()  # woken: idle time is not a stall
                 plan = self._plan()
             with self._model_lock:
                 version, epoch = self._version_int(), self.kv_epoch
@@ -185,6 +196,7 @@ class Scheduler:
             with self._work:
                 for p, out in zip(plan, outputs, strict=True):
                     self._apply(p, out, version, epoch)
+                self.last_progress = time.monotonic()
                 self._work.notify_all()
 
     # ---- requests ------------------------------------------------------------------------------

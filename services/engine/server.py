@@ -283,7 +283,8 @@ class EngineServer:
             if not sched.alive:
                 return Response(status_code=503)
             if sched.paused_mode or sched.running or sched.waiting:
-                return Response(status_code=200)  # the scheduler is alive and holds work
+                # alive and holding work: healthy while steps keep finishing
+                return Response(status_code=503 if sched.stalled else 200)
             try:
                 await asyncio.wait_for(
                     self.generate(

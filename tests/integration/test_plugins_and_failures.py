@@ -181,7 +181,11 @@ async def test_a_prompt_that_always_fails_ends_as_a_failed_group(nats_server, ru
         assert "longer than the context length" in rg.samples[0].metadata["error"]
         assert producer.service.counters["group_failures"] == rollout_service.MAX_GROUP_DELIVERIES
         assert len(calls) >= rollout_service.MAX_GROUP_DELIVERIES
-        assert (await bus.js.stream_info(bus.subjects.prompts_stream)).state.messages == 0  # settled
+
+        async def settled() -> bool:
+            return (await bus.js.stream_info(bus.subjects.prompts_stream)).state.messages == 0
+
+        await wait_until(settled, what="the prompt acknowledged")
     finally:
         await producer.stop()
         await bus.close()

@@ -87,6 +87,7 @@ async def test_a_request_on_a_stuck_engine_marked_down_does_not_hang(tiny_model_
 
     with EngineThread(tiny_model_dir) as a:
         gate = StepGate(a.scheduler)  # accepts requests, never steps
+        a.scheduler.stall_timeout_s = 0.3
         client = SGLangClient([a.url], max_retries=2, retry_delay_s=0.05)
         monitor = asyncio.ensure_future(client.monitor_health(interval_s=0.2, timeout_s=0.3))
         try:
