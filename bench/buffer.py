@@ -4,10 +4,11 @@ Buffer path: a producer (this process) takes released prompts from PROMPTS and p
 RolloutGroup of the given size to ROLLOUTS; the buffer service (its own process, the real
 service) puts it, leases it to a step and records both in its ledger; a trainer (this process)
 asks `buffer.get`, reads the payload from ROLLOUTS by sequence, and commits each step.
-Raw path: publish the same bytes to a JetStream stream, consume them with a pull consumer.
+Raw path: publish the same bytes to a JetStream stream, consume them with a push consumer.
 
 Measured for 4 KB and 256 KB groups:
-  latency   publish -> trainer has the decoded group, at a paced load (B = 1 group per step)
+  latency   publish -> trainer has the decoded group, at a paced load (B = 1 group per step):
+            --rate, or half of what the buffer path sustains if that is less
   throughput groups/s, all at once (B = 64 groups per step)
 
     python bench/buffer.py [--groups 2000] [--out docs/bench/buffer.json]
@@ -202,14 +203,17 @@ def main() -> None:
                 count = a.groups if size <= 4096 else max(256, a.groups // 10)
                 count -= count % 64  # whole steps of 64 groups
                 label = f"{size // 1024} KB"
-                print(f"[{label}] latency at {a.rate:.0f} groups/s ...", flush=True)
-                raw_lat = asyncio.run(raw_path(srv.url, payload, a.latency_groups, a.rate))
-                buf_lat = asyncio.run(buffer_path(srv.url, data, tmp, size, a.latency_groups, 1, a.rate))
                 print(f"[{label}] throughput, {count} groups ...", flush=True)
                 raw_tp = asyncio.run(raw_path(srv.url, payload, count, None))
                 buf_tp = asyncio.run(buffer_path(srv.url, data, tmp, size, count, 64, None))
+                # paced well below what the buffer path sustains, or the latency is a queue's
+                rate = min(a.rate, 0.5 * buf_tp["groups_per_s"])
+                print(f"[{label}] latency at {rate:.0f} groups/s ...", flush=True)
+                raw_lat = asyncio.run(raw_path(srv.url, payload, a.latency_groups, rate))
+                buf_lat = asyncio.run(buffer_path(srv.url, data, tmp, size, a.latency_groups, 1, rate))
                 results[label] = {
                     "payload_bytes": len(payload),
+                    "latency_rate_groups_per_s": rate,
                     "raw": {
                         "p50_ms": raw_lat["p50_ms"],
                         "p99_ms": raw_lat["p99_ms"],
