@@ -13,8 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from asyncrl_proto import LedgerEvent, PromptMsg, RolloutGroupView, decode
-from services.buffer.state import audit, group_id
+from asyncrl_proto import LedgerEvent, PromptMsg, RolloutGroupView, decode, group_id
+from services.buffer.state import audit
 
 
 async def _read_stream(bus, stream: str, subject: str | None = None) -> list[bytes]:

@@ -42,13 +42,14 @@ from asyncrl_proto import (
     WeightsLive,
     decode,
     encode,
+    group_id,
 )
 from asyncrl_proto.codec import DecodeError
 from asyncrl_proto.messages import flatten_group, oldest_weight_version
 from services.buffer.core import DataBuffer, DefaultDataBuffer, load_object, staleness
 from services.buffer.datasource import PromptSource, load_rows
 from services.buffer.policy import ReleaseState, release_allowance
-from services.buffer.state import BufferState, apply, decode_state, encode_state, group_id
+from services.buffer.state import BufferState, apply, decode_state, encode_state
 from services.common.bus import next_batch, settle
 from services.common.runtime import Service, wait_event
 

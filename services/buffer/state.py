@@ -25,8 +25,6 @@ import msgspec
 
 from asyncrl_proto import GroupRef, LedgerEvent, PromptMsg, group_id
 
-__all__ = ["group_id"]  # re-exported: the buffer and the audit name groups by it
-
 
 class StoredRef(msgspec.Struct, kw_only=True):
     group_id: str

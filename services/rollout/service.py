@@ -214,7 +214,7 @@ class RolloutService(Service):
 
     async def _generate_group(self, prompt: PromptMsg, started: float, given_back: list[int]) -> RolloutGroup:
         input_ids = self.tokenizer.prompt_ids(prompt.prompt, self.config.apply_chat_template)
-        samples = [self._new_sample(prompt, i, input_ids) for i in range(self.n)]
+        samples = [self._new_sample(prompt, i, _input_ids=input_ids) for i in range(self.n)]
         tasks = [asyncio.create_task(self._run_trajectory(s, given_back)) for s in samples]
         try:
             results = await asyncio.gather(*tasks)
@@ -244,12 +244,8 @@ class RolloutService(Service):
         # settled as a FAILED group: the buffer and the ledger account for it (zero loss, it
         # trains nothing), and a prompt that can never succeed does not loop forever
         log.error("group %s failed %d times; published as FAILED: %s", gid, failures, error)
-        samples = [
-            Sample(index=prompt.group_index * self.n + i, group_index=prompt.group_index, prompt=prompt.prompt,
-                   label=prompt.label, metadata={**prompt.metadata, "error": f"{type(error).__name__}: {error}"},
-                   status=SampleStatus.FAILED)
-            for i in range(self.n)
-        ]  # fmt: skip
+        reason = f"{type(error).__name__}: {error}"
+        samples = [self._new_sample(prompt, i, SampleStatus.FAILED, error=reason) for i in range(self.n)]
         rg = self._group(prompt, samples, started)
         try:
             await self.bus.publish(self.bus.subjects.rollouts, rg, msg_id=rg.group_id)
@@ -273,14 +269,15 @@ class RolloutService(Service):
             row=prompt.row,
         )
 
-    def _new_sample(self, prompt: PromptMsg, i: int, input_ids: list[int]) -> Sample:
+    def _new_sample(self, prompt: PromptMsg, i: int, status=SampleStatus.PENDING, **metadata) -> Sample:
+        """Trajectory i of the prompt's group: its prompt, label and metadata, plus `metadata`."""
         return Sample(
             index=prompt.group_index * self.n + i,
             group_index=prompt.group_index,
             prompt=prompt.prompt,
             label=prompt.label,
-            metadata={**prompt.metadata, "_input_ids": input_ids},
-            status=SampleStatus.PENDING,
+            metadata={**prompt.metadata, **metadata},
+            status=status,
         )
 
     async def _run_trajectory(self, sample: Sample, given_back: list[int]):

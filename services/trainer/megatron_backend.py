@@ -108,15 +108,32 @@ def _split_qkv(qkv, cfg: ModelConfig):
     return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
 
 
-def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": hf["model.norm.weight"]}  # fmt: skip
+# names that map one to one: (HF, Megatron), per model and per layer ({i})
+_GLOBAL_NAMES = (
+    ("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
+    ("model.norm.weight", "decoder.final_layernorm.weight"),
+)
+_LAYER_NAMES = (
+    ("model.layers.{i}.input_layernorm.weight", "decoder.layers.{i}.input_layernorm.weight"),
+    ("model.layers.{i}.self_attn.o_proj.weight", "decoder.layers.{i}.self_attention.linear_proj.weight"),
+    ("model.layers.{i}.post_attention_layernorm.weight", "decoder.layers.{i}.pre_mlp_layernorm.weight"),
+    ("model.layers.{i}.mlp.down_proj.weight", "decoder.layers.{i}.mlp.linear_fc2.weight"),
+)
+
+
+def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
+    pairs = list(_GLOBAL_NAMES)
     if not cfg.tie_word_embeddings:
-        out["output_layer.weight"] = hf["lm_head.weight"]
+        pairs.append(("lm_head.weight", "output_layer.weight"))
     for i in range(cfg.num_hidden_layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        a = h + "self_attn."
-        out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
+        pairs += [(h.format(i=i), m.format(i=i)) for h, m in _LAYER_NAMES]
+    return pairs
+
+
+def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    out = {m: hf[h] for h, m in _renames(cfg)}
+    for i in range(cfg.num_hidden_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}."
         out[m + "self_attention.linear_qkv.weight"] = _fuse_qkv(
             hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], cfg
         )
@@ -124,32 +141,22 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
             out[m + "self_attention.linear_qkv.bias"] = _fuse_qkv(
                 hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], cfg
             )
-        out[m + "self_attention.linear_proj.weight"] = hf[a + "o_proj.weight"]
-        out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], 0)
-        out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
+        mlp = f"model.layers.{i}.mlp."
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]], 0)
     return out
 
 
 def megatron_to_hf(mg: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    out = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"],
-           "model.norm.weight": mg["decoder.final_layernorm.weight"]}  # fmt: skip
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = mg["output_layer.weight"]
+    out = {h: mg[m] for h, m in _renames(cfg)}
     for i in range(cfg.num_hidden_layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        a = h + "self_attn."
-        out[h + "input_layernorm.weight"] = mg[m + "input_layernorm.weight"]
+        a, m = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}."
         q, k, v = _split_qkv(mg[m + "self_attention.linear_qkv.weight"], cfg)
         out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = q, k, v
         if cfg.attention_bias:
             qb, kb, vb = _split_qkv(mg[m + "self_attention.linear_qkv.bias"], cfg)
             out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = qb, kb, vb
-        out[a + "o_proj.weight"] = mg[m + "self_attention.linear_proj.weight"]
-        out[h + "post_attention_layernorm.weight"] = mg[m + "pre_mlp_layernorm.weight"]
-        gate, up = mg[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
-        out[h + "mlp.down_proj.weight"] = mg[m + "mlp.linear_fc2.weight"]
+        mlp = f"model.layers.{i}.mlp."
+        out[mlp + "gate_proj.weight"], out[mlp + "up_proj.weight"] = mg[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
     return out
 
 

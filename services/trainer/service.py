@@ -45,7 +45,7 @@ from asyncrl_proto import (
     decode,
 )
 from asyncrl_proto.codec import DecodeError
-from asyncrl_proto.messages import flatten_group
+from asyncrl_proto.messages import flatten_group, scalar_reward
 from services.buffer.core import load_object
 from services.common.config import eval_backend
 from services.common.runtime import Service
@@ -56,7 +56,6 @@ from services.trainer.core import (
     apply_sample_filter,
     assemble_batch,
     build_micro_batches,
-    scalar_reward,
     std_normalization,
     train_step,
 )

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from asyncrl_proto import LedgerEvent, PromptMsg
-from services.buffer.state import BufferState, StateError, apply, audit, decode_state, encode_state, fold, group_id
+from asyncrl_proto import LedgerEvent, PromptMsg, group_id
+from services.buffer.state import BufferState, StateError, apply, audit, decode_state, encode_state, fold
 
 
 class Log:
