@@ -39,24 +39,30 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
 
 
 def shard_batches(groups, rank: int, world: int, std_norm: bool, reward_key, pad_id: int, max_tokens: int | None):
-    """This rank's micro-batches, and the step's global loss denominators (token and sequence)."""
+    """This rank's micro-batches: the samples sorted by length and dealt round-robin."""
     items = samples_with_advantages(groups, std_norm, reward_key)
     items.sort(key=lambda it: len(it[0].tokens))
-    everything = [make_batch(items, pad_id)]
-    denoms = {a: step_denominator(everything, a) for a in ("token", "sequence")}
     mine = items[rank::world]
     if not mine:
-        return [], denoms
+        return []
     if not max_tokens:
-        return [make_batch(mine, pad_id)], denoms
-    return [make_batch(c, pad_id) for c in chunk_by_tokens(mine, max_tokens)], denoms
+        return [make_batch(mine, pad_id)]
+    return [make_batch(c, pad_id) for c in chunk_by_tokens(mine, max_tokens)]
+
+
+def step_denominators(batches) -> dict[str, float]:
+    """The whole step's loss denominators (token and sequence), summed over the ranks' shares."""
+    counts = torch.tensor([step_denominator(batches, a) for a in ("token", "sequence")], dtype=torch.float64)
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    return {"token": counts[0].item(), "sequence": counts[1].item()}
 
 
 def dp_train_step(model, optimizer, groups, cfg: LossConfig, clip_grad: float, *, std_norm: bool, reward_key,
                   pad_id: int, max_tokens: int | None, ref_model=None) -> dict:  # fmt: skip
     """One data-parallel step; call on every rank with the same groups."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    batches, denoms = shard_batches(groups, rank, world, std_norm, reward_key, pad_id, max_tokens)
+    batches = shard_batches(groups, rank, world, std_norm, reward_key, pad_id, max_tokens)
+    denoms = step_denominators(batches)
     if denoms[cfg.aggregation] == 0:  # every rank sees the same: no update (every group FAILED)
         return {"train/grad_norm": 0.0, "train/num_micro_batches": 0, "train/num_loss_tokens": 0, "train/skipped": 1.0,
                 "train/dp_world_size": world}  # fmt: skip
