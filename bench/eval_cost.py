@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from asyncrl_proto import LedgerEvent, decode
+from asyncrl_proto import LedgerBatch, decode
 
 WORK = ["train-async", "--fully-async", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
         "--async-data-buffer-capacity-factor", "1", "--skip-eval-before-train", "--seed", "1234", "--rollout-seed", "42"]  # fmt: skip
@@ -37,7 +37,9 @@ def ledger_puts(run_dir: Path) -> list[float]:
         bus = await Bus.connect(url, cfg["run_id"], "bench")
         try:
             s = bus.subjects
-            return [decode(d, LedgerEvent) for d in await _read_stream(bus, s.ledger_stream, s.ledger)]
+            return [
+                ev for d in await _read_stream(bus, s.ledger_stream, s.ledger) for ev in decode(d, LedgerBatch).events
+            ]
         finally:
             await bus.close()
 

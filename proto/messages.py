@@ -295,6 +295,15 @@ class LedgerEvent(msgspec.Struct, kw_only=True):
     ts: float = 0.0
 
 
+class LedgerBatch(msgspec.Struct, kw_only=True):
+    """One message on LEDGER_<run>: the events of one append, in log order. The buffer appends
+    what it has decided since its last append as one message (one broker round trip and one
+    stored message however many events), with Nats-Msg-Id `<run>-L<first seq>-<last seq>`, so a
+    retried append dedupes."""
+
+    events: list[LedgerEvent]
+
+
 class SampleView(msgspec.Struct, kw_only=True):
     """A Sample decoded without its token-level payload (tokens, response text, log-probs, loss
     mask): msgspec skips those bytes without building Python objects. Everything the buffer

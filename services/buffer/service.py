@@ -3,7 +3,7 @@
 Consumes: RolloutGroup messages from ROLLOUTS (durable push consumer "buffer"); `buffer.get`
   and `buffer.commit` requests from the trainer; `weights.live` (the staleness clock); producer
   heartbeats (their in-flight caps, for the fully-async release policy).
-Produces: PromptMsg on PROMPTS (releases, recycled prompts first); LedgerEvent on LEDGER (every
+Produces: PromptMsg on PROMPTS (releases, recycled prompts first); LedgerBatch on LEDGER (every
   decision); replies with GroupRefs (where the trainer reads each group on ROLLOUTS) and the
   step's get_metrics() snapshot.
 Durability: the state (services.buffer.state) is the fold of the ledger. Every decision is
@@ -36,6 +36,7 @@ from asyncrl_proto import (
     BufferGetRequest,
     GroupRef,
     Heartbeat,
+    LedgerBatch,
     LedgerEvent,
     RolloutGroup,
     RolloutGroupView,
@@ -58,6 +59,9 @@ log = logging.getLogger(__name__)
 PRODUCER_TIMEOUT_S = 10.0
 SNAPSHOT_EVERY = 500
 ROLLOUTS_ACK_WAIT_S = 10.0
+LEDGER_BATCH_EVENTS = 256
+"""Events per ledger message at most (a released event carries its prompt: stay far below the
+broker's 1 MB message limit)."""
 INLINE_MAX_BYTES = 64 * 1024
 """Groups up to this size travel inline in the get reply (they are in memory anyway), which
 saves the trainer a round trip per group; larger ones are read from ROLLOUTS by sequence."""
@@ -118,6 +122,7 @@ class BufferService(Service):
         self._wake_pump = asyncio.Event()
         self._stored = asyncio.Event()
         self._lease_done: dict[int, asyncio.Event] = {}
+        self._waiting: dict[int, list[list]] = {}  # step -> [get request, answered] waiting for its lease
         self._rollouts = None
         self.raw_of: dict[str, bytes] = {}  # group id -> encoded group, for small groups
         self._purging = False
@@ -155,14 +160,15 @@ class BufferService(Service):
         replayed = 0
         for seq in range(self.state.log_stream_seq + 1, last + 1):
             try:
-                ev = decode(await self.bus.get_payload(stream, seq), LedgerEvent)
+                events = decode(await self.bus.get_payload(stream, seq), LedgerBatch).events
             except Exception as e:  # a gap (deleted message) is corruption: say so
                 raise RuntimeError(f"cannot replay ledger message {seq} of {stream}: {e}") from e
-            if ev.seq <= self.state.seq:
-                continue  # an append retried beyond the dedupe window
-            apply(self.state, ev)
+            for ev in events:
+                if ev.seq <= self.state.seq:
+                    continue  # an append retried beyond the dedupe window
+                apply(self.state, ev)
+                replayed += 1
             self.state.log_stream_seq = seq
-            replayed += 1
         groups = []
         for gid, ref in self.state.stored.items():
             data = await self.bus.get_payload(self.bus.subjects.rollouts_stream, ref.stream_seq)
@@ -201,10 +207,12 @@ class BufferService(Service):
         """Make every recorded event durable, in order; snapshot the state now and then."""
         async with self._flush_lock:
             while self._unflushed:
-                batch, self._unflushed = self._unflushed, []
+                events, self._unflushed = self._unflushed, []
                 subject, run = self.bus.subjects.ledger, self.bus.subjects.run_id
+                chunks = [events[i : i + LEDGER_BATCH_EVENTS] for i in range(0, len(events), LEDGER_BATCH_EVENTS)]
                 acks = await self.bus.publish_durably(
-                    [(subject, ev, f"{run}-L{ev.seq}") for ev in batch], f"{len(batch)} ledger events"
+                    [(subject, LedgerBatch(events=c), f"{run}-L{c[0].seq}-{c[-1].seq}") for c in chunks],
+                    f"{len(events)} ledger events",
                 )
                 self.state.log_stream_seq = max(self.state.log_stream_seq, acks[-1].seq)
             if snapshot or self.state.seq - self._snapshot_seq >= SNAPSHOT_EVERY:
@@ -406,17 +414,27 @@ class BufferService(Service):
         done = self._lease_done.setdefault(req.step, asyncio.Event())
         if self._lease_complete(req.step):
             done.set()
-        if req.wait_s > 0:
+        if req.wait_s > 0 and not done.is_set():
+            waiter = [msg, False]  # answered by the lease's completion, the moment it is durable
+            self._waiting.setdefault(req.step, []).append(waiter)
             await wait_event(done, req.wait_s)
+            with contextlib.suppress(ValueError):
+                self._waiting.get(req.step, []).remove(waiter)
+            if waiter[1]:
+                return
         await self._flush()  # never hand out a lease that is not durable
-        lease = self.state.leases.get(req.step)
-        reply = BufferGetReply(
-            step=req.step,
-            refs=self._with_payloads(lease.refs) if lease else [],
-            complete=bool(lease and lease.complete),
-            metrics=dict(lease.metrics) if lease else {},
+        await msg.respond(self._get_reply(req.step))
+
+    def _get_reply(self, step: int) -> bytes:
+        lease = self.state.leases.get(step)
+        return encode(
+            BufferGetReply(
+                step=step,
+                refs=self._with_payloads(lease.refs) if lease else [],
+                complete=bool(lease and lease.complete),
+                metrics=dict(lease.metrics) if lease else {},
+            )
         )
-        await msg.respond(encode(reply))
 
     def _with_payloads(self, refs: list[GroupRef]) -> list[GroupRef]:
         out, budget = [], INLINE_REPLY_MAX_BYTES
@@ -465,6 +483,13 @@ class BufferService(Service):
                 self._record("lease_complete", step=step, metrics={k: float(v) for k, v in metrics.items()})
                 await self._flush()
                 self._lease_done.setdefault(step, asyncio.Event()).set()
+                waiting = self._waiting.pop(step, [])
+                if waiting:
+                    reply = self._get_reply(step)
+                    for waiter in waiting:
+                        waiter[1] = True
+                        with contextlib.suppress(Exception):  # the requester may be gone: it asks again
+                            await waiter[0].respond(reply)
 
     def _lease(self, step: int, group: list, version: int | None) -> None:
         entry = self.gid_of.pop(id(group), None)
@@ -504,6 +529,7 @@ class BufferService(Service):
             for step in [s for s in self.requested if s <= req.step]:
                 self.requested.pop(step)
                 self._lease_done.pop(step, None)
+                self._waiting.pop(step, None)
         await msg.respond(encode(BufferCommitReply(step=req.step, num_groups_committed=len(seqs))))
         if seqs and not self._purging:  # trained: their payloads are no longer needed
             self._purging = True

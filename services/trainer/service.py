@@ -202,37 +202,53 @@ class TrainerService(Service):
             await self._request_eval(0, final=False)
         self.loop_started = time.perf_counter()
         batch = await self._fetch(self.step) if self.step < total else None  # resumed after the last step?
-        while self.step < total:
-            step = self.step
-            t_step = time.perf_counter()
-            groups, buffer_metrics, wait_s = batch
-            train_stats, train_s = await self._train_on(groups)
-            update_due = (step + 1) % c.update_weights_interval == 0 or step + 1 == total
-            next_batch = None
-            if update_due and c.mode == "one_step" and step + 1 < total:
-                # the in-flight batch completes before the push, and nothing newer starts on old weights
-                next_batch = await self._fetch(step + 1, lookahead=0)
-            push_s = await self._push_weights(step) if update_due else 0.0
-            if next_batch is not None:
-                await self._release_ahead(step + 1)  # step r+2 generates while r+1 trains, on the new weights
-            self.uncommitted[step] = sorted(flatten_group(g)[0].group_index for g in groups)
-            await self._checkpoint_and_commit(step, last=step + 1 == total)
-            record = self._record(
-                step,
-                groups,
-                buffer_metrics,
-                train_stats,
-                wait_s,
-                train_s,
-                push_s,
-                time.perf_counter() - t_step,
-            )
-            await self._emit(step, record)
-            self.step = step + 1
-            if c.eval_interval and self.step % c.eval_interval == 0 and self.step < total:
-                await self._request_eval(self.step, final=False)
-            if self.step < total:
-                batch = next_batch if next_batch is not None else await self._fetch(self.step)
+        prefetch: asyncio.Future | None = None
+        try:
+            while self.step < total:
+                step = self.step
+                t_step = time.perf_counter()
+                groups, buffer_metrics, wait_s = batch
+                if c.mode == "fully_async" and step + 1 < total:
+                    # as Miles's async driver: the next batch is drained while this one trains
+                    prefetch = asyncio.ensure_future(self._fetch(step + 1))
+                train_stats, train_s = await self._train_on(groups)
+                update_due = (step + 1) % c.update_weights_interval == 0 or step + 1 == total
+                next_batch = None
+                if update_due and c.mode == "one_step" and step + 1 < total:
+                    # the in-flight batch completes before the push, and nothing newer starts on old weights
+                    next_batch = await self._fetch(step + 1, lookahead=0)
+                push_s = await self._push_weights(step) if update_due else 0.0
+                if next_batch is not None:
+                    await self._release_ahead(step + 1)  # step r+2 generates while r+1 trains, on the new weights
+                self.uncommitted[step] = sorted(flatten_group(g)[0].group_index for g in groups)
+                await self._checkpoint_and_commit(step, last=step + 1 == total)
+                record = self._record(
+                    step,
+                    groups,
+                    buffer_metrics,
+                    train_stats,
+                    wait_s,
+                    train_s,
+                    push_s,
+                    time.perf_counter() - t_step,
+                )
+                await self._emit(step, record)
+                self.step = step + 1
+                if c.eval_interval and self.step % c.eval_interval == 0 and self.step < total:
+                    await self._request_eval(self.step, final=False)
+                if self.step < total:
+                    if next_batch is not None:
+                        batch = next_batch
+                    elif prefetch is not None:
+                        t0 = time.monotonic()
+                        groups, buffer_metrics, _ = await prefetch
+                        prefetch = None
+                        batch = groups, buffer_metrics, time.monotonic() - t0  # what the loop waited
+                    else:
+                        batch = await self._fetch(self.step)
+        finally:
+            if prefetch is not None:
+                prefetch.cancel()
         if c.mode != "sync":
             await self._request_eval(total, final=True)  # the last step forces eval in async drivers
         done = ProgressRecord(step=total, done=True, record=self.last_record)
