@@ -40,7 +40,7 @@ from asyncrl_proto import (
     group_id,
 )
 from services.common import procs
-from services.common.bus import Bus, fetch_some, next_batch
+from services.common.bus import Bus, ReplyInbox, fetch_some, next_batch
 from services.common.config import RunConfig
 from services.common.natsserver import EmbeddedNats
 
@@ -125,6 +125,7 @@ async def buffer_path(
     s = bus.subjects
     sent: dict[str, float] = {}
     lat: list[float] = []
+    durable_lat: list[float] = []
     try:
         while True:  # measure the running service, not its start-up
             try:
@@ -158,18 +159,29 @@ async def buffer_path(
                     i += len(msgs)
 
         async def train():
-            """Like the trainer: one get per step, payloads inline or read by sequence; the
-            commit of a step goes out while the next step is requested."""
+            """Like the trainer: one get per step (provisional answers accepted), payloads
+            inline or read by sequence; the step's commit waits for the durable answer and goes
+            out while the next step is requested."""
+            inbox = ReplyInbox(bus.nc)
             step, commits = 0, []
             while len(lat) < count:
-                req = BufferGetRequest(step=step, count=batch, wait_s=5.0)
-                reply = await bus.request(s.buffer_get, req, BufferGetReply, timeout=15)
+                req = BufferGetRequest(step=step, count=batch, wait_s=5.0, provisional_ok=True)
+                token, answers = await inbox.request(s.buffer_get, req)
+                async with asyncio.timeout(15):
+                    reply = decode(await ReplyInbox.answer(answers), BufferGetReply)
                 if not reply.complete:
+                    inbox.done(token)
                     continue
                 datas = await asyncio.gather(*(_payload(bus, s.rollouts_stream, r) for r in reply.refs))
                 now = time.perf_counter()
-                for d in datas:
-                    lat.append(now - sent[decode(d, RolloutGroup).group_id])
+                gids = [decode(d, RolloutGroup).group_id for d in datas]
+                lat.extend(now - sent[g] for g in gids)
+                while not reply.durable:
+                    async with asyncio.timeout(15):
+                        reply = decode(await ReplyInbox.answer(answers), BufferGetReply)
+                inbox.done(token)
+                now = time.perf_counter()
+                durable_lat.extend(now - sent[g] for g in gids)
                 commits.append(asyncio.ensure_future(
                     bus.request(s.buffer_commit, BufferCommit(step=step), BufferCommitReply, timeout=15)
                 ))  # fmt: skip
@@ -182,7 +194,8 @@ async def buffer_path(
     finally:
         procs.stop(proc)
         await bus.close()
-    return {"groups_per_s": count / elapsed, "p50_ms": 1000 * pct(lat, 0.5), "p99_ms": 1000 * pct(lat, 0.99)}
+    return {"groups_per_s": count / elapsed, "p50_ms": 1000 * pct(lat, 0.5), "p99_ms": 1000 * pct(lat, 0.99),
+            "durable_p50_ms": 1000 * pct(durable_lat, 0.5), "durable_p99_ms": 1000 * pct(durable_lat, 0.99)}  # fmt: skip
 
 
 def main() -> None:

@@ -142,8 +142,8 @@ class GroupRef(msgspec.Struct, kw_only=True):
     stream_seq: int = 0
     """Sequence of the RolloutGroup message on ROLLOUTS; 0 when the payload is inline."""
     payload: bytes | None = None
-    """The encoded RolloutGroup, only when it is not on the stream (e.g. a custom buffer
-    returned a group it built itself)."""
+    """The encoded RolloutGroup, inline: groups up to 64 KB (the buffer holds them anyway) and
+    groups a custom buffer built itself; larger ones are read from ROLLOUTS by `stream_seq`."""
     staleness: int | None = None
     oldest_version: int | None = None
 
@@ -162,6 +162,12 @@ class BufferGetRequest(msgspec.Struct, kw_only=True):
     """Prompt release may run this many steps ahead of `step` (0 sync, 1 one-step async)."""
     wait_s: float = 2.0
     context: dict[str, Any] = msgspec.field(default_factory=dict)
+    provisional_ok: bool = False
+    """The requester reads more than one answer on its reply subject: when the lease completes
+    while this request waits, the buffer answers at once with `durable=False` (the lease as
+    decided, its ledger append in flight) and again with `durable=True` once the append is
+    acknowledged. The requester may compute on the first answer but lets nothing of it take
+    effect before the second, which lists the same groups unless the buffer died in between."""
 
 
 class BufferGetReply(msgspec.Struct, kw_only=True):
@@ -171,6 +177,8 @@ class BufferGetReply(msgspec.Struct, kw_only=True):
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
     """get_metrics() taken once, when the step's batch became complete."""
     error: str | None = None
+    durable: bool = True
+    """False on the provisional answer to a request with `provisional_ok` (see there)."""
 
 
 class BufferCommit(msgspec.Struct, kw_only=True):

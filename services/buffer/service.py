@@ -15,7 +15,9 @@ Durability: the state (services.buffer.state) is the fold of the ledger. Every d
 Backpressure: put() blocks while the buffer is full, so the consumer stops reading ROLLOUTS
   and the release policy stops releasing prompts: producers run dry.
 Leases: a repeated get for a step returns the same groups until the trainer commits the step
-  (after its checkpoint); a restarted trainer gets exactly the groups it had.
+  (after its checkpoint); a restarted trainer gets exactly the groups it had. A waiting get
+  with `provisional_ok` is answered twice: as soon as its lease is decided (durable=False), and
+  once the ledger has it (durable=True).
 HTTP: /status shows capacity, stored groups, the staleness clock and the ledger counters.
 """
 
@@ -122,7 +124,7 @@ class BufferService(Service):
         self._wake_pump = asyncio.Event()
         self._stored = asyncio.Event()
         self._lease_done: dict[int, asyncio.Event] = {}
-        self._waiting: dict[int, list[list]] = {}  # step -> [get request, answered] waiting for its lease
+        self._waiting: dict[int, list[list]] = {}  # step -> get requests waiting for its lease
         self._rollouts = None
         self.raw_of: dict[str, bytes] = {}  # group id -> encoded group, for small groups
         self._purging = False
@@ -266,6 +268,9 @@ class BufferService(Service):
             **common, "stream_seq": msg.metadata.sequence.stream, "oldest_version": oldest_weight_version(group),
             "recorded": False, "recycled": False, "key": id(group),
         }  # fmt: skip
+        if self._observed and len(self.buffer) < self.buffer.capacity:
+            await self._plugin(self.buffer.put(group), "put")  # room: decided without a task switch
+            return True
         put = asyncio.ensure_future(self._plugin(self.buffer.put(group), "put"))
         await asyncio.wait({put}, timeout=0.05)
         while not put.done():  # a full buffer holds the producers back
@@ -415,7 +420,7 @@ class BufferService(Service):
         if self._lease_complete(req.step):
             done.set()
         if req.wait_s > 0 and not done.is_set():
-            waiter = [msg, False]  # answered by the lease's completion, the moment it is durable
+            waiter = [msg, False, req.provisional_ok]  # [request, answered, wants a provisional answer]
             self._waiting.setdefault(req.step, []).append(waiter)
             await wait_event(done, req.wait_s)
             with contextlib.suppress(ValueError):
@@ -425,7 +430,7 @@ class BufferService(Service):
         await self._flush()  # never hand out a lease that is not durable
         await msg.respond(self._get_reply(req.step))
 
-    def _get_reply(self, step: int) -> bytes:
+    def _get_reply(self, step: int, durable: bool = True) -> bytes:
         lease = self.state.leases.get(step)
         return encode(
             BufferGetReply(
@@ -433,6 +438,7 @@ class BufferService(Service):
                 refs=self._with_payloads(lease.refs) if lease else [],
                 complete=bool(lease and lease.complete),
                 metrics=dict(lease.metrics) if lease else {},
+                durable=durable,
             )
         )
 
@@ -481,15 +487,16 @@ class BufferService(Service):
             if lease is not None and len(lease.refs) >= count:
                 metrics = await self._plugin(_sync(self.buffer.get_metrics), "get_metrics")
                 self._record("lease_complete", step=step, metrics={k: float(v) for k, v in metrics.items()})
+                waiting = self._waiting.pop(step, [])
+                early = [w for w in waiting if w[2]]
+                if early:  # the lease as decided, while its ledger append is in flight
+                    await _respond_all(early, self._get_reply(step, durable=False))
                 await self._flush()
                 self._lease_done.setdefault(step, asyncio.Event()).set()
-                waiting = self._waiting.pop(step, [])
+                for waiter in waiting:
+                    waiter[1] = True
                 if waiting:
-                    reply = self._get_reply(step)
-                    for waiter in waiting:
-                        waiter[1] = True
-                        with contextlib.suppress(Exception):  # the requester may be gone: it asks again
-                            await waiter[0].respond(reply)
+                    await _respond_all(waiting, self._get_reply(step))
 
     def _lease(self, step: int, group: list, version: int | None) -> None:
         entry = self.gid_of.pop(id(group), None)
@@ -625,3 +632,9 @@ class BufferService(Service):
 
 async def _sync(fn):
     return fn()
+
+
+async def _respond_all(waiters: list[list], reply: bytes) -> None:
+    for waiter in waiters:
+        with contextlib.suppress(Exception):  # the requester may be gone: it asks again
+            await waiter[0].respond(reply)

@@ -10,6 +10,7 @@ score response tokens and are in the sample's loss mask.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -310,9 +311,12 @@ def train_step(
     cfg: LossConfig,
     clip_grad: float,
     ref_model: CausalLM | None = None,
+    before_update: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """One optimizer step over the micro-batches of a training step, the loss normalised by
-    the whole step's tokens (or sequences) so that the gradient equals that of one big batch."""
+    the whole step's tokens (or sequences) so that the gradient equals that of one big batch.
+    `before_update` runs after the backward passes and before the update: what it raises
+    leaves the weights and the optimizer as they were."""
     batches = batches if isinstance(batches, list) else [batches]
     model.train()
     optimizer.zero_grad(set_to_none=True)
@@ -321,6 +325,8 @@ def train_step(
         return {"train/grad_norm": 0.0, "train/num_micro_batches": 0, "train/num_loss_tokens": 0, "train/skipped": 1.0}
     parts = accumulate_gradients(model, batches, cfg, denom, ref_model)
     stats = merge_stats(parts)
+    if before_update is not None:
+        before_update()
     stats["train/grad_norm"] = apply_update(model, optimizer, clip_grad)
     stats["train/num_micro_batches"] = len(batches)
     stats["train/num_loss_tokens"] = sum(b.num_tokens for b in batches)

@@ -3,6 +3,8 @@ clock, dead letters. The test plays producer (PROMPTS -> ROLLOUTS) and trainer (
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import msgpack
 
@@ -21,7 +23,7 @@ from asyncrl_proto import (
 )
 from services.api import RunConfig
 from services.buffer.service import BufferService
-from services.common.bus import Bus, fetch_some
+from services.common.bus import Bus, ReplyInbox, fetch_some
 from tests.conftest import start_service, wait_until
 
 
@@ -107,6 +109,42 @@ async def test_get_is_idempotent_per_step_and_commit_retires(nats_server, run_id
         assert done.num_groups_committed == 2 and svc.service.state.counters["trained"] == 2
         late = await h.get(0)
         assert late.error and "already committed" in late.error
+    finally:
+        await svc.stop()
+        await h.bus.close()
+
+
+async def test_a_waiting_get_may_be_answered_provisionally_then_durably(nats_server, run_id, task_data):
+    """provisional_ok: the lease as decided at once, then again once the ledger holds it; the
+    same groups both times, and the ledger already has the lease when the second answer comes.
+    Without provisional_ok a request gets one, durable answer."""
+    svc, h = await _setup(nats_server, run_id, config(task_data))
+    inbox = ReplyInbox(h.bus.nc)
+    try:
+        await h.get(0, wait_s=0.1)
+        token, answers = await inbox.request(h.s.buffer_get, BufferGetRequest(step=0, count=2, wait_s=10.0,
+                                                                             provisional_ok=True))  # fmt: skip
+        plain_token, plain = await inbox.request(h.s.buffer_get, BufferGetRequest(step=0, count=2, wait_s=10.0))
+        for p in await h.prompts(2):
+            await h.publish_group(p)
+        first = decode(await asyncio.wait_for(answers.get(), 10), BufferGetReply)
+        second = decode(await asyncio.wait_for(answers.get(), 10), BufferGetReply)
+        assert first.complete and not first.durable
+        assert second.complete and second.durable
+        assert [r.group_id for r in first.refs] == [r.group_id for r in second.refs]
+        assert all(r.payload for r in first.refs)  # small groups travel inline already
+        ledger = await svc.service.bus.js.stream_info(h.s.ledger_stream)
+        assert ledger.state.last_seq >= svc.service.state.log_stream_seq > 0
+        assert svc.service.state.leases[0].complete
+        only = decode(await asyncio.wait_for(plain.get(), 10), BufferGetReply)
+        assert only.complete and only.durable
+        # a later request's answer comes after any earlier answer (one connection each way)
+        last_token, last = await inbox.request(h.s.buffer_get, BufferGetRequest(step=0, count=2, wait_s=0.0))
+        assert decode(await asyncio.wait_for(last.get(), 10), BufferGetReply).durable
+        assert plain.empty() and answers.empty()
+        inbox.done(last_token)
+        inbox.done(token)
+        inbox.done(plain_token)
     finally:
         await svc.stop()
         await h.bus.close()
