@@ -3,15 +3,18 @@
 Buffer path: a producer (this process) takes released prompts from PROMPTS and publishes a
 RolloutGroup of the given size to ROLLOUTS; the buffer service (its own process, the real
 service) puts it, leases it to a step and records both in its ledger; a trainer (this process)
-asks `buffer.get`, reads the payload from ROLLOUTS by sequence, and commits each step.
+asks `buffer.get` (provisional answers accepted, as the trainer does), takes the payload inline
+or reads it from ROLLOUTS by sequence, waits for the durable answer and commits each step.
 Raw path: publish the same bytes to a JetStream stream, consume them with a push consumer.
 
 Measured for 4 KB and 256 KB groups:
-  latency   publish -> trainer has the decoded group, at a paced load (B = 1 group per step):
-            --rate, or half of what the buffer path sustains if that is less
+  latency    publish -> the trainer has the decoded group (and, reported beside it, -> the
+             lease is durable), at a paced load (B = 1 group per step): --rate, or half of
+             what the buffer path sustains if that is less; raw and buffer in alternating
+             rounds, so that both see the same machine
   throughput groups/s, all at once (B = 64 groups per step)
 
-    python bench/buffer.py [--groups 2000] [--out docs/bench/buffer.json]
+    python bench/buffer.py [--groups 2000] [--rounds 6] [--out docs/bench/buffer.json]
 """
 
 from __future__ import annotations
@@ -77,56 +80,69 @@ def pct(xs: list[float], q: float) -> float:
 # ---- raw JetStream ------------------------------------------------------------------------------
 
 
-async def raw_path(url: str, payload: bytes, count: int, rate: float | None) -> dict:
-    bus = await Bus.connect(url, "raw" + uuid.uuid4().hex[:6], "bench")
-    stream, subject = f"RAW_{bus.subjects.run_id}", f"raw.{bus.subjects.run_id}"
-    await bus.js.add_stream(name=stream, subjects=[subject])
-    psub = await bus.push(stream, subject, durable="c")  # the lowest-latency raw consumer
-    sent: dict[int, float] = {}
-    lat: list[float] = []
+class RawPath:
+    """Publish to a JetStream stream, consume with a durable push consumer (the lowest-latency
+    raw consumer); the consumer decodes what it receives, as a trainer would."""
 
-    async def consume():
-        while len(lat) < count:
-            for m in await next_batch(psub, 256, 1.0):
-                i = int(m.headers["i"])
-                _ = decode(m.data, RolloutGroup)  # the trainer decodes what it receives
-                lat.append(time.perf_counter() - sent[i])
-                await m.ack()
+    async def start(self, url: str, payload: bytes) -> RawPath:
+        self.payload = payload
+        self.bus = await Bus.connect(url, "raw" + uuid.uuid4().hex[:6], "bench")
+        self.stream, self.subject = f"RAW_{self.bus.subjects.run_id}", f"raw.{self.bus.subjects.run_id}"
+        await self.bus.js.add_stream(name=self.stream, subjects=[self.subject])
+        self.psub = await self.bus.push(self.stream, self.subject, durable="c")
+        self.n = 0
+        return self
 
-    task = asyncio.ensure_future(consume())
-    t0 = time.perf_counter()
-    for i in range(count):
-        sent[i] = time.perf_counter()
-        if rate:
-            await bus.js.publish(subject, payload, headers={"i": str(i)})
-            await asyncio.sleep(max(0.0, t0 + (i + 1) / rate - time.perf_counter()))
-        else:
-            await bus.js.publish_async(subject, payload, headers={"i": str(i)})
-    await task
-    elapsed = time.perf_counter() - t0
-    await bus.close()
-    return {"groups_per_s": count / elapsed, "p50_ms": 1000 * pct(lat, 0.5), "p99_ms": 1000 * pct(lat, 0.99)}
+    async def run(self, count: int, rate: float | None) -> dict:
+        sent: dict[int, float] = {}
+        lat: list[float] = []
+        first = self.n
+        self.n += count
+
+        async def consume():
+            while len(lat) < count:
+                for m in await next_batch(self.psub, 256, 1.0):
+                    i = int(m.headers["i"])
+                    _ = decode(m.data, RolloutGroup)
+                    lat.append(time.perf_counter() - sent[i])
+                    await m.ack()
+
+        task = asyncio.ensure_future(consume())
+        t0 = time.perf_counter()
+        for k, i in enumerate(range(first, first + count)):
+            sent[i] = time.perf_counter()
+            if rate:
+                await self.bus.js.publish(self.subject, self.payload, headers={"i": str(i)})
+                await asyncio.sleep(max(0.0, t0 + (k + 1) / rate - time.perf_counter()))
+            else:
+                await self.bus.js.publish_async(self.subject, self.payload, headers={"i": str(i)})
+        await task
+        return {"groups_per_s": count / (time.perf_counter() - t0), "lat": lat}
+
+    async def stop(self) -> None:
+        await self.bus.close()
 
 
 # ---- the buffer service -------------------------------------------------------------------------
 
 
-async def buffer_path(
-    url: str, data: Path, run_dir: Path, size: int, count: int, batch: int, rate: float | None
-) -> dict:
-    run_id = "bench" + uuid.uuid4().hex[:6]
-    cfg = RunConfig(prompt_data=str(data), rollout_batch_size=batch, n_samples_per_prompt=4, fully_async=True,
-                    async_data_buffer_capacity_factor=max(4.0, 256 / batch), run_id=run_id, run_dir=str(run_dir))  # fmt: skip
-    bus = await Bus.connect(url, run_id, "bench")
-    await bus.ensure_streams()
-    await bus.kv_put("config", json.dumps(cfg.model_dump(mode="json")).encode())
-    proc = procs.spawn([sys.executable, "-m", "services.buffer", "--nats-url", url, "--run-id", run_id],
-                       log_path=run_dir / f"buffer-{run_id}.log")  # fmt: skip
-    s = bus.subjects
-    sent: dict[str, float] = {}
-    lat: list[float] = []
-    durable_lat: list[float] = []
-    try:
+class BufferPath:
+    """The buffer service (its own process, the real service); this process plays the
+    producer fleet (released prompts -> RolloutGroups on ROLLOUTS) and the trainer (one get per
+    step, provisional answers accepted, payloads inline or read by sequence, commits)."""
+
+    async def start(self, url: str, data: Path, run_dir: Path, size: int, batch: int) -> BufferPath:
+        self.size, self.batch, self.step = size, batch, 0
+        run_id = "bench" + uuid.uuid4().hex[:6]
+        cfg = RunConfig(prompt_data=str(data), rollout_batch_size=batch, n_samples_per_prompt=4, fully_async=True,
+                        async_data_buffer_capacity_factor=max(4.0, 256 / batch), run_id=run_id,
+                        run_dir=str(run_dir))  # fmt: skip
+        self.bus = bus = await Bus.connect(url, run_id, "bench")
+        await bus.ensure_streams()
+        await bus.kv_put("config", json.dumps(cfg.model_dump(mode="json")).encode())
+        self.proc = procs.spawn([sys.executable, "-m", "services.buffer", "--nats-url", url, "--run-id", run_id],
+                                log_path=run_dir / f"buffer-{run_id}.log")  # fmt: skip
+        s = self.s = bus.subjects
         while True:  # measure the running service, not its start-up
             try:
                 await bus.request(
@@ -135,11 +151,20 @@ async def buffer_path(
                 break
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
                 await asyncio.sleep(0.1)
-        psub = await bus.pull(s.prompts_stream, s.prompts, durable="producers")
+        self.psub = await bus.pull(s.prompts_stream, s.prompts, durable="producers")
+        self.inbox = ReplyInbox(bus.nc)
+        self.commits: list[asyncio.Future] = []
+        return self
+
+    async def run(self, count: int, rate: float | None) -> dict:
+        bus, s = self.bus, self.s
+        sent: dict[str, float] = {}  # this round's groups
+        lat: list[float] = []
+        durable_lat: list[float] = []
 
         async def publish(m) -> None:
             p = decode(m.data, PromptMsg)
-            rg = make_group(p, size)
+            rg = make_group(p, self.size)
             sent[rg.group_id] = time.perf_counter()
             await bus.js.publish(s.rollouts, encode(rg), headers={"Nats-Msg-Id": rg.group_id})
             await m.ack()
@@ -148,7 +173,7 @@ async def buffer_path(
             """Like a producer fleet: many groups in flight, each published when it is done."""
             t0, i = time.perf_counter(), 0
             while i < count:
-                msgs = await fetch_some(psub, 64, 1.0)
+                msgs = await fetch_some(self.psub, min(64, count - i), 1.0)
                 if rate:
                     for m in msgs:
                         await publish(m)
@@ -159,49 +184,100 @@ async def buffer_path(
                     i += len(msgs)
 
         async def train():
-            """Like the trainer: one get per step (provisional answers accepted), payloads
-            inline or read by sequence; the step's commit waits for the durable answer and goes
-            out while the next step is requested."""
-            inbox = ReplyInbox(bus.nc)
-            step, commits = 0, []
+            """Like the trainer: the step's commit waits for the durable answer and goes out
+            while the next step is requested. A group published late in the previous round
+            may come first: it is consumed, not timed (its latency would include the pause)."""
             while len(lat) < count:
-                req = BufferGetRequest(step=step, count=batch, wait_s=5.0, provisional_ok=True)
-                token, answers = await inbox.request(s.buffer_get, req)
+                req = BufferGetRequest(step=self.step, count=self.batch, wait_s=5.0, provisional_ok=True)
+                token, answers = await self.inbox.request(s.buffer_get, req)
                 async with asyncio.timeout(15):
                     reply = decode(await ReplyInbox.answer(answers), BufferGetReply)
                 if not reply.complete:
-                    inbox.done(token)
+                    self.inbox.done(token)
                     continue
                 datas = await asyncio.gather(*(_payload(bus, s.rollouts_stream, r) for r in reply.refs))
                 now = time.perf_counter()
                 gids = [decode(d, RolloutGroup).group_id for d in datas]
-                lat.extend(now - sent[g] for g in gids)
+                lat.extend(now - sent[g] for g in gids if g in sent)
                 while not reply.durable:
                     async with asyncio.timeout(15):
                         reply = decode(await ReplyInbox.answer(answers), BufferGetReply)
-                inbox.done(token)
+                self.inbox.done(token)
                 now = time.perf_counter()
-                durable_lat.extend(now - sent[g] for g in gids)
-                commits.append(asyncio.ensure_future(
-                    bus.request(s.buffer_commit, BufferCommit(step=step), BufferCommitReply, timeout=15)
+                durable_lat.extend(now - sent[g] for g in gids if g in sent)
+                self.commits.append(asyncio.ensure_future(
+                    bus.request(s.buffer_commit, BufferCommit(step=self.step), BufferCommitReply, timeout=15)
                 ))  # fmt: skip
-                step += 1
-            await asyncio.gather(*commits)
+                self.step += 1
 
         t0 = time.perf_counter()
         await asyncio.gather(produce(), train())
-        elapsed = time.perf_counter() - t0
+        return {"groups_per_s": count / (time.perf_counter() - t0), "lat": lat, "durable_lat": durable_lat}
+
+    async def stop(self) -> None:
+        try:
+            await asyncio.gather(*self.commits)
+        finally:
+            procs.stop(self.proc)
+            await self.bus.close()
+
+
+async def measure(url: str, data: Path, run_dir: Path, size: int, count: int, latency_count: int,
+                  rate: float, rounds: int) -> dict:  # fmt: skip
+    """Throughput of each path, then latency in alternating rounds (raw, buffer, raw, ...), so
+    that both see the same machine: a 2-core machine's speed drifts by 20% within a minute."""
+    payload = encode(make_group(PromptMsg(group_index=0, prompt="0="), size))
+    raw = await RawPath().start(url, payload)
+    try:
+        raw_tp = (await raw.run(count, None))["groups_per_s"]
+        buf = await BufferPath().start(url, data, run_dir, size, 64)
+        try:
+            buf_tp = (await buf.run(count, None))["groups_per_s"]
+        finally:
+            await buf.stop()
+        # paced well below what the buffer path sustains, or the latency is a queue's
+        rate = min(rate, 0.5 * buf_tp)
+        print(f"[{size // 1024} KB] latency at {rate:.0f} groups/s, {rounds} rounds ...", flush=True)
+        raw_lat, buf_lat, durable_lat = [], [], []
+        buf = await BufferPath().start(url, data, run_dir, size, 1)
+        try:
+            per_round = max(1, latency_count // rounds)
+            for _ in range(rounds):
+                raw_lat += (await raw.run(per_round, rate))["lat"]
+                r = await buf.run(per_round, rate)
+                buf_lat += r["lat"]
+                durable_lat += r["durable_lat"]
+        finally:
+            await buf.stop()
     finally:
-        procs.stop(proc)
-        await bus.close()
-    return {"groups_per_s": count / elapsed, "p50_ms": 1000 * pct(lat, 0.5), "p99_ms": 1000 * pct(lat, 0.99),
-            "durable_p50_ms": 1000 * pct(durable_lat, 0.5), "durable_p99_ms": 1000 * pct(durable_lat, 0.99)}  # fmt: skip
+        await raw.stop()
+
+    def ms(xs, q):
+        return 1000 * pct(xs, q)
+
+    return {
+        "payload_bytes": len(payload),
+        "latency_rate_groups_per_s": rate,
+        "raw": {"p50_ms": ms(raw_lat, 0.5), "p99_ms": ms(raw_lat, 0.99), "groups_per_s": raw_tp},
+        "buffer": {
+            "p50_ms": ms(buf_lat, 0.5),
+            "p99_ms": ms(buf_lat, 0.99),
+            "groups_per_s": buf_tp,
+            "durable_p50_ms": ms(durable_lat, 0.5),
+            "durable_p99_ms": ms(durable_lat, 0.99),
+        },  # fmt: skip
+        "p50_ratio": pct(buf_lat, 0.5) / pct(raw_lat, 0.5),
+        "p99_ratio": pct(buf_lat, 0.99) / pct(raw_lat, 0.99),
+        "durable_p50_ratio": pct(durable_lat, 0.5) / pct(raw_lat, 0.5),
+        "throughput_ratio": buf_tp / raw_tp,
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--groups", type=int, default=2000, help="groups per throughput measurement")
-    p.add_argument("--latency-groups", type=int, default=300)
+    p.add_argument("--latency-groups", type=int, default=600)
+    p.add_argument("--rounds", type=int, default=6, help="alternating raw/buffer latency rounds")
     p.add_argument("--rate", type=float, default=100.0, help="paced load for the latency measurement (groups/s)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -212,41 +288,24 @@ def main() -> None:
         data.write_text("".join(json.dumps({"prompt": f"{i}=", "label": str(i)}) + "\n" for i in range(1000)))
         with EmbeddedNats(tmp / "nats") as srv:
             for size in (4 * 1024, 256 * 1024):
-                payload = encode(make_group(PromptMsg(group_index=0, prompt="0="), size))
                 count = a.groups if size <= 4096 else max(256, a.groups // 10)
                 count -= count % 64  # whole steps of 64 groups
                 label = f"{size // 1024} KB"
                 print(f"[{label}] throughput, {count} groups ...", flush=True)
-                raw_tp = asyncio.run(raw_path(srv.url, payload, count, None))
-                buf_tp = asyncio.run(buffer_path(srv.url, data, tmp, size, count, 64, None))
-                # paced well below what the buffer path sustains, or the latency is a queue's
-                rate = min(a.rate, 0.5 * buf_tp["groups_per_s"])
-                print(f"[{label}] latency at {rate:.0f} groups/s ...", flush=True)
-                raw_lat = asyncio.run(raw_path(srv.url, payload, a.latency_groups, rate))
-                buf_lat = asyncio.run(buffer_path(srv.url, data, tmp, size, a.latency_groups, 1, rate))
-                results[label] = {
-                    "payload_bytes": len(payload),
-                    "latency_rate_groups_per_s": rate,
-                    "raw": {
-                        "p50_ms": raw_lat["p50_ms"],
-                        "p99_ms": raw_lat["p99_ms"],
-                        "groups_per_s": raw_tp["groups_per_s"],
-                    },
-                    "buffer": {
-                        "p50_ms": buf_lat["p50_ms"],
-                        "p99_ms": buf_lat["p99_ms"],
-                        "groups_per_s": buf_tp["groups_per_s"],
-                    },
-                    "p50_ratio": buf_lat["p50_ms"] / raw_lat["p50_ms"],
-                    "p99_ratio": buf_lat["p99_ms"] / raw_lat["p99_ms"],
-                    "throughput_ratio": buf_tp["groups_per_s"] / raw_tp["groups_per_s"],
-                }
+                lat_count = a.latency_groups if size <= 4096 else a.latency_groups // 2
+                results[label] = asyncio.run(measure(srv.url, data, tmp, size, count, lat_count, a.rate, a.rounds))
     print(f"\n{'':8}{'path':8}{'p50 ms':>9}{'p99 ms':>9}{'groups/s':>10}")
     for label, r in results.items():
         for path in ("raw", "buffer"):
             x = r[path]
             print(f"{label:8}{path:8}{x['p50_ms']:>9.2f}{x['p99_ms']:>9.2f}{x['groups_per_s']:>10.0f}")
         print(f"{label:8}{'ratio':8}{r['p50_ratio']:>8.2f}x{r['p99_ratio']:>8.2f}x{r['throughput_ratio']:>9.2f}x")
+    print("\ndurable lease (the answer the trainer's update waits for):")
+    for label, r in results.items():
+        b = r["buffer"]
+        print(
+            f"{label:8}p50 {b['durable_p50_ms']:.2f} ms ({r['durable_p50_ratio']:.2f}x raw), p99 {b['durable_p99_ms']:.2f} ms"
+        )
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(results, indent=2) + "\n")

@@ -156,26 +156,46 @@ class DefaultDataBuffer(DataBuffer):
         return bool(out), None
 
     async def get(self, current_version: int | None = None, **context: Any) -> Group:
-        if current_version is not None:
-            self._latest_version = (
-                current_version if self._latest_version is None else max(self._latest_version, current_version)
-            )
+        self._note_version(current_version)
         while True:
             async with self._cond:
                 await self._cond.wait_for(lambda: len(self._groups) > 0)
                 group = self._groups.popleft()
                 self._cond.notify_all()
-            st = staleness(current_version, group)
-            limit = self.config.max_weight_staleness
-            if limit is not None and st is not None and st > limit:
-                self._stale += 1
-                self._emit("stale", group)
-                await self._handle_unused(group)
-                continue
-            if st is not None:
-                self._consumed_staleness.append(st)
-            self._emit("consumed", group)
-            return group
+            if await self._consume(group, current_version):
+                return group
+
+    async def try_get(self, current_version: int | None = None, **context: Any) -> Group | None:
+        """get() without waiting: None once no group is left (stale ones are rejected on the
+        way, exactly as get() rejects them)."""
+        self._note_version(current_version)
+        while self._groups:
+            async with self._cond:
+                group = self._groups.popleft()
+                self._cond.notify_all()
+            if await self._consume(group, current_version):
+                return group
+        return None
+
+    def _note_version(self, current_version: int | None) -> None:
+        if current_version is not None:
+            self._latest_version = (
+                current_version if self._latest_version is None else max(self._latest_version, current_version)
+            )
+
+    async def _consume(self, group: Group, current_version: int | None) -> bool:
+        """Staleness at consumption: False (and the unused-samples handler) past the limit."""
+        st = staleness(current_version, group)
+        limit = self.config.max_weight_staleness
+        if limit is not None and st is not None and st > limit:
+            self._stale += 1
+            self._emit("stale", group)
+            await self._handle_unused(group)
+            return False
+        if st is not None:
+            self._consumed_staleness.append(st)
+        self._emit("consumed", group)
+        return True
 
     async def _handle_unused(self, group: Group) -> None:
         if self.config.async_unused_samples_handler == "retry":

@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 PRODUCER_TIMEOUT_S = 10.0
 SNAPSHOT_EVERY = 500
 ROLLOUTS_ACK_WAIT_S = 10.0
+PURGE_INTERVAL_S = 1.0
+"""Trained payloads are purged from ROLLOUTS at most this often (two broker round trips each)."""
 LEDGER_BATCH_EVENTS = 256
 """Events per ledger message at most (a released event carries its prompt: stay far below the
 broker's 1 MB message limit)."""
@@ -129,6 +131,8 @@ class BufferService(Service):
         self.raw_of: dict[str, bytes] = {}  # group id -> encoded group, for small groups
         self._purging = False
         self._purged_upto = 0
+        self._next_purge = 0.0
+        self._next_live_read = 0.0
 
     # ---- setup and recovery ----------------------------------------------------------------
     async def setup(self) -> None:
@@ -218,8 +222,13 @@ class BufferService(Service):
                 )
                 self.state.log_stream_seq = max(self.state.log_stream_seq, acks[-1].seq)
             if snapshot or self.state.seq - self._snapshot_seq >= SNAPSHOT_EVERY:
-                await self.bus.kv_put("buffer_snapshot", encode_state(self.state))
-                self._snapshot_seq = self.state.seq
+                # everything up to state.seq is durable now: a consistent snapshot, written
+                # off the critical path (a late older snapshot only means a longer replay)
+                data, self._snapshot_seq = encode_state(self.state), self.state.seq
+                if snapshot:
+                    await self.bus.kv_put("buffer_snapshot", data)
+                else:
+                    self.background(self.bus.kv_put("buffer_snapshot", data), "the buffer snapshot")
 
     async def _plugin(self, awaitable, what: str):
         """Calls into the DataBuffer: a plugin that raises fails the service with its path."""
@@ -236,7 +245,8 @@ class BufferService(Service):
             for i, msg in enumerate(msgs):
                 if await self._put_one(msg, pending=msgs[i:]):
                     done.append(msg)
-            await asyncio.sleep(0)  # let the pump lease what was just stored: one flush for both
+                while self._observed and len(self.buffer) > 0 and (step := self._next_step_to_fill()) is not None:
+                    await self._fill(step, wait=False)  # a step waits for it: lease it now, not after a task switch
             await self._flush()
             for msg in done:
                 await settle(msg)
@@ -367,7 +377,8 @@ class BufferService(Service):
         while True:
             await wait_event(self._wake_release, 1.0)
             self._wake_release.clear()
-            if self.live_version is None:
+            if self.live_version is None and time.monotonic() >= self._next_live_read:
+                self._next_live_read = time.monotonic() + 1.0  # a broker round trip: once a second at most
                 await self._read_live_version()  # weight-sync may have announced before we listened
             k = release_allowance(self.release_state())
             if k > 0:
@@ -464,39 +475,54 @@ class BufferService(Service):
         return self.override_version if self.override_version is not None else self.live_version
 
     async def _pump_gets(self) -> None:
-        """Drain the DataBuffer into the lease of the oldest requested step short of groups."""
+        """Drain the DataBuffer into the lease of the oldest requested step short of groups.
+        (With the default buffer the put path leases what it stores at once; this loop covers
+        custom buffers, whose get may wait, and groups stored before a step was asked for.)"""
         while True:
             step = self._next_step_to_fill()
             if step is None:
                 await self._wake_pump.wait()
                 self._wake_pump.clear()
                 continue
-            count = self.requested[step]
-            lease = self.state.leases.get(step)
-            if lease is None or len(lease.refs) < count:
-                if self._observed:
-                    # judge staleness when a group is there to judge, not when we started waiting
-                    while len(self.buffer) == 0:
-                        self._stored.clear()
-                        await self._stored.wait()
-                version = self._clock()
+            if self._observed and len(self.buffer) == 0:
+                # judge staleness when a group is there to judge, not when we started waiting
+                self._stored.clear()
+                await self._stored.wait()
+                continue
+            await self._fill(step)
+
+    async def _fill(self, step: int, wait: bool = True) -> None:
+        """Lease one group to `step` if it is short of groups (wait=False: only a group stored
+        now, through the default buffer's try_get); complete its lease at B: answer the waiting
+        gets that accept it provisionally, make the lease durable, answer all."""
+        count = self.requested.get(step)
+        lease = self.state.leases.get(step)
+        if count is None or (lease is not None and lease.complete):
+            return
+        if lease is None or len(lease.refs) < count:
+            version = self._clock()
+            if wait:
                 group = await self._plugin(self.buffer.get(current_version=version, step=step), "get")
-                self._lease(step, group, version)
-                self._wake_release.set()
-            lease = self.state.leases.get(step)
-            if lease is not None and len(lease.refs) >= count:
-                metrics = await self._plugin(_sync(self.buffer.get_metrics), "get_metrics")
-                self._record("lease_complete", step=step, metrics={k: float(v) for k, v in metrics.items()})
-                waiting = self._waiting.pop(step, [])
-                early = [w for w in waiting if w[2]]
-                if early:  # the lease as decided, while its ledger append is in flight
-                    await _respond_all(early, self._get_reply(step, durable=False))
-                await self._flush()
-                self._lease_done.setdefault(step, asyncio.Event()).set()
-                for waiter in waiting:
-                    waiter[1] = True
-                if waiting:
-                    await _respond_all(waiting, self._get_reply(step))
+            else:
+                group = await self.buffer.try_get(current_version=version, step=step)
+                if group is None:
+                    return
+            self._lease(step, group, version)
+            self._wake_release.set()
+        lease = self.state.leases.get(step)
+        if lease is not None and len(lease.refs) >= count and not lease.complete:
+            metrics = await self._plugin(_sync(self.buffer.get_metrics), "get_metrics")
+            self._record("lease_complete", step=step, metrics={k: float(v) for k, v in metrics.items()})
+            waiting = self._waiting.pop(step, [])
+            early = [w for w in waiting if w[2]]
+            if early:  # the lease as decided, while its ledger append is in flight
+                await _respond_all(early, self._get_reply(step, durable=False))
+            await self._flush()
+            self._lease_done.setdefault(step, asyncio.Event()).set()
+            for waiter in waiting:
+                waiter[1] = True
+            if waiting:
+                await _respond_all(waiting, self._get_reply(step))
 
     def _lease(self, step: int, group: list, version: int | None) -> None:
         entry = self.gid_of.pop(id(group), None)
@@ -538,8 +564,8 @@ class BufferService(Service):
                 self._lease_done.pop(step, None)
                 self._waiting.pop(step, None)
         await msg.respond(encode(BufferCommitReply(step=req.step, num_groups_committed=len(seqs))))
-        if seqs and not self._purging:  # trained: their payloads are no longer needed
-            self._purging = True
+        if seqs and not self._purging and time.monotonic() >= self._next_purge:  # trained: payloads no longer needed
+            self._purging, self._next_purge = True, time.monotonic() + PURGE_INTERVAL_S
             self.background(self._purge_trained(), "purging trained groups")
 
     async def _purge_trained(self) -> None:
