@@ -100,6 +100,11 @@ class BufferService(Service):
         )
         self.buffer = make_buffer(config, self._recycle)
         self._observed = isinstance(self.buffer, DefaultDataBuffer)
+        # the default put/get: a put with room and a get of a stored group never wait, so the
+        # put path may run them inline (a subclass that overrides them goes the general way)
+        self._inline = self._observed and all(
+            getattr(type(self.buffer), m) is getattr(DefaultDataBuffer, m) for m in ("put", "get", "try_get")
+        )
         if self._observed:
             self.buffer.on_event = self._on_buffer_event
         self.plugin_path = config.custom_async_data_buffer_path or "services.api.DefaultDataBuffer"
@@ -245,7 +250,7 @@ class BufferService(Service):
             for i, msg in enumerate(msgs):
                 if await self._put_one(msg, pending=msgs[i:]):
                     done.append(msg)
-                while self._observed and len(self.buffer) > 0 and (step := self._next_step_to_fill()) is not None:
+                while self._inline and len(self.buffer) > 0 and (step := self._next_step_to_fill()) is not None:
                     await self._fill(step, wait=False)  # a step waits for it: lease it now, not after a task switch
             await self._flush()
             for msg in done:
@@ -278,7 +283,7 @@ class BufferService(Service):
             **common, "stream_seq": msg.metadata.sequence.stream, "oldest_version": oldest_weight_version(group),
             "recorded": False, "recycled": False, "key": id(group),
         }  # fmt: skip
-        if self._observed and len(self.buffer) < self.buffer.capacity:
+        if self._inline and len(self.buffer) < self.buffer.capacity:
             await self._plugin(self.buffer.put(group), "put")  # room: decided without a task switch
             return True
         put = asyncio.ensure_future(self._plugin(self.buffer.put(group), "put"))
