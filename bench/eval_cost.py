@@ -19,8 +19,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from asyncrl_proto import LedgerBatch, decode
-
 WORK = ["train-async", "--fully-async", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
         "--async-data-buffer-capacity-factor", "1", "--skip-eval-before-train", "--seed", "1234", "--rollout-seed", "42"]  # fmt: skip
 
@@ -28,6 +26,7 @@ WORK = ["train-async", "--fully-async", "--rollout-batch-size", "16", "--n-sampl
 def ledger_puts(run_dir: Path) -> list[float]:
     """Timestamps of the groups the producers delivered (read from the run's own NATS store)."""
     from services.audit import _read_stream
+    from services.buffer.state import ledger_events
     from services.common.bus import Bus
     from services.common.natsserver import EmbeddedNats
 
@@ -37,9 +36,7 @@ def ledger_puts(run_dir: Path) -> list[float]:
         bus = await Bus.connect(url, cfg["run_id"], "bench")
         try:
             s = bus.subjects
-            return [
-                ev for d in await _read_stream(bus, s.ledger_stream, s.ledger) for ev in decode(d, LedgerBatch).events
-            ]
+            return [ev for d in await _read_stream(bus, s.ledger_stream, s.ledger) for ev in ledger_events(d)]
         finally:
             await bus.close()
 

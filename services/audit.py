@@ -13,8 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from asyncrl_proto import LedgerBatch, PromptMsg, RolloutGroupView, decode, group_id
-from services.buffer.state import audit
+from asyncrl_proto import PromptMsg, RolloutGroupView, decode, group_id
+from services.buffer.state import audit, ledger_events
 
 
 async def _read_stream(bus, stream: str, subject: str | None = None) -> list[bytes]:
@@ -59,9 +59,7 @@ async def collect(nats_url: str, run_id: str, run_dir: Path) -> dict:
     bus = await Bus.connect(nats_url, run_id, "audit", connect_timeout_s=10)
     try:
         s = bus.subjects
-        events = [
-            ev for d in await _read_stream(bus, s.ledger_stream, s.ledger) for ev in decode(d, LedgerBatch).events
-        ]
+        events = [ev for d in await _read_stream(bus, s.ledger_stream, s.ledger) for ev in ledger_events(d)]
         prompts = {
             group_id(p.group_index, p.attempt)
             for p in (decode(d, PromptMsg) for d in await _read_stream(bus, s.prompts_stream))

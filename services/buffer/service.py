@@ -52,7 +52,7 @@ from asyncrl_proto.messages import flatten_group, oldest_weight_version
 from services.buffer.core import DataBuffer, DefaultDataBuffer, load_object, staleness
 from services.buffer.datasource import PromptSource, load_rows
 from services.buffer.policy import ReleaseState, release_allowance
-from services.buffer.state import BufferState, apply, decode_state, encode_state
+from services.buffer.state import BufferState, apply, decode_state, encode_state, ledger_events
 from services.common.bus import next_batch, settle
 from services.common.runtime import Service, wait_event
 
@@ -64,8 +64,9 @@ ROLLOUTS_ACK_WAIT_S = 10.0
 PURGE_INTERVAL_S = 1.0
 """Trained payloads are purged from ROLLOUTS at most this often (two broker round trips each)."""
 LEDGER_BATCH_EVENTS = 256
-"""Events per ledger message at most (a released event carries its prompt: stay far below the
-broker's 1 MB message limit)."""
+LEDGER_BATCH_BYTES = 256 * 1024
+"""Events and bytes per ledger message at most (a released event carries its prompt; the
+broker's message limit is 1 MB by default, and a chunk stays below half of what it says)."""
 INLINE_MAX_BYTES = 64 * 1024
 """Groups up to this size travel inline in the get reply (they are in memory anyway), which
 saves the trainer a round trip per group; larger ones are read from ROLLOUTS by sequence."""
@@ -171,7 +172,7 @@ class BufferService(Service):
         replayed = 0
         for seq in range(self.state.log_stream_seq + 1, last + 1):
             try:
-                events = decode(await self.bus.get_payload(stream, seq), LedgerBatch).events
+                events = ledger_events(await self.bus.get_payload(stream, seq))
             except Exception as e:  # a gap (deleted message) is corruption: say so
                 raise RuntimeError(f"cannot replay ledger message {seq} of {stream}: {e}") from e
             for ev in events:
@@ -220,11 +221,15 @@ class BufferService(Service):
             while self._unflushed:
                 events, self._unflushed = self._unflushed, []
                 subject, run = self.bus.subjects.ledger, self.bus.subjects.run_id
-                chunks = [events[i : i + LEDGER_BATCH_EVENTS] for i in range(0, len(events), LEDGER_BATCH_EVENTS)]
-                acks = await self.bus.publish_durably(
-                    [(subject, LedgerBatch(events=c), f"{run}-L{c[0].seq}-{c[-1].seq}") for c in chunks],
-                    f"{len(events)} ledger events",
-                )
+                chunks = _chunks(events, min(LEDGER_BATCH_BYTES, self.bus.nc.max_payload // 2))
+                try:
+                    acks = await self.bus.publish_durably(
+                        [(subject, LedgerBatch(events=c), f"{run}-L{c[0].seq}-{c[-1].seq}") for c in chunks],
+                        f"{len(events)} ledger events",
+                    )
+                except BaseException:
+                    self._unflushed = events + self._unflushed  # not durable: nobody may read it as such
+                    raise
                 self.state.log_stream_seq = max(self.state.log_stream_seq, acks[-1].seq)
             if snapshot or self.state.seq - self._snapshot_seq >= SNAPSHOT_EVERY:
                 # everything up to state.seq is durable now: a consistent snapshot, written
@@ -494,7 +499,9 @@ class BufferService(Service):
                 self._stored.clear()
                 await self._stored.wait()
                 continue
-            await self._fill(step)
+            # with the put path leasing too, never wait inside get(): a group it returned after a
+            # wait could belong to a step that the put path completed (or got committed) meanwhile
+            await self._fill(step, wait=not self._inline)
 
     async def _fill(self, step: int, wait: bool = True) -> None:
         """Lease one group to `step` if it is short of groups (wait=False: only a group stored
@@ -663,6 +670,21 @@ class BufferService(Service):
 
 async def _sync(fn):
     return fn()
+
+
+def _chunks(events: list[LedgerEvent], max_bytes: int) -> list[list[LedgerEvent]]:
+    """Consecutive runs of events, each at most LEDGER_BATCH_EVENTS events and max_bytes
+    encoded (an event larger than that travels alone)."""
+    chunks: list[list[LedgerEvent]] = []
+    size = 0
+    for ev in events:
+        n = len(encode(ev)) if ev.prompt is not None or ev.metrics else 256
+        if not chunks or len(chunks[-1]) >= LEDGER_BATCH_EVENTS or size + n > max_bytes:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(ev)
+        size += n
+    return chunks
 
 
 async def _respond_all(waiters: list[list], reply: bytes) -> None:

@@ -23,7 +23,8 @@ import collections
 
 import msgspec
 
-from asyncrl_proto import GroupRef, LedgerEvent, PromptMsg, group_id
+from asyncrl_proto import GroupRef, LedgerBatch, LedgerEvent, PromptMsg, decode, group_id
+from asyncrl_proto.codec import DecodeError
 
 
 class StoredRef(msgspec.Struct, kw_only=True):
@@ -66,6 +67,15 @@ class StateError(RuntimeError):
 def _recycle(state: BufferState, p: PromptMsg) -> None:
     state.recycled.append(msgspec.structs.replace(p, attempt=p.attempt + 1, released_at=0.0))
     state.count("recycled")
+
+
+def ledger_events(data: bytes) -> list[LedgerEvent]:
+    """The events of one LEDGER message: a LedgerBatch, or a single LedgerEvent (ledgers
+    written before appends were batched)."""
+    try:
+        return decode(data, LedgerBatch).events
+    except DecodeError:
+        return [decode(data, LedgerEvent)]
 
 
 def apply(state: BufferState, ev: LedgerEvent) -> None:

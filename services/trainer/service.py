@@ -269,6 +269,9 @@ class TrainerService(Service):
         finally:
             if prefetch is not None:
                 prefetch.cancel()
+                if prefetch.done() and not prefetch.cancelled() and prefetch.exception() is None:
+                    if (unused := prefetch.result()[3]) is not None:
+                        unused.cancel()
         if c.mode != "sync":
             await self._request_eval(total, final=True)  # the last step forces eval in async drivers
         done = ProgressRecord(step=total, done=True, record=self.last_record)
@@ -361,25 +364,26 @@ class TrainerService(Service):
         next_warn = t0 + warn_every
         req = self._get_request(step, lookahead, provisional=provisional)
         while True:
-            token = None
+            token = reply = None
             try:
                 token, answers = await self.inbox.request(self.bus.subjects.buffer_get, req)
                 async with asyncio.timeout(req.wait_s + 5):
                     reply = decode(await ReplyInbox.answer(answers), BufferGetReply)
                 last_answer = time.monotonic()
             except (TimeoutError, nats.errors.Error) as e:
-                if token is not None:
-                    self.inbox.done(token)
                 if time.monotonic() - last_answer > self.config.buffer_timeout_s:
                     raise TrainerError(
                         f"the buffer service has not answered for {self.config.buffer_timeout_s:.0f}s ({type(e).__name__}): is it running?"
                     ) from e
                 await asyncio.sleep(0.5)
                 continue
-            if reply.complete and not reply.durable:
+            finally:  # also on a malformed answer or a cancellation
+                early = reply is not None and reply.complete and not reply.durable
+                if token is not None and not early:
+                    self.inbox.done(token)
+            if early:  # the durable answer comes on the same subject: _confirm reads it, ends the token
                 ids = [r.group_id for r in reply.refs]
                 return reply, asyncio.ensure_future(self._confirm(step, lookahead, token, answers, ids))
-            self.inbox.done(token)
             if reply.error:
                 raise TrainerError(f"buffer refused get(step={step}): {reply.error}")
             now = time.monotonic()

@@ -192,6 +192,44 @@ async def test_staleness_is_judged_against_the_live_version(nats_server, run_id,
         await h.bus.close()
 
 
+async def test_a_stale_group_never_leaves_a_get_holding_a_group_for_a_finished_step(nats_server, run_id, task_data):
+    """Stored groups that are all stale leave no get() waiting for the next group: the put
+    path leases groups too, and a group that such a waiting get took after its step was
+    completed and committed would be leased to the committed step (trained by nobody)."""
+    svc, h = await _setup(nats_server, run_id, config(task_data, max_weight_staleness=1))
+    buf, state = svc.service.buffer, svc.service.state
+
+    async def live(v):
+        await h.bus.publish(h.s.weights_live, WeightsLive(version=v))
+        await wait_until(lambda: svc.service.live_version == v, what=f"live version {v}")
+
+    async def step(s, versions):
+        await h.get(s, wait_s=0.1)
+        for p in await h.prompts(2):
+            await h.publish_group(p, versions=versions)
+        reply = await h.get(s)
+        assert reply.complete and len(reply.refs) == 2
+        await h.bus.request(h.s.buffer_commit, BufferCommit(step=s), BufferCommitReply, timeout=5)
+
+    try:
+        await live(5)
+        await step(0, (5,))
+        (p,) = await h.prompts(1)
+        await h.publish_group(p, versions=(5,))  # stored while no step asks for a group
+        await wait_until(lambda: len(buf) == 1, what="a stored group")
+        await live(7)  # now it is stale (7 - 5 > 1)
+        await step(1, (7,))
+        assert state.counters["stale_dropped"] == 1
+        (p,) = await h.prompts(1)
+        await h.publish_group(p, versions=(7,))  # stored again while no step asks
+        await wait_until(lambda: len(buf) == 1 or 1 in state.leases, what="the group stored")
+        assert 1 not in state.leases and len(buf) == 1
+        assert state.counters["trained"] == 4
+    finally:
+        await svc.stop()
+        await h.bus.close()
+
+
 async def test_sync_mode_releases_one_batch_on_the_right_weights(nats_server, run_id, task_data):
     svc, h = await _setup(nats_server, run_id, config(task_data, fully_async=False, driver="sync"))
     try:

@@ -127,3 +127,19 @@ def test_audit_catches_loss_and_double_training():
     assert not report["balanced"]
     assert any("recorded prompt 0 2 times" in p for p in report["problems"])
     assert audit(log.events, trained_by_trainer={0: [0]})["balanced"]
+
+
+def test_ledger_messages_are_batches_bounded_in_events_and_bytes_and_old_ledgers_still_read():
+    from asyncrl_proto import LedgerBatch, encode
+    from services.buffer.service import LEDGER_BATCH_EVENTS, _chunks
+    from services.buffer.state import ledger_events
+
+    prompt = PromptMsg(group_index=0, prompt="x" * 1000)
+    events = [LedgerEvent(seq=i + 1, kind="released", prompt=prompt) for i in range(40)]
+    chunks = _chunks(events, max_bytes=8 * 1024)
+    assert [ev for c in chunks for ev in c] == events  # in order, nothing lost
+    assert all(len(encode(LedgerBatch(events=c))) <= 8 * 1024 + 64 for c in chunks) and len(chunks) > 1
+    small = [LedgerEvent(seq=i + 1, kind="committed", step=i) for i in range(LEDGER_BATCH_EVENTS + 3)]
+    assert [len(c) for c in _chunks(small, max_bytes=1 << 30)] == [LEDGER_BATCH_EVENTS, 3]
+    assert ledger_events(encode(LedgerBatch(events=events[:2]))) == events[:2]
+    assert ledger_events(encode(events[5])) == [events[5]]  # one event per message, as before batching
