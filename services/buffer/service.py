@@ -138,6 +138,7 @@ class BufferService(Service):
         self._purging = False
         self._purged_upto = 0
         self._next_purge = 0.0
+        self._releasing: dict[str, asyncio.Event] = {}  # group id -> set once its release is recorded
         self._next_live_read = 0.0
 
     # ---- setup and recovery ----------------------------------------------------------------
@@ -277,6 +278,8 @@ class BufferService(Service):
             return False
         gid = group_id(rg.group_index, rg.attempt)
         common = {"group_id": gid, "group_index": rg.group_index, "attempt": rg.attempt}
+        if (releasing := self._releasing.get(gid)) is not None:
+            await releasing.wait()  # its prompt is published, its release about to be recorded
         if rg.group_id != gid or gid not in self.state.outstanding:
             self._record("put", outcome="duplicate", stream_seq=msg.metadata.sequence.stream, **common)
             return True
@@ -409,12 +412,20 @@ class BufferService(Service):
                 epoch, cursor, nxt = cur["epoch"], cur["cursor"], cur["next_group_index"]
             planned.append((prompt, cur))
         subject = self.bus.subjects.prompts
-        await self.bus.publish_durably(
-            [(subject, p, f"prompt-{group_id(p.group_index, p.attempt)}") for p, _ in planned], f"{k} prompts"
-        )
-        for prompt, cur in planned:
-            self._record("released", group_id=group_id(prompt.group_index, prompt.attempt),
-                         group_index=prompt.group_index, attempt=prompt.attempt, prompt=prompt, source=cur)  # fmt: skip
+        gids = [group_id(p.group_index, p.attempt) for p, _ in planned]
+        recorded = asyncio.Event()  # a producer may answer a prompt before its release is recorded
+        self._releasing.update(dict.fromkeys(gids, recorded))
+        try:
+            await self.bus.publish_durably(
+                [(subject, p, f"prompt-{gid}") for (p, _), gid in zip(planned, gids, strict=True)], f"{k} prompts"
+            )
+            for (prompt, cur), gid in zip(planned, gids, strict=True):
+                self._record("released", group_id=gid, group_index=prompt.group_index, attempt=prompt.attempt,
+                             prompt=prompt, source=cur)  # fmt: skip
+        finally:
+            for gid in gids:
+                self._releasing.pop(gid, None)
+            recorded.set()
         await self._flush()
 
     # ---- get path ------------------------------------------------------------------------------

@@ -230,6 +230,43 @@ async def test_a_stale_group_never_leaves_a_get_holding_a_group_for_a_finished_s
         await h.bus.close()
 
 
+async def test_a_group_that_comes_before_its_release_is_recorded_is_not_a_duplicate(nats_server, run_id, task_data):
+    """A prompt is published, then its release recorded: a fast producer can answer it in
+    between. Its group must wait for the record, not be taken for a duplicate (and dropped)."""
+    svc, h = await _setup(nats_server, run_id, config(task_data))
+    service = svc.service
+    gate = asyncio.Event()
+    publish_durably = service.bus.publish_durably
+
+    async def slow_release(items, what, **kw):
+        acks = await publish_durably(items, what, **kw)
+        if items and items[0][0] == h.s.prompts:
+            await gate.wait()  # the prompts are out, their release not yet recorded
+        return acks
+
+    service.bus.publish_durably = slow_release
+    try:
+        await h.get(0, wait_s=0.1)
+        prompts = await h.prompts(2)
+        for p in prompts:
+            await h.publish_group(p)
+        gid = group_id(prompts[0].group_index, prompts[0].attempt)
+
+        def decided_or_waiting():  # the put of the first group has been reached
+            ev = getattr(service, "_releasing", {}).get(gid)
+            return service.state.counters.get("duplicate_groups") or (ev is not None and ev._waiters)
+
+        await wait_until(decided_or_waiting, what="the first group's put")
+        gate.set()
+        reply = await h.get(0)
+        assert reply.complete and sorted(r.group_index for r in reply.refs) == [0, 1]
+        assert not service.state.counters.get("duplicate_groups")
+    finally:
+        gate.set()
+        await svc.stop()
+        await h.bus.close()
+
+
 async def test_sync_mode_releases_one_batch_on_the_right_weights(nats_server, run_id, task_data):
     svc, h = await _setup(nats_server, run_id, config(task_data, fully_async=False, driver="sync"))
     try:
