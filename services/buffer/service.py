@@ -422,10 +422,10 @@ class BufferService(Service):
             for (prompt, cur), gid in zip(planned, gids, strict=True):
                 self._record("released", group_id=gid, group_index=prompt.group_index, attempt=prompt.attempt,
                              prompt=prompt, source=cur)  # fmt: skip
+            recorded.set()  # (never on a failed publish: the service fails, its waiting puts with it)
         finally:
             for gid in gids:
                 self._releasing.pop(gid, None)
-            recorded.set()
         await self._flush()
 
     # ---- get path ------------------------------------------------------------------------------
