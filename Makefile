@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch; override for another build, e.g. make run TORCH="torch==2.13.0 --index-url ..."
 TORCH ?= torch==2.13.0
 
-.PHONY: setup run test test-all bench lint clean
+.PHONY: setup run smoke test test-all bench lint clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,11 @@ setup: $(BIN)/.installed
 # The default job: fully async RL on the bundled task, embedded NATS, built-in engine, tiny model.
 run: setup
 	$(BIN)/asyncrl train-async --config deploy/configs/quickstart.yaml $(ARGS)
+
+# A short default job (what .ci/run runs in a venv made by `make setup` alone, so a runtime
+# dependency that only the test extras bring in fails CI).
+smoke: setup
+	$(BIN)/asyncrl train-async --config deploy/configs/quickstart.yaml --num-rollout 5 $(ARGS)
 
 # The test suite CI runs (.ci/run calls exactly this).
 test: $(BIN)/.test-installed

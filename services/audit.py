@@ -9,12 +9,14 @@ trainer's record of what it trained (RUN_DIR/trained.jsonl). Exit code 0 when ba
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 from pathlib import Path
 
 from asyncrl_proto import PromptMsg, RolloutGroupView, decode, group_id
-from services.buffer.state import audit, ledger_events
+from asyncrl_proto.codec import DecodeError
+from services.buffer.state import LedgerError, audit, ledger_events
 
 
 async def _read_stream(bus, stream: str, subject: str | None = None) -> list[bytes]:
@@ -53,23 +55,24 @@ async def _read_stream(bus, stream: str, subject: str | None = None) -> list[byt
     return out
 
 
-async def collect(nats_url: str, run_id: str, run_dir: Path) -> dict:
+async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None) -> dict:
+    """The audit report of a run, read from its NATS server (as the admin role: `creds`, else
+    the run's own secrets, else the environment). Ledger messages that are not the buffer's
+    (undecodable) are skipped and listed under `ledger_skipped`, never a crash."""
     from services.common.bus import Bus
 
-    bus = await Bus.connect(nats_url, run_id, "audit", connect_timeout_s=10)
+    bus = await Bus.connect(nats_url, run_id, "audit", connect_timeout_s=10, creds=creds or admin_credentials(run_dir))
+    skipped: list[str] = []
     try:
         s = bus.subjects
-        events = [ev for d in await _read_stream(bus, s.ledger_stream, s.ledger) for ev in ledger_events(d)]
-        prompts = {
-            group_id(p.group_index, p.attempt)
-            for p in (decode(d, PromptMsg) for d in await _read_stream(bus, s.prompts_stream))
-        }
-        rollouts = set()
-        for d in await _read_stream(bus, s.rollouts_stream, s.rollouts):
+        events = []
+        for i, d in enumerate(await _read_stream(bus, s.ledger_stream, s.ledger)):
             try:
-                rollouts.add(decode(d, RolloutGroupView).group_id)
-            except Exception:
-                continue  # a malformed message (it was dead-lettered)
+                events += ledger_events(d)
+            except LedgerError as e:
+                skipped.append(f"ledger message #{i + 1}: {e}")
+        prompts = {group_id(p.group_index, p.attempt) for p in _decoded(await _read_stream(bus, s.prompts_stream), PromptMsg)}
+        rollouts = {g.group_id for g in _decoded(await _read_stream(bus, s.rollouts_stream, s.rollouts), RolloutGroupView)}
     finally:
         await bus.close()
     trained = None
@@ -77,14 +80,39 @@ async def collect(nats_url: str, run_id: str, run_dir: Path) -> dict:
     if path.exists():
         trained = {}
         for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            trained[rec["step"]] = rec["groups"]
+            with contextlib.suppress(ValueError, KeyError, TypeError):  # a torn last line of a killed trainer
+                rec = json.loads(line)
+                trained[int(rec["step"])] = list(rec["groups"])
     events.sort(key=lambda e: e.seq)
     unique = []
     for ev in events:  # an append retried beyond the dedupe window appears twice: keep one
         if not unique or ev.seq > unique[-1].seq:
             unique.append(ev)
-    return audit(unique, remaining_prompts=prompts, remaining_rollouts=rollouts, trained_by_trainer=trained)
+    report = audit(unique, remaining_prompts=prompts, remaining_rollouts=rollouts, trained_by_trainer=trained)
+    report["ledger_skipped"] = skipped
+    return report
+
+
+def _decoded(datas: list[bytes], tp) -> list:
+    """The messages that decode as `tp` (a malformed one was dead-lettered by its consumer)."""
+    out = []
+    for d in datas:
+        with contextlib.suppress(*DecodeError):
+            out.append(decode(d, tp))
+    return out
+
+
+def admin_credentials(run_dir: Path):
+    """The admin identity of a run whose embedded server the launcher started (its secrets
+    directory), else whatever the environment gives (ASYNCRL_NATS_*)."""
+    from services.common.secrets import NatsCredentials, load_roles_file
+
+    path = run_dir / "secrets" / "nats.json"
+    if path.exists():
+        admin = load_roles_file(path).get("admin")
+        if admin:
+            return NatsCredentials(**admin)
+    return NatsCredentials.from_env("admin")
 
 
 def audit_run(run_dir: str | Path) -> dict:
@@ -99,9 +127,15 @@ def audit_run(run_dir: str | Path) -> dict:
     store = run_dir / "nats"
     if not (store / "jetstream").exists():
         raise RuntimeError(f"the run's NATS server at {url} does not answer and {store} holds no store")
+    from services.common.natsauth import server_auth_conf
     from services.common.natsserver import EmbeddedNats
+    from services.common.secrets import load_roles_file
 
-    with EmbeddedNats(store, log_path=run_dir / "logs" / "audit-nats-server.log") as srv:
+    # the run's own store, behind the run's own users (its secrets directory), on a free port
+    roles = run_dir / "secrets" / "nats.json"
+    auth = server_auth_conf(run_id, {r: e["password"] for r, e in load_roles_file(roles).items()}) if roles.exists() else ""
+    with EmbeddedNats(store, log_path=run_dir / "logs" / "audit-nats-server.log", auth_conf=auth,
+                      max_file_store=cfg.get("nats_max_file_store")) as srv:  # fmt: skip
         return asyncio.run(collect(srv.url, run_id, run_dir))
 
 
@@ -124,10 +158,12 @@ def format_report(r: dict) -> str:
         f"  filtered             {sum(r['filtered'].values())}" + (f"  {r['filtered']}" if r["filtered"] else ""),
         f"  dropped (aborted)    {r['aborted_dropped']}",
         f"  dropped (stale)      {r['stale_dropped']}",
+        f"  rejected             {r['rejected']}  (groups that failed validation, dead-lettered)",
         f"  in flight at the end {sum(r['in_flight_at_end'].values())}  {r['in_flight_at_end']}",
         f"recycled (then one of the above) {r['recycled']}",
         f"duplicate groups ignored         {r['duplicates_ignored']}",
         f"lost {r['lost']}, trained twice {r['trained_twice']}  ({r['events']} ledger events)",
+        *(f"skipped: {x}" for x in r.get("ledger_skipped", [])[:20]),
         "BALANCED" if r["balanced"] else "NOT BALANCED:\n  " + "\n  ".join(r["problems"][:20]),
     ]
     return "\n".join(lines)
@@ -144,7 +180,7 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     try:
         report = audit_run(a.run_dir)
-    except (FileNotFoundError, RuntimeError) as e:
+    except (FileNotFoundError, RuntimeError, ValueError) as e:  # BusError, SecretError
         print(f"asyncrl audit: {e}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2) if a.json else format_report(report))

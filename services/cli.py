@@ -8,6 +8,8 @@
   asyncrl engine ...                   run the built-in SGLang-compatible engine
   asyncrl audit RUN_DIR                balance a run's ledger (exit 0 when balanced)
   asyncrl build-model --out DIR        build the bundled task's tiny model
+  asyncrl secrets --run-id ID --out DIR   per-role NATS identities, the server's auth block and a
+                                       run token for services started elsewhere (--k8s: Secrets)
 
 Imports stay light until a command runs, so --help is instant.
 """
@@ -55,7 +57,7 @@ def _cmd_init_run(argv: list[str]) -> int:
     sync = "--driver-sync" in argv
     argv = [a for a in argv if a != "--driver-sync"]
     config = _resolve("asyncrl init-run", argv, sync)
-    from services.launcher import LaunchError, init_run
+    from services.prepare import LaunchError, init_run
 
     try:
         init_run(config)
@@ -103,6 +105,35 @@ def _cmd_build_model(argv: list[str]) -> int:
     return 0
 
 
+def _cmd_secrets(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="asyncrl secrets",
+        description="Secrets of a run whose services start elsewhere: one NATS identity per role "
+        "(nats.json, for --nats-roles-file / $ASYNCRL_NATS_ROLES_FILE), the nats-server authorization "
+        "block with exactly each role's subjects (auth.conf, included by deploy/nats-server.conf) and a "
+        "run token (run-token), each mode 0600. Existing files are kept.",
+    )
+    p.add_argument("--run-id", required=True)
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--out", help="directory to write them to (mode 0700)")
+    g.add_argument("--k8s", action="store_true", help="print them as Kubernetes Secrets (kubectl apply -f -)")
+    a = p.parse_args(argv)
+    from asyncrl_proto.subjects import check_run_id
+    from services.common.natsauth import k8s_secrets, write_deploy_secrets
+
+    try:
+        check_run_id(a.run_id)
+    except ValueError as e:
+        print(f"asyncrl secrets: {e}", file=sys.stderr)
+        return 2
+    if a.k8s:
+        print(k8s_secrets(a.run_id), end="")
+    else:
+        write_deploy_secrets(a.run_id, a.out)
+        print(f"wrote nats.json, auth.conf and run-token to {a.out} (mode 0600)", file=sys.stderr)
+    return 0
+
+
 def check_argv(argv: list[str]) -> None:
     """Parse a command line with the real parsers without running anything (SystemExit on an
     invalid one). Used to check that deploy files only run real commands with valid flags."""
@@ -121,13 +152,16 @@ def check_argv(argv: list[str]) -> None:
         from services.engine.__main__ import parse_args
 
         parse_args(rest)
+    elif cmd == "secrets":
+        if "-h" in rest or "--help" in rest or "--run-id" not in rest:
+            raise SystemExit("asyncrl secrets needs --run-id")
     else:
         raise SystemExit(f"unknown command {cmd!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ("train", "train-async", "init-run", "service", "engine", "audit", "build-model")
+    commands = ("train", "train-async", "init-run", "service", "engine", "audit", "build-model", "secrets")
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0
@@ -156,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if cmd == "build-model":
         return _cmd_build_model(rest)
+    if cmd == "secrets":
+        return _cmd_secrets(rest)
     if cmd == "audit":
         from services.audit import main as audit_main
 

@@ -5,7 +5,15 @@ Prepares the run (task data, tiny model, run directory), starts an embedded nats
 config to the run's KV bucket; shows one progress line per training step; and on completion,
 on a failed child or on Ctrl-C stops every process it started, by PID, in reverse order.
 Outputs in the run directory: config.json, pids.json, services.json, metrics.jsonl (trainer),
-eval.jsonl (eval), result.json (held-out reward at step 0 and at the end), logs/.
+eval.jsonl (eval), result.json (held-out reward at step 0 and at the end), audit.json, logs/, and
+secrets/ (mode 0700): the run token and, for the embedded server, one NATS identity per role.
+
+Trust: the embedded nats-server gets one user per service role with exactly its subjects
+(services.common.natsauth); every child gets its own identity and the run token through its
+environment, never its command line; the HTTP routes of every service and engine need the run
+token. A child that stays unhealthy is restarted like one that exited (services.supervisor).
+A run fails (non-zero exit) when the trainer reports an error, when too many samples FAILED, or
+when the ledger does not balance at the end.
 """
 
 from __future__ import annotations
@@ -13,25 +21,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import os
 import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import httpx
 
 from asyncrl_proto import EvalRequest, EvalResult, ProgressRecord, decode
 from asyncrl_proto.codec import DecodeError
-from asyncrl_proto.subjects import check_run_id
 from services.common import procs
+from services.common.bus import STORE_DIR_ENV, Bus
 from services.common.config import RunConfig
+from services.common.natsauth import server_auth_conf
 from services.common.natsserver import EmbeddedNats
+from services.common.secrets import RUN_TOKEN_ENV, NatsCredentials
 from services.common.snapshot import is_complete
+from services.common.validate import finite
 from services.engine.commands import builtin_engine_command, builtin_engine_flags, sglang_server_command
+from services.prepare import prepare_run, role_credentials, role_passwords, run_token
+from services.supervisor import LaunchError, Supervisor
 
 SERVICE_MODULES = {
     "buffer": "services.buffer",
@@ -41,82 +52,6 @@ SERVICE_MODULES = {
     "trainer": "services.trainer",
 }
 FINAL_EVAL_TIMEOUT_S = 300.0
-
-
-class LaunchError(RuntimeError):
-    pass
-
-
-def default_run_id() -> str:
-    return time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:4]
-
-
-def prepare_run(config: RunConfig, log=print) -> RunConfig:
-    """Resolve run id and directory, write the task's data and build its model when needed."""
-    run_id = check_run_id(config.run_id or default_run_id())
-    run_dir = Path(config.run_dir or Path("runs") / run_id).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "logs").mkdir(exist_ok=True)
-    updates: dict = {"run_id": run_id, "run_dir": str(run_dir)}
-    for field in ("save", "save_hf", "load", "eval_hf_dir", "prompt_data"):  # services may run elsewhere
-        if getattr(config, field):
-            updates[field] = str(Path(getattr(config, field)).resolve())
-    if config.task == "reverse-digits" and (config.prompt_data is None or not config.eval_prompt_data):
-        from services.tasks import reverse_digits
-
-        train, held_out = reverse_digits.write_datasets(run_dir / "data", seed=config.rollout_seed)
-        if config.prompt_data is None:
-            updates["prompt_data"] = str(train)
-        if not config.eval_prompt_data:
-            updates["eval_prompt_data"] = [reverse_digits.NAME, str(held_out)]
-    if config.num_rollout is None and config.num_epoch is not None:
-        data = updates.get("prompt_data", config.prompt_data)
-        rows = sum(1 for line in Path(data).read_text().splitlines() if line.strip())
-        updates["num_rollout"] = max(1, math.ceil(config.num_epoch * rows / config.rollout_batch_size))
-        log(f"--num-epoch {config.num_epoch}: {rows} prompts per epoch -> {updates['num_rollout']} steps")
-    if config.hf_checkpoint is None:
-        from services.tasks import reverse_digits
-
-        model_dir = run_dir / "model" / "initial"
-        if not (model_dir / ".complete").exists():
-            reverse_digits.build_model(model_dir, seed=config.seed, warmup_sft_steps=config.warmup_sft_steps, log=log)
-        updates["hf_checkpoint"] = str(model_dir)
-    else:
-        updates["hf_checkpoint"] = str(Path(config.hf_checkpoint).resolve())
-    return config.model_copy(update=updates)
-
-
-async def publish_run_config(config: RunConfig) -> None:
-    """Create the run's streams and write its resolved config to KV, for services started
-    elsewhere (docker compose, Kubernetes, Ray) with `asyncrl service NAME`."""
-    from services.common.bus import Bus
-
-    bus = await Bus.connect(config.nats_url, config.run_id, "init-run", connect_timeout_s=120)
-    try:
-        await bus.ensure_streams()
-        await bus.kv_put("config", json.dumps(config.model_dump(mode="json")).encode())
-    finally:
-        await bus.close()
-
-
-def init_run(config: RunConfig, log=print) -> RunConfig:
-    if not config.nats_url:
-        raise LaunchError("init-run needs --nats-url: the services it prepares for read their config from NATS")
-    if not config.rollout_engine_urls and not config.rollout_external_engine_addrs:
-        raise LaunchError(
-            "init-run needs --rollout-engine-urls (or --rollout-external-engine-addrs): where the engines listen"
-        )
-    config = prepare_run(config, log=log)
-    if not config.rollout_engine_urls:
-        from services.common.sglang_client import normalize_url
-
-        config = config.model_copy(
-            update={"rollout_engine_urls": [normalize_url(a) for a in config.rollout_external_engine_addrs]}
-        )
-    (Path(config.run_dir) / "config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
-    asyncio.run(publish_run_config(config))
-    log(f"run {config.run_id} prepared in {config.run_dir}; config published to {config.nats_url}")
-    return config
 
 
 def sglang_engine_commands(c: RunConfig, ports: list[int]) -> list[tuple[list[str], dict]]:
@@ -133,18 +68,16 @@ def sglang_engine_commands(c: RunConfig, ports: list[int]) -> list[tuple[list[st
     return out
 
 
-class Child:
-    def __init__(self, name: str, cmd: list[str], env: dict, proc: subprocess.Popen):
-        self.name, self.cmd, self.env, self.proc = name, cmd, env, proc
-        self.restarts = 0
-
-
 class Launcher:
     def __init__(self, config: RunConfig, out=print):
         self.config = config
         self.out = out
         self.run_dir = Path(config.run_dir)
-        self.children: list[Child] = []
+        self.secrets_dir = self.run_dir / "secrets"
+        self.run_token = run_token(config, self.secrets_dir)
+        self.creds: dict[str, NatsCredentials] = {}
+        self.procs = Supervisor(self.run_dir, config.service_restarts, config.health_restart_s, out,
+                                headers={"Authorization": f"Bearer {self.run_token}"})  # fmt: skip
         self.nats_restarts = 0
         self.router_url: str | None = None
         self.services: dict[str, str] = {}
@@ -155,35 +88,41 @@ class Launcher:
         self.t0 = time.time()
 
     # ---- start -----------------------------------------------------------------------------
-    def _env(self) -> dict:
-        env = dict(os.environ)
+    def _env(self, role: str | None = None) -> dict:
+        """A child's environment: ours without any NATS identity or token of our own, plus the
+        run token and, for a service, its role's NATS identity (never on its command line)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("ASYNCRL_NATS_", "ASYNCRL_RUN_TOKEN"))}
         env["PYTHONUNBUFFERED"] = "1"
         env.setdefault("OMP_NUM_THREADS", str(self.config.torch_num_threads))
+        env[RUN_TOKEN_ENV] = self.run_token
+        if role is not None:
+            env.update(self.creds[role].env())
+            if self.nats is not None:
+                env[STORE_DIR_ENV] = str(self.nats.jetstream_dir)
         return env
 
-    def _spawn(self, name: str, cmd: list[str], extra_env: dict | None = None) -> subprocess.Popen:
-        env = {**self._env(), **(extra_env or {})}
-        proc = procs.spawn(cmd, log_path=self.run_dir / "logs" / f"{name}.log", env=env)
-        self.children.append(Child(name, cmd, env, proc))
-        self._write_pids()
-        return proc
+    def _spawn(self, name: str, cmd: list[str], role: str | None = None, extra_env: dict | None = None,
+               health: str | None = None) -> subprocess.Popen:  # fmt: skip
+        return self.procs.spawn(name, cmd, {**self._env(role), **(extra_env or {})}, health_url=health).proc
 
-    def child(self, name: str) -> Child:
-        return next(c for c in self.children if c.name == name)
-
-    def _write_pids(self) -> None:
-        pids = {c.name: c.proc.pid for c in self.children}
-        if self.nats and self.nats.proc:
-            pids["nats-server"] = self.nats.proc.pid
-        pids["launcher"] = os.getpid()
-        (self.run_dir / "pids.json").write_text(json.dumps(pids, indent=2))
+    def child(self, name: str):
+        return self.procs.child(name)
 
     def start_nats(self) -> None:
         if self.nats_url:
+            self.creds = role_credentials(self.config)
             return
-        self.nats = EmbeddedNats(self.run_dir / "nats", log_path=self.run_dir / "logs" / "nats-server.log").start()
+        passwords = role_passwords(self.secrets_dir)
+        self.creds = {r: NatsCredentials(user=r, password=p) for r, p in passwords.items()}
+        self.nats = EmbeddedNats(
+            self.run_dir / "nats",
+            log_path=self.run_dir / "logs" / "nats-server.log",
+            auth_conf=server_auth_conf(self.config.run_id, passwords),
+            max_file_store=self.config.nats_max_file_store,
+        ).start()
         self.nats_url = self.nats.url
-        self._write_pids()
+        self.procs.extra_pids["nats-server"] = self.nats.proc.pid
+        self.procs.write_pids()
 
     def start_engines(self) -> list[str]:
         """The engines' URLs: attached (--rollout-external-engine-addrs), or launched here -
@@ -200,8 +139,10 @@ class Launcher:
         for i in range(c.rollout_num_engines):
             port = procs.free_port()
             cmd = builtin_engine_command(c.hf_checkpoint, port, builtin_engine_flags(c, c.seed + i))
-            self._spawn(f"engine-{i}", cmd, extra_env={procs.CPU_ENV: pins[0][i]} if pins else None)
-            urls.append(f"http://127.0.0.1:{port}")
+            url = f"http://127.0.0.1:{port}"
+            self._spawn(f"engine-{i}", cmd, extra_env={procs.CPU_ENV: pins[0][i]} if pins else None,
+                        health=url + "/health_generate")  # fmt: skip
+            urls.append(url)
             self.services[f"engine-{i}"] = urls[-1]
         return urls
 
@@ -215,19 +156,23 @@ class Launcher:
                 "or attach to running servers with --rollout-external-engine-addrs HOST:PORT ..."
             )
         urls = []
+        # SGLang takes its API key only on its command line (documented in the README)
+        key = ["--api-key", self.run_token]
         for i, (cmd, env) in enumerate(
             sglang_engine_commands(c, [procs.free_port() for _ in range(c.rollout_num_engines)])
         ):
-            self._spawn(f"engine-{i}", cmd, extra_env=env)
-            urls.append(f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}")
+            url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
+            self._spawn(f"engine-{i}", cmd + key, extra_env=env, health=url + "/health")
+            urls.append(url)
             self.services[f"engine-{i}"] = urls[-1]
         if c.use_sglang_router:
             if importlib.util.find_spec("sglang_router") is None:
                 raise LaunchError("--use-sglang-router needs the sglang-router package (pip install sglang-router)")
             port = procs.free_port()
-            self._spawn("router", [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                                   "--port", str(port), "--worker-urls", *urls, *c.sglang_router_args])  # fmt: skip
             self.router_url = f"http://127.0.0.1:{port}"
+            self._spawn("router", [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                                   "--port", str(port), "--worker-urls", *urls, *c.sglang_router_args, *key],
+                        health=self.router_url + "/health")  # fmt: skip
             self.services["router"] = self.router_url
         return urls
 
@@ -235,18 +180,19 @@ class Launcher:
         port = procs.free_port()
         label = instance or name
         pins = procs.split_cpus(self.config.rollout_num_engines) if self.config.pin_cpus and name == "trainer" else None
+        url = f"http://127.0.0.1:{port}"
         self._spawn(label, [
             sys.executable, "-m", SERVICE_MODULES[name], "--nats-url", self.nats_url, "--run-id",
             self.config.run_id, "--http-port", str(port), "--instance-id", label,
-        ], extra_env={procs.CPU_ENV: pins[1]} if pins else None)  # fmt: skip
-        self.services[label] = f"http://127.0.0.1:{port}"
+        ], role=name, extra_env={procs.CPU_ENV: pins[1]} if pins else None, health=url + "/healthz")  # fmt: skip
+        self.services[label] = url
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         if timeout_s is None:  # an SGLang server loads and captures CUDA graphs: minutes, not seconds
             timeout_s = 900.0 if self.config.engine == "sglang" else 180.0
         deadline = time.monotonic() + timeout_s
         pending = dict(self.services)
-        with httpx.Client(timeout=2.0) as http:
+        with httpx.Client(timeout=2.0, headers=self.procs.headers) as http:
             while pending:
                 self.check_children()
                 for label, url in list(pending.items()):
@@ -254,30 +200,18 @@ class Launcher:
                     with contextlib.suppress(httpx.HTTPError):
                         if http.get(url + path).status_code == 200:
                             del pending[label]
+                            self.procs.mark_healthy(label)
                 if pending and time.monotonic() > deadline:
                     raise LaunchError(f"not ready after {timeout_s:.0f}s: {sorted(pending)} (see {self.run_dir}/logs)")
                 if pending:
                     time.sleep(0.1)
 
     def check_children(self, allow_exit: tuple[str, ...] = ()) -> None:
-        """Restart a crashed child (same command, same ports) up to --service-restarts times;
-        a child that keeps crashing fails the run with its last log lines."""
+        """Restart a crashed child (same command, same ports) or nats-server, up to
+        --service-restarts times; a child that keeps crashing fails the run with its last log lines."""
         if self.nats and self.nats.proc and self.nats.proc.poll() is not None:
             self._restart_nats()
-        for c in self.children:
-            code = c.proc.poll()
-            if code is None or (c.name in allow_exit and code == 0):
-                continue
-            tail = _tail(self.run_dir / "logs" / f"{c.name}.log")
-            if c.restarts >= self.config.service_restarts:
-                raise LaunchError(f"{c.name} (pid {c.proc.pid}) exited with code {code}; last log lines:\n{tail}")
-            c.restarts += 1
-            self.out(
-                f"  {c.name} (pid {c.proc.pid}) exited with code {code}; "
-                f"restarting ({c.restarts}/{self.config.service_restarts})"
-            )
-            c.proc = procs.spawn(c.cmd, log_path=self.run_dir / "logs" / f"{c.name}.log", env=c.env)
-            self._write_pids()
+        self.procs.check_exits(allow_exit)
 
     def _restart_nats(self) -> None:
         self.nats_restarts += 1
@@ -285,7 +219,8 @@ class Launcher:
             raise LaunchError(f"nats-server exited {self.nats_restarts} times; see {self.run_dir}/logs/nats-server.log")
         self.out(f"  nats-server exited with code {self.nats.proc.returncode}; restarting on the same store")
         self.nats.start()
-        self._write_pids()
+        self.procs.extra_pids["nats-server"] = self.nats.proc.pid
+        self.procs.write_pids()
 
     # ---- run -------------------------------------------------------------------------------
     async def run(self) -> dict:
@@ -296,9 +231,7 @@ class Launcher:
             update={"rollout_engine_urls": urls, "nats_url": self.nats_url, "rollout_router_url": self.router_url}
         )
         (self.run_dir / "config.json").write_text(json.dumps(c.model_dump(mode="json"), indent=2))
-        from services.common.bus import Bus
-
-        bus = await Bus.connect(self.nats_url, c.run_id, "launcher")
+        bus = await Bus.connect(self.nats_url, c.run_id, "launcher", creds=self.creds["admin"])
         try:
             await bus.ensure_streams()
             await bus.kv_put("config", json.dumps(c.model_dump(mode="json")).encode())
@@ -347,13 +280,15 @@ class Launcher:
         return str(pushed.resolve()) if is_complete(pushed) else ""
 
     async def _watch(self, bus) -> None:
-        while self.done is None:
-            self.check_children(allow_exit=("trainer",))
-            if self.child("trainer").proc.poll() == 0 and self.done is None:
-                await self._read_final_progress(bus)  # finished while we were cut off from NATS?
-                if self.done is None:
-                    raise LaunchError("the trainer exited without its final record; see logs/trainer.log")
-            await asyncio.sleep(0.2)
+        async with httpx.AsyncClient() as http:
+            while self.done is None:
+                self.check_children(allow_exit=("trainer",))
+                await self.procs.check_health(http)
+                if self.child("trainer").proc.poll() == 0 and self.done is None:
+                    await self._read_final_progress(bus)  # finished while we were cut off from NATS?
+                    if self.done is None:
+                        raise LaunchError("the trainer exited without its final record; see logs/trainer.log")
+                await asyncio.sleep(0.2)
         if self.done.error:
             raise LaunchError(f"trainer failed: {self.done.error}")
 
@@ -363,7 +298,7 @@ class Launcher:
         with contextlib.suppress(nats.js.errors.NotFoundError):
             raw = await bus.js.get_last_msg(bus.subjects.progress_stream, bus.subjects.progress)
             rec = decode(raw.data, ProgressRecord)
-            if rec.done:
+            if rec.done and rec.step == self.config.total_steps:
                 self.done = rec
 
     async def _wait_final_eval(self) -> None:
@@ -377,14 +312,16 @@ class Launcher:
     async def _on_progress(self, msg) -> None:
         with contextlib.suppress(*DecodeError):
             rec = decode(msg.data, ProgressRecord)
-            if rec.done:
+            if rec.done and rec.step == self.config.total_steps:  # the trainer's final record says it
                 self.done = rec
-            else:
+            elif not rec.done and 0 <= rec.step < self.config.total_steps:
                 self.out(format_progress(rec.step, self.config.total_steps, rec.record))
 
     async def _on_eval(self, msg) -> None:
         with contextlib.suppress(*DecodeError):
             res = decode(msg.data, EvalResult)
+            if not 0 <= res.step <= self.config.total_steps or not all(finite(v) for v in res.metrics.values()):
+                return  # not a point of this run (the eval service and the trainer never send one)
             self.evals[res.step] = res
             main = {k: v for k, v in res.metrics.items() if k.count("/") == 1 and not k.startswith("eval/duration")}
             shown = ", ".join(f"{k} {v:.3f}" for k, v in main.items() if k != "eval/step")
@@ -421,20 +358,12 @@ class Launcher:
 
     # ---- stop --------------------------------------------------------------------------------
     def stop_services(self) -> None:
-        for c in reversed(self.children):
-            procs.stop(c.proc, timeout_s=15.0)
+        self.procs.stop_all()
 
     def shutdown(self) -> None:
         self.stop_services()
         if self.nats:
             self.nats.stop()
-
-
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except FileNotFoundError:
-        return "(no log)"
 
 
 def format_progress(step: int, total: int, rec: dict) -> str:
@@ -455,6 +384,15 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def ledger_line(r: dict) -> str:
+    return (
+        f"{r['released_prompts']} prompts released, {r['trained']} trained once, "
+        f"{sum(r['filtered'].values())} filtered, {r['aborted_dropped'] + r['stale_dropped']} dropped, "
+        f"{r['rejected']} rejected, {sum(r['in_flight_at_end'].values())} in flight at the end, "
+        f"{r['lost']} lost, {r['trained_twice']} trained twice"
+    )
+
+
 def launch(config: RunConfig, out=print) -> dict:
     """Run a whole job; returns the summary. Every started process is stopped on every path.
     After training, with the services stopped and the broker still up, the ledger is audited
@@ -468,15 +406,18 @@ def launch(config: RunConfig, out=print) -> dict:
         launcher.stop_services()
         from services.audit import collect
 
-        report = asyncio.run(collect(launcher.nats_url, launcher.config.run_id, launcher.run_dir))
+        report = asyncio.run(
+            collect(launcher.nats_url, launcher.config.run_id, launcher.run_dir, launcher.creds["admin"])
+        )
         (launcher.run_dir / "audit.json").write_text(json.dumps(report, indent=2))
         result["ledger_balanced"] = report["balanced"]
-        out(
-            f"ledger: {report['released_prompts']} prompts released, {report['trained']} trained once, "
-            f"{sum(report['filtered'].values())} filtered, {report['aborted_dropped'] + report['stale_dropped']} dropped, "
-            f"{sum(report['in_flight_at_end'].values())} in flight at the end, {report['lost']} lost, "
-            f"{report['trained_twice']} trained twice ({'balanced' if report['balanced'] else 'NOT balanced'}; asyncrl audit {launcher.run_dir})"
-        )
+        out(f"ledger: {ledger_line(report)} ({'balanced' if report['balanced'] else 'NOT balanced'}; "
+            f"asyncrl audit {launcher.run_dir})")  # fmt: skip
+        if not report["balanced"]:
+            raise LaunchError(
+                "the ledger does not balance:\n  " + "\n  ".join(report["problems"][:20])
+                + f"\n(asyncrl audit {launcher.run_dir} prints it all)"
+            )
     finally:
         launcher.shutdown()
         signal.signal(signal.SIGTERM, old_term)

@@ -45,7 +45,8 @@ def task_data(tmp_path_factory):
 class EngineThread:
     """The built-in engine (scheduler + HTTP server) inside the test process, on a free port."""
 
-    def __init__(self, model_dir, weight_version: str = "0", max_running_requests: int = 64, seed: int = 0):
+    def __init__(self, model_dir, weight_version: str = "0", max_running_requests: int = 64, seed: int = 0,
+                 api_key: str | None = None, on_death=None):  # fmt: skip
         import uvicorn
 
         from services.engine.scheduler import Scheduler
@@ -59,10 +60,12 @@ class EngineThread:
             max_running_requests=max_running_requests,
             weight_version=weight_version,
             seed=seed,
+            on_death=on_death,
         )
         self.port = procs.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = EngineServer(self.scheduler, str(model_dir), Tokenizer(model_dir), port=self.port)
+        self.server = EngineServer(self.scheduler, str(model_dir), Tokenizer(model_dir), port=self.port,
+                                   api_key=api_key)  # fmt: skip
         self._uv = uvicorn.Server(
             uvicorn.Config(
                 self.server.app,
@@ -114,10 +117,35 @@ class RunningService:
             raise
 
 
+TEST_TOKEN = "test-run-token"
+"""The run token of services a test starts in its own process (start_service)."""
+AUTH = {"Authorization": f"Bearer {TEST_TOKEN}"}
+
+
+def run_auth(run_dir) -> dict[str, str]:
+    """The Authorization header of a run the launcher started (its secrets directory)."""
+    from pathlib import Path
+
+    return {"Authorization": "Bearer " + (Path(run_dir) / "secrets" / "run-token").read_text().strip()}
+
+
+def run_env(run_dir, role_env: bool = True) -> dict[str, str]:
+    """The environment a process needs to join a launcher's run: the run's NATS identities (each
+    process takes its role's) and its run token."""
+    import os
+    from pathlib import Path
+
+    secrets = Path(run_dir) / "secrets"
+    return {**os.environ, "ASYNCRL_NATS_ROLES_FILE": str(secrets / "nats.json"),
+            "ASYNCRL_RUN_TOKEN_FILE": str(secrets / "run-token")}  # fmt: skip
+
+
 async def start_service(cls, config, nats_url: str, run_id: str, **kw) -> RunningService:
     from services.common.bus import Bus
 
+    kw.setdefault("http_token", TEST_TOKEN)
     bus = await Bus.connect(nats_url, run_id, cls.name)
+    await bus.ensure_streams()  # what the launcher does before it starts a service
     service = cls(config, bus, **kw)
     task = asyncio.ensure_future(service.run())
     loop = asyncio.get_running_loop()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -41,8 +42,8 @@ from asyncrl_proto import (
     LedgerBatch,
     LedgerEvent,
     RolloutGroup,
-    RolloutGroupView,
     WeightsLive,
+    WeightsPublished,
     decode,
     encode,
     group_id,
@@ -52,13 +53,24 @@ from asyncrl_proto.messages import flatten_group, oldest_weight_version
 from services.buffer.core import DataBuffer, DefaultDataBuffer, load_object, staleness
 from services.buffer.datasource import PromptSource, load_rows
 from services.buffer.policy import ReleaseState, release_allowance
-from services.buffer.state import BufferState, apply, decode_state, encode_state, ledger_events
+from services.buffer.state import (
+    BufferState,
+    LedgerError,
+    StateError,
+    apply,
+    decode_state,
+    encode_state,
+    ledger_events,
+)
 from services.common.bus import next_batch, settle
 from services.common.runtime import Service, wait_event
+from services.common.validate import group_problem, limits_from_model_dir
 
 log = logging.getLogger(__name__)
 
 PRODUCER_TIMEOUT_S = 10.0
+MAX_PRODUCER_CAP = 100_000
+"""In-flight groups one producer may claim in its heartbeat."""
 SNAPSHOT_EVERY = 500
 ROLLOUTS_ACK_WAIT_S = 10.0
 PURGE_INTERVAL_S = 1.0
@@ -109,11 +121,8 @@ class BufferService(Service):
         if self._observed:
             self.buffer.on_event = self._on_buffer_event
         self.plugin_path = config.custom_async_data_buffer_path or "services.api.DefaultDataBuffer"
-        # The default buffer and the built-in filter decide on rewards, statuses and versions
-        # only: decode groups without their tokens (4-20x cheaper for long trajectories).
-        # Plugins may look at anything, so they get full Samples.
-        builtin_filter = config.dynamic_sampling_filter_path in (None, "services.api.check_reward_nonzero_std")
-        self._group_type = RolloutGroupView if self._observed and builtin_filter else RolloutGroup
+        self.limits = limits_from_model_dir(config.hf_checkpoint, config.n_samples_per_prompt, config.reward_key)
+        self.published_version = 0  # the newest weight version the trainer published (versions are checked)
         self.state = BufferState()
         self.live_version: int | None = None
         self.requested: dict[int, int] = {}  # step -> B, for steps the trainer has asked for
@@ -124,6 +133,7 @@ class BufferService(Service):
         self.producers: dict[str, tuple[float, int]] = {}
         self.gid_of: dict[int, tuple[str, list]] = {}  # id(group) -> (group id, group)
         self.dead_lettered = 0
+        self.ledger_problems: list[str] = []  # entries the replay skipped (undecodable, out of order)
         self._unflushed: list[LedgerEvent] = []
         self._flush_lock = asyncio.Lock()
         self._snapshot_seq = 0
@@ -144,12 +154,13 @@ class BufferService(Service):
     # ---- setup and recovery ----------------------------------------------------------------
     async def setup(self) -> None:
         s = self.bus.subjects
-        await self.bus.ensure_streams()
         await self._recover()
         self._rollouts = await self.bus.push(
             s.rollouts_stream, s.rollouts, durable="buffer", ack_wait_s=ROLLOUTS_ACK_WAIT_S, max_ack_pending=256
         )
         # subscribe before reading the KV value, so that no update can fall in between
+        await self.bus.nc.subscribe(s.weights_published, cb=self._on_published)
+        await self._read_published_version()
         await self.bus.nc.subscribe(s.weights_live, cb=self._on_live)
         await self._read_live_version()
         await self.bus.nc.subscribe(s.buffer_get, cb=self._on_get)
@@ -173,19 +184,29 @@ class BufferService(Service):
         replayed = 0
         for seq in range(self.state.log_stream_seq + 1, last + 1):
             try:
-                events = ledger_events(await self.bus.get_payload(stream, seq))
+                data = await self.bus.get_payload(stream, seq)
             except Exception as e:  # a gap (deleted message) is corruption: say so
                 raise RuntimeError(f"cannot replay ledger message {seq} of {stream}: {e}") from e
+            try:
+                events = ledger_events(data)
+            except LedgerError as e:  # not written by a buffer: skip it, say so
+                self._ledger_problem(f"ledger message {seq}: {e}; skipped")
+                events = []
             for ev in events:
-                if ev.seq <= self.state.seq:
-                    continue  # an append retried beyond the dedupe window
-                apply(self.state, ev)
+                if ev.seq <= self.state.seq:  # an append retried beyond the dedupe window, or a second writer
+                    self._ledger_problem(f"ledger message {seq} repeats event {ev.seq}; skipped")
+                    continue
+                try:
+                    apply(self.state, ev)
+                except StateError as e:
+                    self._ledger_problem(f"ledger message {seq}: {e}; skipped")
+                    continue
                 replayed += 1
             self.state.log_stream_seq = seq
         groups = []
         for gid, ref in self.state.stored.items():
             data = await self.bus.get_payload(self.bus.subjects.rollouts_stream, ref.stream_seq)
-            group = decode(data, self._group_type).samples
+            group = decode(data, RolloutGroup).samples
             self.gid_of[id(group)] = (gid, group)
             groups.append(group)
         if groups:
@@ -208,6 +229,10 @@ class BufferService(Service):
     async def teardown(self) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._flush(snapshot=True), 5)
+
+    def _ledger_problem(self, text: str) -> None:
+        self.ledger_problems.append(text)
+        log.error("%s", text)
 
     # ---- the ledger ----------------------------------------------------------------------------
     def _record(self, kind: str, **fields: Any) -> LedgerEvent:
@@ -266,29 +291,28 @@ class BufferService(Service):
 
     async def _put_one(self, msg, pending: list) -> bool:
         """Decide one group. Returns True when the message should be acknowledged after the
-        next flush (False: it was terminated as a dead letter)."""
+        next flush (False: it was terminated as a dead letter, its fate recorded as `rejected`)."""
+        seq = msg.metadata.sequence.stream
         try:
-            rg = decode(msg.data, self._group_type)
+            rg, undecodable = decode(msg.data, RolloutGroup), None
         except DecodeError as e:
-            await self._dead_letter(msg, f"undecodable RolloutGroup: {e}")
-            return False
-        n = self.config.n_samples_per_prompt
-        if len(rg.samples) != n:
-            await self._dead_letter(msg, f"group {rg.group_id} has {len(rg.samples)} trajectories, expected n={n}")
-            return False
-        gid = group_id(rg.group_index, rg.attempt)
-        common = {"group_id": gid, "group_index": rg.group_index, "attempt": rg.attempt}
+            rg, undecodable = _identity(msg.data), f"undecodable RolloutGroup: {e}"
+        gid = group_id(rg.group_index, rg.attempt) if rg is not None else ""
         if (releasing := self._releasing.get(gid)) is not None:
             await releasing.wait()  # its prompt is published, its release about to be recorded
-        if rg.group_id != gid or gid not in self.state.outstanding:
-            self._record("put", outcome="duplicate", stream_seq=msg.metadata.sequence.stream, **common)
+        if (problem := undecodable or await self._group_problem(rg)) is not None:
+            await self._reject(msg, rg, problem)
+            return False
+        common = {"group_id": gid, "group_index": rg.group_index, "attempt": rg.attempt}
+        if gid not in self.state.outstanding:
+            self._record("put", outcome="duplicate", stream_seq=seq, **common)
             return True
         group = rg.samples
         self.gid_of[id(group)] = (gid, group)
         if len(msg.data) <= INLINE_MAX_BYTES:
             self.raw_of[gid] = msg.data
         self._current_put = {
-            **common, "stream_seq": msg.metadata.sequence.stream, "oldest_version": oldest_weight_version(group),
+            **common, "stream_seq": seq, "oldest_version": oldest_weight_version(group),
             "recorded": False, "recycled": False, "key": id(group),
         }  # fmt: skip
         if self._inline and len(self.buffer) < self.buffer.capacity:
@@ -320,6 +344,29 @@ class BufferService(Service):
         else:
             self.raw_of.pop(cur["group_id"], None)
             self.gid_of.pop(cur["key"], None)
+
+    async def _group_problem(self, rg: RolloutGroup) -> str | None:
+        """Why this group may not be stored, or None (services.common.validate, plus: its prompt
+        was released). A weight version newer than the newest published one we know of makes
+        us re-read WEIGHTS once before rejecting (its announcement may still be on the way)."""
+        if rg.group_index >= self.state.next_group_index:
+            return f"group_index {rg.group_index} was never released (next is {self.state.next_group_index})"
+        limits = dataclasses.replace(self.limits, max_version=self.published_version)
+        problem = group_problem(rg.group_id, rg.group_index, rg.attempt, rg.samples, limits)
+        if problem is not None and "was never published" in problem:
+            await self._read_published_version()
+            limits = dataclasses.replace(self.limits, max_version=self.published_version)
+            problem = group_problem(rg.group_id, rg.group_index, rg.attempt, rg.samples, limits)
+        return problem
+
+    async def _reject(self, msg, rg, reason: str) -> None:
+        """Dead-letter a group that may not be trained, and record its fate: `rejected`, which
+        settles its prompt if that was outstanding (the audit names it; nothing waits for it)."""
+        gid = group_id(rg.group_index, rg.attempt) if rg is not None else ""
+        self._record("put", outcome="rejected", reason=reason[:500], group_id=gid,
+                     group_index=rg.group_index if rg is not None else -1, attempt=rg.attempt if rg is not None else 0,
+                     stream_seq=msg.metadata.sequence.stream)  # fmt: skip
+        await self._dead_letter(msg, reason)
 
     async def _dead_letter(self, msg, reason: str) -> None:
         self.dead_lettered += 1
@@ -359,7 +406,8 @@ class BufferService(Service):
     # ---- prompt release ------------------------------------------------------------------------
     def _inflight_cap(self) -> int:
         now = time.time()
-        live = [cap for ts, cap in self.producers.values() if now - ts < PRODUCER_TIMEOUT_S]
+        self.producers = {k: v for k, v in self.producers.items() if now - v[0] < PRODUCER_TIMEOUT_S}
+        live = [cap for _, cap in self.producers.values()]
         return sum(live) if live else self.config.inflight_groups
 
     def _groups_still_needed(self) -> int:
@@ -436,10 +484,15 @@ class BufferService(Service):
         try:
             req = decode(msg.data, BufferGetRequest)
         except DecodeError as e:
-            await self.bus.dead_letter(msg.subject, msg.data, f"undecodable BufferGetRequest: {e}")
+            await self._dead_letter_core(msg, f"undecodable BufferGetRequest: {e}")
             return
         if req.step <= self.state.committed_step:
             await msg.respond(encode(BufferGetReply(step=req.step, error=f"step {req.step} is already committed")))
+            return
+        if (problem := await self._get_problem(req)) is not None:
+            await self._dead_letter_core(msg, problem)
+            with contextlib.suppress(Exception):
+                await msg.respond(encode(BufferGetReply(step=req.step, error=problem)))
             return
         self.requested.setdefault(req.step, req.count)
         self.want_step = req.step if self.want_step is None else max(self.want_step, req.step)
@@ -461,6 +514,29 @@ class BufferService(Service):
                 return
         await self._flush()  # never hand out a lease that is not durable
         await msg.respond(self._get_reply(req.step))
+
+    async def _get_problem(self, req: BufferGetRequest) -> str | None:
+        """A get the trainer would never send: a step outside the window it can be at (the next
+        uncommitted one, plus the steps trained since the last checkpoint and one prefetched),
+        another batch size, or versions nobody published."""
+        c = self.config
+        window = (c.save_interval or 1) + 2
+        first = self.state.committed_step + 1
+        if not first <= req.step < first + window:
+            return f"get(step={req.step}) is outside the steps the trainer can ask for ({first}..{first + window - 1})"
+        if req.count != c.rollout_batch_size:
+            return f"get(count={req.count}) differs from --rollout-batch-size {c.rollout_batch_size}"
+        if req.lookahead_steps not in (0, 1):
+            return f"get(lookahead_steps={req.lookahead_steps}): only 0 or 1"
+        if not 0 <= req.wait_s <= 30:
+            return f"get(wait_s={req.wait_s}): at most 30 s"
+        for name in ("current_version", "release_min_version"):
+            v = getattr(req, name)
+            if v is not None and v > self.published_version:
+                await self._read_published_version()
+            if v is not None and not 0 <= v <= self.published_version:
+                return f"get({name}={v}): that weight version was never published (newest {self.published_version})"
+        return None
 
     def _get_reply(self, step: int, durable: bool = True) -> bytes:
         lease = self.state.leases.get(step)
@@ -573,7 +649,15 @@ class BufferService(Service):
         try:
             req = decode(msg.data, BufferCommit)
         except DecodeError as e:
-            await self.bus.dead_letter(msg.subject, msg.data, f"undecodable BufferCommit: {e}")
+            await self._dead_letter_core(msg, f"undecodable BufferCommit: {e}")
+            return
+        incomplete = [s for s in range(self.state.committed_step + 1, req.step + 1) if not self._lease_complete(s)]
+        if incomplete or req.version < 0:
+            problem = (f"commit(step={req.step}): step {incomplete[0]} has no complete lease, so it was never trained"
+                       if incomplete else f"commit(version={req.version}) is negative")  # fmt: skip
+            await self._dead_letter_core(msg, problem)
+            with contextlib.suppress(Exception):
+                await msg.respond(encode(BufferCommitReply(step=req.step, error=problem)))
             return
         done_refs = [r for s, lease in self.state.leases.items() if s <= req.step for r in lease.refs]
         seqs = [r.stream_seq for r in done_refs]
@@ -610,31 +694,62 @@ class BufferService(Service):
             self._purging = False
 
     async def _on_live(self, msg) -> None:
-        with contextlib.suppress(*DecodeError):
-            self._set_live(decode(msg.data, WeightsLive).version)
+        try:
+            live = decode(msg.data, WeightsLive)
+        except DecodeError as e:
+            await self._dead_letter_core(msg, f"undecodable WeightsLive: {e}")
+            return
+        await self._set_live(live.version, msg)
 
     async def _read_live_version(self) -> None:
         raw = await self.bus.kv_get("live_version")
         if raw is not None:
-            self._set_live(decode(raw, WeightsLive).version)
+            with contextlib.suppress(*DecodeError):
+                await self._set_live(decode(raw, WeightsLive).version)
 
-    def _set_live(self, version: int) -> None:
+    async def _set_live(self, version: int, msg=None) -> None:
+        """The staleness clock moves forward only, and only to a version the trainer published
+        (a forged WeightsLive(10**9) would otherwise make every group stale)."""
+        if version > self.published_version:
+            await self._read_published_version()
+        if not 0 <= version <= self.published_version:
+            reason = f"live version {version} was never published (newest {self.published_version})"
+            if msg is not None:
+                await self._dead_letter_core(msg, reason)
+            else:
+                log.error("ignoring the KV live_version: %s", reason)
+            return
         if self.live_version is None or version > self.live_version:
             self.live_version = version
             self._wake_release.set()
 
+    async def _on_published(self, msg) -> None:
+        with contextlib.suppress(*DecodeError):  # weight-sync dead-letters bad ones; we only read the number
+            self.published_version = max(self.published_version, decode(msg.data, WeightsPublished).version)
+
+    async def _read_published_version(self) -> None:
+        self.published_version = max(self.published_version, await self.bus.last_published_version())
+
+    async def _dead_letter_core(self, msg, reason: str) -> None:
+        """A core-NATS message (a request, an announcement) that fails validation."""
+        self.dead_lettered += 1
+        await self.bus.dead_letter(msg.subject, msg.data, reason)
+
     async def _on_producer_heartbeat(self, msg) -> None:
         try:
             hb = decode(msg.data, Heartbeat)
-        except DecodeError:
+        except DecodeError as e:
+            await self._dead_letter_core(msg, f"undecodable Heartbeat: {e}")
+            return
+        cap = hb.info.get("inflight_groups", self.config.inflight_groups)
+        if not isinstance(cap, int) or isinstance(cap, bool) or not 0 <= cap <= MAX_PRODUCER_CAP:
+            await self._dead_letter_core(msg, f"heartbeat of {hb.instance_id!r:.40}: inflight_groups {cap!r:.40} "
+                                              f"is not a count in [0, {MAX_PRODUCER_CAP}]")  # fmt: skip
             return
         if hb.info.get("stopping"):
             self.producers.pop(hb.instance_id, None)
         else:
-            self.producers[hb.instance_id] = (
-                time.time(),
-                int(hb.info.get("inflight_groups", self.config.inflight_groups)),
-            )
+            self.producers[hb.instance_id] = (time.time(), cap)
         self._wake_release.set()
 
     # ---- observability -------------------------------------------------------------------------
@@ -656,6 +771,7 @@ class BufferService(Service):
                 "recycled_waiting": len(self.state.recycled),
             },  # fmt: skip
             "ledger": {**self.state.counters, "dead_lettered": self.dead_lettered, "events": self.state.seq},
+            "ledger_problems": self.ledger_problems[-20:],
             "buffer_class": self.plugin_path,
         }
 
@@ -669,6 +785,7 @@ class BufferService(Service):
             "buffer/committed_step": self.state.committed_step,
             "buffer/ledger_events": self.state.seq,
             "buffer/ledger/dead_lettered_total": self.dead_lettered,
+            "buffer/ledger/replay_skipped_total": len(self.ledger_problems),
         }
         out.update({f"buffer/ledger/{k}_total": v for k, v in self.state.counters.items()})
         if self._observed:
@@ -681,6 +798,22 @@ class BufferService(Service):
 
 async def _sync(fn):
     return fn()
+
+
+class _Identity(msgspec.Struct):
+    group_id: str = ""
+    group_index: int = -1
+    attempt: int = 0
+
+
+def _identity(data: bytes) -> _Identity | None:
+    """Which group an undecodable RolloutGroup says it is (so its prompt's fate can be
+    recorded), when at least that much of it decodes."""
+    try:
+        ident = msgspec.msgpack.decode(data, type=_Identity)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return ident if ident.group_index >= 0 and ident.group_id == group_id(ident.group_index, ident.attempt) else None
 
 
 def _chunks(events: list[LedgerEvent], max_bytes: int) -> list[list[LedgerEvent]]:

@@ -7,7 +7,8 @@ lease is handed to the trainer, or a prompt's release is counted). The state bel
 the events after it, and continues where it stopped:
 
     released  prompt -> outstanding            (the data source cursor moves)
-    put       outstanding -> stored | filtered | aborted (-> recycled queue if retry) | duplicate
+    put       outstanding -> stored | filtered | aborted (-> recycled queue if retry) | rejected
+              (a group that failed validation: dead-lettered, its prompt settled) | duplicate
     stale     stored -> dropped | recycled queue
     leased    stored -> lease of a step
     lease_complete   the step's B groups are all leased; its get_metrics() snapshot
@@ -64,6 +65,10 @@ class StateError(RuntimeError):
     """An event that cannot follow the state: the log is corrupt or out of order."""
 
 
+class LedgerError(ValueError):
+    """A ledger message that is neither a LedgerBatch nor a LedgerEvent."""
+
+
 def _recycle(state: BufferState, p: PromptMsg) -> None:
     state.recycled.append(msgspec.structs.replace(p, attempt=p.attempt + 1, released_at=0.0))
     state.count("recycled")
@@ -75,7 +80,11 @@ def ledger_events(data: bytes) -> list[LedgerEvent]:
     try:
         return decode(data, LedgerBatch).events
     except DecodeError:
+        pass
+    try:
         return [decode(data, LedgerEvent)]
+    except DecodeError as e:
+        raise LedgerError(f"undecodable ({len(data)} bytes): {e}") from None
 
 
 def apply(state: BufferState, ev: LedgerEvent) -> None:
@@ -100,6 +109,10 @@ def apply(state: BufferState, ev: LedgerEvent) -> None:
     elif kind == "put":
         if ev.outcome == "duplicate":
             state.count("duplicate_groups")
+            return
+        if ev.outcome == "rejected":  # also a message that names no outstanding prompt (forged, garbage)
+            state.outstanding.pop(ev.group_id, None)
+            state.count("rejected")
             return
         p = state.outstanding.pop(ev.group_id, None)
         if p is None:
@@ -174,7 +187,8 @@ def audit(events, remaining_prompts: set[str] | None = None, remaining_rollouts:
     """Check the ledger prompt by prompt and balance it.
 
     Every released prompt must end as exactly one of: trained (once), filtered (with reason),
-    dropped as aborted or stale, or still in flight when the run stopped (outstanding, stored,
+    dropped as aborted or stale, rejected (its group failed validation and was dead-lettered),
+    or still in flight when the run stopped (outstanding, stored,
     leased to an uncommitted step, or waiting in the recycled queue) - after any number of
     recycles. `remaining_prompts` / `remaining_rollouts` (group ids still on PROMPTS / ROLLOUTS)
     prove that outstanding prompts and stored groups still exist; `trained_by_trainer` (step ->
@@ -230,6 +244,8 @@ def audit(events, remaining_prompts: set[str] | None = None, remaining_rollouts:
         "filtered": {k.removeprefix("filtered/"): v for k, v in outcomes.items() if k.startswith("filtered/")},
         "aborted_dropped": outcomes.get("aborted_dropped", 0),
         "stale_dropped": outcomes.get("stale_dropped", 0),
+        "rejected": outcomes.get("rejected", 0),
+        "rejected_messages": state.counters.get("rejected", 0),
         "recycled": state.counters.get("recycled", 0),
         "duplicates_ignored": state.counters.get("duplicate_groups", 0),
         "in_flight_at_end": dict(in_flight),
@@ -247,6 +263,8 @@ def apply_checked(state, ev, terminal, trained_steps, first_release, problems) -
         if ev.prompt.group_index in first_release:
             problems.append(f"prompt {ev.prompt.group_index} was released twice as a fresh prompt")
         first_release.add(ev.prompt.group_index)
+    if ev.kind == "put" and ev.outcome == "rejected" and ev.group_id in state.outstanding:
+        terminal[ev.group_index] = "rejected"
     if ev.kind == "committed":
         for step in [s for s in state.leases if s <= ev.step]:
             for ref in state.leases[step].refs:

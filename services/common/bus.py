@@ -11,16 +11,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import ssl
 import time
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import nats
 import nats.errors
 import nats.js.errors
 from nats.js import api
 
-from asyncrl_proto import DeadLetter, decode, encode
+from asyncrl_proto import DeadLetter, WeightsPublished, decode, encode
+from asyncrl_proto.codec import DecodeError
 from asyncrl_proto.subjects import Subjects
+from services.common.natsauth import SERVICE_ROLES, inbox_prefix
+from services.common.secrets import NatsCredentials, split_url_credentials
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -37,6 +43,60 @@ class BusError(RuntimeError):
     pass
 
 
+class StoreFull(BusError):
+    """JetStream refused to store a message: its store is full. Fatal: retrying cannot free it."""
+
+
+STORE_DIR_ENV = "ASYNCRL_NATS_STORE_DIR"
+"""Where the NATS server keeps its store, when we know it (the launcher's embedded server)."""
+_STORE_FULL_CODES = {10023, 10028, 10047}  # insufficient resources, max bytes / storage exceeded
+
+
+def raise_if_store_full(e: BaseException, subject: str) -> None:
+    """StoreFull, naming the store, when `e` is the server saying it cannot store more."""
+    if not isinstance(e, nats.js.errors.APIError):
+        return
+    desc = (e.description or "").lower()
+    if e.err_code in _STORE_FULL_CODES or "insufficient resources" in desc or "bytes exceeded" in desc:
+        store = os.environ.get(STORE_DIR_ENV)
+        where = f"at {store}" if store else "of the NATS server"
+        raise StoreFull(
+            f"the JetStream store {where} is full: the server refused to store a message on {subject} "
+            f"({e.description}). Free disk space there, or raise its limit (--nats-max-file-store for the "
+            "embedded server); `asyncrl audit RUN_DIR` still reads the run"
+        ) from e
+
+
+class BusAuthError(BusError):
+    """The server refused this process's credentials or TLS: fatal, a restart cannot fix it."""
+
+
+def fatal_connect_error(e: BaseException, url: str, creds: NatsCredentials, service: str) -> BusAuthError | None:
+    """A connection error that retrying cannot fix, as a BusAuthError that names the cause."""
+    text = str(e)
+    if isinstance(e, nats.errors.AuthorizationError) or "authorization violation" in text.lower():
+        return BusAuthError(
+            f"NATS at {url} refused the credentials of {service} ({creds.describe()}): Authorization Violation. "
+            "Check the user and password, token, creds or NKey file this service is given "
+            "(ASYNCRL_NATS_* variables, --nats-roles-file)"
+        )
+    if "authentication expired" in text.lower() or "user authentication revoked" in text.lower():
+        return BusAuthError(f"NATS at {url} refused the credentials of {service}: {text}")
+    if isinstance(e, ssl.SSLError):
+        hint = (
+            "the server's certificate is not signed by a CA this client trusts: pass --nats-tls-ca"
+            if isinstance(e, ssl.SSLCertVerificationError)
+            else "check --nats-tls-ca, --nats-tls-cert and --nats-tls-key"
+        )
+        return BusAuthError(f"TLS to NATS at {url} failed for {service}: {e.__class__.__name__}: {e}. {hint}")
+    if "tls" in text.lower() and ("required" in text.lower() or "not available" in text.lower()):
+        return BusAuthError(
+            f"NATS at {url}: {text}. Use a tls:// URL with --nats-tls-ca when the server requires TLS, "
+            "or drop the TLS options when it offers none"
+        )
+    return None
+
+
 class Bus:
     """One NATS connection of one service, bound to one run."""
 
@@ -49,10 +109,32 @@ class Bus:
         self.closing = False
 
     @classmethod
-    async def connect(cls, url: str, run_id: str, service: str, connect_timeout_s: float = 30.0) -> Bus:
+    async def connect(
+        cls,
+        url: str,
+        run_id: str,
+        service: str,
+        connect_timeout_s: float = 30.0,
+        creds: NatsCredentials | None = None,
+    ) -> Bus:
+        """Connect as `service`'s role (its NATS identity, by default from the environment; see
+        services.common.secrets). A server that is not up yet is waited for up to
+        connect_timeout_s; refused credentials or a TLS failure raise BusError at once, naming
+        the cause (retrying cannot fix them)."""
+        role = service if service in SERVICE_ROLES else "admin"
+        url, url_user, url_password = split_url_credentials(url)
+        if creds is None:
+            creds = NatsCredentials.from_env(role)
+            if url_user and not (creds.user or creds.token or creds.creds_file or creds.nkey_file):
+                creds = NatsCredentials(**{**creds._values(), "user": url_user, "password": url_password})
+                if url_password is None:  # nats://TOKEN@host
+                    creds = NatsCredentials(**{**creds._values(), "user": None, "token": url_user})
         bus: Bus | None = None  # the callbacks read it once it exists
+        connecting = True
 
         async def on_error(e: Exception) -> None:
+            if connecting and (fatal := fatal_connect_error(e, url, creds, service)):
+                raise fatal  # out of nats.connect(): wrong credentials never succeed on a retry
             log.warning("nats (%s): %s", service, e)
 
         async def on_disconnect() -> None:
@@ -63,6 +145,7 @@ class Bus:
             log.info("nats (%s): reconnected", service)
 
         deadline = time.monotonic() + connect_timeout_s
+        tls = {"tls_hostname": urlsplit(url.split(",")[0]).hostname} if creds.uses_tls else {}
         while True:
             try:
                 nc = await nats.connect(
@@ -75,9 +158,14 @@ class Bus:
                     reconnected_cb=on_reconnect,
                     connect_timeout=2,
                     allow_reconnect=True,
+                    inbox_prefix=inbox_prefix(run_id, role),
+                    **tls,
+                    **creds.connect_kwargs(),
                 )
                 break
             except (TimeoutError, OSError, nats.errors.NoServersError) as e:  # not up yet
+                if (fatal := fatal_connect_error(e, url, creds, service)) is not None:
+                    raise fatal from None
                 if time.monotonic() > deadline:
                     raise BusError(
                         f"cannot connect to NATS at {url} within {connect_timeout_s:.0f}s: {e}. "
@@ -85,6 +173,7 @@ class Bus:
                     ) from e
                 log.info("waiting for NATS at %s (%s)", url, e)
                 await asyncio.sleep(0.5)
+        connecting = False
         bus = cls(nc, Subjects(run_id=run_id), service)
         return bus
 
@@ -99,7 +188,8 @@ class Bus:
 
     # ---- setup -----------------------------------------------------------------------------
     async def ensure_streams(self) -> None:
-        """Create (or update) every stream of the run. Idempotent; any service may call it."""
+        """Create (or update) every stream of the run and its KV bucket. Idempotent; needs the
+        admin role (the launcher, `asyncrl init-run`): services only use what exists."""
         for spec in self.subjects.stream_specs():
             spec = dict(spec)
             spec["retention"] = _RETENTION[spec["retention"]]
@@ -109,15 +199,25 @@ class Bus:
                 await self.js.add_stream(cfg)
             except nats.js.errors.BadRequestError:
                 await self.js.update_stream(cfg)
+        bucket = self.subjects.kv_bucket
+        try:
+            self._kv = await self.js.key_value(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            # direct gets by key: a role's permissions then name the keys it may read
+            cfg = api.KeyValueConfig(bucket=bucket, history=1, storage=api.StorageType.FILE, direct=True)
+            self._kv = await self.js.create_key_value(config=cfg)
 
     async def kv(self):
-        """The run's KV bucket (resolved config, live version, service state)."""
+        """The run's KV bucket (resolved config, live version, service state); BusError when
+        the run was never prepared (`asyncrl init-run` or the launcher creates it)."""
         if self._kv is None:
-            bucket = self.subjects.kv_bucket
             try:
-                self._kv = await self.js.key_value(bucket)
+                self._kv = await self.js.key_value(self.subjects.kv_bucket)
             except nats.js.errors.BucketNotFoundError:
-                self._kv = await self.js.create_key_value(bucket=bucket, history=1, storage=api.StorageType.FILE)
+                raise BusError(
+                    f"the run {self.subjects.run_id} has no KV bucket {self.subjects.kv_bucket}: prepare it with "
+                    "`asyncrl init-run` (or start it with `asyncrl train-async`)"
+                ) from None
         return self._kv
 
     async def kv_get(self, key: str) -> bytes | None:
@@ -130,13 +230,21 @@ class Bus:
 
     async def kv_put(self, key: str, value: bytes) -> None:
         kv = await self.kv()
-        await kv.put(key, value)
+        try:
+            await kv.put(key, value)
+        except nats.js.errors.APIError as e:
+            raise_if_store_full(e, f"KV {key}")
+            raise
 
     # ---- messaging -------------------------------------------------------------------------
     async def publish(self, subject: str, msg: Any, msg_id: str | None = None) -> api.PubAck:
         """JetStream publish; `msg_id` dedupes retried publishes within the duplicate window."""
         headers = {"Nats-Msg-Id": msg_id} if msg_id else None
-        return await self.js.publish(subject, encode(msg), headers=headers)
+        try:
+            return await self.js.publish(subject, encode(msg), headers=headers)
+        except nats.js.errors.APIError as e:
+            raise_if_store_full(e, subject)
+            raise
 
     async def publish_batch(
         self, items: list[tuple[str, Any, str | None]], timeout_s: float = 10.0
@@ -154,6 +262,9 @@ class Bus:
             f.cancel()
         if pending:
             raise BusError(f"{len(pending)} of {len(futures)} publishes were not acknowledged within {timeout_s}s")
+        for (subject, _, _), f in zip(items, futures, strict=True):
+            if (e := f.exception()) is not None:
+                raise_if_store_full(e, subject)
         return [f.result() for f in futures]
 
     async def publish_durably(
@@ -166,6 +277,8 @@ class Bus:
         while True:
             try:
                 return await self.publish_batch(items)
+            except StoreFull:
+                raise
             except (TimeoutError, BusError, nats.errors.Error, nats.js.errors.Error, OSError) as e:
                 if time.monotonic() > end:
                     raise BusError(f"could not publish {what} for {deadline_s:.0f}s: {e}") from e
@@ -214,6 +327,16 @@ class Bus:
         )
         return await self.js.subscribe(subject, durable=durable, stream=stream, manual_ack=True, config=cfg,
                                        pending_msgs_limit=max_ack_pending * 2)  # fmt: skip
+
+    async def last_published_version(self) -> int:
+        """The newest weight version the trainer published (the last WeightsPublished on
+        WEIGHTS; only the trainer may publish there), 0 before the first push."""
+        s = self.subjects
+        try:
+            raw = await self.js.get_last_msg(s.weights_stream, s.weights_published)
+            return decode(raw.data, WeightsPublished).version
+        except (nats.js.errors.NotFoundError, *DecodeError):
+            return 0
 
     async def get_payload(self, stream: str, seq: int) -> bytes:
         raw = await self.js.get_msg(stream, seq=seq, direct=True)

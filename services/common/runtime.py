@@ -31,6 +31,8 @@ from prometheus_client.core import GaugeMetricFamily
 from asyncrl_proto import Heartbeat
 from services.common.bus import Bus
 from services.common.config import RunConfig
+from services.common.httpauth import OPEN_PATHS, require_token
+from services.common.secrets import install_log_redaction, run_token_from_env
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ def setup_logging(level: str, service: str) -> None:
     )
     for noisy in ("httpx", "httpcore", "uvicorn.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    install_log_redaction()
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> bool:
@@ -108,8 +111,12 @@ class Service:
         instance_id: str | None = None,
         http_host: str = "127.0.0.1",
         http_port: int = 0,
+        http_token: str | None = None,
     ):
+        """http_token: the run token every protected HTTP route asks for (default: from the
+        environment, services.common.secrets); without one those routes refuse everyone."""
         self.config = config
+        self.http_token = http_token if http_token is not None else run_token_from_env()
         self.bus = bus
         self.instance_id = instance_id or f"{self.name}-{uuid.uuid4().hex[:6]}"
         self.http_host = http_host
@@ -240,7 +247,9 @@ class Service:
 
     # ---- HTTP ------------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title=f"asyncrl {self.name}", docs_url=None, redoc_url=None)
+        app = FastAPI(title=f"asyncrl {self.name}", docs_url=None, redoc_url=None, openapi_url=None)
+        open_paths = () if self.config.http_auth_probes else OPEN_PATHS
+        require_token(app, lambda: self.http_token, open_paths)
 
         @app.get("/healthz")
         async def healthz() -> Response:

@@ -46,7 +46,9 @@ class SGLangClient:
     fail; its unfinished requests are then cancelled there and retried on another engine. A
     cancelled generate (e.g. a sibling trajectory failed) is aborted on its engine by rid."""
 
-    def __init__(self, urls: list[str], max_retries: int = 3, retry_delay_s: float = 1.0):
+    def __init__(self, urls: list[str], max_retries: int = 3, retry_delay_s: float = 1.0, api_key: str | None = None):
+        """api_key: sent as `Authorization: Bearer <key>` on every call (SGLang's --api-key, the
+        built-in engine's run token)."""
         if not urls:
             raise ValueError("no engine URLs: start engines or pass --rollout-external-engine-addrs")
         self.urls = [normalize_url(u) for u in urls]
@@ -59,6 +61,7 @@ class SGLangClient:
         self._down: dict[str, asyncio.Event] = {}
         self._aborts: set[asyncio.Task] = set()  # fire-and-forget aborts, referenced until done
         self._session: aiohttp.ClientSession | None = None
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     @property
     def http(self) -> aiohttp.ClientSession:
@@ -66,6 +69,7 @@ class SGLangClient:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=120),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+                headers=self._headers,
             )
         return self._session
 

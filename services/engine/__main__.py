@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -22,15 +23,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--torch-num-threads", type=int, default=1)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--log-level", default="warning")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="every route but /health, /health_generate and /metrics needs `Authorization: Bearer <key>` "
+        "(SGLang's flag; prefer $ASYNCRL_RUN_TOKEN, which keeps the key off the command line)",
+    )
     return p.parse_args(argv)
+
+
+def _die(e: BaseException) -> None:
+    """The scheduler thread is gone: exit now, non-zero, so that a supervisor restarts us."""
+    logging.getLogger("asyncrl.engine").critical("exiting: the scheduler thread died (%r)", e)
+    logging.shutdown()
+    os._exit(70)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     from services.common.procs import apply_cpu_affinity_from_env
+    from services.common.secrets import install_log_redaction, run_token_from_env
 
     apply_cpu_affinity_from_env()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s [engine] %(message)s")
+    install_log_redaction([args.api_key] if args.api_key else [])
     import torch
     import uvicorn
 
@@ -51,9 +67,11 @@ def main(argv=None) -> None:
         context_length=args.context_length,
         weight_version=args.weight_version,
         seed=args.random_seed,
+        on_death=_die,
     )
     sched.start()
-    server = EngineServer(sched, args.model_path, tokenizer, args.served_model_name, args.host, args.port)
+    api_key = args.api_key or run_token_from_env()
+    server = EngineServer(sched, args.model_path, tokenizer, args.served_model_name, args.host, args.port, api_key)
     try:
         uvicorn.run(
             server.app,
@@ -62,6 +80,7 @@ def main(argv=None) -> None:
             log_level=args.log_level.lower(),
             access_log=False,
             timeout_keep_alive=300,  # producers hold persistent connections
+            timeout_graceful_shutdown=3,  # SIGTERM: requests still generating get 3 s, then we exit
         )
     finally:
         sched.shutdown()

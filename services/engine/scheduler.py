@@ -23,7 +23,9 @@ arrive while paused wait. Every output token records the weight version that sam
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +35,8 @@ import torch
 
 from services.model.hf_io import load_weights_into
 from services.model.llama import CausalLM, KVCache
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,7 +48,6 @@ class SamplingParams:
     top_k: int = -1
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    sampling_seed: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -131,8 +134,13 @@ class Scheduler:
         weight_version: str = "default",
         seed: int = 0,
         eos_token_ids: list[int] | None = None,
+        on_death: Callable[[BaseException], None] | None = None,
     ):
+        """on_death: called (on the scheduler thread) if the loop ever raises; the engine's
+        process exits there, because an engine whose scheduler is gone would hang every request."""
         self.model = model.eval()
+        self.on_death = on_death
+        self.death: BaseException | None = None
         self.context_length = context_length or model.cfg.max_position_embeddings
         self.cache = KVCache(model.cfg, max_running_requests, self.context_length)
         self.eos_token_ids = eos_token_ids if eos_token_ids is not None else model.cfg.eos_ids
@@ -155,7 +163,7 @@ class Scheduler:
         self.stall_timeout_s = 20.0
         """Holding work with no step for this long reads as stuck."""
         self._shutdown = False
-        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
         self._rid_counter = itertools.count()
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -177,6 +185,23 @@ class Scheduler:
         """Work is held and running, but no step has finished for stall_timeout_s."""
         busy = not self.paused_mode and (self.running or self.waiting)
         return bool(busy) and time.monotonic() - self.last_progress > self.stall_timeout_s
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:
+            self.death = e
+            log.critical("the engine's scheduler thread died: %r", e, exc_info=e)
+            with self._work:  # nothing will ever run them: answer every request now
+                self._drain_inbox()
+                for r in list(self.waiting) + list(self.running):
+                    self.running = [x for x in self.running if x is not r]
+                    with contextlib.suppress(ValueError):
+                        self.waiting.remove(r)
+                    self._finish(r, {"type": "abort", "message": f"the engine's scheduler died: {e!r}",
+                                     "status_code": 503, "err_type": "ServiceUnavailable"})  # fmt: skip
+            if self.on_death is not None:
+                self.on_death(e)
 
     def _loop(self) -> None:
         while True:

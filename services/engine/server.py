@@ -5,11 +5,16 @@ Routes (shapes as in SGLang 0.5.16, see docs/engine.md): POST /generate; GET /he
 /continue_generation, /update_weights_from_disk, /update_weight_version; GET /model_info,
 /server_info (and their /get_* aliases), /metrics (sglang:* names); plus asyncrl's /healthz,
 /readyz and /status. The torch work runs on the scheduler thread; handlers only enqueue and wait.
+
+Trust: every request is validated before anything is queued (services.engine.protocol: a 400
+that names the field, never a 500); with an API key (--api-key or $ASYNCRL_RUN_TOKEN), every
+route but /health, /health_generate and /metrics needs `Authorization: Bearer <key>`, as SGLang.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -17,61 +22,18 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from services.common.httpauth import require_token
+from services.engine.protocol import BadRequest, Limits, parse_generate
 from services.engine.scheduler import Request as EngineRequest
-from services.engine.scheduler import SamplingParams, Scheduler
+from services.engine.scheduler import Scheduler
 
 SGLANG_COMPAT_VERSION = "0.5.16"
-_SAMPLING_KEYS = {
-    "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
-    "ignore_eos", "sampling_seed", "n", "stop", "no_stop_trim", "skip_special_tokens",
-    "spaces_between_special_tokens", "min_p", "frequency_penalty", "presence_penalty",
-    "repetition_penalty", "logit_bias", "json_schema", "regex", "ebnf", "stream_interval",
-    "custom_params", "stop_regex", "structural_tag",
-}  # fmt: skip
-
-
-class BadRequest(ValueError):
-    pass
+OPEN_ROUTES = ("/health", "/health_generate", "/metrics")
+"""With an API key set, every other route needs it (SGLang's --api-key semantics)."""
 
 
 def _error(message: str, code: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=code)
-
-
-def parse_sampling_params(raw: dict | None) -> tuple[SamplingParams, int]:
-    raw = dict(raw or {})
-    unknown = set(raw) - _SAMPLING_KEYS
-    if unknown:
-        raise BadRequest(f"unknown sampling_params keys: {sorted(unknown)}")
-    n = int(raw.get("n") or 1)
-
-    def get(key, default):
-        v = raw.get(key)
-        return default if v is None else v
-
-    p = SamplingParams(
-        max_new_tokens=int(get("max_new_tokens", 128)),
-        min_new_tokens=int(get("min_new_tokens", 0)),
-        temperature=float(get("temperature", 1.0)),
-        top_p=float(get("top_p", 1.0)),
-        top_k=int(get("top_k", -1)),
-        stop_token_ids=[int(t) for t in get("stop_token_ids", [])],
-        ignore_eos=bool(get("ignore_eos", False)),
-        sampling_seed=raw.get("sampling_seed"),
-    )
-    if p.max_new_tokens < 0:
-        raise BadRequest("max_new_tokens must be >= 0")
-    if p.min_new_tokens > p.max_new_tokens:
-        raise BadRequest("min_new_tokens must be <= max_new_tokens")
-    if p.temperature < 0:
-        raise BadRequest("temperature must be >= 0")
-    if not 0 < p.top_p <= 1:
-        raise BadRequest("top_p must be in (0, 1]")
-    if p.top_k != -1 and p.top_k < 1:
-        raise BadRequest("top_k must be -1 (whole vocabulary) or >= 1")
-    if raw.get("stop"):
-        raise BadRequest("stop strings are not supported by the built-in engine: use stop_token_ids")
-    return p, n
 
 
 class EngineServer:
@@ -83,8 +45,12 @@ class EngineServer:
         served_model_name: str | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
+        api_key: str | None = None,
     ):
         self.scheduler = scheduler
+        self.api_key = api_key
+        cfg = scheduler.model.cfg
+        self.limits = Limits(vocab_size=cfg.vocab_size, context_length=scheduler.context_length)
         self.model_path = model_path
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name or Path(model_path).name
@@ -93,66 +59,31 @@ class EngineServer:
         self.app = self._build()
 
     # ---- generate --------------------------------------------------------------------------
-    def _prompts(self, body: dict) -> tuple[list[list[int]], bool]:
-        if "input_ids" in body and body["input_ids"] is not None:
-            ids = body["input_ids"]
-            if not ids:
-                raise BadRequest("input_ids must not be empty")
-            if isinstance(ids[0], list):
-                return [list(map(int, x)) for x in ids], True
-            return [list(map(int, ids))], False
-        if "text" in body and body["text"] is not None:
-            if self.tokenizer is None:
-                raise BadRequest("this engine has no tokenizer: send input_ids")
-            texts = body["text"]
-            if isinstance(texts, list):
-                return [self.tokenizer.encode(t) for t in texts], True
-            return [self.tokenizer.encode(texts)], False
-        raise BadRequest("Either text or input_ids should be provided.")
-
-    async def generate(self, body: dict) -> Any:
-        if body.get("stream"):
-            raise BadRequest("streaming is not supported by the built-in engine")
-        prompts, is_batch = self._prompts(body)
-        raw_params = body.get("sampling_params")
-        params_list = raw_params if isinstance(raw_params, list) else [raw_params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise BadRequest("sampling_params list must match the batch size")
-        rid = body.get("rid")
-        return_logprob = body.get("return_logprob", False)
+    async def generate(self, body: Any) -> Any:
+        seqs, is_batch = parse_generate(body, self.limits, self.tokenizer)
         loop = asyncio.get_running_loop()
         futures, reqs = [], []
-        for i, (ids, raw) in enumerate(zip(prompts, params_list, strict=True)):
-            params, n = parse_sampling_params(raw)
-            if n > 1:
-                is_batch = True
-            for j in range(n):
-                if isinstance(rid, list):
-                    this_rid = rid[i]
-                elif rid and (is_batch or n > 1):
-                    this_rid = f"{rid}-{i}-{j}"
-                else:
-                    this_rid = rid or self.scheduler.new_rid()
-                fut = loop.create_future()
+        for seq in seqs:
+            fut = loop.create_future()
 
-                def done(req, fut=fut):
-                    loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(req))
+            def done(req, fut=fut):
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(req))
 
-                req = EngineRequest(rid=this_rid, input_ids=ids, params=params, on_done=done)
-                self.scheduler.add_request(req)
-                futures.append(fut)
-                reqs.append(req)
+            req = EngineRequest(rid=seq.rid or self.scheduler.new_rid(), input_ids=seq.input_ids, params=seq.params,
+                                on_done=done)  # fmt: skip
+            self.scheduler.add_request(req)
+            futures.append(fut)
+            reqs.append(req)
         try:
             finished = await asyncio.gather(*futures)
         except asyncio.CancelledError:
             for r in reqs:
                 self.scheduler.abort(rid=r.rid)
             raise
-        rl = return_logprob if isinstance(return_logprob, list) else [return_logprob] * len(finished)
-        outs = [self._response(r, bool(rl[min(k, len(rl) - 1)])) for k, r in enumerate(finished)]
+        outs = [self._response(r, s) for r, s in zip(finished, seqs, strict=True)]
         return outs if is_batch else outs[0]
 
-    def _response(self, req: EngineRequest, return_logprob: bool) -> dict:
+    def _response(self, req: EngineRequest, seq) -> dict:
         reason = req.finish_reason or {}
         meta: dict[str, Any] = {
             "id": req.rid,
@@ -170,14 +101,17 @@ class EngineServer:
                 num_retractions=req.num_retractions,
                 weight_versions=req.version_spans(),
             )
-        if return_logprob:
+        if seq.return_logprob:
             meta["output_token_logprobs"] = [
                 [lp, tid, None] for lp, tid in zip(req.output_logprobs, req.output_ids, strict=True)
             ]
             meta["output_token_logprobs_length"] = len(req.output_ids)
             meta["input_token_logprobs"] = []
         meta["response_sent_to_client_ts"] = time.time()
-        text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None else ""
+        shown = req.output_ids
+        if not seq.text.no_stop_trim and reason.get("type") == "stop" and isinstance(reason.get("matched"), int):
+            shown = shown[:-1]  # a matched stop token is not detokenized into text (SGLang)
+        text = self.tokenizer.decode(shown, seq.text.skip_special_tokens) if self.tokenizer is not None else ""
         return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
     # ---- info --------------------------------------------------------------------------------
@@ -253,15 +187,19 @@ class EngineServer:
 
     # ---- routes ------------------------------------------------------------------------------
     def _build(self) -> FastAPI:
-        app = FastAPI(title="asyncrl built-in engine", docs_url=None, redoc_url=None)
+        app = FastAPI(title="asyncrl built-in engine", docs_url=None, redoc_url=None, openapi_url=None)
         sched = self.scheduler
+        if self.api_key:
+            require_token(app, lambda: self.api_key, OPEN_ROUTES)
+
+        @app.exception_handler(BadRequest)
+        async def bad_request(request: Request, e: BadRequest):
+            return _error(str(e))
 
         async def body_of(request: Request) -> dict:
             raw = await request.body()
             if not raw:
                 return {}
-            import json
-
             try:
                 data = json.loads(raw)
             except ValueError as e:
@@ -270,12 +208,16 @@ class EngineServer:
                 raise BadRequest("the request body must be a JSON object")
             return data
 
+        def field(body: dict, key: str, kind: type | tuple, default=None):
+            v = body.get(key, default)
+            if v is not None and (not isinstance(v, kind) or (kind is not bool and isinstance(v, bool))):
+                names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+                raise BadRequest(f"{key} must be a {names}, got {type(v).__name__}")
+            return v
+
         @app.api_route("/generate", methods=["POST", "PUT"])
         async def generate(request: Request):
-            try:
-                return JSONResponse(await self.generate(await body_of(request)))
-            except (BadRequest, ValueError) as e:
-                return _error(str(e))
+            return JSONResponse(await self.generate(await body_of(request)))
 
         @app.get("/health")
         @app.get("/health_generate")
@@ -312,16 +254,16 @@ class EngineServer:
         @app.post("/abort_request")
         async def abort_request(request: Request):
             body = await body_of(request)
-            await asyncio.to_thread(sched.abort, str(body.get("rid") or ""), bool(body.get("abort_all", False)))
+            rid, abort_all = field(body, "rid", str, ""), field(body, "abort_all", bool, False)
+            await asyncio.to_thread(sched.abort, rid, abort_all)
             return Response(status_code=200)
 
         @app.post("/pause_generation")
         async def pause_generation(request: Request):
-            body = await body_of(request)
-            try:
-                await asyncio.to_thread(sched.pause, body.get("mode") or "abort")
-            except ValueError as e:
-                return _error(str(e))
+            mode = field(await body_of(request), "mode", str) or "abort"
+            if mode not in ("abort", "retract", "in_place"):
+                raise BadRequest(f"mode must be abort, retract or in_place, got {mode!r:.40}")
+            await asyncio.to_thread(sched.pause, mode)
             return {"message": "Generation paused successfully.", "status": "ok"}
 
         @app.post("/continue_generation")
@@ -332,12 +274,13 @@ class EngineServer:
         @app.post("/update_weights_from_disk")
         async def update_weights_from_disk(request: Request):
             body = await body_of(request)
-            path = body.get("model_path")
+            path = field(body, "model_path", str)
             if not path:
                 return JSONResponse({"success": False, "message": "model_path is required"}, status_code=400)
-            version = body.get("weight_version")
+            version = field(body, "weight_version", (str, int))
+            field(body, "flush_cache", bool)
             try:
-                if body.get("abort_all_requests"):
+                if field(body, "abort_all_requests", bool):
                     await asyncio.to_thread(sched.abort, "", True)
                 res = await asyncio.to_thread(sched.update_weights_from_disk, path, version)
             except (OSError, ValueError, TimeoutError) as e:
@@ -355,9 +298,9 @@ class EngineServer:
         @app.post("/update_weight_version")
         async def update_weight_version(request: Request):
             body = await body_of(request)
-            if "new_version" not in body:
+            if field(body, "new_version", (str, int)) is None:
                 return JSONResponse({"success": False, "message": "new_version is required"}, status_code=400)
-            if body.get("abort_all_requests", True):
+            if field(body, "abort_all_requests", bool, True):
                 await asyncio.to_thread(sched.abort, "", True)
             await asyncio.to_thread(sched.set_weight_version, str(body["new_version"]))
             v = str(body["new_version"])

@@ -8,11 +8,11 @@ not inherited (they default to 1), since they were chosen for the rollout's layo
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
 from services.common import procs
+from services.common.secrets import run_token_from_env, without_nats_identity
 from services.engine.commands import builtin_engine_command, builtin_engine_flags, sglang_server_command
 
 TP_FLAGS = ("--tp-size", "--tp", "--tensor-parallel-size")
@@ -80,10 +80,12 @@ def launch_fleet(config, log_dir: Path) -> tuple[list[subprocess.Popen], list[st
             args = fleet_server_args(list(config.sglang_server_args), list(config.eval_sglang_args),
                                      config.rollout_num_gpus_per_engine, config.eval_num_gpus_per_engine)  # fmt: skip
             cmd = sglang_server_command(config.hf_checkpoint, port, config.seed + 100 + i, args)
+            if token := run_token_from_env():
+                cmd += ["--api-key", token]  # SGLang takes its key on its command line only
         else:
             flags = builtin_engine_flags(config, config.seed + 100 + i)
             flags.update({k: v for k, v in parse_flags(list(config.eval_sglang_args)).items() if k in BUILTIN_FLAGS})
             cmd = builtin_engine_command(config.hf_checkpoint, port, flags)
-        children.append(procs.spawn(cmd, log_path=log_dir / f"eval-engine-{i}.log", env=os.environ.copy()))
+        children.append(procs.spawn(cmd, log_path=log_dir / f"eval-engine-{i}.log", env=without_nats_identity()))
         urls.append(f"http://127.0.0.1:{port}")
     return children, urls

@@ -42,6 +42,7 @@ from services.common.config import eval_backend
 from services.common.runtime import Service, wait_event
 from services.common.sglang_client import SGLangClient
 from services.common.snapshot import is_complete
+from services.common.validate import finite
 from services.eval.contract import CheckpointEvalFn, EvalSkip
 from services.eval.fleet import launch_fleet
 from services.model.tokenizer import Tokenizer
@@ -52,6 +53,8 @@ log = logging.getLogger(__name__)
 
 FLEET_START_TIMEOUT_S = 900.0
 HEALTH_TIMEOUT_S = 30.0
+PAUSE_RENEW_S = 15.0
+"""The shared backend renews its pause of submission this often (producers let it lapse after 60 s)."""
 
 
 class SkipPoint(Exception):
@@ -78,7 +81,7 @@ class EvalService(Service):
             for name, path in eval_datasets(config)
         }
         rollout_urls = [config.rollout_router_url] if config.rollout_router_url else config.rollout_engine_urls
-        self.client = SGLangClient(rollout_urls)  # the shared backend's engines
+        self.client = SGLangClient(rollout_urls, api_key=self.http_token)  # the shared backend's engines
         self.fleet_client: SGLangClient | None = None
         self.fleet_children = []
         self.evaluator: CheckpointEvalFn | None = None
@@ -94,12 +97,12 @@ class EvalService(Service):
         self.exported: collections.deque[Path] = collections.deque()
         self.results: list[dict] = []
         self.busy = False
+        self.num_rejected = 0
         self._psub = None
 
     # ---- setup -----------------------------------------------------------------------------
     async def setup(self) -> None:
         s = self.bus.subjects
-        await self.bus.ensure_streams()
         await self.bus.nc.subscribe(s.weights_live, cb=self._on_live)  # before the KV read: no gap
         raw = await self.bus.kv_get("live_version")
         if raw is not None and self.live_version is None:
@@ -112,7 +115,7 @@ class EvalService(Service):
         urls = list(self.config.eval_engine_urls)
         if not urls:
             self.fleet_children, urls = launch_fleet(self.config, Path(self.config.run_dir) / "logs")
-        self.fleet_client = SGLangClient(urls)
+        self.fleet_client = SGLangClient(urls, api_key=self.http_token)
         deadline = time.monotonic() + FLEET_START_TIMEOUT_S
         for url in urls:
             while not await self.fleet_client.health_generate(url, timeout=5.0):
@@ -133,7 +136,11 @@ class EvalService(Service):
     async def _on_live(self, msg) -> None:
         try:
             live = decode(msg.data, WeightsLive)
-        except DecodeError:
+        except DecodeError as e:
+            await self.bus.dead_letter(msg.subject, msg.data, f"undecodable WeightsLive: {e}")
+            return
+        if live.version > await self.bus.last_published_version():
+            await self.bus.dead_letter(msg.subject, msg.data, f"live version {live.version} was never published")
             return
         if self.live_version is None or live.version > self.live_version:
             self.live_version = live.version
@@ -149,7 +156,10 @@ class EvalService(Service):
                 try:
                     req = decode(msg.data, EvalRequest)
                 except DecodeError as e:
-                    await self.bus.dead_letter_msg(msg, f"undecodable EvalRequest: {e}")
+                    await self._reject(msg, f"undecodable EvalRequest: {e}")
+                    continue
+                if (problem := await self._request_problem(req)) is not None:
+                    await self._reject(msg, problem)
                     continue
                 result = await self._run_point(req, msg)
                 await self.bus.publish_durably([(self.bus.subjects.eval_results, result, None)], "an eval result")
@@ -158,6 +168,31 @@ class EvalService(Service):
                                         "skipped": result.skipped_reason, **result.metrics}) + "\n")  # fmt: skip
                 self._retire(req)
                 await settle(msg)
+
+    async def _request_problem(self, req: EvalRequest) -> str | None:
+        """An eval point the trainer would never ask for: a step outside the run, a weight version
+        nobody published (the shared backend would wait for it forever), a snapshot outside the
+        run's own directories."""
+        c = self.config
+        if not 0 <= req.step <= c.total_steps:
+            return f"eval request for step {req.step}, outside the run's 0..{c.total_steps}"
+        if req.version < 0 or req.version > (published := await self.bus.last_published_version()):
+            return f"eval request for weight version {req.version}, never published (newest {published})"
+        if req.snapshot_uri and not self._is_run_snapshot(req.snapshot_uri):
+            return f"eval snapshot {req.snapshot_uri!r:.200} is outside the run's directories"
+        if not finite(req.export_time_s) or req.export_time_s < 0:
+            return f"eval request with export time {req.export_time_s}"
+        return None
+
+    def _is_run_snapshot(self, uri: str) -> bool:
+        c = self.config
+        path = Path(uri).resolve()
+        roots = [Path(p).resolve() for p in (c.run_dir, c.save_hf, c.eval_hf_dir) if p]
+        return path == Path(c.hf_checkpoint).resolve() or any(path.is_relative_to(r) for r in roots)
+
+    async def _reject(self, msg, reason: str) -> None:
+        self.num_rejected += 1
+        await self.bus.dead_letter_msg(msg, reason)
 
     async def _run_point(self, req: EvalRequest, msg) -> EvalResult:
         t0 = time.perf_counter()
@@ -211,10 +246,19 @@ class EvalService(Service):
                 await settle(msg, "in_progress")
         token = f"eval-{req.step}-{uuid.uuid4().hex[:6]}"
         await self._control("pause_submission", token)
+        renew = asyncio.ensure_future(self._renew_pause(token))
         try:
             return await self._evaluate_all(self.client)
         finally:
+            renew.cancel()
             await self._control("resume_submission", token)
+
+    async def _renew_pause(self, token: str) -> None:
+        """Producers let a pause lapse unless it is renewed (so a crashed eval service never
+        leaves production stopped): renew ours while the point is evaluated."""
+        while True:
+            await asyncio.sleep(PAUSE_RENEW_S)
+            await self._control("pause_submission", token)
 
     def _snapshot(self, req: EvalRequest) -> str:
         path = Path(req.snapshot_uri) if req.snapshot_uri else None
@@ -284,7 +328,8 @@ class EvalService(Service):
 
     def metric_values(self) -> dict[str, float]:
         return {"eval/busy": float(self.busy), "eval/points_total": len(self.results),
-                "eval/points_skipped_total": sum(1 for r in self.results if r["skipped"])}  # fmt: skip
+                "eval/points_skipped_total": sum(1 for r in self.results if r["skipped"]),
+                "eval/requests_rejected_total": self.num_rejected}  # fmt: skip
 
 
 async def evaluate_dataset(client, tokenizer, reward_fn, config, name: str, rows: list[dict], params: dict) -> dict:

@@ -6,6 +6,7 @@ marker first and writes it last, so a reader never loads a half-written snapshot
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -40,10 +41,22 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
+class NonFiniteWeights(ValueError):
+    """A weight tensor holds NaN or inf: never loaded into an engine, never written out."""
+
+
+def check_finite(state: dict[str, torch.Tensor], where: str) -> None:
+    for name, t in state.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise NonFiniteWeights(f"{where}: {name} holds non-finite values (NaN or inf)")
+
+
 def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a snapshot; NonFiniteWeights if any holds NaN or inf."""
     state: dict[str, torch.Tensor] = {}
     for f in _weight_files(Path(path)):
         state.update(load_file(str(f)))
+    check_finite(state, f"snapshot {path}")
     return state
 
 
@@ -76,19 +89,23 @@ def load_weights_into(model: CausalLM, path: str | Path) -> None:
 
 def save_model(model: CausalLM, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> dict:
     """Write an HF snapshot atomically enough for readers: stale marker removed first, weights
-    and config written, marker last. Returns {"sha256", "num_bytes"} of the weights file."""
+    and config written, marker last. Returns {"sha256", "num_bytes"} of the weights file.
+    NonFiniteWeights (nothing written) when a weight holds NaN or inf."""
     out = Path(out_dir)
+    raw = model.hf_state_dict() if hasattr(model, "hf_state_dict") else model.state_dict()
+    state = {k: v.detach().contiguous().cpu() for k, v in raw.items()}
+    check_finite(state, f"refusing to write {out}")
     out.mkdir(parents=True, exist_ok=True)
     marker = out / COMPLETE_MARKER
     if marker.exists():
         marker.unlink()
-    raw = model.hf_state_dict() if hasattr(model, "hf_state_dict") else model.state_dict()
-    state = {k: v.detach().contiguous().cpu() for k, v in raw.items()}
     if model.cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     weights = out / "model.safetensors"
     tmp = out / "model.safetensors.tmp"
     save_file(state, str(tmp), metadata={"format": "pt"})
+    if os.path.getsize(tmp) < sum(t.numel() * t.element_size() for t in state.values()):
+        raise OSError(errno.ENOSPC, "the weights file came out short (is the disk full?)", str(tmp))
     os.replace(tmp, weights)
     (out / "config.json").write_text(json.dumps(model.cfg.to_hf_dict(), indent=2))
     if tokenizer_dir is not None and Path(tokenizer_dir).resolve() != out.resolve():

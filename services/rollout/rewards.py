@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from asyncrl_proto.messages import Sample, SampleStatus
 from services.buffer.core import load_object
 from services.common.config import RunConfig
+from services.common.validate import reward_problem
 
 log = logging.getLogger(__name__)
 
@@ -29,31 +30,46 @@ async def _maybe_await(x):
     return await x if inspect.isawaitable(x) else x
 
 
+def mark_failed(sample: Sample, why: str, key: str = "reward_error") -> None:
+    """A sample that cannot be trained on: FAILED, no reward, the reason in its metadata."""
+    sample.status = SampleStatus.FAILED
+    sample.reward = None
+    sample.metadata[key] = why[:1000]
+
+
 async def score_sample(fn: Callable[..., Awaitable[float]], config: RunConfig, sample: Sample) -> bool:
-    """Sets sample.reward; on an exception marks the sample FAILED. Returns success."""
+    """Sets sample.reward; a reward function that raises, or returns anything but a finite
+    number (or a dict of them holding --reward-key), marks the sample FAILED. Returns success."""
     try:
-        sample.reward = await _maybe_await(fn(config, sample))
-        return True
+        reward = await _maybe_await(fn(config, sample))
     except Exception as e:  # a user's reward function: contain it, record it
-        sample.status = SampleStatus.FAILED
-        sample.reward = 0.0
-        sample.metadata["reward_error"] = f"{type(e).__name__}: {e}"
+        mark_failed(sample, f"{type(e).__name__}: {e}")
         log.warning("reward function raised on sample %s: %s", sample.index, e)
         return False
+    if (problem := reward_problem(reward, config.reward_key)) is not None:
+        mark_failed(sample, f"the reward function returned an unusable value: {problem}")
+        log.warning("reward function gave sample %s an unusable value: %s", sample.index, problem)
+        return False
+    sample.reward = reward
+    return True
 
 
 async def score_group(fn, config: RunConfig, group: list[Sample]) -> bool:
     try:
         rewards = await _maybe_await(fn(config, group))
-        if len(rewards) != len(group):
-            raise ValueError(f"--group-rm function returned {len(rewards)} rewards for {len(group)} samples")
-        for s, r in zip(group, rewards, strict=True):
-            s.reward = r
-        return True
+        if not isinstance(rewards, (list, tuple)) or len(rewards) != len(group):
+            raise ValueError(f"--group-rm function returned {rewards!r:.80} for {len(group)} samples, not a list of "
+                             "one reward each")  # fmt: skip
     except Exception as e:
         for s in group:
-            s.status = SampleStatus.FAILED
-            s.reward = 0.0
-            s.metadata["reward_error"] = f"{type(e).__name__}: {e}"
+            mark_failed(s, f"{type(e).__name__}: {e}")
         log.warning("group reward function raised on group %s: %s", group[0].group_index, e)
         return False
+    ok = True
+    for s, r in zip(group, rewards, strict=True):
+        if (problem := reward_problem(r, config.reward_key)) is not None:
+            mark_failed(s, f"the group reward function returned an unusable value: {problem}")
+            ok = False
+        else:
+            s.reward = r
+    return ok

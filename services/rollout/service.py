@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 
@@ -25,21 +26,28 @@ from fastapi import FastAPI
 
 from asyncrl_proto import ControlMsg, PromptMsg, RolloutGroup, Sample, decode, group_id
 from asyncrl_proto.codec import DecodeError
-from asyncrl_proto.messages import SampleStatus
+from asyncrl_proto.messages import SampleStatus, flatten_group
 from services.buffer.core import load_object
 from services.common.bus import fetch_some, settle
 from services.common.runtime import Service
 from services.common.sglang_client import SGLangClient
+from services.common.validate import MAX_ATTEMPT, limits_from_model_dir, sample_problem
 from services.model.tokenizer import Tokenizer
 from services.rollout.core import Credits, apply_response
-from services.rollout.rewards import resolve_reward, score_group, score_sample
+from services.rollout.rewards import mark_failed, resolve_reward, score_group, score_sample
 
+PAUSE_TTL_S = 60.0
+"""A pause of submission sent over NATS lapses this long after it was last sent."""
 MAX_GROUP_DELIVERIES = 5
 """A group whose generation fails this many times on one producer is published as FAILED."""
 RETRY_BACKOFF_S = 1.0
 """A failed group's prompt is redelivered after RETRY_BACKOFF_S * 2^(delivery - 1), at most 30 s."""
 
 log = logging.getLogger(__name__)
+
+
+class PromptError(ValueError):
+    """A released prompt that cannot be generated from (its group is published as FAILED)."""
 
 
 class EngineHandle:
@@ -76,6 +84,7 @@ class RolloutService(Service):
         self.n = config.n_samples_per_prompt
         self.credits = Credits(config.inflight_groups, self.n, config.submission_granularity)
         self.tokenizer = Tokenizer(config.hf_checkpoint)
+        self.limits = limits_from_model_dir(config.hf_checkpoint, config.n_samples_per_prompt, config.reward_key)
         self.reward_fn = resolve_reward(config)
         self.generate_fn = (
             load_object(config.custom_generate_function_path, "--custom-generate-function-path")
@@ -83,12 +92,13 @@ class RolloutService(Service):
             else default_generate
         )
         self.client = SGLangClient(
-            [config.rollout_router_url] if config.rollout_router_url else config.rollout_engine_urls
+            [config.rollout_router_url] if config.rollout_router_url else config.rollout_engine_urls,
+            api_key=self.http_token,
         )
         self.engine = EngineHandle(self.client, self.tokenizer)
         self.submission_open = asyncio.Event()
         self.submission_open.set()
-        self.pause_tokens: set[str] = set()
+        self.pause_tokens: dict[str, float] = {}  # token -> when it lapses (monotonic; inf for HTTP)
         self.groups_in_flight: dict[int, tuple[object, float]] = {}
         self.failures: dict[str, int] = {}  # group id -> generation failures seen here
         self.counters = {
@@ -115,7 +125,6 @@ class RolloutService(Service):
 
     async def setup(self) -> None:
         s = self.bus.subjects
-        await self.bus.ensure_streams()
         self._psub = await self.bus.pull(
             s.prompts_stream,
             s.prompts,
@@ -136,7 +145,7 @@ class RolloutService(Service):
         await self.client.close()
 
     def loops(self):
-        loops = {"submit": self._submit_loop, "keep_prompts": self._keep_prompts_alive}
+        loops = {"submit": self._submit_loop, "keep_prompts": self._keep_prompts_alive, "pauses": self._lapse_pauses}
         if self.config.rollout_health_check_interval > 0:
             loops["engine_health"] = self._engine_health
         return loops
@@ -183,12 +192,24 @@ class RolloutService(Service):
             self.credits.group_done(0)
             await self.bus.dead_letter_msg(msg, f"undecodable PromptMsg: {e}")
             return
+        try:
+            input_ids = self._prompt_ids(prompt)
+        except PromptError as e:
+            # a prompt we cannot generate from: settled as a FAILED group with the reason, so
+            # its fate is on the ledger (an identity that does not hold is only dead-lettered)
+            self.counters["bad_prompts"] += 1
+            self.credits.group_done(0)
+            if prompt.group_index < 0 or not 0 <= prompt.attempt <= MAX_ATTEMPT:
+                await self.bus.dead_letter_msg(msg, f"PromptMsg: {e}")
+            else:
+                await self._publish_failed(msg, prompt, time.time(), f"invalid prompt: {e}")
+            return
         started = time.time()
         self.groups_in_flight[id(msg)] = (msg, started)
         given_back = [0]  # credits this group already returned, trajectory by trajectory
         try:
             try:
-                rg = await self._generate_group(prompt, started, given_back)
+                rg = await self._generate_group(prompt, input_ids, started, given_back)
             except asyncio.CancelledError:
                 # stopping: the prompt goes back to the queue now rather than after ack_wait
                 # (a nak is one buffered publish, sent at the latest when the connection closes)
@@ -212,8 +233,9 @@ class RolloutService(Service):
             self.groups_in_flight.pop(id(msg), None)
             self.credits.group_done(given_back[0])
 
-    async def _generate_group(self, prompt: PromptMsg, started: float, given_back: list[int]) -> RolloutGroup:
-        input_ids = self.tokenizer.prompt_ids(prompt.prompt, self.config.apply_chat_template)
+    async def _generate_group(
+        self, prompt: PromptMsg, input_ids: list[int], started: float, given_back: list[int]
+    ) -> RolloutGroup:
         samples = [self._new_sample(prompt, i, _input_ids=input_ids) for i in range(self.n)]
         tasks = [asyncio.create_task(self._run_trajectory(s, given_back)) for s in samples]
         try:
@@ -227,6 +249,7 @@ class RolloutService(Service):
         if self.config.group_rm and self.config.custom_rm_path:
             if not await score_group(self.reward_fn, self.config, group):
                 self.counters["reward_failures"] += len(group)
+        self._check_samples(group)
         return self._group(prompt, group, started)
 
     async def _group_failed(self, msg, prompt: PromptMsg, started: float, error: Exception) -> None:
@@ -244,8 +267,10 @@ class RolloutService(Service):
         # settled as a FAILED group: the buffer and the ledger account for it (zero loss, it
         # trains nothing), and a prompt that can never succeed does not loop forever
         log.error("group %s failed %d times; published as FAILED: %s", gid, failures, error)
-        reason = f"{type(error).__name__}: {error}"
-        samples = [self._new_sample(prompt, i, SampleStatus.FAILED, error=reason) for i in range(self.n)]
+        await self._publish_failed(msg, prompt, started, f"{type(error).__name__}: {error}")
+
+    async def _publish_failed(self, msg, prompt: PromptMsg, started: float, reason: str) -> None:
+        samples = [self._new_sample(prompt, i, SampleStatus.FAILED, error=reason[:1000]) for i in range(self.n)]
         rg = self._group(prompt, samples, started)
         try:
             await self.bus.publish(self.bus.subjects.rollouts, rg, msg_id=rg.group_id)
@@ -253,8 +278,35 @@ class RolloutService(Service):
             log.error("publishing failed group %s: %s", rg.group_id, e)
             await settle(msg, "nak", delay=1.0)
             return
-        self.failures.pop(gid, None)
+        self.failures.pop(rg.group_id, None)
         await settle(msg)
+
+    def _prompt_ids(self, prompt: PromptMsg) -> list[int]:
+        """The token ids to generate from; PromptError when a released prompt cannot be used."""
+        if prompt.group_index < 0 or not 0 <= prompt.attempt <= MAX_ATTEMPT:
+            raise PromptError(f"group_index {prompt.group_index} / attempt {prompt.attempt} out of range")
+        if prompt.n_samples != self.n:
+            raise PromptError(f"n_samples {prompt.n_samples} differs from --n-samples-per-prompt {self.n}")
+        try:
+            ids = self.tokenizer.prompt_ids(prompt.prompt, self.config.apply_chat_template)
+        except Exception as e:  # a prompt of the wrong shape, a template that fails on it
+            raise PromptError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from None
+        if not ids or min(ids) < 0 or max(ids) >= self.limits.vocab_size:
+            raise PromptError(f"the prompt's token ids are empty or outside the vocabulary [0, {self.limits.vocab_size})")
+        if len(ids) >= self.limits.context_length:
+            raise PromptError(f"the prompt ({len(ids)} tokens) does not fit the context length {self.limits.context_length}")
+        return ids
+
+    def _check_samples(self, samples: list[Sample]) -> None:
+        """What a generate or reward function produced that cannot be trained on (ids outside
+        the vocabulary, a sample longer than the context, mismatched log-probs...) is marked
+        FAILED with the reason and stripped of its tokens, so that the group, valid as a whole,
+        still settles its prompt."""
+        for s in flatten_group(samples):
+            if s.status != SampleStatus.FAILED and (problem := sample_problem(s, self.limits)) is not None:
+                log.warning("sample %s cannot be trained on: %s", s.index, problem)
+                mark_failed(s, problem, key="error")
+                s.tokens, s.response_length, s.rollout_log_probs, s.loss_mask = [], 0, [], None
 
     def _group(self, prompt: PromptMsg, samples: list[Sample], started: float) -> RolloutGroup:
         return RolloutGroup(
@@ -303,20 +355,37 @@ class RolloutService(Service):
     async def _on_control(self, msg) -> None:
         try:
             ctl = decode(msg.data, ControlMsg)
-        except DecodeError:
+        except DecodeError as e:
+            await self.bus.dead_letter(msg.subject, msg.data, f"undecodable ControlMsg: {e}")
             return
-        self.apply_control(ctl.command, ctl.token or ctl.reason)
+        token = ctl.token or ctl.reason
+        if ctl.command not in ("pause_submission", "resume_submission") or len(token) > 200:
+            await self.bus.dead_letter(msg.subject, msg.data, f"unknown control command {ctl.command!r:.60}")
+            return
+        self.apply_control(ctl.command, token, PAUSE_TTL_S)
 
-    def apply_control(self, command: str, token: str = "") -> None:
+    def apply_control(self, command: str, token: str = "", ttl_s: float = math.inf) -> None:
+        """Pause or resume submission under a token; submission resumes once no token holds. A
+        pause sent over NATS lapses after PAUSE_TTL_S unless renewed (the eval service renews
+        its pause while it evaluates), so a dead pauser never stops production for good."""
         if command == "pause_submission":
-            self.pause_tokens.add(token)
+            if token not in self.pause_tokens:
+                log.info("submission paused (%s)", token)
+            self.pause_tokens[token] = time.monotonic() + ttl_s
             self.submission_open.clear()
-            log.info("submission paused (%s)", token)
         elif command == "resume_submission":
-            self.pause_tokens.discard(token)
-            if not self.pause_tokens:
+            self.pause_tokens.pop(token, None)
+            if not self.pause_tokens and not self.submission_open.is_set():
                 self.submission_open.set()
                 log.info("submission resumed")
+
+    async def _lapse_pauses(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for token in [t for t, until in self.pause_tokens.items() if until <= now]:
+                log.warning("the pause %r was not renewed for %.0fs: it lapses", token, PAUSE_TTL_S)
+                self.apply_control("resume_submission", token)
 
     def add_routes(self, app: FastAPI) -> None:
         @app.post("/control/pause_submission")

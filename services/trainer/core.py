@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from asyncrl_proto.messages import Sample, flatten_group, scalar_reward
+from asyncrl_proto.messages import Sample, SampleStatus, flatten_group, scalar_reward
 from services.model.llama import CausalLM, token_logprobs
 
 
@@ -79,18 +79,21 @@ def samples_with_advantages(
     groups: list[list], std_normalization: bool, reward_key: str | None
 ) -> list[tuple[Sample, float]]:
     """Advantages are computed per group over every sample, removed ones included; removed
-    samples then get a zero loss mask."""
+    samples then get a zero loss mask. FAILED samples (a reward function that raised, a generation
+    that failed, a sample that failed validation) have no reward to compare: they are left out of
+    the advantages and of the batch altogether."""
     out: list[tuple[Sample, float]] = []
     for g in groups:
-        flat = flatten_group(g)
-        advs = group_advantages([scalar_reward(s, reward_key) for s in flat], std_normalization)
-        out += list(zip(flat, advs, strict=True))
+        flat = [s for s in flatten_group(g) if s.status != SampleStatus.FAILED]
+        if flat:
+            advs = group_advantages([scalar_reward(s, reward_key) for s in flat], std_normalization)
+            out += list(zip(flat, advs, strict=True))
     return out
 
 
 def make_batch(items: list[tuple[Sample, float]], pad_id: int) -> TrainBatch:
     """Right-padded tensors for (sample, advantage) pairs."""
-    width = max(2, max(len(s.tokens) for s, _ in items))  # 2: a FAILED sample may have no tokens
+    width = max([2, *(len(s.tokens) for s, _ in items)])  # 2: a sample may have no tokens
     b = len(items)
     ids = torch.full((b, width), pad_id, dtype=torch.long)
     attn = torch.zeros((b, width), dtype=torch.long)
@@ -294,14 +297,36 @@ def merge_stats(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
     return stats
 
 
+def grad_norm(model: CausalLM) -> float:
+    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+
 def apply_update(model: CausalLM, optimizer: torch.optim.Optimizer, clip_grad: float) -> float:
-    """Clip (when clip_grad > 0), step; returns the gradient norm before clipping."""
+    """Clip (when clip_grad > 0), step; returns the gradient norm before clipping. A gradient
+    that is not finite is never applied: the step is skipped (weights and optimizer untouched)
+    and the norm returned as is, for the caller to report."""
+    norm = grad_norm(model)
+    if not math.isfinite(norm):
+        optimizer.zero_grad(set_to_none=True)
+        return norm
     if clip_grad > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
-    else:
-        grad_norm = torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in model.parameters() if p.grad is not None))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
     optimizer.step()
-    return float(grad_norm)
+    return norm
+
+
+def finish_stats(stats: dict[str, float], norm: float) -> dict[str, float]:
+    """The step's stats with its gradient norm; `train/nonfinite_skipped` 1 (and the non-finite
+    values left out, JSON has no NaN) when the loss or the gradient was not finite."""
+    bad = not math.isfinite(norm) or not all(math.isfinite(v) for v in stats.values())
+    out = {k: v for k, v in stats.items() if math.isfinite(v)}
+    if math.isfinite(norm):
+        out["train/grad_norm"] = norm
+    out["train/nonfinite_skipped"] = float(bad)
+    return out
 
 
 def train_step(
@@ -327,7 +352,12 @@ def train_step(
     stats = merge_stats(parts)
     if before_update is not None:
         before_update()
-    stats["train/grad_norm"] = apply_update(model, optimizer, clip_grad)
+    if not math.isfinite(stats.get("train/loss", 0.0)):
+        optimizer.zero_grad(set_to_none=True)  # a NaN loss never reaches the weights
+        norm = float("nan")
+    else:
+        norm = apply_update(model, optimizer, clip_grad)
+    stats = finish_stats(stats, norm)
     stats["train/num_micro_batches"] = len(batches)
     stats["train/num_loss_tokens"] = sum(b.num_tokens for b in batches)
     return stats

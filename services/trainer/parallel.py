@@ -26,6 +26,7 @@ from services.trainer.core import (
     accumulate_gradients,
     apply_update,
     chunk_by_tokens,
+    finish_stats,
     make_batch,
     merge_stats,
     samples_with_advantages,
@@ -73,12 +74,11 @@ def dp_train_step(model, optimizer, groups, cfg: LossConfig, clip_grad: float, *
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-    grad_norm = apply_update(model, optimizer, clip_grad)
+    norm = apply_update(model, optimizer, clip_grad)  # the same summed gradient on every rank: same decision
     gathered: list = [None] * world
     dist.all_gather_object(gathered, parts)
     every = [p for rank_parts in gathered for p in rank_parts]
-    stats = merge_stats(every)
-    stats["train/grad_norm"] = grad_norm
+    stats = finish_stats(merge_stats(every), norm)
     stats["train/num_micro_batches"] = len(every)
     stats["train/num_loss_tokens"] = sum(n for _, n in every)
     stats["train/dp_world_size"] = world

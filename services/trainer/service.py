@@ -20,7 +20,9 @@ Waits for: the batch (logging "No completed rollout groups for 30.0s" every 30 s
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import shutil
@@ -45,11 +47,12 @@ from asyncrl_proto import (
     decode,
 )
 from asyncrl_proto.codec import DecodeError
-from asyncrl_proto.messages import flatten_group, scalar_reward
+from asyncrl_proto.messages import SampleStatus, flatten_group, scalar_reward
 from services.buffer.core import load_object
 from services.common.bus import ReplyInbox
 from services.common.config import eval_backend
-from services.common.runtime import Service
+from services.common.runtime import Service, wait_event
+from services.common.validate import Limits, finite, sample_problem
 from services.model.hf_io import load_model, save_model
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.core import (
@@ -64,6 +67,9 @@ from services.trainer.core import (
 log = logging.getLogger(__name__)
 
 
+EVAL_WAIT_WARN_S = 60.0
+FAILED_WINDOW_STEPS = 4
+"""--max-failed-ratio is judged over this many recent steps."""
 CONFIRM_WAIT_S = 5.0
 """How long a provisional lease waits for its durable answer before asking the buffer again."""
 
@@ -79,6 +85,11 @@ class LeaseChanged(RuntimeError):
 
 class TrainerError(RuntimeError):
     pass
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on, and a restart would not change it (e.g. every reward raises): the
+    trainer reports it in its final record and stops; the launcher fails the run with it."""
 
 
 def build_model(config):
@@ -131,6 +142,11 @@ class TrainerService(Service):
             else None
         )
         self.pad_id = self.model.cfg.pad_token_id if self.model.cfg.pad_token_id is not None else 0
+        self.limits = Limits(n=config.n_samples_per_prompt, vocab_size=self.model.cfg.vocab_size,
+                             context_length=self.model.cfg.max_position_embeddings, reward_key=config.reward_key)  # fmt: skip
+        self.num_invalid_samples = 0
+        self.num_nonfinite_skipped = 0
+        self.recent_failures: collections.deque[tuple[int, int, str]] = collections.deque(maxlen=FAILED_WINDOW_STEPS)
         self.version = 0
         self.step = 0
         self.last_record: dict = {}
@@ -149,7 +165,6 @@ class TrainerService(Service):
 
     async def setup(self) -> None:
         s = self.bus.subjects
-        await self.bus.ensure_streams()
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         await self._resume()
         if self.config.trainer_num_ranks > 1:
@@ -165,18 +180,10 @@ class TrainerService(Service):
         await self.bus.nc.subscribe(s.eval_results, cb=self._on_eval_result)
         await self.bus.nc.subscribe(s.heartbeat("rollout"), cb=self._on_producer_heartbeat)
 
-    async def _latest_published_version(self) -> int:
-        s = self.bus.subjects
-        try:
-            raw = await self.bus.js.get_last_msg(s.weights_stream, s.weights_published)
-        except nats.js.errors.NotFoundError:
-            return 0
-        return decode(raw.data, WeightsPublished).version
-
     async def _resume(self) -> None:
         """Continue from the newest complete checkpoint, if any. The weight version continues
         from the newest version ever published, so a version number never names two weights."""
-        published = await self._latest_published_version()
+        published = await self.bus.last_published_version()
         ckpt = latest_checkpoint(self.config.load or self.config.save)
         if ckpt is None:
             self.version = published
@@ -204,6 +211,12 @@ class TrainerService(Service):
 
     # ---- the loop ------------------------------------------------------------------------------
     async def _train_loop(self) -> None:
+        try:
+            await self._train()
+        except RunFailed as e:
+            await self._finish(error=str(e))
+
+    async def _train(self) -> None:
         c = self.config
         total = c.total_steps
         log.info(
@@ -232,6 +245,10 @@ class TrainerService(Service):
                     log.warning("%s: training step %d on its durable lease", e, step)
                     batch = await self._fetch(step, provisional=False)
                     continue
+                if train_stats.get("train/nonfinite_skipped"):
+                    self.num_nonfinite_skipped += 1
+                    log.error("step %d: the loss or the gradient norm is not finite; the update was skipped "
+                              "(weights and optimizer unchanged)", step)  # fmt: skip
                 update_due = (step + 1) % c.update_weights_interval == 0 or step + 1 == total
                 next_batch = None
                 if update_due and c.mode == "one_step" and step + 1 < total:
@@ -254,6 +271,7 @@ class TrainerService(Service):
                 )
                 await self._emit(step, record)
                 self.step = step + 1
+                self._check_failures(groups)
                 if c.eval_interval and self.step % c.eval_interval == 0 and self.step < total:
                     await self._request_eval(self.step, final=False)
                 if self.step < total:
@@ -274,10 +292,36 @@ class TrainerService(Service):
                         unused.cancel()
         if c.mode != "sync":
             await self._request_eval(total, final=True)  # the last step forces eval in async drivers
-        done = ProgressRecord(step=total, done=True, record=self.last_record)
+        await self._finish()
+
+    async def _finish(self, error: str | None = None) -> None:
+        total = self.config.total_steps
+        done = ProgressRecord(step=total, done=True, record=self.last_record, error=error)
         await self.bus.publish_durably([(self.bus.subjects.progress, done, None)], "the final progress record")
-        log.info("training finished: %d steps, weight version %d", total, self.version)
+        if error:
+            log.error("the run failed at step %d: %s", self.step, error)
+        else:
+            log.info("training finished: %d steps, weight version %d", total, self.version)
         self.stop()
+
+    def _check_failures(self, groups: list[list]) -> None:
+        """RunFailed when more than --max-failed-ratio of the samples of the last steps FAILED,
+        quoting the latest cause (a reward plugin that always raises would otherwise train
+        nothing for the whole run and end with exit 0)."""
+        samples = [s for g in groups for s in flatten_group(g)]
+        failed = [s for s in samples if s.status == SampleStatus.FAILED]
+        cause = next((str(s.metadata.get("reward_error") or s.metadata.get("error") or "") for s in failed), "")
+        self.recent_failures.append((len(failed), len(samples), cause))
+        c = self.config
+        judged = len(self.recent_failures) >= min(FAILED_WINDOW_STEPS, c.total_steps) or self.step >= c.total_steps
+        num_failed = sum(f for f, _, _ in self.recent_failures)
+        num = sum(n for _, n, _ in self.recent_failures)
+        if judged and c.max_failed_ratio < 1 and num and num_failed / num > c.max_failed_ratio:
+            latest = next((why for _, _, why in reversed(self.recent_failures) if why), "no cause recorded")
+            raise RunFailed(
+                f"{num_failed} of {num} samples of the last {len(self.recent_failures)} steps FAILED (more than "
+                f"--max-failed-ratio {c.max_failed_ratio}); the latest cause: {latest[:500]}"
+            )
 
     async def _train_on(self, groups: list[list], confirm: asyncio.Future | None = None) -> tuple[dict, float]:
         """One optimizer step. With a provisional lease (`confirm` pending), the forward and
@@ -345,6 +389,7 @@ class TrainerService(Service):
         try:
             groups = [await self._load_group(ref) for ref in reply.refs]
             groups = assemble_batch(groups, self.config.n_samples_per_prompt)
+            self._exclude_invalid(groups)
             if self.sample_filter is not None:
                 self._apply_sample_filter(groups)
         except BaseException:
@@ -418,6 +463,19 @@ class TrainerService(Service):
             reply, _ = await self._lease(step, lookahead, provisional=False)
         if [r.group_id for r in reply.refs] != ids:
             raise LeaseChanged(f"the durable lease of step {step} differs from its provisional answer")
+
+    def _exclude_invalid(self, groups: list[list]) -> None:
+        """Defence in depth (the buffer validated these groups): a sample that cannot be trained
+        on (ids outside the vocabulary, a non-finite log-prob or reward, ...) is marked FAILED,
+        which leaves it out of the loss, and said loudly; it never reaches the model."""
+        limits = dataclasses.replace(self.limits, max_version=self.version)
+        for s in (s for g in groups for s in flatten_group(g)):
+            if s.status != SampleStatus.FAILED and (problem := sample_problem(s, limits)) is not None:
+                self.num_invalid_samples += 1
+                log.error("sample %s of group %s cannot be trained on (%s): left out of the loss",
+                          s.index, s.group_index, problem)  # fmt: skip
+                s.status, s.reward = SampleStatus.FAILED, None
+                s.metadata["error"] = f"invalid at the trainer: {problem}"
 
     async def _load_group(self, ref) -> list:
         data = (
@@ -504,7 +562,10 @@ class TrainerService(Service):
                 await self._publish_eval_skip(step, "busy")
                 return
             self._eval_done.clear()
-            await self._eval_done.wait()
+            if not await wait_event(self._eval_done, EVAL_WAIT_WARN_S):
+                log.warning("eval backpressure: waiting for eval points %s (--eval-max-in-flight %d) before "
+                            "dispatching step %d; is the eval service running?", sorted(self.eval_pending),
+                            c.eval_max_in_flight, step)  # fmt: skip
         uri, exported, export_s = "", False, 0.0
         if eval_backend(c) != "shared":
             if c.eval_hf_dir:
@@ -542,14 +603,21 @@ class TrainerService(Service):
         await self.bus.publish_durably([(self.bus.subjects.eval_results, res, None)], f"eval skip {step}")
 
     async def _on_eval_result(self, msg) -> None:
-        with contextlib.suppress(*DecodeError):
+        try:
             res = decode(msg.data, EvalResult)
-            metrics = dict(res.metrics)
-            metrics["eval/lag_steps"] = self.step - res.step
-            self.pending_eval.append(metrics)
-            if res.step in self.eval_pending:  # the eval service answers its requests in order
-                self.eval_pending -= {s for s in self.eval_pending if s <= res.step}
-            self._eval_done.set()
+        except DecodeError as e:
+            await self.bus.dead_letter(msg.subject, msg.data, f"undecodable EvalResult: {e}")
+            return
+        if not 0 <= res.step <= self.config.total_steps or not all(finite(v) for v in res.metrics.values()):
+            await self.bus.dead_letter(msg.subject, msg.data, f"eval result for step {res.step} with metrics "
+                                                              "that are not finite numbers, or outside the run")  # fmt: skip
+            return
+        metrics = dict(res.metrics)
+        metrics["eval/lag_steps"] = self.step - res.step
+        self.pending_eval.append(metrics)
+        if res.step in self.eval_pending:  # the eval service answers its requests in order
+            self.eval_pending -= {s for s in self.eval_pending if s <= res.step}
+        self._eval_done.set()
 
     async def _on_producer_heartbeat(self, msg) -> None:
         with contextlib.suppress(*DecodeError):
@@ -559,7 +627,8 @@ class TrainerService(Service):
     # ---- records -------------------------------------------------------------------------------
     def _record(self, step, groups, buffer_metrics, train_stats, wait_s, train_s, push_s, step_s) -> dict:
         samples = [s for g in groups for s in flatten_group(g)]
-        rewards = [scalar_reward(s, self.config.reward_key) for s in samples]
+        scored = [s for s in samples if s.status != SampleStatus.FAILED]
+        rewards = [scalar_reward(s, self.config.reward_key) for s in scored] or [0.0]
         mean = sum(rewards) / len(rewards)
         oldest = [min(s.weight_versions) for s in samples if s.weight_versions]
         newest = [max(s.weight_versions) for s in samples if s.weight_versions]
@@ -575,6 +644,7 @@ class TrainerService(Service):
             "rollout/response_length/mean": tokens / len(samples),
             "rollout/truncated_ratio": sum(s.status.value == "truncated" for s in samples) / len(samples),
             "rollout/num_samples": len(samples),
+            "rollout/failed_ratio": (len(samples) - len(scored)) / len(samples),
             "perf/rollout_wait_s": wait_s,
             "perf/train_time_s": train_s,
             "perf/weight_push_s": push_s,

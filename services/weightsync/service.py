@@ -2,6 +2,9 @@
 
 Consumes: WeightsPublished from WEIGHTS (durable pull consumer "weight-sync"). When several
   versions are waiting, only the newest is applied (the others are acknowledged unapplied).
+  Only what the trainer published is accepted: versions one after the other, each pointing at the
+  run's own complete snapshot <run_dir>/weights/v<N> whose digest matches; anything else is
+  dead-lettered and never loaded.
 Produces: WeightsLive on `weights.live` and KV `live_version`: the staleness clock.
 Per update, on every engine concurrently: pause_generation(--pause-generation-mode) ->
   update_weights_from_disk(snapshot, weight_version) -> continue_generation, then the version is
@@ -13,14 +16,17 @@ HTTP: /status shows the live version, the engines and the last update's duration
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
+from pathlib import Path
 
 from asyncrl_proto import WeightsLive, WeightsPublished, decode, encode
 from asyncrl_proto.codec import DecodeError
 from services.common.bus import fetch_some, settle
 from services.common.runtime import Service
 from services.common.sglang_client import EngineError, SGLangClient
+from services.common.snapshot import COMPLETE_MARKER, is_complete
 
 log = logging.getLogger(__name__)
 
@@ -30,16 +36,17 @@ class WeightSyncService(Service):
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
-        self.client = SGLangClient(config.rollout_engine_urls)
+        self.client = SGLangClient(config.rollout_engine_urls, api_key=self.http_token)
         self.live_version: int | None = None
         self.last_update_s = 0.0
         self.num_updates = 0
         self.num_skipped = 0
+        self.num_rejected = 0
+        self.last_published: int | None = None  # the last version accepted from WEIGHTS, in order
         self._psub = None
 
     async def setup(self) -> None:
         s = self.bus.subjects
-        await self.bus.ensure_streams()
         raw = await self.bus.kv_get("live_version")
         if raw is not None:
             self.live_version = decode(raw, WeightsLive).version
@@ -83,22 +90,60 @@ class WeightSyncService(Service):
             msgs = await fetch_some(self._psub, 64, 1.0)
             if not msgs:
                 continue
-            valid = []
+            fresh = []  # (published, msg), versions in order, newer than live
             for m in msgs:
                 try:
-                    valid.append((decode(m.data, WeightsPublished), m))
+                    pub = decode(m.data, WeightsPublished)
                 except DecodeError as e:
-                    await self.bus.dead_letter_msg(m, f"undecodable WeightsPublished: {e}")
-            if not valid:
-                continue
-            newest, newest_msg = max(valid, key=lambda pm: pm[0].version)
-            applied = self.live_version is None or newest.version > self.live_version
-            if applied:
-                await self._update(newest, newest_msg)
-            # versions superseded within the batch (or already live) are never loaded
-            self.num_skipped += len(valid) - (1 if applied else 0)
-            for _, m in valid:
+                    await self._reject(m, f"undecodable WeightsPublished: {e}")
+                    continue
+                if self.live_version is not None and pub.version <= self.live_version:
+                    self.num_skipped += 1  # a redelivery of a version already live (or superseded)
+                    await settle(m)
+                    continue
+                if (problem := self._order_problem(pub)) is not None:
+                    await self._reject(m, problem)
+                    continue
+                self.last_published = pub.version
+                fresh.append((pub, m))
+            # only the newest loadable version is applied; the ones it supersedes are never loaded
+            while fresh and (problem := self._snapshot_problem(fresh[-1][0])) is not None:
+                await self._reject(fresh.pop()[1], problem)
+            if fresh:
+                await self._update(*fresh[-1])
+            self.num_skipped += max(0, len(fresh) - 1)
+            for _, m in fresh:
                 await settle(m)
+
+    def _order_problem(self, pub: WeightsPublished) -> str | None:
+        """Versions come from the trainer one by one: each is the one after the last."""
+        expected = (self.last_published if self.last_published is not None else self.live_version or 0) + 1
+        if pub.version != expected:
+            return f"weights v{pub.version} out of order: the next version is v{expected}"
+        if not 0 <= pub.step < self.config.total_steps:
+            return f"weights v{pub.version} name step {pub.step}, outside the run's {self.config.total_steps} steps"
+        return None
+
+    def _snapshot_problem(self, pub: WeightsPublished) -> str | None:
+        """The snapshot must be the run's own (<run_dir>/weights/v<N>), complete, and the one the
+        trainer wrote (the digest in its marker equals the announced one)."""
+        path = Path(pub.uri).resolve()
+        expected = (Path(self.config.run_dir) / "weights" / f"v{pub.version}").resolve()
+        if path != expected:
+            return f"weights v{pub.version} point at {pub.uri!r:.200}, not the run's {expected}"
+        if not is_complete(path):
+            return f"weights v{pub.version}: the snapshot {path} is missing or incomplete"
+        try:
+            digest = json.loads((path / COMPLETE_MARKER).read_text()).get("sha256")
+        except (OSError, ValueError):
+            digest = None
+        if not pub.sha256 or digest != pub.sha256:
+            return f"weights v{pub.version}: the snapshot's digest differs from the announced one"
+        return None
+
+    async def _reject(self, msg, reason: str) -> None:
+        self.num_rejected += 1
+        await self.bus.dead_letter_msg(msg, reason)
 
     async def _update(self, pub: WeightsPublished, msg) -> None:
         t0 = time.perf_counter()
@@ -160,6 +205,7 @@ class WeightSyncService(Service):
             "last_update_s": self.last_update_s,
             "num_updates": self.num_updates,
             "num_skipped_versions": self.num_skipped,
+            "num_rejected": self.num_rejected,
         }
 
     def metric_values(self) -> dict[str, float]:
@@ -168,4 +214,5 @@ class WeightSyncService(Service):
             "weight_sync/last_update_seconds": self.last_update_s,
             "weight_sync/updates_total": self.num_updates,
             "weight_sync/skipped_versions_total": self.num_skipped,
+            "weight_sync/rejected_total": self.num_rejected,
         }

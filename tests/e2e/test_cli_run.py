@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from services.common.procs import pid_alive
+from tests.conftest import run_auth
 
 SMALL = [
     "--rollout-batch-size",
@@ -85,12 +86,15 @@ def test_fully_async_run_end_to_end(tmp_path):
         with httpx.Client(timeout=5) as http:
             for name, url in services.items():
                 if name.startswith("engine"):
-                    assert http.get(url + "/model_info").status_code == 200
+                    assert http.get(url + "/model_info", headers=run_auth(run_dir)).status_code == 200
+                    assert http.get(url + "/model_info").status_code == 401  # the engine wants the run token
                     continue
                 for path in ("/healthz", "/metrics", "/status"):
-                    r = http.get(url + path)
+                    r = http.get(url + path, headers=run_auth(run_dir))
                     assert r.status_code == 200, (name, path, r.text)
-                assert http.get(url + "/status").json()["service"] in name
+                assert http.get(url + "/status", headers=run_auth(run_dir)).json()["service"] in name
+                assert http.get(url + "/status").status_code == 401  # not without it
+                assert http.get(url + "/healthz").status_code == 200  # probes stay open
         out, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:

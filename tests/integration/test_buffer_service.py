@@ -18,17 +18,18 @@ from asyncrl_proto import (
     Sample,
     SampleStatus,
     WeightsLive,
+    WeightsPublished,
     decode,
     group_id,
 )
 from services.api import RunConfig
 from services.buffer.service import BufferService
 from services.common.bus import Bus, ReplyInbox, fetch_some
-from tests.conftest import start_service, wait_until
+from tests.conftest import AUTH, start_service, wait_until
 
 
-def config(task_data, **kw) -> RunConfig:
-    base = dict(prompt_data=str(task_data[0]), rollout_batch_size=2, n_samples_per_prompt=2, fully_async=True,
+def config(task_data, model_dir, **kw) -> RunConfig:
+    base = dict(prompt_data=str(task_data[0]), hf_checkpoint=str(model_dir), rollout_batch_size=2, n_samples_per_prompt=2, fully_async=True,
                 async_data_buffer_capacity_factor=1.0, run_dir="/tmp")  # fmt: skip
     base.update(kw)
     return RunConfig(**base)
@@ -64,6 +65,16 @@ class Harness:
         )
         await self.bus.publish(self.s.rollouts, rg, msg_id=rg.group_id)
 
+    async def published(self, version: int) -> None:
+        """The trainer pushed `version`."""
+        pub = WeightsPublished(version=version, step=max(0, version - 1), uri=f"/weights/v{version}")
+        await self.bus.publish(self.s.weights_published, pub)
+
+    async def live(self, version: int) -> None:
+        """The engines run `version`: published by the trainer, then announced by weight-sync."""
+        await self.published(version)
+        await self.bus.publish(self.s.weights_live, WeightsLive(version=version))
+
     async def get(self, step: int, **kw) -> BufferGetReply:
         req = BufferGetRequest(step=step, count=2, wait_s=kw.pop("wait_s", 3.0), **kw)
         return await self.bus.request(self.s.buffer_get, req, BufferGetReply, timeout=req.wait_s + 5)
@@ -78,8 +89,8 @@ async def _setup(nats_server, run_id, cfg):
     return svc, Harness(bus)
 
 
-async def test_release_waits_for_the_trainer_and_is_bounded(nats_server, run_id, task_data):
-    svc, h = await _setup(nats_server, run_id, config(task_data))
+async def test_release_waits_for_the_trainer_and_is_bounded(nats_server, run_id, task_data, tiny_model_dir):
+    svc, h = await _setup(nats_server, run_id, config(task_data, tiny_model_dir))
     try:
         assert await h.stream_msgs(h.s.prompts_stream) == 0  # nothing before the first get
         reply = await h.get(0, wait_s=0.2)
@@ -92,8 +103,8 @@ async def test_release_waits_for_the_trainer_and_is_bounded(nats_server, run_id,
         await h.bus.close()
 
 
-async def test_get_is_idempotent_per_step_and_commit_retires(nats_server, run_id, task_data):
-    svc, h = await _setup(nats_server, run_id, config(task_data))
+async def test_get_is_idempotent_per_step_and_commit_retires(nats_server, run_id, task_data, tiny_model_dir):
+    svc, h = await _setup(nats_server, run_id, config(task_data, tiny_model_dir))
     try:
         await h.get(0, wait_s=0.1)
         for p in await h.prompts(2):
@@ -114,11 +125,11 @@ async def test_get_is_idempotent_per_step_and_commit_retires(nats_server, run_id
         await h.bus.close()
 
 
-async def test_a_waiting_get_may_be_answered_provisionally_then_durably(nats_server, run_id, task_data):
+async def test_a_waiting_get_may_be_answered_provisionally_then_durably(nats_server, run_id, task_data, tiny_model_dir):
     """provisional_ok: the lease as decided at once, then again once the ledger holds it; the
     same groups both times, and the ledger already has the lease when the second answer comes.
     Without provisional_ok a request gets one, durable answer."""
-    svc, h = await _setup(nats_server, run_id, config(task_data))
+    svc, h = await _setup(nats_server, run_id, config(task_data, tiny_model_dir))
     inbox = ReplyInbox(h.bus.nc)
     try:
         await h.get(0, wait_s=0.1)
@@ -150,8 +161,10 @@ async def test_a_waiting_get_may_be_answered_provisionally_then_durably(nats_ser
         await h.bus.close()
 
 
-async def test_bad_messages_are_dead_lettered_and_the_service_keeps_running(nats_server, run_id, task_data):
-    svc, h = await _setup(nats_server, run_id, config(task_data))
+async def test_bad_messages_are_dead_lettered_and_the_service_keeps_running(
+    nats_server, run_id, task_data, tiny_model_dir
+):
+    svc, h = await _setup(nats_server, run_id, config(task_data, tiny_model_dir))
     try:
         await h.bus.js.publish(h.s.rollouts, b"\xc1 not msgpack")
         await h.bus.js.publish(h.s.rollouts, msgpack.packb({"group_id": 3}))
@@ -163,7 +176,7 @@ async def test_bad_messages_are_dead_lettered_and_the_service_keeps_running(nats
         for p in prompts[1:]:
             await h.publish_group(p)
         assert (await h.get(0)).complete  # still serving
-        async with httpx.AsyncClient(base_url=svc.service.http_url) as c:
+        async with httpx.AsyncClient(base_url=svc.service.http_url, headers=AUTH) as c:
             assert "asyncrl_buffer_ledger_dead_lettered_total 3.0" in (await c.get("/metrics")).text
             status = (await c.get("/status")).json()
         assert status["capacity"] == 2 and status["ledger"]["dead_lettered"] == 3
@@ -172,10 +185,10 @@ async def test_bad_messages_are_dead_lettered_and_the_service_keeps_running(nats
         await h.bus.close()
 
 
-async def test_staleness_is_judged_against_the_live_version(nats_server, run_id, task_data):
-    svc, h = await _setup(nats_server, run_id, config(task_data, max_weight_staleness=1))
+async def test_staleness_is_judged_against_the_live_version(nats_server, run_id, task_data, tiny_model_dir):
+    svc, h = await _setup(nats_server, run_id, config(task_data, tiny_model_dir, max_weight_staleness=1))
     try:
-        await h.bus.publish(h.s.weights_live, WeightsLive(version=5))
+        await h.live(5)
         await wait_until(lambda: svc.service.live_version == 5, what="live version 5")
         await h.get(0, wait_s=0.1)
         prompts = await h.prompts(4)
@@ -192,15 +205,17 @@ async def test_staleness_is_judged_against_the_live_version(nats_server, run_id,
         await h.bus.close()
 
 
-async def test_a_stale_group_never_leaves_a_get_holding_a_group_for_a_finished_step(nats_server, run_id, task_data):
+async def test_a_stale_group_never_leaves_a_get_holding_a_group_for_a_finished_step(
+    nats_server, run_id, task_data, tiny_model_dir
+):
     """Stored groups that are all stale leave no get() waiting for the next group: the put
     path leases groups too, and a group that such a waiting get took after its step was
     completed and committed would be leased to the committed step (trained by nobody)."""
-    svc, h = await _setup(nats_server, run_id, config(task_data, max_weight_staleness=1))
+    svc, h = await _setup(nats_server, run_id, config(task_data, tiny_model_dir, max_weight_staleness=1))
     buf, state = svc.service.buffer, svc.service.state
 
     async def live(v):
-        await h.bus.publish(h.s.weights_live, WeightsLive(version=v))
+        await h.live(v)
         await wait_until(lambda: svc.service.live_version == v, what=f"live version {v}")
 
     async def step(s, versions):
@@ -230,10 +245,12 @@ async def test_a_stale_group_never_leaves_a_get_holding_a_group_for_a_finished_s
         await h.bus.close()
 
 
-async def test_a_group_that_comes_before_its_release_is_recorded_is_not_a_duplicate(nats_server, run_id, task_data):
+async def test_a_group_that_comes_before_its_release_is_recorded_is_not_a_duplicate(
+    nats_server, run_id, task_data, tiny_model_dir
+):
     """A prompt is published, then its release recorded: a fast producer can answer it in
     between. Its group must wait for the record, not be taken for a duplicate (and dropped)."""
-    svc, h = await _setup(nats_server, run_id, config(task_data))
+    svc, h = await _setup(nats_server, run_id, config(task_data, tiny_model_dir))
     service = svc.service
     gate = asyncio.Event()
     publish_durably = service.bus.publish_durably
@@ -267,12 +284,13 @@ async def test_a_group_that_comes_before_its_release_is_recorded_is_not_a_duplic
         await h.bus.close()
 
 
-async def test_sync_mode_releases_one_batch_on_the_right_weights(nats_server, run_id, task_data):
-    svc, h = await _setup(nats_server, run_id, config(task_data, fully_async=False, driver="sync"))
+async def test_sync_mode_releases_one_batch_on_the_right_weights(nats_server, run_id, task_data, tiny_model_dir):
+    svc, h = await _setup(nats_server, run_id, config(task_data, tiny_model_dir, fully_async=False, driver="sync"))
     try:
+        await h.published(1)  # the trainer pushed v1 and asks for step 0's prompts on it
         await h.get(0, wait_s=0.2, release_min_version=1)
         assert svc.service.state.counters.get("released", 0) == 0  # engines still on version 0
-        await h.bus.publish(h.s.weights_live, WeightsLive(version=1))
+        await h.live(1)
         await wait_until(lambda: svc.service.state.counters.get("released") == 2, what="one batch released")
         await h.get(0, wait_s=0.3, release_min_version=1)
         assert svc.service.state.counters.get("released") == 2  # exactly B, never more

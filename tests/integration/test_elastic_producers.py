@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 
 from services.common.procs import free_port, pid_alive
+from tests.conftest import run_auth, run_env
 
 PLUGIN = """
 import asyncio
@@ -65,10 +66,11 @@ def test_a_producer_joins_and_leaves(tmp_path):
         wait_steps(run_dir, 6, launcher)
         cfg = json.loads((run_dir / "config.json").read_text())
         port = free_port()
-        extra = subprocess.Popen(
+        extra = subprocess.Popen(  # joins with the run's producer identity and token, as a user would
             [sys.executable, "-m", "services.rollout", "--nats-url", cfg["nats_url"], "--run-id", cfg["run_id"],
              "--http-port", str(port), "--instance-id", "rollout-extra"],
-            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            cwd=tmp_path, env={**run_env(run_dir), "PYTHONPATH": str(tmp_path)}, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )  # fmt: skip
         deadline = time.monotonic() + 60
         while True:
@@ -86,7 +88,12 @@ def test_a_producer_joins_and_leaves(tmp_path):
         assert after < 0.75 * before, f"step interval {before:.3f}s before the join, {after:.3f}s after"
         # now kill it while it holds prompts: they must be redelivered, nothing lost
         deadline = time.monotonic() + 30
-        while httpx.get(f"http://127.0.0.1:{port}/status", timeout=2).json()["groups_in_flight"] == 0:
+        while (
+            httpx.get(f"http://127.0.0.1:{port}/status", headers=run_auth(run_dir), timeout=2).json()[
+                "groups_in_flight"
+            ]
+            == 0
+        ):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         os.kill(extra.pid, signal.SIGKILL)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl_proto import EvalRequest, EvalResult, decode
+from asyncrl_proto import EvalRequest, EvalResult, WeightsPublished, decode
 from services.api import CheckpointEvalFn, EvalSkip, RunConfig
 from services.common.bus import Bus, fetch_some
 from services.common.snapshot import COMPLETE_MARKER
@@ -40,6 +40,8 @@ def config(task_data, model_dir, run_dir, **kw) -> RunConfig:
 async def ask(bus: Bus, req: EvalRequest) -> EvalResult:
     s = bus.subjects
     sub = await bus.pull(s.eval_stream, s.eval_results, durable=f"t{req.step}-{id(req)}")
+    if req.version > await bus.last_published_version():  # as the trainer: it pushed the version it evaluates
+        await bus.publish(s.weights_published, WeightsPublished(version=req.version, step=req.step, uri="/w"))
     await bus.publish(s.eval_requests, req)
     for _ in range(60):
         for m in await fetch_some(sub, 1, 1.0):

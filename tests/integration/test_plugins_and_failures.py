@@ -40,8 +40,8 @@ class ExplodingBuffer(ListBuffer):
         raise KeyError("boom")
 
 
-async def test_custom_buffer_takes_over_all_three_methods(nats_server, run_id, task_data):
-    cfg = config(task_data, custom_async_data_buffer_path=f"{__name__}.ListBuffer")
+async def test_custom_buffer_takes_over_all_three_methods(nats_server, run_id, task_data, tiny_model_dir):
+    cfg = config(task_data, tiny_model_dir, custom_async_data_buffer_path=f"{__name__}.ListBuffer")
     svc = await start_service(BufferService, cfg, nats_server.url, run_id)
     h = Harness(await Bus.connect(nats_server.url, run_id, "test"))
     try:
@@ -57,10 +57,10 @@ async def test_custom_buffer_takes_over_all_three_methods(nats_server, run_id, t
         await h.bus.close()
 
 
-async def test_a_raising_custom_buffer_fails_loudly_with_its_path(nats_server, run_id, task_data):
+async def test_a_raising_custom_buffer_fails_loudly_with_its_path(nats_server, run_id, task_data, tiny_model_dir):
     path = f"{__name__}.ExplodingBuffer"
     svc = await start_service(
-        BufferService, config(task_data, custom_async_data_buffer_path=path), nats_server.url, run_id
+        BufferService, config(task_data, tiny_model_dir, custom_async_data_buffer_path=path), nats_server.url, run_id
     )
     h = Harness(await Bus.connect(nats_server.url, run_id, "test"))
     try:
@@ -74,17 +74,17 @@ async def test_a_raising_custom_buffer_fails_loudly_with_its_path(nats_server, r
         await h.bus.close()
 
 
-async def test_dynamic_filter_by_import_path(nats_server, run_id, task_data):
-    cfg = config(task_data, dynamic_sampling_filter_path="services.api.check_reward_nonzero_std")
+async def test_dynamic_filter_by_import_path(nats_server, run_id, task_data, tiny_model_dir):
+    cfg = config(task_data, tiny_model_dir, dynamic_sampling_filter_path="services.api.check_reward_nonzero_std")
     svc = await start_service(BufferService, cfg, nats_server.url, run_id)
     h = Harness(await Bus.connect(nats_server.url, run_id, "test"))
     try:
         await h.get(0, wait_s=0.1)
         prompts = await h.prompts(4)
-        from asyncrl_proto import RolloutGroup, Sample, group_id
+        from asyncrl_proto import RolloutGroup, Sample, SampleStatus, group_id
 
-        same = [Sample(index=i, group_index=prompts[0].group_index, reward=1.0, tokens=[1, 2], response_length=1)
-                for i in range(2)]  # fmt: skip
+        same = [Sample(index=i, group_index=prompts[0].group_index, reward=1.0, tokens=[1, 2], response_length=1,
+                       status=SampleStatus.COMPLETED) for i in range(2)]  # fmt: skip
         rg = RolloutGroup(
             group_id=group_id(prompts[0].group_index, 0), group_index=prompts[0].group_index, samples=same
         )
@@ -106,7 +106,7 @@ async def _trainer_failure(nats_server, run_id, task_data, tiny_model_dir, with_
                     n_samples_per_prompt=2, fully_async=True, run_dir=str(nats_server.store_dir / run_id),
                     rollout_wait_warn_s=0.5, producer_timeout_s=2.0, buffer_timeout_s=2.0,
                     skip_eval_before_train=True)  # fmt: skip
-    buf = await start_service(BufferService, config(task_data), nats_server.url, run_id) if with_buffer else None
+    buf = await start_service(BufferService, config(task_data, tiny_model_dir), nats_server.url, run_id) if with_buffer else None
     caplog.set_level(logging.WARNING)
     trainer = await start_service(TrainerService, cfg, nats_server.url, run_id)
     try:
@@ -167,7 +167,7 @@ async def test_a_prompt_that_always_fails_ends_as_a_failed_group(nats_server, ru
     rollouts = await bus.pull(bus.subjects.rollouts_stream, bus.subjects.rollouts, durable="test")
     producer = await start_service(rollout_service.RolloutService, cfg, nats_server.url, run_id)
     try:
-        await bus.publish(bus.subjects.prompts, PromptMsg(group_index=7, prompt="12345", label="54321"))
+        await bus.publish(bus.subjects.prompts, PromptMsg(group_index=7, prompt="12345", label="54321", n_samples=2))
         msgs = []
 
         async def published() -> bool:
@@ -197,7 +197,7 @@ async def test_a_producer_that_stops_is_forgotten_at_once(nats_server, run_id, t
     capacity at once instead of after the heartbeat timeout."""
     from services.rollout.service import RolloutService
 
-    cfg = config(task_data, hf_checkpoint=str(tiny_model_dir), rollout_engine_urls=[engine.url])
+    cfg = config(task_data, tiny_model_dir, hf_checkpoint=str(tiny_model_dir), rollout_engine_urls=[engine.url])
     buf = await start_service(BufferService, cfg, nats_server.url, run_id)
     producer = await start_service(RolloutService, cfg, nats_server.url, run_id)
     try:

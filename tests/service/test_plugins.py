@@ -22,8 +22,21 @@ async def test_a_raising_reward_marks_the_sample_failed():
 
     s = Sample(index=0, status=SampleStatus.COMPLETED)
     assert await score_sample(bad, RunConfig(), s) is False
-    assert s.status is SampleStatus.FAILED and s.reward == 0.0
+    assert s.status is SampleStatus.FAILED and s.reward is None
     assert s.metadata["reward_error"] == "ZeroDivisionError: no"
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), "0.5", None, [1.0], {"acc": float("nan")}, True])
+async def test_a_reward_that_is_not_a_finite_number_marks_the_sample_failed(value):
+    s = Sample(index=0, status=SampleStatus.COMPLETED)
+    assert await score_sample(lambda c, x: value, RunConfig(), s) is False
+    assert s.status is SampleStatus.FAILED and s.reward is None
+    assert "unusable value" in s.metadata["reward_error"]
+    ok = Sample(index=1, status=SampleStatus.COMPLETED)
+    assert await score_sample(lambda c, x: {"acc": 1.0}, RunConfig(reward_key="acc"), ok) and ok.reward == {"acc": 1.0}
+    missing = Sample(index=2, status=SampleStatus.COMPLETED)
+    assert not await score_sample(lambda c, x: {"f1": 1.0}, RunConfig(reward_key="acc"), missing)
+    assert "no 'acc' entry" in missing.metadata["reward_error"]
 
 
 async def test_group_reward_and_its_failures():
@@ -31,7 +44,10 @@ async def test_group_reward_and_its_failures():
     assert await score_group(lambda c, g: [0.1, 0.2, 0.3], RunConfig(), group)
     assert [s.reward for s in group] == [0.1, 0.2, 0.3]
     assert not await score_group(lambda c, g: [1.0], RunConfig(), group)  # wrong length
-    assert all(s.status is SampleStatus.FAILED and "returned 1 rewards" in s.metadata["reward_error"] for s in group)
+    assert all(s.status is SampleStatus.FAILED and "for 3 samples" in s.metadata["reward_error"] for s in group)
+    group = [Sample(index=i) for i in range(3)]
+    assert not await score_group(lambda c, g: [0.1, float("nan"), 0.3], RunConfig(), group)  # one NaN
+    assert [s.status is SampleStatus.FAILED for s in group] == [False, True, False] and group[1].reward is None
 
 
 @pytest.mark.parametrize("update_between_turns", [False, True])

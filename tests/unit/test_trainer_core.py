@@ -242,17 +242,21 @@ def test_token_aggregation_weights_long_sequences_more():
 
 
 def test_a_failed_group_trains_nothing_and_breaks_nothing():
-    """A group the producer gave up on (FAILED, no tokens, no reward) goes through the step:
-    no loss tokens, zero advantages, and the other group's batch is unchanged."""
+    """FAILED samples (the producer gave up, a reward raised) have no reward to compare: they are
+    left out of the advantages and of the batch; the other group's batch is unchanged."""
     from asyncrl_proto import SampleStatus
 
     failed = [Sample(index=i, group_index=0, status=SampleStatus.FAILED) for i in range(2)]
     ok = [Sample(index=2 + i, group_index=1, tokens=[1, 5, 6], response_length=1, reward=float(i),
                  rollout_log_probs=[-1.0]) for i in range(2)]  # fmt: skip
     only_failed = build_train_batch([failed], True, None, 0)
-    assert only_failed.num_tokens == 0 and only_failed.advantages_b.tolist() == [0.0, 0.0]
+    assert only_failed.num_tokens == 0 and only_failed.num_samples == 0
     both = build_train_batch([failed, ok], True, None, 0)
-    assert both.num_tokens == 2 and both.advantages_b.tolist()[:2] == [0.0, 0.0]
+    assert both.num_tokens == 2 and both.num_samples == 2
+    assert both.advantages_b.tolist() == build_train_batch([ok], True, None, 0).advantages_b.tolist()
+    # a half-failed group: its advantages come from the samples that have a reward
+    half = [failed[0], *ok]
+    assert build_train_batch([half], True, None, 0).advantages_b.tolist() == both.advantages_b.tolist()
     # a step of FAILED groups only: no update at all (not a 0/0 that turns the weights into NaN)
     from services.trainer.core import train_step
 

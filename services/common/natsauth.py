@@ -1,0 +1,153 @@
+"""The least-privilege bus: one NATS identity per service role, allowed exactly its subjects.
+
+| role | publishes | subscribes to | JetStream |
+|---|---|---|---|
+| admin (launcher, init-run, audit) | everything | everything | creates the streams and the KV bucket |
+| buffer | prompts, ledger, KV buffer_snapshot | buffer.get, buffer.commit, weights.live, weights.published, heartbeat.rollout | consumer `buffer` on ROLLOUTS, purges ROLLOUTS, reads LEDGER, ROLLOUTS and the last WEIGHTS message |
+| trainer | buffer.get, buffer.commit, weights.published, progress, eval.requests, eval.results | eval.results, heartbeat.rollout | reads ROLLOUTS, the last WEIGHTS message |
+| rollout | rollouts | control | consumer `producers` on PROMPTS |
+| weight-sync | weights.live, KV live_version | - | consumer `weight-sync` on WEIGHTS |
+| eval | eval.results, control | weights.live, weights.published | consumer `eval` on EVAL, reads the last WEIGHTS message |
+
+Every role may also publish its own heartbeat and dead letters, read the run's config and live
+version from KV, look up stream info, and receive replies on its own inbox prefix
+(`_INBOX.<run>.<role>`), so no role can read another's replies. Only the buffer answers requests
+(`allow_responses`). So a producer's credentials cannot append to the ledger, publish weights,
+progress or commits, answer a get, or touch a stream's configuration.
+
+`server_auth_conf` renders this as a nats-server `authorization` block: the launcher writes it
+into the embedded server's config with generated passwords, and `asyncrl secrets` writes the
+same block for docker compose and Kubernetes.
+"""
+
+from __future__ import annotations
+
+import json
+
+from asyncrl_proto.subjects import Subjects
+
+ROLES = ("admin", "buffer", "trainer", "rollout", "weight-sync", "eval")
+SERVICE_ROLES = ROLES[1:]
+JS = "$JS.API"
+
+
+def inbox_prefix(run_id: str, role: str) -> str:
+    return f"_INBOX.{run_id}.{role}"
+
+
+def _consume(stream: str, durable: str) -> list[str]:
+    """A durable consumer of one stream: create or look it up, pull from it, acknowledge."""
+    return [
+        f"{JS}.CONSUMER.INFO.{stream}.{durable}",
+        f"{JS}.CONSUMER.CREATE.{stream}.{durable}",
+        f"{JS}.CONSUMER.CREATE.{stream}.{durable}.>",
+        f"{JS}.CONSUMER.DURABLE.CREATE.{stream}.{durable}",
+        f"{JS}.CONSUMER.MSG.NEXT.{stream}.{durable}",
+        f"$JS.ACK.{stream}.{durable}.>",
+    ]
+
+
+def _read(stream: str) -> list[str]:
+    """Messages of a stream by sequence or last-by-subject (direct or through the API)."""
+    return [f"{JS}.DIRECT.GET.{stream}", f"{JS}.DIRECT.GET.{stream}.>", f"{JS}.STREAM.MSG.GET.{stream}"]
+
+
+def role_permissions(run_id: str, role: str) -> dict:
+    """The nats-server `permissions` of one role in one run."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
+    if role == "admin":
+        return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
+    s = Subjects(run_id=run_id)
+    bucket, kv_stream = s.kv_bucket, f"KV_{s.kv_bucket}"
+
+    def kv_get(*keys: str) -> list[str]:
+        return [f"{JS}.DIRECT.GET.{kv_stream}.$KV.{bucket}.{k}" for k in keys]
+
+    streams = [spec["name"] for spec in s.stream_specs()] + [kv_stream]
+    pub = [s.heartbeat(role), s._s("deadletter.>"), *(f"{JS}.STREAM.INFO.{n}" for n in streams)]
+    pub += kv_get("config", "live_version")
+    sub = [f"{inbox_prefix(run_id, role)}.>"]
+    responses = None
+    if role == "buffer":
+        pub += [s.prompts, s.ledger, f"$KV.{bucket}.buffer_snapshot", *kv_get("buffer_snapshot")]
+        pub += _consume(s.rollouts_stream, "buffer") + _read(s.rollouts_stream) + _read(s.ledger_stream)
+        pub += _read(s.weights_stream)
+        pub += [f"{JS}.STREAM.PURGE.{s.rollouts_stream}"]
+        sub += [s.buffer_get, s.buffer_commit, s.weights_live, s.weights_published, s.heartbeat("rollout")]
+        responses = {"max": 4, "expires": "2m"}  # a get is answered twice (provisional, durable)
+    elif role == "trainer":
+        pub += [s.buffer_get, s.buffer_commit, s.weights_published, s.progress, s.eval_requests, s.eval_results]
+        pub += _read(s.rollouts_stream) + _read(s.weights_stream)
+        sub += [s.eval_results, s.heartbeat("rollout")]
+    elif role == "rollout":
+        pub += [s.rollouts] + _consume(s.prompts_stream, "producers")
+        sub += [s.control]
+    elif role == "weight-sync":
+        pub += [s.weights_live, f"$KV.{bucket}.live_version"] + _consume(s.weights_stream, "weight-sync")
+    elif role == "eval":
+        pub += [s.eval_results, s.control] + _consume(s.eval_stream, "eval") + _read(s.weights_stream)
+        sub += [s.weights_live, s.weights_published]
+    perms: dict = {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
+    if responses:
+        perms["allow_responses"] = responses
+    return perms
+
+
+def server_auth_conf(run_id: str, passwords: dict[str, str] | None = None) -> str:
+    """A nats-server `authorization { users = [...] }` block: one user per role, named after it,
+    with its permissions. Passwords are given, or (None) read by the server from the environment
+    variables ASYNCRL_NATS_PASSWORD_<ROLE> (docker compose, Kubernetes)."""
+    users = []
+    for role in ROLES:
+        if passwords is None:
+            password = "$ASYNCRL_NATS_PASSWORD_" + role.upper().replace("-", "_")
+        else:
+            password = json.dumps(passwords[role])
+        perms = json.dumps(role_permissions(run_id, role), indent=None)
+        users.append(f"    {{user: {json.dumps(role)}, password: {password}, permissions: {perms}}}")
+    return "authorization {\n  users = [\n" + "\n".join(users) + "\n  ]\n}\n"
+
+
+def write_deploy_secrets(run_id: str, out_dir, keep: bool = True) -> dict[str, str]:
+    """The secrets of a run whose services start elsewhere (docker compose, Kubernetes): a
+    password per role (nats.json, the --nats-roles-file format), the server's authorization
+    block with them (auth.conf, for deploy/nats-server.conf's include) and a run token
+    (run-token), each mode 0600. Existing ones are kept (`keep`), so a restart changes nothing."""
+    from pathlib import Path
+
+    from services.common.secrets import load_roles_file, new_secret, write_roles_file, write_secret_file
+
+    out = Path(out_dir)
+    roles_path = out / "nats.json"
+    passwords = None
+    if keep and roles_path.exists():
+        roles = load_roles_file(roles_path)
+        if all(r in roles and roles[r].get("password") for r in ROLES):
+            passwords = {r: roles[r]["password"] for r in ROLES}
+    if passwords is None:
+        passwords = {r: new_secret() for r in ROLES}
+        write_roles_file(roles_path, passwords)
+    write_secret_file(out / "auth.conf", server_auth_conf(run_id, passwords))
+    if not (keep and (out / "run-token").exists()):
+        write_secret_file(out / "run-token", new_secret())
+    return passwords
+
+
+def k8s_secrets(run_id: str) -> str:
+    """Kubernetes Secrets for a run (`asyncrl secrets --run-id ID --k8s | kubectl apply -f -`):
+    asyncrl-nats-auth (auth.conf for the nats pod), asyncrl-run-token, and one
+    asyncrl-nats-<role> per role holding only that role's password."""
+    import base64
+
+    from services.common.secrets import new_secret
+
+    def secret(name: str, data: dict[str, str]) -> str:
+        items = "\n".join(f"  {k}: {base64.b64encode(v.encode()).decode()}" for k, v in data.items())
+        return f"apiVersion: v1\nkind: Secret\nmetadata: {{name: {name}}}\ntype: Opaque\ndata:\n{items}\n"
+
+    passwords = {r: new_secret() for r in ROLES}
+    docs = [secret("asyncrl-nats-auth", {"auth.conf": server_auth_conf(run_id, passwords)}),
+            secret("asyncrl-run-token", {"run-token": new_secret()})]  # fmt: skip
+    docs += [secret(f"asyncrl-nats-{r}", {"user": r, "password": passwords[r]}) for r in ROLES]
+    return "---\n".join(docs)

@@ -1,0 +1,273 @@
+"""Secrets: the run token (HTTP) and the NATS credentials of each process.
+
+A secret is never printed, never logged, never put on a child's command line, never written to
+config.json, the run's KV bucket or `/config`. It reaches a process through its environment (a
+process's environment is readable by its own user only, unlike its command line) or through a
+file of mode 0600 that the environment names:
+
+  ASYNCRL_RUN_TOKEN / ASYNCRL_RUN_TOKEN_FILE   the run token: `Authorization: Bearer <token>` on
+                                               every protected HTTP route (services, engines)
+  ASYNCRL_NATS_USER, ASYNCRL_NATS_PASSWORD     NATS user and password
+  ASYNCRL_NATS_TOKEN                           NATS token
+  ASYNCRL_NATS_CREDS, ASYNCRL_NATS_NKEY        paths: a NATS .creds file (JWT) or an NKey seed file
+  ASYNCRL_NATS_TLS_CA, _CERT, _KEY             paths: TLS CA bundle, client certificate and key
+  ASYNCRL_NATS_ROLES_FILE                      path: JSON {role: {user, password} | {token} |
+                                               {creds} | {nkey}}, each process takes its role's
+
+The launcher makes a run token and, for the embedded nats-server, one NATS identity per role
+(services.common.natsauth), kept under <run_dir>/secrets (mode 0700, files 0600).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import ssl
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+RUN_TOKEN_ENV = "ASYNCRL_RUN_TOKEN"
+RUN_TOKEN_FILE_ENV = "ASYNCRL_RUN_TOKEN_FILE"
+ROLES_FILE_ENV = "ASYNCRL_NATS_ROLES_FILE"
+NATS_ENV = {
+    "user": "ASYNCRL_NATS_USER",
+    "password": "ASYNCRL_NATS_PASSWORD",
+    "token": "ASYNCRL_NATS_TOKEN",
+    "creds_file": "ASYNCRL_NATS_CREDS",
+    "nkey_file": "ASYNCRL_NATS_NKEY",
+    "tls_ca": "ASYNCRL_NATS_TLS_CA",
+    "tls_cert": "ASYNCRL_NATS_TLS_CERT",
+    "tls_key": "ASYNCRL_NATS_TLS_KEY",
+}
+SECRET_ENV = (RUN_TOKEN_ENV, NATS_ENV["password"], NATS_ENV["token"])
+REDACTED = "***"
+
+
+class SecretError(ValueError):
+    """A secret that cannot be read; the message names the variable or file, never the value."""
+
+
+def new_secret() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def write_secret_file(path: str | Path, text: str) -> Path:
+    """Write `text` to a file only its owner can read (0600), in a directory only its owner can
+    enter (0700), replacing any older file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.chmod(0o700)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+    return path
+
+
+def read_secret_file(path: str | Path, what: str) -> str:
+    try:
+        text = Path(path).read_text().strip()
+    except OSError as e:
+        raise SecretError(f"cannot read {what} from {path}: {e.strerror or e}") from None
+    if not text:
+        raise SecretError(f"{what} file {path} is empty")
+    return text
+
+
+def run_token_from_env(environ: dict[str, str] | None = None) -> str | None:
+    env = os.environ if environ is None else environ
+    if env.get(RUN_TOKEN_ENV):
+        return env[RUN_TOKEN_ENV]
+    if env.get(RUN_TOKEN_FILE_ENV):
+        return read_secret_file(env[RUN_TOKEN_FILE_ENV], f"the run token (${RUN_TOKEN_FILE_ENV})")
+    return None
+
+
+@dataclass(frozen=True)
+class NatsCredentials:
+    """How one process authenticates to NATS. repr() shows no secret."""
+
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False)
+    creds_file: str | None = None
+    nkey_file: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    @classmethod
+    def from_env(cls, role: str | None = None, environ: dict[str, str] | None = None) -> NatsCredentials:
+        """This process's credentials: its role's entry of $ASYNCRL_NATS_ROLES_FILE if there is
+        one, else the ASYNCRL_NATS_* variables; TLS settings always from the variables."""
+        env = os.environ if environ is None else environ
+        values = {name: env.get(var) or None for name, var in NATS_ENV.items()}
+        roles_file = env.get(ROLES_FILE_ENV)
+        if roles_file and role:
+            entry = load_roles_file(roles_file).get(role)
+            if entry is not None:
+                for k in ("user", "password", "token", "creds_file", "nkey_file"):
+                    values[k] = entry.get(k)
+        return cls(**values)
+
+    def with_tls(self, ca: str | None, cert: str | None, key: str | None) -> NatsCredentials:
+        return NatsCredentials(**{**self._values(), "tls_ca": ca, "tls_cert": cert, "tls_key": key})
+
+    def _values(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @property
+    def uses_tls(self) -> bool:
+        return bool(self.tls_ca or self.tls_cert)
+
+    def env(self) -> dict[str, str]:
+        """The ASYNCRL_NATS_* variables that give a child process these credentials."""
+        return {NATS_ENV[k]: v for k, v in self._values().items() if v}
+
+    def secrets(self) -> list[str]:
+        return [s for s in (self.password, self.token) if s]
+
+    def describe(self) -> str:
+        """What kind of identity this is, for error messages (no secret in it)."""
+        if self.creds_file:
+            what = f"the credentials file {self.creds_file}"
+        elif self.nkey_file:
+            what = f"the NKey seed file {self.nkey_file}"
+        elif self.token:
+            what = "a token"
+        elif self.user:
+            what = f"user {self.user!r} with a password"
+        else:
+            what = "no credentials"
+        return what + (f", TLS CA {self.tls_ca}" if self.tls_ca else "")
+
+    def connect_kwargs(self) -> dict:
+        """Keyword arguments of nats.connect() for these credentials."""
+        kw: dict = {}
+        if self.user:
+            kw["user"] = self.user
+        if self.password:
+            kw["password"] = self.password
+        if self.token:
+            kw["token"] = self.token
+        if self.creds_file:
+            kw["user_credentials"] = self.creds_file
+        if self.nkey_file:
+            kw["nkeys_seed"] = self.nkey_file
+        if self.uses_tls:
+            kw["tls"] = self.ssl_context()
+        return kw
+
+    def ssl_context(self) -> ssl.SSLContext:
+        try:
+            ctx = ssl.create_default_context(cafile=self.tls_ca) if self.tls_ca else ssl.create_default_context()
+            if self.tls_cert:
+                ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        except (OSError, ssl.SSLError) as e:
+            raise SecretError(
+                f"cannot load the NATS TLS files (CA {self.tls_ca}, certificate {self.tls_cert}, key {self.tls_key}): {e}"
+            ) from None
+        return ctx
+
+
+_ROLE_KEYS = {"user": "user", "password": "password", "token": "token", "creds": "creds_file", "nkey": "nkey_file"}
+
+
+def load_roles_file(path: str | Path) -> dict[str, dict[str, str]]:
+    """{role: {user, password} | {token} | {creds: path} | {nkey: path}}; raises SecretError
+    naming the file and what is wrong (never a value)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise SecretError(f"cannot read the NATS roles file {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not isinstance(data, dict):
+        raise SecretError(f"the NATS roles file {path} must hold a JSON object of role -> credentials")
+    out: dict[str, dict[str, str]] = {}
+    for role, entry in data.items():
+        if not isinstance(entry, dict) or not entry or not set(entry) <= set(_ROLE_KEYS):
+            raise SecretError(
+                f"the NATS roles file {path}: role {role!r} needs an object with user/password, token, creds or nkey"
+            )
+        if not all(isinstance(v, str) and v for v in entry.values()):
+            raise SecretError(f"the NATS roles file {path}: the values of role {role!r} must be non-empty strings")
+        out[role] = {_ROLE_KEYS[k]: v for k, v in entry.items()}
+    return out
+
+
+def write_roles_file(path: str | Path, passwords: dict[str, str]) -> Path:
+    return write_secret_file(path, json.dumps({r: {"user": r, "password": p} for r, p in passwords.items()}, indent=2))
+
+
+def split_url_credentials(url: str) -> tuple[str, str | None, str | None]:
+    """nats://user:pass@host:4222 -> (nats://host:4222, user, pass); nats://tok@host -> (.., tok, None)
+    (a lone user part is NATS's token form). Only the first URL of a comma-separated list may
+    carry credentials, as nats-py reads them."""
+    first, sep, rest = url.partition(",")
+    parts = urlsplit(first)
+    if not parts.username and not parts.password:
+        return url, None, None
+    host = parts.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    if parts.port:
+        netloc += f":{parts.port}"
+    clean = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    return clean + sep + rest, parts.username, parts.password
+
+
+def redact_text(text: str, secret_values: list[str]) -> str:
+    for s in secret_values:
+        if s and len(s) >= 4:
+            text = text.replace(s, REDACTED)
+    return text
+
+
+class RedactingFilter(logging.Filter):
+    """Replaces every known secret in a log record's final message: a secret that reaches a log
+    line by accident (an exception text quoting a URL, a library's debug output) is still hidden."""
+
+    def __init__(self, secret_values: list[str]):
+        super().__init__()
+        self.secret_values = [s for s in secret_values if s and len(s) >= 4]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.secret_values:
+            msg = record.getMessage()
+            clean = redact_text(msg, self.secret_values)
+            if clean != msg:
+                record.msg, record.args = clean, None
+            if record.exc_info and record.exc_info[1] is not None:
+                text = logging.Formatter().formatException(record.exc_info)
+                record.exc_text = redact_text(text, self.secret_values)
+        return True
+
+
+def without_nats_identity(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """An environment for a child that talks to no NATS server (an engine): ours without the
+    NATS identity (it keeps the run token, its API key)."""
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items() if not k.startswith("ASYNCRL_NATS_")}
+
+
+def known_secrets(environ: dict[str, str] | None = None) -> list[str]:
+    """Every secret this process holds through its environment."""
+    env = os.environ if environ is None else environ
+    out = [env[k] for k in SECRET_ENV if env.get(k)]
+    token = None
+    try:
+        token = run_token_from_env(env)
+    except SecretError:
+        pass
+    if token:
+        out.append(token)
+    return out
+
+
+def install_log_redaction(extra: list[str] | None = None) -> None:
+    """Add the redacting filter to every handler of the root logger."""
+    flt = RedactingFilter(known_secrets() + list(extra or []))
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(flt)

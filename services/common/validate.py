@@ -1,0 +1,113 @@
+"""What a trainable group is, checked by meaning, not only by shape (decoding checks the shape).
+
+A sample is trainable when its token ids are inside the vocabulary, its length inside the
+context, its response length, log-probs and loss mask agree, its log-probs and reward are
+finite, and every weight version it names has been published. A FAILED sample carries no
+tokens that anyone trains on; it only needs a finite reward or none.
+
+Who calls this: the producer on what it built (a bad sample is marked FAILED with the reason,
+so the group still accounts for its prompt); the buffer on every group it receives (a bad one is
+dead-lettered and its prompt's fate recorded as `rejected`); the trainer on every group it is
+handed (a bad sample is left out of the loss: defence in depth, it never happens with a healthy
+buffer). No torch, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl_proto.messages import SampleStatus, flatten_group, group_id
+
+MAX_ATTEMPT = 10_000
+LOGPROB_SLACK = 1e-3
+"""A log-prob above 0 by more than float error is not a probability."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    n: int
+    """Trajectories per group (--n-samples-per-prompt)."""
+    vocab_size: int
+    context_length: int
+    max_version: int | None = None
+    """The newest weight version published; None when unknown (versions are not checked)."""
+    reward_key: str | None = None
+
+
+def limits_from_model_dir(path: str, n: int, reward_key: str | None) -> Limits:
+    """The limits of the run's model (its config.json: vocab_size, max_position_embeddings)."""
+    import json
+    from pathlib import Path
+
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    return Limits(n=n, vocab_size=int(cfg["vocab_size"]), context_length=int(cfg["max_position_embeddings"]),
+                  reward_key=reward_key)  # fmt: skip
+
+
+def finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def reward_problem(reward: Any, reward_key: str | None) -> str | None:
+    """A reward must be a finite number, or a dict of finite numbers (holding --reward-key)."""
+    if isinstance(reward, dict):
+        if not reward:
+            return "reward is an empty dict"
+        bad = next((k for k, v in reward.items() if not isinstance(k, str) or not finite(v)), None)
+        if bad is not None:
+            return f"reward[{bad!r}] is {reward[bad]!r}, not a finite number"
+        if reward_key is not None and reward_key not in reward:
+            return f"reward has no {reward_key!r} entry (--reward-key)"
+        return None
+    if not finite(reward):
+        return f"reward is {reward!r:.60} ({type(reward).__name__}), not a finite number"
+    return None
+
+
+def sample_problem(s: Any, limits: Limits) -> str | None:
+    """The first reason this sample cannot be trained on, or None."""
+    if s.status == SampleStatus.FAILED:
+        if s.reward is not None and (p := reward_problem(s.reward, limits.reward_key)):
+            return p
+        return None
+    if s.status == SampleStatus.PENDING:
+        return "status is PENDING: a finished group holds finished samples"
+    tokens = s.tokens
+    if tokens:
+        lo, hi = min(tokens), max(tokens)
+        if lo < 0 or hi >= limits.vocab_size:
+            return f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {limits.vocab_size})"
+    if len(tokens) > limits.context_length:
+        return f"{len(tokens)} tokens exceed the context length {limits.context_length}"
+    if not 0 <= s.response_length <= len(tokens) or (tokens and s.response_length == len(tokens)):
+        return f"response_length {s.response_length} does not fit {len(tokens)} tokens with a prompt"
+    if s.rollout_log_probs and len(s.rollout_log_probs) != s.response_length:
+        return f"{len(s.rollout_log_probs)} log-probs for {s.response_length} response tokens"
+    if s.rollout_log_probs and not all(math.isfinite(x) and x <= LOGPROB_SLACK for x in s.rollout_log_probs):
+        return "a rollout log-prob is not finite or above 0"
+    if s.loss_mask is not None and (len(s.loss_mask) != s.response_length or not set(s.loss_mask) <= {0, 1}):
+        return f"loss_mask must hold {s.response_length} values of 0 or 1"
+    if s.status != SampleStatus.ABORTED and (p := reward_problem(s.reward, limits.reward_key)):
+        return p
+    for v in s.weight_versions:
+        if v < 0 or (limits.max_version is not None and v > limits.max_version):
+            return f"weight version {v} was never published (newest {limits.max_version})"
+    return None
+
+
+def group_problem(group_id_: str, group_index: int, attempt: int, samples: list, limits: Limits) -> str | None:
+    """The first reason a group cannot be trained on, or None."""
+    if group_index < 0 or not 0 <= attempt <= MAX_ATTEMPT:
+        return f"group_index {group_index} / attempt {attempt} out of range"
+    if group_id_ != group_id(group_index, attempt):
+        return f"group id {group_id_!r:.60} does not match group_index {group_index} and attempt {attempt}"
+    if len(samples) != limits.n:
+        return f"group {group_id_} has {len(samples)} trajectories, expected n={limits.n}"
+    for s in flatten_group(samples):
+        if s.group_index != group_index:
+            return f"a sample of group {group_id_} names group_index {s.group_index}"
+        if (p := sample_problem(s, limits)) is not None:
+            return f"sample {s.index}: {p}"
+    return None

@@ -1,0 +1,166 @@
+"""Preparing a run before any service starts: its id and directory, the task's data and tiny
+model, every dataset read and checked, the run token and the NATS identities of each role.
+
+`prepare_run` is shared by the launcher and `asyncrl init-run` (which prepares a run for
+services started elsewhere: docker compose, Kubernetes, Ray).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from pathlib import Path
+
+from asyncrl_proto.subjects import check_run_id
+from services.common.config import RunConfig
+from services.common.natsauth import ROLES
+from services.common.secrets import (
+    NatsCredentials,
+    SecretError,
+    load_roles_file,
+    new_secret,
+    read_secret_file,
+    write_roles_file,
+    write_secret_file,
+)
+from services.supervisor import LaunchError
+
+
+def default_run_id() -> str:
+    return time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:4]
+
+
+def prepare_run(config: RunConfig, log=print) -> RunConfig:
+    """Resolve run id and directory, write the task's data and build its model when needed."""
+    run_id = check_run_id(config.run_id or default_run_id())
+    run_dir = Path(config.run_dir or Path("runs") / run_id).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    updates: dict = {"run_id": run_id, "run_dir": str(run_dir)}
+    for field in ("save", "save_hf", "load", "eval_hf_dir", "prompt_data"):  # services may run elsewhere
+        if getattr(config, field):
+            updates[field] = str(Path(getattr(config, field)).resolve())
+    if config.task == "reverse-digits" and (config.prompt_data is None or not config.eval_prompt_data):
+        from services.tasks import reverse_digits
+
+        train, held_out = reverse_digits.write_datasets(run_dir / "data", seed=config.rollout_seed)
+        if config.prompt_data is None:
+            updates["prompt_data"] = str(train)
+        if not config.eval_prompt_data:
+            updates["eval_prompt_data"] = [reverse_digits.NAME, str(held_out)]
+    rows = check_datasets(config.model_copy(update=updates))
+    if config.num_rollout is None and config.num_epoch is not None:
+        updates["num_rollout"] = max(1, math.ceil(config.num_epoch * rows / config.rollout_batch_size))
+        log(f"--num-epoch {config.num_epoch}: {rows} prompts per epoch -> {updates['num_rollout']} steps")
+    if config.hf_checkpoint is None:
+        from services.tasks import reverse_digits
+
+        model_dir = run_dir / "model" / "initial"
+        if not (model_dir / ".complete").exists():
+            reverse_digits.build_model(model_dir, seed=config.seed, warmup_sft_steps=config.warmup_sft_steps, log=log)
+        updates["hf_checkpoint"] = str(model_dir)
+    else:
+        updates["hf_checkpoint"] = str(Path(config.hf_checkpoint).resolve())
+    return config.model_copy(update=updates)
+
+
+def check_datasets(config: RunConfig) -> int:
+    """Read every dataset of the run before any service starts; a bad row is an error naming its
+    file and line (not a buffer that crashes three times). Returns the prompts per epoch."""
+    from services.buffer.datasource import load_rows
+
+    try:
+        rows = load_rows(config.prompt_data, config.input_key, config.label_key, config.metadata_key)
+        pairs = config.eval_prompt_data
+        for path in pairs[1::2]:
+            load_rows(path, config.input_key, config.label_key, config.metadata_key)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+    return len(rows)
+
+
+def role_credentials(config: RunConfig) -> dict[str, NatsCredentials]:
+    """Each role's NATS identity on an external server: --nats-roles-file, or the one identity
+    the launcher was given (--nats-user/--nats-password, --nats-token, --nats-creds, --nats-nkey)."""
+    tls = (config.nats_tls_ca, config.nats_tls_cert, config.nats_tls_key)
+    if config.nats_roles_file:
+        try:
+            roles = load_roles_file(config.nats_roles_file)
+        except SecretError as e:
+            raise LaunchError(str(e)) from None
+        missing = [r for r in ROLES if r not in roles]
+        if missing:
+            raise LaunchError(f"--nats-roles-file {config.nats_roles_file} has no identity for {', '.join(missing)}")
+        return {r: NatsCredentials(**roles[r]).with_tls(*tls) for r in ROLES}
+    one = NatsCredentials(
+        user=config.nats_user,
+        password=config.nats_password.get_secret_value() if config.nats_password else None,
+        token=config.nats_token.get_secret_value() if config.nats_token else None,
+        creds_file=config.nats_creds,
+        nkey_file=config.nats_nkey,
+    ).with_tls(*tls)
+    return dict.fromkeys(ROLES, one)
+
+
+def run_token(config: RunConfig, secrets_dir: Path) -> str:
+    """The run token: given (--run-token / $ASYNCRL_RUN_TOKEN), kept from an earlier start of the
+    same run directory, or new; always in <run_dir>/secrets/run-token (0600) for the operator."""
+    path = secrets_dir / "run-token"
+    if config.run_token is not None:
+        token = config.run_token.get_secret_value()
+    elif path.exists():
+        token = read_secret_file(path, "the run token")
+    else:
+        token = new_secret()
+    write_secret_file(path, token)
+    return token
+
+
+def role_passwords(secrets_dir: Path) -> dict[str, str]:
+    """The embedded server's per-role passwords, kept across restarts of the same run directory
+    (its store and its services must still match)."""
+    path = secrets_dir / "nats.json"
+    if path.exists():
+        roles = load_roles_file(path)
+        if all(r in roles and roles[r].get("password") for r in ROLES):
+            return {r: roles[r]["password"] for r in ROLES}
+    passwords = {r: new_secret() for r in ROLES}
+    write_roles_file(path, passwords)
+    return passwords
+
+
+async def publish_run_config(config: RunConfig) -> None:
+    """Create the run's streams and write its resolved config to KV, for services started
+    elsewhere (docker compose, Kubernetes, Ray) with `asyncrl service NAME`."""
+    from services.common.bus import Bus
+
+    creds = role_credentials(config)["admin"]
+    bus = await Bus.connect(config.nats_url, config.run_id, "init-run", connect_timeout_s=120, creds=creds)
+    try:
+        await bus.ensure_streams()
+        await bus.kv_put("config", json.dumps(config.model_dump(mode="json")).encode())
+    finally:
+        await bus.close()
+
+
+def init_run(config: RunConfig, log=print) -> RunConfig:
+    if not config.nats_url:
+        raise LaunchError("init-run needs --nats-url: the services it prepares for read their config from NATS")
+    if not config.rollout_engine_urls and not config.rollout_external_engine_addrs:
+        raise LaunchError(
+            "init-run needs --rollout-engine-urls (or --rollout-external-engine-addrs): where the engines listen"
+        )
+    config = prepare_run(config, log=log)
+    if not config.rollout_engine_urls:
+        from services.common.sglang_client import normalize_url
+
+        config = config.model_copy(
+            update={"rollout_engine_urls": [normalize_url(a) for a in config.rollout_external_engine_addrs]}
+        )
+    (Path(config.run_dir) / "config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
+    asyncio.run(publish_run_config(config))
+    log(f"run {config.run_id} prepared in {config.run_dir}; config published to {config.nats_url}")
+    return config

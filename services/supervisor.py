@@ -1,0 +1,145 @@
+"""The launcher's child processes: started by PID, restarted when they exit or stay unhealthy,
+stopped by PID in reverse order.
+
+A child is restarted (same command, environment, ports and log) when it exits, or when its
+health check (a service's /healthz, an engine's /health_generate) has failed for
+--health-restart-s once it had been healthy: a live process that no longer works (a stuck
+event loop, a stalled engine) is as dead as an exited one. Each child may be restarted
+--service-restarts times. A child that exits with EXIT_FATAL says a restart cannot help (refused
+credentials, an invalid configuration, a full disk): the run fails at once with its last log lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from services.common import procs
+
+EXIT_FATAL = 78
+"""Exit code of a service that failed for a reason no restart can fix (EX_CONFIG)."""
+HEALTH_POLL_S = 2.0
+HEALTH_TIMEOUT_S = 5.0
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass
+class Child:
+    name: str
+    cmd: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen
+    health_url: str | None = None
+    restarts: int = 0
+    healthy_once: bool = False
+    """Passed a health check since its last (re)start: only then do failures count."""
+    failing_since: float | None = None
+    last_failure: str = ""
+    next_check: float = field(default=0.0)
+
+
+class Supervisor:
+    def __init__(self, run_dir: Path, max_restarts: int, health_restart_s: float, out=print,
+                 headers: dict[str, str] | None = None):  # fmt: skip
+        self.run_dir = run_dir
+        self.max_restarts = max_restarts
+        self.health_restart_s = health_restart_s
+        self.out = out
+        self.headers = headers or {}
+        self.children: list[Child] = []
+        self.extra_pids: dict[str, int] = {}
+
+    def log_path(self, name: str) -> Path:
+        return self.run_dir / "logs" / f"{name}.log"
+
+    def spawn(self, name: str, cmd: list[str], env: dict[str, str], health_url: str | None = None) -> Child:
+        proc = procs.spawn(cmd, log_path=self.log_path(name), env=env)
+        child = Child(name, cmd, env, proc, health_url)
+        self.children.append(child)
+        self.write_pids()
+        return child
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def write_pids(self) -> None:
+        pids = {c.name: c.proc.pid for c in self.children} | self.extra_pids | {"launcher": os.getpid()}
+        (self.run_dir / "pids.json").write_text(json.dumps(pids, indent=2))
+
+    def tail(self, name: str, n: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path(name).read_text(errors="replace").splitlines()[-n:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    # ---- restarts ------------------------------------------------------------------------------
+    def check_exits(self, allow_exit: tuple[str, ...] = ()) -> None:
+        """Restart every child that exited (but those in allow_exit with code 0)."""
+        for c in self.children:
+            code = c.proc.poll()
+            if code is None or (c.name in allow_exit and code == 0):
+                continue
+            if code == EXIT_FATAL:
+                raise LaunchError(
+                    f"{c.name} (pid {c.proc.pid}) stopped on an error a restart cannot fix; last log lines:\n"
+                    f"{self.tail(c.name)}"
+                )
+            self.restart(c, f"exited with code {code}")
+
+    def restart(self, c: Child, why: str) -> None:
+        if c.restarts >= self.max_restarts:
+            raise LaunchError(f"{c.name} (pid {c.proc.pid}) {why}; last log lines:\n{self.tail(c.name)}")
+        c.restarts += 1
+        self.out(f"  {c.name} (pid {c.proc.pid}) {why}; restarting ({c.restarts}/{self.max_restarts})")
+        if c.proc.poll() is None:
+            c.proc.kill()  # unhealthy but alive: it would not answer a SIGTERM in time either
+            c.proc.wait(timeout=10)
+        c.proc = procs.spawn(c.cmd, log_path=self.log_path(c.name), env=c.env)
+        c.healthy_once, c.failing_since, c.next_check = False, None, 0.0
+        self.write_pids()
+
+    # ---- health --------------------------------------------------------------------------------
+    async def check_health(self, http: httpx.AsyncClient) -> None:
+        """Poll the children whose check is due; restart one that has failed for health_restart_s
+        since it was last healthy."""
+        if self.health_restart_s <= 0:
+            return
+        now = time.monotonic()
+        due = [c for c in self.children if c.health_url and c.proc.poll() is None and now >= c.next_check]
+        results = await asyncio.gather(*(self._probe(http, c.health_url) for c in due))
+        for c, failure in zip(due, results, strict=True):
+            c.next_check = now + HEALTH_POLL_S
+            if failure is None:
+                c.healthy_once, c.failing_since = True, None
+                continue
+            if not c.healthy_once:
+                continue  # still starting (or restarting): its start-up is not a health failure
+            c.last_failure = failure
+            c.failing_since = c.failing_since or now
+            if now - c.failing_since >= self.health_restart_s:
+                self.restart(c, f"failed its health check for {now - c.failing_since:.0f}s ({failure})")
+
+    async def _probe(self, http: httpx.AsyncClient, url: str) -> str | None:
+        try:
+            r = await http.get(url, headers=self.headers, timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError as e:
+            return f"{type(e).__name__}"
+        return None if r.status_code == 200 else f"HTTP {r.status_code}"
+
+    def mark_healthy(self, name: str) -> None:
+        self.child(name).healthy_once = True
+
+    # ---- stop ------------------------------------------------------------------------------------
+    def stop_all(self) -> None:
+        for c in reversed(self.children):
+            procs.stop(c.proc, timeout_s=15.0)

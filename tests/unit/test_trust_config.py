@@ -1,0 +1,129 @@
+"""Configuration checked up front, and secrets that never leave their process: ranges and
+finiteness of every numeric flag, the run id's pattern, credentials taken out of the NATS URL,
+secret fields absent from every dump, the redacting log filter, the roles file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import pytest
+
+from services.common.config import ConfigError, RunConfig, resolve_config
+from services.common.secrets import (
+    NatsCredentials,
+    RedactingFilter,
+    SecretError,
+    load_roles_file,
+    run_token_from_env,
+    split_url_credentials,
+    write_roles_file,
+    write_secret_file,
+)
+
+BAD = [
+    ({"rollout_temperature": math.nan}, "--rollout-temperature must be a finite number"),
+    ({"lr": math.nan}, "--lr must be a finite number"),
+    ({"lr": -1e-3}, "--lr must be > 0"),
+    ({"lr": math.inf}, "--lr must be a finite number"),
+    ({"rollout_max_response_len": -4}, "--rollout-max-response-len must be >= 1"),
+    ({"rollout_max_response_len": 0}, "--rollout-max-response-len must be >= 1"),
+    ({"prompt_ack_wait_s": 0}, "--prompt-ack-wait-s must be > 0"),
+    ({"buffer_timeout_s": 0}, "--buffer-timeout-s must be > 0"),
+    ({"producer_timeout_s": -5}, "--producer-timeout-s must be > 0"),
+    ({"rollout_health_check_timeout": 0}, "--rollout-health-check-timeout must be > 0"),
+    ({"torch_num_threads": 0}, "--torch-num-threads must be >= 1"),
+    ({"engine_max_running_requests": 0}, "--engine-max-running-requests must be >= 1"),
+    ({"adam_beta2": 1.0}, "--adam-beta2 must be < 1"),
+    ({"eps_clip": 0}, "--eps-clip must be > 0"),
+    ({"eval_top_p": 1.5}, "--eval-top-p must be <= 1"),
+    ({"max_failed_ratio": 1.5}, "--max-failed-ratio must be <= 1"),
+    ({"health_restart_s": -1}, "--health-restart-s must be >= 0"),
+    ({"nats_max_file_store": 0}, "--nats-max-file-store must be > 0"),
+    ({"rollout_stop_token_ids": [3, -1]}, "--rollout-stop-token-ids must be token ids >= 0"),
+    ({"run_id": "a b"}, "--run-id: run id 'a b' is not usable in NATS subjects"),
+    ({"run_id": "x" * 65}, "is not usable in NATS subjects"),
+    ({"nats_tls_key": "k.pem"}, "--nats-tls-key needs --nats-tls-cert"),
+]
+
+
+@pytest.mark.parametrize(("fields", "message"), BAD)
+def test_every_numeric_flag_is_checked_at_the_command_line(fields, message):
+    with pytest.raises(ConfigError) as e:
+        resolve_config(fields, environ={})
+    assert message in str(e.value)
+
+
+def test_the_command_line_refuses_nan_before_anything_starts(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "services.cli", "train-async", "--rollout-temperature", "nan",
+                        "--lr", "nan", "--run-dir", str(tmp_path / "run")], capture_output=True, text=True,
+                       timeout=60)  # fmt: skip
+    assert r.returncode == 2
+    assert "--rollout-temperature must be a finite number (got nan)" in r.stderr
+    assert "--lr must be a finite number (got nan)" in r.stderr
+    assert not (tmp_path / "run").exists()  # nothing was prepared
+
+
+def test_credentials_in_the_nats_url_are_moved_out_and_never_dumped():
+    c = resolve_config({"nats_url": "nats://alice:s3cr3t-pw@broker:4222"}, environ={})
+    assert c.nats_url == "nats://broker:4222"
+    assert c.nats_user == "alice" and c.nats_password.get_secret_value() == "s3cr3t-pw"
+    dumped = json.dumps(c.model_dump(mode="json"))
+    assert "s3cr3t-pw" not in dumped and "alice" not in dumped and "s3cr3t-pw" not in repr(c)
+    token = resolve_config({"nats_url": "tls://tok3n-value@broker"}, environ={})
+    assert token.nats_url == "tls://broker" and token.nats_token.get_secret_value() == "tok3n-value"
+    assert split_url_credentials("nats://a:b@h1:1,nats://h2:2") == ("nats://h1:1,nats://h2:2", "a", "b")
+
+
+def test_secret_fields_come_from_the_environment_and_never_reach_a_dump():
+    env = {"ASYNCRL_RUN_TOKEN": "run-tok-123", "ASYNCRL_NATS_PASSWORD": "pw-456", "ASYNCRL_NATS_TOKEN": "nt-789"}
+    c = resolve_config({}, environ=env)
+    assert c.run_token.get_secret_value() == "run-tok-123" and c.nats_password.get_secret_value() == "pw-456"
+    dumped = json.dumps(c.model_dump(mode="json"))
+    for secret in env.values():
+        assert secret not in dumped and secret not in repr(c)
+
+
+def test_the_run_token_comes_from_the_environment_or_its_file(tmp_path):
+    assert run_token_from_env({}) is None
+    assert run_token_from_env({"ASYNCRL_RUN_TOKEN": "abc"}) == "abc"
+    path = write_secret_file(tmp_path / "secrets" / "run-token", "from-file\n")
+    assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+    assert run_token_from_env({"ASYNCRL_RUN_TOKEN_FILE": str(path)}) == "from-file"
+    with pytest.raises(SecretError, match="cannot read the run token"):
+        run_token_from_env({"ASYNCRL_RUN_TOKEN_FILE": str(tmp_path / "missing")})
+
+
+def test_the_roles_file_gives_each_role_its_identity(tmp_path):
+    path = write_roles_file(tmp_path / "nats.json", {"buffer": "pw-b", "rollout": "pw-r"})
+    env = {"ASYNCRL_NATS_ROLES_FILE": str(path), "ASYNCRL_NATS_TLS_CA": "/ca.pem"}
+    buf = NatsCredentials.from_env("buffer", env)
+    assert (buf.user, buf.password, buf.tls_ca) == ("buffer", "pw-b", "/ca.pem")
+    assert "pw-b" not in repr(buf) and "pw-b" not in buf.describe()
+    (tmp_path / "bad.json").write_text(json.dumps({"trainer": {"passwd": "x"}}))
+    with pytest.raises(SecretError, match="role 'trainer' needs"):
+        load_roles_file(tmp_path / "bad.json")
+
+
+def test_log_lines_never_show_a_secret(caplog):
+    logger = logging.getLogger("asyncrl.test.redaction")
+    flt = RedactingFilter(["hunter2-secret"])
+    logger.addFilter(flt)
+    try:
+        with caplog.at_level(logging.INFO, logger="asyncrl.test.redaction"):
+            logger.info("connecting with %s", "nats://bob:hunter2-secret@host")
+    finally:
+        logger.removeFilter(flt)
+    assert "hunter2-secret" not in caplog.text and "nats://bob:***@host" in caplog.text
+
+
+def test_runconfig_rejects_nan_from_a_config_file(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("lr: .nan\n")
+    with pytest.raises(ConfigError, match="--lr must be a finite number"):
+        resolve_config({}, config_file=str(f), environ={})
+    assert RunConfig(lr=0.5).lr == 0.5
