@@ -71,8 +71,12 @@ async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None) -> dict
                 events += ledger_events(d)
             except LedgerError as e:
                 skipped.append(f"ledger message #{i + 1}: {e}")
-        prompts = {group_id(p.group_index, p.attempt) for p in _decoded(await _read_stream(bus, s.prompts_stream), PromptMsg)}
-        rollouts = {g.group_id for g in _decoded(await _read_stream(bus, s.rollouts_stream, s.rollouts), RolloutGroupView)}
+        prompts = {
+            group_id(p.group_index, p.attempt) for p in _decoded(await _read_stream(bus, s.prompts_stream), PromptMsg)
+        }
+        rollouts = {
+            g.group_id for g in _decoded(await _read_stream(bus, s.rollouts_stream, s.rollouts), RolloutGroupView)
+        }
     finally:
         await bus.close()
     trained = None
@@ -133,7 +137,11 @@ def audit_run(run_dir: str | Path) -> dict:
 
     # the run's own store, behind the run's own users (its secrets directory), on a free port
     roles = run_dir / "secrets" / "nats.json"
-    auth = server_auth_conf(run_id, {r: e["password"] for r, e in load_roles_file(roles).items()}) if roles.exists() else ""
+    auth = (
+        server_auth_conf(run_id, {r: e["password"] for r, e in load_roles_file(roles).items()})
+        if roles.exists()
+        else ""
+    )
     with EmbeddedNats(store, log_path=run_dir / "logs" / "audit-nats-server.log", auth_conf=auth,
                       max_file_store=cfg.get("nats_max_file_store")) as srv:  # fmt: skip
         return asyncio.run(collect(srv.url, run_id, run_dir))

@@ -415,7 +415,8 @@ def launch(config: RunConfig, out=print) -> dict:
             f"asyncrl audit {launcher.run_dir})")  # fmt: skip
         if not report["balanced"]:
             raise LaunchError(
-                "the ledger does not balance:\n  " + "\n  ".join(report["problems"][:20])
+                "the ledger does not balance:\n  "
+                + "\n  ".join(report["problems"][:20])
                 + f"\n(asyncrl audit {launcher.run_dir} prints it all)"
             )
     finally:

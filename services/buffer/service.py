@@ -487,12 +487,11 @@ class BufferService(Service):
             await self._dead_letter_core(msg, f"undecodable BufferGetRequest: {e}")
             return
         if req.step <= self.state.committed_step:
-            await msg.respond(encode(BufferGetReply(step=req.step, error=f"step {req.step} is already committed")))
+            await _respond(msg, encode(BufferGetReply(step=req.step, error=f"step {req.step} is already committed")))
             return
         if (problem := await self._get_problem(req)) is not None:
             await self._dead_letter_core(msg, problem)
-            with contextlib.suppress(Exception):
-                await msg.respond(encode(BufferGetReply(step=req.step, error=problem)))
+            await _respond(msg, encode(BufferGetReply(step=req.step, error=problem)))
             return
         self.requested.setdefault(req.step, req.count)
         self.want_step = req.step if self.want_step is None else max(self.want_step, req.step)
@@ -513,7 +512,7 @@ class BufferService(Service):
             if waiter[1]:
                 return
         await self._flush()  # never hand out a lease that is not durable
-        await msg.respond(self._get_reply(req.step))
+        await _respond(msg, self._get_reply(req.step))
 
     async def _get_problem(self, req: BufferGetRequest) -> str | None:
         """A get the trainer would never send: a step outside the window it can be at (the next
@@ -651,13 +650,9 @@ class BufferService(Service):
         except DecodeError as e:
             await self._dead_letter_core(msg, f"undecodable BufferCommit: {e}")
             return
-        incomplete = [s for s in range(self.state.committed_step + 1, req.step + 1) if not self._lease_complete(s)]
-        if incomplete or req.version < 0:
-            problem = (f"commit(step={req.step}): step {incomplete[0]} has no complete lease, so it was never trained"
-                       if incomplete else f"commit(version={req.version}) is negative")  # fmt: skip
+        if (problem := self._commit_problem(req)) is not None:
             await self._dead_letter_core(msg, problem)
-            with contextlib.suppress(Exception):
-                await msg.respond(encode(BufferCommitReply(step=req.step, error=problem)))
+            await _respond(msg, encode(BufferCommitReply(step=req.step, error=problem)))
             return
         done_refs = [r for s, lease in self.state.leases.items() if s <= req.step for r in lease.refs]
         seqs = [r.stream_seq for r in done_refs]
@@ -670,10 +665,23 @@ class BufferService(Service):
                 self.requested.pop(step)
                 self._lease_done.pop(step, None)
                 self._waiting.pop(step, None)
-        await msg.respond(encode(BufferCommitReply(step=req.step, num_groups_committed=len(seqs))))
+        await _respond(msg, encode(BufferCommitReply(step=req.step, num_groups_committed=len(seqs))))
         if seqs and not self._purging and time.monotonic() >= self._next_purge:  # trained: payloads no longer needed
             self._purging, self._next_purge = True, time.monotonic() + PURGE_INTERVAL_S
             self.background(self._purge_trained(), "purging trained groups")
+
+    def _commit_problem(self, req: BufferCommit) -> str | None:
+        """A commit of a step that was never trained: every step up to it must hold a complete
+        lease (a step beyond the last lease never even had its groups)."""
+        if req.version < 0:
+            return f"commit(version={req.version}) is negative"
+        last = max(self.state.leases, default=self.state.committed_step)
+        if req.step > last:
+            return f"commit(step={req.step}): no step beyond {last} has a lease, so it was never trained"
+        for step in range(self.state.committed_step + 1, req.step + 1):  # at most the leases held
+            if not self._lease_complete(step):
+                return f"commit(step={req.step}): step {step} has no complete lease, so it was never trained"
+        return None
 
     async def _purge_trained(self) -> None:
         """Drop ROLLOUTS messages below the oldest one still needed (stored, leased, or not yet
@@ -829,6 +837,13 @@ def _chunks(events: list[LedgerEvent], max_bytes: int) -> list[list[LedgerEvent]
         chunks[-1].append(ev)
         size += n
     return chunks
+
+
+async def _respond(msg, reply: bytes) -> None:
+    """Answer a request; a message that asked for no answer (no reply subject) gets none."""
+    if msg.reply:
+        with contextlib.suppress(Exception):  # the requester may be gone: it asks again
+            await msg.respond(reply)
 
 
 async def _respond_all(waiters: list[list], reply: bytes) -> None:

@@ -107,6 +107,9 @@ class Bus:
         self.service = service
         self._kv = None
         self.closing = False
+        self.refused: nats.js.errors.APIError | None = None
+        """The last JetStream API error the server answered an async publish with."""
+        self._refused = asyncio.Event()
 
     @classmethod
     async def connect(
@@ -135,7 +138,11 @@ class Bus:
         async def on_error(e: Exception) -> None:
             if connecting and (fatal := fatal_connect_error(e, url, creds, service)):
                 raise fatal  # out of nats.connect(): wrong credentials never succeed on a retry
-            log.warning("nats (%s): %s", service, e)
+            if isinstance(e, nats.js.errors.APIError) and bus is not None:
+                bus.refused = e
+                bus._refused.set()
+            level = logging.ERROR if "permissions violation" in str(e).lower() else logging.WARNING
+            log.log(level, "nats (%s): %s", service, e)
 
         async def on_disconnect() -> None:
             if bus is None or not bus.closing:
@@ -250,22 +257,36 @@ class Bus:
         self, items: list[tuple[str, Any, str | None]], timeout_s: float = 10.0
     ) -> list[api.PubAck]:
         """Pipelined JetStream publishes of (subject, msg, msg_id), in order; raises BusError
-        unless every one is acknowledged within timeout_s."""
+        unless every one is acknowledged within timeout_s, at once when the server refuses one
+        (StoreFull when its store is full)."""
+        self.refused = None
+        self._refused.clear()
         futures = []
         for subject, msg, msg_id in items:
             headers = {"Nats-Msg-Id": msg_id} if msg_id else None
             futures.append(await self.js.publish_async(subject, encode(msg), headers=headers))
         if not futures:
             return []
-        done, pending = await asyncio.wait(futures, timeout=timeout_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        pending, refused = set(futures), asyncio.ensure_future(self._refused.wait())
+        try:
+            while pending and not refused.done() and (left := deadline - loop.time()) > 0:
+                done, _ = await asyncio.wait(pending | {refused}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                pending -= done
+        finally:
+            refused.cancel()
+        if not pending:
+            for f in futures:
+                if (e := f.exception()) is not None:
+                    raise_if_store_full(e, items[0][0])
+            return [f.result() for f in futures]
         for f in pending:
             f.cancel()
-        if pending:
-            raise BusError(f"{len(pending)} of {len(futures)} publishes were not acknowledged within {timeout_s}s")
-        for (subject, _, _), f in zip(items, futures, strict=True):
-            if (e := f.exception()) is not None:
-                raise_if_store_full(e, subject)
-        return [f.result() for f in futures]
+        if self.refused is not None:  # nats-py hands a refused async publish to the error callback only
+            raise_if_store_full(self.refused, items[0][0])
+            raise BusError(f"the server refused a publish on {items[0][0]}: {self.refused}")
+        raise BusError(f"{len(pending)} of {len(futures)} publishes were not acknowledged within {timeout_s}s")
 
     async def publish_durably(
         self, items: list[tuple[str, Any, str | None]], what: str, deadline_s: float = 180.0

@@ -52,20 +52,30 @@ class RunConfig(BaseModel):
         "per service role. Credentials in the URL are moved to --nats-user / --nats-password (never stored).",
     )
     nats_user: str | None = Field(
-        None, exclude=True, description="NATS user (with --nats-password) of the launcher and, unless "
+        None,
+        exclude=True,
+        description="NATS user (with --nats-password) of the launcher and, unless "
         "--nats-roles-file gives each role its own identity, of every service.",
     )
     nats_password: SecretStr | None = Field(
-        None, exclude=True, description="NATS password. Secret: prefer $ASYNCRL_NATS_PASSWORD; never stored, "
+        None,
+        exclude=True,
+        description="NATS password. Secret: prefer $ASYNCRL_NATS_PASSWORD; never stored, "
         "printed or put on a child's command line.",
     )
     nats_token: SecretStr | None = Field(
-        None, exclude=True, description="NATS token. Secret: prefer $ASYNCRL_NATS_TOKEN; never stored or printed.",
+        None,
+        exclude=True,
+        description="NATS token. Secret: prefer $ASYNCRL_NATS_TOKEN; never stored or printed.",
     )
-    nats_creds: str | None = Field(None, exclude=True, description="NATS user credentials file (.creds: JWT and NKey seed).")
+    nats_creds: str | None = Field(
+        None, exclude=True, description="NATS user credentials file (.creds: JWT and NKey seed)."
+    )
     nats_nkey: str | None = Field(None, exclude=True, description="NATS NKey seed file.")
     nats_roles_file: str | None = Field(
-        None, exclude=True, description="JSON file with one NATS identity per role for a server with per-role "
+        None,
+        exclude=True,
+        description="JSON file with one NATS identity per role for a server with per-role "
         "permissions: {role: {user, password} | {token} | {creds} | {nkey}}, roles admin (launcher), buffer, "
         "trainer, rollout, weight-sync, eval (`asyncrl secrets` writes one, with the matching server config).",
     )
@@ -75,24 +85,34 @@ class RunConfig(BaseModel):
     nats_tls_cert: str | None = Field(None, exclude=True, description="TLS: client certificate (mutual TLS).")
     nats_tls_key: str | None = Field(None, exclude=True, description="TLS: client key (mutual TLS).")
     nats_max_file_store: int | None = Field(
-        None, gt=0, description="Embedded nats-server: cap on its JetStream store, in bytes (unset: the server's "
+        None,
+        gt=0,
+        description="Embedded nats-server: cap on its JetStream store, in bytes (unset: the server's "
         "default, most of the disk). A full store stops the run with an error that names it.",
     )
     run_token: SecretStr | None = Field(
-        None, exclude=True, description="The run token: `Authorization: Bearer <token>` on every protected HTTP "
+        None,
+        exclude=True,
+        description="The run token: `Authorization: Bearer <token>` on every protected HTTP "
         "route of the services and the built-in engines. Secret: prefer $ASYNCRL_RUN_TOKEN; generated when unset "
         "and kept in <run_dir>/secrets/run-token (mode 0600).",
     )
     http_auth_probes: bool = Field(
-        False, description="Also require the run token on /metrics, /healthz and /readyz (open by default, for "
-        "probes and scrapers)."
+        False,
+        description="Also require the run token on /metrics, /healthz and /readyz (open by default, for "
+        "probes and scrapers).",
     )
     health_restart_s: float = Field(
-        60.0, ge=0, description="The launcher restarts a service or engine whose health check has failed for this "
+        60.0,
+        ge=0,
+        description="The launcher restarts a service or engine whose health check has failed for this "
         "long (0: only when it exits).",
     )
     max_failed_ratio: float = Field(
-        0.5, ge=0, le=1, description="Stop the run with the cause when more than this share of the samples of "
+        0.5,
+        ge=0,
+        le=1,
+        description="Stop the run with the cause when more than this share of the samples of "
         "the last 4 steps FAILED (a reward function that raises, a non-finite reward, a generation that "
         "failed every retry). 1 never stops.",
     )
@@ -110,7 +130,8 @@ class RunConfig(BaseModel):
         "from --rollout-external-engine-addrs); producers and weight-sync use these.",
     )
     rollout_num_gpus_per_engine: int = Field(
-        1, ge=1,
+        1,
+        ge=1,
         description="SGLang engines: GPUs per engine (its tensor-parallel size unless --sglang-tp-size says otherwise).",
     )
     use_sglang_router: bool = Field(
@@ -157,7 +178,8 @@ class RunConfig(BaseModel):
         "task's tiny model locally, no download.",
     )
     warmup_sft_steps: int = Field(
-        20, ge=0,
+        20,
+        ge=0,
         description="Supervised warm-start steps applied when the tiny model is built (0 = none); the "
         "held-out reward after it is reported as step 0.",
     )
@@ -180,7 +202,8 @@ class RunConfig(BaseModel):
     rollout_stop_token_ids: list[int] = Field(default_factory=list, description="Stop token ids in addition to EOS.")
     num_rollout: int | None = Field(None, description="Training steps to run; default 150 unless --num-epoch is given.")
     num_epoch: int | None = Field(
-        None, ge=1,
+        None,
+        ge=1,
         description="Epochs over --prompt-data; sets the step count when --num-rollout is unset.",
     )
     rm_type: str | None = Field(None, description="Built-in reward; default: the task's reward (reverse-digits).")
@@ -239,11 +262,14 @@ class RunConfig(BaseModel):
         30.0, gt=0, description="An engine whose /health_generate takes longer than this is unhealthy."
     )
     prompt_ack_wait_s: float = Field(
-        30.0, gt=0,
+        30.0,
+        gt=0,
         description="A producer that holds a prompt this long without a heartbeat loses it to another.",
     )
     producer_timeout_s: float = Field(
-        60.0, gt=0, description="The trainer fails loudly when no producer heartbeat arrives for this long while it waits."
+        60.0,
+        gt=0,
+        description="The trainer fails loudly when no producer heartbeat arrives for this long while it waits.",
     )
     buffer_timeout_s: float = Field(
         60.0, gt=0, description="The trainer fails loudly when the buffer service does not answer for this long."
@@ -290,7 +316,9 @@ class RunConfig(BaseModel):
         description="Split each step into micro-batches of similar lengths, at most --max-tokens-per-gpu padded "
         "tokens each (same gradient, far less padding with long-tail lengths).",
     )
-    max_tokens_per_gpu: int = Field(8192, ge=1, description="Padded tokens per micro-batch with --use-dynamic-batch-size.")
+    max_tokens_per_gpu: int = Field(
+        8192, ge=1, description="Padded tokens per micro-batch with --use-dynamic-batch-size."
+    )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
     save: str | None = Field(None, description="Directory for training checkpoints.")
     save_interval: int | None = Field(None, description="Save every this many steps (needs --save).")

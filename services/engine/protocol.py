@@ -139,7 +139,9 @@ def token_ids(v: Any, field: str, limits: Limits, prompt: bool = True) -> list[i
     return list(v)
 
 
-def sampling_params(raw: Any, limits: Limits, where: str = "sampling_params.") -> tuple[SamplingParams, TextOptions, int]:
+def sampling_params(
+    raw: Any, limits: Limits, where: str = "sampling_params."
+) -> tuple[SamplingParams, TextOptions, int]:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):

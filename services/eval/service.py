@@ -176,7 +176,8 @@ class EvalService(Service):
         c = self.config
         if not 0 <= req.step <= c.total_steps:
             return f"eval request for step {req.step}, outside the run's 0..{c.total_steps}"
-        if req.version < 0 or req.version > (published := await self.bus.last_published_version()):
+        published = await self.bus.last_published_version()
+        if not 0 <= req.version <= published:
             return f"eval request for weight version {req.version}, never published (newest {published})"
         if req.snapshot_uri and not self._is_run_snapshot(req.snapshot_uri):
             return f"eval snapshot {req.snapshot_uri!r:.200} is outside the run's directories"

@@ -292,9 +292,13 @@ class RolloutService(Service):
         except Exception as e:  # a prompt of the wrong shape, a template that fails on it
             raise PromptError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from None
         if not ids or min(ids) < 0 or max(ids) >= self.limits.vocab_size:
-            raise PromptError(f"the prompt's token ids are empty or outside the vocabulary [0, {self.limits.vocab_size})")
+            raise PromptError(
+                f"the prompt's token ids are empty or outside the vocabulary [0, {self.limits.vocab_size})"
+            )
         if len(ids) >= self.limits.context_length:
-            raise PromptError(f"the prompt ({len(ids)} tokens) does not fit the context length {self.limits.context_length}")
+            raise PromptError(
+                f"the prompt ({len(ids)} tokens) does not fit the context length {self.limits.context_length}"
+            )
         return ids
 
     def _check_samples(self, samples: list[Sample]) -> None:

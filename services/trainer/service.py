@@ -187,6 +187,8 @@ class TrainerService(Service):
         ckpt = latest_checkpoint(self.config.load or self.config.save)
         if ckpt is None:
             self.version = published
+            if self.config.save:  # killed before the first checkpoint: every step is trained again
+                self._truncate_records(-1)
             return
         info = await asyncio.to_thread(load_checkpoint, ckpt, self.model, self.optimizer)
         self.step = info["step"] + 1

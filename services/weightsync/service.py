@@ -2,9 +2,9 @@
 
 Consumes: WeightsPublished from WEIGHTS (durable pull consumer "weight-sync"). When several
   versions are waiting, only the newest is applied (the others are acknowledged unapplied).
-  Only what the trainer published is accepted: versions one after the other, each pointing at the
-  run's own complete snapshot <run_dir>/weights/v<N> whose digest matches; anything else is
-  dead-lettered and never loaded.
+  Only what the trainer published is loaded: a version newer than the live one, pointing at the
+  run's own complete snapshot <run_dir>/weights/v<N> whose digest is the announced one; anything
+  else (a forged version, a snapshot elsewhere or altered) is dead-lettered and never loaded.
 Produces: WeightsLive on `weights.live` and KV `live_version`: the staleness clock.
 Per update, on every engine concurrently: pause_generation(--pause-generation-mode) ->
   update_weights_from_disk(snapshot, weight_version) -> continue_generation, then the version is
@@ -42,7 +42,6 @@ class WeightSyncService(Service):
         self.num_updates = 0
         self.num_skipped = 0
         self.num_rejected = 0
-        self.last_published: int | None = None  # the last version accepted from WEIGHTS, in order
         self._psub = None
 
     async def setup(self) -> None:
@@ -90,7 +89,7 @@ class WeightSyncService(Service):
             msgs = await fetch_some(self._psub, 64, 1.0)
             if not msgs:
                 continue
-            fresh = []  # (published, msg), versions in order, newer than live
+            fresh = []  # (published, msg) newer than live, in stream order
             for m in msgs:
                 try:
                     pub = decode(m.data, WeightsPublished)
@@ -101,12 +100,14 @@ class WeightSyncService(Service):
                     self.num_skipped += 1  # a redelivery of a version already live (or superseded)
                     await settle(m)
                     continue
-                if (problem := self._order_problem(pub)) is not None:
-                    await self._reject(m, problem)
+                if not 0 <= pub.step < self.config.total_steps:
+                    await self._reject(m, f"weights v{pub.version} name step {pub.step}, outside the run's "
+                                          f"{self.config.total_steps} steps")  # fmt: skip
                     continue
-                self.last_published = pub.version
                 fresh.append((pub, m))
-            # only the newest loadable version is applied; the ones it supersedes are never loaded
+            fresh.sort(key=lambda pm: pm[0].version)
+            # only the newest version whose snapshot is the trainer's is loaded; older ones are
+            # superseded (never loaded), and a message whose snapshot is not the trainer's is refused
             while fresh and (problem := self._snapshot_problem(fresh[-1][0])) is not None:
                 await self._reject(fresh.pop()[1], problem)
             if fresh:
@@ -114,15 +115,6 @@ class WeightSyncService(Service):
             self.num_skipped += max(0, len(fresh) - 1)
             for _, m in fresh:
                 await settle(m)
-
-    def _order_problem(self, pub: WeightsPublished) -> str | None:
-        """Versions come from the trainer one by one: each is the one after the last."""
-        expected = (self.last_published if self.last_published is not None else self.live_version or 0) + 1
-        if pub.version != expected:
-            return f"weights v{pub.version} out of order: the next version is v{expected}"
-        if not 0 <= pub.step < self.config.total_steps:
-            return f"weights v{pub.version} name step {pub.step}, outside the run's {self.config.total_steps} steps"
-        return None
 
     def _snapshot_problem(self, pub: WeightsPublished) -> str | None:
         """The snapshot must be the run's own (<run_dir>/weights/v<N>), complete, and the one the

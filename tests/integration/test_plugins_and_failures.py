@@ -106,7 +106,11 @@ async def _trainer_failure(nats_server, run_id, task_data, tiny_model_dir, with_
                     n_samples_per_prompt=2, fully_async=True, run_dir=str(nats_server.store_dir / run_id),
                     rollout_wait_warn_s=0.5, producer_timeout_s=2.0, buffer_timeout_s=2.0,
                     skip_eval_before_train=True)  # fmt: skip
-    buf = await start_service(BufferService, config(task_data, tiny_model_dir), nats_server.url, run_id) if with_buffer else None
+    buf = (
+        await start_service(BufferService, config(task_data, tiny_model_dir), nats_server.url, run_id)
+        if with_buffer
+        else None
+    )
     caplog.set_level(logging.WARNING)
     trainer = await start_service(TrainerService, cfg, nats_server.url, run_id)
     try:

@@ -292,3 +292,34 @@ def test_latest_checkpoint_follows_the_latest_file(tmp_path):
     assert latest_checkpoint(tmp_path) == tmp_path / "iter_0000003"
     (tmp_path / LATEST).write_text("9")  # names a checkpoint that is not complete: fall back
     assert latest_checkpoint(tmp_path) == tmp_path / "iter_0000007"
+
+
+def test_a_non_finite_loss_or_gradient_never_reaches_the_weights(tmp_path):
+    """A NaN that got into a batch (here a behaviour log-prob) makes the loss NaN: the update is
+    skipped, the weights and the optimizer stay as they were, the stats say so in valid JSON."""
+    import json
+    import math
+
+    from services.model.hf_io import NonFiniteWeights, save_model
+    from services.trainer.core import train_step
+
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    good = [Sample(index=i, group_index=0, tokens=[1, 5, 6], response_length=1, reward=float(i),
+                   rollout_log_probs=[-1.0]) for i in range(2)]  # fmt: skip
+    train_step(model, opt, build_train_batch([good], True, None, 0), LossConfig(), clip_grad=1.0)  # optimizer state
+    before = [p.detach().clone() for p in model.parameters()]
+    state_before = {k: v.clone() for k, v in opt.state[next(iter(model.parameters()))].items() if torch.is_tensor(v)}
+    poisoned = [Sample(index=i, group_index=0, tokens=[1, 5, 6], response_length=1, reward=float(i),
+                       rollout_log_probs=[math.nan]) for i in range(2)]  # fmt: skip
+    stats = train_step(model, opt, build_train_batch([poisoned], True, None, 0), LossConfig(), clip_grad=1.0)
+    assert stats["train/nonfinite_skipped"] == 1.0 and "train/loss" not in stats
+    json.loads(json.dumps(stats, allow_nan=False))  # no NaN in the record
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    after = opt.state[next(iter(model.parameters()))]
+    assert all(torch.equal(v, after[k]) for k, v in state_before.items())
+    with torch.no_grad():
+        next(iter(model.parameters()))[0, 0] = math.inf
+    with pytest.raises(NonFiniteWeights, match="non-finite"):
+        save_model(model, tmp_path / "v9")
+    assert not (tmp_path / "v9").exists()  # nothing written

@@ -84,7 +84,9 @@ def test_only_the_buffer_writes_the_ledger_only_the_trainer_publishes_weights_pr
         assert (s + "prompts" in pub) == (role == "buffer")
         assert not any(p in (">", "$JS.API.>") or ".STREAM.CREATE." in p or ".STREAM.DELETE." in p for p in pub)
         assert set(perms["subscribe"]["allow"]) >= {f"_INBOX.r.{role}.>"}
-        assert not any(x.startswith("_INBOX.") and not x.startswith(f"_INBOX.r.{role}.") for x in perms["subscribe"]["allow"])
+        assert not any(
+            x.startswith("_INBOX.") and not x.startswith(f"_INBOX.r.{role}.") for x in perms["subscribe"]["allow"]
+        )
         assert ("allow_responses" in perms) == (role == "buffer")
     assert role_permissions("r", "admin")["publish"]["allow"] == [">"]
 

@@ -1,0 +1,197 @@
+"""Every consumer checks meaning, not only shape, against a real nats-server: a forged or broken
+message is dead-lettered with its reason, its prompt's fate is written to the ledger, and the
+service keeps serving. Buffer (groups, gets, commits, the staleness clock, heartbeats, its own
+ledger), weight-sync (versions in order, the run's own complete snapshots), eval (points the
+trainer could ask for)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from asyncrl_proto import (
+    BufferCommit,
+    BufferCommitReply,
+    BufferGetRequest,
+    DeadLetter,
+    EvalRequest,
+    Heartbeat,
+    RolloutGroup,
+    Sample,
+    SampleStatus,
+    WeightsLive,
+    WeightsPublished,
+    decode,
+    group_id,
+)
+from services.audit import collect
+from services.buffer.service import BufferService
+from services.common.bus import Bus, fetch_some
+from services.model.hf_io import load_model, save_model
+from services.weightsync.service import WeightSyncService
+from tests.conftest import EngineThread, start_service, wait_until
+from tests.integration.test_buffer_service import Harness, config
+
+
+async def dead_letters(bus: Bus) -> list[DeadLetter]:
+    sub = await bus.pull(
+        bus.subjects.deadletter_stream, bus.subjects.deadletter(">"), durable="t" + bus.subjects.run_id
+    )
+    out = []
+    while msgs := await fetch_some(sub, 100, 0.5):
+        for m in msgs:
+            out.append(decode(m.data, DeadLetter))
+            await m.ack()
+    return out
+
+
+def group_of(p, **sample_fields) -> RolloutGroup:
+    base = dict(group_index=p.group_index, tokens=[1, 5, 15, 5, 2], response_length=2, reward=1.0,
+                status=SampleStatus.COMPLETED, weight_versions=[0], rollout_log_probs=[-1.0, -1.0])  # fmt: skip
+    samples = [Sample(index=p.group_index * 2 + i, **{**base, **sample_fields}) for i in range(2)]
+    return RolloutGroup(group_id=group_id(p.group_index, p.attempt), group_index=p.group_index, attempt=p.attempt,
+                        samples=samples)  # fmt: skip
+
+
+async def test_bad_groups_are_rejected_and_their_prompts_settled(nats_server, run_id, task_data, tiny_model_dir):
+    svc = await start_service(BufferService, config(task_data, tiny_model_dir), nats_server.url, run_id)
+    h = Harness(await Bus.connect(nats_server.url, run_id, "test"))
+    try:
+        await h.get(0, wait_s=0.1)
+        prompts = await h.prompts(4)
+        bad = [
+            group_of(prompts[0], tokens=[1, 5, 99999, 5, 2]),  # outside the vocabulary
+            group_of(prompts[1], reward=float("nan")),  # a NaN reward
+        ]
+        for rg in bad:
+            await h.bus.publish(h.s.rollouts, rg, msg_id=rg.group_id)
+        # tokens of the wrong type: undecodable as a group, but it says which group it is
+        raw = msgspec.msgpack.encode(group_of(prompts[2]))
+        wrong = msgspec.msgpack.decode(raw)
+        wrong["samples"][0]["tokens"] = ["1", "5"]
+        await h.bus.js.publish(h.s.rollouts, msgspec.msgpack.encode(wrong))
+        # a group for a prompt that was never released (forged ahead to make JetStream dedupe the real one)
+        ahead = group_of(prompts[3])
+        ahead = msgspec.structs.replace(ahead, group_index=500, group_id=group_id(500, 0),
+                                        samples=[msgspec.structs.replace(s, group_index=500) for s in ahead.samples])  # fmt: skip
+        await h.bus.publish(h.s.rollouts, ahead, msg_id=ahead.group_id)
+        await h.bus.js.publish(h.s.rollouts, b"\x00" * 9)  # garbage
+        await h.publish_group(prompts[3])  # the real group of the prompt whose id was forged ahead
+        await wait_until(lambda: svc.service.dead_lettered == 5, what="5 dead letters")
+        state = svc.service.state
+        assert state.counters["rejected"] == 5
+        assert all(group_id(p.group_index, 0) not in state.outstanding for p in prompts[:3])  # settled
+        reasons = [d.reason for d in await dead_letters(h.bus)]
+        assert any("outside the vocabulary" in r for r in reasons) and any("reward is nan" in r for r in reasons)
+        assert any("undecodable RolloutGroup" in r for r in reasons) and any("never released" in r for r in reasons)
+        await svc.stop()
+        report = await collect(nats_server.url, run_id, nats_server.store_dir / "no-run")
+        assert report["rejected"] == 3 and report["lost"] == 0 and report["balanced"], report["problems"]
+    finally:
+        if not svc.task.done():
+            await svc.stop()
+        await h.bus.close()
+
+
+async def test_requests_and_announcements_outside_the_window_are_refused(
+    nats_server, run_id, task_data, tiny_model_dir
+):
+    svc = await start_service(BufferService, config(task_data, tiny_model_dir), nats_server.url, run_id)
+    h = Harness(await Bus.connect(nats_server.url, run_id, "test"))
+    try:
+        huge = await h.get(10**12, wait_s=0.1)
+        assert huge.error and "outside the steps the trainer can ask for" in huge.error
+        assert "differs from --rollout-batch-size" in (await h.bus.request(
+            h.s.buffer_get, BufferGetRequest(step=0, count=10**6), type(huge), timeout=5)).error  # fmt: skip
+        assert "never published" in (await h.get(0, wait_s=0.1, current_version=10**9)).error
+        never = await h.bus.request(h.s.buffer_commit, BufferCommit(step=3), BufferCommitReply, timeout=5)
+        assert never.error and "never trained" in never.error and svc.service.state.committed_step == -1
+        await h.bus.publish(h.s.weights_live, WeightsLive(version=10**9))
+        hb = Heartbeat(service="rollout", instance_id="forger", info={"inflight_groups": 10**9})
+        await h.bus.publish_core(h.s.heartbeat("rollout"), hb)
+        await wait_until(lambda: svc.service.dead_lettered >= 6, what="every refusal dead-lettered")
+        assert svc.service.live_version in (None, 0) and "forger" not in svc.service.producers
+        # the service still serves: a real step completes
+        await h.get(0, wait_s=0.1)
+        for p in await h.prompts(2):
+            await h.publish_group(p)
+        assert (await h.get(0)).complete
+    finally:
+        await svc.stop()
+        await h.bus.close()
+
+
+async def test_a_ledger_entry_the_buffer_did_not_write_is_skipped_and_reported(nats_server, run_id, task_data,
+                                                                            tiny_model_dir):  # fmt: skip
+    cfg = config(task_data, tiny_model_dir)
+    svc = await start_service(BufferService, cfg, nats_server.url, run_id)
+    h = Harness(await Bus.connect(nats_server.url, run_id, "test"))
+    try:
+        await h.get(0, wait_s=0.1)
+        for p in await h.prompts(2):
+            await h.publish_group(p)
+        assert (await h.get(0)).complete
+        await svc.stop()
+        await h.bus.js.publish(h.s.ledger, b"\x01" * 9)  # 9 garbage bytes on the ledger
+        await h.bus.kv_put("buffer_snapshot", b"")  # and no snapshot: replay from the start
+        again = await start_service(BufferService, cfg, nats_server.url, run_id)
+        try:
+            assert again.service.state.seq == svc.service.state.seq  # every real event replayed
+            assert any("undecodable" in p for p in again.service.ledger_problems)
+        finally:
+            await again.stop()
+        report = await collect(nats_server.url, run_id, nats_server.store_dir / "no-run")
+        assert report["ledger_skipped"] and report["balanced"], report
+    finally:
+        await h.bus.close()
+
+
+async def test_weight_sync_applies_only_what_the_trainer_published(nats_server, run_id, task_data, tiny_model_dir,
+                                                                  tmp_path):  # fmt: skip
+    with EngineThread(tiny_model_dir) as engine:
+        cfg = config(task_data, tiny_model_dir, run_dir=str(tmp_path), rollout_engine_urls=[engine.url])
+        svc = await start_service(WeightSyncService, cfg, nats_server.url, run_id)
+        bus = await Bus.connect(nats_server.url, run_id, "test")
+        s = bus.subjects
+        try:
+            info = save_model(load_model(tiny_model_dir), tmp_path / "weights" / "v1", tiny_model_dir)
+            elsewhere = save_model(load_model(tiny_model_dir), tmp_path / "elsewhere", tiny_model_dir)
+            forged = [
+                WeightsPublished(version=10**9, step=0, uri=str(tmp_path / "weights" / "v1"), sha256=info["sha256"]),
+                WeightsPublished(version=1, step=0, uri=str(tmp_path / "elsewhere"), sha256=elsewhere["sha256"]),
+                WeightsPublished(version=1, step=0, uri=str(tmp_path / "weights" / "v1"), sha256="0" * 64),
+            ]
+            for pub in forged:
+                await bus.publish(s.weights_published, pub)
+            await wait_until(lambda: svc.service.num_rejected == 3, what="3 rejected", timeout=20)
+            assert engine.scheduler.weight_version == "0" and svc.service.live_version == 0
+            good = WeightsPublished(version=1, step=0, uri=str(tmp_path / "weights" / "v1"), sha256=info["sha256"])
+            await bus.publish(s.weights_published, good)
+            await wait_until(lambda: svc.service.live_version == 1, what="v1 live", timeout=20)
+            assert engine.scheduler.weight_version == "1"
+            reasons = [d.reason for d in await dead_letters(bus)]
+            assert sum("not the run's" in r for r in reasons) == 2  # v1000000000 at v1's path; v1 elsewhere
+            assert sum("digest differs" in r for r in reasons) == 1
+        finally:
+            await svc.stop()
+            await bus.close()
+
+
+async def test_eval_refuses_points_the_trainer_could_not_have_asked_for(nats_server, run_id, task_data,
+                                                                       tiny_model_dir, tmp_path):  # fmt: skip
+    from services.eval.service import EvalService
+    from tests.integration.test_eval_service import config as eval_config
+
+    cfg = eval_config(
+        task_data, tiny_model_dir, tmp_path, eval_function_path="tests.integration.test_eval_service.GoodEval"
+    )
+    svc = await start_service(EvalService, cfg, nats_server.url, run_id)
+    bus = await Bus.connect(nats_server.url, run_id, "test")
+    try:
+        for req in (EvalRequest(step=1, version=10**9), EvalRequest(step=10**6, version=0),
+                    EvalRequest(step=1, version=0, snapshot_uri="/etc")):  # fmt: skip
+            await bus.publish(bus.subjects.eval_requests, req)
+        await wait_until(lambda: svc.service.num_rejected == 3, what="3 refused points")
+        assert svc.service.results == []  # nothing evaluated, nothing answered
+    finally:
+        await svc.stop()
+        await bus.close()
