@@ -95,6 +95,10 @@ def test_fully_async_run_end_to_end(tmp_path):
                 assert http.get(url + "/status", headers=run_auth(run_dir)).json()["service"] in name
                 assert http.get(url + "/status").status_code == 401  # not without it
                 assert http.get(url + "/healthz").status_code == 200  # probes stay open
+                config = http.get(url + "/config", headers=run_auth(run_dir)).text
+                token = run_auth(run_dir)["Authorization"].split()[1]
+                passwords = json.loads((run_dir / "secrets" / "nats.json").read_text())
+                assert token not in config and not any(p["password"] in config for p in passwords.values())
         out, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:

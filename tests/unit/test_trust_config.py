@@ -127,3 +127,27 @@ def test_runconfig_rejects_nan_from_a_config_file(tmp_path):
     with pytest.raises(ConfigError, match="--lr must be a finite number"):
         resolve_config({}, config_file=str(f), environ={})
     assert RunConfig(lr=0.5).lr == 0.5
+
+
+def test_a_full_disk_is_fatal_and_names_the_path(tmp_path, monkeypatch):
+    """A write that comes out short (safetensors does not report every failed write) or fails
+    with ENOSPC is an error naming the file; a service exits on it with the reason (no restart)."""
+    import errno
+
+    from services.common.entry import fatal_reason
+    from services.model import hf_io
+    from services.tasks.reverse_digits import build_model
+
+    build_model(tmp_path / "m", warmup_sft_steps=0, log=lambda *a: None)
+    model = hf_io.load_model(tmp_path / "m")
+    monkeypatch.setattr(hf_io, "save_file", lambda state, path, metadata=None: open(path, "wb").close())
+    with pytest.raises(OSError) as e:
+        hf_io.save_model(model, tmp_path / "v1")
+    assert e.value.errno == errno.ENOSPC and e.value.filename.endswith("model.safetensors.tmp")
+    reason = fatal_reason(RuntimeError("step failed").with_traceback(None))
+    assert reason is None  # anything else is a crash, restarted
+    wrapped = RuntimeError("push failed")
+    wrapped.__cause__ = e.value
+    assert "no space left on the device writing" in fatal_reason(wrapped) and "model.safetensors.tmp" in fatal_reason(
+        wrapped
+    )
