@@ -42,6 +42,7 @@ from asyncrl_proto import (
     encode,
     group_id,
 )
+from asyncrl_proto.subjects import ConsumerSpec
 from services.common import procs
 from services.common.bus import Bus, ReplyInbox, fetch_some, next_batch
 from services.common.config import RunConfig
@@ -89,7 +90,9 @@ class RawPath:
         self.bus = await Bus.connect(url, "raw" + uuid.uuid4().hex[:6], "bench")
         self.stream, self.subject = f"RAW_{self.bus.subjects.run_id}", f"raw.{self.bus.subjects.run_id}"
         await self.bus.js.add_stream(name=self.stream, subjects=[self.subject])
-        self.psub = await self.bus.push(self.stream, self.subject, durable="c")
+        spec = ConsumerSpec(stream=self.stream, durable="c", filter_subject=self.subject, ack_wait_s=30.0,
+                            max_ack_pending=256, deliver_subject=f"_INBOX.raw.{self.stream}")  # fmt: skip
+        self.psub = await self.bus.consume(spec)
         self.n = 0
         return self
 

@@ -271,8 +271,13 @@ class DeadLetter(msgspec.Struct, kw_only=True):
     original_subject: str
     reason: str
     data: bytes = b""
+    """The message, or its first 64 KB (see num_bytes)."""
     service: str = ""
     ts: float = 0.0
+    num_bytes: int = 0
+    """The whole message's size."""
+    sha256: str = ""
+    """The whole message's digest."""
 
 
 class LedgerEvent(msgspec.Struct, kw_only=True):

@@ -22,6 +22,24 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
+def inbox_prefix(run_id: str, role: str) -> str:
+    """Where one role's replies and push deliveries arrive: no other role may subscribe there."""
+    return f"_INBOX.{run_id}.{role}"
+
+
+class ConsumerSpec(Struct, frozen=True):
+    """A durable JetStream consumer of the run. The admin (launcher, init-run) creates it; a
+    service only binds to it, so no role can change how its consumer redelivers."""
+
+    stream: str
+    durable: str
+    filter_subject: str
+    ack_wait_s: float
+    max_ack_pending: int
+    deliver_subject: str = ""
+    """Set for a push consumer: its deliveries go there (the consuming role's inbox)."""
+
+
 class Subjects(Struct, frozen=True):
     """All names of one run."""
 
@@ -121,6 +139,20 @@ class Subjects(Struct, frozen=True):
         tail = subject[len(prefix) :] if subject.startswith(prefix) else subject
         return self._s(f"deadletter.{tail}")
 
+    def consumers(self, prompt_ack_wait_s: float) -> dict[str, ConsumerSpec]:
+        """The run's durable consumers by name; `prompt_ack_wait_s` is --prompt-ack-wait-s."""
+        return {
+            "producers": ConsumerSpec(stream=self.prompts_stream, durable="producers", filter_subject=self.prompts,
+                                      ack_wait_s=prompt_ack_wait_s, max_ack_pending=100_000),
+            "buffer": ConsumerSpec(stream=self.rollouts_stream, durable="buffer", filter_subject=self.rollouts,
+                                   ack_wait_s=10.0, max_ack_pending=256,
+                                   deliver_subject=inbox_prefix(self.run_id, "buffer") + ".rollouts"),
+            "weight-sync": ConsumerSpec(stream=self.weights_stream, durable="weight-sync",
+                                        filter_subject=self.weights_published, ack_wait_s=120.0, max_ack_pending=1000),
+            "eval": ConsumerSpec(stream=self.eval_stream, durable="eval", filter_subject=self.eval_requests,
+                                 ack_wait_s=600.0, max_ack_pending=1000),
+        }  # fmt: skip
+
     # stream specs: StreamConfig fields, applied by services.common.bus
     def stream_specs(self) -> list[dict]:
         return [
@@ -170,6 +202,8 @@ class Subjects(Struct, frozen=True):
                 "subjects": [self._s("deadletter.>")],
                 "retention": "limits",
                 "storage": "file",
-                "max_msgs": 100_000,
+                # the oldest go first; each keeps at most 64 KB of its message, so a flood of dead
+                # letters holds at most ~650 MB (max_bytes would reserve that much store up front)
+                "max_msgs": 10_000,
             },
         ]

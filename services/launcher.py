@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -37,9 +36,9 @@ from services.common.bus import STORE_DIR_ENV, Bus
 from services.common.config import RunConfig
 from services.common.natsauth import server_auth_conf
 from services.common.natsserver import EmbeddedNats
-from services.common.secrets import RUN_TOKEN_ENV, NatsCredentials
+from services.common.secrets import RUN_TOKEN_ENV, NatsCredentials, without_nats_identity
 from services.common.snapshot import is_complete
-from services.common.validate import finite
+from services.common.validate import eval_result_problem, finite_metrics
 from services.engine.commands import builtin_engine_command, builtin_engine_flags, sglang_server_command
 from services.prepare import prepare_run, role_credentials, role_passwords, run_token
 from services.supervisor import LaunchError, Supervisor
@@ -77,7 +76,7 @@ class Launcher:
         self.run_token = run_token(config, self.secrets_dir)
         self.creds: dict[str, NatsCredentials] = {}
         self.procs = Supervisor(self.run_dir, config.service_restarts, config.health_restart_s, out,
-                                headers={"Authorization": f"Bearer {self.run_token}"})  # fmt: skip
+                                headers={"Authorization": f"Bearer {self.run_token}"}, secrets=[self.run_token])  # fmt: skip
         self.nats_restarts = 0
         self.router_url: str | None = None
         self.services: dict[str, str] = {}
@@ -91,7 +90,7 @@ class Launcher:
     def _env(self, role: str | None = None) -> dict:
         """A child's environment: ours without any NATS identity or token of our own, plus the
         run token and, for a service, its role's NATS identity (never on its command line)."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("ASYNCRL_NATS_", "ASYNCRL_RUN_TOKEN"))}
+        env = {k: v for k, v in without_nats_identity().items() if not k.startswith(RUN_TOKEN_ENV)}
         env["PYTHONUNBUFFERED"] = "1"
         env.setdefault("OMP_NUM_THREADS", str(self.config.torch_num_threads))
         env[RUN_TOKEN_ENV] = self.run_token
@@ -234,6 +233,7 @@ class Launcher:
         bus = await Bus.connect(self.nats_url, c.run_id, "launcher", creds=self.creds["admin"])
         try:
             await bus.ensure_streams()
+            await bus.ensure_consumers(c.prompt_ack_wait_s)
             await bus.kv_put("config", json.dumps(c.model_dump(mode="json")).encode())
             await asyncio.to_thread(self.wait_ready)  # engines first: every service talks to them
             await bus.nc.subscribe(bus.subjects.progress, cb=self._on_progress)
@@ -320,8 +320,9 @@ class Launcher:
     async def _on_eval(self, msg) -> None:
         with contextlib.suppress(*DecodeError):
             res = decode(msg.data, EvalResult)
-            if not 0 <= res.step <= self.config.total_steps or not all(finite(v) for v in res.metrics.values()):
+            if eval_result_problem(res.step, self.config.total_steps) is not None:
                 return  # not a point of this run (the eval service and the trainer never send one)
+            res.metrics = finite_metrics(res.metrics)[0]
             self.evals[res.step] = res
             main = {k: v for k, v in res.metrics.items() if k.count("/") == 1 and not k.startswith("eval/duration")}
             shown = ", ".join(f"{k} {v:.3f}" for k, v in main.items() if k != "eval/step")

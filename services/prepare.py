@@ -20,11 +20,10 @@ from services.common.natsauth import ROLES
 from services.common.secrets import (
     NatsCredentials,
     SecretError,
+    keep_or_make_passwords,
+    keep_or_make_token,
     load_roles_file,
-    new_secret,
-    read_secret_file,
-    write_roles_file,
-    write_secret_file,
+    run_token_from_env,
 )
 from services.supervisor import LaunchError
 
@@ -82,19 +81,20 @@ def check_datasets(config: RunConfig) -> int:
     return len(rows)
 
 
-def role_credentials(config: RunConfig) -> dict[str, NatsCredentials]:
-    """Each role's NATS identity on an external server: --nats-roles-file, or the one identity
-    the launcher was given (--nats-user/--nats-password, --nats-token, --nats-creds, --nats-nkey)."""
+def role_credentials(config: RunConfig, roles: tuple[str, ...] = ROLES) -> dict[str, NatsCredentials]:
+    """The NATS identity of each of `roles` on an external server: from --nats-roles-file, or the
+    one identity the launcher was given (--nats-user/--nats-password, --nats-token, --nats-creds,
+    --nats-nkey)."""
     tls = (config.nats_tls_ca, config.nats_tls_cert, config.nats_tls_key)
     if config.nats_roles_file:
         try:
-            roles = load_roles_file(config.nats_roles_file)
+            given = load_roles_file(config.nats_roles_file)
         except SecretError as e:
             raise LaunchError(str(e)) from None
-        missing = [r for r in ROLES if r not in roles]
+        missing = [r for r in roles if r not in given]
         if missing:
             raise LaunchError(f"--nats-roles-file {config.nats_roles_file} has no identity for {', '.join(missing)}")
-        return {r: NatsCredentials(**roles[r]).with_tls(*tls) for r in ROLES}
+        return {r: NatsCredentials(**given[r]).with_tls(*tls) for r in roles}
     one = NatsCredentials(
         user=config.nats_user,
         password=config.nats_password.get_secret_value() if config.nats_password else None,
@@ -102,34 +102,21 @@ def role_credentials(config: RunConfig) -> dict[str, NatsCredentials]:
         creds_file=config.nats_creds,
         nkey_file=config.nats_nkey,
     ).with_tls(*tls)
-    return dict.fromkeys(ROLES, one)
+    return dict.fromkeys(roles, one)
 
 
 def run_token(config: RunConfig, secrets_dir: Path) -> str:
-    """The run token: given (--run-token / $ASYNCRL_RUN_TOKEN), kept from an earlier start of the
-    same run directory, or new; always in <run_dir>/secrets/run-token (0600) for the operator."""
-    path = secrets_dir / "run-token"
-    if config.run_token is not None:
-        token = config.run_token.get_secret_value()
-    elif path.exists():
-        token = read_secret_file(path, "the run token")
-    else:
-        token = new_secret()
-    write_secret_file(path, token)
-    return token
+    """The run token: given (--run-token, $ASYNCRL_RUN_TOKEN or $ASYNCRL_RUN_TOKEN_FILE), kept
+    from an earlier start of the same run directory, or new; always in <run_dir>/secrets/run-token
+    (0600) for the operator."""
+    given = config.run_token.get_secret_value() if config.run_token else run_token_from_env()
+    return keep_or_make_token(secrets_dir / "run-token", given)
 
 
 def role_passwords(secrets_dir: Path) -> dict[str, str]:
     """The embedded server's per-role passwords, kept across restarts of the same run directory
     (its store and its services must still match)."""
-    path = secrets_dir / "nats.json"
-    if path.exists():
-        roles = load_roles_file(path)
-        if all(r in roles and roles[r].get("password") for r in ROLES):
-            return {r: roles[r]["password"] for r in ROLES}
-    passwords = {r: new_secret() for r in ROLES}
-    write_roles_file(path, passwords)
-    return passwords
+    return keep_or_make_passwords(secrets_dir / "nats.json", ROLES)
 
 
 async def publish_run_config(config: RunConfig) -> None:
@@ -137,10 +124,11 @@ async def publish_run_config(config: RunConfig) -> None:
     elsewhere (docker compose, Kubernetes, Ray) with `asyncrl service NAME`."""
     from services.common.bus import Bus
 
-    creds = role_credentials(config)["admin"]
+    creds = role_credentials(config, ("admin",))["admin"]
     bus = await Bus.connect(config.nats_url, config.run_id, "init-run", connect_timeout_s=120, creds=creds)
     try:
         await bus.ensure_streams()
+        await bus.ensure_consumers(config.prompt_ack_wait_s)
         await bus.kv_put("config", json.dumps(config.model_dump(mode="json")).encode())
     finally:
         await bus.close()

@@ -22,9 +22,9 @@ from pathlib import Path
 import httpx
 
 from services.common import procs
+from services.common.procs import EXIT_FATAL
+from services.common.secrets import redact_text
 
-EXIT_FATAL = 78
-"""Exit code of a service that failed for a reason no restart can fix (EX_CONFIG)."""
 HEALTH_POLL_S = 2.0
 HEALTH_TIMEOUT_S = 5.0
 
@@ -44,14 +44,15 @@ class Child:
     healthy_once: bool = False
     """Passed a health check since its last (re)start: only then do failures count."""
     failing_since: float | None = None
-    last_failure: str = ""
     next_check: float = field(default=0.0)
 
 
 class Supervisor:
     def __init__(self, run_dir: Path, max_restarts: int, health_restart_s: float, out=print,
-                 headers: dict[str, str] | None = None):  # fmt: skip
+                 headers: dict[str, str] | None = None, secrets: list[str] | None = None):  # fmt: skip
+        """secrets: never quoted from a child's log (an SGLang server logs its API key)."""
         self.run_dir = run_dir
+        self.secrets = secrets or []
         self.max_restarts = max_restarts
         self.health_restart_s = health_restart_s
         self.out = out
@@ -78,9 +79,10 @@ class Supervisor:
 
     def tail(self, name: str, n: int = 15) -> str:
         try:
-            return "\n".join(self.log_path(name).read_text(errors="replace").splitlines()[-n:])
+            text = "\n".join(self.log_path(name).read_text(errors="replace").splitlines()[-n:])
         except FileNotFoundError:
             return "(no log)"
+        return redact_text(text, self.secrets)
 
     # ---- restarts ------------------------------------------------------------------------------
     def check_exits(self, allow_exit: tuple[str, ...] = ()) -> None:
@@ -124,7 +126,6 @@ class Supervisor:
                 continue
             if not c.healthy_once:
                 continue  # still starting (or restarting): its start-up is not a health failure
-            c.last_failure = failure
             c.failing_since = c.failing_since or now
             if now - c.failing_since >= self.health_restart_s:
                 self.restart(c, f"failed its health check for {now - c.failing_since:.0f}s ({failure})")

@@ -62,17 +62,19 @@ from services.buffer.state import (
     encode_state,
     ledger_events,
 )
-from services.common.bus import next_batch, settle
+from services.common.bus import VersionBound, next_batch, settle
 from services.common.runtime import Service, wait_event
 from services.common.validate import group_problem, limits_from_model_dir
 
 log = logging.getLogger(__name__)
 
 PRODUCER_TIMEOUT_S = 10.0
-MAX_PRODUCER_CAP = 100_000
-"""In-flight groups one producer may claim in its heartbeat."""
+MAX_PRODUCERS = 1024
+"""Producers whose in-flight caps count towards the fully-async release (each at most the
+configured cap): what heartbeats can make the buffer release is bounded."""
+MAX_RELEASE = 256
+"""Prompts released at once at most (the release loop comes back for the rest)."""
 SNAPSHOT_EVERY = 500
-ROLLOUTS_ACK_WAIT_S = 10.0
 PURGE_INTERVAL_S = 1.0
 """Trained payloads are purged from ROLLOUTS at most this often (two broker round trips each)."""
 LEDGER_BATCH_EVENTS = 256
@@ -122,7 +124,8 @@ class BufferService(Service):
             self.buffer.on_event = self._on_buffer_event
         self.plugin_path = config.custom_async_data_buffer_path or "services.api.DefaultDataBuffer"
         self.limits = limits_from_model_dir(config.hf_checkpoint, config.n_samples_per_prompt, config.reward_key)
-        self.published_version = 0  # the newest weight version the trainer published (versions are checked)
+        self.published = VersionBound(bus)  # the newest weight version the trainer published
+        self._consumer = bus.subjects.consumers(config.prompt_ack_wait_s)["buffer"]
         self.state = BufferState()
         self.live_version: int | None = None
         self.requested: dict[int, int] = {}  # step -> B, for steps the trainer has asked for
@@ -132,7 +135,6 @@ class BufferService(Service):
         self.override_version: int | None = None
         self.producers: dict[str, tuple[float, int]] = {}
         self.gid_of: dict[int, tuple[str, list]] = {}  # id(group) -> (group id, group)
-        self.dead_lettered = 0
         self.ledger_problems: list[str] = []  # entries the replay skipped (undecodable, out of order)
         self._unflushed: list[LedgerEvent] = []
         self._flush_lock = asyncio.Lock()
@@ -155,12 +157,10 @@ class BufferService(Service):
     async def setup(self) -> None:
         s = self.bus.subjects
         await self._recover()
-        self._rollouts = await self.bus.push(
-            s.rollouts_stream, s.rollouts, durable="buffer", ack_wait_s=ROLLOUTS_ACK_WAIT_S, max_ack_pending=256
-        )
+        self._rollouts = await self.bus.consume(self._consumer)
         # subscribe before reading the KV value, so that no update can fall in between
         await self.bus.nc.subscribe(s.weights_published, cb=self._on_published)
-        await self._read_published_version()
+        await self.published.refresh()
         await self.bus.nc.subscribe(s.weights_live, cb=self._on_live)
         await self._read_live_version()
         await self.bus.nc.subscribe(s.buffer_get, cb=self._on_get)
@@ -277,21 +277,20 @@ class BufferService(Service):
     async def _consume_rollouts(self) -> None:
         while True:
             msgs = await next_batch(self._rollouts, 64, 1.0)
-            done = []
+            done = []  # (message, ack or term): settled once what was decided on it is durable
             for i, msg in enumerate(msgs):
-                if await self._put_one(msg, pending=msgs[i:]):
-                    done.append(msg)
+                done.append((msg, await self._put_one(msg, pending=msgs[i:])))
                 while self._inline and len(self.buffer) > 0 and (step := self._next_step_to_fill()) is not None:
                     await self._fill(step, wait=False)  # a step waits for it: lease it now, not after a task switch
             await self._flush()
-            for msg in done:
-                await settle(msg)
+            for msg, how in done:
+                await settle(msg, how)
             if done:
                 self._wake_release.set()
 
-    async def _put_one(self, msg, pending: list) -> bool:
-        """Decide one group. Returns True when the message should be acknowledged after the
-        next flush (False: it was terminated as a dead letter, its fate recorded as `rejected`)."""
+    async def _put_one(self, msg, pending: list) -> str:
+        """Decide one group; returns how to settle its message once the decision is durable:
+        "ack", or "term" for a group rejected (dead-lettered, its fate recorded as `rejected`)."""
         seq = msg.metadata.sequence.stream
         try:
             rg, undecodable = decode(msg.data, RolloutGroup), None
@@ -302,11 +301,11 @@ class BufferService(Service):
             await releasing.wait()  # its prompt is published, its release about to be recorded
         if (problem := undecodable or await self._group_problem(rg)) is not None:
             await self._reject(msg, rg, problem)
-            return False
+            return "term"
         common = {"group_id": gid, "group_index": rg.group_index, "attempt": rg.attempt}
         if gid not in self.state.outstanding:
             self._record("put", outcome="duplicate", stream_seq=seq, **common)
-            return True
+            return "ack"
         group = rg.samples
         self.gid_of[id(group)] = (gid, group)
         if len(msg.data) <= INLINE_MAX_BYTES:
@@ -317,20 +316,20 @@ class BufferService(Service):
         }  # fmt: skip
         if self._inline and len(self.buffer) < self.buffer.capacity:
             await self._plugin(self.buffer.put(group), "put")  # room: decided without a task switch
-            return True
+            return "ack"
         put = asyncio.ensure_future(self._plugin(self.buffer.put(group), "put"))
         await asyncio.wait({put}, timeout=0.05)
         while not put.done():  # a full buffer holds the producers back
             await self._flush()  # what is decided becomes durable meanwhile
             for m in pending:
                 await settle(m, "in_progress")  # and the waiting messages stay ours
-            await asyncio.wait({put}, timeout=ROLLOUTS_ACK_WAIT_S / 3)
+            await asyncio.wait({put}, timeout=self._consumer.ack_wait_s / 3)
         put.result()
         if not self._current_put["recorded"]:  # a custom buffer: its decision is not observable
             self._record_put(
                 "aborted" if self._current_put["recycled"] else "accepted", recycled=self._current_put["recycled"]
             )
-        return True
+        return "ack"
 
     def _record_put(self, outcome: str, reason: str = "", recycled: bool = False) -> None:
         """Record the decision on the group being put. Called the moment it is made (from the
@@ -351,26 +350,20 @@ class BufferService(Service):
         us re-read WEIGHTS once before rejecting (its announcement may still be on the way)."""
         if rg.group_index >= self.state.next_group_index:
             return f"group_index {rg.group_index} was never released (next is {self.state.next_group_index})"
-        limits = dataclasses.replace(self.limits, max_version=self.published_version)
-        problem = group_problem(rg.group_id, rg.group_index, rg.attempt, rg.samples, limits)
-        if problem is not None and "was never published" in problem:
-            await self._read_published_version()
-            limits = dataclasses.replace(self.limits, max_version=self.published_version)
-            problem = group_problem(rg.group_id, rg.group_index, rg.attempt, rg.samples, limits)
-        return problem
+        newest = max((v for s in flatten_group(rg.samples) for v in s.weight_versions), default=0)
+        await self.published.allows(newest)  # re-reads the bound if the group names a newer version
+        limits = dataclasses.replace(self.limits, max_version=self.published.value)
+        return group_problem(rg.group_id, rg.group_index, rg.attempt, rg.samples, limits)
 
     async def _reject(self, msg, rg, reason: str) -> None:
         """Dead-letter a group that may not be trained, and record its fate: `rejected`, which
-        settles its prompt if that was outstanding (the audit names it; nothing waits for it)."""
+        settles its prompt if that was outstanding (the audit names it; nothing waits for it).
+        Its message is terminated only once the record is durable (the caller settles it)."""
         gid = group_id(rg.group_index, rg.attempt) if rg is not None else ""
         self._record("put", outcome="rejected", reason=reason[:500], group_id=gid,
                      group_index=rg.group_index if rg is not None else -1, attempt=rg.attempt if rg is not None else 0,
                      stream_seq=msg.metadata.sequence.stream)  # fmt: skip
-        await self._dead_letter(msg, reason)
-
-    async def _dead_letter(self, msg, reason: str) -> None:
-        self.dead_lettered += 1
-        await self.bus.dead_letter_msg(msg, reason)
+        await self.bus.dead_letter(msg.subject, msg.data, reason)
 
     def _on_buffer_event(self, kind: str, group: list, reason: str | None) -> None:
         """The DefaultDataBuffer's decisions, synchronously, as they happen."""
@@ -443,7 +436,9 @@ class BufferService(Service):
                 await self._read_live_version()  # weight-sync may have announced before we listened
             k = release_allowance(self.release_state())
             if k > 0:
-                await self._release(k)
+                await self._release(min(k, MAX_RELEASE))
+                if k > MAX_RELEASE:
+                    self._wake_release.set()
 
     async def _release(self, k: int) -> None:
         """Publish k prompts (deterministic ids: a re-release after a crash dedupes), then
@@ -519,7 +514,10 @@ class BufferService(Service):
         uncommitted one, plus the steps trained since the last checkpoint and one prefetched),
         another batch size, or versions nobody published."""
         c = self.config
-        window = (c.save_interval or 1) + 2
+        # the trainer commits at every checkpoint (--save: every --save-interval steps, else only
+        # at the end) or, without --save, after every step; it asks one step ahead of the last
+        commit_every = c.save_interval or (c.total_steps if c.save else 1)
+        window = commit_every + 2
         first = self.state.committed_step + 1
         if not first <= req.step < first + window:
             return f"get(step={req.step}) is outside the steps the trainer can ask for ({first}..{first + window - 1})"
@@ -531,10 +529,8 @@ class BufferService(Service):
             return f"get(wait_s={req.wait_s}): at most 30 s"
         for name in ("current_version", "release_min_version"):
             v = getattr(req, name)
-            if v is not None and v > self.published_version:
-                await self._read_published_version()
-            if v is not None and not 0 <= v <= self.published_version:
-                return f"get({name}={v}): that weight version was never published (newest {self.published_version})"
+            if v is not None and not await self.published.allows(v):
+                return f"get({name}={v}): that weight version was never published (newest {self.published.value})"
         return None
 
     def _get_reply(self, step: int, durable: bool = True) -> bytes:
@@ -718,10 +714,8 @@ class BufferService(Service):
     async def _set_live(self, version: int, msg=None) -> None:
         """The staleness clock moves forward only, and only to a version the trainer published
         (a forged WeightsLive(10**9) would otherwise make every group stale)."""
-        if version > self.published_version:
-            await self._read_published_version()
-        if not 0 <= version <= self.published_version:
-            reason = f"live version {version} was never published (newest {self.published_version})"
+        if not await self.published.allows(version):
+            reason = f"live version {version} was never published (newest {self.published.value})"
             if msg is not None:
                 await self._dead_letter_core(msg, reason)
             else:
@@ -733,14 +727,10 @@ class BufferService(Service):
 
     async def _on_published(self, msg) -> None:
         with contextlib.suppress(*DecodeError):  # weight-sync dead-letters bad ones; we only read the number
-            self.published_version = max(self.published_version, decode(msg.data, WeightsPublished).version)
-
-    async def _read_published_version(self) -> None:
-        self.published_version = max(self.published_version, await self.bus.last_published_version())
+            self.published.value = max(self.published.value, decode(msg.data, WeightsPublished).version)
 
     async def _dead_letter_core(self, msg, reason: str) -> None:
         """A core-NATS message (a request, an announcement) that fails validation."""
-        self.dead_lettered += 1
         await self.bus.dead_letter(msg.subject, msg.data, reason)
 
     async def _on_producer_heartbeat(self, msg) -> None:
@@ -750,9 +740,15 @@ class BufferService(Service):
             await self._dead_letter_core(msg, f"undecodable Heartbeat: {e}")
             return
         cap = hb.info.get("inflight_groups", self.config.inflight_groups)
-        if not isinstance(cap, int) or isinstance(cap, bool) or not 0 <= cap <= MAX_PRODUCER_CAP:
-            await self._dead_letter_core(msg, f"heartbeat of {hb.instance_id!r:.40}: inflight_groups {cap!r:.40} "
-                                              f"is not a count in [0, {MAX_PRODUCER_CAP}]")  # fmt: skip
+        known = hb.instance_id in self.producers
+        if not isinstance(cap, int) or isinstance(cap, bool) or not 0 <= cap <= self.config.inflight_groups:
+            problem = f"inflight_groups {cap!r:.40} is not a count in [0, {self.config.inflight_groups}]"
+        elif not known and len(self.producers) >= MAX_PRODUCERS:
+            problem = f"{len(self.producers)} producers are alive already (at most {MAX_PRODUCERS} are counted)"
+        else:
+            problem = None
+        if problem is not None:
+            await self._dead_letter_core(msg, f"heartbeat of {hb.instance_id!r:.40}: {problem}")
             return
         if hb.info.get("stopping"):
             self.producers.pop(hb.instance_id, None)
@@ -778,7 +774,8 @@ class BufferService(Service):
                 "next_group_index": self.state.next_group_index,
                 "recycled_waiting": len(self.state.recycled),
             },  # fmt: skip
-            "ledger": {**self.state.counters, "dead_lettered": self.dead_lettered, "events": self.state.seq},
+            "ledger": {**self.state.counters, "events": self.state.seq},
+            "dead_lettered": dict(self.bus.dead_lettered),
             "ledger_problems": self.ledger_problems[-20:],
             "buffer_class": self.plugin_path,
         }
@@ -792,7 +789,7 @@ class BufferService(Service):
             "buffer/live_version": self.live_version if self.live_version is not None else -1,
             "buffer/committed_step": self.state.committed_step,
             "buffer/ledger_events": self.state.seq,
-            "buffer/ledger/dead_lettered_total": self.dead_lettered,
+            "buffer/ledger/dead_lettered_total": sum(self.bus.dead_lettered.values()),
             "buffer/ledger/replay_skipped_total": len(self.ledger_problems),
         }
         out.update({f"buffer/ledger/{k}_total": v for k, v in self.state.counters.items()})

@@ -9,7 +9,9 @@ survived by every service.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import hashlib
 import logging
 import os
 import ssl
@@ -24,9 +26,9 @@ from nats.js import api
 
 from asyncrl_proto import DeadLetter, WeightsPublished, decode, encode
 from asyncrl_proto.codec import DecodeError
-from asyncrl_proto.subjects import Subjects
-from services.common.natsauth import SERVICE_ROLES, inbox_prefix
-from services.common.secrets import NatsCredentials, split_url_credentials
+from asyncrl_proto.subjects import ConsumerSpec, Subjects, inbox_prefix
+from services.common.natsauth import SERVICE_ROLES
+from services.common.secrets import NatsCredentials, url_credentials
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,6 +49,9 @@ class StoreFull(BusError):
     """JetStream refused to store a message: its store is full. Fatal: retrying cannot free it."""
 
 
+DEAD_LETTER_DATA_BYTES = 64 * 1024
+"""A dead letter keeps this much of the message (and its size and digest): one near the payload
+limit would not fit inside another."""
 STORE_DIR_ENV = "ASYNCRL_NATS_STORE_DIR"
 """Where the NATS server keeps its store, when we know it (the launcher's embedded server)."""
 _STORE_FULL_CODES = {10023, 10028, 10047}  # insufficient resources, max bytes / storage exceeded
@@ -109,7 +114,9 @@ class Bus:
         self.closing = False
         self.refused: nats.js.errors.APIError | None = None
         """The last JetStream API error the server answered an async publish with."""
-        self._refused = asyncio.Event()
+        self._refused = asyncio.Event()  # replaced at each refusal: every batch then waiting wakes
+        self.dead_lettered: collections.Counter[str] = collections.Counter()
+        """Messages this process dead-lettered, by the subject they came on."""
 
     @classmethod
     async def connect(
@@ -125,13 +132,11 @@ class Bus:
         connect_timeout_s; refused credentials or a TLS failure raise BusError at once, naming
         the cause (retrying cannot fix them)."""
         role = service if service in SERVICE_ROLES else "admin"
-        url, url_user, url_password = split_url_credentials(url)
+        url, in_url = url_credentials(url)
         if creds is None:
             creds = NatsCredentials.from_env(role)
-            if url_user and not (creds.user or creds.token or creds.creds_file or creds.nkey_file):
-                creds = NatsCredentials(**{**creds._values(), "user": url_user, "password": url_password})
-                if url_password is None:  # nats://TOKEN@host
-                    creds = NatsCredentials(**{**creds._values(), "user": None, "token": url_user})
+            if in_url and not (creds.user or creds.token or creds.creds_file or creds.nkey_file):
+                creds = NatsCredentials(**{**creds._values(), **in_url})
         bus: Bus | None = None  # the callbacks read it once it exists
         connecting = True
 
@@ -139,8 +144,11 @@ class Bus:
             if connecting and (fatal := fatal_connect_error(e, url, creds, service)):
                 raise fatal  # out of nats.connect(): wrong credentials never succeed on a retry
             if isinstance(e, nats.js.errors.APIError) and bus is not None:
-                bus.refused = e
-                bus._refused.set()
+                # nats-py turns an error answer to an async publish into an exception inside its
+                # reply handler, which reaches us here while the publish's future never resolves
+                bus.refused, refused = e, bus._refused
+                bus._refused = asyncio.Event()
+                refused.set()
             level = logging.ERROR if "permissions violation" in str(e).lower() else logging.WARNING
             log.log(level, "nats (%s): %s", service, e)
 
@@ -214,6 +222,22 @@ class Bus:
             cfg = api.KeyValueConfig(bucket=bucket, history=1, storage=api.StorageType.FILE, direct=True)
             self._kv = await self.js.create_key_value(config=cfg)
 
+    async def ensure_consumers(self, prompt_ack_wait_s: float) -> None:
+        """Create (or update) the run's durable consumers (asyncrl_proto.subjects.consumers); the
+        admin does this, the services only bind to them."""
+        for spec in self.subjects.consumers(prompt_ack_wait_s).values():
+            await self.js.add_consumer(spec.stream, config=_consumer_config(spec))
+
+    async def consume(self, spec: ConsumerSpec):
+        """Bind to one of the run's durable consumers: a push subscription when it delivers to an
+        inbox, else a pull subscription. (Created here only when missing and this identity may.)"""
+        if spec.deliver_subject:
+            return await self.js.subscribe(spec.filter_subject, durable=spec.durable, stream=spec.stream,
+                                           manual_ack=True, config=_consumer_config(spec),
+                                           pending_msgs_limit=spec.max_ack_pending * 2)  # fmt: skip
+        return await self.js.pull_subscribe(spec.filter_subject, durable=spec.durable, stream=spec.stream,
+                                            config=_consumer_config(spec))  # fmt: skip
+
     async def kv(self):
         """The run's KV bucket (resolved config, live version, service state); BusError when
         the run was never prepared (`asyncrl init-run` or the launcher creates it)."""
@@ -259,8 +283,7 @@ class Bus:
         """Pipelined JetStream publishes of (subject, msg, msg_id), in order; raises BusError
         unless every one is acknowledged within timeout_s, at once when the server refuses one
         (StoreFull when its store is full)."""
-        self.refused = None
-        self._refused.clear()
+        refusal = self._refused
         futures = []
         for subject, msg, msg_id in items:
             headers = {"Nats-Msg-Id": msg_id} if msg_id else None
@@ -269,7 +292,7 @@ class Bus:
             return []
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        pending, refused = set(futures), asyncio.ensure_future(self._refused.wait())
+        pending, refused = set(futures), asyncio.ensure_future(refusal.wait())
         try:
             while pending and not refused.done() and (left := deadline - loop.time()) > 0:
                 done, _ = await asyncio.wait(pending | {refused}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
@@ -283,7 +306,7 @@ class Bus:
             return [f.result() for f in futures]
         for f in pending:
             f.cancel()
-        if self.refused is not None:  # nats-py hands a refused async publish to the error callback only
+        if refusal.is_set():  # a publish was refused while these waited (maybe one of them: retry them)
             raise_if_store_full(self.refused, items[0][0])
             raise BusError(f"the server refused a publish on {items[0][0]}: {self.refused}")
         raise BusError(f"{len(pending)} of {len(futures)} publishes were not acknowledged within {timeout_s}s")
@@ -335,20 +358,6 @@ class Bus:
         )
         return await self.js.pull_subscribe(subject, durable=durable, stream=stream, config=cfg)
 
-    async def push(self, stream: str, subject: str, durable: str, ack_wait_s: float = 30.0, max_ack_pending: int = 256):
-        """A durable push consumer: messages arrive as soon as they are stored (a pull fetch of
-        several messages lingers until its batch is full), at most max_ack_pending unacknowledged."""
-        cfg = api.ConsumerConfig(
-            durable_name=durable,
-            ack_policy=api.AckPolicy.EXPLICIT,
-            ack_wait=ack_wait_s,
-            max_ack_pending=max_ack_pending,
-            deliver_policy=api.DeliverPolicy.ALL,
-            filter_subject=subject,
-        )
-        return await self.js.subscribe(subject, durable=durable, stream=stream, manual_ack=True, config=cfg,
-                                       pending_msgs_limit=max_ack_pending * 2)  # fmt: skip
-
     async def last_published_version(self) -> int:
         """The newest weight version the trainer published (the last WeightsPublished on
         WEIGHTS; only the trainer may publish there), 0 before the first push."""
@@ -366,23 +375,38 @@ class Bus:
         return raw.data
 
     async def dead_letter(self, subject: str, data: bytes, reason: str) -> None:
+        """Record a message that failed validation on DEADLETTER (its first DEAD_LETTER_DATA_BYTES,
+        its size and digest, the reason), count it, log it. Never fails the caller: a dead letter
+        that cannot be stored is logged."""
         target = self.subjects.deadletter(subject)
+        self.dead_lettered[subject.removeprefix(self.subjects._s(""))] += 1
         log.error("dead-lettered a message from %s to %s: %s", subject, target, reason)
-        await self.publish(
-            target,
-            DeadLetter(
-                original_subject=subject,
-                reason=reason,
-                data=data,
-                service=self.service,
-                ts=time.time(),
-            ),
-        )
+        letter = DeadLetter(original_subject=subject, reason=reason[:2000], data=data[:DEAD_LETTER_DATA_BYTES],
+                            service=self.service, ts=time.time(), num_bytes=len(data),
+                            sha256=hashlib.sha256(data).hexdigest())  # fmt: skip
+        try:
+            await self.publish(target, letter)
+        except StoreFull:
+            raise
+        except (TimeoutError, nats.errors.Error, nats.js.errors.Error, OSError) as e:
+            log.error("the dead letter from %s could not be stored (%s); it is only logged", subject, e)
 
     async def dead_letter_msg(self, msg, reason: str) -> None:
         """Dead-letter a JetStream message and terminate it (never redelivered)."""
         await self.dead_letter(msg.subject, msg.data, reason)
         await settle(msg, "term")
+
+
+def _consumer_config(spec: ConsumerSpec) -> api.ConsumerConfig:
+    return api.ConsumerConfig(
+        durable_name=spec.durable,
+        ack_policy=api.AckPolicy.EXPLICIT,
+        ack_wait=spec.ack_wait_s,
+        max_ack_pending=spec.max_ack_pending,
+        deliver_policy=api.DeliverPolicy.ALL,
+        filter_subject=spec.filter_subject,
+        deliver_subject=spec.deliver_subject or None,
+    )
 
 
 async def fetch_some(psub, batch: int, timeout_s: float) -> list:
@@ -413,6 +437,29 @@ async def fetch_some(psub, batch: int, timeout_s: float) -> list:
         except (nats.errors.Error, nats.js.errors.Error, OSError):
             pass
     return msgs
+
+
+class VersionBound:
+    """The newest weight version the trainer has published, as far as this service knows:
+    re-read from WEIGHTS when a message names a newer one (its announcement may still be on the
+    way). A version is plausible when 0 <= version <= the bound. A broker that does not answer
+    leaves the bound where it was (the check then errs on the side of refusing)."""
+
+    def __init__(self, bus: Bus):
+        self.bus = bus
+        self.value = 0
+
+    async def refresh(self) -> int:
+        try:
+            self.value = max(self.value, await self.bus.last_published_version())
+        except (TimeoutError, nats.errors.Error, nats.js.errors.Error, OSError) as e:
+            log.warning("could not read the newest published weight version (%s)", type(e).__name__)
+        return self.value
+
+    async def allows(self, version: int) -> bool:
+        if version > self.value:
+            await self.refresh()
+        return 0 <= version <= self.value
 
 
 class ReplyInbox:

@@ -408,16 +408,13 @@ class RunConfig(BaseModel):
         """nats://user:password@host -> nats_url nats://host, nats_user, nats_password (a lone
         user part is a token): a secret in the URL would be stored and put on command lines."""
         if isinstance(data, dict) and data.get("nats_url"):
-            from services.common.secrets import split_url_credentials
+            from services.common.secrets import url_credentials
 
-            url, user, password = split_url_credentials(str(data["nats_url"]))
-            if user is not None:
+            url, found = url_credentials(str(data["nats_url"]))
+            if found:
                 data = dict(data, nats_url=url)
-                if password is None:
-                    data.setdefault("nats_token", user)
-                else:
-                    data.setdefault("nats_user", user)
-                    data.setdefault("nats_password", password)
+                for key, value in found.items():
+                    data.setdefault(f"nats_{key}", value)
         return data
 
     @model_validator(mode="after")

@@ -20,6 +20,8 @@ import logging
 import sys
 import time
 
+from services.common.procs import EXIT_FATAL  # light: the standard library only
+
 SERVICES = {
     "buffer": "services.buffer.service:BufferService",
     "rollout": "services.rollout.service:RolloutService",
@@ -29,7 +31,6 @@ SERVICES = {
 }
 
 log = logging.getLogger("asyncrl.entry")
-EXIT_FATAL = 78  # = services.supervisor.EXIT_FATAL (imported lazily there: this module stays light)
 
 
 def run_event_loop(coro):

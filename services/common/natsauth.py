@@ -7,13 +7,14 @@
 | trainer | buffer.get, buffer.commit, weights.published, progress, eval.requests, eval.results | eval.results, heartbeat.rollout | reads ROLLOUTS, the last WEIGHTS message |
 | rollout | rollouts | control | consumer `producers` on PROMPTS |
 | weight-sync | weights.live, KV live_version | - | consumer `weight-sync` on WEIGHTS |
-| eval | eval.results, control | weights.live, weights.published | consumer `eval` on EVAL, reads the last WEIGHTS message |
+| eval | eval.results, control | weights.live | consumer `eval` on EVAL, reads the last WEIGHTS message |
 
 Every role may also publish its own heartbeat and dead letters, read the run's config and live
 version from KV, look up stream info, and receive replies on its own inbox prefix
 (`_INBOX.<run>.<role>`), so no role can read another's replies. Only the buffer answers requests
-(`allow_responses`). So a producer's credentials cannot append to the ledger, publish weights,
-progress or commits, answer a get, or touch a stream's configuration.
+(`allow_responses`). The admin creates the streams and the durable consumers; a role may only bind
+to its own consumer. So a producer's credentials cannot append to the ledger, publish weights,
+progress or commits, answer a get, or touch a stream's or a consumer's configuration.
 
 `server_auth_conf` renders this as a nats-server `authorization` block: the launcher writes it
 into the embedded server's config with generated passwords, and `asyncrl secrets` writes the
@@ -24,24 +25,18 @@ from __future__ import annotations
 
 import json
 
-from asyncrl_proto.subjects import Subjects
+from asyncrl_proto.subjects import Subjects, inbox_prefix
 
 ROLES = ("admin", "buffer", "trainer", "rollout", "weight-sync", "eval")
 SERVICE_ROLES = ROLES[1:]
 JS = "$JS.API"
 
 
-def inbox_prefix(run_id: str, role: str) -> str:
-    return f"_INBOX.{run_id}.{role}"
-
-
 def _consume(stream: str, durable: str) -> list[str]:
-    """A durable consumer of one stream: create or look it up, pull from it, acknowledge."""
+    """A durable consumer of one stream that the admin created: look it up, pull from it,
+    acknowledge. Not create or update it: no role changes how its consumer redelivers."""
     return [
         f"{JS}.CONSUMER.INFO.{stream}.{durable}",
-        f"{JS}.CONSUMER.CREATE.{stream}.{durable}",
-        f"{JS}.CONSUMER.CREATE.{stream}.{durable}.>",
-        f"{JS}.CONSUMER.DURABLE.CREATE.{stream}.{durable}",
         f"{JS}.CONSUMER.MSG.NEXT.{stream}.{durable}",
         f"$JS.ACK.{stream}.{durable}.>",
     ]
@@ -87,7 +82,7 @@ def role_permissions(run_id: str, role: str) -> dict:
         pub += [s.weights_live, f"$KV.{bucket}.live_version"] + _consume(s.weights_stream, "weight-sync")
     elif role == "eval":
         pub += [s.eval_results, s.control] + _consume(s.eval_stream, "eval") + _read(s.weights_stream)
-        sub += [s.weights_live, s.weights_published]
+        sub += [s.weights_live]
     perms: dict = {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
     if responses:
         perms["allow_responses"] = responses
@@ -109,35 +104,33 @@ def server_auth_conf(run_id: str, passwords: dict[str, str] | None = None) -> st
     return "authorization {\n  users = [\n" + "\n".join(users) + "\n  ]\n}\n"
 
 
-def write_deploy_secrets(run_id: str, out_dir, keep: bool = True) -> dict[str, str]:
-    """The secrets of a run whose services start elsewhere (docker compose, Kubernetes): a
-    password per role (nats.json, the --nats-roles-file format), the server's authorization
-    block with them (auth.conf, for deploy/nats-server.conf's include) and a run token
-    (run-token), each mode 0600. Existing ones are kept (`keep`), so a restart changes nothing."""
+def write_deploy_secrets(run_id: str, out_dir) -> dict[str, str]:
+    """The secrets of a run whose services start elsewhere (docker compose, Kubernetes), each
+    mode 0600, kept if they exist (a restart changes nothing):
+      nats.json, run-token     every identity and the run token (the operator's copy)
+      auth.conf                the server's authorization block (deploy/nats-server.conf includes it)
+      roles/<role>/            what one service may see: its own identity (nats.json) and the
+                               run token; roles/engine/ holds the run token only."""
     from pathlib import Path
 
-    from services.common.secrets import load_roles_file, new_secret, write_roles_file, write_secret_file
+    from services.common.secrets import keep_or_make_passwords, keep_or_make_token, write_roles_file, write_secret_file
 
     out = Path(out_dir)
-    roles_path = out / "nats.json"
-    passwords = None
-    if keep and roles_path.exists():
-        roles = load_roles_file(roles_path)
-        if all(r in roles and roles[r].get("password") for r in ROLES):
-            passwords = {r: roles[r]["password"] for r in ROLES}
-    if passwords is None:
-        passwords = {r: new_secret() for r in ROLES}
-        write_roles_file(roles_path, passwords)
+    passwords = keep_or_make_passwords(out / "nats.json", ROLES)
+    token = keep_or_make_token(out / "run-token")
     write_secret_file(out / "auth.conf", server_auth_conf(run_id, passwords))
-    if not (keep and (out / "run-token").exists()):
-        write_secret_file(out / "run-token", new_secret())
+    for role in (*ROLES, "engine"):
+        if role in passwords:
+            write_roles_file(out / "roles" / role / "nats.json", {role: passwords[role]})
+        write_secret_file(out / "roles" / role / "run-token", token)
     return passwords
 
 
 def k8s_secrets(run_id: str) -> str:
     """Kubernetes Secrets for a run (`asyncrl secrets --run-id ID --k8s | kubectl apply -f -`):
     asyncrl-nats-auth (auth.conf for the nats pod), asyncrl-run-token, and one
-    asyncrl-nats-<role> per role holding only that role's password."""
+    asyncrl-nats-<role> per role holding only that role's password. New secrets every call: apply
+    it once per run (applying it again rotates every password; restart nats and the pods then)."""
     import base64
 
     from services.common.secrets import new_secret

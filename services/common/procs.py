@@ -15,6 +15,9 @@ import time
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+EXIT_FATAL = 78
+"""Exit code of a service that stopped for a reason no restart can fix (EX_CONFIG): refused
+credentials, an invalid configuration or secret, a full store or disk."""
 
 
 def _die_with_parent() -> None:
@@ -31,7 +34,12 @@ def spawn(
     env: dict[str, str] | None = None,
     cwd: str | Path | None = None,
 ) -> subprocess.Popen:
-    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    # a log may quote a secret a child prints (SGLang logs its --api-key): only its owner reads it
+    out = (
+        os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+        if log_path
+        else subprocess.DEVNULL
+    )
     try:
         return subprocess.Popen(
             cmd,

@@ -128,9 +128,6 @@ class NatsCredentials:
         """The ASYNCRL_NATS_* variables that give a child process these credentials."""
         return {NATS_ENV[k]: v for k, v in self._values().items() if v}
 
-    def secrets(self) -> list[str]:
-        return [s for s in (self.password, self.token) if s]
-
     def describe(self) -> str:
         """What kind of identity this is, for error messages (no secret in it)."""
         if self.creds_file:
@@ -202,20 +199,41 @@ def write_roles_file(path: str | Path, passwords: dict[str, str]) -> Path:
     return write_secret_file(path, json.dumps({r: {"user": r, "password": p} for r, p in passwords.items()}, indent=2))
 
 
-def split_url_credentials(url: str) -> tuple[str, str | None, str | None]:
-    """nats://user:pass@host:4222 -> (nats://host:4222, user, pass); nats://tok@host -> (.., tok, None)
-    (a lone user part is NATS's token form). Only the first URL of a comma-separated list may
-    carry credentials, as nats-py reads them."""
+def keep_or_make_passwords(path: str | Path, roles: tuple[str, ...]) -> dict[str, str]:
+    """A password per role from the roles file at `path` when it has one for every role (a
+    restarted run must keep matching its server), else new ones written there."""
+    if Path(path).exists():
+        kept = load_roles_file(path)
+        if all(kept.get(r, {}).get("password") for r in roles):
+            return {r: kept[r]["password"] for r in roles}
+    passwords = {r: new_secret() for r in roles}
+    write_roles_file(path, passwords)
+    return passwords
+
+
+def keep_or_make_token(path: str | Path, given: str | None = None) -> str:
+    """The run token: `given`, else the one kept at `path`, else a new one; written to `path`."""
+    token = given or (read_secret_file(path, "the run token") if Path(path).exists() else new_secret())
+    write_secret_file(path, token)
+    return token
+
+
+def url_credentials(url: str) -> tuple[str, dict[str, str]]:
+    """nats://user:pass@host:4222 -> (nats://host:4222, {"user", "password"}); nats://tok@host ->
+    (nats://host, {"token"}) (a lone user part is NATS's token form). Only the first URL of a
+    comma-separated list may carry credentials, as nats-py reads them."""
     first, sep, rest = url.partition(",")
     parts = urlsplit(first)
     if not parts.username and not parts.password:
-        return url, None, None
+        return url, {}
     host = parts.hostname or ""
     netloc = f"[{host}]" if ":" in host else host
     if parts.port:
         netloc += f":{parts.port}"
-    clean = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
-    return clean + sep + rest, parts.username, parts.password
+    clean = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment)) + sep + rest
+    if parts.password is None:
+        return clean, {"token": parts.username}
+    return clean, {"user": parts.username, "password": parts.password}
 
 
 def redact_text(text: str, secret_values: list[str]) -> str:

@@ -10,3 +10,12 @@ COMPLETE_MARKER = ".complete"
 
 def is_complete(path: str | Path) -> bool:
     return (Path(path) / COMPLETE_MARKER).exists()
+
+
+def resolved(uri: str) -> Path | None:
+    """The absolute path a URI from a message names; None for one that cannot be a path (a NUL
+    byte, a loop of links), which no consumer should ever load."""
+    try:
+        return Path(uri).resolve()
+    except (ValueError, OSError, RuntimeError):
+        return None

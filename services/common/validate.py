@@ -111,3 +111,17 @@ def group_problem(group_id_: str, group_index: int, attempt: int, samples: list,
         if (p := sample_problem(s, limits)) is not None:
             return f"sample {s.index}: {p}"
     return None
+
+
+def finite_metrics(metrics: dict[Any, Any]) -> tuple[dict[str, float], list[str]]:
+    """The entries of a metrics dict that are finite numbers under string keys, and the keys of
+    the others (a NaN from an evaluator plugin must not reach a record or a dashboard)."""
+    kept = {k: float(v) for k, v in metrics.items() if isinstance(k, str) and finite(v)}
+    return kept, [str(k)[:80] for k in metrics if k not in kept]
+
+
+def eval_result_problem(step: int, total_steps: int) -> str | None:
+    """An EvalResult for a point that is not one of this run's (0..total_steps)."""
+    if not 0 <= step <= total_steps:
+        return f"eval result for step {step}, outside the run's 0..{total_steps}"
+    return None

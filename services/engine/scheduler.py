@@ -140,7 +140,6 @@ class Scheduler:
         process exits there, because an engine whose scheduler is gone would hang every request."""
         self.model = model.eval()
         self.on_death = on_death
-        self.death: BaseException | None = None
         self.context_length = context_length or model.cfg.max_position_embeddings
         self.cache = KVCache(model.cfg, max_running_requests, self.context_length)
         self.eos_token_ids = eos_token_ids if eos_token_ids is not None else model.cfg.eos_ids
@@ -190,7 +189,6 @@ class Scheduler:
         try:
             self._loop()
         except BaseException as e:
-            self.death = e
             log.critical("the engine's scheduler thread died: %r", e, exc_info=e)
             with self._work:  # nothing will ever run them: answer every request now
                 self._drain_inbox()

@@ -37,12 +37,12 @@ from asyncrl_proto.messages import scalar_reward
 from services.buffer.core import load_object
 from services.buffer.datasource import load_rows
 from services.common import procs
-from services.common.bus import fetch_some, settle
+from services.common.bus import VersionBound, fetch_some, settle
 from services.common.config import eval_backend
 from services.common.runtime import Service, wait_event
 from services.common.sglang_client import SGLangClient
-from services.common.snapshot import is_complete
-from services.common.validate import finite
+from services.common.snapshot import is_complete, resolved
+from services.common.validate import finite, finite_metrics
 from services.eval.contract import CheckpointEvalFn, EvalSkip
 from services.eval.fleet import launch_fleet
 from services.model.tokenizer import Tokenizer
@@ -97,7 +97,7 @@ class EvalService(Service):
         self.exported: collections.deque[Path] = collections.deque()
         self.results: list[dict] = []
         self.busy = False
-        self.num_rejected = 0
+        self.published = VersionBound(bus)  # the newest weight version the trainer published
         self._psub = None
 
     # ---- setup -----------------------------------------------------------------------------
@@ -109,7 +109,7 @@ class EvalService(Service):
             self.live_version = decode(raw, WeightsLive).version
         if self.backend == "fleet":
             await self._start_fleet()
-        self._psub = await self.bus.pull(s.eval_stream, s.eval_requests, durable="eval", ack_wait_s=600.0)
+        self._psub = await self.bus.consume(s.consumers(self.config.prompt_ack_wait_s)["eval"])
 
     async def _start_fleet(self) -> None:
         urls = list(self.config.eval_engine_urls)
@@ -139,7 +139,7 @@ class EvalService(Service):
         except DecodeError as e:
             await self.bus.dead_letter(msg.subject, msg.data, f"undecodable WeightsLive: {e}")
             return
-        if live.version > await self.bus.last_published_version():
+        if not await self.published.allows(live.version):
             await self.bus.dead_letter(msg.subject, msg.data, f"live version {live.version} was never published")
             return
         if self.live_version is None or live.version > self.live_version:
@@ -156,10 +156,10 @@ class EvalService(Service):
                 try:
                     req = decode(msg.data, EvalRequest)
                 except DecodeError as e:
-                    await self._reject(msg, f"undecodable EvalRequest: {e}")
+                    await self.bus.dead_letter_msg(msg, f"undecodable EvalRequest: {e}")
                     continue
                 if (problem := await self._request_problem(req)) is not None:
-                    await self._reject(msg, problem)
+                    await self.bus.dead_letter_msg(msg, problem)
                     continue
                 result = await self._run_point(req, msg)
                 await self.bus.publish_durably([(self.bus.subjects.eval_results, result, None)], "an eval result")
@@ -176,9 +176,8 @@ class EvalService(Service):
         c = self.config
         if not 0 <= req.step <= c.total_steps:
             return f"eval request for step {req.step}, outside the run's 0..{c.total_steps}"
-        published = await self.bus.last_published_version()
-        if not 0 <= req.version <= published:
-            return f"eval request for weight version {req.version}, never published (newest {published})"
+        if not await self.published.allows(req.version):
+            return f"eval request for weight version {req.version}, never published (newest {self.published.value})"
         if req.snapshot_uri and not self._is_run_snapshot(req.snapshot_uri):
             return f"eval snapshot {req.snapshot_uri!r:.200} is outside the run's directories"
         if not finite(req.export_time_s) or req.export_time_s < 0:
@@ -187,13 +186,11 @@ class EvalService(Service):
 
     def _is_run_snapshot(self, uri: str) -> bool:
         c = self.config
-        path = Path(uri).resolve()
+        path = resolved(uri)
         roots = [Path(p).resolve() for p in (c.run_dir, c.save_hf, c.eval_hf_dir) if p]
-        return path == Path(c.hf_checkpoint).resolve() or any(path.is_relative_to(r) for r in roots)
-
-    async def _reject(self, msg, reason: str) -> None:
-        self.num_rejected += 1
-        await self.bus.dead_letter_msg(msg, reason)
+        return path is not None and (
+            path == Path(c.hf_checkpoint).resolve() or any(path.is_relative_to(r) for r in roots)
+        )
 
     async def _run_point(self, req: EvalRequest, msg) -> EvalResult:
         t0 = time.perf_counter()
@@ -207,6 +204,9 @@ class EvalService(Service):
                 metrics = await self._fleet(req)
             else:
                 metrics = await self._external(req)
+            metrics, dropped = finite_metrics(metrics)
+            if dropped:
+                log.warning("eval at step %d: metrics %s are not finite numbers; left out", req.step, dropped)
         except SkipPoint as e:
             skipped = e.reason
         except Exception as e:
@@ -262,7 +262,7 @@ class EvalService(Service):
             await self._control("pause_submission", token)
 
     def _snapshot(self, req: EvalRequest) -> str:
-        path = Path(req.snapshot_uri) if req.snapshot_uri else None
+        path = resolved(req.snapshot_uri) if req.snapshot_uri else None
         if path is None or not path.is_dir():
             raise SkipPoint("ckpt_missing")
         # the initial --hf-checkpoint was not written by this run, so it has no marker to wait for
@@ -330,7 +330,7 @@ class EvalService(Service):
     def metric_values(self) -> dict[str, float]:
         return {"eval/busy": float(self.busy), "eval/points_total": len(self.results),
                 "eval/points_skipped_total": sum(1 for r in self.results if r["skipped"]),
-                "eval/requests_rejected_total": self.num_rejected}  # fmt: skip
+                "eval/dead_lettered_total": sum(self.bus.dead_lettered.values())}  # fmt: skip
 
 
 async def evaluate_dataset(client, tokenizer, reward_fn, config, name: str, rows: list[dict], params: dict) -> dict:

@@ -125,13 +125,7 @@ class RolloutService(Service):
 
     async def setup(self) -> None:
         s = self.bus.subjects
-        self._psub = await self.bus.pull(
-            s.prompts_stream,
-            s.prompts,
-            durable="producers",
-            ack_wait_s=self.config.prompt_ack_wait_s,
-            max_ack_pending=100_000,
-        )
+        self._psub = await self.bus.consume(s.consumers(self.config.prompt_ack_wait_s)["producers"])
         await self.bus.nc.subscribe(s.control, cb=self._on_control)
         log.info(
             "producer %s ready: %d groups in flight max, %s granularity, engines %s",

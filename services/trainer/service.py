@@ -52,7 +52,7 @@ from services.buffer.core import load_object
 from services.common.bus import ReplyInbox
 from services.common.config import eval_backend
 from services.common.runtime import Service, wait_event
-from services.common.validate import Limits, finite, sample_problem
+from services.common.validate import Limits, eval_result_problem, finite_metrics, sample_problem
 from services.model.hf_io import load_model, save_model
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.core import (
@@ -610,11 +610,12 @@ class TrainerService(Service):
         except DecodeError as e:
             await self.bus.dead_letter(msg.subject, msg.data, f"undecodable EvalResult: {e}")
             return
-        if not 0 <= res.step <= self.config.total_steps or not all(finite(v) for v in res.metrics.values()):
-            await self.bus.dead_letter(msg.subject, msg.data, f"eval result for step {res.step} with metrics "
-                                                              "that are not finite numbers, or outside the run")  # fmt: skip
+        if (problem := eval_result_problem(res.step, self.config.total_steps)) is not None:
+            await self.bus.dead_letter(msg.subject, msg.data, problem)
             return
-        metrics = dict(res.metrics)
+        metrics, dropped = finite_metrics(res.metrics)  # the point is answered even if some are not
+        if dropped:
+            log.warning("eval result of step %d: metrics %s are not finite numbers; left out", res.step, dropped)
         metrics["eval/lag_steps"] = self.step - res.step
         self.pending_eval.append(metrics)
         if res.step in self.eval_pending:  # the eval service answers its requests in order
@@ -680,6 +681,8 @@ class TrainerService(Service):
                 "mode": self.config.mode, "last_record": self.last_record}  # fmt: skip
 
     def metric_values(self) -> dict[str, float]:
-        out = {"trainer/step": self.step, "trainer/weight_version": self.version}
+        out = {"trainer/step": self.step, "trainer/weight_version": self.version,
+               "trainer/invalid_samples_total": self.num_invalid_samples,
+               "trainer/nonfinite_updates_skipped_total": self.num_nonfinite_skipped}  # fmt: skip
         out.update({k: v for k, v in self.last_record.items() if isinstance(v, (int, float))})
         return out

@@ -26,7 +26,7 @@ from asyncrl_proto.codec import DecodeError
 from services.common.bus import fetch_some, settle
 from services.common.runtime import Service
 from services.common.sglang_client import EngineError, SGLangClient
-from services.common.snapshot import COMPLETE_MARKER, is_complete
+from services.common.snapshot import COMPLETE_MARKER, is_complete, resolved
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,6 @@ class WeightSyncService(Service):
         self.last_update_s = 0.0
         self.num_updates = 0
         self.num_skipped = 0
-        self.num_rejected = 0
         self._psub = None
 
     async def setup(self) -> None:
@@ -52,7 +51,7 @@ class WeightSyncService(Service):
         else:
             self.live_version = await self._engine_version()
             await self._announce(self.live_version, 0.0)
-        self._psub = await self.bus.pull(s.weights_stream, s.weights_published, durable="weight-sync", ack_wait_s=120.0)
+        self._psub = await self.bus.consume(s.consumers(self.config.prompt_ack_wait_s)["weight-sync"])
         log.info("weight-sync ready: engines %s at version %s", self.client.urls, self.live_version)
 
     async def teardown(self) -> None:
@@ -94,14 +93,14 @@ class WeightSyncService(Service):
                 try:
                     pub = decode(m.data, WeightsPublished)
                 except DecodeError as e:
-                    await self._reject(m, f"undecodable WeightsPublished: {e}")
+                    await self.bus.dead_letter_msg(m, f"undecodable WeightsPublished: {e}")
                     continue
                 if self.live_version is not None and pub.version <= self.live_version:
                     self.num_skipped += 1  # a redelivery of a version already live (or superseded)
                     await settle(m)
                     continue
                 if not 0 <= pub.step < self.config.total_steps:
-                    await self._reject(m, f"weights v{pub.version} name step {pub.step}, outside the run's "
+                    await self.bus.dead_letter_msg(m, f"weights v{pub.version} name step {pub.step}, outside the run's "
                                           f"{self.config.total_steps} steps")  # fmt: skip
                     continue
                 fresh.append((pub, m))
@@ -109,7 +108,7 @@ class WeightSyncService(Service):
             # only the newest version whose snapshot is the trainer's is loaded; older ones are
             # superseded (never loaded), and a message whose snapshot is not the trainer's is refused
             while fresh and (problem := self._snapshot_problem(fresh[-1][0])) is not None:
-                await self._reject(fresh.pop()[1], problem)
+                await self.bus.dead_letter_msg(fresh.pop()[1], problem)
             if fresh:
                 await self._update(*fresh[-1])
             self.num_skipped += max(0, len(fresh) - 1)
@@ -119,9 +118,9 @@ class WeightSyncService(Service):
     def _snapshot_problem(self, pub: WeightsPublished) -> str | None:
         """The snapshot must be the run's own (<run_dir>/weights/v<N>), complete, and the one the
         trainer wrote (the digest in its marker equals the announced one)."""
-        path = Path(pub.uri).resolve()
+        path = resolved(pub.uri)
         expected = (Path(self.config.run_dir) / "weights" / f"v{pub.version}").resolve()
-        if path != expected:
+        if path is None or path != expected:
             return f"weights v{pub.version} point at {pub.uri!r:.200}, not the run's {expected}"
         if not is_complete(path):
             return f"weights v{pub.version}: the snapshot {path} is missing or incomplete"
@@ -132,10 +131,6 @@ class WeightSyncService(Service):
         if not pub.sha256 or digest != pub.sha256:
             return f"weights v{pub.version}: the snapshot's digest differs from the announced one"
         return None
-
-    async def _reject(self, msg, reason: str) -> None:
-        self.num_rejected += 1
-        await self.bus.dead_letter_msg(msg, reason)
 
     async def _update(self, pub: WeightsPublished, msg) -> None:
         t0 = time.perf_counter()
@@ -197,7 +192,7 @@ class WeightSyncService(Service):
             "last_update_s": self.last_update_s,
             "num_updates": self.num_updates,
             "num_skipped_versions": self.num_skipped,
-            "num_rejected": self.num_rejected,
+            "num_rejected": sum(self.bus.dead_lettered.values()),
         }
 
     def metric_values(self) -> dict[str, float]:
@@ -206,5 +201,5 @@ class WeightSyncService(Service):
             "weight_sync/last_update_seconds": self.last_update_s,
             "weight_sync/updates_total": self.num_updates,
             "weight_sync/skipped_versions_total": self.num_skipped,
-            "weight_sync/rejected_total": self.num_rejected,
+            "weight_sync/rejected_total": sum(self.bus.dead_lettered.values()),
         }

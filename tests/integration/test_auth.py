@@ -45,6 +45,7 @@ async def test_a_producer_cannot_write_the_ledger_weights_progress_commits_or_st
     s = admin.subjects
     try:
         await admin.ensure_streams()
+        await admin.ensure_consumers(30.0)
         seen: list[str] = []
 
         async def watch(msg) -> None:
@@ -62,7 +63,8 @@ async def test_a_producer_cannot_write_the_ledger_weights_progress_commits_or_st
             await wait_until(lambda: s.heartbeat("rollout") in seen, what="the producer's own heartbeat")
             for api in (f"$JS.API.STREAM.PURGE.{s.ledger_stream}", f"$JS.API.STREAM.DELETE.{s.ledger_stream}",
                         f"$JS.API.STREAM.CREATE.X_{run_id}", f"$JS.API.CONSUMER.DURABLE.CREATE.{s.ledger_stream}.x",
-                        f"$JS.API.DIRECT.GET.{s.ledger_stream}"):  # fmt: skip
+                        f"$JS.API.DIRECT.GET.{s.ledger_stream}", f"$JS.API.CONSUMER.CREATE.{s.prompts_stream}.producers",
+                        f"$JS.API.CONSUMER.DELETE.{s.prompts_stream}.producers"):  # fmt: skip
                 with pytest.raises(Exception):  # noqa: B017 - refused: no answer (timeout) or no responders
                     await prod.nc.request(api, b"{}", timeout=1.0)
         assert not set(forged) & set(seen), f"delivered despite the permissions: {set(forged) & set(seen)}"
@@ -72,7 +74,7 @@ async def test_a_producer_cannot_write_the_ledger_weights_progress_commits_or_st
             assert f'permissions violation for publish to "{subject}"' in caplog.text, subject
         # what a producer must do still works: publish a group, read its prompts
         await prod.publish(s.rollouts, {"ok": 1})
-        psub = await prod.pull(s.prompts_stream, s.prompts, durable="producers")
+        psub = await prod.consume(s.consumers(30.0)["producers"])
         assert await fetch_some(psub, 1, 0.3) == []  # allowed, and nothing released yet
         assert (await admin.js.stream_info(s.rollouts_stream)).state.messages == 1
         # and nobody but the buffer can take buffer.get requests off the wire

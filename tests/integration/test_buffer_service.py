@@ -171,7 +171,7 @@ async def test_bad_messages_are_dead_lettered_and_the_service_keeps_running(
         await h.get(0, wait_s=0.1)
         prompts = await h.prompts(3)
         await h.publish_group(prompts[0], n=3)  # wrong number of trajectories
-        await wait_until(lambda: svc.service.dead_lettered == 3, what="3 dead letters")
+        await wait_until(lambda: svc.service.bus.dead_lettered["rollouts"] == 3, what="3 dead letters")
         assert await h.stream_msgs(h.s.deadletter_stream) == 3
         for p in prompts[1:]:
             await h.publish_group(p)
@@ -179,7 +179,8 @@ async def test_bad_messages_are_dead_lettered_and_the_service_keeps_running(
         async with httpx.AsyncClient(base_url=svc.service.http_url, headers=AUTH) as c:
             assert "asyncrl_buffer_ledger_dead_lettered_total 3.0" in (await c.get("/metrics")).text
             status = (await c.get("/status")).json()
-        assert status["capacity"] == 2 and status["ledger"]["dead_lettered"] == 3
+        assert status["capacity"] == 2 and status["dead_lettered"] == {"rollouts": 3}
+        assert status["ledger"]["rejected"] == 3  # and each one's fate is on the ledger
     finally:
         await svc.stop()
         await h.bus.close()

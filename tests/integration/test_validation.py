@@ -76,7 +76,7 @@ async def test_bad_groups_are_rejected_and_their_prompts_settled(nats_server, ru
         await h.bus.publish(h.s.rollouts, ahead, msg_id=ahead.group_id)
         await h.bus.js.publish(h.s.rollouts, b"\x00" * 9)  # garbage
         await h.publish_group(prompts[3])  # the real group of the prompt whose id was forged ahead
-        await wait_until(lambda: svc.service.dead_lettered == 5, what="5 dead letters")
+        await wait_until(lambda: sum(svc.service.bus.dead_lettered.values()) == 5, what="5 dead letters")
         state = svc.service.state
         assert state.counters["rejected"] == 5
         assert all(group_id(p.group_index, 0) not in state.outstanding for p in prompts[:3])  # settled
@@ -108,7 +108,7 @@ async def test_requests_and_announcements_outside_the_window_are_refused(
         await h.bus.publish(h.s.weights_live, WeightsLive(version=10**9))
         hb = Heartbeat(service="rollout", instance_id="forger", info={"inflight_groups": 10**9})
         await h.bus.publish_core(h.s.heartbeat("rollout"), hb)
-        await wait_until(lambda: svc.service.dead_lettered >= 6, what="every refusal dead-lettered")
+        await wait_until(lambda: sum(svc.service.bus.dead_lettered.values()) >= 6, what="every refusal dead-lettered")
         assert svc.service.live_version in (None, 0) and "forger" not in svc.service.producers
         # the service still serves: a real step completes
         await h.get(0, wait_s=0.1)
@@ -162,7 +162,7 @@ async def test_weight_sync_applies_only_what_the_trainer_published(nats_server, 
             ]
             for pub in forged:
                 await bus.publish(s.weights_published, pub)
-            await wait_until(lambda: svc.service.num_rejected == 3, what="3 rejected", timeout=20)
+            await wait_until(lambda: sum(svc.service.bus.dead_lettered.values()) == 3, what="3 rejected", timeout=20)
             assert engine.scheduler.weight_version == "0" and svc.service.live_version == 0
             good = WeightsPublished(version=1, step=0, uri=str(tmp_path / "weights" / "v1"), sha256=info["sha256"])
             await bus.publish(s.weights_published, good)
@@ -190,7 +190,7 @@ async def test_eval_refuses_points_the_trainer_could_not_have_asked_for(nats_ser
         for req in (EvalRequest(step=1, version=10**9), EvalRequest(step=10**6, version=0),
                     EvalRequest(step=1, version=0, snapshot_uri="/etc")):  # fmt: skip
             await bus.publish(bus.subjects.eval_requests, req)
-        await wait_until(lambda: svc.service.num_rejected == 3, what="3 refused points")
+        await wait_until(lambda: sum(svc.service.bus.dead_lettered.values()) == 3, what="3 refused points")
         assert svc.service.results == []  # nothing evaluated, nothing answered
     finally:
         await svc.stop()

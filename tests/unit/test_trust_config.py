@@ -17,7 +17,7 @@ from services.common.secrets import (
     SecretError,
     load_roles_file,
     run_token_from_env,
-    split_url_credentials,
+    url_credentials,
     write_roles_file,
     write_secret_file,
 )
@@ -76,7 +76,8 @@ def test_credentials_in_the_nats_url_are_moved_out_and_never_dumped():
     assert "s3cr3t-pw" not in dumped and "alice" not in dumped and "s3cr3t-pw" not in repr(c)
     token = resolve_config({"nats_url": "tls://tok3n-value@broker"}, environ={})
     assert token.nats_url == "tls://broker" and token.nats_token.get_secret_value() == "tok3n-value"
-    assert split_url_credentials("nats://a:b@h1:1,nats://h2:2") == ("nats://h1:1,nats://h2:2", "a", "b")
+    assert url_credentials("nats://a:b@h1:1,nats://h2:2") == ("nats://h1:1,nats://h2:2", {"user": "a", "password": "b"})
+    assert url_credentials("nats://h:1") == ("nats://h:1", {})
 
 
 def test_secret_fields_come_from_the_environment_and_never_reach_a_dump():
