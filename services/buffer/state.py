@@ -229,10 +229,13 @@ def audit(events, remaining_prompts: set[str] | None = None, remaining_rollouts:
     for gi in twice[:20]:
         problems.append(f"prompt {gi} was trained {trained_steps[gi]} times")
     if trained_by_trainer is not None:
+        # the trainer records a step before committing it: a step it trained whose commit the
+        # run did not see (stopped in between) is still leased, and will be trained again
         by_trainer = collections.Counter(gi for gis in trained_by_trainer.values() for gi in gis)
         ledger_trained = {gi for gi, t in terminal.items() if t == "trained"}
-        if set(by_trainer) != ledger_trained:
-            diff = sorted(set(by_trainer) ^ ledger_trained)[:10]
+        leased = {r.group_index for lease in state.leases.values() for r in lease.refs}
+        if not ledger_trained <= set(by_trainer) or not set(by_trainer) <= ledger_trained | leased:
+            diff = sorted((ledger_trained - set(by_trainer)) | (set(by_trainer) - ledger_trained - leased))[:10]
             problems.append(f"trainer and ledger disagree on trained prompts, e.g. {diff}")
         for gi, n in by_trainer.items():
             if n > 1:

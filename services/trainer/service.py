@@ -157,7 +157,6 @@ class TrainerService(Service):
         )
         self.loop_started = time.perf_counter()
         self.trained_path = self.run_dir / "trained.jsonl"
-        self.uncommitted: dict[int, list[int]] = {}  # step -> group indices, until committed
         self.dp = None
         self.inbox = ReplyInbox(bus.nc)
         self.eval_pending: set[int] = set()  # eval points requested and not yet answered
@@ -259,19 +258,14 @@ class TrainerService(Service):
                 push_s = await self._push_weights(step) if update_due else 0.0
                 if next_batch is not None:
                     await self._release_ahead(step + 1)  # step r+2 generates while r+1 trains, on the new weights
-                self.uncommitted[step] = sorted(flatten_group(g)[0].group_index for g in groups)
-                await self._checkpoint_and_commit(step, last=step + 1 == total)
-                record = self._record(
-                    step,
-                    groups,
-                    buffer_metrics,
-                    train_stats,
-                    wait_s,
-                    train_s,
-                    push_s,
-                    time.perf_counter() - t_step,
-                )
+                # the step's records come before its checkpoint and its commit: a trainer killed in
+                # between resumes from the checkpoint, drops the records after it and trains those
+                # steps again, so a committed step always has its records (the audit checks it)
+                self._append_trained(step, groups)
+                record = self._record(step, groups, buffer_metrics, train_stats, wait_s, train_s, push_s,
+                                      time.perf_counter() - t_step)  # fmt: skip
                 await self._emit(step, record)
+                await self._checkpoint_and_commit(step, last=step + 1 == total)
                 self.step = step + 1
                 self._check_failures(groups)
                 if c.eval_interval and self.step % c.eval_interval == 0 and self.step < total:
@@ -534,11 +528,13 @@ class TrainerService(Service):
         reply = await self._request(self.bus.subjects.buffer_commit, req, BufferCommitReply, f"commit of step {step}")
         if reply.error:
             raise TrainerError(f"buffer refused commit of step {step}: {reply.error}")
-        done = sorted(s for s in self.uncommitted if s <= step)
-        if done:
-            with self.trained_path.open("a") as f:
-                for s in done:
-                    f.write(json.dumps({"step": s, "groups": self.uncommitted.pop(s)}) + "\n")
+
+    def _append_trained(self, step: int, groups: list[list]) -> None:
+        """trained.jsonl: the prompts each step trained on (the audit holds it against the ledger)."""
+        with self.trained_path.open("a") as f:
+            f.write(
+                json.dumps({"step": step, "groups": sorted(flatten_group(g)[0].group_index for g in groups)}) + "\n"
+            )
 
     async def _request(self, subject: str, msg, reply_type, what: str):
         """Request/reply that rides out a restarting buffer or broker, up to a deadline."""

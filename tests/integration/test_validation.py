@@ -120,6 +120,20 @@ async def test_requests_and_announcements_outside_the_window_are_refused(
         await h.bus.close()
 
 
+async def test_the_get_window_follows_the_checkpoint_cadence(nats_server, run_id, task_data, tiny_model_dir):
+    """With --save and no --save-interval the trainer commits only at the end: every step of the
+    run is a step it may ask for; without --save it commits every step."""
+    cfg = config(task_data, tiny_model_dir, save="/tmp/asyncrl-never-written", num_rollout=20)
+    svc = await start_service(BufferService, cfg, nats_server.url, run_id)
+    h = Harness(await Bus.connect(nats_server.url, run_id, "test"))
+    try:
+        assert (await h.get(15, wait_s=0.1)).error is None
+        assert "outside the steps" in (await h.get(22, wait_s=0.1)).error
+    finally:
+        await svc.stop()
+        await h.bus.close()
+
+
 async def test_a_ledger_entry_the_buffer_did_not_write_is_skipped_and_reported(nats_server, run_id, task_data,
                                                                             tiny_model_dir):  # fmt: skip
     cfg = config(task_data, tiny_model_dir)

@@ -129,6 +129,23 @@ def test_audit_catches_loss_and_double_training():
     assert audit(log.events, trained_by_trainer={0: [0]})["balanced"]
 
 
+def test_the_trainer_records_a_step_before_its_commit():
+    """A step the trainer recorded whose commit the run did not see is still leased (it will be
+    trained again): consistent. A committed step the trainer has no record of is not."""
+    log = Log()
+    for gi in (0, 1):
+        log.release(gi)
+        log.put(gi)
+    log.add("leased", group_id="g0-a0", group_index=0, step=0)
+    log.add("committed", step=0)
+    log.add("leased", group_id="g1-a0", group_index=1, step=1)
+    assert audit(log.events, trained_by_trainer={0: [0], 1: [1]})["balanced"]  # stopped before commit 1
+    missing = audit(log.events, trained_by_trainer={1: [1]})
+    assert not missing["balanced"] and "disagree on trained prompts, e.g. [0]" in missing["problems"][0]
+    stray = audit(log.events, trained_by_trainer={0: [0], 1: [1, 5]})
+    assert not stray["balanced"] and "e.g. [5]" in stray["problems"][0]
+
+
 def test_ledger_messages_are_batches_bounded_in_events_and_bytes_and_old_ledgers_still_read():
     from asyncrl_proto import LedgerBatch, encode
     from services.buffer.service import LEDGER_BATCH_EVENTS, _chunks
