@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch; override for another build, e.g. make run TORCH="torch==2.13.0 --index-url ..."
 TORCH ?= torch==2.13.0
 
-.PHONY: setup run smoke test test-all bench lint clean
+.PHONY: setup run smoke test test-crash test-all bench lint clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,10 @@ smoke: setup
 # The test suite CI runs (.ci/run calls exactly this).
 test: $(BIN)/.test-installed
 	$(BIN)/python -m pytest -q
+
+# A short run killed at every named crash point (tests/crash); CI runs it after `make test`.
+test-crash: $(BIN)/.test-installed
+	$(BIN)/python -m pytest -q -m crash tests/crash
 
 # Everything, including the slow learning checks.
 test-all: $(BIN)/.test-installed

@@ -14,7 +14,12 @@ Measured for 4 KB and 256 KB groups:
              rounds, so that both see the same machine
   throughput groups/s, all at once (B = 64 groups per step)
 
+With --sync-cost: the buffer path (4 KB groups) on two servers side by side, JetStream's default
+fsync interval (2 min) and --nats-sync always (every write fsynced before it is acknowledged), in
+alternating rounds: what surviving a machine crash costs the durable lease and the throughput.
+
     python bench/buffer.py [--groups 2000] [--rounds 6] [--out docs/bench/buffer.json]
+    python bench/buffer.py --sync-cost [--out docs/bench/buffer_sync.json]
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from asyncrl_proto import (
     PromptMsg,
     RolloutGroup,
     Sample,
+    SampleStatus,
     decode,
     encode,
     group_id,
@@ -49,8 +55,22 @@ from services.common.config import RunConfig
 from services.common.natsserver import EmbeddedNats
 
 
+def model_dir(root: Path) -> Path:
+    """The bundled task's tiny model with a context long enough for 256 KB groups (the buffer
+    checks every group against its model's vocabulary and context)."""
+    path = root / "model"
+    if not (path / "config.json").exists():
+        from services.tasks.reverse_digits import build_model
+
+        build_model(path, warmup_sft_steps=0, max_position_embeddings=MAX_CONTEXT, log=lambda *_: None)
+    return path
+
+
+MAX_CONTEXT = 80_000
+
+
 def make_group(p: PromptMsg, size_bytes: int, n: int = 4) -> RolloutGroup:
-    per_sample = max(1, size_bytes // n)  # a token id below 128 is one msgpack byte
+    per_sample = max(2, size_bytes // n)  # a token id below 128 is one msgpack byte
     samples = [
         Sample(
             index=p.group_index * n + i,
@@ -61,6 +81,7 @@ def make_group(p: PromptMsg, size_bytes: int, n: int = 4) -> RolloutGroup:
             reward=float(i),
             rollout_log_probs=[-1.0],
             weight_versions=[0],
+            status=SampleStatus.COMPLETED,
         )  # fmt: skip
         for i in range(n)
     ]
@@ -139,7 +160,7 @@ class BufferPath:
         run_id = "bench" + uuid.uuid4().hex[:6]
         cfg = RunConfig(prompt_data=str(data), rollout_batch_size=batch, n_samples_per_prompt=4, fully_async=True,
                         async_data_buffer_capacity_factor=max(4.0, 256 / batch), run_id=run_id,
-                        run_dir=str(run_dir))  # fmt: skip
+                        run_dir=str(run_dir), hf_checkpoint=str(model_dir(run_dir)))  # fmt: skip
         self.bus = bus = await Bus.connect(url, run_id, "bench")
         await bus.ensure_streams()
         await bus.kv_put("config", json.dumps(cfg.model_dump(mode="json")).encode())
@@ -154,7 +175,7 @@ class BufferPath:
                 break
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
                 await asyncio.sleep(0.1)
-        self.psub = await bus.pull(s.prompts_stream, s.prompts, durable="producers")
+        self.psub = await bus.consume(s.consumers(cfg.prompt_ack_wait_s)["producers"])
         self.inbox = ReplyInbox(bus.nc)
         self.commits: list[asyncio.Future] = []
         return self
@@ -276,6 +297,51 @@ async def measure(url: str, data: Path, run_dir: Path, size: int, count: int, la
     }
 
 
+async def measure_sync(urls: dict[str, str], data: Path, run_dir: Path, count: int, latency_count: int, rate: float,
+                       rounds: int) -> dict:  # fmt: skip
+    """The buffer path on servers that differ only in their fsync policy, side by side."""
+    out = {}
+    for label, url in urls.items():  # throughput, one after the other
+        buf = await BufferPath().start(url, data, run_dir, 4096, 64)
+        try:
+            out[label] = {"groups_per_s": (await buf.run(count, None))["groups_per_s"]}
+        finally:
+            await buf.stop()
+    paths = {label: await BufferPath().start(url, data, run_dir, 4096, 1) for label, url in urls.items()}
+    lat = {label: [] for label in urls}
+    try:
+        for _ in range(rounds):  # latency, in alternating rounds
+            for label, buf in paths.items():
+                lat[label] += (await buf.run(max(1, latency_count // rounds), rate))["durable_lat"]
+    finally:
+        for buf in paths.values():
+            await buf.stop()
+    for label in urls:
+        out[label].update(durable_p50_ms=1000 * pct(lat[label], 0.5), durable_p99_ms=1000 * pct(lat[label], 0.99))
+    return out
+
+
+def sync_cost(a) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        data = tmp / "prompts.jsonl"
+        data.write_text("".join(json.dumps({"prompt": f"{i}=", "label": str(i)}) + "\n" for i in range(1000)))
+        with (
+            EmbeddedNats(tmp / "nats-default") as lazy,
+            EmbeddedNats(tmp / "nats-always", sync_interval="always") as eager,
+        ):
+            count = a.groups - a.groups % 64
+            r = asyncio.run(measure_sync({"default (2m)": lazy.url, "always": eager.url}, data, tmp, count,
+                                         a.latency_groups, a.rate, a.rounds))  # fmt: skip
+    base, always = r["default (2m)"], r["always"]
+    print(f"\n{'fsync':14}{'durable p50 ms':>16}{'p99 ms':>9}{'groups/s':>10}")
+    for label, x in r.items():
+        print(f"{label:14}{x['durable_p50_ms']:>16.2f}{x['durable_p99_ms']:>9.2f}{x['groups_per_s']:>10.0f}")
+    print(f"{'always/default':14}{always['durable_p50_ms'] / base['durable_p50_ms']:>15.2f}x"
+          f"{always['durable_p99_ms'] / base['durable_p99_ms']:>8.2f}x{always['groups_per_s'] / base['groups_per_s']:>9.2f}x")  # fmt: skip
+    return r
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--groups", type=int, default=2000, help="groups per throughput measurement")
@@ -283,7 +349,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6, help="alternating raw/buffer latency rounds")
     p.add_argument("--rate", type=float, default=100.0, help="paced load for the latency measurement (groups/s)")
     p.add_argument("--out", default=None)
+    p.add_argument("--sync-cost", action="store_true", help="the cost of --nats-sync always (see above)")
     a = p.parse_args()
+    if a.sync_cost:
+        results = sync_cost(a)
+        if a.out:
+            Path(a.out).write_text(json.dumps(results, indent=2) + "\n")
+        return
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -146,6 +146,8 @@ class GroupRef(msgspec.Struct, kw_only=True):
     groups a custom buffer built itself; larger ones are read from ROLLOUTS by `stream_seq`."""
     staleness: int | None = None
     oldest_version: int | None = None
+    failed: bool = False
+    """Every sample of the group FAILED: it trains nothing (the audit counts it as failed)."""
 
 
 class BufferGetRequest(msgspec.Struct, kw_only=True):
@@ -179,6 +181,8 @@ class BufferGetReply(msgspec.Struct, kw_only=True):
     error: str | None = None
     durable: bool = True
     """False on the provisional answer to a request with `provisional_ok` (see there)."""
+    committed_step: int = -1
+    """The last step the buffer has committed (a trainer that lost its place resumes after it)."""
 
 
 class BufferCommit(msgspec.Struct, kw_only=True):
@@ -306,6 +310,8 @@ class LedgerEvent(msgspec.Struct, kw_only=True):
     """For `released`: the data source cursor after the release (epoch, cursor, next_group_index)."""
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
     ts: float = 0.0
+    failed: bool = False
+    """For `put`: every sample of the group FAILED (a generation or a reward that always failed)."""
 
 
 class LedgerBatch(msgspec.Struct, kw_only=True):

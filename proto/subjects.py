@@ -148,9 +148,9 @@ class Subjects(Struct, frozen=True):
                                    ack_wait_s=10.0, max_ack_pending=256,
                                    deliver_subject=inbox_prefix(self.run_id, "buffer") + ".rollouts"),
             "weight-sync": ConsumerSpec(stream=self.weights_stream, durable="weight-sync",
-                                        filter_subject=self.weights_published, ack_wait_s=120.0, max_ack_pending=1000),
+                                        filter_subject=self.weights_published, ack_wait_s=15.0, max_ack_pending=1000),
             "eval": ConsumerSpec(stream=self.eval_stream, durable="eval", filter_subject=self.eval_requests,
-                                 ack_wait_s=600.0, max_ack_pending=1000),
+                                 ack_wait_s=30.0, max_ack_pending=1000),
         }  # fmt: skip
 
     # stream specs: StreamConfig fields, applied by services.common.bus

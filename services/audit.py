@@ -89,9 +89,11 @@ async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None) -> dict
                 trained[int(rec["step"])] = list(rec["groups"])
     events.sort(key=lambda e: e.seq)
     unique = []
-    for ev in events:  # an append retried beyond the dedupe window appears twice: keep one
+    for ev in events:  # an append retried beyond the dedupe window appears twice: keep one, say so
         if not unique or ev.seq > unique[-1].seq:
             unique.append(ev)
+        else:
+            skipped.append(f"ledger event {ev.seq} appears more than once (kept the first)")
     report = audit(unique, remaining_prompts=prompts, remaining_rollouts=rollouts, trained_by_trainer=trained)
     report["ledger_skipped"] = skipped
     return report
@@ -163,6 +165,7 @@ def format_report(r: dict) -> str:
     lines = [
         f"released prompts       {r['released_prompts']}",
         f"  trained once         {r['trained']}",
+        f"  failed               {r['failed']}  (every sample FAILED: committed, trained nothing)",
         f"  filtered             {sum(r['filtered'].values())}" + (f"  {r['filtered']}" if r["filtered"] else ""),
         f"  dropped (aborted)    {r['aborted_dropped']}",
         f"  dropped (stale)      {r['stale_dropped']}",

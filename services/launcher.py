@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from asyncrl_proto import EvalRequest, EvalResult, ProgressRecord, decode
+from asyncrl_proto import EvalRequest, EvalResult, ProgressRecord, WeightsLive, decode
 from asyncrl_proto.codec import DecodeError
 from services.common import procs
 from services.common.bus import STORE_DIR_ENV, Bus
@@ -76,14 +76,17 @@ class Launcher:
         self.run_token = run_token(config, self.secrets_dir)
         self.creds: dict[str, NatsCredentials] = {}
         self.procs = Supervisor(self.run_dir, config.service_restarts, config.health_restart_s, out,
-                                headers={"Authorization": f"Bearer {self.run_token}"}, secrets=[self.run_token])  # fmt: skip
-        self.nats_restarts = 0
+                                headers={"Authorization": f"Bearer {self.run_token}"}, secrets=[self.run_token],
+                                restart_window_s=config.restart_window_s, before_restart=self._restart_command)  # fmt: skip
+        self.live_version = 0  # the engines' version (weights.live): a restarted engine starts on it
+        self.nats_restarts: list[float] = []
         self.router_url: str | None = None
         self.services: dict[str, str] = {}
         self.nats: EmbeddedNats | None = None
         self.nats_url = config.nats_url
         self.evals: dict[int, EvalResult] = {}
         self.done: ProgressRecord | None = None
+        self.engines_paused: list[str] = []
         self.t0 = time.time()
 
     # ---- start -----------------------------------------------------------------------------
@@ -118,6 +121,7 @@ class Launcher:
             log_path=self.run_dir / "logs" / "nats-server.log",
             auth_conf=server_auth_conf(self.config.run_id, passwords),
             max_file_store=self.config.nats_max_file_store,
+            sync_interval=self.config.nats_sync,
         ).start()
         self.nats_url = self.nats.url
         self.procs.extra_pids["nats-server"] = self.nats.proc.pid
@@ -213,9 +217,11 @@ class Launcher:
         self.procs.check_exits(allow_exit)
 
     def _restart_nats(self) -> None:
-        self.nats_restarts += 1
-        if self.nats_restarts > self.config.service_restarts:
-            raise LaunchError(f"nats-server exited {self.nats_restarts} times; see {self.run_dir}/logs/nats-server.log")
+        if not self.procs.budget.take(self.nats_restarts):
+            raise LaunchError(
+                f"nats-server exited {self.config.service_restarts + 1} times in {self.config.restart_window_s:.0f}s; "
+                f"see {self.run_dir}/logs/nats-server.log"
+            )
         self.out(f"  nats-server exited with code {self.nats.proc.returncode}; restarting on the same store")
         self.nats.start()
         self.procs.extra_pids["nats-server"] = self.nats.proc.pid
@@ -237,6 +243,7 @@ class Launcher:
             await bus.kv_put("config", json.dumps(c.model_dump(mode="json")).encode())
             await asyncio.to_thread(self.wait_ready)  # engines first: every service talks to them
             await bus.nc.subscribe(bus.subjects.progress, cb=self._on_progress)
+            await bus.nc.subscribe(bus.subjects.weights_live, cb=self._on_live)
             await bus.nc.subscribe(bus.subjects.eval_results, cb=self._on_eval)
             for name in ("buffer", "weight-sync", "eval"):
                 self.start_service(name)
@@ -258,9 +265,23 @@ class Launcher:
                     ),  # fmt: skip
                 )
             await self._wait_final_eval()
+            self.engines_paused = await asyncio.to_thread(self._paused_engines)
         finally:
             await bus.close()
         return self.summary()
+
+    def _paused_engines(self) -> list[str]:
+        """Built-in engines that are paused now (none should be at the end of a run)."""
+        if self.config.engine != "builtin" or self.config.rollout_external_engine_addrs:
+            return []
+        paused = []
+        with httpx.Client(timeout=5.0, headers=self.procs.headers) as http:
+            for label, url in self.services.items():
+                if label.startswith("engine-"):
+                    with contextlib.suppress(httpx.HTTPError, ValueError):
+                        if http.get(url + "/status").json().get("paused"):
+                            paused.append(label)
+        return paused
 
     def _final_version(self) -> int:
         return int(self.done.record.get("weight_version", 0)) if self.done else 0
@@ -309,6 +330,22 @@ class Launcher:
                 raise LaunchError(f"the final evaluation did not finish within {FINAL_EVAL_TIMEOUT_S:.0f}s")
             await asyncio.sleep(0.2)
 
+    async def _on_live(self, msg) -> None:
+        with contextlib.suppress(*DecodeError):
+            self.live_version = max(self.live_version, decode(msg.data, WeightsLive).version)
+
+    def _restart_command(self, child) -> list[str]:
+        """An engine restarts on the live weights, never its launch weights (it would serve
+        samples many versions stale until the next push); the rest restart as they started."""
+        path = self.run_dir / "weights" / f"v{self.live_version}"
+        if not child.name.startswith("engine-") or self.live_version == 0 or not is_complete(path):
+            return child.cmd
+        cmd = list(child.cmd)
+        cmd[cmd.index("--model-path") + 1] = str(path)
+        cmd[cmd.index("--weight-version") + 1] = str(self.live_version)
+        self.out(f"  {child.name} restarts on the live weights v{self.live_version}")
+        return cmd
+
     async def _on_progress(self, msg) -> None:
         with contextlib.suppress(*DecodeError):
             rec = decode(msg.data, ProgressRecord)
@@ -352,6 +389,7 @@ class Launcher:
             "heldout_reward_step0": r0,
             "heldout_reward_final": r1,
             "heldout_reward_gain": (r1 - r0) if r0 is not None and r1 is not None else None,
+            "engines_paused_at_end": self.engines_paused,
             "evals": {str(k): v.metrics for k, v in sorted(self.evals.items())},
         }
         (self.run_dir / "result.json").write_text(json.dumps(result, indent=2))
@@ -387,7 +425,7 @@ def _interrupt(signum, frame) -> None:
 
 def ledger_line(r: dict) -> str:
     return (
-        f"{r['released_prompts']} prompts released, {r['trained']} trained once, "
+        f"{r['released_prompts']} prompts released, {r['trained']} trained once, {r['failed']} failed, "
         f"{sum(r['filtered'].values())} filtered, {r['aborted_dropped'] + r['stale_dropped']} dropped, "
         f"{r['rejected']} rejected, {sum(r['in_flight_at_end'].values())} in flight at the end, "
         f"{r['lost']} lost, {r['trained_twice']} trained twice"

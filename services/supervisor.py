@@ -5,7 +5,8 @@ A child is restarted (same command, environment, ports and log) when it exits, o
 health check (a service's /healthz, an engine's /health_generate) has failed for
 --health-restart-s once it had been healthy: a live process that no longer works (a stuck
 event loop, a stalled engine) is as dead as an exited one. Each child may be restarted
---service-restarts times. A child that exits with EXIT_FATAL says a restart cannot help (refused
+--service-restarts times within --restart-window-s (older restarts no longer count: a long run
+survives a crash now and then). A child that exits with EXIT_FATAL says a restart cannot help (refused
 credentials, an invalid configuration, a full disk): the run fails at once with its last log lines.
 """
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from services.common import procs
+from services.common import crash, procs
 from services.common.procs import EXIT_FATAL
 from services.common.secrets import redact_text
 
@@ -41,16 +42,39 @@ class Child:
     proc: subprocess.Popen
     health_url: str | None = None
     restarts: int = 0
+    """Restarts in all; `recent` holds the times of those inside the window."""
+    recent: list[float] = field(default_factory=list)
     healthy_once: bool = False
     """Passed a health check since its last (re)start: only then do failures count."""
     failing_since: float | None = None
     next_check: float = field(default=0.0)
 
 
+@dataclass
+class RestartBudget:
+    """At most `max_restarts` restarts within any `window_s` seconds."""
+
+    max_restarts: int
+    window_s: float
+
+    def take(self, recent: list[float], now: float | None = None) -> bool:
+        """Record a restart in `recent` (times, pruned to the window) if the budget allows it."""
+        now = time.monotonic() if now is None else now
+        recent[:] = [t for t in recent if now - t < self.window_s]
+        if len(recent) >= self.max_restarts:
+            return False
+        recent.append(now)
+        return True
+
+
 class Supervisor:
     def __init__(self, run_dir: Path, max_restarts: int, health_restart_s: float, out=print,
-                 headers: dict[str, str] | None = None, secrets: list[str] | None = None):  # fmt: skip
-        """secrets: never quoted from a child's log (an SGLang server logs its API key)."""
+                 headers: dict[str, str] | None = None, secrets: list[str] | None = None,
+                 restart_window_s: float = 600.0, before_restart=None):  # fmt: skip
+        """secrets: never quoted from a child's log (an SGLang server logs its API key);
+        before_restart(child) -> the command to restart it with (e.g. an engine on newer weights)."""
+        self.before_restart = before_restart
+        self.budget = RestartBudget(max_restarts, restart_window_s)
         self.run_dir = run_dir
         self.secrets = secrets or []
         self.max_restarts = max_restarts
@@ -99,13 +123,20 @@ class Supervisor:
             self.restart(c, f"exited with code {code}")
 
     def restart(self, c: Child, why: str) -> None:
-        if c.restarts >= self.max_restarts:
-            raise LaunchError(f"{c.name} (pid {c.proc.pid}) {why}; last log lines:\n{self.tail(c.name)}")
+        if not self.budget.take(c.recent):
+            raise LaunchError(
+                f"{c.name} (pid {c.proc.pid}) {why}, its {self.max_restarts + 1}th time in "
+                f"{self.budget.window_s:.0f}s; last log lines:\n{self.tail(c.name)}"
+            )
         c.restarts += 1
-        self.out(f"  {c.name} (pid {c.proc.pid}) {why}; restarting ({c.restarts}/{self.max_restarts})")
+        c.env = {k: v for k, v in c.env.items() if k != crash.ENV}  # an injected crash fires once per run
+        self.out(f"  {c.name} (pid {c.proc.pid}) {why}; restarting ({len(c.recent)}/{self.max_restarts} "
+                 f"in {self.budget.window_s:.0f}s)")  # fmt: skip
         if c.proc.poll() is None:
             c.proc.kill()  # unhealthy but alive: it would not answer a SIGTERM in time either
             c.proc.wait(timeout=10)
+        if self.before_restart is not None:
+            c.cmd = self.before_restart(c)
         c.proc = procs.spawn(c.cmd, log_path=self.log_path(c.name), env=c.env)
         c.healthy_once, c.failing_since, c.next_check = False, None, 0.0
         self.write_pids()

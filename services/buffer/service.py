@@ -49,7 +49,7 @@ from asyncrl_proto import (
     group_id,
 )
 from asyncrl_proto.codec import DecodeError
-from asyncrl_proto.messages import flatten_group, oldest_weight_version
+from asyncrl_proto.messages import SampleStatus, flatten_group, oldest_weight_version
 from services.buffer.core import DataBuffer, DefaultDataBuffer, load_object, staleness
 from services.buffer.datasource import PromptSource, load_rows
 from services.buffer.policy import ReleaseState, release_allowance
@@ -62,7 +62,8 @@ from services.buffer.state import (
     encode_state,
     ledger_events,
 )
-from services.common.bus import VersionBound, next_batch, settle
+from services.common import crash
+from services.common.bus import SequenceConflict, VersionBound, next_batch, settle
 from services.common.runtime import Service, wait_event
 from services.common.validate import group_problem, limits_from_model_dir
 
@@ -89,6 +90,11 @@ INLINE_REPLY_MAX_BYTES = 4 * 1024 * 1024
 
 class BufferPluginError(RuntimeError):
     pass
+
+
+class LedgerConflict(RuntimeError):
+    """Another writer appended to the ledger: this buffer's state is no longer the ledger's
+    fold. It exits (a crash, restarted), and its restart replays what the other wrote."""
 
 
 def make_buffer(config, recycle) -> DataBuffer:
@@ -245,6 +251,7 @@ class BufferService(Service):
         """Make every recorded event durable, in order; snapshot the state now and then."""
         async with self._flush_lock:
             while self._unflushed:
+                crash.point("buffer", "decided_before_append")
                 events, self._unflushed = self._unflushed, []
                 subject, run = self.bus.subjects.ledger, self.bus.subjects.run_id
                 chunks = _chunks(events, min(LEDGER_BATCH_BYTES, self.bus.nc.max_payload // 2))
@@ -252,7 +259,13 @@ class BufferService(Service):
                     acks = await self.bus.publish_durably(
                         [(subject, LedgerBatch(events=c), f"{run}-L{c[0].seq}-{c[-1].seq}") for c in chunks],
                         f"{len(events)} ledger events",
+                        expected_last_seq=self.state.log_stream_seq,  # one writer: nothing may come in between
                     )
+                except SequenceConflict as e:
+                    raise LedgerConflict(
+                        f"the ledger holds a message this buffer did not write ({e}): another buffer is running for "
+                        "this run, or something else published there; restarting to replay it"
+                    ) from e
                 except BaseException:
                     self._unflushed = events + self._unflushed  # not durable: nobody may read it as such
                     raise
@@ -261,6 +274,7 @@ class BufferService(Service):
                 # everything up to state.seq is durable now: a consistent snapshot, written
                 # off the critical path (a late older snapshot only means a longer replay)
                 data, self._snapshot_seq = encode_state(self.state), self.state.seq
+                crash.point("buffer", "snapshot_write")
                 if snapshot:
                     await self.bus.kv_put("buffer_snapshot", data)
                 else:
@@ -283,6 +297,8 @@ class BufferService(Service):
                 while self._inline and len(self.buffer) > 0 and (step := self._next_step_to_fill()) is not None:
                     await self._fill(step, wait=False)  # a step waits for it: lease it now, not after a task switch
             await self._flush()
+            if done:
+                crash.point("buffer", "appended_before_ack")
             for msg, how in done:
                 await settle(msg, how)
             if done:
@@ -312,6 +328,7 @@ class BufferService(Service):
             self.raw_of[gid] = msg.data
         self._current_put = {
             **common, "stream_seq": seq, "oldest_version": oldest_weight_version(group),
+            "failed": all(s.status == SampleStatus.FAILED for s in flatten_group(group)),
             "recorded": False, "recycled": False, "key": id(group),
         }  # fmt: skip
         if self._inline and len(self.buffer) < self.buffer.capacity:
@@ -482,7 +499,8 @@ class BufferService(Service):
             await self._dead_letter_core(msg, f"undecodable BufferGetRequest: {e}")
             return
         if req.step <= self.state.committed_step:
-            await _respond(msg, encode(BufferGetReply(step=req.step, error=f"step {req.step} is already committed")))
+            await _respond(msg, encode(BufferGetReply(step=req.step, error=f"step {req.step} is already committed",
+                                                      committed_step=self.state.committed_step)))  # fmt: skip
             return
         if (problem := await self._get_problem(req)) is not None:
             await self._dead_letter_core(msg, problem)
@@ -514,10 +532,7 @@ class BufferService(Service):
         uncommitted one, plus the steps trained since the last checkpoint and one prefetched),
         another batch size, or versions nobody published."""
         c = self.config
-        # the trainer commits at every checkpoint (--save: every --save-interval steps, else only
-        # at the end) or, without --save, after every step; it asks one step ahead of the last
-        commit_every = c.save_interval or (c.total_steps if c.save else 1)
-        window = commit_every + 2
+        window = c.commit_interval + 2  # steps trained since the last commit, and one asked ahead
         first = self.state.committed_step + 1
         if not first <= req.step < first + window:
             return f"get(step={req.step}) is outside the steps the trainer can ask for ({first}..{first + window - 1})"
@@ -542,6 +557,7 @@ class BufferService(Service):
                 complete=bool(lease and lease.complete),
                 metrics=dict(lease.metrics) if lease else {},
                 durable=durable,
+                committed_step=self.state.committed_step,
             )
         )
 
@@ -612,6 +628,7 @@ class BufferService(Service):
             if early:  # the lease as decided, while its ledger append is in flight
                 await _respond_all(early, self._get_reply(step, durable=False))
             await self._flush()
+            crash.point("buffer", "lease_decided_before_reply")
             self._lease_done.setdefault(step, asyncio.Event()).set()
             for waiter in waiting:
                 waiter[1] = True

@@ -33,6 +33,7 @@ class StoredRef(msgspec.Struct, kw_only=True):
     stream_seq: int
     oldest_version: int | None = None
     prompt: PromptMsg
+    failed: bool = False
 
 
 class LeaseRecord(msgspec.Struct, kw_only=True):
@@ -119,7 +120,11 @@ def apply(state: BufferState, ev: LedgerEvent) -> None:
             raise StateError(f"put of {ev.group_id}, which is not outstanding")
         if ev.outcome in ("stored", "accepted"):
             state.stored[ev.group_id] = StoredRef(
-                group_id=ev.group_id, stream_seq=ev.stream_seq, oldest_version=ev.oldest_version, prompt=p
+                group_id=ev.group_id,
+                stream_seq=ev.stream_seq,
+                oldest_version=ev.oldest_version,
+                prompt=p,
+                failed=ev.failed,
             )
             state.count(ev.outcome)
         elif ev.outcome == "filtered":
@@ -149,6 +154,7 @@ def apply(state: BufferState, ev: LedgerEvent) -> None:
                 stream_seq=ref.stream_seq,
                 staleness=ev.staleness,
                 oldest_version=ref.oldest_version,
+                failed=ref.failed,
             )
         )
         state.count("consumed")
@@ -158,7 +164,9 @@ def apply(state: BufferState, ev: LedgerEvent) -> None:
         lease.metrics = dict(ev.metrics)
     elif kind == "committed":
         for step in sorted(s for s in state.leases if s <= ev.step):
-            state.count("trained", len(state.leases.pop(step).refs))
+            refs = state.leases.pop(step).refs
+            state.count("trained", sum(not r.failed for r in refs))
+            state.count("failed", sum(r.failed for r in refs))
         state.committed_step = max(state.committed_step, ev.step)
     else:
         raise StateError(f"unknown ledger event kind {kind!r}")
@@ -186,8 +194,9 @@ def audit(events, remaining_prompts: set[str] | None = None, remaining_rollouts:
           trained_by_trainer: dict[int, list[int]] | None = None) -> dict:  # fmt: skip
     """Check the ledger prompt by prompt and balance it.
 
-    Every released prompt must end as exactly one of: trained (once), filtered (with reason),
-    dropped as aborted or stale, rejected (its group failed validation and was dead-lettered),
+    Every released prompt must end as exactly one of: trained (once), failed (committed, but
+    every sample FAILED: it trained nothing), filtered (with reason), dropped as aborted or
+    stale, rejected (its group failed validation and was dead-lettered),
     or still in flight when the run stopped (outstanding, stored,
     leased to an uncommitted step, or waiting in the recycled queue) - after any number of
     recycles. `remaining_prompts` / `remaining_rollouts` (group ids still on PROMPTS / ROLLOUTS)
@@ -232,7 +241,7 @@ def audit(events, remaining_prompts: set[str] | None = None, remaining_rollouts:
         # the trainer records a step before committing it: a step it trained whose commit the
         # run did not see (stopped in between) is still leased, and will be trained again
         by_trainer = collections.Counter(gi for gis in trained_by_trainer.values() for gi in gis)
-        ledger_trained = {gi for gi, t in terminal.items() if t == "trained"}
+        ledger_trained = {gi for gi, t in terminal.items() if t in ("trained", "failed")}
         leased = {r.group_index for lease in state.leases.values() for r in lease.refs}
         if not ledger_trained <= set(by_trainer) or not set(by_trainer) <= ledger_trained | leased:
             diff = sorted((ledger_trained - set(by_trainer)) | (set(by_trainer) - ledger_trained - leased))[:10]
@@ -244,6 +253,7 @@ def audit(events, remaining_prompts: set[str] | None = None, remaining_rollouts:
     return {
         "released_prompts": len(first_release),
         "trained": outcomes.get("trained", 0),
+        "failed": outcomes.get("failed", 0),
         "filtered": {k.removeprefix("filtered/"): v for k, v in outcomes.items() if k.startswith("filtered/")},
         "aborted_dropped": outcomes.get("aborted_dropped", 0),
         "stale_dropped": outcomes.get("stale_dropped", 0),
@@ -272,7 +282,7 @@ def apply_checked(state, ev, terminal, trained_steps, first_release, problems) -
         for step in [s for s in state.leases if s <= ev.step]:
             for ref in state.leases[step].refs:
                 trained_steps[ref.group_index] = trained_steps.get(ref.group_index, 0) + 1
-                terminal[ref.group_index] = "trained"
+                terminal[ref.group_index] = "failed" if ref.failed else "trained"
     apply(state, ev)
     gi = ev.group_index
     if ev.kind == "put" and ev.outcome == "filtered":

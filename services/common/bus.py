@@ -72,6 +72,17 @@ def raise_if_store_full(e: BaseException, subject: str) -> None:
         ) from e
 
 
+class SequenceConflict(BusError):
+    """A publish that expected the stream to end at a sequence found another writer's message."""
+
+
+def raise_if_conflict(e: BaseException, subject: str) -> None:
+    if isinstance(e, nats.js.errors.APIError) and (
+        e.err_code == 10071 or "wrong last sequence" in (e.description or "")
+    ):
+        raise SequenceConflict(f"{subject}: {e.description}") from e
+
+
 class BusAuthError(BusError):
     """The server refused this process's credentials or TLS: fatal, a restart cannot fix it."""
 
@@ -278,16 +289,20 @@ class Bus:
             raise
 
     async def publish_batch(
-        self, items: list[tuple[str, Any, str | None]], timeout_s: float = 10.0
+        self, items: list[tuple[str, Any, str | None]], timeout_s: float = 10.0, expected_last_seq: int | None = None
     ) -> list[api.PubAck]:
         """Pipelined JetStream publishes of (subject, msg, msg_id), in order; raises BusError
         unless every one is acknowledged within timeout_s, at once when the server refuses one
-        (StoreFull when its store is full)."""
+        (StoreFull when its store is full). With expected_last_seq, item i is stored only if the
+        stream's last sequence is expected_last_seq + i: SequenceConflict when another writer
+        got in between (a retried item that was stored already is a duplicate, not a conflict)."""
         refusal = self._refused
         futures = []
-        for subject, msg, msg_id in items:
-            headers = {"Nats-Msg-Id": msg_id} if msg_id else None
-            futures.append(await self.js.publish_async(subject, encode(msg), headers=headers))
+        for i, (subject, msg, msg_id) in enumerate(items):
+            headers = {"Nats-Msg-Id": msg_id} if msg_id else {}
+            if expected_last_seq is not None:
+                headers["Nats-Expected-Last-Sequence"] = str(expected_last_seq + i)
+            futures.append(await self.js.publish_async(subject, encode(msg), headers=headers or None))
         if not futures:
             return []
         loop = asyncio.get_running_loop()
@@ -303,16 +318,22 @@ class Bus:
             for f in futures:
                 if (e := f.exception()) is not None:
                     raise_if_store_full(e, items[0][0])
+                    raise_if_conflict(e, items[0][0])
             return [f.result() for f in futures]
         for f in pending:
             f.cancel()
         if refusal.is_set():  # a publish was refused while these waited (maybe one of them: retry them)
             raise_if_store_full(self.refused, items[0][0])
+            raise_if_conflict(self.refused, items[0][0])
             raise BusError(f"the server refused a publish on {items[0][0]}: {self.refused}")
         raise BusError(f"{len(pending)} of {len(futures)} publishes were not acknowledged within {timeout_s}s")
 
     async def publish_durably(
-        self, items: list[tuple[str, Any, str | None]], what: str, deadline_s: float = 180.0
+        self,
+        items: list[tuple[str, Any, str | None]],
+        what: str,
+        deadline_s: float = 180.0,
+        expected_last_seq: int | None = None,
     ) -> list[api.PubAck]:
         """publish_batch, retried through a broker outage (msg ids make retries idempotent);
         gives up loudly after deadline_s."""
@@ -320,8 +341,8 @@ class Bus:
         delay = 0.2
         while True:
             try:
-                return await self.publish_batch(items)
-            except StoreFull:
+                return await self.publish_batch(items, expected_last_seq=expected_last_seq)
+            except (StoreFull, SequenceConflict):
                 raise
             except (TimeoutError, BusError, nats.errors.Error, nats.js.errors.Error, OSError) as e:
                 if time.monotonic() > end:
@@ -514,6 +535,24 @@ async def next_batch(sub, batch: int, timeout_s: float) -> list:
         except (TimeoutError, nats.errors.TimeoutError):
             break
     return msgs
+
+
+@contextlib.asynccontextmanager
+async def keep_alive(msg, every_s: float = 3.0):
+    """in_progress() on a JetStream message every `every_s` while the body runs: work longer than
+    the consumer's ack wait (a weight load) keeps the message, and a short ack wait still returns
+    the message of a process that died quickly."""
+
+    async def tick() -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            await settle(msg, "in_progress")
+
+    task = asyncio.ensure_future(tick())
+    try:
+        yield
+    finally:
+        task.cancel()
 
 
 async def settle(msg, how: str = "ack", **kw) -> None:

@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -90,6 +91,12 @@ class RunConfig(BaseModel):
         description="Embedded nats-server: cap on its JetStream store, in bytes (unset: the server's "
         "default, most of the disk). A full store stops the run with an error that names it.",
     )
+    nats_sync: str | None = Field(
+        None,
+        description="Embedded nats-server: how often JetStream fsyncs its store, `always` (every write: "
+        "nothing acknowledged is lost even when the machine crashes) or an interval like 1s (a machine crash may "
+        "lose that much). Unset: the server's default, 2m. A process crash never loses an acknowledged write.",
+    )
     run_token: SecretStr | None = Field(
         None,
         exclude=True,
@@ -156,7 +163,13 @@ class RunConfig(BaseModel):
         256, ge=1, description="Built-in engine: requests decoded together in one running batch."
     )
     service_restarts: int = Field(
-        3, ge=0, description="The launcher restarts a crashed service (or its nats-server) up to this many times."
+        3,
+        ge=0,
+        description="The launcher restarts a crashed service (or its nats-server) up to this many times "
+        "within --restart-window-s.",
+    )
+    restart_window_s: float = Field(
+        600.0, gt=0, description="Restarts older than this no longer count against --service-restarts."
     )
     pin_cpus: bool = Field(
         False,
@@ -397,6 +410,16 @@ class RunConfig(BaseModel):
             return self.num_rollout
         return 150
 
+    @property
+    def commit_interval(self) -> int:
+        """The trainer commits a step (the buffer retires its groups) every this many steps, and
+        a restarted trainer resumes after the last commit: at every checkpoint with --save (at
+        the end only without --save-interval), else at every weight push, whose snapshot then
+        holds the weights to resume from."""
+        if self.save:
+            return self.save_interval or self.total_steps
+        return self.update_weights_interval
+
     @field_validator("run_id")
     @classmethod
     def _run_id_pattern(cls, v: str | None) -> str | None:
@@ -548,6 +571,8 @@ def validation_errors(c: RunConfig) -> list[str]:
         errs.append("--rollout-num-producers must be >= 0")
     if any(t < 0 for t in c.rollout_stop_token_ids):
         errs.append(f"--rollout-stop-token-ids must be token ids >= 0 (got {c.rollout_stop_token_ids})")
+    if c.nats_sync is not None and not re.fullmatch(r"always|\d+(ms|s|m|h)", c.nats_sync):
+        errs.append(f"--nats-sync must be `always` or an interval like 500ms, 1s, 2m (got {c.nats_sync!r})")
     if c.nats_tls_key and not c.nats_tls_cert:
         errs.append("--nats-tls-key needs --nats-tls-cert (the client certificate it belongs to)")
     if not 0 < c.rollout_top_p <= 1:

@@ -40,10 +40,13 @@ class EmbeddedNats:
         auth_conf: str = "",
         tls: dict[str, str] | None = None,
         max_file_store: int | None = None,
+        sync_interval: str | None = None,
     ):
         """auth_conf: an `authorization` block (services.common.natsauth.server_auth_conf);
         tls: {"cert", "key", "ca"} file paths to serve TLS only (clients verify with "ca");
-        max_file_store: cap on the JetStream store in bytes (None: the server's default)."""
+        max_file_store: cap on the JetStream store in bytes (None: the server's default);
+        sync_interval: how often the store is fsynced ("always", "1s", ...; None: the server's 2m)."""
+        self.sync_interval = sync_interval
         self.store_dir = Path(store_dir)
         self.port = port or procs.free_port()
         self.log_path = Path(log_path) if log_path else self.store_dir / "nats-server.log"
@@ -64,6 +67,8 @@ class EmbeddedNats:
         js = f'  store_dir: "{self.jetstream_dir}"\n'
         if self.max_file_store is not None:
             js += f"  max_file_store: {int(self.max_file_store)}\n"
+        if self.sync_interval is not None:
+            js += f"  sync_interval: {self.sync_interval}\n"
         text = f"listen: 127.0.0.1:{self.port}\nmax_payload: {MAX_PAYLOAD_BYTES}\njetstream {{\n{js}}}\n"
         if self.tls:
             text += (

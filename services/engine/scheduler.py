@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.common import crash
 from services.model.hf_io import load_weights_into
 from services.model.llama import CausalLM, KVCache
 
@@ -216,6 +217,7 @@ class Scheduler:
             with self._model_lock:
                 version, epoch = self._version_int(), self.kv_epoch
                 outputs = [self._forward(p) for p in plan]
+            crash.point("engine", "mid_step")
             with self._work:
                 for p, out in zip(plan, outputs, strict=True):
                     self._apply(p, out, version, epoch)

@@ -28,7 +28,6 @@ import json
 import logging
 import shutil
 import time
-import uuid
 from pathlib import Path
 
 from asyncrl_proto import ControlMsg, EvalRequest, EvalResult, Sample, WeightsLive, decode
@@ -36,8 +35,8 @@ from asyncrl_proto.codec import DecodeError
 from asyncrl_proto.messages import scalar_reward
 from services.buffer.core import load_object
 from services.buffer.datasource import load_rows
-from services.common import procs
-from services.common.bus import VersionBound, fetch_some, settle
+from services.common import crash, procs
+from services.common.bus import VersionBound, fetch_some, keep_alive, settle
 from services.common.config import eval_backend
 from services.common.runtime import Service, wait_event
 from services.common.sglang_client import SGLangClient
@@ -161,7 +160,8 @@ class EvalService(Service):
                 if (problem := await self._request_problem(req)) is not None:
                     await self.bus.dead_letter_msg(msg, problem)
                     continue
-                result = await self._run_point(req, msg)
+                async with keep_alive(msg):  # a point takes longer than the ack wait; a dead service's does not
+                    result = await self._run_point(req, msg)
                 await self.bus.publish_durably([(self.bus.subjects.eval_results, result, None)], "an eval result")
                 with (Path(self.config.run_dir) / "eval.jsonl").open("a") as f:
                     f.write(json.dumps({"step": result.step, "version": result.version, "final": result.final,
@@ -204,6 +204,7 @@ class EvalService(Service):
                 metrics = await self._fleet(req)
             else:
                 metrics = await self._external(req)
+            crash.point("eval", "mid_point")
             metrics, dropped = finite_metrics(metrics)
             if dropped:
                 log.warning("eval at step %d: metrics %s are not finite numbers; left out", req.step, dropped)
@@ -245,7 +246,7 @@ class EvalService(Service):
                 if raw is not None:
                     self.live_version = max(self.live_version or 0, decode(raw, WeightsLive).version)
                 await settle(msg, "in_progress")
-        token = f"eval-{req.step}-{uuid.uuid4().hex[:6]}"
+        token = f"eval-{req.step}"  # the same for a redelivered point: it resumes what a killed one paused
         await self._control("pause_submission", token)
         renew = asyncio.ensure_future(self._renew_pause(token))
         try:

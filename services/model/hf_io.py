@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from services.common import crash
 from services.common.snapshot import COMPLETE_MARKER
 from services.model.llama import CausalLM, ModelConfig
 
@@ -114,5 +115,6 @@ def save_model(model: CausalLM, out_dir: str | Path, tokenizer_dir: str | Path |
             if src.exists():
                 shutil.copyfile(src, out / name)
     digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    crash.point("trainer", "weights_export")  # written, not yet complete
     marker.write_text(json.dumps({"sha256": digest}))
     return {"sha256": digest, "num_bytes": weights.stat().st_size}

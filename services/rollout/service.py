@@ -28,6 +28,7 @@ from asyncrl_proto import ControlMsg, PromptMsg, RolloutGroup, Sample, decode, g
 from asyncrl_proto.codec import DecodeError
 from asyncrl_proto.messages import SampleStatus, flatten_group
 from services.buffer.core import load_object
+from services.common import crash
 from services.common.bus import fetch_some, settle
 from services.common.runtime import Service
 from services.common.sglang_client import SGLangClient
@@ -214,12 +215,14 @@ class RolloutService(Service):
                 await self._group_failed(msg, prompt, started, e)
                 return
             self.failures.pop(rg.group_id, None)
+            crash.point("rollout", "generated_before_publish")
             try:
                 await self.bus.publish(self.bus.subjects.rollouts, rg, msg_id=rg.group_id)
             except Exception as e:  # the broker is away: the finished work is not a failure
                 log.warning("publishing group %s failed (%s); its prompt goes back to the queue", rg.group_id, e)
                 await settle(msg, "nak", delay=1.0)
                 return
+            crash.point("rollout", "published_before_ack")
             await settle(msg)
             self.counters["groups_published"] += 1
             self.counters["samples_generated"] += len(rg.samples)

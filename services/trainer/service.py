@@ -49,11 +49,13 @@ from asyncrl_proto import (
 from asyncrl_proto.codec import DecodeError
 from asyncrl_proto.messages import SampleStatus, flatten_group, scalar_reward
 from services.buffer.core import load_object
+from services.common import crash
 from services.common.bus import ReplyInbox
 from services.common.config import eval_backend
 from services.common.runtime import Service, wait_event
+from services.common.snapshot import is_complete
 from services.common.validate import Limits, eval_result_problem, finite_metrics, sample_problem
-from services.model.hf_io import load_model, save_model
+from services.model.hf_io import load_model, load_weights_into, save_model
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.core import (
     LossConfig,
@@ -180,14 +182,15 @@ class TrainerService(Service):
         await self.bus.nc.subscribe(s.heartbeat("rollout"), cb=self._on_producer_heartbeat)
 
     async def _resume(self) -> None:
-        """Continue from the newest complete checkpoint, if any. The weight version continues
-        from the newest version ever published, so a version number never names two weights."""
+        """Continue from the newest complete checkpoint, if any; else after the buffer's
+        committed step, from the weight snapshot pushed after it (no --save: that snapshot is the
+        checkpoint, less the optimizer state). The weight version continues from the newest
+        version ever published, so a version number never names two weights."""
         published = await self.bus.last_published_version()
         ckpt = latest_checkpoint(self.config.load or self.config.save)
         if ckpt is None:
             self.version = published
-            if self.config.save:  # killed before the first checkpoint: every step is trained again
-                self._truncate_records(-1)
+            await self._resume_from_snapshot()
             return
         info = await asyncio.to_thread(load_checkpoint, ckpt, self.model, self.optimizer)
         self.step = info["step"] + 1
@@ -195,6 +198,40 @@ class TrainerService(Service):
         self._truncate_records(info["step"])
         await self._commit(info["step"])  # in case we died between the checkpoint and its commit
         log.info("resumed from %s: next step %d, weight version %d", ckpt, self.step, self.version)
+
+    async def _resume_from_snapshot(self) -> None:
+        req = self._get_request(0, lookahead=0, wait_s=0.0)
+        committed = (
+            await self._request(self.bus.subjects.buffer_get, req, BufferGetReply, "question where to resume")
+        ).committed_step
+        self._truncate_records(committed)  # the steps after it are trained again
+        if committed < 0:
+            return
+        self.step = committed + 1
+        pub = await self._snapshot_of(committed)
+        if pub is None:
+            log.error("no weight snapshot of step %d is left: resuming from the initial weights; the updates of "
+                      "steps 0..%d are lost (--save keeps them)", committed, committed)  # fmt: skip
+            return
+        await asyncio.to_thread(load_weights_into, self.model, self.weights_dir / f"v{pub.version}")
+        lost = f", and the updates of steps {pub.step + 1}..{committed}" if pub.step < committed else ""
+        log.warning("resumed without a checkpoint from the weights v%d pushed after step %d: next step %d, weight "
+                    "version %d; the optimizer state is lost%s (--save keeps it)", pub.version, pub.step, self.step,
+                    self.version, lost)  # fmt: skip
+
+    async def _snapshot_of(self, step: int) -> WeightsPublished | None:
+        """The newest complete weight snapshot pushed after `step` or before it (WEIGHTS, newest first)."""
+        s = self.bus.subjects
+        info = await self.bus.js.stream_info(s.weights_stream)
+        for seq in range(info.state.last_seq, info.state.first_seq - 1, -1):
+            try:
+                raw = await self.bus.js.get_msg(s.weights_stream, seq=seq)
+                pub = decode(raw.data, WeightsPublished) if raw.subject == s.weights_published else None
+            except (nats.js.errors.NotFoundError, *DecodeError):
+                continue
+            if pub is not None and pub.step <= step and is_complete(self.weights_dir / f"v{pub.version}"):
+                return pub
+        return None
 
     def _truncate_records(self, last_step: int) -> None:
         """Steps after the checkpoint are trained again: drop their records."""
@@ -246,6 +283,7 @@ class TrainerService(Service):
                     log.warning("%s: training step %d on its durable lease", e, step)
                     batch = await self._fetch(step, provisional=False)
                     continue
+                crash.point("trainer", "optimizer_step_before_records")
                 if train_stats.get("train/nonfinite_skipped"):
                     self.num_nonfinite_skipped += 1
                     log.error("step %d: the loss or the gradient norm is not finite; the update was skipped "
@@ -265,7 +303,9 @@ class TrainerService(Service):
                 record = self._record(step, groups, buffer_metrics, train_stats, wait_s, train_s, push_s,
                                       time.perf_counter() - t_step)  # fmt: skip
                 await self._emit(step, record)
+                crash.point("trainer", "records_before_checkpoint")
                 await self._checkpoint_and_commit(step, last=step + 1 == total)
+                crash.point("trainer", "commit_before_next_step")
                 self.step = step + 1
                 self._check_failures(groups)
                 if c.eval_interval and self.step % c.eval_interval == 0 and self.step < total:
@@ -506,21 +546,24 @@ class TrainerService(Service):
         return time.perf_counter() - t0
 
     async def _checkpoint_and_commit(self, step: int, last: bool) -> None:
-        """Save due after step r when (r + 1) % --save-interval == 0, and after the last step.
-        With --save, the buffer learns a step is done only once it is in a checkpoint, so a
-        restarted trainer gets the later steps' groups again; without --save, every step.
-        --save-hf writes an HF snapshot (`step_<r + 1>`, `.complete` last) at the same points."""
+        """Save due after step r when (r + 1) % --save-interval == 0, and after the last step;
+        --save-hf writes an HF snapshot (`step_<r + 1>`, `.complete` last) at the same points.
+        The buffer learns a step is done (commit) only once it can be resumed from: with --save,
+        its checkpoint; without, the weight snapshot pushed after it (every --update-weights-
+        interval steps: RunConfig.commit_interval). A restarted trainer gets the later steps'
+        groups again."""
         c = self.config
         due = last or bool(c.save_interval and (step + 1) % c.save_interval == 0)
         if due and c.save_hf:
             path = Path(c.save_hf) / f"step_{step + 1}"
             await asyncio.to_thread(save_model, self.model, path, c.hf_checkpoint)
+        if not (last or (step + 1) % c.commit_interval == 0):
+            return
         if c.save:
-            if not due:
-                return
             await asyncio.to_thread(
                 save_checkpoint, c.save, step, self.model, self.optimizer, self.version, c.hf_checkpoint
             )
+        crash.point("trainer", "checkpoint_before_commit")
         await self._commit(step)
 
     async def _commit(self, step: int) -> None:
@@ -644,6 +687,9 @@ class TrainerService(Service):
             "rollout/truncated_ratio": sum(s.status.value == "truncated" for s in samples) / len(samples),
             "rollout/num_samples": len(samples),
             "rollout/failed_ratio": (len(samples) - len(scored)) / len(samples),
+            "rollout/failed_groups": sum(
+                all(s.status == SampleStatus.FAILED for s in flatten_group(g)) for g in groups
+            ),
             "perf/rollout_wait_s": wait_s,
             "perf/train_time_s": train_s,
             "perf/weight_push_s": push_s,

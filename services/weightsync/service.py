@@ -23,12 +23,26 @@ from pathlib import Path
 
 from asyncrl_proto import WeightsLive, WeightsPublished, decode, encode
 from asyncrl_proto.codec import DecodeError
-from services.common.bus import fetch_some, settle
+from services.common import crash
+from services.common.bus import fetch_some, keep_alive, settle
 from services.common.runtime import Service
 from services.common.sglang_client import EngineError, SGLangClient
 from services.common.snapshot import COMPLETE_MARKER, is_complete, resolved
 
 log = logging.getLogger(__name__)
+
+UPDATE_DEADLINE_S = 120.0
+"""An engine that takes a version for this long (a restarting one comes back within it) fails us."""
+CONVERGE_EVERY_S = 5.0
+"""While idle, every engine is checked this often: on the live version, and generating."""
+
+
+def _version(reported) -> int:
+    """An engine's weight version as a number (SGLang's initial "default" is the launch weights, 0)."""
+    try:
+        return int(reported)
+    except (TypeError, ValueError):
+        return 0
 
 
 class WeightSyncService(Service):
@@ -52,6 +66,7 @@ class WeightSyncService(Service):
             self.live_version = await self._engine_version()
             await self._announce(self.live_version, 0.0)
         self._psub = await self.bus.consume(s.consumers(self.config.prompt_ack_wait_s)["weight-sync"])
+        await self._converge()
         log.info("weight-sync ready: engines %s at version %s", self.client.urls, self.live_version)
 
     async def teardown(self) -> None:
@@ -83,10 +98,35 @@ class WeightSyncService(Service):
     def loops(self):
         return {"apply_updates": self._apply_updates}
 
+    async def _converge(self) -> None:
+        """Every engine generates, on the live version at least. An engine restarted elsewhere
+        comes back with its launch weights; a weight-sync killed between pause and continue left
+        engines paused. Loads the live snapshot into an engine behind it, continues the rest
+        (idempotent). An engine ahead of the live version runs weights the trainer published
+        whose announcement is still due (their message comes back): it is left as it is."""
+        live = self.live_version or 0
+        for url in self.client.urls:
+            try:
+                got = (await self.client.model_info(url)).get("weight_version")
+                if _version(got) < live:
+                    path = Path(self.config.run_dir) / "weights" / f"v{live}"
+                    log.warning(
+                        "engine %s runs weight version %s, behind the live v%d: loading %s", url, got, live, path
+                    )
+                    await self._update_engine(url, str(path), live, self.config.pause_generation_mode)
+                else:
+                    await self.client.continue_generation(url)
+            except EngineError as e:
+                log.info("engine %s did not converge now (%s); again in %.0fs", url, e, CONVERGE_EVERY_S)
+
     async def _apply_updates(self) -> None:
+        next_converge = time.monotonic() + CONVERGE_EVERY_S
         while True:
             msgs = await fetch_some(self._psub, 64, 1.0)
             if not msgs:
+                if time.monotonic() >= next_converge:
+                    await self._converge()
+                    next_converge = time.monotonic() + CONVERGE_EVERY_S
                 continue
             fresh = []  # (published, msg) newer than live, in stream order
             for m in msgs:
@@ -110,7 +150,8 @@ class WeightSyncService(Service):
             while fresh and (problem := self._snapshot_problem(fresh[-1][0])) is not None:
                 await self.bus.dead_letter_msg(fresh.pop()[1], problem)
             if fresh:
-                await self._update(*fresh[-1])
+                async with keep_alive(fresh[-1][1]):
+                    await self._update(fresh[-1][0])
             self.num_skipped += max(0, len(fresh) - 1)
             for _, m in fresh:
                 await settle(m)
@@ -132,13 +173,14 @@ class WeightSyncService(Service):
             return f"weights v{pub.version}: the snapshot's digest differs from the announced one"
         return None
 
-    async def _update(self, pub: WeightsPublished, msg) -> None:
+    async def _update(self, pub: WeightsPublished) -> None:
         t0 = time.perf_counter()
         mode = self.config.pause_generation_mode
         pending = list(self.client.urls)
-        for attempt in range(3):
+        deadline, delay = time.monotonic() + UPDATE_DEADLINE_S, 1.0
+        while True:
             results = await asyncio.gather(
-                *(self._update_engine(url, pub, mode, msg) for url in pending), return_exceptions=True
+                *(self._update_engine(url, pub.uri, pub.version, mode) for url in pending), return_exceptions=True
             )
             failed = [(url, r) for url, r in zip(pending, results, strict=True) if isinstance(r, BaseException)]
             for _, r in failed:
@@ -146,31 +188,34 @@ class WeightSyncService(Service):
                     raise r
             if not failed:
                 break
-            if attempt == 2:
+            if time.monotonic() > deadline:  # an engine that stays away fails the service loudly
                 raise failed[0][1]
-            pending = [url for url, _ in failed]  # only the engines that failed load again
+            pending = [url for url, _ in failed]  # only the engines that failed load again (one restarting)
             log.warning("weight update to v%d failed on %s (%s), retrying", pub.version, pending, failed[0][1])
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
         self.last_update_s = time.perf_counter() - t0
         self.num_updates += 1
+        crash.point("weight-sync", "continued_before_announce")
         await self._announce(pub.version, self.last_update_s)
         log.info("engines now at weight version %d (%.3fs, %s)", pub.version, self.last_update_s, mode)
 
-    async def _update_engine(self, url: str, pub: WeightsPublished, mode: str, msg) -> None:
+    async def _update_engine(self, url: str, uri: str, version: int, mode: str) -> None:
         """Miles's disk sequence: pause; flush the prefix cache unless requests stay resident
         (in_place), so no new request reuses KV computed with the old weights; load with
         flush_cache false (SGLang asserts a flush that finds resident requests); continue."""
         await self.client.pause(url, mode)
+        crash.point("weight-sync", "paused")
         try:
             if mode != "in_place" and not await self.client.flush_cache(url):
                 log.warning("%s refused to flush its cache while paused (SGLang < 0.5.23 with retracted requests)", url)
-            await self.client.update_weights_from_disk(url, pub.uri, str(pub.version), flush_cache=False)
+            await self.client.update_weights_from_disk(url, uri, str(version), flush_cache=False)
+            crash.point("weight-sync", "loaded_before_continue")
         finally:
             await self.client.continue_generation(url)
         got = (await self.client.model_info(url)).get("weight_version")
-        if str(got) != str(pub.version):
-            raise EngineError(f"{url} reports weight_version {got!r} after loading v{pub.version}")
-        await settle(msg, "in_progress")
+        if str(got) != str(version):
+            raise EngineError(f"{url} reports weight_version {got!r} after loading v{version}")
 
     async def _announce(self, version: int, duration_s: float) -> None:
         self.live_version = version

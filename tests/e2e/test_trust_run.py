@@ -169,6 +169,8 @@ def test_a_hung_producer_is_restarted_and_a_ledger_that_does_not_balance_fails_t
             proc.wait()
         if stopped is not None and pid_alive(stopped):
             os.kill(stopped, signal.SIGKILL)
-    assert "rollout-0" in out and "failed its health check for" in out and "restarting (1/3)" in out, out[-3000:]
+    assert "rollout-0" in out and "failed its health check for" in out and "restarting (1/3 in 600s)" in out, out[
+        -3000:
+    ]
     assert proc.returncode == 1
     assert "the ledger does not balance" in out and "trainer and ledger disagree on trained prompts" in out

@@ -18,7 +18,7 @@ import torch
 
 from services.common.procs import free_port, wait_for_port
 from services.model.hf_io import load_model, save_model
-from tests.conftest import EngineThread
+from tests.conftest import EngineThread, wait_until
 
 PROMPT = [1, 5, 6, 7, 15]
 
@@ -150,7 +150,8 @@ async def test_a_dead_scheduler_answers_what_it_held_and_says_so(tiny_model_dir)
         async with httpx.AsyncClient(base_url=e.url, timeout=30) as c:
             r = await asyncio.wait_for(c.post("/generate", json=body()), 20)  # answered, not hung
             assert r.json()["meta_info"]["finish_reason"]["type"] == "abort"
-            assert deaths and "probability tensor" in str(deaths[0])
+            await wait_until(lambda: deaths, what="on_death called")  # right after the answers
+            assert "probability tensor" in str(deaths[0])
             assert (await c.get("/health_generate")).status_code == 503
 
 

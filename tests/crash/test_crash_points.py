@@ -1,0 +1,70 @@
+"""Crash consistency at every named point (services.common.crash.POINTS): for each, a short
+default-style job (fully async, no --save) whose service SIGKILLs itself at that point; the
+launcher restarts it, and the run must finish with the ledger balanced (0 lost, 0 trained twice,
+0 failed), trained.jsonl equal to the ledger, every step trained once with weight versions that
+never go back, no engine left paused, and the final evaluation done. A point declared later is
+covered here without a change.
+
+Marked `crash` (make test-crash; .ci/run runs it). All points share one prepared model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from services.common.crash import ENV, POINTS
+
+pytestmark = pytest.mark.crash
+
+NTH = {"decided_before_append": 30, "appended_before_ack": 10, "snapshot_write": 1, "generated_before_publish": 5,
+       "published_before_ack": 5, "mid_step": 60, "mid_point": 2}  # fmt: skip
+"""Which pass of the point crashes (default 3): late enough to be mid-run."""
+STEPS = {"snapshot_write": 45}
+"""Steps of the run (default 10): the buffer snapshots every 500 ledger events."""
+CASES = [(service, point) for service, points in POINTS.items() for point in points]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from services.tasks import reverse_digits
+
+    d = tmp_path_factory.mktemp("crash") / "model"
+    reverse_digits.build_model(d, seed=1234, warmup_sft_steps=20, log=lambda *_: None)
+    return d
+
+
+@pytest.mark.parametrize(("service", "point"), CASES, ids=[f"{s}:{p}" for s, p in CASES])
+def test_a_crash_at_every_point_loses_nothing(tmp_path, model_dir, service, point):
+    steps, nth = STEPS.get(point, 10), NTH.get(point, 3)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, ENV: f"{service}:{point}:{nth}"}
+    r = subprocess.run(
+        [sys.executable, "-m", "services.cli", "train-async", "--fully-async", "--rollout-batch-size", "4",
+         "--n-samples-per-prompt", "4", "--async-data-buffer-capacity-factor", "1", "--num-rollout", str(steps),
+         "--eval-interval", "5", "--prompt-ack-wait-s", "3", "--hf-checkpoint", str(model_dir),
+         "--run-dir", str(run_dir)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    logs = "\n".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log"))
+    assert f"crash point {service}:{point}:{nth} reached" in logs, "the point was never reached"
+    assert "restarting" in out
+    audit = json.loads((run_dir / "audit.json").read_text())
+    assert audit["balanced"], audit["problems"]
+    assert audit["lost"] == 0 and audit["trained_twice"] == 0 and audit["failed"] == 0
+    assert audit["trained"] == steps * 4 and audit["in_flight_at_end"].get("leased_uncommitted", 0) == 0
+    trained = [json.loads(x) for x in (run_dir / "trained.jsonl").read_text().splitlines()]
+    assert [t["step"] for t in trained] == list(range(steps))  # trained.jsonl is the ledger's, step by step
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in records] == list(range(steps))
+    versions = [x["weight_version"] for x in records]
+    assert versions == sorted(versions) and len(set(versions)) == steps  # a push per step, never back
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["heldout_reward_final"] is not None  # the final evaluation ran
+    assert result["engines_paused_at_end"] == []
