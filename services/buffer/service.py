@@ -190,7 +190,7 @@ class BufferService(Service):
         replayed = 0
         for seq in range(self.state.log_stream_seq + 1, last + 1):
             try:
-                data = await self.bus.get_payload(stream, seq)
+                data = (await self.bus.js.get_msg(stream, seq=seq, direct=True)).data or b""
             except Exception as e:  # a gap (deleted message) is corruption: say so
                 raise RuntimeError(f"cannot replay ledger message {seq} of {stream}: {e}") from e
             try:

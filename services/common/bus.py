@@ -379,15 +379,31 @@ class Bus:
         )
         return await self.js.pull_subscribe(subject, durable=durable, stream=stream, config=cfg)
 
-    async def last_published_version(self) -> int:
-        """The newest weight version the trainer published (the last WeightsPublished on
-        WEIGHTS; only the trainer may publish there), 0 before the first push."""
+    async def last_published_version(self, at_least: int = 0, scan: int = 64) -> int:
+        """The newest weight version the trainer published (the trainer alone may publish on
+        WEIGHTS, one version after the other), 0 before the first push. Normally the last
+        message says it; when that one does not decode or names less than `at_least` (a stray
+        message, dead-lettered by weight-sync), the newest of the last `scan` messages counts."""
         s = self.subjects
         try:
             raw = await self.js.get_last_msg(s.weights_stream, s.weights_published)
-            return decode(raw.data, WeightsPublished).version
-        except (nats.js.errors.NotFoundError, *DecodeError):
+        except nats.js.errors.NotFoundError:
             return 0
+        newest, seq = 0, raw.seq
+        for _ in range(scan):
+            if raw is not None and raw.subject == s.weights_published:
+                with contextlib.suppress(*DecodeError):
+                    newest = max(newest, decode(raw.data or b"", WeightsPublished).version)
+                if newest >= max(at_least, 1):
+                    break
+            seq -= 1
+            if seq < 1:
+                break
+            try:
+                raw = await self.js.get_msg(s.weights_stream, seq=seq)
+            except nats.js.errors.NotFoundError:
+                raw = None
+        return newest
 
     async def get_payload(self, stream: str, seq: int) -> bytes:
         raw = await self.js.get_msg(stream, seq=seq, direct=True)
@@ -472,7 +488,7 @@ class VersionBound:
 
     async def refresh(self) -> int:
         try:
-            self.value = max(self.value, await self.bus.last_published_version())
+            self.value = max(self.value, await self.bus.last_published_version(at_least=self.value + 1))
         except (TimeoutError, nats.errors.Error, nats.js.errors.Error, OSError) as e:
             log.warning("could not read the newest published weight version (%s)", type(e).__name__)
         return self.value

@@ -6,7 +6,7 @@
 | buffer | prompts, ledger, KV buffer_snapshot | buffer.get, buffer.commit, weights.live, weights.published, heartbeat.rollout | consumer `buffer` on ROLLOUTS, purges ROLLOUTS, reads LEDGER, ROLLOUTS and the last WEIGHTS message |
 | trainer | buffer.get, buffer.commit, weights.published, progress, eval.requests, eval.results | eval.results, heartbeat.rollout | reads ROLLOUTS, the last WEIGHTS message |
 | rollout | rollouts | control | consumer `producers` on PROMPTS |
-| weight-sync | weights.live, KV live_version | - | consumer `weight-sync` on WEIGHTS |
+| weight-sync | weights.live, KV live_version | - | consumer `weight-sync` on WEIGHTS, reads WEIGHTS |
 | eval | eval.results, control | weights.live | consumer `eval` on EVAL, reads the last WEIGHTS message |
 
 Every role may also publish its own heartbeat and dead letters, read the run's config and live
@@ -80,6 +80,7 @@ def role_permissions(run_id: str, role: str) -> dict:
         sub += [s.control]
     elif role == "weight-sync":
         pub += [s.weights_live, f"$KV.{bucket}.live_version"] + _consume(s.weights_stream, "weight-sync")
+        pub += _read(s.weights_stream)
     elif role == "eval":
         pub += [s.eval_results, s.control] + _consume(s.eval_stream, "eval") + _read(s.weights_stream)
         sub += [s.weights_live]

@@ -24,7 +24,7 @@ from pathlib import Path
 from asyncrl_proto import WeightsLive, WeightsPublished, decode, encode
 from asyncrl_proto.codec import DecodeError
 from services.common import crash
-from services.common.bus import fetch_some, keep_alive, settle
+from services.common.bus import VersionBound, fetch_some, keep_alive, settle
 from services.common.runtime import Service
 from services.common.sglang_client import EngineError, SGLangClient
 from services.common.snapshot import COMPLETE_MARKER, is_complete, resolved
@@ -55,6 +55,7 @@ class WeightSyncService(Service):
         self.last_update_s = 0.0
         self.num_updates = 0
         self.num_skipped = 0
+        self.published = VersionBound(bus)
         self._psub = None
 
     async def setup(self) -> None:
@@ -103,12 +104,13 @@ class WeightSyncService(Service):
         comes back with its launch weights; a weight-sync killed between pause and continue left
         engines paused. Loads the live snapshot into an engine behind it, continues the rest
         (idempotent). An engine ahead of the live version runs weights the trainer published
-        whose announcement is still due (their message comes back): it is left as it is."""
+        whose announcement is still due (their message comes back): it is left as it is; one on a
+        version nobody published (set through its HTTP API) is brought back to the live one."""
         live = self.live_version or 0
         for url in self.client.urls:
             try:
                 got = (await self.client.model_info(url)).get("weight_version")
-                if _version(got) < live:
+                if _version(got) < live or not await self.published.allows(_version(got)):
                     path = Path(self.config.run_dir) / "weights" / f"v{live}"
                     log.warning(
                         "engine %s runs weight version %s, behind the live v%d: loading %s", url, got, live, path
