@@ -56,6 +56,15 @@ def soak(seed: int, work: Path) -> dict:
     cmd = [sys.executable, "-m", "services.cli", "train-async", "--config", str(ROOT / "deploy/configs/quickstart.yaml"),
            "--run-dir", str(run_dir), "--seed", str(1234 + seed), "--rollout-seed", str(42 + seed)]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        return _inject(rng, proc, run_dir)
+    finally:
+        if proc.poll() is None:  # interrupted: the launcher stops every process of the run
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
+def _inject(rng: random.Random, proc: subprocess.Popen, run_dir: Path) -> dict:
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     faults: list[dict] = []
@@ -94,7 +103,7 @@ def soak(seed: int, work: Path) -> dict:
     audit = json.loads(audit_path.read_text()) if audit_path.exists() else {}
     result = json.loads((run_dir / "result.json").read_text()) if (run_dir / "result.json").exists() else {}
     return {
-        "seed": seed, "exit_code": code, "wall_s": round(wall, 1), "faults": len(faults),
+        "seed": int(run_dir.name.removeprefix("seed")), "exit_code": code, "wall_s": round(wall, 1), "faults": len(faults),
         "kills": sum(f["fault"] == "SIGKILL" for f in faults), "freezes": sum(f["fault"] != "SIGKILL" for f in faults),
         "steps_finished": len(records), "restarts": sum("restarting" in x for x in lines),
         "lost": audit.get("lost"), "trained_twice": audit.get("trained_twice"), "failed": audit.get("failed"),

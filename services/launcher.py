@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -335,16 +337,24 @@ class Launcher:
             self.live_version = max(self.live_version, decode(msg.data, WeightsLive).version)
 
     def _restart_command(self, child) -> list[str]:
-        """An engine restarts on the live weights, never its launch weights (it would serve
-        samples many versions stale until the next push); the rest restart as they started."""
-        path = self.run_dir / "weights" / f"v{self.live_version}"
-        if not child.name.startswith("engine-") or self.live_version == 0 or not is_complete(path):
+        """An engine restarts on the newest weights the trainer pushed (the live ones or newer,
+        never older), never its launch weights, which would serve samples many versions stale
+        until the next push. The snapshot is hard-linked into weights/restart-<engine> first:
+        the trainer keeps only its newest snapshots and may delete this one while the engine
+        starts. The rest restart as they started."""
+        if not child.name.startswith("engine-"):
             return child.cmd
-        cmd = list(child.cmd)
-        cmd[cmd.index("--model-path") + 1] = str(path)
-        cmd[cmd.index("--weight-version") + 1] = str(self.live_version)
-        self.out(f"  {child.name} restarts on the live weights v{self.live_version}")
-        return cmd
+        weights = self.run_dir / "weights"
+        versions = [int(p.name[1:]) for p in weights.glob("v*") if p.name[1:].isdigit()]
+        for version in sorted((v for v in versions if v >= self.live_version > 0), reverse=True):
+            stable = weights / f"restart-{child.name}"
+            if link_snapshot(weights / f"v{version}", stable):
+                cmd = list(child.cmd)
+                cmd[cmd.index("--model-path") + 1] = str(stable)
+                cmd[cmd.index("--weight-version") + 1] = str(version)
+                self.out(f"  {child.name} restarts on the weights v{version} (live: v{self.live_version})")
+                return cmd
+        return child.cmd
 
     async def _on_progress(self, msg) -> None:
         with contextlib.suppress(*DecodeError):
@@ -403,6 +413,22 @@ class Launcher:
         self.stop_services()
         if self.nats:
             self.nats.stop()
+
+
+def link_snapshot(src: Path, dst: Path) -> bool:
+    """Hard-link a complete snapshot's files into `dst` (replacing what was there): a copy that
+    costs nothing and outlives the deletion of `src`. False if `src` is not (or no longer) whole."""
+    shutil.rmtree(dst, ignore_errors=True)
+    try:
+        if not is_complete(src):
+            return False
+        dst.mkdir(parents=True)
+        for f in src.iterdir():
+            os.link(f, dst / f.name)
+        return is_complete(dst)
+    except OSError:  # deleted meanwhile (or a filesystem without hard links)
+        shutil.rmtree(dst, ignore_errors=True)
+        return False
 
 
 def format_progress(step: int, total: int, rec: dict) -> str:
