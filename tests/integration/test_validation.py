@@ -7,6 +7,7 @@ trainer could ask for)."""
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from asyncrl_proto import (
     BufferCommit,
@@ -155,6 +156,43 @@ async def test_a_ledger_entry_the_buffer_did_not_write_is_skipped_and_reported(n
             await again.stop()
         report = await collect(nats_server.url, run_id, nats_server.store_dir / "no-run")
         assert report["ledger_skipped"] and report["balanced"], report
+    finally:
+        await h.bus.close()
+
+
+async def test_a_second_ledger_writer_makes_the_buffer_fail_loudly_never_interleave(nats_server, run_id, task_data,
+                                                                                   tiny_model_dir):  # fmt: skip
+    """Appends expect the ledger to end where this buffer's last append did: a message another
+    writer put there in between makes the next append fail (the buffer exits, to be restarted),
+    and the restarted buffer's replay reports it. Two writers never interleave."""
+    from asyncrl_proto import LedgerBatch, LedgerEvent
+    from services.buffer.service import LedgerConflict
+
+    cfg = config(task_data, tiny_model_dir)
+    svc = await start_service(BufferService, cfg, nats_server.url, run_id)
+    h = Harness(await Bus.connect(nats_server.url, run_id, "test"))
+    try:
+        await h.get(0, wait_s=0.1)
+        await wait_until(lambda: svc.service.state.counters.get("released") == 4, what="a first append")
+        before = svc.service.state.seq
+        # another writer's decision, which this buffer's state does not admit (a group it never stored)
+        other = LedgerBatch(events=[LedgerEvent(seq=before + 1, kind="leased", group_id="g999-a0", step=0)])
+        await h.bus.publish(h.s.ledger, other)
+        for p in await h.prompts(2):  # the buffer's next decisions need an append
+            await h.publish_group(p)
+        await wait_until(lambda: svc.task.done(), what="the buffer to fail")
+        with pytest.raises(BaseException) as e:
+            svc.task.result()
+        assert isinstance(e.value.exceptions[0], LedgerConflict)
+        again = await start_service(BufferService, cfg, nats_server.url, run_id)
+        try:
+            assert not again.service.state.leases  # the other writer's event was not applied...
+            assert any("which is not stored" in p for p in again.service.ledger_problems)  # ...but reported
+            # and it carries on: the groups it had not recorded come back from ROLLOUTS once the
+            # dead buffer's deliveries time out (the consumer's ack wait, 10 s)
+            assert (await h.get(0, wait_s=20.0)).complete
+        finally:
+            await again.stop()
     finally:
         await h.bus.close()
 
