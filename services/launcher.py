@@ -39,7 +39,7 @@ from services.common.config import RunConfig
 from services.common.natsauth import server_auth_conf
 from services.common.natsserver import EmbeddedNats
 from services.common.secrets import RUN_TOKEN_ENV, NatsCredentials, without_nats_identity
-from services.common.snapshot import is_complete
+from services.common.snapshot import COMPLETE_MARKER, is_complete
 from services.common.validate import eval_result_problem, finite_metrics
 from services.engine.commands import builtin_engine_command, builtin_engine_flags, sglang_server_command
 from services.prepare import prepare_run, role_credentials, role_passwords, run_token
@@ -343,18 +343,20 @@ class Launcher:
         the trainer keeps only its newest snapshots and may delete this one while the engine
         starts. The rest restart as they started."""
         if not child.name.startswith("engine-"):
-            return child.cmd
+            return child.launch_cmd
         weights = self.run_dir / "weights"
         versions = [int(p.name[1:]) for p in weights.glob("v*") if p.name[1:].isdigit()]
         for version in sorted((v for v in versions if v >= self.live_version > 0), reverse=True):
             stable = weights / f"restart-{child.name}"
             if link_snapshot(weights / f"v{version}", stable):
-                cmd = list(child.cmd)
+                cmd = list(child.launch_cmd)
                 cmd[cmd.index("--model-path") + 1] = str(stable)
                 cmd[cmd.index("--weight-version") + 1] = str(version)
                 self.out(f"  {child.name} restarts on the weights v{version} (live: v{self.live_version})")
                 return cmd
-        return child.cmd
+        # none to link (none pushed yet, or no hard links here): its launch weights, at version 0,
+        # which weight-sync's convergence replaces with the live ones within seconds
+        return child.launch_cmd
 
     async def _on_progress(self, msg) -> None:
         with contextlib.suppress(*DecodeError):
@@ -424,8 +426,12 @@ def link_snapshot(src: Path, dst: Path) -> bool:
             return False
         dst.mkdir(parents=True)
         for f in src.iterdir():
-            os.link(f, dst / f.name)
-        return is_complete(dst)
+            if f.name != COMPLETE_MARKER:
+                os.link(f, dst / f.name)
+        # the marker last: a deletion removes it first (remove_snapshot), so linking it means
+        # no deletion had begun when the files above were listed
+        os.link(src / COMPLETE_MARKER, dst / COMPLETE_MARKER)
+        return True
     except OSError:  # deleted meanwhile (or a filesystem without hard links)
         shutil.rmtree(dst, ignore_errors=True)
         return False

@@ -48,6 +48,11 @@ class Child:
     """Passed a health check since its last (re)start: only then do failures count."""
     failing_since: float | None = None
     next_check: float = field(default=0.0)
+    launch_cmd: list[str] = field(default_factory=list)
+    """The command it was first started with (a restart may run another: before_restart)."""
+
+    def __post_init__(self) -> None:
+        self.launch_cmd = self.launch_cmd or list(self.cmd)
 
 
 @dataclass

@@ -141,6 +141,8 @@ class BufferService(Service):
         self.override_version: int | None = None
         self.producers: dict[str, tuple[float, int]] = {}
         self.gid_of: dict[int, tuple[str, list]] = {}  # id(group) -> (group id, group)
+        self._conflict: LedgerConflict | None = None
+        """Set when an append found another writer's message: no reply, snapshot or append after it."""
         self.ledger_problems: list[str] = []  # entries the replay skipped (undecodable, out of order)
         self._unflushed: list[LedgerEvent] = []
         self._flush_lock = asyncio.Lock()
@@ -250,6 +252,8 @@ class BufferService(Service):
     async def _flush(self, snapshot: bool = False) -> None:
         """Make every recorded event durable, in order; snapshot the state now and then."""
         async with self._flush_lock:
+            if self._conflict is not None:  # its state holds decisions the ledger refused: nothing more leaves
+                raise self._conflict
             while self._unflushed:
                 crash.point("buffer", "decided_before_append")
                 events, self._unflushed = self._unflushed, []
@@ -262,10 +266,12 @@ class BufferService(Service):
                         expected_last_seq=self.state.log_stream_seq,  # one writer: nothing may come in between
                     )
                 except SequenceConflict as e:
-                    raise LedgerConflict(
+                    self._conflict = LedgerConflict(
                         f"the ledger holds a message this buffer did not write ({e}): another buffer is running for "
                         "this run, or something else published there; restarting to replay it"
-                    ) from e
+                    )
+                    self.fail(self._conflict)  # also from a commit or get handler, where raising ends nothing
+                    raise self._conflict from e
                 except BaseException:
                     self._unflushed = events + self._unflushed  # not durable: nobody may read it as such
                     raise
@@ -673,11 +679,11 @@ class BufferService(Service):
             self.raw_of.pop(r.group_id, None)
         if req.step > self.state.committed_step:
             self._record("committed", step=req.step)
-            await self._flush()
-            for step in [s for s in self.requested if s <= req.step]:
-                self.requested.pop(step)
-                self._lease_done.pop(step, None)
-                self._waiting.pop(step, None)
+        await self._flush()  # also for a repeated commit: its answer says the commit is durable
+        for step in [s for s in self.requested if s <= req.step]:
+            self.requested.pop(step)
+            self._lease_done.pop(step, None)
+            self._waiting.pop(step, None)
         await _respond(msg, encode(BufferCommitReply(step=req.step, num_groups_committed=len(seqs))))
         if seqs and not self._purging and time.monotonic() >= self._next_purge:  # trained: payloads no longer needed
             self._purging, self._next_purge = True, time.monotonic() + PURGE_INTERVAL_S

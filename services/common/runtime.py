@@ -125,6 +125,7 @@ class Service:
         self.ready = False
         self.started_at = time.time()
         self._stop = asyncio.Event()
+        self._failure: BaseException | None = None
         self._background: set[asyncio.Task] = set()
         self._tasks: list[asyncio.Task] = []
         self.registry = CollectorRegistry()
@@ -177,6 +178,14 @@ class Service:
         task.add_done_callback(done)
         return task
 
+    def fail(self, error: BaseException) -> None:
+        """End the service with `error`, from where raising reaches no loop (a NATS callback, a
+        background task): its loops are cancelled and run() raises it, a crash to restart."""
+        if self._failure is None:
+            self._failure = error
+            log.error("%s %s failing: %s", self.name, self.instance_id, error)
+        self._stop.set()
+
     async def wait_stopped(self, timeout: float) -> bool:
         """Sleep up to `timeout` unless stop() comes first; True when stopping."""
         return await wait_event(self._stop, timeout)
@@ -200,11 +209,13 @@ class Service:
                 named = {**self.loops(), "heartbeat": self._heartbeat_loop}
                 self._tasks = [tg.create_task(self._supervise(n, fn), name=n) for n, fn in named.items()]
                 tg.create_task(self._cancel_on_stop(), name="stop-watch")
+            if self._failure is not None:
+                raise self._failure
         finally:
             self.ready = False
             with contextlib.suppress(Exception):
                 await self.teardown()
-            if self.stopping:  # not after a crash: a restarted instance is the same producer
+            if self.stopping and self._failure is None:  # not after a crash: a restarted instance is the same producer
                 await self._send_heartbeat()
             server.should_exit = True
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -3,6 +3,8 @@ reader never takes a half-written one. Free of torch, for the launcher and the e
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 from pathlib import Path
 
 COMPLETE_MARKER = ".complete"
@@ -10,6 +12,14 @@ COMPLETE_MARKER = ".complete"
 
 def is_complete(path: str | Path) -> bool:
     return (Path(path) / COMPLETE_MARKER).exists()
+
+
+def remove_snapshot(path: str | Path) -> None:
+    """Delete a snapshot, its marker first: whoever reads or links it meanwhile finds it
+    incomplete instead of taking a directory whose files are going."""
+    with contextlib.suppress(FileNotFoundError):
+        (Path(path) / COMPLETE_MARKER).unlink()
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def resolved(uri: str) -> Path | None:

@@ -53,7 +53,7 @@ from services.common import crash
 from services.common.bus import ReplyInbox
 from services.common.config import eval_backend
 from services.common.runtime import Service, wait_event
-from services.common.snapshot import is_complete
+from services.common.snapshot import is_complete, remove_snapshot
 from services.common.validate import Limits, eval_result_problem, finite_metrics, sample_problem
 from services.model.hf_io import load_model, load_weights_into, save_model
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -150,6 +150,8 @@ class TrainerService(Service):
         self.num_nonfinite_skipped = 0
         self.recent_failures: collections.deque[tuple[int, int, str]] = collections.deque(maxlen=FAILED_WINDOW_STEPS)
         self.version = 0
+        self.committed_version: int | None = None
+        """The weight version of the last commit: the snapshot a restart without --save resumes from."""
         self.step = 0
         self.last_record: dict = {}
         self.pending_eval: list[dict] = []
@@ -214,6 +216,7 @@ class TrainerService(Service):
                       "steps 0..%d are lost (--save keeps them)", committed, committed)  # fmt: skip
             return
         await asyncio.to_thread(load_weights_into, self.model, self.weights_dir / f"v{pub.version}")
+        self.committed_version = pub.version
         lost = f", and the updates of steps {pub.step + 1}..{committed}" if pub.step < committed else ""
         log.warning("resumed without a checkpoint from the weights v%d pushed after step %d: next step %d, weight "
                     "version %d; the optimizer state is lost%s (--save keeps it)", pub.version, pub.step, self.step,
@@ -539,11 +542,19 @@ class TrainerService(Service):
         )  # fmt: skip
         subject = self.bus.subjects.weights_published
         await self.bus.publish_durably([(subject, pub, f"weights-v{self.version}")], f"weights v{self.version}")
-        self.snapshots.append(path)
-        while len(self.snapshots) > max(1, self.config.keep_weight_snapshots):
-            old = self.snapshots.pop(0)
-            shutil.rmtree(old, ignore_errors=True)
+        if path not in self.snapshots:  # re-pushed under the same number after a crash
+            self.snapshots.append(path)
+        self._retain_snapshots()
         return time.perf_counter() - t0
+
+    def _retain_snapshots(self) -> None:
+        """Keep the newest --keep-weight-snapshots snapshots, and always the one behind the
+        committed step: without --save, a restarted trainer resumes from it."""
+        keep = max(1, self.config.keep_weight_snapshots)
+        backing = self.weights_dir / f"v{self.committed_version}" if self.committed_version is not None else None
+        for old in [p for p in self.snapshots[:-keep] if p != backing]:
+            self.snapshots.remove(old)
+            remove_snapshot(old)
 
     async def _checkpoint_and_commit(self, step: int, last: bool) -> None:
         """Save due after step r when (r + 1) % --save-interval == 0, and after the last step;
@@ -571,6 +582,7 @@ class TrainerService(Service):
         reply = await self._request(self.bus.subjects.buffer_commit, req, BufferCommitReply, f"commit of step {step}")
         if reply.error:
             raise TrainerError(f"buffer refused commit of step {step}: {reply.error}")
+        self.committed_version = self.version
 
     def _append_trained(self, step: int, groups: list[list]) -> None:
         """trained.jsonl: the prompts each step trained on (the audit holds it against the ledger)."""
