@@ -25,7 +25,6 @@ WORK = ["train-async", "--fully-async", "--rollout-batch-size", "16", "--n-sampl
 
 def ledger_puts(run_dir: Path) -> list[float]:
     """Timestamps of the groups the producers delivered (read from the run's own NATS store)."""
-    from services.audit import _read_stream
     from services.buffer.state import ledger_events
     from services.common.bus import Bus
     from services.common.natsserver import EmbeddedNats
@@ -36,7 +35,7 @@ def ledger_puts(run_dir: Path) -> list[float]:
         bus = await Bus.connect(url, cfg["run_id"], "bench")
         try:
             s = bus.subjects
-            return [ev for d in await _read_stream(bus, s.ledger_stream, s.ledger) for ev in ledger_events(d)]
+            return [ev for d in await bus.read_stream(s.ledger_stream, s.ledger) for ev in ledger_events(d)]
         finally:
             await bus.close()
 

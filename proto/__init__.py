@@ -5,7 +5,7 @@ collides with PyPI's ``proto-plus``, which owns ``import proto``. This package i
 the standard library only: no torch, ray or nats (a unit test enforces it).
 """
 
-from asyncrl_proto.codec import decode, encode
+from asyncrl_proto.codec import MalformedMessage, decode, encode
 from asyncrl_proto.messages import (
     BufferCommit,
     BufferCommitReply,
@@ -43,6 +43,7 @@ __all__ = [
     "Heartbeat",
     "LedgerBatch",
     "LedgerEvent",
+    "MalformedMessage",
     "ProgressRecord",
     "PromptMsg",
     "RolloutGroup",

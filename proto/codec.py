@@ -1,5 +1,5 @@
 """msgpack encoding of the wire Structs. Decoding validates: a malformed message raises
-msgspec.DecodeError / ValidationError at the edge, never deep inside a loop."""
+MalformedMessage at the edge, never deep inside a loop."""
 
 from __future__ import annotations
 
@@ -22,8 +22,13 @@ def _decoder(tp: Any) -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(tp)
 
 
+class MalformedMessage(msgspec.ValidationError):
+    """`decode` was given bytes that are not a message of the type asked for: not msgpack, the
+    wrong shape, a field of the wrong type. Its text says what is wrong (a dead letter quotes it)."""
+
+
 def decode(data: bytes, tp: type[T]) -> T:
-    return _decoder(tp).decode(data)
-
-
-DecodeError = (msgspec.DecodeError, msgspec.ValidationError)
+    try:
+        return _decoder(tp).decode(data)
+    except msgspec.DecodeError as e:  # ValidationError included (a subclass)
+        raise MalformedMessage(str(e)) from None

@@ -15,44 +15,8 @@ import sys
 from pathlib import Path
 
 from asyncrl_proto import PromptMsg, RolloutGroupView, decode, group_id
-from asyncrl_proto.codec import DecodeError
+from asyncrl_proto.codec import MalformedMessage
 from services.buffer.state import LedgerError, audit, ledger_events
-
-
-async def _read_stream(bus, stream: str, subject: str | None = None) -> list[bytes]:
-    """Every message still in a stream. A limits stream is read with an ephemeral consumer in
-    large batches; a work-queue stream (which admits one consumer per subject) message by message."""
-    import nats.js.errors
-    from nats.js import api
-
-    try:
-        info = await bus.js.stream_info(stream)
-    except nats.js.errors.NotFoundError:
-        return []
-    total = info.state.messages
-    out: list[bytes] = []
-    if subject is not None and total:
-        cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL,
-                                 inactive_threshold=30.0)  # fmt: skip
-        sub = await bus.js.pull_subscribe(subject, stream=stream, config=cfg)
-        try:
-            while len(out) < total:
-                try:
-                    msgs = await sub.fetch(min(1000, total - len(out)), timeout=2.0)
-                except (TimeoutError, nats.errors.TimeoutError):
-                    break
-                out += [m.data for m in msgs if m.data]
-        finally:
-            await sub.unsubscribe()
-        return out
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
-        try:
-            raw = await bus.js.get_msg(stream, seq=seq)
-        except nats.js.errors.NotFoundError:
-            continue  # acknowledged (work queue) or purged after training
-        if raw.data:
-            out.append(raw.data)
-    return out
 
 
 async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None) -> dict:
@@ -66,16 +30,16 @@ async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None) -> dict
     try:
         s = bus.subjects
         events = []
-        for i, d in enumerate(await _read_stream(bus, s.ledger_stream, s.ledger)):
+        for i, d in enumerate(await bus.read_stream(s.ledger_stream, s.ledger)):
             try:
                 events += ledger_events(d)
             except LedgerError as e:
                 skipped.append(f"ledger message #{i + 1}: {e}")
         prompts = {
-            group_id(p.group_index, p.attempt) for p in _decoded(await _read_stream(bus, s.prompts_stream), PromptMsg)
+            group_id(p.group_index, p.attempt) for p in _decoded(await bus.read_stream(s.prompts_stream), PromptMsg)
         }
         rollouts = {
-            g.group_id for g in _decoded(await _read_stream(bus, s.rollouts_stream, s.rollouts), RolloutGroupView)
+            g.group_id for g in _decoded(await bus.read_stream(s.rollouts_stream, s.rollouts), RolloutGroupView)
         }
     finally:
         await bus.close()
@@ -103,7 +67,7 @@ def _decoded(datas: list[bytes], tp) -> list:
     """The messages that decode as `tp` (a malformed one was dead-lettered by its consumer)."""
     out = []
     for d in datas:
-        with contextlib.suppress(*DecodeError):
+        with contextlib.suppress(MalformedMessage):
             out.append(decode(d, tp))
     return out
 

@@ -32,16 +32,16 @@ from pathlib import Path
 import httpx
 
 from asyncrl_proto import EvalRequest, EvalResult, ProgressRecord, WeightsLive, decode
-from asyncrl_proto.codec import DecodeError
+from asyncrl_proto.codec import MalformedMessage
 from services.common import procs
 from services.common.bus import STORE_DIR_ENV, Bus
 from services.common.config import RunConfig
+from services.common.engine_commands import builtin_engine_command, builtin_engine_flags, sglang_server_command
 from services.common.natsauth import server_auth_conf
 from services.common.natsserver import EmbeddedNats
 from services.common.secrets import RUN_TOKEN_ENV, NatsCredentials, without_nats_identity
 from services.common.snapshot import COMPLETE_MARKER, is_complete
 from services.common.validate import eval_result_problem, finite_metrics
-from services.engine.commands import builtin_engine_command, builtin_engine_flags, sglang_server_command
 from services.prepare import prepare_run, role_credentials, role_passwords, run_token
 from services.supervisor import LaunchError, Supervisor
 
@@ -244,9 +244,9 @@ class Launcher:
             await bus.ensure_consumers(c.prompt_ack_wait_s)
             await bus.kv_put("config", json.dumps(c.model_dump(mode="json")).encode())
             await asyncio.to_thread(self.wait_ready)  # engines first: every service talks to them
-            await bus.nc.subscribe(bus.subjects.progress, cb=self._on_progress)
-            await bus.nc.subscribe(bus.subjects.weights_live, cb=self._on_live)
-            await bus.nc.subscribe(bus.subjects.eval_results, cb=self._on_eval)
+            await bus.subscribe(bus.subjects.progress, self._on_progress)
+            await bus.subscribe(bus.subjects.weights_live, self._on_live)
+            await bus.subscribe(bus.subjects.eval_results, self._on_eval)
             for name in ("buffer", "weight-sync", "eval"):
                 self.start_service(name)
             for i in range(c.rollout_num_producers):
@@ -316,12 +316,10 @@ class Launcher:
             raise LaunchError(f"trainer failed: {self.done.error}")
 
     async def _read_final_progress(self, bus) -> None:
-        import nats.js.errors
-
-        with contextlib.suppress(nats.js.errors.NotFoundError):
-            raw = await bus.js.get_last_msg(bus.subjects.progress_stream, bus.subjects.progress)
-            rec = decode(raw.data, ProgressRecord)
-            if rec.done and rec.step == self.config.total_steps:
+        raw = await bus.get_last(bus.subjects.progress_stream, bus.subjects.progress)
+        with contextlib.suppress(MalformedMessage):
+            rec = decode(raw.data, ProgressRecord) if raw is not None else None
+            if rec is not None and rec.done and rec.step == self.config.total_steps:
                 self.done = rec
 
     async def _wait_final_eval(self) -> None:
@@ -333,7 +331,7 @@ class Launcher:
             await asyncio.sleep(0.2)
 
     async def _on_live(self, msg) -> None:
-        with contextlib.suppress(*DecodeError):
+        with contextlib.suppress(MalformedMessage):
             self.live_version = max(self.live_version, decode(msg.data, WeightsLive).version)
 
     def _restart_command(self, child) -> list[str]:
@@ -359,7 +357,7 @@ class Launcher:
         return child.launch_cmd
 
     async def _on_progress(self, msg) -> None:
-        with contextlib.suppress(*DecodeError):
+        with contextlib.suppress(MalformedMessage):
             rec = decode(msg.data, ProgressRecord)
             if rec.done and rec.step == self.config.total_steps:  # the trainer's final record says it
                 self.done = rec
@@ -367,7 +365,7 @@ class Launcher:
                 self.out(format_progress(rec.step, self.config.total_steps, rec.record))
 
     async def _on_eval(self, msg) -> None:
-        with contextlib.suppress(*DecodeError):
+        with contextlib.suppress(MalformedMessage):
             res = decode(msg.data, EvalResult)
             if eval_result_problem(res.step, self.config.total_steps) is not None:
                 return  # not a point of this run (the eval service and the trainer never send one)

@@ -69,7 +69,7 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
 def check_datasets(config: RunConfig) -> int:
     """Read every dataset of the run before any service starts; a bad row is an error naming its
     file and line (not a buffer that crashes three times). Returns the prompts per epoch."""
-    from services.buffer.datasource import load_rows
+    from services.common.datasource import load_rows
 
     try:
         rows = load_rows(config.prompt_data, config.input_key, config.label_key, config.metadata_key)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import importlib
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any
 
 from asyncrl_proto.messages import SampleStatus, flatten_group, oldest_weight_version, scalar_reward
 from services.common.config import RunConfig
+from services.common.plugins import load_object
 
 Group = list[Any]
 Recycle = Callable[[Group], Awaitable[None]]
@@ -33,21 +33,6 @@ class DynamicFilterOutput:
 
     keep: bool
     reason: str | None = None
-
-
-def load_object(path: str, what: str) -> Any:
-    """Import `module.attr` (or `module:attr`), with an error that names the flag's value."""
-    module_name, sep, attr = path.replace(":", ".").rpartition(".")
-    if not sep or not module_name:
-        raise ValueError(f"{what} {path!r} is not an import path of the form package.module.name")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{what} {path!r}: cannot import module {module_name!r}: {e}") from e
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ValueError(f"{what} {path!r}: module {module_name!r} has no attribute {attr!r}") from None
 
 
 def staleness(current_version: int | None, group: Group) -> int | None:

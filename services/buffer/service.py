@@ -48,10 +48,9 @@ from asyncrl_proto import (
     encode,
     group_id,
 )
-from asyncrl_proto.codec import DecodeError
+from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import SampleStatus, flatten_group, oldest_weight_version
-from services.buffer.core import DataBuffer, DefaultDataBuffer, load_object, staleness
-from services.buffer.datasource import PromptSource, load_rows
+from services.buffer.core import DataBuffer, DefaultDataBuffer, staleness
 from services.buffer.policy import ReleaseState, release_allowance
 from services.buffer.state import (
     BufferState,
@@ -64,6 +63,8 @@ from services.buffer.state import (
 )
 from services.common import crash
 from services.common.bus import SequenceConflict, VersionBound, next_batch, settle
+from services.common.datasource import PromptSource, load_rows
+from services.common.plugins import load_object
 from services.common.runtime import Service, wait_event
 from services.common.validate import group_problem, limits_from_model_dir
 
@@ -167,13 +168,13 @@ class BufferService(Service):
         await self._recover()
         self._rollouts = await self.bus.consume(self._consumer)
         # subscribe before reading the KV value, so that no update can fall in between
-        await self.bus.nc.subscribe(s.weights_published, cb=self._on_published)
+        await self.bus.subscribe(s.weights_published, self._on_published)
         await self.published.refresh()
-        await self.bus.nc.subscribe(s.weights_live, cb=self._on_live)
+        await self.bus.subscribe(s.weights_live, self._on_live)
         await self._read_live_version()
-        await self.bus.nc.subscribe(s.buffer_get, cb=self._on_get)
-        await self.bus.nc.subscribe(s.buffer_commit, cb=self._on_commit)
-        await self.bus.nc.subscribe(s.heartbeat("rollout"), cb=self._on_producer_heartbeat)
+        await self.bus.subscribe(s.buffer_get, self._on_get)
+        await self.bus.subscribe(s.buffer_commit, self._on_commit)
+        await self.bus.subscribe(s.heartbeat("rollout"), self._on_producer_heartbeat)
         log.info(
             "buffer ready: capacity %d groups, %d prompts per epoch, mode %s, %d ledger events, "
             "%d stored, %d outstanding, committed step %d",
@@ -188,13 +189,13 @@ class BufferService(Service):
             self.state = decode_state(raw)
             self._snapshot_seq = self.state.seq
         stream = self.bus.subjects.ledger_stream
-        last = (await self.bus.js.stream_info(stream)).state.last_seq
+        _, last, _ = await self.bus.stream_bounds(stream) or (1, 0, 0)
         replayed = 0
         for seq in range(self.state.log_stream_seq + 1, last + 1):
-            try:
-                data = (await self.bus.js.get_msg(stream, seq=seq, direct=True)).data or b""
-            except Exception as e:  # a gap (deleted message) is corruption: say so
-                raise RuntimeError(f"cannot replay ledger message {seq} of {stream}: {e}") from e
+            raw = await self.bus.get_msg(stream, seq, direct=True)
+            if raw is None:  # a gap (deleted message) is corruption: say so
+                raise RuntimeError(f"cannot replay ledger message {seq} of {stream}: it is gone")
+            data = raw.data or b""
             try:
                 events = ledger_events(data)
             except LedgerError as e:  # not written by a buffer: skip it, say so
@@ -258,7 +259,7 @@ class BufferService(Service):
                 crash.point("buffer", "decided_before_append")
                 events, self._unflushed = self._unflushed, []
                 subject, run = self.bus.subjects.ledger, self.bus.subjects.run_id
-                chunks = _chunks(events, min(LEDGER_BATCH_BYTES, self.bus.nc.max_payload // 2))
+                chunks = _chunks(events, min(LEDGER_BATCH_BYTES, self.bus.max_payload // 2))
                 try:
                     acks = await self.bus.publish_durably(
                         [(subject, LedgerBatch(events=c), f"{run}-L{c[0].seq}-{c[-1].seq}") for c in chunks],
@@ -316,7 +317,7 @@ class BufferService(Service):
         seq = msg.metadata.sequence.stream
         try:
             rg, undecodable = decode(msg.data, RolloutGroup), None
-        except DecodeError as e:
+        except MalformedMessage as e:
             rg, undecodable = _identity(msg.data), f"undecodable RolloutGroup: {e}"
         gid = group_id(rg.group_index, rg.attempt) if rg is not None else ""
         if (releasing := self._releasing.get(gid)) is not None:
@@ -499,10 +500,7 @@ class BufferService(Service):
         self.background(self._handle_get(msg), "a get request")
 
     async def _handle_get(self, msg) -> None:
-        try:
-            req = decode(msg.data, BufferGetRequest)
-        except DecodeError as e:
-            await self._dead_letter_core(msg, f"undecodable BufferGetRequest: {e}")
+        if (req := await self.bus.decode_or_dead_letter(msg, BufferGetRequest)) is None:
             return
         if req.step <= self.state.committed_step:
             await _respond(msg, encode(BufferGetReply(step=req.step, error=f"step {req.step} is already committed",
@@ -664,10 +662,7 @@ class BufferService(Service):
 
     # ---- commit, live version, producers ------------------------------------------------------
     async def _on_commit(self, msg) -> None:
-        try:
-            req = decode(msg.data, BufferCommit)
-        except DecodeError as e:
-            await self._dead_letter_core(msg, f"undecodable BufferCommit: {e}")
+        if (req := await self.bus.decode_or_dead_letter(msg, BufferCommit)) is None:
             return
         if (problem := self._commit_problem(req)) is not None:
             await self._dead_letter_core(msg, problem)
@@ -708,12 +703,12 @@ class BufferService(Service):
         in a file store cost the whole pipeline an order of magnitude in throughput."""
         try:
             stream = self.bus.subjects.rollouts_stream
-            info = await self.bus.js.consumer_info(stream, "buffer")
+            ack_floor = await self.bus.consumer_ack_floor(stream, "buffer")
             needed = [r.stream_seq for r in self.state.stored.values()]
             needed += [r.stream_seq for lease in self.state.leases.values() for r in lease.refs]
-            upto = min([info.ack_floor.stream_seq + 1, *needed])
+            upto = min([ack_floor + 1, *needed])
             if upto > self._purged_upto + 1:
-                await self.bus.js.purge_stream(stream, seq=upto)
+                await self.bus.purge_below(stream, upto)
                 self._purged_upto = upto - 1
         except Exception as e:  # storage hygiene only: never fail the buffer for it
             log.warning("could not purge trained payloads from ROLLOUTS: %s", e)
@@ -721,17 +716,14 @@ class BufferService(Service):
             self._purging = False
 
     async def _on_live(self, msg) -> None:
-        try:
-            live = decode(msg.data, WeightsLive)
-        except DecodeError as e:
-            await self._dead_letter_core(msg, f"undecodable WeightsLive: {e}")
+        if (live := await self.bus.decode_or_dead_letter(msg, WeightsLive)) is None:
             return
         await self._set_live(live.version, msg)
 
     async def _read_live_version(self) -> None:
         raw = await self.bus.kv_get("live_version")
         if raw is not None:
-            with contextlib.suppress(*DecodeError):
+            with contextlib.suppress(MalformedMessage):
                 await self._set_live(decode(raw, WeightsLive).version)
 
     async def _set_live(self, version: int, msg=None) -> None:
@@ -749,7 +741,7 @@ class BufferService(Service):
             self._wake_release.set()
 
     async def _on_published(self, msg) -> None:
-        with contextlib.suppress(*DecodeError):  # weight-sync dead-letters bad ones; we only read the number
+        with contextlib.suppress(MalformedMessage):  # weight-sync dead-letters bad ones; we only read the number
             self.published.value = max(self.published.value, decode(msg.data, WeightsPublished).version)
 
     async def _dead_letter_core(self, msg, reason: str) -> None:
@@ -757,10 +749,7 @@ class BufferService(Service):
         await self.bus.dead_letter(msg.subject, msg.data, reason)
 
     async def _on_producer_heartbeat(self, msg) -> None:
-        try:
-            hb = decode(msg.data, Heartbeat)
-        except DecodeError as e:
-            await self._dead_letter_core(msg, f"undecodable Heartbeat: {e}")
+        if (hb := await self.bus.decode_or_dead_letter(msg, Heartbeat)) is None:
             return
         cap = hb.info.get("inflight_groups", self.config.inflight_groups)
         known = hb.instance_id in self.producers
@@ -838,8 +827,8 @@ def _identity(data: bytes) -> _Identity | None:
     """Which group an undecodable RolloutGroup says it is (so its prompt's fate can be
     recorded), when at least that much of it decodes."""
     try:
-        ident = msgspec.msgpack.decode(data, type=_Identity)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+        ident = decode(data, _Identity)
+    except MalformedMessage:
         return None
     return ident if ident.group_index >= 0 and ident.group_id == group_id(ident.group_index, ident.attempt) else None
 

@@ -25,7 +25,7 @@ import collections
 import msgspec
 
 from asyncrl_proto import GroupRef, LedgerBatch, LedgerEvent, PromptMsg, decode, group_id
-from asyncrl_proto.codec import DecodeError
+from asyncrl_proto.codec import MalformedMessage
 
 
 class StoredRef(msgspec.Struct, kw_only=True):
@@ -80,11 +80,11 @@ def ledger_events(data: bytes) -> list[LedgerEvent]:
     written before appends were batched)."""
     try:
         return decode(data, LedgerBatch).events
-    except DecodeError:
+    except MalformedMessage:
         pass
     try:
         return [decode(data, LedgerEvent)]
-    except DecodeError as e:
+    except MalformedMessage as e:
         raise LedgerError(f"undecodable ({len(data)} bytes): {e}") from None
 
 

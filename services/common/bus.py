@@ -25,7 +25,7 @@ import nats.js.errors
 from nats.js import api
 
 from asyncrl_proto import DeadLetter, WeightsPublished, decode, encode
-from asyncrl_proto.codec import DecodeError
+from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.subjects import ConsumerSpec, Subjects, inbox_prefix
 from services.common.natsauth import SERVICE_ROLES
 from services.common.secrets import NatsCredentials, url_credentials
@@ -43,6 +43,11 @@ _STORAGE = {"file": api.StorageType.FILE, "memory": api.StorageType.MEMORY}
 
 class BusError(RuntimeError):
     pass
+
+
+TransportError = nats.errors.Error
+"""Any failure of a NATS or JetStream call (a timeout, no responders, an API error). Services
+catch this name, never nats-py's own: the bus is their only door to NATS."""
 
 
 class StoreFull(BusError):
@@ -392,7 +397,7 @@ class Bus:
         newest, seq = 0, raw.seq
         for _ in range(scan):
             if raw is not None and raw.subject == s.weights_published:
-                with contextlib.suppress(*DecodeError):
+                with contextlib.suppress(MalformedMessage):
                     newest = max(newest, decode(raw.data or b"", WeightsPublished).version)
                 if newest >= max(at_least, 1):
                     break
@@ -404,6 +409,81 @@ class Bus:
             except nats.js.errors.NotFoundError:
                 raw = None
         return newest
+
+    # ---- the rest of what services need of NATS: nothing outside this module touches nats-py ----
+    async def subscribe(self, subject: str, cb) -> None:
+        """Core NATS: `cb(msg)` for each message on `subject` (msg.subject, msg.data, msg.reply)."""
+        await self.nc.subscribe(subject, cb=cb)
+
+    async def flush(self, timeout: float = 10.0) -> None:
+        """Returns once the server has everything sent so far (subscriptions included)."""
+        await self.nc.flush(timeout=timeout)
+
+    @property
+    def max_payload(self) -> int:
+        return self.nc.max_payload
+
+    async def stream_bounds(self, stream: str) -> tuple[int, int, int] | None:
+        """(first sequence, last sequence, messages) of a stream; None when it does not exist."""
+        try:
+            st = (await self.js.stream_info(stream)).state
+        except nats.js.errors.NotFoundError:
+            return None
+        return st.first_seq, st.last_seq, st.messages
+
+    async def get_msg(self, stream: str, seq: int, *, direct: bool = False):
+        """The stored message `seq` of `stream` (.subject, .data, .seq); None when there is none
+        (deleted, purged, acknowledged on a work queue)."""
+        try:
+            return await self.js.get_msg(stream, seq=seq, direct=direct)
+        except nats.js.errors.NotFoundError:
+            return None
+
+    async def get_last(self, stream: str, subject: str):
+        """The last message of `stream` on `subject` (.subject, .data, .seq); None when none."""
+        try:
+            return await self.js.get_last_msg(stream, subject)
+        except nats.js.errors.NotFoundError:
+            return None
+
+    async def read_stream(self, stream: str, subject: str | None = None) -> list[bytes]:
+        """Every payload still in a stream. With `subject`, read by an ephemeral consumer in large
+        batches; without (a work-queue stream admits one consumer per subject), message by message."""
+        bounds = await self.stream_bounds(stream)
+        if bounds is None:
+            return []
+        first, last, total = bounds
+        out: list[bytes] = []
+        if subject is not None and total:
+            cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL,
+                                     inactive_threshold=30.0)  # fmt: skip
+            sub = await self.js.pull_subscribe(subject, stream=stream, config=cfg)
+            try:
+                while len(out) < total:
+                    try:
+                        msgs = await sub.fetch(min(1000, total - len(out)), timeout=2.0)
+                    except TimeoutError:  # nats-py's is one too
+                        break
+                    out += [m.data for m in msgs if m.data]
+            finally:
+                await sub.unsubscribe()
+            return out
+        for seq in range(first, last + 1):
+            raw = await self.get_msg(stream, seq)
+            if raw is not None and raw.data:
+                out.append(raw.data)
+        return out
+
+    async def consumer_ack_floor(self, stream: str, durable: str) -> int:
+        """The stream sequence below which the consumer `durable` has acknowledged everything."""
+        return (await self.js.consumer_info(stream, durable)).ack_floor.stream_seq
+
+    async def purge_below(self, stream: str, seq: int) -> None:
+        """Delete every message of `stream` below sequence `seq`."""
+        await self.js.purge_stream(stream, seq=seq)
+
+    def reply_inbox(self) -> ReplyInbox:
+        return ReplyInbox(self.nc)
 
     async def get_payload(self, stream: str, seq: int) -> bytes:
         raw = await self.js.get_msg(stream, seq=seq, direct=True)
@@ -432,6 +512,19 @@ class Bus:
         """Dead-letter a JetStream message and terminate it (never redelivered)."""
         await self.dead_letter(msg.subject, msg.data, reason)
         await settle(msg, "term")
+
+    async def decode_or_dead_letter(self, msg, tp: type[T], *, jetstream: bool = False) -> T | None:
+        """`msg` decoded as `tp`, or None once it is dead-lettered as undecodable (a JetStream
+        message, `jetstream=True`, is also terminated: never redelivered)."""
+        try:
+            return decode(msg.data, tp)
+        except MalformedMessage as e:
+            reason = f"undecodable {tp.__name__}: {e}"
+        if jetstream:
+            await self.dead_letter_msg(msg, reason)
+        else:
+            await self.dead_letter(msg.subject, msg.data, reason)
+        return None
 
 
 def _consumer_config(spec: ConsumerSpec) -> api.ConsumerConfig:

@@ -203,7 +203,7 @@ class Service:
         log.info("%s %s serving HTTP on %s", self.name, self.instance_id, self.http_url)
         try:
             await self.setup()
-            await self.bus.nc.flush(timeout=10)  # subscriptions are live on the server before we say ready
+            await self.bus.flush(timeout=10)  # subscriptions are live on the server before we say ready
             self.ready = True
             async with asyncio.TaskGroup() as tg:
                 named = {**self.loops(), "heartbeat": self._heartbeat_loop}

@@ -12,8 +12,8 @@ import subprocess
 from pathlib import Path
 
 from services.common import procs
+from services.common.engine_commands import builtin_engine_command, builtin_engine_flags, sglang_server_command
 from services.common.secrets import run_token_from_env, without_nats_identity
-from services.engine.commands import builtin_engine_command, builtin_engine_flags, sglang_server_command
 
 TP_FLAGS = ("--tp-size", "--tp", "--tensor-parallel-size")
 NOT_INHERITED_ACROSS_TP = ("--dp-size", "--dp", "--pp-size", "--pp", "--ep-size", "--ep", "--attn-cp-size")

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import os
 
+from services.common.rewards import resolve_reward
 from services.common.sglang_client import SGLangClient
 from services.eval.contract import CheckpointEvalFn, EvalSkip
 from services.model.tokenizer import Tokenizer
-from services.rollout.rewards import resolve_reward
 
 SERVER_ENV = "ASYNCRL_EVAL_SERVER_URL"
 

@@ -31,13 +31,14 @@ import time
 from pathlib import Path
 
 from asyncrl_proto import ControlMsg, EvalRequest, EvalResult, Sample, WeightsLive, decode
-from asyncrl_proto.codec import DecodeError
 from asyncrl_proto.messages import scalar_reward
-from services.buffer.core import load_object
-from services.buffer.datasource import load_rows
 from services.common import crash, procs
 from services.common.bus import VersionBound, fetch_some, keep_alive, settle
 from services.common.config import eval_backend
+from services.common.datasource import load_rows
+from services.common.plugins import load_object
+from services.common.responses import apply_response
+from services.common.rewards import resolve_reward, score_sample
 from services.common.runtime import Service, wait_event
 from services.common.sglang_client import SGLangClient
 from services.common.snapshot import is_complete, resolved
@@ -45,8 +46,6 @@ from services.common.validate import finite, finite_metrics
 from services.eval.contract import CheckpointEvalFn, EvalSkip
 from services.eval.fleet import launch_fleet
 from services.model.tokenizer import Tokenizer
-from services.rollout.core import apply_response
-from services.rollout.rewards import resolve_reward, score_sample
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +101,7 @@ class EvalService(Service):
     # ---- setup -----------------------------------------------------------------------------
     async def setup(self) -> None:
         s = self.bus.subjects
-        await self.bus.nc.subscribe(s.weights_live, cb=self._on_live)  # before the KV read: no gap
+        await self.bus.subscribe(s.weights_live, self._on_live)  # before the KV read: no gap
         raw = await self.bus.kv_get("live_version")
         if raw is not None and self.live_version is None:
             self.live_version = decode(raw, WeightsLive).version
@@ -133,10 +132,7 @@ class EvalService(Service):
             procs.stop(child)
 
     async def _on_live(self, msg) -> None:
-        try:
-            live = decode(msg.data, WeightsLive)
-        except DecodeError as e:
-            await self.bus.dead_letter(msg.subject, msg.data, f"undecodable WeightsLive: {e}")
+        if (live := await self.bus.decode_or_dead_letter(msg, WeightsLive)) is None:
             return
         if not await self.published.allows(live.version):
             await self.bus.dead_letter(msg.subject, msg.data, f"live version {live.version} was never published")
@@ -152,10 +148,7 @@ class EvalService(Service):
     async def _evaluate_loop(self) -> None:
         while True:
             for msg in await fetch_some(self._psub, 1, 1.0):
-                try:
-                    req = decode(msg.data, EvalRequest)
-                except DecodeError as e:
-                    await self.bus.dead_letter_msg(msg, f"undecodable EvalRequest: {e}")
+                if (req := await self.bus.decode_or_dead_letter(msg, EvalRequest, jetstream=True)) is None:
                     continue
                 if (problem := await self._request_problem(req)) is not None:
                     await self.bus.dead_letter_msg(msg, problem)
@@ -321,7 +314,7 @@ class EvalService(Service):
         await self.bus.publish_core(
             self.bus.subjects.control, ControlMsg(command=command, token=token, issued_at=time.time())
         )
-        await self.bus.nc.flush()
+        await self.bus.flush()
 
     def status(self) -> dict:
         return {"backend": self.backend, "busy": self.busy, "live_version": self.live_version,

@@ -1,4 +1,4 @@
-"""Pure parts of the producer: submission credits and turning an engine response into a Sample.
+"""Pure parts of the producer: submission credits.
 
 Submission credits (SPEC.md section 4): the in-flight cap is `cap_groups * n` sample credits.
 A whole group is submitted only when n credits are free. With `sample` granularity a credit
@@ -10,14 +10,6 @@ included, is done. Every path (finish, failure, cancellation) returns exactly th
 from __future__ import annotations
 
 import asyncio
-
-from asyncrl_proto.messages import Sample, SampleStatus
-
-FINISH_STATUS = {
-    "stop": SampleStatus.COMPLETED,
-    "length": SampleStatus.TRUNCATED,
-    "abort": SampleStatus.ABORTED,
-}
 
 
 class Credits:
@@ -66,46 +58,3 @@ class Credits:
         except TimeoutError:
             pass
         self._changed.clear()
-
-
-def versions_of(meta: dict) -> list[int]:
-    """The weight versions an engine reports for one /generate call: its version spans, else
-    its weight_version; an unparsable one (SGLang's initial "default") is unknown."""
-    spans = meta.get("weight_versions")
-    if spans:
-        return [int(s["version"]) for s in spans]
-    v = meta.get("weight_version")
-    try:
-        return [int(v)]
-    except (TypeError, ValueError):
-        return []  # e.g. SGLang's initial "default": unknown, never filtered
-
-
-def apply_response(sample: Sample, input_ids: list[int], resp: dict) -> None:
-    """Append one /generate turn to a sample: tokens and log-probs from output_token_logprobs
-    (whose ids equal output_ids), text, status from finish_reason, and every weight version
-    that produced a token."""
-    meta = resp.get("meta_info", {})
-    pairs = meta.get("output_token_logprobs")
-    if pairs is not None:
-        new_tokens = [int(p[1]) for p in pairs]
-        logprobs = [float(p[0]) for p in pairs]
-    else:
-        new_tokens = list(resp.get("output_ids", []))
-        logprobs = []
-    if not sample.tokens:
-        sample.tokens = list(input_ids)
-    sample.tokens += new_tokens
-    sample.response += resp.get("text", "")
-    sample.response_length += len(new_tokens)
-    sample.rollout_log_probs += logprobs
-    reason = (meta.get("finish_reason") or {}).get("type", "stop")
-    sample.status = FINISH_STATUS.get(reason, SampleStatus.COMPLETED)
-    for v in versions_of(meta):
-        if not sample.weight_versions or sample.weight_versions[-1] != v:
-            sample.weight_versions.append(v)
-    sample.metadata["engine"] = {
-        "cached_tokens": meta.get("cached_tokens", 0),
-        "num_retractions": meta.get("num_retractions", 0),
-        "e2e_latency": meta.get("e2e_latency", 0.0),
-    }

@@ -24,18 +24,18 @@ import uuid
 
 from fastapi import FastAPI
 
-from asyncrl_proto import ControlMsg, PromptMsg, RolloutGroup, Sample, decode, group_id
-from asyncrl_proto.codec import DecodeError
+from asyncrl_proto import ControlMsg, PromptMsg, RolloutGroup, Sample, group_id
 from asyncrl_proto.messages import SampleStatus, flatten_group
-from services.buffer.core import load_object
 from services.common import crash
 from services.common.bus import fetch_some, settle
+from services.common.plugins import load_object
+from services.common.responses import apply_response
+from services.common.rewards import mark_failed, resolve_reward, score_group, score_sample
 from services.common.runtime import Service
 from services.common.sglang_client import SGLangClient
 from services.common.validate import MAX_ATTEMPT, limits_from_model_dir, sample_problem
 from services.model.tokenizer import Tokenizer
-from services.rollout.core import Credits, apply_response
-from services.rollout.rewards import mark_failed, resolve_reward, score_group, score_sample
+from services.rollout.core import Credits
 
 PAUSE_TTL_S = 60.0
 """A pause of submission sent over NATS lapses this long after it was last sent."""
@@ -127,7 +127,7 @@ class RolloutService(Service):
     async def setup(self) -> None:
         s = self.bus.subjects
         self._psub = await self.bus.consume(s.consumers(self.config.prompt_ack_wait_s)["producers"])
-        await self.bus.nc.subscribe(s.control, cb=self._on_control)
+        await self.bus.subscribe(s.control, self._on_control)
         log.info(
             "producer %s ready: %d groups in flight max, %s granularity, engines %s",
             self.instance_id,
@@ -180,12 +180,9 @@ class RolloutService(Service):
                 t.add_done_callback(tasks.discard)
 
     async def _run_group(self, msg) -> None:
-        try:
-            prompt = decode(msg.data, PromptMsg)
-        except DecodeError as e:
+        if (prompt := await self.bus.decode_or_dead_letter(msg, PromptMsg, jetstream=True)) is None:
             self.counters["bad_prompts"] += 1
             self.credits.group_done(0)
-            await self.bus.dead_letter_msg(msg, f"undecodable PromptMsg: {e}")
             return
         try:
             input_ids = self._prompt_ids(prompt)
@@ -354,10 +351,7 @@ class RolloutService(Service):
 
     # ---- control ---------------------------------------------------------------------------------
     async def _on_control(self, msg) -> None:
-        try:
-            ctl = decode(msg.data, ControlMsg)
-        except DecodeError as e:
-            await self.bus.dead_letter(msg.subject, msg.data, f"undecodable ControlMsg: {e}")
+        if (ctl := await self.bus.decode_or_dead_letter(msg, ControlMsg)) is None:
             return
         token = ctl.token or ctl.reason
         if ctl.command not in ("pause_submission", "resume_submission") or len(token) > 200:

@@ -18,7 +18,7 @@ import os
 import random
 
 from asyncrl_proto.messages import Sample
-from services.rollout.core import apply_response
+from services.common.responses import apply_response
 from services.tasks.reverse_digits import score
 
 

@@ -14,7 +14,7 @@ sample's weight_versions lists them all. The reward scores the last turn only.
 from __future__ import annotations
 
 from asyncrl_proto.messages import Sample, SampleStatus
-from services.rollout.core import apply_response, versions_of
+from services.common.responses import apply_response, versions_of
 from services.tasks.reverse_digits import score
 
 TOOL_REPLY = "="

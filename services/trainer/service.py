@@ -29,8 +29,6 @@ import shutil
 import time
 from pathlib import Path
 
-import nats.errors
-import nats.js.errors
 import torch
 
 from asyncrl_proto import (
@@ -46,25 +44,25 @@ from asyncrl_proto import (
     WeightsPublished,
     decode,
 )
-from asyncrl_proto.codec import DecodeError
+from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import SampleStatus, flatten_group, scalar_reward
-from services.buffer.core import load_object
 from services.common import crash
-from services.common.bus import ReplyInbox
+from services.common.bus import ReplyInbox, TransportError
 from services.common.config import eval_backend
+from services.common.plugins import load_object
 from services.common.runtime import Service, wait_event
 from services.common.snapshot import is_complete, remove_snapshot
 from services.common.validate import Limits, eval_result_problem, finite_metrics, sample_problem
-from services.model.hf_io import load_model, load_weights_into, save_model
+from services.model.hf_io import load_weights_into, save_model
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.core import (
-    LossConfig,
     apply_sample_filter,
     assemble_batch,
     build_micro_batches,
     std_normalization,
     train_step,
 )
+from services.trainer.setup import TrainerError, build_model, build_optimizer, build_reference, loss_config
 
 log = logging.getLogger(__name__)
 
@@ -85,43 +83,9 @@ class LeaseChanged(RuntimeError):
     deciding and recording it): the step is trained again on the durable groups."""
 
 
-class TrainerError(RuntimeError):
-    pass
-
-
 class RunFailed(RuntimeError):
     """The run cannot go on, and a restart would not change it (e.g. every reward raises): the
     trainer reports it in its final record and stops; the launcher fails the run with it."""
-
-
-def build_model(config):
-    """The policy in the configured backend; the KL reference always uses the plain model."""
-    if config.train_backend == "megatron":
-        try:
-            from services.trainer.megatron_backend import load_megatron_model
-        except ImportError as e:
-            raise TrainerError(f"--train-backend megatron needs megatron-core (pip install megatron-core): {e}") from e
-        return load_megatron_model(config.hf_checkpoint, config.seed)
-    return load_model(config.hf_checkpoint)
-
-
-def build_optimizer(config, model) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                             weight_decay=config.weight_decay)  # fmt: skip
-
-
-def build_reference(config):
-    """The KL reference: the initial policy, frozen (None without --kl-coef)."""
-    return load_model(config.hf_checkpoint).eval().requires_grad_(False) if config.kl_coef else None
-
-
-def loss_config(config) -> LossConfig:
-    return LossConfig(
-        eps_clip=config.eps_clip, eps_clip_high=config.eps_clip_high, entropy_coef=config.entropy_coef,
-        use_rollout_logprobs=config.use_rollout_logprobs, use_tis=config.use_tis, tis_clip=config.tis_clip,
-        tis_clip_low=config.tis_clip_low, kl_coef=config.kl_coef, kl_loss_type=config.kl_loss_type,
-        aggregation=config.loss_aggregation, temperature=config.rollout_temperature,
-    )  # fmt: skip
 
 
 class TrainerService(Service):
@@ -162,7 +126,7 @@ class TrainerService(Service):
         self.loop_started = time.perf_counter()
         self.trained_path = self.run_dir / "trained.jsonl"
         self.dp = None
-        self.inbox = ReplyInbox(bus.nc)
+        self.inbox = bus.reply_inbox()
         self.eval_pending: set[int] = set()  # eval points requested and not yet answered
         self._eval_done = asyncio.Event()
 
@@ -173,15 +137,15 @@ class TrainerService(Service):
         if self.config.trainer_num_ranks > 1:
             cfg_file = self.run_dir / "trainer-config.json"
             cfg_file.write_text(json.dumps(self.config.model_dump(mode="json")))
-            from services.trainer.parallel import DataParallel
+            from services.trainer.ranks import DataParallel
 
             self.dp = await asyncio.to_thread(
                 DataParallel, self.config, self.model, self.optimizer, self.ref_model, self.pad_id, cfg_file,
                 self.run_dir / "logs",
             )  # fmt: skip
             log.info("data parallel over %d ranks (%s)", self.config.trainer_num_ranks, self.dp.backend)
-        await self.bus.nc.subscribe(s.eval_results, cb=self._on_eval_result)
-        await self.bus.nc.subscribe(s.heartbeat("rollout"), cb=self._on_producer_heartbeat)
+        await self.bus.subscribe(s.eval_results, self._on_eval_result)
+        await self.bus.subscribe(s.heartbeat("rollout"), self._on_producer_heartbeat)
 
     async def _resume(self) -> None:
         """Continue from the newest complete checkpoint, if any; else after the buffer's
@@ -225,12 +189,12 @@ class TrainerService(Service):
     async def _snapshot_of(self, step: int) -> WeightsPublished | None:
         """The newest complete weight snapshot pushed after `step` or before it (WEIGHTS, newest first)."""
         s = self.bus.subjects
-        info = await self.bus.js.stream_info(s.weights_stream)
-        for seq in range(info.state.last_seq, info.state.first_seq - 1, -1):
+        first, last, _ = await self.bus.stream_bounds(s.weights_stream) or (1, 0, 0)
+        for seq in range(last, first - 1, -1):
+            raw = await self.bus.get_msg(s.weights_stream, seq)
             try:
-                raw = await self.bus.js.get_msg(s.weights_stream, seq=seq)
-                pub = decode(raw.data, WeightsPublished) if raw.subject == s.weights_published else None
-            except (nats.js.errors.NotFoundError, *DecodeError):
+                pub = decode(raw.data, WeightsPublished) if raw and raw.subject == s.weights_published else None
+            except MalformedMessage:
                 continue
             if pub is not None and pub.step <= step and is_complete(self.weights_dir / f"v{pub.version}"):
                 return pub
@@ -454,7 +418,7 @@ class TrainerService(Service):
                 async with asyncio.timeout(req.wait_s + 5):
                     reply = decode(await ReplyInbox.answer(answers), BufferGetReply)
                 last_answer = time.monotonic()
-            except (TimeoutError, nats.errors.Error) as e:
+            except (TimeoutError, TransportError) as e:
                 if time.monotonic() - last_answer > self.config.buffer_timeout_s:
                     raise TrainerError(
                         f"the buffer service has not answered for {self.config.buffer_timeout_s:.0f}s ({type(e).__name__}): is it running?"
@@ -494,7 +458,7 @@ class TrainerService(Service):
                 while reply is None:
                     r = decode(await ReplyInbox.answer(answers), BufferGetReply)
                     reply = r if r.durable and r.complete else None
-        except (TimeoutError, nats.errors.Error) as e:
+        except (TimeoutError, TransportError) as e:
             log.warning("no durable answer for the lease of step %d (%s); asking again", step, type(e).__name__)
         finally:
             self.inbox.done(token)
@@ -597,7 +561,7 @@ class TrainerService(Service):
         while True:
             try:
                 return await self.bus.request(subject, msg, reply_type, timeout=10)
-            except (TimeoutError, nats.errors.Error) as e:
+            except (TimeoutError, TransportError) as e:
                 if time.monotonic() - start > self.config.buffer_timeout_s:
                     raise TrainerError(
                         f"the buffer service has not answered the {what} for {self.config.buffer_timeout_s:.0f}s "
@@ -656,10 +620,7 @@ class TrainerService(Service):
         await self.bus.publish_durably([(self.bus.subjects.eval_results, res, None)], f"eval skip {step}")
 
     async def _on_eval_result(self, msg) -> None:
-        try:
-            res = decode(msg.data, EvalResult)
-        except DecodeError as e:
-            await self.bus.dead_letter(msg.subject, msg.data, f"undecodable EvalResult: {e}")
+        if (res := await self.bus.decode_or_dead_letter(msg, EvalResult)) is None:
             return
         if (problem := eval_result_problem(res.step, self.config.total_steps)) is not None:
             await self.bus.dead_letter(msg.subject, msg.data, problem)
@@ -674,7 +635,7 @@ class TrainerService(Service):
         self._eval_done.set()
 
     async def _on_producer_heartbeat(self, msg) -> None:
-        with contextlib.suppress(*DecodeError):
+        with contextlib.suppress(MalformedMessage):
             if not decode(msg.data, Heartbeat).info.get("stopping"):  # a last word is no sign of life
                 self.last_producer_seen = time.monotonic()
 

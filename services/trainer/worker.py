@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     from services.common.procs import apply_cpu_affinity_from_env
     from services.trainer.core import std_normalization
     from services.trainer.parallel import broadcast_state, dp_train_step, init_group
-    from services.trainer.service import build_model, build_optimizer, build_reference, loss_config
+    from services.trainer.setup import build_model, build_optimizer, build_reference, loss_config
 
     apply_cpu_affinity_from_env()
     with open(a.config_file) as f:

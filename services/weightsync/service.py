@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 from asyncrl_proto import WeightsLive, WeightsPublished, decode, encode
-from asyncrl_proto.codec import DecodeError
 from services.common import crash
 from services.common.bus import VersionBound, fetch_some, keep_alive, settle
 from services.common.runtime import Service
@@ -132,10 +131,7 @@ class WeightSyncService(Service):
                 continue
             fresh = []  # (published, msg) newer than live, in stream order
             for m in msgs:
-                try:
-                    pub = decode(m.data, WeightsPublished)
-                except DecodeError as e:
-                    await self.bus.dead_letter_msg(m, f"undecodable WeightsPublished: {e}")
+                if (pub := await self.bus.decode_or_dead_letter(m, WeightsPublished, jetstream=True)) is None:
                     continue
                 if self.live_version is not None and pub.version <= self.live_version:
                     self.num_skipped += 1  # a redelivery of a version already live (or superseded)

@@ -304,7 +304,7 @@ def test_the_run_survived_and_its_ledger_balances(run):
 
 async def _dead_letters_and_rejections(run) -> tuple[list[DeadLetter], int]:
     from asyncrl_proto import decode
-    from services.audit import _read_stream, admin_credentials
+    from services.audit import admin_credentials
     from services.buffer.state import LedgerError, ledger_events
     from services.common.bus import Bus as _Bus
     from services.common.natsauth import server_auth_conf
@@ -316,9 +316,9 @@ async def _dead_letters_and_rejections(run) -> tuple[list[DeadLetter], int]:
         bus = await _Bus.connect(srv.url, run.config["run_id"], "fuzz", creds=admin_credentials(run.dir))
         try:
             s = bus.subjects
-            letters = [decode(d, DeadLetter) for d in await _read_stream(bus, s.deadletter_stream, s.deadletter(">"))]
+            letters = [decode(d, DeadLetter) for d in await bus.read_stream(s.deadletter_stream, s.deadletter(">"))]
             rejected = 0
-            for d in await _read_stream(bus, s.ledger_stream, s.ledger):
+            for d in await bus.read_stream(s.ledger_stream, s.ledger):
                 try:
                     rejected += sum(e.kind == "put" and e.outcome == "rejected" for e in ledger_events(d))
                 except LedgerError:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from services.api import RunConfig, Sample, SampleStatus
+from services.common.rewards import score_group, score_sample
 from services.common.sglang_client import SGLangClient
 from services.model.tokenizer import Tokenizer
-from services.rollout.rewards import score_group, score_sample
 from services.rollout.service import EngineHandle
 from services.tasks import multiturn
 from services.tasks.reverse_digits import score

@@ -17,7 +17,7 @@ from services.api import (
     SampleStatus,
     check_reward_nonzero_std,
 )
-from services.buffer.core import load_object
+from services.common.plugins import load_object
 
 M = "rollout/fully_async/"
 

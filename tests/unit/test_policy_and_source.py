@@ -8,8 +8,8 @@ import pytest
 
 from asyncrl_proto import PromptMsg
 from services.api import RunConfig
-from services.buffer.datasource import DataError, PromptSource, load_rows
 from services.buffer.policy import ReleaseState, release_allowance
+from services.common.datasource import DataError, PromptSource, load_rows
 
 
 def state(**kw) -> ReleaseState:

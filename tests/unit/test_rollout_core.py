@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from services.api import Sample, SampleStatus
-from services.rollout.core import Credits, apply_response
+from services.common.responses import apply_response
+from services.rollout.core import Credits
 
 
 def test_sample_granularity_frees_a_slot_per_trajectory():

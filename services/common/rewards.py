@@ -8,8 +8,8 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from asyncrl_proto.messages import Sample, SampleStatus
-from services.buffer.core import load_object
 from services.common.config import RunConfig
+from services.common.plugins import load_object
 from services.common.validate import reward_problem
 
 log = logging.getLogger(__name__)
