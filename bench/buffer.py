@@ -3,8 +3,8 @@
 Buffer path: a producer (this process) takes released prompts from PROMPTS and publishes a
 RolloutGroup of the given size to ROLLOUTS; the buffer service (its own process, the real
 service) puts it, leases it to a step and records both in its ledger; a trainer (this process)
-asks `buffer.get` (provisional answers accepted, as the trainer does), takes the payload inline
-or reads it from ROLLOUTS by sequence, waits for the durable answer and commits each step.
+asks `buffer.get` (answered once the lease is on the ledger), takes the payload inline or reads
+it from ROLLOUTS by sequence and commits each step.
 Raw path: publish the same bytes to a JetStream stream, consume them with a push consumer.
 
 Measured for 4 KB and 256 KB groups:
@@ -50,7 +50,7 @@ from asyncrl_proto import (
 )
 from asyncrl_proto.subjects import ConsumerSpec
 from services.common import procs
-from services.common.bus import Bus, ReplyInbox, fetch_some, next_batch
+from services.common.bus import Bus, fetch_some, next_batch
 from services.common.config import RunConfig
 from services.common.natsserver import EmbeddedNats
 
@@ -153,7 +153,7 @@ class RawPath:
 class BufferPath:
     """The buffer service (its own process, the real service); this process plays the
     producer fleet (released prompts -> RolloutGroups on ROLLOUTS) and the trainer (one get per
-    step, provisional answers accepted, payloads inline or read by sequence, commits)."""
+    step, answered when the lease is durable, payloads inline or read by sequence, commits)."""
 
     async def start(self, url: str, data: Path, run_dir: Path, size: int, batch: int) -> BufferPath:
         self.size, self.batch, self.step = size, batch, 0
@@ -176,7 +176,6 @@ class BufferPath:
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
                 await asyncio.sleep(0.1)
         self.psub = await bus.consume(s.consumers(cfg.prompt_ack_wait_s)["producers"])
-        self.inbox = ReplyInbox(bus.nc)
         self.commits: list[asyncio.Future] = []
         return self
 
@@ -208,27 +207,19 @@ class BufferPath:
                     i += len(msgs)
 
         async def train():
-            """Like the trainer: the step's commit waits for the durable answer and goes out
-            while the next step is requested. A group published late in the previous round
+            """Like the trainer: the step's commit goes out while the next step is requested. A group published late in the previous round
             may come first: it is consumed, not timed (its latency would include the pause)."""
             while len(lat) < count:
-                req = BufferGetRequest(step=self.step, count=self.batch, wait_s=5.0, provisional_ok=True)
-                token, answers = await self.inbox.request(s.buffer_get, req)
-                async with asyncio.timeout(15):
-                    reply = decode(await ReplyInbox.answer(answers), BufferGetReply)
+                req = BufferGetRequest(step=self.step, count=self.batch, wait_s=5.0)
+                reply = await bus.request(s.buffer_get, req, BufferGetReply, timeout=15)
                 if not reply.complete:
-                    self.inbox.done(token)
                     continue
+                leased = time.perf_counter()  # the answer lists a lease that is on the ledger
                 datas = await asyncio.gather(*(_payload(bus, s.rollouts_stream, r) for r in reply.refs))
                 now = time.perf_counter()
                 gids = [decode(d, RolloutGroup).group_id for d in datas]
                 lat.extend(now - sent[g] for g in gids if g in sent)
-                while not reply.durable:
-                    async with asyncio.timeout(15):
-                        reply = decode(await ReplyInbox.answer(answers), BufferGetReply)
-                self.inbox.done(token)
-                now = time.perf_counter()
-                durable_lat.extend(now - sent[g] for g in gids if g in sent)
+                durable_lat.extend(leased - sent[g] for g in gids if g in sent)
                 self.commits.append(asyncio.ensure_future(
                     bus.request(s.buffer_commit, BufferCommit(step=self.step), BufferCommitReply, timeout=15)
                 ))  # fmt: skip
@@ -375,7 +366,7 @@ def main() -> None:
             x = r[path]
             print(f"{label:8}{path:8}{x['p50_ms']:>9.2f}{x['p99_ms']:>9.2f}{x['groups_per_s']:>10.0f}")
         print(f"{label:8}{'ratio':8}{r['p50_ratio']:>8.2f}x{r['p99_ratio']:>8.2f}x{r['throughput_ratio']:>9.2f}x")
-    print("\ndurable lease (the answer the trainer's update waits for):")
+    print("\ndurable lease (the buffer's answer, before the payload is read):")
     for label, r in results.items():
         b = r["buffer"]
         print(

@@ -165,11 +165,8 @@ class BufferGetRequest(msgspec.Struct, kw_only=True):
     wait_s: float = 2.0
     context: dict[str, Any] = msgspec.field(default_factory=dict)
     provisional_ok: bool = False
-    """The requester reads more than one answer on its reply subject: when the lease completes
-    while this request waits, the buffer answers at once with `durable=False` (the lease as
-    decided, its ledger append in flight) and again with `durable=True` once the append is
-    acknowledged. The requester may compute on the first answer but lets nothing of it take
-    effect before the second, which lists the same groups unless the buffer died in between."""
+    """Unused (kept for the wire): the buffer answers a get once, when its lease is durable.
+    Provisional answers were measured to gain nothing a step could see (docs/benchmarks.md)."""
 
 
 class BufferGetReply(msgspec.Struct, kw_only=True):
@@ -180,7 +177,7 @@ class BufferGetReply(msgspec.Struct, kw_only=True):
     """get_metrics() taken once, when the step's batch became complete."""
     error: str | None = None
     durable: bool = True
-    """False on the provisional answer to a request with `provisional_ok` (see there)."""
+    """Always True (kept for the wire): every answer lists a lease that is on the ledger."""
     committed_step: int = -1
     """The last step the buffer has committed (a trainer that lost its place resumes after it)."""
 

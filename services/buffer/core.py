@@ -150,18 +150,6 @@ class DefaultDataBuffer(DataBuffer):
             if await self._consume(group, current_version):
                 return group
 
-    async def try_get(self, current_version: int | None = None, **context: Any) -> Group | None:
-        """get() without waiting: None once no group is left (stale ones are rejected on the
-        way, exactly as get() rejects them)."""
-        self._note_version(current_version)
-        while self._groups:
-            async with self._cond:
-                group = self._groups.popleft()
-                self._cond.notify_all()
-            if await self._consume(group, current_version):
-                return group
-        return None
-
     def _note_version(self, current_version: int | None) -> None:
         if current_version is not None:
             self._latest_version = (

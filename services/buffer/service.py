@@ -15,9 +15,8 @@ Durability: the state (services.buffer.state) is the fold of the ledger. Every d
 Backpressure: put() blocks while the buffer is full, so the consumer stops reading ROLLOUTS
   and the release policy stops releasing prompts: producers run dry.
 Leases: a repeated get for a step returns the same groups until the trainer commits the step
-  (after its checkpoint); a restarted trainer gets exactly the groups it had. A waiting get
-  with `provisional_ok` is answered twice: as soon as its lease is decided (durable=False), and
-  once the ledger has it (durable=True).
+  (after its checkpoint); a restarted trainer gets exactly the groups it had. A get is answered
+  once its lease is durable (on the ledger), never before.
 HTTP: /status shows capacity, stored groups, the staleness clock and the ledger counters.
 """
 
@@ -122,11 +121,6 @@ class BufferService(Service):
         )
         self.buffer = make_buffer(config, self._recycle)
         self._observed = isinstance(self.buffer, DefaultDataBuffer)
-        # the default put/get: a put with room and a get of a stored group never wait, so the
-        # put path may run them inline (a subclass that overrides them goes the general way)
-        self._inline = self._observed and all(
-            getattr(type(self.buffer), m) is getattr(DefaultDataBuffer, m) for m in ("put", "get", "try_get")
-        )
         if self._observed:
             self.buffer.on_event = self._on_buffer_event
         self.plugin_path = config.custom_async_data_buffer_path or "services.api.DefaultDataBuffer"
@@ -153,7 +147,7 @@ class BufferService(Service):
         self._wake_pump = asyncio.Event()
         self._stored = asyncio.Event()
         self._lease_done: dict[int, asyncio.Event] = {}
-        self._waiting: dict[int, list[list]] = {}  # step -> get requests waiting for its lease
+        self._waiting: dict[int, list[_Waiter]] = {}  # step -> get requests waiting for its lease
         self._rollouts = None
         self.raw_of: dict[str, bytes] = {}  # group id -> encoded group, for small groups
         self._purging = False
@@ -301,8 +295,6 @@ class BufferService(Service):
             done = []  # (message, ack or term): settled once what was decided on it is durable
             for i, msg in enumerate(msgs):
                 done.append((msg, await self._put_one(msg, pending=msgs[i:])))
-                while self._inline and len(self.buffer) > 0 and (step := self._next_step_to_fill()) is not None:
-                    await self._fill(step, wait=False)  # a step waits for it: lease it now, not after a task switch
             await self._flush()
             if done:
                 crash.point("buffer", "appended_before_ack")
@@ -338,9 +330,6 @@ class BufferService(Service):
             "failed": all(s.status == SampleStatus.FAILED for s in flatten_group(group)),
             "recorded": False, "recycled": False, "key": id(group),
         }  # fmt: skip
-        if self._inline and len(self.buffer) < self.buffer.capacity:
-            await self._plugin(self.buffer.put(group), "put")  # room: decided without a task switch
-            return "ack"
         put = asyncio.ensure_future(self._plugin(self.buffer.put(group), "put"))
         await asyncio.wait({put}, timeout=0.05)
         while not put.done():  # a full buffer holds the producers back
@@ -521,12 +510,12 @@ class BufferService(Service):
         if self._lease_complete(req.step):
             done.set()
         if req.wait_s > 0 and not done.is_set():
-            waiter = [msg, False, req.provisional_ok]  # [request, answered, wants a provisional answer]
+            waiter = _Waiter(msg)
             self._waiting.setdefault(req.step, []).append(waiter)
             await wait_event(done, req.wait_s)
             with contextlib.suppress(ValueError):
                 self._waiting.get(req.step, []).remove(waiter)
-            if waiter[1]:
+            if waiter.answered:
                 return
         await self._flush()  # never hand out a lease that is not durable
         await _respond(msg, self._get_reply(req.step))
@@ -552,7 +541,7 @@ class BufferService(Service):
                 return f"get({name}={v}): that weight version was never published (newest {self.published.value})"
         return None
 
-    def _get_reply(self, step: int, durable: bool = True) -> bytes:
+    def _get_reply(self, step: int) -> bytes:
         lease = self.state.leases.get(step)
         return encode(
             BufferGetReply(
@@ -560,7 +549,6 @@ class BufferService(Service):
                 refs=self._with_payloads(lease.refs) if lease else [],
                 complete=bool(lease and lease.complete),
                 metrics=dict(lease.metrics) if lease else {},
-                durable=durable,
                 committed_step=self.state.committed_step,
             )
         )
@@ -587,9 +575,8 @@ class BufferService(Service):
         return self.override_version if self.override_version is not None else self.live_version
 
     async def _pump_gets(self) -> None:
-        """Drain the DataBuffer into the lease of the oldest requested step short of groups.
-        (With the default buffer the put path leases what it stores at once; this loop covers
-        custom buffers, whose get may wait, and groups stored before a step was asked for.)"""
+        """Drain the DataBuffer into the lease of the oldest requested step short of groups: the
+        one place where leases are decided."""
         while True:
             step = self._next_step_to_fill()
             if step is None:
@@ -601,26 +588,18 @@ class BufferService(Service):
                 self._stored.clear()
                 await self._stored.wait()
                 continue
-            # with the put path leasing too, never wait inside get(): a group it returned after a
-            # wait could belong to a step that the put path completed (or got committed) meanwhile
-            await self._fill(step, wait=not self._inline)
+            await self._fill(step)
 
-    async def _fill(self, step: int, wait: bool = True) -> None:
-        """Lease one group to `step` if it is short of groups (wait=False: only a group stored
-        now, through the default buffer's try_get); complete its lease at B: answer the waiting
-        gets that accept it provisionally, make the lease durable, answer all."""
+    async def _fill(self, step: int) -> None:
+        """Lease one group to `step` if it is short of groups (the buffer's get may wait for
+        one); complete its lease at B: make it durable, then answer the waiting gets."""
         count = self.requested.get(step)
         lease = self.state.leases.get(step)
         if count is None or (lease is not None and lease.complete):
             return
         if lease is None or len(lease.refs) < count:
             version = self._clock()
-            if wait:
-                group = await self._plugin(self.buffer.get(current_version=version, step=step), "get")
-            else:
-                group = await self.buffer.try_get(current_version=version, step=step)
-                if group is None:
-                    return
+            group = await self._plugin(self.buffer.get(current_version=version, step=step), "get")
             self._lease(step, group, version)
             self._wake_release.set()
         lease = self.state.leases.get(step)
@@ -628,14 +607,11 @@ class BufferService(Service):
             metrics = await self._plugin(_sync(self.buffer.get_metrics), "get_metrics")
             self._record("lease_complete", step=step, metrics={k: float(v) for k, v in metrics.items()})
             waiting = self._waiting.pop(step, [])
-            early = [w for w in waiting if w[2]]
-            if early:  # the lease as decided, while its ledger append is in flight
-                await _respond_all(early, self._get_reply(step, durable=False))
             await self._flush()
             crash.point("buffer", "lease_decided_before_reply")
             self._lease_done.setdefault(step, asyncio.Event()).set()
             for waiter in waiting:
-                waiter[1] = True
+                waiter.answered = True
             if waiting:
                 await _respond_all(waiting, self._get_reply(step))
 
@@ -855,7 +831,15 @@ async def _respond(msg, reply: bytes) -> None:
             await msg.respond(reply)
 
 
-async def _respond_all(waiters: list[list], reply: bytes) -> None:
+@dataclasses.dataclass
+class _Waiter:
+    """A get request waiting for its step's lease to complete."""
+
+    msg: Any
+    answered: bool = False
+
+
+async def _respond_all(waiters: list[_Waiter], reply: bytes) -> None:
     for waiter in waiters:
         with contextlib.suppress(Exception):  # the requester may be gone: it asks again
-            await waiter[0].respond(reply)
+            await waiter.msg.respond(reply)

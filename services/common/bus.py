@@ -482,9 +482,6 @@ class Bus:
         """Delete every message of `stream` below sequence `seq`."""
         await self.js.purge_stream(stream, seq=seq)
 
-    def reply_inbox(self) -> ReplyInbox:
-        return ReplyInbox(self.nc)
-
     async def get_payload(self, stream: str, seq: int) -> bytes:
         raw = await self.js.get_msg(stream, seq=seq, direct=True)
         if raw.data is None:
@@ -590,46 +587,6 @@ class VersionBound:
         if version > self.value:
             await self.refresh()
         return 0 <= version <= self.value
-
-
-class ReplyInbox:
-    """Requests that may be answered more than once on their reply subject (a buffer get with
-    `provisional_ok`: the lease as decided, then the lease once durable). One subscription per
-    connection; each request gets its own reply subject and a queue of the answers' payloads."""
-
-    def __init__(self, nc: nats.NATS):
-        self.nc = nc
-        self.prefix = ""
-        self.queues: dict[str, asyncio.Queue] = {}
-        self._n = 0
-
-    async def _on(self, msg) -> None:
-        q = self.queues.get(msg.subject)
-        if q is not None:
-            no_responders = not msg.data and msg.headers and msg.headers.get(api.Header.STATUS) == "503"
-            q.put_nowait(None if no_responders else msg.data)
-
-    @staticmethod
-    async def answer(queue: asyncio.Queue) -> bytes:
-        """The next answer's payload; NoRespondersError when no one listens on the subject."""
-        data = await queue.get()
-        if data is None:
-            raise nats.errors.NoRespondersError
-        return data
-
-    async def request(self, subject: str, msg: Any) -> tuple[str, asyncio.Queue]:
-        """Send; returns (token, queue of answers). Call done(token) when no answer is wanted."""
-        if not self.prefix:
-            self.prefix = self.nc.new_inbox()
-            await self.nc.subscribe(self.prefix + ".*", cb=self._on)
-        self._n += 1
-        token = f"{self.prefix}.{self._n}"
-        self.queues[token] = q = asyncio.Queue()
-        await self.nc.publish(subject, encode(msg), reply=token)
-        return token, q
-
-    def done(self, token: str) -> None:
-        self.queues.pop(token, None)
 
 
 async def next_batch(sub, batch: int, timeout_s: float) -> list:

@@ -70,7 +70,7 @@ def role_permissions(run_id: str, role: str) -> dict:
         pub += _read(s.weights_stream)
         pub += [f"{JS}.STREAM.PURGE.{s.rollouts_stream}"]
         sub += [s.buffer_get, s.buffer_commit, s.weights_live, s.weights_published, s.heartbeat("rollout")]
-        responses = {"max": 4, "expires": "2m"}  # a get is answered twice (provisional, durable)
+        responses = {"max": 4, "expires": "2m"}  # one answer per request; headroom
     elif role == "trainer":
         pub += [s.buffer_get, s.buffer_commit, s.weights_published, s.progress, s.eval_requests, s.eval_results]
         pub += _read(s.rollouts_stream) + _read(s.weights_stream)

@@ -10,7 +10,6 @@ score response tokens and are in the sample's loss mask.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -336,12 +335,9 @@ def train_step(
     cfg: LossConfig,
     clip_grad: float,
     ref_model: CausalLM | None = None,
-    before_update: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """One optimizer step over the micro-batches of a training step, the loss normalised by
-    the whole step's tokens (or sequences) so that the gradient equals that of one big batch.
-    `before_update` runs after the backward passes and before the update: what it raises
-    leaves the weights and the optimizer as they were."""
+    the whole step's tokens (or sequences) so that the gradient equals that of one big batch."""
     batches = batches if isinstance(batches, list) else [batches]
     model.train()
     optimizer.zero_grad(set_to_none=True)
@@ -350,8 +346,6 @@ def train_step(
         return {"train/grad_norm": 0.0, "train/num_micro_batches": 0, "train/num_loss_tokens": 0, "train/skipped": 1.0}
     parts = accumulate_gradients(model, batches, cfg, denom, ref_model)
     stats = merge_stats(parts)
-    if before_update is not None:
-        before_update()
     if not math.isfinite(stats.get("train/loss", 0.0)):
         optimizer.zero_grad(set_to_none=True)  # a NaN loss never reaches the weights
         norm = float("nan")

@@ -47,7 +47,7 @@ from asyncrl_proto import (
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import SampleStatus, flatten_group, scalar_reward
 from services.common import crash
-from services.common.bus import ReplyInbox, TransportError
+from services.common.bus import TransportError
 from services.common.config import eval_backend
 from services.common.plugins import load_object
 from services.common.runtime import Service, wait_event
@@ -70,17 +70,6 @@ log = logging.getLogger(__name__)
 EVAL_WAIT_WARN_S = 60.0
 FAILED_WINDOW_STEPS = 4
 """--max-failed-ratio is judged over this many recent steps."""
-CONFIRM_WAIT_S = 5.0
-"""How long a provisional lease waits for its durable answer before asking the buffer again."""
-
-
-async def _settled(fut: asyncio.Future):
-    return await asyncio.shield(fut)
-
-
-class LeaseChanged(RuntimeError):
-    """The durable lease of a step differs from its provisional answer (the buffer died between
-    deciding and recording it): the step is trained again on the durable groups."""
 
 
 class RunFailed(RuntimeError):
@@ -126,7 +115,6 @@ class TrainerService(Service):
         self.loop_started = time.perf_counter()
         self.trained_path = self.run_dir / "trained.jsonl"
         self.dp = None
-        self.inbox = bus.reply_inbox()
         self.eval_pending: set[int] = set()  # eval points requested and not yet answered
         self._eval_done = asyncio.Event()
 
@@ -240,16 +228,11 @@ class TrainerService(Service):
             while self.step < total:
                 step = self.step
                 t_step = time.perf_counter()
-                groups, buffer_metrics, wait_s, confirm = batch
+                groups, buffer_metrics, wait_s = batch
                 if c.mode == "fully_async" and step + 1 < total and prefetch is None:
                     # as Miles's async driver: the next batch is drained while this one trains
                     prefetch = asyncio.ensure_future(self._fetch(step + 1))
-                try:
-                    train_stats, train_s = await self._train_on(groups, confirm)
-                except LeaseChanged as e:
-                    log.warning("%s: training step %d on its durable lease", e, step)
-                    batch = await self._fetch(step, provisional=False)
-                    continue
+                train_stats, train_s = await self._train_on(groups)
                 crash.point("trainer", "optimizer_step_before_records")
                 if train_stats.get("train/nonfinite_skipped"):
                     self.num_nonfinite_skipped += 1
@@ -282,17 +265,14 @@ class TrainerService(Service):
                         batch = next_batch
                     elif prefetch is not None:
                         t0 = time.monotonic()
-                        groups, buffer_metrics, _, confirm = await prefetch
+                        groups, buffer_metrics, _ = await prefetch
                         prefetch = None
-                        batch = groups, buffer_metrics, time.monotonic() - t0, confirm  # what the loop waited
+                        batch = groups, buffer_metrics, time.monotonic() - t0  # what the loop waited
                     else:
                         batch = await self._fetch(self.step)
         finally:
             if prefetch is not None:
                 prefetch.cancel()
-                if prefetch.done() and not prefetch.cancelled() and prefetch.exception() is None:
-                    if (unused := prefetch.result()[3]) is not None:
-                        unused.cancel()
         if c.mode != "sync":
             await self._request_eval(total, final=True)  # the last step forces eval in async drivers
         await self._finish()
@@ -326,15 +306,11 @@ class TrainerService(Service):
                 f"--max-failed-ratio {c.max_failed_ratio}); the latest cause: {latest[:500]}"
             )
 
-    async def _train_on(self, groups: list[list], confirm: asyncio.Future | None = None) -> tuple[dict, float]:
-        """One optimizer step. With a provisional lease (`confirm` pending), the forward and
-        backward passes run at once and the update waits for the durable lease: nothing of the
-        step takes effect before it (LeaseChanged if it lists other groups)."""
+    async def _train_on(self, groups: list[list]) -> tuple[dict, float]:
+        """One optimizer step on the groups of a durable lease."""
         t0 = time.perf_counter()
         c = self.config
         if self.dp is not None:
-            if confirm is not None:
-                await confirm
             stats = await asyncio.to_thread(self.dp.train, groups, self.loss_cfg)
             return stats, time.perf_counter() - t0
         batches = build_micro_batches(
@@ -344,24 +320,13 @@ class TrainerService(Service):
             self.pad_id,
             c.max_tokens_per_gpu if c.use_dynamic_batch_size else None,
         )
-        gate = None
-        if confirm is not None:
-            loop = asyncio.get_running_loop()
-
-            def gate() -> None:  # in the training thread, before the optimizer step
-                asyncio.run_coroutine_threadsafe(_settled(confirm), loop).result()
-
         stats = await asyncio.to_thread(
-            train_step, self.model, self.optimizer, batches, self.loss_cfg, c.clip_grad, self.ref_model, gate
+            train_step, self.model, self.optimizer, batches, self.loss_cfg, c.clip_grad, self.ref_model
         )
-        if confirm is not None:
-            await confirm  # also when the step had nothing to update
         return stats, time.perf_counter() - t0
 
     # ---- batches -------------------------------------------------------------------------------
-    def _get_request(
-        self, step: int, lookahead: int | None = None, wait_s: float = 2.0, provisional: bool = False
-    ) -> BufferGetRequest:
+    def _get_request(self, step: int, lookahead: int | None = None, wait_s: float = 2.0) -> BufferGetRequest:
         c = self.config
         if lookahead is None:
             lookahead = 1 if c.mode == "one_step" else 0
@@ -371,7 +336,6 @@ class TrainerService(Service):
             lookahead_steps=lookahead,
             release_min_version=self.version if c.mode in ("sync", "one_step") else None,
             wait_s=wait_s,
-            provisional_ok=provisional,
         )
 
     async def _release_ahead(self, step: int) -> None:
@@ -379,44 +343,29 @@ class TrainerService(Service):
         req = self._get_request(step, lookahead=1, wait_s=0.0)
         await self._request(self.bus.subjects.buffer_get, req, BufferGetReply, "release of the next batch")
 
-    async def _fetch(
-        self, step: int, lookahead: int | None = None, provisional: bool | None = None
-    ) -> tuple[list[list], dict, float, asyncio.Future | None]:
-        """Wait for the step's B groups; returns (groups, buffer metrics, seconds waited, the
-        pending confirmation of a provisional lease or None). Provisional leases are taken
-        where the update can wait for the confirmation (one process, not data parallel)."""
+    async def _fetch(self, step: int, lookahead: int | None = None) -> tuple[list[list], dict, float]:
+        """Wait for the step's B groups (a durable lease); returns (groups, buffer metrics,
+        seconds waited)."""
         t0 = time.monotonic()
-        if provisional is None:
-            provisional = self.dp is None
-        reply, confirm = await self._lease(step, lookahead, provisional)
-        try:
-            groups = [await self._load_group(ref) for ref in reply.refs]
-            groups = assemble_batch(groups, self.config.n_samples_per_prompt)
-            self._exclude_invalid(groups)
-            if self.sample_filter is not None:
-                self._apply_sample_filter(groups)
-        except BaseException:
-            if confirm is not None:
-                confirm.cancel()
-            raise
-        return groups, reply.metrics, time.monotonic() - t0, confirm
+        reply = await self._lease(step, lookahead)
+        groups = [await self._load_group(ref) for ref in reply.refs]
+        groups = assemble_batch(groups, self.config.n_samples_per_prompt)
+        self._exclude_invalid(groups)
+        if self.sample_filter is not None:
+            self._apply_sample_filter(groups)
+        return groups, reply.metrics, time.monotonic() - t0
 
-    async def _lease(
-        self, step: int, lookahead: int | None, provisional: bool
-    ) -> tuple[BufferGetReply, asyncio.Future | None]:
+    async def _lease(self, step: int, lookahead: int | None) -> BufferGetReply:
         """Ask the buffer for the step's lease until it is complete; warn while groups are
         missing, fail when the buffer or every producer is gone."""
         t0 = time.monotonic()
         last_progress, last_count, last_answer = t0, 0, t0
         warn_every = self.config.rollout_wait_warn_s
         next_warn = t0 + warn_every
-        req = self._get_request(step, lookahead, provisional=provisional)
+        req = self._get_request(step, lookahead)
         while True:
-            token = reply = None
             try:
-                token, answers = await self.inbox.request(self.bus.subjects.buffer_get, req)
-                async with asyncio.timeout(req.wait_s + 5):
-                    reply = decode(await ReplyInbox.answer(answers), BufferGetReply)
+                reply = await self.bus.request(self.bus.subjects.buffer_get, req, BufferGetReply, req.wait_s + 5)
                 last_answer = time.monotonic()
             except (TimeoutError, TransportError) as e:
                 if time.monotonic() - last_answer > self.config.buffer_timeout_s:
@@ -425,20 +374,13 @@ class TrainerService(Service):
                     ) from e
                 await asyncio.sleep(0.5)
                 continue
-            finally:  # also on a malformed answer or a cancellation
-                early = reply is not None and reply.complete and not reply.durable
-                if token is not None and not early:
-                    self.inbox.done(token)
-            if early:  # the durable answer comes on the same subject: _confirm reads it, ends the token
-                ids = [r.group_id for r in reply.refs]
-                return reply, asyncio.ensure_future(self._confirm(step, lookahead, token, answers, ids))
             if reply.error:
                 raise TrainerError(f"buffer refused get(step={step}): {reply.error}")
             now = time.monotonic()
             if len(reply.refs) > last_count:
                 last_count, last_progress, next_warn = len(reply.refs), now, now + warn_every
             if reply.complete:
-                return reply, None
+                return reply
             while now >= next_warn:  # "for 30.0s", then "for 60.0s", ... as Miles logs it
                 log.warning("No completed rollout groups for %.1fs", next_warn - last_progress)
                 next_warn += warn_every
@@ -447,25 +389,6 @@ class TrainerService(Service):
                     f"no rollout producer has been alive for {self.config.producer_timeout_s:.0f}s while step {step} "
                     f"waits for groups ({len(reply.refs)}/{req.count}): start producers (asyncrl service rollout)"
                 )
-
-    async def _confirm(self, step: int, lookahead: int | None, token: str, answers, ids: list[str]) -> None:
-        """The durable answer to a provisional lease: normally a millisecond after it, on the
-        same reply subject. If it does not come (the buffer died), ask again: a restarted buffer
-        answers from its ledger. LeaseChanged if the durable lease lists other groups."""
-        reply = None
-        try:
-            async with asyncio.timeout(CONFIRM_WAIT_S):
-                while reply is None:
-                    r = decode(await ReplyInbox.answer(answers), BufferGetReply)
-                    reply = r if r.durable and r.complete else None
-        except (TimeoutError, TransportError) as e:
-            log.warning("no durable answer for the lease of step %d (%s); asking again", step, type(e).__name__)
-        finally:
-            self.inbox.done(token)
-        if reply is None:
-            reply, _ = await self._lease(step, lookahead, provisional=False)
-        if [r.group_id for r in reply.refs] != ids:
-            raise LeaseChanged(f"the durable lease of step {step} differs from its provisional answer")
 
     def _exclude_invalid(self, groups: list[list]) -> None:
         """Defence in depth (the buffer validated these groups): a sample that cannot be trained
