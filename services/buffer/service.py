@@ -135,14 +135,16 @@ class BufferService(Service):
         self.min_version: int | None = None
         self.override_version: int | None = None
         self.producers: dict[str, tuple[float, int]] = {}
-        self.gid_of: dict[int, tuple[str, list]] = {}  # id(group) -> (group id, group)
+        self.gid_of: dict[int, str] = {}
+        """group_index -> group id of the group in the DataBuffer (one attempt of a prompt at a
+        time: a new attempt is released only once the last one's fate is recorded)."""
         self._conflict: LedgerConflict | None = None
         """Set when an append found another writer's message: no reply, snapshot or append after it."""
         self.ledger_problems: list[str] = []  # entries the replay skipped (undecodable, out of order)
         self._unflushed: list[LedgerEvent] = []
         self._flush_lock = asyncio.Lock()
         self._snapshot_seq = 0
-        self._current_put: dict = {}
+        self._current_put: _Put | None = None
         self._wake_release = asyncio.Event()
         self._wake_pump = asyncio.Event()
         self._stored = asyncio.Event()
@@ -209,9 +211,9 @@ class BufferService(Service):
         groups = []
         for gid, ref in self.state.stored.items():
             data = await self.bus.get_payload(self.bus.subjects.rollouts_stream, ref.stream_seq)
-            group = decode(data, RolloutGroup).samples
-            self.gid_of[id(group)] = (gid, group)
-            groups.append(group)
+            rg = decode(data, RolloutGroup)
+            self.gid_of[rg.group_index] = gid
+            groups.append(rg.samples)
         if groups:
             if self._observed:
                 self.buffer.restore(groups)
@@ -322,14 +324,13 @@ class BufferService(Service):
             self._record("put", outcome="duplicate", stream_seq=seq, **common)
             return "ack"
         group = rg.samples
-        self.gid_of[id(group)] = (gid, group)
+        self.gid_of[rg.group_index] = gid
         if len(msg.data) <= INLINE_MAX_BYTES:
             self.raw_of[gid] = msg.data
-        self._current_put = {
-            **common, "stream_seq": seq, "oldest_version": oldest_weight_version(group),
-            "failed": all(s.status == SampleStatus.FAILED for s in flatten_group(group)),
-            "recorded": False, "recycled": False, "key": id(group),
-        }  # fmt: skip
+        self._current_put = cur = _Put(
+            **common, stream_seq=seq, oldest_version=oldest_weight_version(group),
+            failed=all(s.status == SampleStatus.FAILED for s in flatten_group(group)),
+        )  # fmt: skip
         put = asyncio.ensure_future(self._plugin(self.buffer.put(group), "put"))
         await asyncio.wait({put}, timeout=0.05)
         while not put.done():  # a full buffer holds the producers back
@@ -338,24 +339,21 @@ class BufferService(Service):
                 await settle(m, "in_progress")  # and the waiting messages stay ours
             await asyncio.wait({put}, timeout=self._consumer.ack_wait_s / 3)
         put.result()
-        if not self._current_put["recorded"]:  # a custom buffer: its decision is not observable
-            self._record_put(
-                "aborted" if self._current_put["recycled"] else "accepted", recycled=self._current_put["recycled"]
-            )
+        if not cur.recorded:  # a custom buffer: its decision is not observable
+            self._record_put("aborted" if cur.recycled else "accepted", recycled=cur.recycled)
         return "ack"
 
     def _record_put(self, outcome: str, reason: str = "", recycled: bool = False) -> None:
         """Record the decision on the group being put. Called the moment it is made (from the
         DefaultDataBuffer's event), before any other coroutine can get the stored group."""
         cur = self._current_put
-        fields = {k: v for k, v in cur.items() if k not in ("recorded", "recycled", "key")}
-        self._record("put", outcome=outcome, reason=reason, recycled=recycled, **fields)
-        cur["recorded"] = True
+        self._record("put", outcome=outcome, reason=reason, recycled=recycled, **cur.event_fields())
+        cur.recorded = True
         if outcome in ("stored", "accepted"):
             self._stored.set()
         else:
-            self.raw_of.pop(cur["group_id"], None)
-            self.gid_of.pop(cur["key"], None)
+            self.raw_of.pop(cur.group_id, None)
+            self.gid_of.pop(cur.group_index, None)
 
     async def _group_problem(self, rg: RolloutGroup) -> str | None:
         """Why this group may not be stored, or None (services.common.validate, plus: its prompt
@@ -388,9 +386,9 @@ class BufferService(Service):
         elif kind == "aborted":
             self._record_put("aborted", recycled=retry)
         elif kind == "stale":
-            gid, _ = self.gid_of.pop(id(group))
+            gid = self.gid_of.pop(_group_index(group))
             self.raw_of.pop(gid, None)
-            self._record("stale", group_id=gid, group_index=flatten_group(group)[0].group_index or 0,
+            self._record("stale", group_id=gid, group_index=_group_index(group),
                          staleness=staleness(self._clock(), group), recycled=retry)  # fmt: skip
 
     async def _recycle(self, group: list) -> None:
@@ -398,16 +396,15 @@ class BufferService(Service):
         recorded through its events; a custom buffer's is recorded here."""
         if self._observed:
             return
-        entry = self.gid_of.pop(id(group), None)
-        if entry is None:
+        gi = _group_index(group)
+        gid = self.gid_of.pop(gi, None)
+        if gid is None:
             log.warning("%s recycled a group the buffer does not know; ignored", self.plugin_path)
             return
-        gid, _ = entry
-        gi = flatten_group(group)[0].group_index or 0
         if gid in self.state.stored:
             self._record("stale", group_id=gid, group_index=gi, recycled=True)
-        else:  # during put: an aborted group
-            self._current_put["recycled"] = True
+        elif self._current_put is not None:  # during put: an aborted group
+            self._current_put.recycled = True
 
     # ---- prompt release ------------------------------------------------------------------------
     def _inflight_cap(self) -> int:
@@ -616,25 +613,21 @@ class BufferService(Service):
                 await _respond_all(waiting, self._get_reply(step))
 
     def _lease(self, step: int, group: list, version: int | None) -> None:
-        entry = self.gid_of.pop(id(group), None)
-        if entry is None:  # a custom buffer may hand back a copy: find it by its prompt
-            gi = flatten_group(group)[0].group_index
-            key = next((k for k, (gid, _) in self.gid_of.items() if gid.startswith(f"g{gi}-")), None)
-            entry = self.gid_of.pop(key) if key is not None else None
-        if entry is None:
+        gi = _group_index(group)
+        gid = self.gid_of.pop(gi, None)  # a custom buffer may hand back a copy: its prompt names it
+        if gid is None:
             raise BufferPluginError(
-                f"{self.plugin_path}.get returned a group that was never put (group_index "
-                f"{flatten_group(group)[0].group_index}); a DataBuffer must return the groups it was given"
+                f"{self.plugin_path}.get returned a group that was never put (group_index {gi}); "
+                "a DataBuffer must return the groups it was given"
             )
-        gid, _ = entry
         if (
             gid not in self.state.stored
-            and self._current_put.get("group_id") == gid
-            and not self._current_put["recorded"]
+            and self._current_put is not None
+            and self._current_put.group_id == gid
+            and not self._current_put.recorded
         ):
             self._record_put("accepted")  # a custom buffer handed it out before its put() returned
-        self._record("leased", group_id=gid, group_index=flatten_group(group)[0].group_index or 0, step=step,
-                     staleness=staleness(version, group))  # fmt: skip
+        self._record("leased", group_id=gid, group_index=gi, step=step, staleness=staleness(version, group))
 
     # ---- commit, live version, producers ------------------------------------------------------
     async def _on_commit(self, msg) -> None:
@@ -829,6 +822,29 @@ async def _respond(msg, reply: bytes) -> None:
     if msg.reply:
         with contextlib.suppress(Exception):  # the requester may be gone: it asks again
             await msg.respond(reply)
+
+
+def _group_index(group: list) -> int:
+    return flatten_group(group)[0].group_index or 0
+
+
+@dataclasses.dataclass
+class _Put:
+    """The group whose put() is in progress (one at a time), and what is known of its fate."""
+
+    group_id: str
+    group_index: int
+    attempt: int
+    stream_seq: int
+    oldest_version: int | None
+    failed: bool
+    recorded: bool = False
+    recycled: bool = False
+
+    def event_fields(self) -> dict[str, Any]:
+        """What its `put` ledger event records."""
+        return {"group_id": self.group_id, "group_index": self.group_index, "attempt": self.attempt,
+                "stream_seq": self.stream_seq, "oldest_version": self.oldest_version, "failed": self.failed}  # fmt: skip
 
 
 @dataclasses.dataclass

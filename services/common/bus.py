@@ -41,6 +41,10 @@ _RETENTION = {
 _STORAGE = {"file": api.StorageType.FILE, "memory": api.StorageType.MEMORY}
 
 
+PUBLISHED_VERSION_KEY = "published_version"
+"""KV key: the newest weight version the trainer pushed (it alone may write it)."""
+
+
 class BusError(RuntimeError):
     pass
 
@@ -384,11 +388,36 @@ class Bus:
         )
         return await self.js.pull_subscribe(subject, durable=durable, stream=stream, config=cfg)
 
+    async def publish_weights(self, pub: WeightsPublished) -> None:
+        """The trainer's push of a weight version: first the KV key `published_version` (so that
+        no message can name the version before a reader's bound allows it), then WEIGHTS."""
+        end, what = time.monotonic() + 180.0, f"the published version {pub.version}"
+        while True:  # through a broker outage, as publish_durably
+            try:
+                await self.kv_put(PUBLISHED_VERSION_KEY, str(pub.version).encode())
+                break
+            except StoreFull:
+                raise
+            except (TimeoutError, nats.errors.Error, OSError) as e:
+                if time.monotonic() > end:
+                    raise BusError(f"could not write {what} for 180s: {e}") from e
+                log.warning("writing %s failed (%s); retrying", what, type(e).__name__)
+                await asyncio.sleep(1.0)
+        subject = self.subjects.weights_published
+        await self.publish_durably([(subject, pub, f"weights-v{pub.version}")], f"weights v{pub.version}")
+
     async def last_published_version(self, at_least: int = 0, scan: int = 64) -> int:
-        """The newest weight version the trainer published (the trainer alone may publish on
-        WEIGHTS, one version after the other), 0 before the first push. Normally the last
-        message says it; when that one does not decode or names less than `at_least` (a stray
-        message, dead-lettered by weight-sync), the newest of the last `scan` messages counts."""
+        """The newest weight version the trainer published, 0 before the first push: the KV key
+        the trainer writes before each push (stray messages on WEIGHTS cannot hide it), or what
+        WEIGHTS says if that is newer (a publisher that writes no KV key). On WEIGHTS the last
+        message normally says it; when that one does not decode or names less than `at_least`
+        (a stray message, dead-lettered by weight-sync), the newest of the last `scan` counts."""
+        kv = 0
+        with contextlib.suppress(ValueError, TypeError):
+            kv = int((await self.kv_get(PUBLISHED_VERSION_KEY) or b"0").decode())
+        return max(kv, await self._newest_on_weights(max(at_least, kv + 1), scan))
+
+    async def _newest_on_weights(self, at_least: int, scan: int) -> int:
         s = self.subjects
         try:
             raw = await self.js.get_last_msg(s.weights_stream, s.weights_published)

@@ -4,13 +4,13 @@
 |---|---|---|---|
 | admin (launcher, init-run, audit) | everything | everything | creates the streams and the KV bucket |
 | buffer | prompts, ledger, KV buffer_snapshot | buffer.get, buffer.commit, weights.live, weights.published, heartbeat.rollout | consumer `buffer` on ROLLOUTS, purges ROLLOUTS, reads LEDGER, ROLLOUTS and the last WEIGHTS message |
-| trainer | buffer.get, buffer.commit, weights.published, progress, eval.requests, eval.results | eval.results, heartbeat.rollout | reads ROLLOUTS, the last WEIGHTS message |
+| trainer | buffer.get, buffer.commit, weights.published, KV published_version, progress, eval.requests, eval.results | eval.results, heartbeat.rollout | reads ROLLOUTS, the last WEIGHTS message |
 | rollout | rollouts | control | consumer `producers` on PROMPTS |
 | weight-sync | weights.live, KV live_version | - | consumer `weight-sync` on WEIGHTS, reads WEIGHTS |
 | eval | eval.results, control | weights.live | consumer `eval` on EVAL, reads the last WEIGHTS message |
 
-Every role may also publish its own heartbeat and dead letters, read the run's config and live
-version from KV, look up stream info, and receive replies on its own inbox prefix
+Every role may also publish its own heartbeat and dead letters, read the run's config, live
+version and published version from KV, look up stream info, and receive replies on its own inbox prefix
 (`_INBOX.<run>.<role>`), so no role can read another's replies. Only the buffer answers requests
 (`allow_responses`). The admin creates the streams and the durable consumers; a role may only bind
 to its own consumer. So a producer's credentials cannot append to the ledger, publish weights,
@@ -61,7 +61,7 @@ def role_permissions(run_id: str, role: str) -> dict:
 
     streams = [spec["name"] for spec in s.stream_specs()] + [kv_stream]
     pub = [s.heartbeat(role), s._s("deadletter.>"), *(f"{JS}.STREAM.INFO.{n}" for n in streams)]
-    pub += kv_get("config", "live_version")
+    pub += kv_get("config", "live_version", "published_version")
     sub = [f"{inbox_prefix(run_id, role)}.>"]
     responses = None
     if role == "buffer":
@@ -73,6 +73,7 @@ def role_permissions(run_id: str, role: str) -> dict:
         responses = {"max": 4, "expires": "2m"}  # one answer per request; headroom
     elif role == "trainer":
         pub += [s.buffer_get, s.buffer_commit, s.weights_published, s.progress, s.eval_requests, s.eval_results]
+        pub += [f"$KV.{bucket}.published_version"]
         pub += _read(s.rollouts_stream) + _read(s.weights_stream)
         sub += [s.eval_results, s.heartbeat("rollout")]
     elif role == "rollout":

@@ -427,8 +427,7 @@ class TrainerService(Service):
             version=self.version, step=step, uri=str(path.resolve()), sha256=info["sha256"],
             num_bytes=info["num_bytes"], created_at=time.time(),
         )  # fmt: skip
-        subject = self.bus.subjects.weights_published
-        await self.bus.publish_durably([(subject, pub, f"weights-v{self.version}")], f"weights v{self.version}")
+        await self.bus.publish_weights(pub)
         if path not in self.snapshots:  # re-pushed under the same number after a crash
             self.snapshots.append(path)
         self._retain_snapshots()

@@ -25,7 +25,7 @@ from asyncrl_proto import (
 )
 from services.audit import collect
 from services.buffer.service import BufferService
-from services.common.bus import Bus, fetch_some
+from services.common.bus import Bus, VersionBound, fetch_some
 from services.model.hf_io import load_model, save_model
 from services.weightsync.service import WeightSyncService
 from tests.conftest import EngineThread, start_service, wait_until
@@ -249,3 +249,31 @@ async def test_eval_refuses_points_the_trainer_could_not_have_asked_for(nats_ser
     finally:
         await svc.stop()
         await bus.close()
+
+
+async def test_stray_messages_on_weights_cannot_hide_the_newest_version(nats_server, run_id):
+    """A burst of stray messages on WEIGHTS after the trainer's last push (garbage, and
+    well-formed ones naming older versions, more than a scan of the stream reads): a service
+    that starts afterwards still allows the newest version. Found by the fuzz suite: a buffer
+    restarted after such a burst took the live version for one never published, released
+    nothing, and the run stalled."""
+    trainer = await Bus.connect(nats_server.url, run_id, "trainer")
+    fresh = None
+    try:
+        await trainer.ensure_streams()
+        for v in (1, 2, 3):
+            await trainer.publish_weights(WeightsPublished(version=v, step=v - 1, uri=f"/weights/v{v}"))
+        s = trainer.subjects
+        older = WeightsPublished(version=2, step=1, uri="/weights/v2")
+        for i in range(150):
+            data = msgspec.msgpack.encode(older) if i % 3 == 0 else b"\x00 not a message"
+            await trainer.js.publish(s.weights_live if i % 2 else s.weights_published, data)
+        fresh = await Bus.connect(nats_server.url, run_id, "buffer")
+        bound = VersionBound(fresh)
+        assert await bound.allows(3)
+        assert not await bound.allows(4)
+        assert await fresh.last_published_version() == 3
+    finally:
+        await trainer.close()
+        if fresh is not None:
+            await fresh.close()
