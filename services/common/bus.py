@@ -346,14 +346,22 @@ class Bus:
     ) -> list[api.PubAck]:
         """publish_batch, retried through a broker outage (msg ids make retries idempotent);
         gives up loudly after deadline_s."""
+        return await self._through_outage(
+            lambda: self.publish_batch(items, expected_last_seq=expected_last_seq), what, deadline_s
+        )
+
+    @staticmethod
+    async def _through_outage(op, what: str, deadline_s: float):
+        """`await op()`, retried with backoff while the broker is away; a full store or another
+        writer's message is final; gives up loudly after deadline_s."""
         end = time.monotonic() + deadline_s
         delay = 0.2
         while True:
             try:
-                return await self.publish_batch(items, expected_last_seq=expected_last_seq)
+                return await op()
             except (StoreFull, SequenceConflict):
                 raise
-            except (TimeoutError, BusError, nats.errors.Error, nats.js.errors.Error, OSError) as e:
+            except (TimeoutError, BusError, nats.errors.Error, OSError) as e:
                 if time.monotonic() > end:
                     raise BusError(f"could not publish {what} for {deadline_s:.0f}s: {e}") from e
                 log.warning("publishing %s failed (%s); retrying", what, type(e).__name__)
@@ -391,18 +399,10 @@ class Bus:
     async def publish_weights(self, pub: WeightsPublished) -> None:
         """The trainer's push of a weight version: first the KV key `published_version` (so that
         no message can name the version before a reader's bound allows it), then WEIGHTS."""
-        end, what = time.monotonic() + 180.0, f"the published version {pub.version}"
-        while True:  # through a broker outage, as publish_durably
-            try:
-                await self.kv_put(PUBLISHED_VERSION_KEY, str(pub.version).encode())
-                break
-            except StoreFull:
-                raise
-            except (TimeoutError, nats.errors.Error, OSError) as e:
-                if time.monotonic() > end:
-                    raise BusError(f"could not write {what} for 180s: {e}") from e
-                log.warning("writing %s failed (%s); retrying", what, type(e).__name__)
-                await asyncio.sleep(1.0)
+        value = str(pub.version).encode()
+        await self._through_outage(
+            lambda: self.kv_put(PUBLISHED_VERSION_KEY, value), f"the published version {pub.version}", 180.0
+        )
         subject = self.subjects.weights_published
         await self.publish_durably([(subject, pub, f"weights-v{pub.version}")], f"weights v{pub.version}")
 
@@ -419,9 +419,7 @@ class Bus:
 
     async def _newest_on_weights(self, at_least: int, scan: int) -> int:
         s = self.subjects
-        try:
-            raw = await self.js.get_last_msg(s.weights_stream, s.weights_published)
-        except nats.js.errors.NotFoundError:
+        if (raw := await self.get_last(s.weights_stream, s.weights_published)) is None:
             return 0
         newest, seq = 0, raw.seq
         for _ in range(scan):
@@ -433,10 +431,7 @@ class Bus:
             seq -= 1
             if seq < 1:
                 break
-            try:
-                raw = await self.js.get_msg(s.weights_stream, seq=seq)
-            except nats.js.errors.NotFoundError:
-                raw = None
+            raw = await self.get_msg(s.weights_stream, seq)
         return newest
 
     # ---- the rest of what services need of NATS: nothing outside this module touches nats-py ----
@@ -608,7 +603,7 @@ class VersionBound:
     async def refresh(self) -> int:
         try:
             self.value = max(self.value, await self.bus.last_published_version(at_least=self.value + 1))
-        except (TimeoutError, nats.errors.Error, nats.js.errors.Error, OSError) as e:
+        except (TimeoutError, TransportError, OSError) as e:
             log.warning("could not read the newest published weight version (%s)", type(e).__name__)
         return self.value
 

@@ -149,7 +149,7 @@ class WeightSyncService(Service):
                 await self.bus.dead_letter_msg(fresh.pop()[1], problem)
             if fresh:
                 async with keep_alive(fresh[-1][1]):
-                    await self._update(fresh[-1][0])  # (False: superseded meanwhile; a newer one is next)
+                    await self._update(fresh[-1][0])
             self.num_skipped += max(0, len(fresh) - 1)
             for _, m in fresh:
                 await settle(m)
@@ -171,10 +171,10 @@ class WeightSyncService(Service):
             return f"weights v{pub.version}: the snapshot's digest differs from the announced one"
         return None
 
-    async def _update(self, pub: WeightsPublished) -> bool:
-        """Load `pub` into every engine and announce it; False (nothing announced) when its
-        snapshot was deleted before every engine had it (the trainer keeps its newest
-        snapshots only: a newer version replaced it, and that one is applied next)."""
+    async def _update(self, pub: WeightsPublished) -> None:
+        """Load `pub` into every engine and announce it; nothing is announced when its snapshot
+        was deleted before every engine had it (the trainer keeps its newest snapshots only: a
+        newer version replaced it, and that one is applied next)."""
         t0 = time.perf_counter()
         mode = self.config.pause_generation_mode
         pending = list(self.client.urls)
@@ -192,7 +192,7 @@ class WeightSyncService(Service):
             if self._snapshot_problem(pub) is not None:
                 log.warning("weights v%d: the snapshot is gone before %s took it; a newer version is next",
                             pub.version, [url for url, _ in failed])  # fmt: skip
-                return False
+                return
             if time.monotonic() > deadline:  # an engine that stays away fails the service loudly
                 raise failed[0][1]
             pending = [url for url, _ in failed]  # only the engines that failed load again (one restarting)
@@ -204,7 +204,6 @@ class WeightSyncService(Service):
         crash.point("weight-sync", "continued_before_announce")
         await self._announce(pub.version, self.last_update_s)
         log.info("engines now at weight version %d (%.3fs, %s)", pub.version, self.last_update_s, mode)
-        return True
 
     async def _update_engine(self, url: str, uri: str, version: int, mode: str) -> None:
         """Miles's disk sequence: pause; flush the prefix cache unless requests stay resident
