@@ -69,6 +69,22 @@ class DataBuffer:
     def get_metrics(self) -> dict[str, float]:
         raise NotImplementedError
 
+    async def restore(self, groups: list[Group]) -> None:
+        """Refill after a restart with the groups stored before it (by default: put them back)."""
+        for group in groups:
+            await self.put(group)
+
+
+def make_buffer(config: RunConfig, recycle: Recycle) -> DataBuffer:
+    """The default buffer, or the --custom-async-data-buffer-path class."""
+    if not config.custom_async_data_buffer_path:
+        return DefaultDataBuffer(config, recycle)
+    cls = load_object(config.custom_async_data_buffer_path, "--custom-async-data-buffer-path")
+    if not (isinstance(cls, type) and issubclass(cls, DataBuffer)):
+        raise ValueError(f"--custom-async-data-buffer-path {config.custom_async_data_buffer_path} must name a "
+                         "subclass of services.api.DataBuffer")  # fmt: skip
+    return cls(config, recycle)
+
 
 class DefaultDataBuffer(DataBuffer):
     """FIFO buffer with capacity backpressure, the dynamic-sampling filter at put, the staleness
@@ -104,7 +120,7 @@ class DefaultDataBuffer(DataBuffer):
     def __len__(self) -> int:
         return len(self._groups)
 
-    def restore(self, groups: list[Group]) -> None:
+    async def restore(self, groups: list[Group]) -> None:
         """Refill after a restart with groups that were already stored: no filter, no capacity
         wait, no events (they were decided before)."""
         self._groups.extend(groups)

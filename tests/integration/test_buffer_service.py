@@ -261,8 +261,8 @@ async def test_a_group_that_comes_before_its_release_is_recorded_is_not_a_duplic
         gid = group_id(prompts[0].group_index, prompts[0].attempt)
 
         def decided_or_waiting():  # the put of the first group has been reached
-            ev = getattr(service, "_releasing", {}).get(gid)
-            return service.state.counters.get("duplicate_groups") or (ev is not None and ev._waiters)
+            waiting = gid in service.core.releasing and service._release_recorded._waiters
+            return service.state.counters.get("duplicate_groups") or waiting
 
         await wait_until(decided_or_waiting, what="the first group's put")
         gate.set()
@@ -287,4 +287,37 @@ async def test_sync_mode_releases_one_batch_on_the_right_weights(nats_server, ru
         assert svc.service.state.counters.get("released") == 2  # exactly B, never more
     finally:
         await svc.stop()
+        await h.bus.close()
+
+
+async def test_a_release_whose_record_a_crash_lost_is_recorded_when_its_group_comes_first(
+    nats_server, run_id, task_data, tiny_model_dir
+):
+    """A prompt is published, then its release recorded: a buffer that dies in between leaves a
+    prompt out whose release nobody recorded. A producer answers it before the restarted buffer
+    releases again (it waits for the trainer's next get): its group must bring the record back,
+    not be rejected as never released (its prompt would then be lost)."""
+    cfg = config(task_data, tiny_model_dir)
+    svc = await start_service(BufferService, cfg, nats_server.url, run_id)
+    h = Harness(await Bus.connect(nats_server.url, run_id, "test"))
+
+    def crash_before_recording(planned):
+        raise RuntimeError("killed after publishing the prompts, before recording them")
+
+    svc.service.core.on_released = crash_before_recording
+    try:
+        await h.get(0, wait_s=0.1)
+        await wait_until(lambda: svc.task.done(), what="the buffer to die")
+        prompts = await h.prompts(4)  # the producers answer while no buffer runs
+        for p in prompts[:2]:
+            await h.publish_group(p)
+        again = await start_service(BufferService, cfg, nats_server.url, run_id)
+        try:
+            reply = await h.get(0)
+            assert reply.complete and sorted(r.group_index for r in reply.refs) == [0, 1]
+            assert not again.service.state.counters.get("rejected")
+            assert {group_id(p.group_index, 0) for p in prompts[2:]} <= set(again.service.state.outstanding)
+        finally:
+            await again.stop()
+    finally:
         await h.bus.close()

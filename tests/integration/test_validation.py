@@ -165,7 +165,7 @@ async def test_a_second_ledger_writer_makes_the_buffer_fail_loudly_never_interle
     writer put there in between makes the next append fail (the buffer exits, to be restarted),
     and the restarted buffer's replay reports it. Two writers never interleave."""
     from asyncrl_proto import LedgerBatch, LedgerEvent
-    from services.buffer.service import LedgerConflict
+    from services.buffer.ledger import LedgerConflict
     from services.buffer.state import decode_state
 
     cfg = config(task_data, tiny_model_dir)

@@ -148,7 +148,8 @@ def test_the_trainer_records_a_step_before_its_commit():
 
 def test_ledger_messages_are_batches_bounded_in_events_and_bytes_and_old_ledgers_still_read():
     from asyncrl_proto import LedgerBatch, encode
-    from services.buffer.service import LEDGER_BATCH_EVENTS, _chunks
+    from services.buffer.ledger import LEDGER_BATCH_EVENTS
+    from services.buffer.ledger import chunks as _chunks
     from services.buffer.state import ledger_events
 
     prompt = PromptMsg(group_index=0, prompt="x" * 1000)

@@ -1,0 +1,544 @@
+"""The buffer's heart: every group-level decision, as a synchronous state machine (no I/O, no
+asyncio).
+
+The buffer service decodes messages and calls one event method per thing that happened; each
+returns an `Out`: the ledger events it recorded (already applied to `state`, to be appended
+before anything else leaves), the replies to send once they are durable, messages to
+dead-letter, and how to settle a ROLLOUTS message. The durable state is `state.py`'s fold of
+those events; what is held here besides it (the requested steps, the staleness clock, the
+producers' caps, waiting requests) is rebuilt by the trainer's and producers' next messages.
+
+    on_restart   the state recovered from the ledger, and the stored groups' payloads
+    on_released  prompts published on PROMPTS (planned by plan_release): recorded
+    on_group     a RolloutGroup from ROLLOUTS: rejected, duplicate, or handed to the DataBuffer
+    on_decision  the DefaultDataBuffer's decision on a group (stored, filtered, aborted, stale)
+    on_recycled  a custom DataBuffer gives a group back (its decisions are not observable)
+    on_put_returned  the DataBuffer's put() returned
+    on_handed    the DataBuffer's get() handed a group for a step: the lease grows, completes
+    on_get / on_get_timeout  the trainer asks for a step's lease
+    on_commit    the trainer trained steps up to s
+    on_version   the engines run a new weight version (the staleness clock)
+    on_heartbeat a producer's in-flight cap
+
+One group at a time is in put() (the service awaits it); a DataBuffer may hand it out before its
+put() returns, and then its put is recorded first. Which step a group goes to and when a lease
+is complete are decided only in on_handed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from asyncrl_proto import (
+    BufferCommit,
+    BufferCommitReply,
+    BufferGetReply,
+    BufferGetRequest,
+    GroupRef,
+    Heartbeat,
+    LedgerEvent,
+    PromptMsg,
+    RolloutGroup,
+    decode,
+    group_id,
+)
+from asyncrl_proto.codec import MalformedMessage
+from asyncrl_proto.messages import SampleStatus, flatten_group, oldest_weight_version
+from services.buffer.core import staleness
+from services.buffer.policy import ReleaseState, release_allowance
+from services.buffer.state import BufferState, apply
+from services.common.datasource import PromptSource
+from services.common.validate import Limits, group_problem
+
+log = logging.getLogger(__name__)
+
+PRODUCER_TIMEOUT_S = 10.0
+MAX_PRODUCERS = 1024
+"""Producers whose in-flight caps count towards the fully-async release (each at most the
+configured cap): what heartbeats can make the buffer release is bounded."""
+MAX_RELEASE = 256
+"""Prompts released at once at most (the release loop comes back for the rest)."""
+INLINE_MAX_BYTES = 64 * 1024
+"""Groups up to this size travel inline in the get reply (they are in memory anyway), which
+saves the trainer a round trip per group; larger ones are read from ROLLOUTS by sequence."""
+INLINE_REPLY_MAX_BYTES = 4 * 1024 * 1024
+
+
+class BufferPluginError(RuntimeError):
+    pass
+
+
+class GroupState(enum.Enum):
+    RELEASING = "releasing"  # its prompt is published, its release not yet recorded
+    OUTSTANDING = "outstanding"  # released: queued, generating, or its group not yet read
+    PUTTING = "putting"  # in the DataBuffer's put()
+    STORED = "stored"
+    LEASED = "leased"  # in the lease of an uncommitted step
+    SETTLED = "settled"  # trained, dropped, filtered, rejected, recycled as a new attempt, or unknown
+
+
+class LeaseState(enum.Enum):
+    OPEN = "open"  # asked for or being filled, short of B groups or not yet recorded complete
+    COMPLETE = "complete"  # B groups, durable before any get is answered with it
+    COMMITTED = "committed"
+
+
+@dataclasses.dataclass
+class Put:
+    """The group in put(), and what is known of its fate."""
+
+    group_id: str
+    group_index: int
+    attempt: int
+    stream_seq: int
+    oldest_version: int | None
+    failed: bool
+    recorded: bool = False
+    recycled: bool = False
+
+    def event_fields(self) -> dict[str, Any]:
+        return {"group_id": self.group_id, "group_index": self.group_index, "attempt": self.attempt,
+                "stream_seq": self.stream_seq, "oldest_version": self.oldest_version, "failed": self.failed}  # fmt: skip
+
+
+@dataclasses.dataclass
+class Out:
+    events: list[LedgerEvent] = dataclasses.field(default_factory=list)
+    """Recorded and applied; the service appends them before anything below leaves."""
+    replies: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
+    """(request handle, reply struct)."""
+    dead_letters: list[tuple[Any, str]] = dataclasses.field(default_factory=list)
+    """(message handle, reason)."""
+    settle: str | None = None
+    """For a ROLLOUTS message: "ack", "term" (rejected), "put" (call the DataBuffer's put, then
+    on_put_returned), "wait" (a release is being recorded: call on_group again after it), or
+    "release" (publish `release`, call on_released, then on_group again)."""
+    release: list[tuple[PromptMsg, dict]] = dataclasses.field(default_factory=list)
+    waiting: bool = False
+    """on_get: the request waits for its step's lease (answered by a later Out, or on_get_timeout)."""
+    purge: bool = False
+    """on_commit: trained payloads can be purged from ROLLOUTS."""
+
+
+class BufferMachine:
+    def __init__(self, config, source: PromptSource, limits: Limits, published: Callable[[], int],
+                 metrics: Callable[[], dict], observed: bool, plugin_path: str):  # fmt: skip
+        self.config = config
+        self.plugin_path = plugin_path
+        self.source = source
+        self.limits = limits
+        self.published = published
+        """The newest weight version the trainer published (the service keeps it fresh)."""
+        self._metrics = metrics
+        self.observed = observed
+        """The DataBuffer reports its decisions (on_decision); otherwise puts are `accepted`."""
+        self.state = BufferState()
+        self._events: list[LedgerEvent] = []
+        self.live_version: int | None = None
+        self.override_version: int | None = None
+        self.min_version: int | None = None
+        self.requested: dict[int, int] = {}  # step -> B, for uncommitted steps the trainer asked for
+        self.want_step: int | None = None
+        self.lookahead = 0
+        self.producers: dict[str, tuple[float, int]] = {}
+        self.waiting: dict[int, list[Any]] = {}  # step -> get requests waiting for its lease
+        self.releasing: set[str] = set()
+        self.putting: Put | None = None
+        self.gid_of: dict[int, str] = {}
+        """group_index -> id of its group in the DataBuffer (one attempt of a prompt at a time:
+        a new attempt is released only once the last one's fate is recorded)."""
+        self.raw_of: dict[str, bytes] = {}  # group id -> encoded group, for small groups
+
+    # ---- states ------------------------------------------------------------------------------
+    def group_state(self, gid: str) -> GroupState:
+        s = self.state
+        if gid in self.releasing:
+            return GroupState.RELEASING
+        if gid in s.outstanding:
+            return GroupState.PUTTING if self.putting and self.putting.group_id == gid else GroupState.OUTSTANDING
+        if gid in s.stored:
+            return GroupState.STORED
+        if any(r.group_id == gid for lease in s.leases.values() for r in lease.refs):
+            return GroupState.LEASED
+        return GroupState.SETTLED
+
+    def lease_state(self, step: int) -> LeaseState:
+        if step <= self.state.committed_step:
+            return LeaseState.COMMITTED
+        lease = self.state.leases.get(step)
+        return LeaseState.COMPLETE if lease is not None and lease.complete else LeaseState.OPEN
+
+    def clock(self) -> int | None:
+        """The version staleness is judged against: the trainer's, else the engines'."""
+        return self.override_version if self.override_version is not None else self.live_version
+
+    # ---- recording ---------------------------------------------------------------------------
+    def _record(self, kind: str, **fields: Any) -> None:
+        ev = LedgerEvent(seq=self.state.seq + 1, kind=kind, ts=time.time(), **fields)
+        apply(self.state, ev)
+        self._events.append(ev)
+
+    def _out(self, **kw: Any) -> Out:
+        """Everything recorded since the last Out (a DataBuffer's decisions arrive in between)."""
+        events, self._events = self._events, []
+        return Out(events=events, **kw)
+
+    # ---- restart -----------------------------------------------------------------------------
+    def on_restart(self, state: BufferState, stored: list[RolloutGroup]) -> list[list]:
+        """The recovered state and the payloads of its stored groups; returns the groups to put
+        back into the DataBuffer (they were decided before: no event)."""
+        self.state = state
+        for gid, rg in zip(state.stored, stored, strict=True):
+            self.gid_of[rg.group_index] = gid
+        return [rg.samples for rg in stored]
+
+    # ---- release -----------------------------------------------------------------------------
+    def release_state(self, now: float) -> ReleaseState:
+        self.producers = {k: v for k, v in self.producers.items() if now - v[0] < PRODUCER_TIMEOUT_S}
+        caps = [cap for _, cap in self.producers.values()]
+        need = 0
+        if self.want_step is not None:
+            for step in range(self.state.committed_step + 1, self.want_step + self.lookahead + 1):
+                lease = self.state.leases.get(step)
+                need += self.config.rollout_batch_size - (len(lease.refs) if lease else 0)
+        return ReleaseState(
+            mode=self.config.mode, batch_size=self.config.rollout_batch_size, capacity=self.config.buffer_capacity,
+            inflight_cap=sum(caps) if caps else self.config.inflight_groups, want_step=self.want_step,
+            lookahead=self.lookahead, groups_still_needed=need, stored=len(self.state.stored),
+            outstanding=len(self.state.outstanding) + len(self.releasing), live_version=self.live_version,
+            min_version=self.min_version,
+        )  # fmt: skip
+
+    def plan_release(self, now: float) -> list[tuple[PromptMsg, dict]]:
+        """The prompts to publish now (at most MAX_RELEASE; recycled ones first), each with the
+        data-source cursor after it. Their groups wait (GroupState.RELEASING) until on_released;
+        nothing more is planned meanwhile."""
+        if self.releasing:
+            return []
+        return self._releasing(self._plan(min(release_allowance(self.release_state(now)), MAX_RELEASE)))
+
+    def _plan(self, k: int) -> list[tuple[PromptMsg, dict]]:
+        s = self.state
+        epoch, cursor, nxt = s.epoch, s.cursor, s.next_group_index
+        recycled = list(s.recycled)
+        planned = []
+        for _ in range(max(k, 0)):
+            prompt, cur = self.source.next_release(epoch, cursor, nxt, recycled)
+            if recycled:
+                recycled.pop(0)
+            else:
+                epoch, cursor, nxt = cur["epoch"], cur["cursor"], cur["next_group_index"]
+            planned.append((prompt, cur))
+        return planned
+
+    def _releasing(self, planned: list[tuple[PromptMsg, dict]]) -> list[tuple[PromptMsg, dict]]:
+        self.releasing.update(group_id(p.group_index, p.attempt) for p, _ in planned)
+        return planned
+
+    def _lost_release(self, rg: RolloutGroup) -> list[tuple[PromptMsg, dict]]:
+        """The releases up to this group's, if it is one of the next the data source would
+        release: its prompt was published and its record lost (the buffer crashed in between,
+        and the producer answered before the restarted buffer released again). They are
+        published again (same ids: deduplicated) and recorded before the group is judged."""
+        s = self.state
+        if rg.group_index < s.next_group_index and all(p.group_index != rg.group_index for p in s.recycled):
+            return []
+        ahead = self._plan(MAX_RELEASE)
+        ids = [group_id(p.group_index, p.attempt) for p, _ in ahead]
+        gid = group_id(rg.group_index, rg.attempt)
+        return ahead[: ids.index(gid) + 1] if gid in ids else []
+
+    def on_released(self, planned: list[tuple[PromptMsg, dict]]) -> Out:
+        for prompt, cur in planned:
+            gid = group_id(prompt.group_index, prompt.attempt)
+            self.releasing.discard(gid)
+            self._record("released", group_id=gid, group_index=prompt.group_index, attempt=prompt.attempt,
+                         prompt=prompt, source=cur)  # fmt: skip
+        return self._out()
+
+    # ---- put ---------------------------------------------------------------------------------
+    def group_problem(self, rg: RolloutGroup) -> str | None:
+        """Why this group may not be stored, or None (services.common.validate, plus: its prompt
+        was released)."""
+        if rg.group_index >= self.state.next_group_index:
+            return f"group_index {rg.group_index} was never released (next is {self.state.next_group_index})"
+        limits = dataclasses.replace(self.limits, max_version=self.published())
+        return group_problem(rg.group_id, rg.group_index, rg.attempt, rg.samples, limits)
+
+    def on_group(self, msg: Any, stream_seq: int, rg: RolloutGroup | None, undecodable: str | None,
+                 raw: bytes) -> Out:  # fmt: skip
+        """A group read from ROLLOUTS (`rg` None when not even its identity decodes)."""
+        gid = group_id(rg.group_index, rg.attempt) if rg is not None else ""
+        if gid in self.releasing:
+            return Out(settle="wait")
+        if undecodable is None and self.group_state(gid) is GroupState.SETTLED and (lost := self._lost_release(rg)):
+            if self.releasing:  # one release at a time: judge it after the one in flight
+                return Out(settle="wait")
+            return Out(settle="release", release=self._releasing(lost))
+        if (problem := undecodable or self.group_problem(rg)) is not None:
+            self._record("put", outcome="rejected", reason=problem[:500], group_id=gid,
+                         group_index=rg.group_index if rg is not None else -1,
+                         attempt=rg.attempt if rg is not None else 0, stream_seq=stream_seq)  # fmt: skip
+            return self._out(settle="term", dead_letters=[(msg, problem)])
+        common = {"group_id": gid, "group_index": rg.group_index, "attempt": rg.attempt}
+        if self.group_state(gid) is not GroupState.OUTSTANDING:
+            self._record("put", outcome="duplicate", stream_seq=stream_seq, **common)
+            return self._out(settle="ack")
+        self.gid_of[rg.group_index] = gid
+        if len(raw) <= INLINE_MAX_BYTES:
+            self.raw_of[gid] = raw
+        samples = flatten_group(rg.samples)
+        self.putting = Put(**common, stream_seq=stream_seq, oldest_version=oldest_weight_version(rg.samples),
+                           failed=all(s.status == SampleStatus.FAILED for s in samples))  # fmt: skip
+        return self._out(settle="put")
+
+    def _record_put(self, outcome: str, reason: str = "", recycled: bool = False) -> None:
+        cur = self.putting
+        self._record("put", outcome=outcome, reason=reason, recycled=recycled, **cur.event_fields())
+        cur.recorded = True
+        if outcome not in ("stored", "accepted"):
+            self.raw_of.pop(cur.group_id, None)
+            self.gid_of.pop(cur.group_index, None)
+
+    def on_decision(self, kind: str, group: list, reason: str | None) -> None:
+        """The DefaultDataBuffer's decisions, synchronously as it makes them (before any other
+        coroutine can get a stored group); recorded into the next Out."""
+        retry = self.config.async_unused_samples_handler == "retry"
+        if kind == "stored":
+            self._record_put("stored")
+        elif kind == "filtered":
+            self._record_put("filtered", reason or "")
+        elif kind == "aborted":
+            self._record_put("aborted", recycled=retry)
+        elif kind == "stale":
+            gi = _group_index(group)
+            gid = self.gid_of.pop(gi)
+            self.raw_of.pop(gid, None)
+            self._record(
+                "stale", group_id=gid, group_index=gi, staleness=staleness(self.clock(), group), recycled=retry
+            )
+
+    def on_recycled(self, group: list) -> None:
+        """A custom DataBuffer's unused-samples handler gave a group back: stale if it was
+        stored, aborted if it is the one in put(). (The DefaultDataBuffer's are on_decision.)"""
+        if self.observed:
+            return
+        gi = _group_index(group)
+        gid = self.gid_of.pop(gi, None)
+        if gid is None:
+            log.warning("%s recycled a group the buffer does not know (group_index %d); ignored", self.plugin_path, gi)
+        elif gid in self.state.stored:
+            self._record("stale", group_id=gid, group_index=gi, recycled=True)
+        elif self.putting is not None and self.putting.group_id == gid:
+            self.putting.recycled = True
+
+    def on_put_returned(self) -> Out:
+        cur = self.putting
+        if cur is not None and not cur.recorded:  # a custom buffer: its decision is not observable
+            self._record_put("aborted" if cur.recycled else "accepted", recycled=cur.recycled)
+        self.putting = None
+        return self._out()
+
+    # ---- leases ------------------------------------------------------------------------------
+    def step_to_fill(self) -> int | None:
+        """The oldest requested step short of a complete lease."""
+        steps = [s for s in self.requested if self.lease_state(s) is LeaseState.OPEN]
+        return min(steps) if steps else None
+
+    def on_handed(self, step: int, group: list, version: int | None) -> Out:
+        """The DataBuffer's get() handed `group` for `step`, judged against `version`."""
+        gi = _group_index(group)
+        gid = self.gid_of.pop(gi, None)  # a custom buffer may hand back a copy: its prompt names it
+        if gid is None:
+            raise BufferPluginError(f"{self.plugin_path}.get returned a group that was never put (group_index {gi}); "
+                                    "a DataBuffer must return the groups it was given")  # fmt: skip
+        if self.putting is not None and self.putting.group_id == gid and not self.putting.recorded:
+            self._record_put("accepted")  # handed out before its put() returned
+        self._record("leased", group_id=gid, group_index=gi, step=step, staleness=staleness(version, group))
+        return self._complete_if_full(step)
+
+    def _complete_if_full(self, step: int) -> Out:
+        count, lease = self.requested.get(step), self.state.leases.get(step)
+        replies = []
+        if count is not None and lease is not None and len(lease.refs) >= count and not lease.complete:
+            metrics = self._metrics()
+            self._record("lease_complete", step=step, metrics={k: float(v) for k, v in metrics.items()})
+            replies = [(w, self.get_reply(step)) for w in self.waiting.pop(step, [])]
+        return self._out(replies=replies)
+
+    def get_problem(self, req: BufferGetRequest) -> str | None:
+        """A get the trainer would never send: a step outside the window it can be at (the next
+        uncommitted one, plus the steps trained since the last checkpoint and one prefetched),
+        another batch size, or versions nobody published."""
+        c = self.config
+        window = c.commit_interval + 2
+        first = self.state.committed_step + 1
+        if not first <= req.step < first + window:
+            return f"get(step={req.step}) is outside the steps the trainer can ask for ({first}..{first + window - 1})"
+        if req.count != c.rollout_batch_size:
+            return f"get(count={req.count}) differs from --rollout-batch-size {c.rollout_batch_size}"
+        if req.lookahead_steps not in (0, 1):
+            return f"get(lookahead_steps={req.lookahead_steps}): only 0 or 1"
+        if not 0 <= req.wait_s <= 30:
+            return f"get(wait_s={req.wait_s}): at most 30 s"
+        for name in ("current_version", "release_min_version"):
+            v = getattr(req, name)
+            if v is not None and not 0 <= v <= self.published():
+                return f"get({name}={v}): that weight version was never published (newest {self.published()})"
+        return None
+
+    def on_get(self, msg: Any, req: BufferGetRequest) -> Out:
+        if self.lease_state(req.step) is LeaseState.COMMITTED:
+            error = f"step {req.step} is already committed"
+            return Out(
+                replies=[(msg, BufferGetReply(step=req.step, error=error, committed_step=self.state.committed_step))]
+            )
+        if (problem := self.get_problem(req)) is not None:
+            return Out(replies=[(msg, BufferGetReply(step=req.step, error=problem))], dead_letters=[(msg, problem)])
+        self.requested.setdefault(req.step, req.count)
+        self.want_step = req.step if self.want_step is None else max(self.want_step, req.step)
+        self.lookahead = req.lookahead_steps
+        self.min_version = req.release_min_version
+        self.override_version = req.current_version
+        out = self._complete_if_full(req.step)  # after a restart, a full lease may miss its record
+        if self.lease_state(req.step) is LeaseState.OPEN and req.wait_s > 0:
+            self.waiting.setdefault(req.step, []).append(msg)
+            out.waiting = True
+        else:
+            out.replies.append((msg, self.get_reply(req.step)))
+        return out
+
+    def on_get_timeout(self, msg: Any, step: int) -> Out:
+        """A waiting get's time is up: answered with the lease as it is (if not answered yet)."""
+        waiting = self.waiting.get(step, [])
+        if msg not in waiting:
+            return Out()
+        waiting.remove(msg)
+        return Out(replies=[(msg, self.get_reply(step))])
+
+    def get_reply(self, step: int) -> BufferGetReply:
+        lease = self.state.leases.get(step)
+        refs, budget = [], INLINE_REPLY_MAX_BYTES
+        for r in lease.refs if lease else []:
+            raw = self.raw_of.get(r.group_id)
+            if raw is not None and len(raw) <= budget:
+                budget -= len(raw)
+                r = msgspec.structs.replace(r, payload=raw)
+            refs.append(r)
+        return BufferGetReply(step=step, refs=refs, complete=bool(lease and lease.complete),
+                              metrics=dict(lease.metrics) if lease else {}, committed_step=self.state.committed_step)  # fmt: skip
+
+    # ---- commit --------------------------------------------------------------------------------
+    def commit_problem(self, req: BufferCommit) -> str | None:
+        """A commit of a step that was never trained: every step up to it must hold a complete
+        lease (a step beyond the last lease never even had its groups)."""
+        if req.version < 0:
+            return f"commit(version={req.version}) is negative"
+        last = max(self.state.leases, default=self.state.committed_step)
+        if req.step > last:
+            return f"commit(step={req.step}): no step beyond {last} has a lease, so it was never trained"
+        for step in range(self.state.committed_step + 1, req.step + 1):  # at most the leases held
+            if self.lease_state(step) is not LeaseState.COMPLETE:
+                return f"commit(step={req.step}): step {step} has no complete lease, so it was never trained"
+        return None
+
+    def on_commit(self, msg: Any, req: BufferCommit) -> Out:
+        """A repeated commit is answered too (once what it committed is durable)."""
+        if (problem := self.commit_problem(req)) is not None:
+            return Out(replies=[(msg, BufferCommitReply(step=req.step, error=problem))], dead_letters=[(msg, problem)])
+        done: list[GroupRef] = [r for s, lease in self.state.leases.items() if s <= req.step for r in lease.refs]
+        for r in done:
+            self.raw_of.pop(r.group_id, None)
+        if req.step > self.state.committed_step:
+            self._record("committed", step=req.step)
+        replies = [(msg, BufferCommitReply(step=req.step, num_groups_committed=len(done)))]
+        for step in [s for s in self.requested if s <= req.step]:
+            self.requested.pop(step)
+            replies += [(w, self.get_reply(step)) for w in self.waiting.pop(step, [])]  # (an empty lease now)
+        return self._out(replies=replies, purge=bool(done))
+
+    def purge_floor(self, ack_floor: int) -> int:
+        """ROLLOUTS messages below this are no longer needed (neither stored, leased, nor
+        unacknowledged by the buffer's consumer)."""
+        needed = [r.stream_seq for r in self.state.stored.values()]
+        needed += [r.stream_seq for lease in self.state.leases.values() for r in lease.refs]
+        return min([ack_floor + 1, *needed])
+
+    # ---- the clock and producers -------------------------------------------------------------
+    def on_version(self, msg: Any, version: int) -> Out:
+        """The staleness clock moves forward only, and only to a version the trainer published
+        (a forged WeightsLive(10**9) would otherwise make every group stale)."""
+        if not 0 <= version <= self.published():
+            return Out(dead_letters=[(msg, f"live version {version} was never published (newest {self.published()})")])
+        if self.live_version is None or version > self.live_version:
+            self.live_version = version
+        return Out()
+
+    def on_heartbeat(self, msg: Any, hb: Heartbeat, now: float) -> Out:
+        limit = self.config.inflight_groups
+        cap = hb.info.get("inflight_groups", limit)
+        if not isinstance(cap, int) or isinstance(cap, bool) or not 0 <= cap <= limit:
+            problem = f"inflight_groups {cap!r:.40} is not a count in [0, {limit}]"
+        elif hb.instance_id not in self.producers and len(self.producers) >= MAX_PRODUCERS:
+            problem = f"{len(self.producers)} producers are alive already (at most {MAX_PRODUCERS} are counted)"
+        else:
+            problem = None
+        if problem is not None:
+            return Out(dead_letters=[(msg, f"heartbeat of {hb.instance_id!r:.40}: {problem}")])
+        if hb.info.get("stopping"):
+            self.producers.pop(hb.instance_id, None)
+        else:
+            self.producers[hb.instance_id] = (now, cap)
+        return Out()
+
+    # ---- observability -----------------------------------------------------------------------
+    def status(self, now: float) -> dict:
+        rs, s = self.release_state(now), self.state
+        return {
+            "capacity": self.config.buffer_capacity, "stored_groups": rs.stored, "live_version": self.live_version,
+            "mode": self.config.mode, "want_step": self.want_step, "committed_step": s.committed_step,
+            "outstanding_prompts": rs.outstanding, "producers": len(self.producers),
+            "data_source": {"epoch": s.epoch, "cursor": s.cursor, "next_group_index": s.next_group_index,
+                            "recycled_waiting": len(s.recycled)},
+            "ledger": {**s.counters, "events": s.seq},
+        }  # fmt: skip
+
+    def metric_values(self, now: float) -> dict[str, float]:
+        rs, s = self.release_state(now), self.state
+        out = {
+            "rollout/fully_async/queue_size": rs.stored,
+            "buffer/capacity": self.config.buffer_capacity,
+            "buffer/outstanding_prompts": rs.outstanding,
+            "buffer/live_version": self.live_version if self.live_version is not None else -1,
+            "buffer/committed_step": s.committed_step,
+            "buffer/ledger_events": s.seq,
+        }
+        out.update({f"buffer/ledger/{k}_total": v for k, v in s.counters.items()})
+        return out
+
+
+class GroupIdentity(msgspec.Struct):
+    """What an undecodable RolloutGroup says it is, when at least that decodes."""
+
+    group_id: str = ""
+    group_index: int = -1
+    attempt: int = 0
+
+
+def group_identity(data: bytes) -> GroupIdentity | None:
+    try:
+        ident = decode(data, GroupIdentity)
+    except MalformedMessage:
+        return None
+    return ident if ident.group_index >= 0 and ident.group_id == group_id(ident.group_index, ident.attempt) else None
+
+
+def _group_index(group: list) -> int:
+    return flatten_group(group)[0].group_index or 0

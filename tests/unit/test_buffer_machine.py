@@ -1,0 +1,290 @@
+"""The buffer's state machine (services.buffer.machine): lease, staleness, commit, release and
+put rules, event by event, with no NATS and no asyncio. Every test also checks that the events
+the machine returned fold (services.buffer.state) into exactly its state: what a restart
+rebuilds is what it decided."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl_proto import BufferCommit, BufferGetRequest, Heartbeat, RolloutGroup, Sample, SampleStatus, group_id
+from services.buffer.machine import BufferMachine, BufferPluginError, GroupState, LeaseState
+from services.buffer.state import BufferState, encode_state, fold
+from services.common.config import RunConfig
+from services.common.datasource import PromptSource
+from services.common.validate import Limits
+
+
+class Run:
+    """A machine plus a record of every event it returned (the ledger, as the service appends it)."""
+
+    def __init__(self, observed: bool = True, rows: int = 20, **kw):
+        base = dict(
+            rollout_batch_size=2, n_samples_per_prompt=2, fully_async=True, async_data_buffer_capacity_factor=1.0
+        )
+        self.cfg = RunConfig(**{**base, **kw})
+        rows_ = [{"prompt": f"q{i}", "label": str(i), "metadata": {}} for i in range(rows)]
+        self.published = 0
+        self.metrics_calls = 0
+        self.m = BufferMachine(self.cfg, PromptSource(self.cfg, rows_), Limits(n=2, vocab_size=64, context_length=32),
+                               published=lambda: self.published, metrics=self._metrics, observed=observed,
+                               plugin_path="tests.Buffer")  # fmt: skip
+        self.ledger = []
+
+    def _metrics(self):
+        self.metrics_calls += 1
+        return {"rollout/fully_async/queue_size": 0}
+
+    def do(self, out):
+        self.ledger.extend(out.events)
+        return out
+
+    def release(self, k=None):
+        planned = self.m.plan_release(now=0.0)
+        if k is not None:
+            assert len(planned) >= k
+        return [p for p, _ in planned], self.do(self.m.on_released(planned))
+
+    def group(self, p, versions=(0,), status=SampleStatus.COMPLETED, vocab_ok=True) -> RolloutGroup:
+        tok = 5 if vocab_ok else 10_000
+        samples = [Sample(index=p.group_index * 2 + i, group_index=p.group_index, prompt=p.prompt, label=p.label,
+                          tokens=[1, tok, 7, 2], response_length=2, reward=float(i), status=status,
+                          weight_versions=list(versions), rollout_log_probs=[-1.0, -1.0]) for i in range(2)]  # fmt: skip
+        return RolloutGroup(group_id=group_id(p.group_index, p.attempt), group_index=p.group_index, attempt=p.attempt,
+                            samples=samples)  # fmt: skip
+
+    def put(self, rg: RolloutGroup, seq: int, decision="stored", reason=None):
+        """The service's put path with a DataBuffer that decides `decision` (None: a custom one)."""
+        out = self.do(self.m.on_group(object(), seq, rg, None, b"x" * 10))
+        if out.settle != "put":
+            return out.settle
+        if decision is not None:
+            self.m.on_decision(decision, rg.samples, reason)
+        self.do(self.m.on_put_returned())
+        return "ack"
+
+    def get(self, step, wait_s=1.0, **kw):
+        msg = object()
+        return msg, self.do(self.m.on_get(msg, BufferGetRequest(step=step, count=2, wait_s=wait_s, **kw)))
+
+    def check_fold(self):
+        folded = fold(self.ledger)
+        assert encode_state(folded) == encode_state(_without_stream_seq(self.m.state))
+
+
+def _without_stream_seq(state: BufferState) -> BufferState:
+    import msgspec
+
+    return msgspec.structs.replace(state, log_stream_seq=0)
+
+
+def test_a_lease_completes_at_b_groups_and_answers_the_waiting_gets_once():
+    r = Run()
+    msg, out = r.get(0)
+    assert out.waiting and not out.replies and r.m.lease_state(0) is LeaseState.OPEN
+    prompts, _ = r.release()
+    assert len(prompts) == 4  # capacity 2 + one producer's default cap of 2 groups
+    for i, p in enumerate(prompts[:2]):
+        assert r.put(r.group(p), seq=i + 1) == "ack"
+    assert r.m.step_to_fill() == 0
+    first = r.do(r.m.on_handed(0, r.group(prompts[0]).samples, version=0))
+    assert not first.replies and [e.kind for e in first.events] == ["leased"]
+    second = r.do(r.m.on_handed(0, r.group(prompts[1]).samples, version=0))
+    assert [e.kind for e in second.events] == ["leased", "lease_complete"]
+    assert [(to, reply.complete, len(reply.refs)) for to, reply in second.replies] == [(msg, True, 2)]
+    assert r.m.lease_state(0) is LeaseState.COMPLETE and r.m.step_to_fill() is None
+    assert r.m.on_get_timeout(msg, 0).replies == []  # answered already: never twice
+    _, again = r.get(0)  # a repeated get gets the same lease at once
+    assert [reply.refs for _, reply in again.replies] == [second.replies[0][1].refs]
+    r.check_fold()
+
+
+def test_a_get_that_times_out_gets_the_lease_as_it_is():
+    r = Run()
+    msg, out = r.get(0, wait_s=0.5)
+    assert out.waiting
+    (to, reply), = r.m.on_get_timeout(msg, 0).replies  # fmt: skip
+    assert to is msg and not reply.complete and reply.refs == []
+    _, now = r.get(0, wait_s=0)
+    assert not now.waiting and len(now.replies) == 1
+
+
+def test_staleness_is_judged_against_the_trainers_version_then_the_engines():
+    r = Run(max_weight_staleness=1)
+    r.published = 5
+    r.do(r.m.on_version(None, 3))
+    assert r.m.clock() == 3
+    r.get(0, current_version=5)
+    assert r.m.clock() == 5  # the trainer's version wins over the engines'
+    prompts, _ = r.release()
+    r.put(r.group(prompts[0], versions=(3,)), seq=1)
+    r.m.on_decision("stale", r.group(prompts[0], versions=(3,)).samples, None)  # the DefaultDataBuffer's verdict
+    out = r.do(r.m.on_put_returned())
+    (stale,) = [e for e in out.events if e.kind == "stale"]
+    assert stale.staleness == 2 and not stale.recycled
+    assert r.m.group_state(stale.group_id) is GroupState.SETTLED
+    r.check_fold()
+
+
+def test_the_clock_moves_forward_only_and_only_to_published_versions():
+    r = Run()
+    r.published = 4
+    assert r.m.on_version(None, 3).dead_letters == [] and r.m.live_version == 3
+    r.m.on_version(None, 2)
+    assert r.m.live_version == 3
+    msg = object()
+    (to, reason), = r.m.on_version(msg, 10**9).dead_letters  # fmt: skip
+    assert to is msg and "never published" in reason and r.m.live_version == 3
+
+
+def test_gets_the_trainer_would_never_send_are_refused_and_dead_lettered():
+    r = Run()
+    for kw, words in [(dict(step=5), "outside the steps"), (dict(step=0, count=3), "--rollout-batch-size"),
+                      (dict(step=0, lookahead_steps=2), "only 0 or 1"), (dict(step=0, wait_s=31), "at most 30 s"),
+                      (dict(step=0, current_version=1), "never published")]:  # fmt: skip
+        msg = object()
+        out = r.m.on_get(msg, BufferGetRequest(**{"count": 2, **kw}))
+        (to, reply), = out.replies  # fmt: skip
+        assert to is msg and words in reply.error and out.dead_letters == [(msg, reply.error)]
+    assert r.m.requested == {} and r.m.want_step is None  # nothing of them was taken in
+
+
+def test_commit_needs_complete_leases_and_answers_a_repeat():
+    r = Run()
+    msg, _ = r.get(0)
+    out = r.m.on_commit(object(), BufferCommit(step=0))
+    assert "never trained" in out.replies[0][1].error and out.dead_letters and not out.events
+    prompts, _ = r.release()
+    for i, p in enumerate(prompts[:2]):
+        r.put(r.group(p), seq=i + 1)
+        r.do(r.m.on_handed(0, r.group(p).samples, version=0))
+    done = r.do(r.m.on_commit(object(), BufferCommit(step=0)))
+    assert [e.kind for e in done.events] == ["committed"] and done.replies[0][1].num_groups_committed == 2
+    assert done.purge and r.m.lease_state(0) is LeaseState.COMMITTED and r.m.state.counters["trained"] == 2
+    repeat = r.do(r.m.on_commit(object(), BufferCommit(step=0)))
+    assert repeat.events == [] and repeat.replies[0][1].error is None
+    _, late = r.get(0)
+    assert "already committed" in late.replies[0][1].error and not late.dead_letters
+    assert r.m.purge_floor(ack_floor=10) == 11  # nothing stored or leased: everything acknowledged can go
+    r.put(r.group(prompts[2]), seq=3)
+    assert r.m.purge_floor(ack_floor=10) == 3  # a stored group's payload stays
+    r.check_fold()
+
+
+def test_groups_rejected_duplicated_or_early_are_decided_before_any_put():
+    r = Run()
+    r.get(0)
+    planned = r.m.plan_release(now=0.0)
+    (p0, _), (p1, _) = planned[:2]
+    assert r.m.group_state(group_id(p0.group_index, 0)) is GroupState.RELEASING
+    assert r.m.on_group(object(), 1, r.group(p0), None, b"").settle == "wait"  # its release is being recorded
+    r.do(r.m.on_released(planned))
+    bad = r.do(r.m.on_group(msg := object(), 2, r.group(p1, vocab_ok=False), None, b""))
+    assert bad.settle == "term" and bad.dead_letters[0][0] is msg and "vocab" in bad.dead_letters[0][1]
+    assert [e.outcome for e in bad.events] == ["rejected"]
+    assert r.put(r.group(p0), seq=3) == "ack"
+    assert r.put(r.group(p0), seq=4) == "ack" and r.m.state.counters["duplicate_groups"] == 1
+    never = r.group(p0)
+    never.group_index, never.group_id = 10_000, group_id(10_000, 0)  # beyond what would be released next
+    assert r.put(never, seq=5) == "term"
+    junk = r.do(r.m.on_group(object(), 6, None, "undecodable RolloutGroup: junk", b"junk"))
+    assert junk.settle == "term" and junk.events[0].group_index == -1
+    r.check_fold()
+
+
+def test_a_custom_buffers_puts_are_accepted_its_recycles_recorded_and_early_hands_ordered():
+    r = Run(observed=False, async_unused_samples_handler="retry")
+    r.get(0)
+    prompts, _ = r.release()
+    assert r.put(r.group(prompts[0]), seq=1, decision=None) == "ack"
+    assert r.m.state.counters["accepted"] == 1
+    # recycled during its put: aborted, its prompt back in the queue as attempt 1
+    r.do(r.m.on_group(object(), 2, r.group(prompts[1]), None, b""))
+    r.m.on_recycled(r.group(prompts[1]).samples)
+    r.do(r.m.on_put_returned())
+    assert r.m.state.counters["aborted_recycled"] == 1 and r.m.state.recycled[0].attempt == 1
+    # handed out before its put() returned: its put is recorded first, then its lease
+    r.do(r.m.on_group(object(), 3, r.group(prompts[2]), None, b""))
+    out = r.do(r.m.on_handed(0, r.group(prompts[2]).samples, version=0))
+    assert [(e.kind, e.outcome) for e in out.events][:2] == [("put", "accepted"), ("leased", "")]
+    assert r.do(r.m.on_put_returned()).events == []
+    # a stored group given back: stale, recycled
+    r.put(r.group(prompts[3]), seq=4, decision=None)
+    r.m.on_recycled(r.group(prompts[3]).samples)
+    assert r.do(r.m.on_put_returned()).events[0].kind == "stale"
+    with pytest.raises(BufferPluginError, match="tests.Buffer.get returned a group that was never put"):
+        r.m.on_handed(0, r.group(prompts[3]).samples, version=0)
+    r.check_fold()
+
+
+def test_sync_release_waits_for_the_engines_and_releases_one_batch():
+    r = Run(fully_async=False, driver="sync")
+    assert r.m.plan_release(now=0.0) == []  # nothing before the trainer's first get
+    r.published = 1
+    r.get(0, wait_s=0, release_min_version=1)
+    assert r.m.plan_release(now=0.0) == []  # engines still on version 0
+    r.do(r.m.on_version(None, 1))
+    prompts, _ = r.release()
+    assert len(prompts) == 2 and r.m.plan_release(now=0.0) == []  # exactly B, never more
+    r.check_fold()
+
+
+def test_fully_async_release_counts_live_producers_caps():
+    r = Run()
+    r.get(0, wait_s=0)
+    for pid in ("a", "b"):
+        assert not r.m.on_heartbeat(
+            object(), Heartbeat(instance_id=pid, service="rollout", info={"inflight_groups": 2}), 0.0
+        ).dead_letters
+    bad = r.m.on_heartbeat(
+        object(), Heartbeat(instance_id="c", service="rollout", info={"inflight_groups": 10**6}), 0.0
+    )
+    assert "not a count" in bad.dead_letters[0][1]
+    assert len(r.m.plan_release(now=1.0)) == 2 + 2 + 2  # capacity + two producers' caps
+    assert r.m.plan_release(now=1.0) == []  # the releasing ones count as outstanding
+    r.m.releasing.clear()
+    assert r.m.release_state(now=100.0).inflight_cap == 2  # both forgotten: the configured cap
+
+
+def test_a_restart_takes_the_folded_state_and_puts_the_stored_groups_back():
+    r = Run()
+    r.get(0)
+    prompts, _ = r.release()
+    for i, p in enumerate(prompts[:3]):
+        r.put(r.group(p), seq=i + 1)
+    r.do(r.m.on_handed(0, r.group(prompts[0]).samples, version=0))
+    again = Run()
+    stored = [r.group(p) for p in prompts[1:3]]
+    groups = again.m.on_restart(fold(r.ledger), stored)
+    assert [g[0].group_index for g in groups] == [1, 2]
+    msg, out = again.get(0)  # the lease continues where it was
+    assert out.waiting and len(again.m.state.leases[0].refs) == 1
+    again.ledger = list(r.ledger)
+    out = again.do(again.m.on_handed(0, stored[0].samples, version=0))
+    assert out.replies[0][0] is msg and [e.seq for e in out.events] == [r.m.state.seq + 1, r.m.state.seq + 2]
+    again.check_fold()
+
+
+def test_a_group_whose_release_record_was_lost_has_it_recorded_not_rejected():
+    """Prompts published, their records lost in a crash; a producer answers before the restarted
+    buffer releases again: the group brings its release (and those before it) back."""
+    r = Run(async_unused_samples_handler="retry")
+    r.get(0)
+    planned = r.m.plan_release(now=0.0)
+    lost = [p for p, _ in planned]  # published, never recorded: a restart forgets them
+    r.m.releasing.clear()
+    out = r.m.on_group(object(), 1, r.group(lost[2]), None, b"")
+    assert out.settle == "release" and [p.group_index for p, _ in out.release] == [0, 1, 2]
+    assert r.m.plan_release(now=0.0) == []  # one release at a time
+    assert r.m.on_group(object(), 2, r.group(lost[3]), None, b"").settle == "wait"
+    r.do(r.m.on_released(out.release))
+    assert r.put(r.group(lost[2]), seq=1) == "ack" and r.m.state.counters["stored"] == 1
+    # a recycled prompt's re-release record lost: attempt 1 is the head of the recycled queue
+    r.put(r.group(lost[0], status=SampleStatus.ABORTED), seq=3, decision="aborted")
+    again = r.m.state.recycled[0]
+    assert again.attempt == 1
+    out = r.m.on_group(object(), 4, r.group(again), None, b"")
+    assert out.settle == "release" and [(p.group_index, p.attempt) for p, _ in out.release] == [(0, 1)]
+    r.do(r.m.on_released(out.release))
+    assert r.put(r.group(again), seq=4) == "ack" and r.m.state.counters["stored"] == 2
+    r.check_fold()
