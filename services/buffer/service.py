@@ -42,6 +42,7 @@ from services.buffer.ledger import Ledger
 from services.buffer.machine import BufferMachine, BufferPluginError, Out, group_identity
 from services.common import crash
 from services.common.bus import VersionBound, next_batch, settle
+from services.common.config import AsyncSection, DataSection, RolloutSection, TrainerSection
 from services.common.datasource import PromptSource, load_rows
 from services.common.runtime import Service, wait_event
 from services.common.validate import limits_from_model_dir
@@ -54,6 +55,7 @@ PURGE_INTERVAL_S = 1.0
 
 class BufferService(Service):
     name = "buffer"
+    reads = (DataSection, RolloutSection, AsyncSection, TrainerSection)  # TrainerSection: commit_interval
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)

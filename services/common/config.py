@@ -27,10 +27,20 @@ class ConfigError(ValueError):
     """A flag combination that cannot work; the message says what to set instead."""
 
 
-class RunConfig(BaseModel):
+class Section(BaseModel):
+    """A group of flags, typed, each with its description; its cross-flag rules are its
+    `problems()` (they may read flags of other sections: every rule runs on the whole RunConfig).
+    A one-flag rule is a bound on the field itself (ge / gt / le, and a `hint` that says what to do)."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=False, allow_inf_nan=False)
 
-    # ---- run and infrastructure -------------------------------------------------------------
+    def problems(self) -> list[str]:
+        return []
+
+
+class InfraSection(Section):
+    """The run and its infrastructure: ids, the bus, HTTP, engines, processes (launcher, every service)."""
+
     driver: Literal["sync", "async"] = Field(
         "async",
         description="Set by the command: `train` is the synchronous driver, `train-async` the "
@@ -179,7 +189,20 @@ class RunConfig(BaseModel):
     torch_num_threads: int = Field(1, ge=1, description="torch intra-op threads per torch process (engine, trainer).")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
 
-    # ---- model and data ---------------------------------------------------------------------
+    def problems(self) -> list[str]:
+        errs = []
+        if self.nats_sync is not None and not re.fullmatch(r"always|\d+(ms|s|m|h)", self.nats_sync):
+            errs.append(f"--nats-sync must be `always` or an interval like 500ms, 1s, 2m (got {self.nats_sync!r})")
+        if self.nats_tls_key and not self.nats_tls_cert:
+            errs.append("--nats-tls-key needs --nats-tls-cert (the client certificate it belongs to)")
+        if self.rollout_num_engines < 1 and not self.rollout_external_engine_addrs:
+            errs.append("--rollout-num-engines must be >= 1 unless --rollout-external-engine-addrs is set")
+        return errs
+
+
+class DataSection(Section):
+    """The model and the prompts (launcher, buffer, producers, trainer)."""
+
     task: Literal["reverse-digits"] = Field(
         "reverse-digits",
         description="Bundled verifiable task: supplies prompts, held-out prompts and the reward "
@@ -205,15 +228,20 @@ class RunConfig(BaseModel):
     rollout_seed: int = Field(42, ge=0, description="Seed for prompt shuffling and sampling.")
     seed: int = Field(1234, ge=0, description="Seed for model init and the trainer.")
 
-    # ---- rollout ------------------------------------------------------------------------------
-    rollout_batch_size: int = Field(16, description="B: prompt groups per training step.")
-    n_samples_per_prompt: int = Field(8, description="n: trajectories per prompt group.")
+
+class RolloutSection(Section):
+    """Generation and rewards (producers; the buffer reads B and n)."""
+
+    rollout_batch_size: int = Field(16, ge=1, description="B: prompt groups per training step.")
+    n_samples_per_prompt: int = Field(8, ge=1, description="n: trajectories per prompt group.")
     rollout_max_response_len: int = Field(8, ge=1, description="max_new_tokens of every generation.")
     rollout_temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
-    rollout_top_p: float = Field(1.0, description="Nucleus sampling p.")
+    rollout_top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling p.")
     rollout_top_k: int = Field(-1, description="Top-k sampling (-1: whole vocabulary).")
     rollout_stop_token_ids: list[int] = Field(default_factory=list, description="Stop token ids in addition to EOS.")
-    num_rollout: int | None = Field(None, description="Training steps to run; default 150 unless --num-epoch is given.")
+    num_rollout: int | None = Field(
+        None, ge=1, description="Training steps to run; default 150 unless --num-epoch is given."
+    )
     num_epoch: int | None = Field(
         None,
         ge=1,
@@ -242,13 +270,29 @@ class RunConfig(BaseModel):
         None, description="module.Class: a DataBuffer subclass replacing the default buffer."
     )
 
-    # ---- async ------------------------------------------------------------------------------
+    def problems(self) -> list[str]:
+        errs = []
+        if any(t < 0 for t in self.rollout_stop_token_ids):
+            errs.append(f"--rollout-stop-token-ids must be token ids >= 0 (got {self.rollout_stop_token_ids})")
+        if self.rollout_top_k != -1 and self.rollout_top_k < 1:
+            errs.append(f"--rollout-top-k must be -1 or >= 1 (got {self.rollout_top_k})")
+        return errs
+
+
+class AsyncSection(Section):
+    """The buffer, the modes and weight updates (buffer, weight-sync, producers, trainer)."""
+
     max_weight_staleness: int | None = Field(
         None,
+        ge=0,
+        json_schema_extra={"hint": "leave it unset to disable the staleness filter"},
         description="Reject a group at get() when current version - oldest version > this. Unset: never filter.",
     )
     async_data_buffer_capacity_factor: float = Field(
-        2.0, description="Buffer capacity = floor(factor * rollout batch size) stored groups."
+        2.0,
+        gt=0,
+        json_schema_extra={"hint": "the default 2.0 holds two steps of groups"},
+        description="Buffer capacity = floor(factor * rollout batch size) stored groups.",
     )
     async_unused_samples_handler: Literal["drop", "retry"] = Field(
         "drop", description="What happens to aborted and stale groups: drop, or retry the prompt."
@@ -262,7 +306,7 @@ class RunConfig(BaseModel):
         description="sample: a slot frees per finished trajectory; group: per finished group. "
         "Default: sample under --fully-async, group otherwise.",
     )
-    update_weights_interval: int = Field(1, description="Push weights every this many steps.")
+    update_weights_interval: int = Field(1, ge=1, description="Push weights every this many steps.")
     pause_generation_mode: Literal["retract", "in_place", "abort"] = Field(
         "retract", description="How engines pause for a weight update."
     )
@@ -291,12 +335,56 @@ class RunConfig(BaseModel):
         30.0, gt=0, description="Trainer warns 'No completed rollout groups for ...' after this long."
     )
 
-    # ---- training ---------------------------------------------------------------------------
+    def problems(self) -> list[str]:
+        errs = []
+        if self.fully_async and self.driver == "sync":
+            errs.append("--fully-async requires the async driver: run train-async")
+        if self.fully_async:
+            if self.pause_generation_mode == "abort":
+                errs.append(
+                    "--fully-async cannot use --pause-generation-mode abort: generation is always in "
+                    "flight, so every weight update would kill it and force a full regeneration"
+                )
+            if self.colocate:
+                errs.append(
+                    "--fully-async cannot be combined with --colocate: training and rollout must run "
+                    "on separate devices so that generation never stops; drop --colocate"
+                )
+            if self.partial_rollout:
+                errs.append(
+                    "--fully-async cannot be combined with --partial-rollout: the fully-async producer "
+                    "recycles aborted groups itself; drop --partial-rollout"
+                )
+            if self.rollout_function_path:
+                errs.append(
+                    "--fully-async cannot be combined with a custom rollout function "
+                    "(--rollout-function-path): the fully-async producer owns the rollout loop; use "
+                    "--custom-generate-function-path to customise generation instead"
+                )
+        capacity = math.floor(self.async_data_buffer_capacity_factor * self.rollout_batch_size)
+        if capacity < 1:
+            errs.append(
+                f"buffer capacity floor({self.async_data_buffer_capacity_factor} * "
+                f"{self.rollout_batch_size}) = {capacity} holds no group: raise "
+                "--async-data-buffer-capacity-factor or --rollout-batch-size so that it is at least 1"
+            )
+        cap, n = self.async_max_concurrent_samples, self.n_samples_per_prompt
+        if cap is not None and cap < n:
+            errs.append(
+                f"--async-max-concurrent-samples ({cap}) must be >= --n-samples-per-prompt ({n}): whole prompt "
+                "groups are submitted, so a smaller cap could never submit one"
+            )
+        return errs
+
+
+class TrainerSection(Section):
+    """The trainer: backend, loss, optimizer, checkpoints."""
+
     train_backend: Literal["torch", "megatron"] = Field(
         "torch", description="Training backend: plain torch, or megatron-core's GPTModel (pip install megatron-core)."
     )
     trainer_num_ranks: int = Field(
-        1, description="Data-parallel trainer ranks (torch.distributed); rank 0 owns the bus and HTTP."
+        1, ge=1, description="Data-parallel trainer ranks (torch.distributed); rank 0 owns the bus and HTTP."
     )
     use_ray: bool = Field(False, description="Place trainer ranks 1..K-1 as Ray actors in a placement group.")
     dist_backend: Literal["auto", "gloo", "nccl"] = Field(
@@ -334,15 +422,29 @@ class RunConfig(BaseModel):
     )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
     save: str | None = Field(None, description="Directory for training checkpoints.")
-    save_interval: int | None = Field(None, description="Save every this many steps (needs --save).")
+    save_interval: int | None = Field(None, ge=1, description="Save every this many steps (needs --save).")
     load: str | None = Field(None, description="Resume from this checkpoint directory.")
     save_hf: str | None = Field(None, description="Directory for periodic HF snapshots.")
     keep_weight_snapshots: int = Field(
         3, ge=1, description="Weight snapshots kept on disk for the engines (older ones are deleted)."
     )
 
-    # ---- evaluation -------------------------------------------------------------------------
-    eval_interval: int | None = Field(None, description="Evaluate every this many steps.")
+    def problems(self) -> list[str]:
+        errs = []
+        if self.save_interval is not None and not self.save:
+            errs.append("--save-interval needs --save: set --save DIR for the checkpoints")
+        if self.train_backend == "megatron" and self.trainer_num_ranks > 1:
+            errs.append(
+                "--train-backend megatron runs one trainer rank in this version (tensor/pipeline parallel sizes 1): "
+                "drop --trainer-num-ranks or use --train-backend torch for data parallelism"
+            )
+        return errs
+
+
+class EvalSection(Section):
+    """Evaluation: when, on what, and which backend (eval service, trainer)."""
+
+    eval_interval: int | None = Field(None, ge=1, description="Evaluate every this many steps.")
     eval_prompt_data: list[str] = Field(
         default_factory=list,
         description="NAME PATH pairs of held-out JSONL sets; default: the task's held-out set.",
@@ -355,7 +457,9 @@ class RunConfig(BaseModel):
     )
     eval_top_p: float | None = Field(None, gt=0, le=1, description="top_p for evaluation (default: the rollout's).")
     eval_num_gpus: int = Field(
-        0, description="Dedicated eval fleet: this many engines' worth of devices owned by the eval service (0 = none)."
+        0,
+        ge=0,
+        description="Dedicated eval fleet: this many engines' worth of devices owned by the eval service (0 = none).",
     )
     eval_num_gpus_per_engine: int = Field(1, ge=1, description="Devices per eval-fleet engine.")
     eval_function_path: str | None = Field(
@@ -364,12 +468,12 @@ class RunConfig(BaseModel):
     eval_hf_dir: str | None = Field(
         None, description="Export a fresh HF snapshot per eval point here (snapshot backends)."
     )
-    eval_max_in_flight: int = Field(2, description="Eval points that may be pending at once.")
+    eval_max_in_flight: int = Field(2, ge=1, description="Eval points that may be pending at once.")
     eval_overflow_policy: Literal["backpressure", "skip"] = Field(
         "backpressure",
         description="When --eval-max-in-flight points are pending: wait for the oldest, or skip as busy.",
     )
-    eval_keep_snapshots: int = Field(2, description="Exported eval snapshots kept after their evaluation.")
+    eval_keep_snapshots: int = Field(2, ge=1, description="Exported eval snapshots kept after their evaluation.")
     eval_engine_urls: list[str] = Field(
         default_factory=list,
         description="Attach the eval fleet to these running engines instead of launching --eval-num-gpus of them.",
@@ -380,7 +484,47 @@ class RunConfig(BaseModel):
         "(and --no-eval-sglang-<flag>) on the command line.",
     )
 
-    # ---- derived ------------------------------------------------------------------------------
+    def problems(self) -> list[str]:
+        """SPEC.md section 7: every eval combination that cannot work, with what to set."""
+        errs = []
+        fleet = self.eval_num_gpus > 0 or bool(self.eval_engine_urls)
+        if fleet and self.eval_function_path:
+            errs.append(
+                "--eval-num-gpus (a dedicated eval fleet) and --eval-function-path (an external evaluator) each "
+                "select an eval backend: pass one of them"
+            )
+        if self.eval_num_gpus % self.eval_num_gpus_per_engine:
+            errs.append(
+                f"--eval-num-gpus ({self.eval_num_gpus}) must be a multiple of --eval-num-gpus-per-engine "
+                f"({self.eval_num_gpus_per_engine})"
+            )
+        if fleet or self.eval_function_path:
+            if self.eval_interval is None:
+                errs.append("Snapshot eval requires --eval-interval.")
+            if not self.eval_hf_dir and not self.save_hf:
+                errs.append(
+                    "Snapshot eval requires a snapshot source: set --eval-hf-dir (staging exports) or --save-hf "
+                    "(reuse periodic HF checkpoints)."
+                )
+            if not self.eval_hf_dir and self.save_hf and self.eval_interval:
+                save_every = self.save_interval or (self.num_rollout or 150)
+                if self.eval_interval % save_every:
+                    errs.append(
+                        f"Snapshot eval from --save-hf checkpoints needs --eval-interval ({self.eval_interval}) to be "
+                        f"a multiple of --save-interval ({save_every}): set --eval-interval "
+                        f"{save_every * max(1, self.eval_interval // save_every)} or --eval-hf-dir to export a "
+                        "snapshot per eval point"
+                    )
+        if len(self.eval_prompt_data) % 2:
+            errs.append("--eval-prompt-data takes NAME PATH pairs, e.g. --eval-prompt-data aime aime.jsonl")
+        return errs
+
+
+class RunConfig(EvalSection, TrainerSection, AsyncSection, RolloutSection, DataSection, InfraSection):
+    """Every flag under its snake_case name (the sections' fields, in their order), what is
+    derived from them, and every rule: one-flag bounds on the fields, cross-flag rules in each
+    section's problems()."""
+
     @property
     def mode(self) -> Literal["sync", "one_step", "fully_async"]:
         if self.driver == "sync":
@@ -442,7 +586,8 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _validate(self) -> RunConfig:
-        errs = validation_errors(self)
+        """Every section's rules, all of them reported at once, with what to set instead."""
+        errs = [e for cls in reversed(type(self).__mro__) if "problems" in cls.__dict__ for e in cls.problems(self)]
         if errs:
             raise ConfigError("\n".join(errs))
         return self
@@ -454,132 +599,6 @@ def eval_backend(c: RunConfig) -> str:
     if c.eval_function_path:
         return "external"
     return "shared"
-
-
-def eval_validation_errors(c: RunConfig) -> list[str]:
-    """SPEC.md section 7: every eval combination that cannot work, with what to set."""
-    errs: list[str] = []
-    if (c.eval_num_gpus > 0 or c.eval_engine_urls) and c.eval_function_path:
-        errs.append(
-            "--eval-num-gpus (a dedicated eval fleet) and --eval-function-path (an external evaluator) each select "
-            "an eval backend: pass one of them"
-        )
-    if c.eval_max_in_flight < 1:
-        errs.append(f"--eval-max-in-flight must be >= 1 (got {c.eval_max_in_flight})")
-    if c.eval_keep_snapshots < 1:
-        errs.append(f"--eval-keep-snapshots must be >= 1 (got {c.eval_keep_snapshots})")
-    if c.eval_num_gpus < 0 or (c.eval_num_gpus and c.eval_num_gpus % max(c.eval_num_gpus_per_engine, 1)):
-        errs.append(
-            f"--eval-num-gpus ({c.eval_num_gpus}) must be a multiple of --eval-num-gpus-per-engine "
-            f"({c.eval_num_gpus_per_engine})"
-        )
-    if eval_backend(c) != "shared":
-        if c.eval_interval is None:
-            errs.append("Snapshot eval requires --eval-interval.")
-        if not c.eval_hf_dir and not c.save_hf:
-            errs.append(
-                "Snapshot eval requires a snapshot source: set --eval-hf-dir (staging exports) or --save-hf "
-                "(reuse periodic HF checkpoints)."
-            )
-        if not c.eval_hf_dir and c.save_hf and c.eval_interval:
-            save_every = c.save_interval or c.total_steps
-            if c.eval_interval % save_every:
-                errs.append(
-                    f"Snapshot eval from --save-hf checkpoints needs --eval-interval ({c.eval_interval}) to be a "
-                    f"multiple of --save-interval ({save_every}): set --eval-interval {save_every * max(1, c.eval_interval // save_every)} "
-                    "or --eval-hf-dir to export a snapshot per eval point"
-                )
-    return errs
-
-
-def validation_errors(c: RunConfig) -> list[str]:
-    """Every rule a config must satisfy, as messages that say what to do."""
-    errs: list[str] = []
-    if c.fully_async and c.driver == "sync":
-        errs.append("--fully-async requires the async driver: run train-async")
-    if c.fully_async:
-        if c.pause_generation_mode == "abort":
-            errs.append(
-                "--fully-async cannot use --pause-generation-mode abort: generation is always in "
-                "flight, so every weight update would kill it and force a full regeneration"
-            )
-        if c.colocate:
-            errs.append(
-                "--fully-async cannot be combined with --colocate: training and rollout must run "
-                "on separate devices so that generation never stops; drop --colocate"
-            )
-        if c.partial_rollout:
-            errs.append(
-                "--fully-async cannot be combined with --partial-rollout: the fully-async producer "
-                "recycles aborted groups itself; drop --partial-rollout"
-            )
-        if c.rollout_function_path:
-            errs.append(
-                "--fully-async cannot be combined with a custom rollout function "
-                "(--rollout-function-path): the fully-async producer owns the rollout loop; use "
-                "--custom-generate-function-path to customise generation instead"
-            )
-    if c.rollout_batch_size < 1:
-        errs.append(f"--rollout-batch-size must be >= 1 (got {c.rollout_batch_size})")
-    if c.n_samples_per_prompt < 1:
-        errs.append(f"--n-samples-per-prompt must be >= 1 (got {c.n_samples_per_prompt})")
-    if c.async_data_buffer_capacity_factor <= 0:
-        errs.append(
-            f"--async-data-buffer-capacity-factor must be > 0 (got "
-            f"{c.async_data_buffer_capacity_factor}); the default 2.0 holds two steps of groups"
-        )
-    elif c.buffer_capacity < 1:
-        errs.append(
-            f"buffer capacity floor({c.async_data_buffer_capacity_factor} * "
-            f"{c.rollout_batch_size}) = {c.buffer_capacity} holds no group: raise "
-            "--async-data-buffer-capacity-factor or --rollout-batch-size so that it is at least 1"
-        )
-    if c.async_max_concurrent_samples is not None and c.async_max_concurrent_samples < c.n_samples_per_prompt:
-        errs.append(
-            f"--async-max-concurrent-samples ({c.async_max_concurrent_samples}) must be >= "
-            f"--n-samples-per-prompt ({c.n_samples_per_prompt}): whole prompt groups are "
-            "submitted, so a smaller cap could never submit one"
-        )
-    if c.update_weights_interval < 1:
-        errs.append(f"--update-weights-interval must be >= 1 (got {c.update_weights_interval})")
-    if c.max_weight_staleness is not None and c.max_weight_staleness < 0:
-        errs.append(
-            f"--max-weight-staleness must be >= 0 (got {c.max_weight_staleness}); leave it unset "
-            "to disable the staleness filter"
-        )
-    if c.save_interval is not None and not c.save:
-        errs.append("--save-interval needs --save: set --save DIR for the checkpoints")
-    if c.save_interval is not None and c.save_interval < 1:
-        errs.append(f"--save-interval must be >= 1 (got {c.save_interval})")
-    if c.train_backend == "megatron" and c.trainer_num_ranks > 1:
-        errs.append(
-            "--train-backend megatron runs one trainer rank in this version (tensor/pipeline parallel sizes 1): "
-            "drop --trainer-num-ranks or use --train-backend torch for data parallelism"
-        )
-    if c.trainer_num_ranks < 1:
-        errs.append(f"--trainer-num-ranks must be >= 1 (got {c.trainer_num_ranks})")
-    if c.num_rollout is not None and c.num_rollout < 1:
-        errs.append(f"--num-rollout must be >= 1 (got {c.num_rollout})")
-    if c.eval_interval is not None and c.eval_interval < 1:
-        errs.append(f"--eval-interval must be >= 1 (got {c.eval_interval})")
-    errs += eval_validation_errors(c)
-    if len(c.eval_prompt_data) % 2:
-        errs.append("--eval-prompt-data takes NAME PATH pairs, e.g. --eval-prompt-data aime aime.jsonl")
-    if c.rollout_num_engines < 1 and not c.rollout_external_engine_addrs:
-        errs.append("--rollout-num-engines must be >= 1 unless --rollout-external-engine-addrs is set")
-    if c.rollout_num_producers < 0:
-        errs.append("--rollout-num-producers must be >= 0")
-    if any(t < 0 for t in c.rollout_stop_token_ids):
-        errs.append(f"--rollout-stop-token-ids must be token ids >= 0 (got {c.rollout_stop_token_ids})")
-    if c.nats_sync is not None and not re.fullmatch(r"always|\d+(ms|s|m|h)", c.nats_sync):
-        errs.append(f"--nats-sync must be `always` or an interval like 500ms, 1s, 2m (got {c.nats_sync!r})")
-    if c.nats_tls_key and not c.nats_tls_cert:
-        errs.append("--nats-tls-key needs --nats-tls-cert (the client certificate it belongs to)")
-    if not 0 < c.rollout_top_p <= 1:
-        errs.append(f"--rollout-top-p must be in (0, 1] (got {c.rollout_top_p})")
-    if c.rollout_top_k != -1 and c.rollout_top_k < 1:
-        errs.append(f"--rollout-top-k must be -1 or >= 1 (got {c.rollout_top_k})")
-    return errs
 
 
 # ---- loading: defaults < file < environment < command line ---------------------------------
@@ -743,6 +762,9 @@ def _pretty(e: ValidationError) -> str:
         if err["type"] in _BOUNDS:
             bound = next(iter(err["ctx"].values()))
             msg = f"must be {_BOUNDS[err['type']]} {bound} (got {got})"
+            field = RunConfig.model_fields.get(loc)
+            if field is not None and isinstance(field.json_schema_extra, dict) and "hint" in field.json_schema_extra:
+                msg += f"; {field.json_schema_extra['hint']}"
         elif err["type"] == "finite_number":
             msg = f"must be a finite number (got {got})"
         else:

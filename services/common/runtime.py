@@ -102,6 +102,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 class Service:
     name = "service"
+    reads: tuple[type, ...] = ()
+    """The config sections (services.common.config) this service reads besides InfraSection, which the
+    runtime reads for every service (tests/unit/test_config_sections.py checks it)."""
 
     def __init__(
         self,

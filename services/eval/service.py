@@ -34,7 +34,7 @@ from asyncrl_proto import ControlMsg, EvalRequest, EvalResult, Sample, WeightsLi
 from asyncrl_proto.messages import scalar_reward
 from services.common import crash, procs
 from services.common.bus import VersionBound, fetch_some, keep_alive, settle
-from services.common.config import eval_backend
+from services.common.config import AsyncSection, DataSection, EvalSection, RolloutSection, TrainerSection, eval_backend
 from services.common.datasource import load_rows
 from services.common.plugins import load_object
 from services.common.responses import apply_response
@@ -68,6 +68,7 @@ def eval_datasets(config) -> list[tuple[str, str]]:
 
 class EvalService(Service):
     name = "eval"
+    reads = (DataSection, RolloutSection, AsyncSection, TrainerSection, EvalSection)
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)

@@ -28,6 +28,7 @@ from asyncrl_proto import ControlMsg, PromptMsg, RolloutGroup, Sample, group_id
 from asyncrl_proto.messages import SampleStatus, flatten_group
 from services.common import crash
 from services.common.bus import fetch_some, settle
+from services.common.config import AsyncSection, DataSection, RolloutSection
 from services.common.plugins import load_object
 from services.common.responses import apply_response
 from services.common.rewards import mark_failed, resolve_reward, score_group, score_sample
@@ -79,6 +80,7 @@ async def default_generate(config, sample: Sample, engine: EngineHandle, samplin
 
 class RolloutService(Service):
     name = "rollout"
+    reads = (DataSection, RolloutSection, AsyncSection)
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)

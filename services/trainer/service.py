@@ -48,7 +48,7 @@ from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import SampleStatus, flatten_group, scalar_reward
 from services.common import crash
 from services.common.bus import TransportError
-from services.common.config import eval_backend
+from services.common.config import AsyncSection, DataSection, EvalSection, RolloutSection, TrainerSection, eval_backend
 from services.common.plugins import load_object
 from services.common.runtime import Service, wait_event
 from services.common.snapshot import is_complete, remove_snapshot
@@ -79,6 +79,7 @@ class RunFailed(RuntimeError):
 
 class TrainerService(Service):
     name = "trainer"
+    reads = (DataSection, RolloutSection, AsyncSection, TrainerSection, EvalSection)
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)

@@ -24,6 +24,7 @@ from pathlib import Path
 from asyncrl_proto import WeightsLive, WeightsPublished, decode, encode
 from services.common import crash
 from services.common.bus import VersionBound, fetch_some, keep_alive, settle
+from services.common.config import AsyncSection, RolloutSection
 from services.common.runtime import Service
 from services.common.sglang_client import EngineError, SGLangClient
 from services.common.snapshot import COMPLETE_MARKER, is_complete, resolved
@@ -46,6 +47,7 @@ def _version(reported) -> int:
 
 class WeightSyncService(Service):
     name = "weight-sync"
+    reads = (RolloutSection, AsyncSection)
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
