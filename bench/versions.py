@@ -1,8 +1,8 @@
 """Before/after benchmark: one benchmark script run against two versions of the code, in
 alternating rounds (drift of the machine hits both alike).
 
-"before" is a git ref, checked out into a temporary worktree; "after" is this checkout, as it
-is. The benchmark script is this checkout's, for both (the same measurement); each run imports
+"before" is a git ref, checked out into a temporary worktree; "after" is this checkout as it is,
+or another ref (--after, also a worktree: the checkout can change while the benchmark runs). The benchmark script is this checkout's, for both (the same measurement); each run imports
 its version's code (cwd and PYTHONPATH point at it, so every process the CLI starts does too). The
 script must write its figures as JSON with --out. Prints every numeric figure's median for
 both, the after/before ratio, and the spread of the "before" runs among themselves (the noise a
@@ -51,6 +51,7 @@ def run(tree: Path, script: list[str], out: Path) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--before", required=True, help="git ref of the version to compare against")
+    p.add_argument("--after", default=None, help="git ref to measure instead of this checkout as it is")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=None, help="also write every round's figures as JSON here")
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- bench/X.py [its arguments]")
@@ -58,19 +59,24 @@ def main() -> None:
     script = [s for s in a.script if s != "--"]
     results: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory() as tmp:
-        before = Path(tmp) / "before"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(before), a.before],
-                       check=True, capture_output=True)  # fmt: skip
+        before, after = Path(tmp) / "before", (Path(tmp) / "after" if a.after else ROOT)
+        for tree, ref in [(before, a.before), (after, a.after)]:
+            if ref:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), ref],
+                               check=True, capture_output=True)  # fmt: skip
         try:
             for i in range(a.rounds):
-                order = [("before", before), ("after", ROOT)] if i % 2 == 0 else [("after", ROOT), ("before", before)]
+                order = [("before", before), ("after", after)] if i % 2 == 0 else [("after", after), ("before", before)]
                 for name, tree in order:
                     print(f"round {i + 1}/{a.rounds}: {name} ...", flush=True)
                     results[name].append(run(tree, script, Path(tmp) / f"{name}-{i}.json"))
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)], capture_output=True)
+            for tree in {before, after} - {ROOT}:
+                subprocess.run(
+                    ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True
+                )
     keys = [k for k in results["before"][0] if all(k in r for rs in results.values() for r in rs)]
-    print(f"\n{' '.join(script)}: {a.before} vs this checkout, {a.rounds} alternating rounds (medians)")
+    print(f"\n{' '.join(script)}: {a.before} vs {a.after or 'this checkout'}, {a.rounds} alternating rounds (medians)")
     print(f"{'figure':58}{'before':>10}{'after':>10}{'after/before':>14}{'before spread':>15}")
     for k in keys:
         b = statistics.median(r[k] for r in results["before"])
@@ -81,7 +87,9 @@ def main() -> None:
         print(f"{k[:58]:58}{b:>10.3g}{f:>10.3g}{ratio:>14}{spread:>14.1%}")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps({"before": a.before, "script": script, **results}, indent=2) + "\n")
+        Path(a.out).write_text(
+            json.dumps({"refs": [a.before, a.after or "checkout"], "script": script, **results}, indent=2) + "\n"
+        )
 
 
 if __name__ == "__main__":
