@@ -119,13 +119,17 @@ class BufferService(Service):
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.ledger.flush(snapshot=True), 5)
 
-    async def _apply(self, out: Out) -> None:
-        """Append what the machine recorded, then dead-letter and answer what it said."""
+    async def _apply(self, out: Out, durable: bool = False) -> None:
+        """Queue what the machine recorded, then dead-letter and answer what it said; a reply
+        (and a completed lease, or `durable`) waits until the ledger holds everything decided
+        so far. Other events ride the next append: one per batch of groups, not one per group."""
         self.ledger.add(out.events)  # before any await: the ledger's order is the decisions' order
         self._wake_release.set()
         self._wake_pump.set()
-        await self.ledger.flush()
-        if any(e.kind == "lease_complete" for e in out.events):
+        completes = any(e.kind == "lease_complete" for e in out.events)
+        if durable or completes or out.replies:
+            await self.ledger.flush()
+        if completes:
             crash.point("buffer", "lease_decided_before_reply")
         for msg, reason in out.dead_letters:
             if msg is None:
@@ -217,7 +221,7 @@ class BufferService(Service):
         out = self.core.on_released(planned)
         recorded, self._release_recorded = self._release_recorded, asyncio.Event()
         recorded.set()  # the puts waiting for it run once this appends (in order) and yields
-        await self._apply(out)
+        await self._apply(out, durable=True)
 
     # ---- get path ----------------------------------------------------------------------------
     async def _on_get(self, msg) -> None:
