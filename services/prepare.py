@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 import uuid
 from pathlib import Path
@@ -51,8 +50,8 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
         if not config.eval_prompt_data:
             updates["eval_prompt_data"] = [reverse_digits.NAME, str(held_out)]
     rows = check_datasets(config.model_copy(update=updates))
-    if config.num_rollout is None and config.num_epoch is not None:
-        updates["num_rollout"] = max(1, math.ceil(config.num_epoch * rows / config.rollout_batch_size))
+    if config.num_rollout is None:
+        updates["num_rollout"] = steps_of_epochs(config, rows)
         log(f"--num-epoch {config.num_epoch}: {rows} prompts per epoch -> {updates['num_rollout']} steps")
     if config.hf_checkpoint is None:
         from services.tasks import reverse_digits
@@ -64,6 +63,19 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
     else:
         updates["hf_checkpoint"] = str(Path(config.hf_checkpoint).resolve())
     return config.model_copy(update=updates)
+
+
+def steps_of_epochs(config: RunConfig, rows: int) -> int:
+    """Miles's step count for --num-epoch: (prompts // B) steps per epoch, times the epochs (a
+    partial batch at an epoch's end is not a step). A run names its length: no default."""
+    if config.num_epoch is None:
+        raise LaunchError("set the run's length: --num-rollout N (training steps) or --num-epoch E (passes over "
+                          "--prompt-data, each of prompts // --rollout-batch-size steps)")  # fmt: skip
+    steps = rows // config.rollout_batch_size * config.num_epoch
+    if steps < 1:
+        raise LaunchError(f"--num-epoch {config.num_epoch}: {rows} prompts make no batch of --rollout-batch-size "
+                          f"{config.rollout_batch_size}; set --num-rollout or a smaller --rollout-batch-size")  # fmt: skip
+    return steps
 
 
 def check_datasets(config: RunConfig) -> int:

@@ -101,7 +101,8 @@ class Put:
     oldest_version: int | None
     failed: bool
     recorded: bool = False
-    recycled: bool = False
+    handed_back: bool = False
+    """A custom DataBuffer gave it to its unused-samples handler during put() (aborted)."""
 
     def event_fields(self) -> dict[str, Any]:
         return {"group_id": self.group_id, "group_index": self.group_index, "attempt": self.attempt,
@@ -208,7 +209,11 @@ class BufferMachine:
             for step in range(self.state.committed_step + 1, self.want_step + self.lookahead + 1):
                 lease = self.state.leases.get(step)
                 need += self.config.rollout_batch_size - (len(lease.refs) if lease else 0)
+        s = self.state
+        accounted = (s.counters.get("trained", 0) + s.counters.get("failed", 0) + len(s.stored) + len(s.outstanding)
+                     + len(self.releasing) + sum(len(lease.refs) for lease in s.leases.values()))  # fmt: skip
         return ReleaseState(
+            groups_left=self.config.total_steps * self.config.rollout_batch_size - accounted,
             mode=self.config.mode, batch_size=self.config.rollout_batch_size, capacity=self.config.buffer_capacity,
             inflight_cap=sum(caps) if caps else self.config.inflight_groups, want_step=self.want_step,
             lookahead=self.lookahead, groups_still_needed=need, stored=len(self.state.stored),
@@ -326,23 +331,26 @@ class BufferMachine:
             )
 
     def on_recycled(self, group: list) -> None:
-        """A custom DataBuffer's unused-samples handler gave a group back: stale if it was
-        stored, aborted if it is the one in put(). (The DefaultDataBuffer's are on_decision.)"""
+        """A custom DataBuffer gave a group to its unused-samples handler: stale if it was stored,
+        aborted if it is the one in put(); dropped or recycled as --async-unused-samples-handler
+        says, as in Miles. (The DefaultDataBuffer's decisions are on_decision.)"""
         if self.observed:
             return
+        retry = self.config.async_unused_samples_handler == "retry"
         gi = _group_index(group)
         gid = self.gid_of.pop(gi, None)
         if gid is None:
             log.warning("%s recycled a group the buffer does not know (group_index %d); ignored", self.plugin_path, gi)
         elif gid in self.state.stored:
-            self._record("stale", group_id=gid, group_index=gi, recycled=True)
+            self._record("stale", group_id=gid, group_index=gi, recycled=retry)
         elif self.putting is not None and self.putting.group_id == gid:
-            self.putting.recycled = True
+            self.putting.handed_back = True
 
     def on_put_returned(self) -> Out:
         cur = self.putting
         if cur is not None and not cur.recorded:  # a custom buffer: its decision is not observable
-            self._record_put("aborted" if cur.recycled else "accepted", recycled=cur.recycled)
+            retry = self.config.async_unused_samples_handler == "retry"
+            self._record_put("aborted" if cur.handed_back else "accepted", recycled=cur.handed_back and retry)
         self.putting = None
         return self._out()
 

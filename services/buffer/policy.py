@@ -7,7 +7,8 @@ policies"). Pure functions of counters, unit-tested without I/O.
   r trains.
 - fully_async: keep `capacity` stored groups plus every producer's in-flight cap released; a
   full buffer leaves nothing to release, which holds the producers back.
-Nothing is released before the trainer's first get (the producer starts with the first step).
+Nothing is released before the trainer's first get (the producer starts with the first step),
+and nothing beyond what the run's --num-rollout steps can train.
 """
 
 from __future__ import annotations
@@ -32,13 +33,18 @@ class ReleaseState:
     """Released prompts not yet resolved by a put (in the queue, generating, or unread)."""
     live_version: int | None
     min_version: int | None
+    groups_left: int | None = None
+    """Groups the run still needs: --num-rollout x B less those trained, leased, stored or in
+    flight (None: no limit). Nothing is released beyond it, in any mode."""
 
 
 def release_allowance(s: ReleaseState) -> int:
     if s.want_step is None:
         return 0
     if s.mode == "fully_async":
-        return max(0, s.capacity + s.inflight_cap - s.stored - s.outstanding)
-    if s.min_version is not None and (s.live_version is None or s.live_version < s.min_version):
+        k = s.capacity + s.inflight_cap - s.stored - s.outstanding
+    elif s.min_version is not None and (s.live_version is None or s.live_version < s.min_version):
         return 0
-    return max(0, s.groups_still_needed - s.stored - s.outstanding)
+    else:
+        k = s.groups_still_needed - s.stored - s.outstanding
+    return max(0, k if s.groups_left is None else min(k, s.groups_left))

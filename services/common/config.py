@@ -239,13 +239,11 @@ class RolloutSection(Section):
     rollout_top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling p.")
     rollout_top_k: int = Field(-1, description="Top-k sampling (-1: whole vocabulary).")
     rollout_stop_token_ids: list[int] = Field(default_factory=list, description="Stop token ids in addition to EOS.")
-    num_rollout: int | None = Field(
-        None, ge=1, description="Training steps to run; default 150 unless --num-epoch is given."
-    )
+    num_rollout: int | None = Field(None, ge=1, description="Training steps to run (a run needs this or --num-epoch).")
     num_epoch: int | None = Field(
         None,
         ge=1,
-        description="Epochs over --prompt-data; sets the step count when --num-rollout is unset.",
+        description="Epochs over --prompt-data when --num-rollout is unset: (prompts // B) x this steps.",
     )
     rm_type: str | None = Field(None, description="Built-in reward; default: the task's reward (reverse-digits).")
     reward_key: str | None = Field(None, description="Key to read when a reward is a dict.")
@@ -552,7 +550,7 @@ class RunConfig(EvalSection, TrainerSection, AsyncSection, RolloutSection, DataS
     def total_steps(self) -> int:
         if self.num_rollout is not None:
             return self.num_rollout
-        return 150
+        return 150  # only a config built in code: the launcher refuses a run that names neither
 
     @property
     def commit_interval(self) -> int:
@@ -562,7 +560,7 @@ class RunConfig(EvalSection, TrainerSection, AsyncSection, RolloutSection, DataS
         holds the weights to resume from."""
         if self.save:
             return self.save_interval or self.total_steps
-        return self.update_weights_interval
+        return 1 if self.mode == "sync" else self.update_weights_interval  # sync pushes after every step
 
     @field_validator("run_id")
     @classmethod

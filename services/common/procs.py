@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -82,8 +83,29 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the local ports of outbound connections (Linux; else IANA's)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port to listen on, outside the ephemeral range: a port the kernel hands out for
+    bind(0) can be taken by any process's outbound connection before the service binds it, and
+    stay taken for that connection's life (every restart of the service on it would fail)."""
+    low, high = _ephemeral_range()
+    candidates = [p for p in range(10_000, 30_000) if not low <= p <= high]
+    for port in random.SystemRandom().sample(candidates, min(200, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # nothing free outside it: any port
         s.bind((host, 0))
         return s.getsockname()[1]
 

@@ -220,6 +220,9 @@ class TrainerService(Service):
             c.rollout_batch_size,
             c.n_samples_per_prompt,
         )
+        if c.mode == "sync" and c.update_weights_interval != 1:
+            log.warning("--update-weights-interval %d is ignored by the synchronous driver (train): it is on-policy, "
+                        "so it pushes the weights after every step", c.update_weights_interval)  # fmt: skip
         if not c.skip_eval_before_train and self.step == 0:
             await self._request_eval(0, final=False)
         self.loop_started = time.perf_counter()
@@ -239,13 +242,19 @@ class TrainerService(Service):
                     self.num_nonfinite_skipped += 1
                     log.error("step %d: the loss or the gradient norm is not finite; the update was skipped "
                               "(weights and optimizer unchanged)", step)  # fmt: skip
-                update_due = (step + 1) % c.update_weights_interval == 0 or step + 1 == total
+                update_due = c.mode == "sync" or (step + 1) % c.update_weights_interval == 0 or step + 1 == total
                 next_batch = None
+                if update_due and prefetch is not None:
+                    # no weight update while a batch is being leased: step r+1's groups are all judged
+                    # against the version of the gets that lease them, never half against the next
+                    t0 = time.monotonic()
+                    groups_next, metrics_next, _ = await prefetch
+                    prefetch, next_batch = None, (groups_next, metrics_next, time.monotonic() - t0)
                 if update_due and c.mode == "one_step" and step + 1 < total:
                     # the in-flight batch completes before the push, and nothing newer starts on old weights
                     next_batch = await self._fetch(step + 1, lookahead=0)
                 push_s = await self._push_weights(step) if update_due else 0.0
-                if next_batch is not None:
+                if next_batch is not None and c.mode == "one_step":
                     await self._release_ahead(step + 1)  # step r+2 generates while r+1 trains, on the new weights
                 # the step's records come before its checkpoint and its commit: a trainer killed in
                 # between resumes from the checkpoint, drops the records after it and trains those
@@ -331,9 +340,14 @@ class TrainerService(Service):
         c = self.config
         if lookahead is None:
             lookahead = 1 if c.mode == "one_step" else 0
+        if step + 1 >= c.total_steps:
+            lookahead = 0  # the last step releases nothing after it: it would never be trained
         return BufferGetRequest(
             step=step,
             count=c.rollout_batch_size,
+            # fully async: staleness is judged against the trainer's newest pushed version, the same
+            # for every group of a lease (it completes before the next push), as Miles's get(current_version)
+            current_version=self.version if c.mode == "fully_async" else None,
             lookahead_steps=lookahead,
             release_min_version=self.version if c.mode in ("sync", "one_step") else None,
             wait_s=wait_s,

@@ -127,7 +127,12 @@ def test_sync_and_one_step_drivers(tmp_path, command):
                 "--save", str(run_dir / "ckpt"), "--save-interval", "2", "--save-hf", str(run_dir / "hf"), cwd=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     recs = records(run_dir)
-    assert [r["weight_version"] for r in recs] == [0, 1, 1, 2]  # pushes every 2 steps
+    if command == "train":  # synchronous is on-policy: a push after every step, whatever the interval says
+        assert [r["weight_version"] for r in recs] == [1, 2, 3, 4]
+        trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+        assert trainer_log.count("--update-weights-interval 2 is ignored by the synchronous driver") == 1
+    else:
+        assert [r["weight_version"] for r in recs] == [0, 1, 1, 2]  # pushes every 2 steps
     # saves due after steps 1 and 3 ((r + 1) % 2 == 0): checkpoints and HF snapshots, markers last
     assert sorted(p.name for p in (run_dir / "ckpt").glob("iter_*")) == ["iter_0000001", "iter_0000003"]
     assert sorted(p.name for p in (run_dir / "hf").iterdir()) == ["step_2", "step_4"]
@@ -136,7 +141,7 @@ def test_sync_and_one_step_drivers(tmp_path, command):
         # synchronous: every batch was generated on the weights of the previous push
         for rec in recs:
             assert rec["rollout/weight_version/max"] == rec["rollout/weight_version/min"]
-        assert [rec["rollout/weight_version/min"] for rec in recs] == [0, 0, 1, 1]
+        assert [rec["rollout/weight_version/min"] for rec in recs] == [0, 1, 2, 3]
     else:
         # one-step: step r+1's batch is generated while step r trains, so it lags by one step
         assert [rec["rollout/weight_version/min"] for rec in recs] == [0, 0, 0, 1]
@@ -277,3 +282,50 @@ def test_busy_points_are_skipped_and_failed_exports_reported(tmp_path):
     assert all("eval/skipped_export_failed" in m for m in evals.values()) and set(evals) == {
         str(i) for i in range(1, 7)
     }
+
+
+def _ledger(run_dir: Path) -> list:
+    """Every event of a finished run's ledger, read from its stopped embedded server's store."""
+    import asyncio
+
+    from services.audit import admin_credentials
+    from services.buffer.state import ledger_events
+    from services.common.bus import Bus
+    from services.common.natsauth import server_auth_conf
+    from services.common.natsserver import EmbeddedNats
+    from services.common.secrets import load_roles_file
+
+    run_id = json.loads((run_dir / "config.json").read_text())["run_id"]
+    passwords = {r: e["password"] for r, e in load_roles_file(run_dir / "secrets" / "nats.json").items()}
+
+    async def read() -> list:
+        with EmbeddedNats(run_dir / "nats", auth_conf=server_auth_conf(run_id, passwords)) as srv:
+            bus = await Bus.connect(srv.url, run_id, "test", creds=admin_credentials(run_dir))
+            try:
+                return [e for d in await bus.read_stream(bus.subjects.ledger_stream, bus.subjects.ledger)
+                        for e in ledger_events(d)]  # fmt: skip
+            finally:
+                await bus.close()
+
+    return asyncio.run(read())
+
+
+def test_fully_async_staleness_bound_holds_exactly_over_a_whole_run(tmp_path):
+    """Every group of a step's lease is judged against one version, the trainer's when it asked
+    (no push while a lease is being filled), and none is older than --max-weight-staleness
+    versions against it. Step t's lease is filled while step t-1 trains, so the trainer's version
+    then is the one pushed after step t-2."""
+    run_dir = tmp_path / "run"
+    r = asyncrl("train-async", "--fully-async", *SMALL, "--num-rollout", "8", "--max-weight-staleness", "1",
+                "--skip-eval-before-train", "--run-dir", str(run_dir), cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    recs = records(run_dir)
+    version_before = {rec["step"]: (recs[i - 2]["weight_version"] if i >= 2 else 0) for i, rec in enumerate(recs)}
+    events = _ledger(run_dir)
+    oldest = {e.group_id: e.oldest_version for e in events if e.kind == "put"}
+    leased = [e for e in events if e.kind == "leased"]
+    assert {e.step for e in leased} == set(range(8))
+    for e in leased:
+        assert e.staleness is not None and e.staleness <= 1, e
+        # the clock it was judged against is the version the trainer had when it asked
+        assert e.staleness + oldest[e.group_id] == version_before[e.step], (e, version_before)

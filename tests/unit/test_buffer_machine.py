@@ -288,3 +288,40 @@ def test_a_group_whose_release_record_was_lost_has_it_recorded_not_rejected():
     r.do(r.m.on_released(out.release))
     assert r.put(r.group(again), seq=4) == "ack" and r.m.state.counters["stored"] == 2
     r.check_fold()
+
+
+def test_a_custom_buffers_hand_backs_follow_the_unused_samples_handler():
+    """As in Miles, the handler a custom buffer is given is the one --async-unused-samples-handler
+    selects: under `drop` (the default) what it hands back is dropped, never retried."""
+    r = Run(observed=False)
+    r.get(0)
+    prompts, _ = r.release()
+    r.do(r.m.on_group(object(), 1, r.group(prompts[0]), None, b""))
+    r.m.on_recycled(r.group(prompts[0]).samples)  # aborted during its put
+    r.do(r.m.on_put_returned())
+    r.put(r.group(prompts[1]), seq=2, decision=None)
+    r.m.on_recycled(r.group(prompts[1]).samples)  # stored, then handed back as stale
+    r.do(r.m.on_put_returned())
+    c = r.m.state.counters
+    assert c["aborted_dropped"] == 1 and c["stale_dropped"] == 1 and r.m.state.recycled == []
+    r.check_fold()
+
+
+def test_nothing_is_released_beyond_what_the_run_can_train():
+    """--num-rollout x B groups accounted (trained, leased, stored or in flight): no more
+    releases, in any mode; a group dropped as stale is replaced."""
+    r = Run(num_rollout=2, max_weight_staleness=0)  # 2 steps x B=2: 4 groups in all
+    r.get(0)
+    r.m.on_heartbeat(object(), Heartbeat(instance_id="p", service="rollout", info={"inflight_groups": 2}), 0.0)
+    prompts, _ = r.release()
+    assert len(prompts) == 4  # capacity 2 + cap 2 would allow 4 anyway
+    for i, p in enumerate(prompts):
+        r.put(r.group(p), seq=i + 1)
+    for p in prompts[:2]:
+        r.do(r.m.on_handed(0, r.group(p).samples, version=0))
+    r.do(r.m.on_commit(object(), BufferCommit(step=0)))
+    assert r.m.plan_release(now=0.0) == []  # 2 trained + 2 stored: the run needs nothing more
+    r.m.on_decision("stale", r.group(prompts[2]).samples, None)
+    r.do(r.m.on_put_returned())
+    (again, _), = r.m.plan_release(now=0.0)  # fmt: skip
+    assert again.group_index == 4  # one replacement for the dropped group, no more

@@ -84,3 +84,13 @@ def test_fully_async_defaults():
     assert RunConfig().mode == "one_step" and RunConfig().submission_granularity == "group"
     assert RunConfig(driver="sync").mode == "sync"
     assert RunConfig(async_max_concurrent_samples=20, n_samples_per_prompt=8).inflight_groups == 2
+
+
+def test_num_epoch_is_miles_step_count_and_a_run_must_name_its_length():
+    from services.prepare import LaunchError, steps_of_epochs
+
+    assert steps_of_epochs(RunConfig(rollout_batch_size=3, num_epoch=2), rows=10) == 6  # (10 // 3) x 2, not 7
+    with pytest.raises(LaunchError, match="--num-rollout N .* or --num-epoch E"):
+        steps_of_epochs(RunConfig(rollout_batch_size=3), rows=10)
+    with pytest.raises(LaunchError, match="make no batch"):
+        steps_of_epochs(RunConfig(rollout_batch_size=16, num_epoch=3), rows=10)

@@ -36,7 +36,9 @@ def section_of(name: str) -> set[type]:
     prop = RunConfig.__dict__.get(name)
     if isinstance(prop, property):
         body = ast.parse(textwrap.dedent(inspect.getsource(prop.fget)))
-        reads = {n.attr for n in ast.walk(body) if isinstance(n, ast.Attribute) and getattr(n.value, "id", "") == "self"}
+        reads = {
+            n.attr for n in ast.walk(body) if isinstance(n, ast.Attribute) and getattr(n.value, "id", "") == "self"
+        }
         return set().union(*(section_of(r) for r in reads if r != name))
     return set()
 

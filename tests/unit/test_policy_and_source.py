@@ -30,6 +30,12 @@ def test_fully_async_fills_capacity_plus_in_flight_and_stops_when_full():
     assert release_allowance(state(stored=5, outstanding=4)) == 3
 
 
+def test_no_mode_releases_more_than_the_run_still_needs():
+    assert release_allowance(state(groups_left=5)) == 5  # fully async would allow 12
+    assert release_allowance(state(mode="one_step", lookahead=1, groups_still_needed=8, groups_left=4)) == 4
+    assert release_allowance(state(groups_left=-2)) == 0
+
+
 def test_sync_releases_the_step_only_on_the_right_weights():
     s = state(mode="sync", groups_still_needed=4, min_version=3, live_version=2)
     assert release_allowance(s) == 0

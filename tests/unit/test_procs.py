@@ -1,0 +1,18 @@
+"""Process helpers (services.common.procs)."""
+
+from __future__ import annotations
+
+
+def test_listening_ports_are_chosen_outside_the_ephemeral_range():
+    """An outbound connection can take a port from the ephemeral range between the launcher's
+    choice and the service's bind, and keep it: every restart on it would fail to bind."""
+    import socket
+
+    from services.common.procs import _ephemeral_range, free_port
+
+    low, high = _ephemeral_range()
+    for _ in range(20):
+        port = free_port()
+        assert not low <= port <= high
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
