@@ -10,14 +10,16 @@ producers' caps, waiting requests) is rebuilt by the trainer's and producers' ne
 
     on_restart   the state recovered from the ledger, and the stored groups' payloads
     on_released  prompts published on PROMPTS (planned by plan_release): recorded
-    on_group     a RolloutGroup from ROLLOUTS: rejected, duplicate, or handed to the DataBuffer
+    on_group     a RolloutGroup from ROLLOUTS: rejected, duplicate, handed to the DataBuffer, or
+                 first its release re-recorded (a crash lost the record of a published prompt)
     on_decision  the DefaultDataBuffer's decision on a group (stored, filtered, aborted, stale)
     on_recycled  a custom DataBuffer gives a group back (its decisions are not observable)
     on_put_returned  the DataBuffer's put() returned
     on_handed    the DataBuffer's get() handed a group for a step: the lease grows, completes
     on_get / on_get_timeout  the trainer asks for a step's lease
     on_commit    the trainer trained steps up to s
-    on_version   the engines run a new weight version (the staleness clock)
+    on_version   the engines run a new weight version (the staleness clock, unless the trainer's
+                 get names its own version: fully async)
     on_heartbeat a producer's in-flight cap
 
 One group at a time is in put() (the service awaits it); a DataBuffer may hand it out before its
