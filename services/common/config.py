@@ -254,8 +254,16 @@ class RolloutSection(Section):
     custom_generate_function_path: str | None = Field(
         None, description="module.fn: async fn(config, sample, engine, sampling_params)."
     )
+    sglang_server_concurrency: int = Field(
+        512,
+        ge=1,
+        description="Generate requests a producer keeps in flight per engine at most (Miles's per-server "
+        "semaphore; through a router, this times --rollout-num-engines). Ours, never passed to SGLang.",
+    )
     rollout_function_path: str | None = Field(
-        None, description="module.fn replacing the whole rollout loop (not with --fully-async)."
+        None,
+        description="Miles's custom rollout loop. Not supported: the producer owns the loop in every mode, so "
+        "it is rejected with what to use instead (--custom-generate-function-path, --custom-rm-path).",
     )
     dynamic_sampling_filter_path: str | None = Field(
         None,
@@ -308,8 +316,16 @@ class AsyncSection(Section):
     pause_generation_mode: Literal["retract", "in_place", "abort"] = Field(
         "retract", description="How engines pause for a weight update."
     )
-    colocate: bool = Field(False, description="Training and rollout share devices (not with --fully-async).")
-    partial_rollout: bool = Field(False, description="Resume aborted samples (not with --fully-async).")
+    colocate: bool = Field(
+        False,
+        description="Miles's shared training/rollout devices. Not supported (training and rollout are separate "
+        "processes on separate devices, with no offload between them): rejected with a message.",
+    )
+    partial_rollout: bool = Field(
+        False,
+        description="Miles's resumption of aborted samples. Not supported (an aborted group is regenerated "
+        "whole, --async-unused-samples-handler retry): rejected with a message.",
+    )
     rollout_health_check_interval: float = Field(
         30.0, ge=0, description="Producers poll every engine's /health_generate this often (0 = never)."
     )
@@ -358,6 +374,22 @@ class AsyncSection(Section):
                     "--fully-async cannot be combined with a custom rollout function "
                     "(--rollout-function-path): the fully-async producer owns the rollout loop; use "
                     "--custom-generate-function-path to customise generation instead"
+                )
+        else:  # accepted by Miles outside fully async; asyncrl has neither, so it says so
+            if self.colocate:
+                errs.append(
+                    "--colocate is not supported: training and rollout run as separate processes on separate "
+                    "devices, with no offload between them; drop --colocate"
+                )
+            if self.partial_rollout:
+                errs.append(
+                    "--partial-rollout is not supported: an aborted group is regenerated whole (set "
+                    "--async-unused-samples-handler retry to retry it); drop --partial-rollout"
+                )
+            if self.rollout_function_path:
+                errs.append(
+                    "--rollout-function-path is not supported: the producer owns the rollout loop; customise "
+                    "generation with --custom-generate-function-path and rewards with --custom-rm-path"
                 )
         capacity = math.floor(self.async_data_buffer_capacity_factor * self.rollout_batch_size)
         if capacity < 1:
@@ -471,7 +503,11 @@ class EvalSection(Section):
         "backpressure",
         description="When --eval-max-in-flight points are pending: wait for the oldest, or skip as busy.",
     )
-    eval_keep_snapshots: int = Field(2, ge=1, description="Exported eval snapshots kept after their evaluation.")
+    eval_keep_snapshots: int = Field(
+        2,
+        ge=0,
+        description="Exported eval snapshots kept after their evaluation (0: none, each is deleted once evaluated).",
+    )
     eval_engine_urls: list[str] = Field(
         default_factory=list,
         description="Attach the eval fleet to these running engines instead of launching --eval-num-gpus of them.",

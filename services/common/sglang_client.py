@@ -46,9 +46,11 @@ class SGLangClient:
     fail; its unfinished requests are then cancelled there and retried on another engine. A
     cancelled generate (e.g. a sibling trajectory failed) is aborted on its engine by rid."""
 
-    def __init__(self, urls: list[str], max_retries: int = 3, retry_delay_s: float = 1.0, api_key: str | None = None):
+    def __init__(self, urls: list[str], max_retries: int = 3, retry_delay_s: float = 1.0, api_key: str | None = None,
+                 max_concurrency: int | None = None):  # fmt: skip
         """api_key: sent as `Authorization: Bearer <key>` on every call (SGLang's --api-key, the
-        built-in engine's run token)."""
+        built-in engine's run token). max_concurrency: /generate calls in flight per URL at most
+        (Miles's --sglang-server-concurrency semaphore); the others wait for a slot."""
         if not urls:
             raise ValueError("no engine URLs: start engines or pass --rollout-external-engine-addrs")
         self.urls = [normalize_url(u) for u in urls]
@@ -62,6 +64,7 @@ class SGLangClient:
         self._aborts: set[asyncio.Task] = set()  # fire-and-forget aborts, referenced until done
         self._session: aiohttp.ClientSession | None = None
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._slots = {u: asyncio.Semaphore(max_concurrency) for u in self.urls} if max_concurrency else {}
 
     @property
     def http(self) -> aiohttp.ClientSession:
@@ -135,7 +138,7 @@ class SGLangClient:
     async def _generate_on(self, url: str, body: dict) -> dict:
         """One call, raced against the engine being declared down; cancelled -> aborted there."""
         self.outstanding[url] += 1
-        call = asyncio.ensure_future(self._post_generate(url, body))
+        call = asyncio.ensure_future(self._post_in_slot(url, body))
         # raced against the engine's next failure; `pick` may choose an engine marked down
         # (none is up), and then a success marks it up again
         down = asyncio.ensure_future(self._down_event(url).wait())
@@ -157,6 +160,12 @@ class SGLangClient:
         finally:
             down.cancel()
             self.outstanding[url] -= 1
+
+    async def _post_in_slot(self, url: str, body: dict) -> dict:
+        if url not in self._slots:
+            return await self._post_generate(url, body)
+        async with self._slots[url]:
+            return await self._post_generate(url, body)
 
     async def _post_generate(self, url: str, body: dict) -> dict:
         try:

@@ -4,11 +4,14 @@ A `--eval-function-path` class subclasses CheckpointEvalFn. The eval service bui
 `cls(config)` and calls `evaluate_checkpoint(checkpoint_dir, input)` for every eval point, with
 the HF snapshot of that point (complete: its `.complete` marker exists) and a dict:
 
-    {"step": int, "weight_version": int, "datasets": {name: [rows]}, "n_samples_per_prompt": int,
-     "sampling_params": dict}
+    {"step": int, "weight_version": str(step), "trainer_version": int, "datasets": {name: [rows]},
+     "n_samples_per_prompt": int, "sampling_params": dict}
 
-It returns metrics (a dict of floats; keys without an "eval/" prefix get one), or raises
-EvalSkip(reason) to record the point as skipped with that reason. It may be sync or async.
+`weight_version` names the point as Miles does (the step, as a string: the version to load it
+under on a server); `trainer_version` is the trainer's push counter at the point. It returns
+metrics (a dict of floats; keys without an "eval/" prefix get one), or raises EvalSkip(reason)
+to record the point as skipped with that reason; any other exception records it as `crashed`.
+It may be sync or async. `dispose()` (sync or async) is called once when the eval service stops.
 """
 
 from __future__ import annotations
@@ -30,3 +33,6 @@ class CheckpointEvalFn:
 
     def evaluate_checkpoint(self, checkpoint_dir: str, input: dict) -> dict[str, float]:  # noqa: A002
         raise NotImplementedError
+
+    def dispose(self) -> None:
+        """Release what the evaluator holds (clients, servers); called once at shutdown."""

@@ -5,8 +5,9 @@ HTTP protocol (a real SGLang server, the SGLang router, or asyncrl's built-in en
     ASYNCRL_EVAL_SERVER_URL=http://host:port   (the server to attach to)
 
 Per snapshot: load it on the server (update_weights_from_disk, weight_version = str(step)),
-read the version back (one retry, else EvalSkip("pin_violation")), generate the held-out prompts
-and score them with the run's reward. A server that is not healthy skips as "unhealthy".
+read the version back (one retry, else an error: the point is recorded as `crashed`, as Miles's
+evaluator fails), generate the held-out prompts and score them with the run's reward. A server
+that is not healthy skips as "unhealthy".
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ class SGLangServerEval(CheckpointEvalFn):
         try:
             if not await client.health_generate(client.urls[0], timeout=30.0):
                 raise EvalSkip("unhealthy")
-            if not await client.pin(client.urls[0], checkpoint_dir, str(input["step"])):
-                raise EvalSkip("pin_violation")
+            if not await client.pin(client.urls[0], checkpoint_dir, input["weight_version"]):
+                raise RuntimeError(f"{client.urls[0]} did not take weight version {input['weight_version']} of "
+                                   f"{checkpoint_dir}: its answers would not be this snapshot's")  # fmt: skip
             metrics: dict[str, float] = {}
             for name, rows in input["datasets"].items():
                 metrics.update(await evaluate_dataset(client, self.tokenizer, self.reward_fn, self.config, name, rows,

@@ -16,7 +16,7 @@ A snapshot counts only with its `.complete` marker (`ckpt_missing` otherwise); a
 raises reports `crashed`. Snapshots exported for eval points are retired after their point on
 every outcome, keeping the newest --eval-keep-snapshots; other snapshots are never deleted.
 Metrics: eval/<dataset>, eval/<dataset>/weight_version/{mean,mixed_version_ratio},
-  eval/duration_seconds, eval/export_time_seconds, eval/step, eval/skipped_<reason>.
+  eval/duration_seconds (from dispatch: the time it queued included), eval/export_time_seconds, eval/step, eval/skipped_<reason>.
 """
 
 from __future__ import annotations
@@ -126,6 +126,13 @@ class EvalService(Service):
         log.info("eval fleet ready: %s", urls)
 
     async def teardown(self) -> None:
+        if self.evaluator is not None:
+            try:
+                out = self.evaluator.dispose()
+                if inspect.isawaitable(out):
+                    await out
+            except Exception as e:  # shutting down anyway: say so, go on
+                log.error("%s.dispose raised %s: %s", self.config.eval_function_path, type(e).__name__, e)
         for client in (self.client, self.fleet_client):
             if client is not None:
                 await client.close()
@@ -210,6 +217,9 @@ class EvalService(Service):
         finally:
             self.busy = False
         duration = time.perf_counter() - t0
+        queued = time.time() - req.requested_at  # as Miles: from the point's dispatch, its wait included
+        if 0 < req.requested_at and duration <= queued < 7 * 86400:  # (a clock from another host may be off)
+            duration = queued
         metrics = {**metrics, "eval/step": req.step, "eval/duration_seconds": duration}
         if req.exported:
             metrics["eval/export_time_seconds"] = req.export_time_s
@@ -280,7 +290,8 @@ class EvalService(Service):
         snapshot = self._snapshot(req)
         inp = {
             "step": req.step,
-            "weight_version": req.version,
+            "weight_version": str(req.step),
+            "trainer_version": req.version,
             "datasets": self.datasets,
             "n_samples_per_prompt": self.config.n_samples_per_eval_prompt,
             "sampling_params": self._sampling_params(),

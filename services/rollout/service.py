@@ -94,9 +94,11 @@ class RolloutService(Service):
             if config.custom_generate_function_path
             else default_generate
         )
+        routed = bool(config.rollout_router_url)  # a router spreads over every engine: their slots together
         self.client = SGLangClient(
-            [config.rollout_router_url] if config.rollout_router_url else config.rollout_engine_urls,
+            [config.rollout_router_url] if routed else config.rollout_engine_urls,
             api_key=self.http_token,
+            max_concurrency=config.sglang_server_concurrency * (max(1, config.rollout_num_engines) if routed else 1),
         )
         self.engine = EngineHandle(self.client, self.tokenizer)
         self.submission_open = asyncio.Event()

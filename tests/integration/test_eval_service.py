@@ -133,3 +133,84 @@ async def test_exported_snapshots_retire_and_others_stay(nats_server, run_id, ta
     finally:
         await svc.stop()
         await bus.close()
+
+
+async def test_keeping_no_eval_snapshot_deletes_each_once_evaluated(nats_server, run_id, task_data, tiny_model_dir,
+                                                                     tmp_path):  # fmt: skip
+    """--eval-keep-snapshots 0, as in Miles: an exported snapshot is deleted once evaluated."""
+    cfg = config(task_data, tiny_model_dir, tmp_path, eval_function_path=f"{__name__}.GoodEval", eval_keep_snapshots=0)
+    svc = await start_service(EvalService, cfg, nats_server.url, run_id)
+    bus = await Bus.connect(nats_server.url, run_id, "test")
+    try:
+        for i in range(2):
+            path = snapshot(tiny_model_dir, tmp_path / "evalhf" / f"step_{i}")
+            res = await ask(bus, EvalRequest(step=i, version=i, snapshot_uri=path, exported=True, export_time_s=0.1))
+            assert not res.skipped_reason and not (tmp_path / "evalhf" / f"step_{i}").exists()
+    finally:
+        await svc.stop()
+        await bus.close()
+
+
+async def test_eval_duration_counts_from_dispatch(nats_server, run_id, task_data, tiny_model_dir, tmp_path):
+    """eval/duration_seconds includes the time the point waited in the queue, as in Miles."""
+    import time
+
+    cfg = config(task_data, tiny_model_dir, tmp_path, eval_function_path=f"{__name__}.GoodEval")
+    svc = await start_service(EvalService, cfg, nats_server.url, run_id)
+    bus = await Bus.connect(nats_server.url, run_id, "test")
+    try:
+        path = snapshot(tiny_model_dir, tmp_path / "evalhf" / "step_1")
+        res = await ask(bus, EvalRequest(step=1, version=1, snapshot_uri=path, requested_at=time.time() - 30))
+        assert res.metrics["eval/duration_seconds"] >= 30
+    finally:
+        await svc.stop()
+        await bus.close()
+
+
+SEEN: list = []
+
+
+class RecordingEval(CheckpointEvalFn):
+    def evaluate_checkpoint(self, checkpoint_dir, input):
+        SEEN.append(("evaluate", input["weight_version"], input["trainer_version"]))
+        return {"x": 1.0}
+
+    async def dispose(self):
+        SEEN.append(("dispose",))
+
+
+async def test_an_external_evaluator_gets_the_step_as_weight_version_and_is_disposed(
+    nats_server, run_id, task_data, tiny_model_dir, tmp_path
+):
+    """As in Miles: weight_version == str(step) of the point (not the trainer's push counter),
+    and dispose() once at shutdown."""
+    SEEN.clear()
+    cfg = config(task_data, tiny_model_dir, tmp_path, eval_function_path=f"{__name__}.RecordingEval")
+    svc = await start_service(EvalService, cfg, nats_server.url, run_id)
+    bus = await Bus.connect(nats_server.url, run_id, "test")
+    try:
+        await ask(bus, EvalRequest(step=4, version=2, snapshot_uri=snapshot(tiny_model_dir, tmp_path / "s4")))
+        assert SEEN == [("evaluate", "4", 2)]
+    finally:
+        await svc.stop()
+        await bus.close()
+    assert SEEN == [("evaluate", "4", 2), ("dispose",)]
+
+
+async def test_the_reference_evaluators_pin_failure_is_a_crash(nats_server, run_id, task_data, tiny_model_dir,
+                                                                tmp_path, monkeypatch):  # fmt: skip
+    """A server that does not take the point's weights: the reference evaluator fails (recorded
+    as `crashed`, as Miles's does), it does not skip quietly."""
+    with EngineThread(tiny_model_dir) as server:
+        monkeypatch.setenv("ASYNCRL_EVAL_SERVER_URL", server.url)
+        cfg = config(task_data, tiny_model_dir, tmp_path, eval_function_path="services.eval.reference.SGLangServerEval")
+        svc = await start_service(EvalService, cfg, nats_server.url, run_id)
+        bus = await Bus.connect(nats_server.url, run_id, "test")
+        try:
+            real = server.scheduler.update_weights_from_disk
+            server.scheduler.update_weights_from_disk = lambda path, version, **kw: real(path, None, **kw)
+            res = await ask(bus, EvalRequest(step=2, version=2, snapshot_uri=snapshot(tiny_model_dir, tmp_path / "s2")))
+            assert res.skipped_reason == "crashed" and res.metrics["eval/skipped_crashed"] == 1.0
+        finally:
+            await svc.stop()
+            await bus.close()

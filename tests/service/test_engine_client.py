@@ -98,3 +98,29 @@ async def test_a_request_on_a_stuck_engine_marked_down_does_not_hang(tiny_model_
             gate.open()
             monitor.cancel()
             await client.close()
+
+
+async def test_requests_in_flight_per_engine_are_capped(tiny_model_dir):
+    """--sglang-server-concurrency: at most that many /generate calls in flight per engine; the
+    others wait for a slot (and all are served)."""
+    with EngineThread(tiny_model_dir) as a:
+        for cap, expect in ((2, 2), (None, 6)):
+            client = SGLangClient([a.url], max_concurrency=cap)
+            in_flight, peak = 0, 0
+            post = client._post_generate
+
+            async def counted(url, body, post=post):
+                nonlocal in_flight, peak
+                in_flight += 1
+                peak = max(peak, in_flight)
+                try:
+                    return await post(url, body)
+                finally:
+                    in_flight -= 1
+
+            client._post_generate = counted
+            try:
+                results = await asyncio.gather(*(client.generate(gen_body()) for _ in range(6)))
+                assert len(results) == 6 and peak == expect, (cap, peak)
+            finally:
+                await client.close()

@@ -59,6 +59,9 @@ RULES = [
     ({"fully_async": True, "colocate": True}, "--fully-async cannot be combined with --colocate"),
     ({"fully_async": True, "partial_rollout": True}, "--fully-async cannot be combined with --partial-rollout"),
     ({"fully_async": True, "rollout_function_path": "m.f"}, "--fully-async cannot be combined with a custom rollout function"),
+    ({"colocate": True}, "--colocate is not supported"),  # accepted and ignored before: nothing decorative
+    ({"driver": "sync", "partial_rollout": True}, "--partial-rollout is not supported"),
+    ({"rollout_function_path": "m.f"}, "--rollout-function-path is not supported"),
     ({"async_data_buffer_capacity_factor": 0}, "--async-data-buffer-capacity-factor must be > 0"),
     ({"async_data_buffer_capacity_factor": 0.01, "rollout_batch_size": 4}, "holds no group"),
     ({"async_max_concurrent_samples": 4, "n_samples_per_prompt": 8}, "must be >= --n-samples-per-prompt"),

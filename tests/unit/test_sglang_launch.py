@@ -43,3 +43,12 @@ def test_without_sglang_the_error_says_what_to_do(tmp_path):
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 1
     assert "needs SGLang installed" in r.stderr and "--rollout-external-engine-addrs" in r.stderr
+
+
+def test_sglang_server_concurrency_is_ours_never_passed_to_sglang():
+    """Miles's --sglang-server-concurrency is the producer's per-engine semaphore, not a flag of
+    sglang.launch_server (which would refuse it as unknown)."""
+    c = _resolve("asyncrl train-async", ["--engine", "sglang", "--sglang-server-concurrency", "8",
+                                          "--sglang-mem-fraction-static", "0.5", "--hf-checkpoint", "/m"], sync=False)  # fmt: skip
+    assert c.sglang_server_concurrency == 8
+    assert c.sglang_server_args == ["--mem-fraction-static", "0.5"]
