@@ -15,8 +15,10 @@ Backends (SPEC.md section 7; services.common.config.eval_backend picks one):
 A snapshot counts only with its `.complete` marker (`ckpt_missing` otherwise); an evaluator that
 raises reports `crashed`. Snapshots exported for eval points are retired after their point on
 every outcome, keeping the newest --eval-keep-snapshots; other snapshots are never deleted.
-Metrics: eval/<dataset>, eval/<dataset>/weight_version/{mean,mixed_version_ratio},
-  eval/duration_seconds (from dispatch: the time it queued included), eval/export_time_seconds, eval/step, eval/skipped_<reason>.
+Metrics (Miles's names): eval/<dataset>, eval/<dataset>-truncated_ratio, eval/<dataset>-none_reward_ratio,
+  eval/<dataset>/response_len/{mean,median,max,min}, eval/<dataset>/weight_version/{mean,median,max,min,
+  mixed_version_ratio}, eval/duration_seconds (from dispatch: the time it queued included),
+  eval/export_time_seconds, eval/step, eval/skipped_<reason>.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ import inspect
 import json
 import logging
 import shutil
+import statistics
 import time
 from pathlib import Path
 
-from asyncrl_proto import ControlMsg, EvalRequest, EvalResult, Sample, WeightsLive, decode
+from asyncrl_proto import ControlMsg, EvalRequest, EvalResult, Sample, SampleStatus, WeightsLive, decode
 from asyncrl_proto.messages import scalar_reward
 from services.common import crash, procs
 from services.common.bus import VersionBound, fetch_some, keep_alive, settle
@@ -353,10 +356,20 @@ async def evaluate_dataset(client, tokenizer, reward_fn, config, name: str, rows
     samples = await asyncio.gather(*(one(r) for r in rows for _ in range(config.n_samples_per_eval_prompt)))
     rewards = [scalar_reward(s, config.reward_key) for s in samples]
     versions = [min(s.weight_versions) for s in samples if s.weight_versions]
-    out = {f"eval/{name}": sum(rewards) / len(rewards)}
+    out = {
+        f"eval/{name}": sum(rewards) / len(rewards),  # Miles's names: "<set>-<ratio>", "<set>/<facts>/<stat>"
+        f"eval/{name}-truncated_ratio": sum(s.status == SampleStatus.TRUNCATED for s in samples) / len(samples),
+        f"eval/{name}-none_reward_ratio": sum(s.reward is None for s in samples) / len(samples),
+        **_stats(f"eval/{name}/response_len", [s.response_length for s in samples]),
+    }
     if versions:
-        out[f"eval/{name}/weight_version/mean"] = sum(versions) / len(versions)
+        out.update(_stats(f"eval/{name}/weight_version", versions))
         out[f"eval/{name}/weight_version/mixed_version_ratio"] = sum(
             len(set(s.weight_versions)) > 1 for s in samples
         ) / len(samples)
     return out
+
+
+def _stats(prefix: str, values: list) -> dict[str, float]:
+    return {f"{prefix}/mean": sum(values) / len(values), f"{prefix}/median": float(statistics.median(values)),
+            f"{prefix}/max": float(max(values)), f"{prefix}/min": float(min(values))}  # fmt: skip

@@ -70,6 +70,11 @@ async def test_fleet_pins_each_point_to_its_snapshot(nats_server, run_id, task_d
             assert res.skipped_reason is None and m["eval/step"] == 3 and "eval/heldout" in m
             assert m["eval/heldout/weight_version/mean"] == 3.0  # every sample came from the pinned snapshot
             assert m["eval/heldout/weight_version/mixed_version_ratio"] == 0.0
+            # Miles's per-set facts: truncated and no-reward shares, response lengths, version stats
+            assert 0 <= m["eval/heldout-truncated_ratio"] <= 1 and m["eval/heldout-none_reward_ratio"] == 0.0
+            assert [m[f"eval/heldout/weight_version/{k}"] for k in ("median", "max", "min")] == [3.0, 3.0, 3.0]
+            lens = [m[f"eval/heldout/response_len/{k}"] for k in ("min", "median", "max")]
+            assert 1 <= lens[0] <= lens[1] <= lens[2] and lens[0] <= m["eval/heldout/response_len/mean"] <= lens[2]
             missing = await ask(
                 bus,
                 EvalRequest(step=4, version=4, snapshot_uri=snapshot(tiny_model_dir, tmp_path / "s4", complete=False)),
