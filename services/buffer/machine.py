@@ -142,6 +142,8 @@ class BufferMachine:
         self._metrics = metrics
         self.observed = observed
         """The DataBuffer reports its decisions (on_decision); otherwise puts are `accepted`."""
+        self.retry = config.async_unused_samples_handler == "retry"
+        """Aborted and stale groups go back to the data source (else they are dropped)."""
         self.state = BufferState()
         self._events: list[LedgerEvent] = []
         self.live_version: int | None = None
@@ -206,20 +208,20 @@ class BufferMachine:
     def release_state(self, now: float) -> ReleaseState:
         self.producers = {k: v for k, v in self.producers.items() if now - v[0] < PRODUCER_TIMEOUT_S}
         caps = [cap for _, cap in self.producers.values()]
+        s = self.state
         need = 0
         if self.want_step is not None:
-            for step in range(self.state.committed_step + 1, self.want_step + self.lookahead + 1):
-                lease = self.state.leases.get(step)
+            for step in range(s.committed_step + 1, self.want_step + self.lookahead + 1):
+                lease = s.leases.get(step)
                 need += self.config.rollout_batch_size - (len(lease.refs) if lease else 0)
-        s = self.state
         accounted = (s.counters.get("trained", 0) + s.counters.get("failed", 0) + len(s.stored) + len(s.outstanding)
                      + len(self.releasing) + sum(len(lease.refs) for lease in s.leases.values()))  # fmt: skip
         return ReleaseState(
             groups_left=self.config.total_steps * self.config.rollout_batch_size - accounted,
             mode=self.config.mode, batch_size=self.config.rollout_batch_size, capacity=self.config.buffer_capacity,
             inflight_cap=sum(caps) if caps else self.config.inflight_groups, want_step=self.want_step,
-            lookahead=self.lookahead, groups_still_needed=need, stored=len(self.state.stored),
-            outstanding=len(self.state.outstanding) + len(self.releasing), live_version=self.live_version,
+            lookahead=self.lookahead, groups_still_needed=need, stored=len(s.stored),
+            outstanding=len(s.outstanding) + len(self.releasing), live_version=self.live_version,
             min_version=self.min_version,
         )  # fmt: skip
 
@@ -283,9 +285,10 @@ class BufferMachine:
                  raw: bytes) -> Out:  # fmt: skip
         """A group read from ROLLOUTS (`rg` None when not even its identity decodes)."""
         gid = group_id(rg.group_index, rg.attempt) if rg is not None else ""
-        if gid in self.releasing:
+        state = self.group_state(gid)
+        if state is GroupState.RELEASING:
             return Out(settle="wait")
-        if undecodable is None and self.group_state(gid) is GroupState.SETTLED and (lost := self._lost_release(rg)):
+        if undecodable is None and state is GroupState.SETTLED and (lost := self._lost_release(rg)):
             if self.releasing:  # one release at a time: judge it after the one in flight
                 return Out(settle="wait")
             return Out(settle="release", release=self._releasing(lost))
@@ -295,7 +298,7 @@ class BufferMachine:
                          attempt=rg.attempt if rg is not None else 0, stream_seq=stream_seq)  # fmt: skip
             return self._out(settle="term", dead_letters=[(msg, problem)])
         common = {"group_id": gid, "group_index": rg.group_index, "attempt": rg.attempt}
-        if self.group_state(gid) is not GroupState.OUTSTANDING:
+        if state is not GroupState.OUTSTANDING:
             self._record("put", outcome="duplicate", stream_seq=stream_seq, **common)
             return self._out(settle="ack")
         self.gid_of[rg.group_index] = gid
@@ -317,19 +320,18 @@ class BufferMachine:
     def on_decision(self, kind: str, group: list, reason: str | None) -> None:
         """The DefaultDataBuffer's decisions, synchronously as it makes them (before any other
         coroutine can get a stored group); recorded into the next Out."""
-        retry = self.config.async_unused_samples_handler == "retry"
         if kind == "stored":
             self._record_put("stored")
         elif kind == "filtered":
             self._record_put("filtered", reason or "")
         elif kind == "aborted":
-            self._record_put("aborted", recycled=retry)
+            self._record_put("aborted", recycled=self.retry)
         elif kind == "stale":
             gi = _group_index(group)
             gid = self.gid_of.pop(gi)
             self.raw_of.pop(gid, None)
             self._record(
-                "stale", group_id=gid, group_index=gi, staleness=staleness(self.clock(), group), recycled=retry
+                "stale", group_id=gid, group_index=gi, staleness=staleness(self.clock(), group), recycled=self.retry
             )
 
     def on_recycled(self, group: list) -> None:
@@ -338,21 +340,19 @@ class BufferMachine:
         says, as in Miles. (The DefaultDataBuffer's decisions are on_decision.)"""
         if self.observed:
             return
-        retry = self.config.async_unused_samples_handler == "retry"
         gi = _group_index(group)
         gid = self.gid_of.pop(gi, None)
         if gid is None:
             log.warning("%s recycled a group the buffer does not know (group_index %d); ignored", self.plugin_path, gi)
         elif gid in self.state.stored:
-            self._record("stale", group_id=gid, group_index=gi, recycled=retry)
+            self._record("stale", group_id=gid, group_index=gi, recycled=self.retry)
         elif self.putting is not None and self.putting.group_id == gid:
             self.putting.handed_back = True
 
     def on_put_returned(self) -> Out:
         cur = self.putting
         if cur is not None and not cur.recorded:  # a custom buffer: its decision is not observable
-            retry = self.config.async_unused_samples_handler == "retry"
-            self._record_put("aborted" if cur.handed_back else "accepted", recycled=cur.handed_back and retry)
+            self._record_put("aborted" if cur.handed_back else "accepted", recycled=cur.handed_back and self.retry)
         self.putting = None
         return self._out()
 

@@ -391,7 +391,7 @@ class AsyncSection(Section):
                     "--rollout-function-path is not supported: the producer owns the rollout loop; customise "
                     "generation with --custom-generate-function-path and rewards with --custom-rm-path"
                 )
-        capacity = math.floor(self.async_data_buffer_capacity_factor * self.rollout_batch_size)
+        capacity = self.buffer_capacity
         if capacity < 1:
             errs.append(
                 f"buffer capacity floor({self.async_data_buffer_capacity_factor} * "
@@ -541,7 +541,7 @@ class EvalSection(Section):
                     "(reuse periodic HF checkpoints)."
                 )
             if not self.eval_hf_dir and self.save_hf and self.eval_interval:
-                save_every = self.save_interval or (self.num_rollout or 150)
+                save_every = self.save_interval or self.total_steps
                 if self.eval_interval % save_every:
                     errs.append(
                         f"Snapshot eval from --save-hf checkpoints needs --eval-interval ({self.eval_interval}) to be "

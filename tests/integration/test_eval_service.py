@@ -3,6 +3,8 @@ point, every skip reason, an external evaluator, snapshot retirement."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from asyncrl_proto import EvalRequest, EvalResult, WeightsPublished, decode
@@ -37,6 +39,18 @@ def config(task_data, model_dir, run_dir, **kw) -> RunConfig:
     return RunConfig(**base)
 
 
+@contextlib.asynccontextmanager
+async def running(cfg: RunConfig, nats_server, run_id: str):
+    """An eval service on `cfg`, and a bus to send it points; both stopped afterwards."""
+    svc = await start_service(EvalService, cfg, nats_server.url, run_id)
+    bus = await Bus.connect(nats_server.url, run_id, "test")
+    try:
+        yield bus
+    finally:
+        await svc.stop()
+        await bus.close()
+
+
 async def ask(bus: Bus, req: EvalRequest) -> EvalResult:
     s = bus.subjects
     sub = await bus.pull(s.eval_stream, s.eval_results, durable=f"t{req.step}-{id(req)}")
@@ -62,9 +76,7 @@ def snapshot(model_dir, path, complete=True) -> str:
 async def test_fleet_pins_each_point_to_its_snapshot(nats_server, run_id, task_data, tiny_model_dir, tmp_path):
     with EngineThread(tiny_model_dir) as fleet:
         cfg = config(task_data, tiny_model_dir, tmp_path, eval_engine_urls=[fleet.url])
-        svc = await start_service(EvalService, cfg, nats_server.url, run_id)
-        bus = await Bus.connect(nats_server.url, run_id, "test")
-        try:
+        async with running(cfg, nats_server, run_id) as bus:
             res = await ask(bus, EvalRequest(step=3, version=3, snapshot_uri=snapshot(tiny_model_dir, tmp_path / "s3")))
             m = res.metrics
             assert res.skipped_reason is None and m["eval/step"] == 3 and "eval/heldout" in m
@@ -85,23 +97,15 @@ async def test_fleet_pins_each_point_to_its_snapshot(nats_server, run_id, task_d
             fleet.scheduler.update_weights_from_disk = lambda path, version, **kw: real(path, None, **kw)
             pin = await ask(bus, EvalRequest(step=5, version=5, snapshot_uri=snapshot(tiny_model_dir, tmp_path / "s5")))
             assert pin.skipped_reason == "pin_violation"
-        finally:
-            await svc.stop()
-            await bus.close()
 
 
 async def test_an_unhealthy_fleet_skips(nats_server, run_id, task_data, tiny_model_dir, tmp_path):
     fleet = EngineThread(tiny_model_dir).__enter__()
     cfg = config(task_data, tiny_model_dir, tmp_path, eval_engine_urls=[fleet.url])
-    svc = await start_service(EvalService, cfg, nats_server.url, run_id)
-    bus = await Bus.connect(nats_server.url, run_id, "test")
-    try:
+    async with running(cfg, nats_server, run_id) as bus:
         fleet.__exit__(None, None, None)  # the fleet engine goes away after start-up
         res = await ask(bus, EvalRequest(step=2, version=2, snapshot_uri=snapshot(tiny_model_dir, tmp_path / "s2")))
         assert res.skipped_reason == "unhealthy" and res.metrics["eval/skipped_unhealthy"] == 1.0
-    finally:
-        await svc.stop()
-        await bus.close()
 
 
 @pytest.mark.parametrize(
@@ -109,25 +113,18 @@ async def test_an_unhealthy_fleet_skips(nats_server, run_id, task_data, tiny_mod
 )
 async def test_external_evaluator(nats_server, run_id, task_data, tiny_model_dir, tmp_path, cls, expect):
     cfg = config(task_data, tiny_model_dir, tmp_path, eval_function_path=f"{__name__}.{cls}")
-    svc = await start_service(EvalService, cfg, nats_server.url, run_id)
-    bus = await Bus.connect(nats_server.url, run_id, "test")
-    try:
+    async with running(cfg, nats_server, run_id) as bus:
         res = await ask(bus, EvalRequest(step=1, version=1, snapshot_uri=snapshot(tiny_model_dir, tmp_path / "s1")))
         assert res.skipped_reason == expect
         if expect is None:
             assert res.metrics["eval/custom-set"] == 0.5 and res.metrics["eval/custom-set/extra"] == 1.0
         else:
             assert res.metrics[f"eval/skipped_{expect}"] == 1.0
-    finally:
-        await svc.stop()
-        await bus.close()
 
 
 async def test_exported_snapshots_retire_and_others_stay(nats_server, run_id, task_data, tiny_model_dir, tmp_path):
     cfg = config(task_data, tiny_model_dir, tmp_path, eval_function_path=f"{__name__}.GoodEval")
-    svc = await start_service(EvalService, cfg, nats_server.url, run_id)
-    bus = await Bus.connect(nats_server.url, run_id, "test")
-    try:
+    async with running(cfg, nats_server, run_id) as bus:
         ours = [snapshot(tiny_model_dir, tmp_path / "evalhf" / f"step_{i}") for i in range(4)]
         theirs = snapshot(tiny_model_dir, tmp_path / "users-checkpoint")
         for i, path in enumerate(ours):
@@ -135,25 +132,17 @@ async def test_exported_snapshots_retire_and_others_stay(nats_server, run_id, ta
         await ask(bus, EvalRequest(step=9, version=9, snapshot_uri=theirs))
         assert [p.name for p in sorted((tmp_path / "evalhf").iterdir())] == ["step_2", "step_3"]
         assert (tmp_path / "users-checkpoint" / COMPLETE_MARKER).exists()
-    finally:
-        await svc.stop()
-        await bus.close()
 
 
 async def test_keeping_no_eval_snapshot_deletes_each_once_evaluated(nats_server, run_id, task_data, tiny_model_dir,
                                                                      tmp_path):  # fmt: skip
     """--eval-keep-snapshots 0, as in Miles: an exported snapshot is deleted once evaluated."""
     cfg = config(task_data, tiny_model_dir, tmp_path, eval_function_path=f"{__name__}.GoodEval", eval_keep_snapshots=0)
-    svc = await start_service(EvalService, cfg, nats_server.url, run_id)
-    bus = await Bus.connect(nats_server.url, run_id, "test")
-    try:
+    async with running(cfg, nats_server, run_id) as bus:
         for i in range(2):
             path = snapshot(tiny_model_dir, tmp_path / "evalhf" / f"step_{i}")
             res = await ask(bus, EvalRequest(step=i, version=i, snapshot_uri=path, exported=True, export_time_s=0.1))
             assert not res.skipped_reason and not (tmp_path / "evalhf" / f"step_{i}").exists()
-    finally:
-        await svc.stop()
-        await bus.close()
 
 
 async def test_eval_duration_counts_from_dispatch(nats_server, run_id, task_data, tiny_model_dir, tmp_path):
@@ -161,15 +150,10 @@ async def test_eval_duration_counts_from_dispatch(nats_server, run_id, task_data
     import time
 
     cfg = config(task_data, tiny_model_dir, tmp_path, eval_function_path=f"{__name__}.GoodEval")
-    svc = await start_service(EvalService, cfg, nats_server.url, run_id)
-    bus = await Bus.connect(nats_server.url, run_id, "test")
-    try:
+    async with running(cfg, nats_server, run_id) as bus:
         path = snapshot(tiny_model_dir, tmp_path / "evalhf" / "step_1")
         res = await ask(bus, EvalRequest(step=1, version=1, snapshot_uri=path, requested_at=time.time() - 30))
         assert res.metrics["eval/duration_seconds"] >= 30
-    finally:
-        await svc.stop()
-        await bus.close()
 
 
 SEEN: list = []
@@ -191,14 +175,9 @@ async def test_an_external_evaluator_gets_the_step_as_weight_version_and_is_disp
     and dispose() once at shutdown."""
     SEEN.clear()
     cfg = config(task_data, tiny_model_dir, tmp_path, eval_function_path=f"{__name__}.RecordingEval")
-    svc = await start_service(EvalService, cfg, nats_server.url, run_id)
-    bus = await Bus.connect(nats_server.url, run_id, "test")
-    try:
+    async with running(cfg, nats_server, run_id) as bus:
         await ask(bus, EvalRequest(step=4, version=2, snapshot_uri=snapshot(tiny_model_dir, tmp_path / "s4")))
         assert SEEN == [("evaluate", "4", 2)]
-    finally:
-        await svc.stop()
-        await bus.close()
     assert SEEN == [("evaluate", "4", 2), ("dispose",)]
 
 
@@ -209,13 +188,8 @@ async def test_the_reference_evaluators_pin_failure_is_a_crash(nats_server, run_
     with EngineThread(tiny_model_dir) as server:
         monkeypatch.setenv("ASYNCRL_EVAL_SERVER_URL", server.url)
         cfg = config(task_data, tiny_model_dir, tmp_path, eval_function_path="services.eval.reference.SGLangServerEval")
-        svc = await start_service(EvalService, cfg, nats_server.url, run_id)
-        bus = await Bus.connect(nats_server.url, run_id, "test")
-        try:
+        async with running(cfg, nats_server, run_id) as bus:
             real = server.scheduler.update_weights_from_disk
             server.scheduler.update_weights_from_disk = lambda path, version, **kw: real(path, None, **kw)
             res = await ask(bus, EvalRequest(step=2, version=2, snapshot_uri=snapshot(tiny_model_dir, tmp_path / "s2")))
             assert res.skipped_reason == "crashed" and res.metrics["eval/skipped_crashed"] == 1.0
-        finally:
-            await svc.stop()
-            await bus.close()
