@@ -243,6 +243,8 @@ class ProgressRecord(msgspec.Struct, kw_only=True):
     record: dict[str, Any] = msgspec.field(default_factory=dict)
     done: bool = False
     error: str | None = None
+    last_eval: int | None = None
+    """On the final record: the last eval point the trainer dispatched (steps trained before it)."""
 
 
 class EvalRequest(msgspec.Struct, kw_only=True):
@@ -251,6 +253,9 @@ class EvalRequest(msgspec.Struct, kw_only=True):
 
     step: int
     version: int
+    rollout_id: int | None = None
+    """The point's name on Miles's axis (eval/step): the step just trained (step - 1), or for a
+    baseline point the step it precedes (step). None: `step`."""
     snapshot_uri: str = ""
     final: bool = False
     requested_at: float = 0.0

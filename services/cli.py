@@ -85,7 +85,11 @@ def _cmd_train(argv: list[str], sync: bool) -> int:
         f"done in {result['wall_s']:.0f}s: {result['steps']} steps, final weight version {result['final_weight_version']}"
     )
     if r0 is not None and r1 is not None:
-        print(f"held-out reward ({result['heldout_dataset']}): step 0 {r0:.3f} -> end {r1:.3f} ({r1 - r0:+.3f})")
+        after = result["heldout_reward_final_after_steps"]
+        print(f"held-out reward ({result['heldout_dataset']}): before training {r0:.3f} -> after {after} steps "
+              f"{r1:.3f} ({r1 - r0:+.3f})")  # fmt: skip
+    elif r1 is None:
+        print("no held-out evaluation (set --eval-interval N to evaluate every N steps and at the end)")
     print(json.dumps({k: v for k, v in result.items() if k != "evals"}))
     return 0
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from asyncrl_proto import EvalRequest, EvalResult, ProgressRecord, WeightsLive, decode
+from asyncrl_proto import EvalResult, ProgressRecord, WeightsLive, decode
 from asyncrl_proto.codec import MalformedMessage
 from services.common import procs
 from services.common.bus import STORE_DIR_ENV, Bus
@@ -255,18 +255,7 @@ class Launcher:
             await asyncio.to_thread(self.wait_ready)
             self._print_services()
             await self._watch(bus)
-            if c.mode == "sync" and c.total_steps not in self.evals:
-                await bus.publish(
-                    bus.subjects.eval_requests,
-                    EvalRequest(
-                        step=c.total_steps,
-                        version=self._final_version(),
-                        final=True,
-                        snapshot_uri=self._final_snapshot(),
-                        requested_at=time.time(),
-                    ),  # fmt: skip
-                )
-            await self._wait_final_eval()
+            await self._wait_last_eval()
             self.engines_paused = await asyncio.to_thread(self._paused_engines)
         finally:
             await bus.close()
@@ -288,20 +277,6 @@ class Launcher:
     def _final_version(self) -> int:
         return int(self.done.record.get("weight_version", 0)) if self.done else 0
 
-    def _final_snapshot(self) -> str:
-        """The final weights as an HF snapshot, for the snapshot eval backends: the last step's
-        --save-hf checkpoint, else the last pushed version, else (nothing pushed) the initial
-        checkpoint; "" when the final weights are nowhere complete (the point is skipped)."""
-        c = self.config
-        saved = Path(c.save_hf) / f"step_{c.total_steps}" if c.save_hf else None
-        if saved is not None and is_complete(saved):
-            return str(saved)
-        version = self._final_version()
-        if version == 0:
-            return c.hf_checkpoint
-        pushed = self.run_dir / "weights" / f"v{version}"
-        return str(pushed.resolve()) if is_complete(pushed) else ""
-
     async def _watch(self, bus) -> None:
         async with httpx.AsyncClient() as http:
             while self.done is None:
@@ -322,9 +297,11 @@ class Launcher:
             if rec is not None and rec.done and rec.step == self.config.total_steps:
                 self.done = rec
 
-    async def _wait_final_eval(self) -> None:
+    async def _wait_last_eval(self) -> None:
+        """Wait for the last eval point the trainer dispatched (none without --eval-interval)."""
+        last = self.done.last_eval if self.done else None
         deadline = time.monotonic() + FINAL_EVAL_TIMEOUT_S
-        while self.config.total_steps not in self.evals:
+        while last is not None and last not in self.evals:
             self.check_children(allow_exit=("trainer",))
             if time.monotonic() > deadline:
                 raise LaunchError(f"the final evaluation did not finish within {FINAL_EVAL_TIMEOUT_S:.0f}s")
@@ -373,7 +350,10 @@ class Launcher:
             self.evals[res.step] = res
             main = {k: v for k, v in res.metrics.items() if k.count("/") == 1 and not k.startswith("eval/duration")}
             shown = ", ".join(f"{k} {v:.3f}" for k, v in main.items() if k != "eval/step")
-            self.out(f"  eval @ step {res.step} (weights v{res.version}): {shown} [{res.duration_s:.1f}s]")
+            name = int(res.metrics.get("eval/step", res.step))
+            self.out(
+                f"  eval/step {name} (after {res.step} steps, weights v{res.version}): {shown} [{res.duration_s:.1f}s]"
+            )
 
     def _print_services(self) -> None:
         self.out(f"run {self.config.run_id} in {self.run_dir}")
@@ -385,8 +365,8 @@ class Launcher:
 
     def summary(self) -> dict:
         key = f"eval/{self.config.eval_prompt_data[0]}" if self.config.eval_prompt_data else None
-        first = self.evals.get(0)
-        last = self.evals.get(self.config.total_steps)
+        first = self.evals.get(0)  # the baseline: no step trained
+        last = self.evals[max(self.evals)] if self.evals else None  # the latest weights evaluated
         r0 = first.metrics.get(key) if first and key else None
         r1 = last.metrics.get(key) if last and key else None
         result = {
@@ -398,9 +378,10 @@ class Launcher:
             "heldout_dataset": self.config.eval_prompt_data[0] if self.config.eval_prompt_data else None,
             "heldout_reward_step0": r0,
             "heldout_reward_final": r1,
+            "heldout_reward_final_after_steps": max(self.evals) if self.evals else None,
             "heldout_reward_gain": (r1 - r0) if r0 is not None and r1 is not None else None,
             "engines_paused_at_end": self.engines_paused,
-            "evals": {str(k): v.metrics for k, v in sorted(self.evals.items())},
+            "evals": {str(k): v.metrics for k, v in sorted(self.evals.items())},  # keyed by steps trained before
         }
         (self.run_dir / "result.json").write_text(json.dumps(result, indent=2))
         return result

@@ -52,6 +52,7 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
     rows = check_datasets(config.model_copy(update=updates))
     if config.num_rollout is None:
         updates["num_rollout"] = steps_of_epochs(config, rows)
+        updates["num_rollout_per_epoch"] = rows // config.rollout_batch_size
         log(f"--num-epoch {config.num_epoch}: {rows} prompts per epoch -> {updates['num_rollout']} steps")
     if config.hf_checkpoint is None:
         from services.tasks import reverse_digits

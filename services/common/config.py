@@ -245,6 +245,12 @@ class RolloutSection(Section):
         ge=1,
         description="Epochs over --prompt-data when --num-rollout is unset: (prompts // B) x this steps.",
     )
+    num_rollout_per_epoch: int | None = Field(
+        None,
+        ge=1,
+        description="Steps per epoch (prompts // B), set by the launcher when --num-epoch gives the run's length: "
+        "every epoch's last step is then also a save and eval point, as in Miles.",
+    )
     rm_type: str | None = Field(None, description="Built-in reward; default: the task's reward (reverse-digits).")
     reward_key: str | None = Field(None, description="Key to read when a reward is a dict.")
     custom_rm_path: str | None = Field(
@@ -452,7 +458,16 @@ class TrainerSection(Section):
     )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
     save: str | None = Field(None, description="Directory for training checkpoints.")
-    save_interval: int | None = Field(None, ge=1, description="Save every this many steps (needs --save).")
+    save_interval: int | None = Field(
+        None,
+        ge=1,
+        description="Save (--save checkpoint, --save-hf snapshot) after step r when (r + 1) % this == 0, at "
+        "every epoch's end and after the last step. Unset: no save at all, as in Miles.",
+    )
+    save_trigger_sentinel: str | None = Field(
+        None,
+        description="A file path: when the file exists after a step, save then (as if due) and delete the file.",
+    )
     load: str | None = Field(None, description="Resume from this checkpoint directory.")
     save_hf: str | None = Field(None, description="Directory for periodic HF snapshots.")
     keep_weight_snapshots: int = Field(
@@ -461,8 +476,8 @@ class TrainerSection(Section):
 
     def problems(self) -> list[str]:
         errs = []
-        if self.save_interval is not None and not self.save:
-            errs.append("--save-interval needs --save: set --save DIR for the checkpoints")
+        if self.save_interval is not None and not (self.save or self.save_hf):
+            errs.append("--save-interval needs --save (checkpoints) or --save-hf (HF snapshots): set the directory")
         if self.train_backend == "megatron" and self.trainer_num_ranks > 1:
             errs.append(
                 "--train-backend megatron runs one trainer rank in this version (tensor/pipeline parallel sizes 1): "
@@ -540,8 +555,13 @@ class EvalSection(Section):
                     "Snapshot eval requires a snapshot source: set --eval-hf-dir (staging exports) or --save-hf "
                     "(reuse periodic HF checkpoints)."
                 )
-            if not self.eval_hf_dir and self.save_hf and self.eval_interval:
-                save_every = self.save_interval or self.total_steps
+            if not self.eval_hf_dir and self.save_hf and self.eval_interval and self.save_interval is None:
+                errs.append(
+                    "Snapshot eval from --save-hf checkpoints needs --save-interval (without it nothing is saved): "
+                    "set --save-interval, or --eval-hf-dir to export a snapshot per eval point"
+                )
+            elif not self.eval_hf_dir and self.save_hf and self.eval_interval:
+                save_every = self.save_interval
                 if self.eval_interval % save_every:
                     errs.append(
                         f"Snapshot eval from --save-hf checkpoints needs --eval-interval ({self.eval_interval}) to be "
@@ -588,15 +608,42 @@ class RunConfig(EvalSection, TrainerSection, AsyncSection, RolloutSection, DataS
             return self.num_rollout
         return 150  # only a config built in code: the launcher refuses a run that names neither
 
+    def update_due(self, rollout_id: int) -> bool:
+        """The weights are pushed after step r: every step in sync (on-policy by definition),
+        else iff (r + 1) % --update-weights-interval == 0 (no forced push after the last step)."""
+        return self.mode == "sync" or (rollout_id + 1) % self.update_weights_interval == 0
+
+    def save_due(self, rollout_id: int) -> bool:
+        """A periodic save after step r (the --save-trigger-sentinel adds more at run time)."""
+        return periodic_due(rollout_id, self.save_interval, self.num_rollout_per_epoch, self.total_steps)
+
+    def eval_due(self, rollout_id: int) -> bool:
+        """An eval point after step r; the last step forces one in the async drivers only."""
+        last = self.total_steps if self.mode != "sync" else None
+        return periodic_due(rollout_id, self.eval_interval, self.num_rollout_per_epoch, last)
+
+    def baseline_eval_due(self, start_step: int) -> bool:
+        """An eval point before training starts at `start_step` (named by it): before the run's
+        first step, and in the synchronous driver before the first step after a resume too, as in
+        Miles; never with --skip-eval-before-train or without --eval-interval."""
+        if self.eval_interval is None or self.skip_eval_before_train or start_step >= self.total_steps:
+            return False
+        return start_step == 0 or self.mode == "sync"
+
+    @property
+    def checkpoints_resume(self) -> bool:
+        """A restarted trainer resumes from --save checkpoints (with the optimizer state), and the
+        trainer commits a step only once it is checkpointed; otherwise it commits every pushed
+        step and resumes from that weight snapshot."""
+        return bool(self.save and self.save_interval)
+
     @property
     def commit_interval(self) -> int:
-        """The trainer commits a step (the buffer retires its groups) every this many steps, and
-        a restarted trainer resumes after the last commit: at every checkpoint with --save (at
-        the end only without --save-interval), else at every weight push, whose snapshot then
-        holds the weights to resume from."""
-        if self.save:
-            return self.save_interval or self.total_steps
-        return 1 if self.mode == "sync" else self.update_weights_interval  # sync pushes after every step
+        """The most steps between two commits (a save at an epoch's end or on the sentinel only
+        adds commits): the buffer's window of steps the trainer may ask for."""
+        if self.checkpoints_resume:
+            return self.save_interval
+        return 1 if self.mode == "sync" else self.update_weights_interval
 
     @field_validator("run_id")
     @classmethod
@@ -625,6 +672,18 @@ class RunConfig(EvalSection, TrainerSection, AsyncSection, RolloutSection, DataS
         if errs:
             raise ConfigError("\n".join(errs))
         return self
+
+
+def periodic_due(rollout_id: int, interval: int | None, per_epoch: int | None = None, total: int | None = None) -> bool:
+    """Miles's rule for a periodic action (save, eval) after step `rollout_id` (0-based): never
+    without an interval; after the last step when `total` is given; else when (r + 1) is a
+    multiple of the interval or ends an epoch."""
+    if interval is None:
+        return False
+    if total is not None and rollout_id == total - 1:
+        return True
+    done = rollout_id + 1
+    return done % interval == 0 or (per_epoch is not None and done % per_epoch == 0)
 
 
 def eval_backend(c: RunConfig) -> str:

@@ -7,7 +7,7 @@ Backends (SPEC.md section 7; services.common.config.eval_backend picks one):
   shared   (default) the rollout engines at the live version: producers stop submitting for the
            eval's duration (in-flight requests finish and are buffered; nothing is aborted).
   fleet    (--eval-num-gpus) engines owned by this service: every point pins them to the point's
-           HF snapshot (update_weights_from_disk, weight_version = str(step), read back, one
+           HF snapshot (update_weights_from_disk, weight_version = str(eval/step), read back, one
            retry); an unhealthy fleet skips as `unhealthy`, a pin that does not hold as
            `pin_violation`. Training never pauses for it.
   external (--eval-function-path) a CheckpointEvalFn subclass evaluates the snapshot; EvalSkip
@@ -67,6 +67,11 @@ class SkipPoint(Exception):
 def eval_datasets(config) -> list[tuple[str, str]]:
     pairs = config.eval_prompt_data
     return [(pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2)]
+
+
+def point_name(req: EvalRequest) -> int:
+    """The point's name on Miles's axis: eval/step, and the weight version it is pinned under."""
+    return req.rollout_id if req.rollout_id is not None else req.step
 
 
 class EvalService(Service):
@@ -180,6 +185,8 @@ class EvalService(Service):
         c = self.config
         if not 0 <= req.step <= c.total_steps:
             return f"eval request for step {req.step}, outside the run's 0..{c.total_steps}"
+        if req.rollout_id is not None and req.rollout_id not in (req.step, req.step - 1) or point_name(req) < 0:
+            return f"eval request named rollout {req.rollout_id} for the weights after {req.step} steps"
         if not await self.published.allows(req.version):
             return f"eval request for weight version {req.version}, never published (newest {self.published.value})"
         if req.snapshot_uri and not self._is_run_snapshot(req.snapshot_uri):
@@ -223,7 +230,7 @@ class EvalService(Service):
         queued = time.time() - req.requested_at  # as Miles: from the point's dispatch, its wait included
         if 0 < req.requested_at and duration <= queued < 7 * 86400:  # (a clock from another host may be off)
             duration = queued
-        metrics = {**metrics, "eval/step": req.step, "eval/duration_seconds": duration}
+        metrics = {**metrics, "eval/step": point_name(req), "eval/duration_seconds": duration}
         if req.exported:
             metrics["eval/export_time_seconds"] = req.export_time_s
         if skipped:
@@ -284,7 +291,7 @@ class EvalService(Service):
         health = await asyncio.gather(*(c.health_generate(u, HEALTH_TIMEOUT_S) for u in c.urls))
         if not all(health):
             raise SkipPoint("unhealthy")
-        pinned = await asyncio.gather(*(c.pin(u, snapshot, str(req.step)) for u in c.urls))
+        pinned = await asyncio.gather(*(c.pin(u, snapshot, str(point_name(req))) for u in c.urls))
         if not all(pinned):
             raise SkipPoint("pin_violation")
         return await self._evaluate_all(c)
@@ -292,8 +299,8 @@ class EvalService(Service):
     async def _external(self, req: EvalRequest) -> dict[str, float]:
         snapshot = self._snapshot(req)
         inp = {
-            "step": req.step,
-            "weight_version": str(req.step),
+            "step": point_name(req),
+            "weight_version": str(point_name(req)),
             "trainer_version": req.version,
             "datasets": self.datasets,
             "n_samples_per_prompt": self.config.n_samples_per_eval_prompt,

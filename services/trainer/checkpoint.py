@@ -59,6 +59,11 @@ def latest_checkpoint(save_dir: str | Path | None) -> Path | None:
     return complete[-1] if complete else None
 
 
+def ckpt_step(path: Path) -> int:
+    """The step a checkpoint directory (`iter_<step>`) was taken after."""
+    return int(path.name.removeprefix("iter_"))
+
+
 def load_checkpoint(path: str | Path, model, optimizer) -> dict:
     path = Path(path)
     load_weights_into(model, path / "hf")

@@ -54,7 +54,7 @@ from services.common.runtime import Service, wait_event
 from services.common.snapshot import is_complete, remove_snapshot
 from services.common.validate import Limits, eval_result_problem, finite_metrics, sample_problem
 from services.model.hf_io import load_weights_into, save_model
-from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from services.trainer.checkpoint import ckpt_step, latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.core import (
     apply_sample_filter,
     assemble_batch,
@@ -117,6 +117,7 @@ class TrainerService(Service):
         self.trained_path = self.run_dir / "trained.jsonl"
         self.dp = None
         self.eval_pending: set[int] = set()  # eval points requested and not yet answered
+        self.last_eval: int | None = None  # the last eval point dispatched (the launcher waits for it)
         self._eval_done = asyncio.Event()
 
     async def setup(self) -> None:
@@ -137,15 +138,17 @@ class TrainerService(Service):
         await self.bus.subscribe(s.heartbeat("rollout"), self._on_producer_heartbeat)
 
     async def _resume(self) -> None:
-        """Continue from the newest complete checkpoint, if any; else after the buffer's
-        committed step, from the weight snapshot pushed after it (no --save: that snapshot is the
-        checkpoint, less the optimizer state). The weight version continues from the newest
-        version ever published, so a version number never names two weights."""
+        """Continue from the newest complete checkpoint unless the buffer's committed step is
+        newer (a checkpoint taken on the sentinel, then commits on weight pushes); then after the
+        committed step, from the weight snapshot pushed after it (that snapshot is the checkpoint,
+        less the optimizer state). The weight version continues from the newest version ever
+        published, so a version number never names two weights."""
         published = await self.bus.last_published_version()
         ckpt = latest_checkpoint(self.config.load or self.config.save)
-        if ckpt is None:
+        committed = await self._committed_step()
+        if ckpt is None or ckpt_step(ckpt) < committed:
             self.version = published
-            await self._resume_from_snapshot()
+            await self._resume_from_snapshot(committed)
             return
         info = await asyncio.to_thread(load_checkpoint, ckpt, self.model, self.optimizer)
         self.step = info["step"] + 1
@@ -154,11 +157,12 @@ class TrainerService(Service):
         await self._commit(info["step"])  # in case we died between the checkpoint and its commit
         log.info("resumed from %s: next step %d, weight version %d", ckpt, self.step, self.version)
 
-    async def _resume_from_snapshot(self) -> None:
+    async def _committed_step(self) -> int:
         req = self._get_request(0, lookahead=0, wait_s=0.0)
-        committed = (
-            await self._request(self.bus.subjects.buffer_get, req, BufferGetReply, "question where to resume")
-        ).committed_step
+        reply = await self._request(self.bus.subjects.buffer_get, req, BufferGetReply, "question where to resume")
+        return reply.committed_step
+
+    async def _resume_from_snapshot(self, committed: int) -> None:
         self._truncate_records(committed)  # the steps after it are trained again
         if committed < 0:
             return
@@ -223,8 +227,15 @@ class TrainerService(Service):
         if c.mode == "sync" and c.update_weights_interval != 1:
             log.warning("--update-weights-interval %d is ignored by the synchronous driver (train): it is on-policy, "
                         "so it pushes the weights after every step", c.update_weights_interval)  # fmt: skip
-        if not c.skip_eval_before_train and self.step == 0:
-            await self._request_eval(0, final=False)
+        if c.save and not c.save_interval:
+            log.warning("--save without --save-interval saves no checkpoint (as in Miles; a restart resumes from the "
+                        "last pushed weights, without the optimizer state): set --save-interval N")  # fmt: skip
+        if c.mode != "sync" and total % c.update_weights_interval and not (c.save_interval or c.save_trigger_sentinel):
+            log.warning("the last %d steps end after the last weight push (--update-weights-interval %d) and nothing "
+                        "saves them: set --save-interval to keep the final weights",
+                        total % c.update_weights_interval, c.update_weights_interval)  # fmt: skip
+        if c.baseline_eval_due(self.step):  # named by the step it precedes
+            await self._request_eval(self.step, rollout_id=self.step, start=True)
         self.loop_started = time.perf_counter()
         batch = await self._fetch(self.step) if self.step < total else None  # resumed after the last step?
         prefetch: asyncio.Future | None = None
@@ -242,7 +253,7 @@ class TrainerService(Service):
                     self.num_nonfinite_skipped += 1
                     log.error("step %d: the loss or the gradient norm is not finite; the update was skipped "
                               "(weights and optimizer unchanged)", step)  # fmt: skip
-                update_due = c.mode == "sync" or (step + 1) % c.update_weights_interval == 0 or step + 1 == total
+                update_due = c.update_due(step)
                 next_batch = None
                 if update_due and prefetch is not None:
                     # no weight update while a batch is being leased: step r+1's groups are all judged
@@ -264,12 +275,12 @@ class TrainerService(Service):
                                       time.perf_counter() - t_step)  # fmt: skip
                 await self._emit(step, record)
                 crash.point("trainer", "records_before_checkpoint")
-                await self._checkpoint_and_commit(step, last=step + 1 == total)
+                await self._checkpoint_and_commit(step, pushed=update_due)
                 crash.point("trainer", "commit_before_next_step")
                 self.step = step + 1
                 self._check_failures(groups)
-                if c.eval_interval and self.step % c.eval_interval == 0 and self.step < total:
-                    await self._request_eval(self.step, final=False)
+                if c.eval_due(step):  # named by the step just trained, on Miles's axis
+                    await self._request_eval(step + 1, rollout_id=step)
                 if self.step < total:
                     if next_batch is not None:
                         batch = next_batch
@@ -283,13 +294,11 @@ class TrainerService(Service):
         finally:
             if prefetch is not None:
                 prefetch.cancel()
-        if c.mode != "sync":
-            await self._request_eval(total, final=True)  # the last step forces eval in async drivers
         await self._finish()
 
     async def _finish(self, error: str | None = None) -> None:
         total = self.config.total_steps
-        done = ProgressRecord(step=total, done=True, record=self.last_record, error=error)
+        done = ProgressRecord(step=total, done=True, record=self.last_record, error=error, last_eval=self.last_eval)
         await self.bus.publish_durably([(self.bus.subjects.progress, done, None)], "the final progress record")
         if error:
             log.error("the run failed at step %d: %s", self.step, error)
@@ -457,24 +466,30 @@ class TrainerService(Service):
             self.snapshots.remove(old)
             remove_snapshot(old)
 
-    async def _checkpoint_and_commit(self, step: int, last: bool) -> None:
-        """Save due after step r when (r + 1) % --save-interval == 0, and after the last step;
-        --save-hf writes an HF snapshot (`step_<r + 1>`, `.complete` last) at the same points.
-        The buffer learns a step is done (commit) only once it can be resumed from: with --save,
-        its checkpoint; without, the weight snapshot pushed after it (every --update-weights-
-        interval steps: RunConfig.commit_interval). A restarted trainer gets the later steps'
-        groups again."""
+    async def _checkpoint_and_commit(self, step: int, pushed: bool) -> None:
+        """Save after step r when due (RunConfig.save_due: --save-interval, epoch ends, the last
+        step; never without --save-interval) or when the --save-trigger-sentinel file exists
+        (then deleted): a --save checkpoint and a --save-hf snapshot `step_<r + 1>` (`.complete`
+        last). The buffer learns a step is done (commit) only once it can be resumed from: with
+        --save and --save-interval, its checkpoint; otherwise the weight snapshot pushed after it
+        (RunConfig.checkpoints_resume). A restarted trainer gets the later steps' groups again."""
         c = self.config
-        due = last or bool(c.save_interval and (step + 1) % c.save_interval == 0)
-        if due and c.save_hf:
+        sentinel = Path(c.save_trigger_sentinel) if c.save_trigger_sentinel else None
+        triggered = sentinel is not None and sentinel.exists()
+        saved = triggered or c.save_due(step)
+        if saved and c.save_hf:
             path = Path(c.save_hf) / f"step_{step + 1}"
             await asyncio.to_thread(save_model, self.model, path, c.hf_checkpoint)
-        if not (last or (step + 1) % c.commit_interval == 0):
-            return
-        if c.save:
+        if saved and c.save:
             await asyncio.to_thread(
                 save_checkpoint, c.save, step, self.model, self.optimizer, self.version, c.hf_checkpoint
             )
+        if triggered:
+            log.info("step %d saved on %s (--save-trigger-sentinel), which is now deleted", step, sentinel)
+            sentinel.unlink(missing_ok=True)
+        resumable = bool(saved and c.save) if c.checkpoints_resume else pushed
+        if not (resumable or step + 1 == c.total_steps):
+            return
         crash.point("trainer", "checkpoint_before_commit")
         await self._commit(step)
 
@@ -506,14 +521,19 @@ class TrainerService(Service):
                     ) from e
                 await asyncio.sleep(0.5)
 
-    async def _request_eval(self, step: int, final: bool) -> None:
-        """Dispatch an eval point (SPEC.md section 7): at most --eval-max-in-flight pending, then
-        wait for the oldest (backpressure) or skip as `busy` (never the final point); snapshot
-        backends get a fresh export in --eval-hf-dir, or the --save-hf checkpoint of the step."""
+    async def _request_eval(self, step: int, rollout_id: int, start: bool = False) -> None:
+        """Dispatch the eval point of the weights after `step` steps, named `rollout_id` on
+        Miles's axis (eval/step: the step just trained, or the one a baseline point precedes)
+        (SPEC.md section 7): at most --eval-max-in-flight pending, then wait for the oldest
+        (backpressure) or skip as `busy` (never the last step's point); snapshot backends get
+        --hf-checkpoint itself before any training, else a fresh export in --eval-hf-dir or the
+        --save-hf checkpoint of the step."""
         c = self.config
+        final = step == c.total_steps
+        self.last_eval = step
         while len(self.eval_pending) >= c.eval_max_in_flight:
             if c.eval_overflow_policy == "skip" and not final:
-                await self._publish_eval_skip(step, "busy")
+                await self._publish_eval_skip(step, rollout_id, "busy")
                 return
             self._eval_done.clear()
             if not await wait_event(self._eval_done, EVAL_WAIT_WARN_S):
@@ -522,7 +542,9 @@ class TrainerService(Service):
                             c.eval_max_in_flight, step)  # fmt: skip
         uri, exported, export_s = "", False, 0.0
         if eval_backend(c) != "shared":
-            if c.eval_hf_dir:
+            if step == 0:
+                uri = c.hf_checkpoint  # the initial weights themselves: nothing to export
+            elif c.eval_hf_dir:
                 path = Path(c.eval_hf_dir) / f"step_{step}"
                 t0 = time.perf_counter()
                 try:
@@ -530,29 +552,29 @@ class TrainerService(Service):
                 except Exception as e:
                     log.error("exporting the eval snapshot of step %d to %s failed: %s", step, path, e)
                     await asyncio.to_thread(shutil.rmtree, path, True)  # a failed export leaves nothing behind
-                    await self._publish_eval_skip(step, "export_failed")
+                    await self._publish_eval_skip(step, rollout_id, "export_failed")
                     return
                 uri, exported, export_s = str(path), True, time.perf_counter() - t0  # paths are absolute (launcher)
-            elif step == 0:
-                uri = c.hf_checkpoint  # the initial weights, before any save
             else:
                 uri = str(Path(c.save_hf) / f"step_{step}")
-        req = EvalRequest(step=step, version=self.version, snapshot_uri=uri, final=final, requested_at=time.time(),
-                          exported=exported, export_time_s=export_s)  # fmt: skip
+        req = EvalRequest(step=step, rollout_id=rollout_id, version=self.version, snapshot_uri=uri, final=final,
+                          requested_at=time.time(), exported=exported, export_time_s=export_s)  # fmt: skip
         self.eval_pending.add(step)
         # one request per eval point, even when a resumed trainer passes the point again; a
         # duplicate was answered before the restart (or will be, and the answer clears it anyway;
         # a retry whose first ack was lost also reads as one: the count is then one short until
         # the next answer, which clears every point up to its own, since evals run in order)
+        # (a sync resume's baseline point evaluates the weights of the point before it again, as Miles)
+        msg_id = f"eval-{step}-start" if start and step > 0 else f"eval-{step}"
         (ack,) = await self.bus.publish_durably(
-            [(self.bus.subjects.eval_requests, req, f"eval-{step}")], f"eval request {step}"
+            [(self.bus.subjects.eval_requests, req, msg_id)], f"eval request {step}"
         )
         if ack.duplicate:
             self.eval_pending.discard(step)
 
-    async def _publish_eval_skip(self, step: int, reason: str) -> None:
+    async def _publish_eval_skip(self, step: int, rollout_id: int, reason: str) -> None:
         res = EvalResult(step=step, version=self.version, skipped_reason=reason,
-                         metrics={f"eval/skipped_{reason}": 1.0, "eval/step": step})  # fmt: skip
+                         metrics={f"eval/skipped_{reason}": 1.0, "eval/step": rollout_id})  # fmt: skip
         log.warning("eval point %d skipped: %s", step, reason)
         await self.bus.publish_durably([(self.bus.subjects.eval_results, res, None)], f"eval skip {step}")
 

@@ -104,7 +104,7 @@ def test_fully_async_run_end_to_end(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out
-    assert "held-out reward (reverse-digits): step 0" in out and "[step    8/8]" in out
+    assert "held-out reward (reverse-digits): before training" in out and "[step    8/8]" in out
     recs = records(run_dir)
     assert [r["step"] for r in recs] == list(range(8))
     assert [r["weight_version"] for r in recs] == list(range(1, 9))  # one push per step
@@ -116,35 +116,46 @@ def test_fully_async_run_end_to_end(tmp_path):
     assert all(r["rollout/num_samples"] == 16 for r in recs)
     result = json.loads((run_dir / "result.json").read_text())
     assert result["final_weight_version"] == 8 and result["heldout_reward_final"] is not None
-    assert set(result["evals"]) == {"0", "4", "8"}
+    # keyed by the steps trained before each point; named on Miles's axis by the step just trained
+    assert {k: m["eval/step"] for k, m in result["evals"].items()} == {"0": 0, "4": 3, "8": 7}
     assert_nothing_left(run_dir)
 
 
 @pytest.mark.parametrize("command", ["train", "train-async"])
 def test_sync_and_one_step_drivers(tmp_path, command):
     run_dir = tmp_path / "run"
-    r = asyncrl(command, *SMALL, "--num-rollout", "4", "--run-dir", str(run_dir), "--update-weights-interval", "2",
-                "--save", str(run_dir / "ckpt"), "--save-interval", "2", "--save-hf", str(run_dir / "hf"), cwd=tmp_path)  # fmt: skip
+    sentinel = tmp_path / "save-now"
+    sentinel.write_text("")  # present from the start: a save after step 0 as well, then it is deleted
+    r = asyncrl(command, *SMALL, "--num-rollout", "5", "--run-dir", str(run_dir), "--update-weights-interval", "2",
+                "--save", str(run_dir / "ckpt"), "--save-interval", "2", "--save-hf", str(run_dir / "hf"),
+                "--save-trigger-sentinel", str(sentinel), "--eval-interval", "2", cwd=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     recs = records(run_dir)
     if command == "train":  # synchronous is on-policy: a push after every step, whatever the interval says
-        assert [r["weight_version"] for r in recs] == [1, 2, 3, 4]
+        assert [r["weight_version"] for r in recs] == [1, 2, 3, 4, 5]
         trainer_log = (run_dir / "logs" / "trainer.log").read_text()
         assert trainer_log.count("--update-weights-interval 2 is ignored by the synchronous driver") == 1
     else:
-        assert [r["weight_version"] for r in recs] == [0, 1, 1, 2]  # pushes every 2 steps
-    # saves due after steps 1 and 3 ((r + 1) % 2 == 0): checkpoints and HF snapshots, markers last
-    assert sorted(p.name for p in (run_dir / "ckpt").glob("iter_*")) == ["iter_0000001", "iter_0000003"]
-    assert sorted(p.name for p in (run_dir / "hf").iterdir()) == ["step_2", "step_4"]
+        assert [r["weight_version"] for r in recs] == [0, 1, 1, 2, 2]  # pushes iff (r + 1) % 2 == 0: none forced
+    # saves due after steps 1 and 3 ((r + 1) % 2 == 0) and the last, 4, plus step 0 on the sentinel;
+    # checkpoints (the newest 2 kept) and HF snapshots, markers last
+    assert not sentinel.exists()
+    assert sorted(p.name for p in (run_dir / "ckpt").glob("iter_*")) == ["iter_0000003", "iter_0000004"]
+    assert sorted(p.name for p in (run_dir / "hf").iterdir()) == ["step_1", "step_2", "step_4", "step_5"]
     assert all((p / ".complete").exists() for p in (run_dir / "hf").iterdir())
+    # eval points on Miles's axis: the baseline (0), after steps 1 and 3 (named 1 and 3); the last
+    # step forces one only in the async drivers
+    evals = json.loads((run_dir / "result.json").read_text())["evals"]
+    names = {k: m["eval/step"] for k, m in evals.items()}
+    assert names == ({"0": 0, "2": 1, "4": 3} if command == "train" else {"0": 0, "2": 1, "4": 3, "5": 4})
     if command == "train":
         # synchronous: every batch was generated on the weights of the previous push
         for rec in recs:
             assert rec["rollout/weight_version/max"] == rec["rollout/weight_version/min"]
-        assert [rec["rollout/weight_version/min"] for rec in recs] == [0, 1, 2, 3]
+        assert [rec["rollout/weight_version/min"] for rec in recs] == [0, 1, 2, 3, 4]
     else:
         # one-step: step r+1's batch is generated while step r trains, so it lags by one step
-        assert [rec["rollout/weight_version/min"] for rec in recs] == [0, 0, 0, 1]
+        assert [rec["rollout/weight_version/min"] for rec in recs] == [0, 0, 0, 1, 1]
     assert_nothing_left(run_dir)
 
 
@@ -190,8 +201,10 @@ def test_data_parallel_trainer(tmp_path, placement):
     run_dir = tmp_path / "run"
     extra = ["--use-ray"] if placement == "ray" else []
     r = asyncrl("train-async", "--fully-async", *SMALL, "--num-rollout", "3", "--trainer-num-ranks", "2",
-                "--skip-eval-before-train", "--run-dir", str(run_dir), *extra, cwd=tmp_path, timeout=300)  # fmt: skip
+                "--run-dir", str(run_dir), *extra, cwd=tmp_path, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert json.loads((run_dir / "result.json").read_text())["evals"] == {}  # no --eval-interval: no eval at all
+    assert "set --eval-interval N" in r.stdout
     recs = records(run_dir)
     assert [x["step"] for x in recs] == [0, 1, 2] and all(x["train/dp_world_size"] == 2 for x in recs)
     ranks = json.loads((run_dir / "trainer-ranks.json").read_text())
@@ -204,7 +217,7 @@ def test_megatron_backend_trains_and_its_snapshots_serve(tmp_path):
     pytest.importorskip("megatron.core")
     run_dir = tmp_path / "run"
     r = asyncrl("train-async", "--fully-async", *SMALL, "--num-rollout", "3", "--train-backend", "megatron",
-                "--run-dir", str(run_dir), cwd=tmp_path)  # fmt: skip
+                "--eval-interval", "3", "--skip-eval-before-train", "--run-dir", str(run_dir), cwd=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     recs = records(run_dir)
     assert [x["weight_version"] for x in recs] == [1, 2, 3]
@@ -220,11 +233,13 @@ def test_dedicated_eval_fleet(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     evals = json.loads((run_dir / "result.json").read_text())["evals"]
     assert set(evals) == {"0", "2", "4"}
-    for step, m in evals.items():  # snapshot points: the fleet ran exactly the snapshot of the step
-        assert m["eval/reverse-digits/weight_version/mean"] == int(step) == m["eval/step"]
+    for m in evals.values():  # snapshot points: the fleet ran exactly the snapshot of the point, pinned by its name
+        assert m["eval/reverse-digits/weight_version/mean"] == m["eval/step"]
         assert m["eval/reverse-digits/weight_version/mixed_version_ratio"] == 0.0
-        assert m["eval/export_time_seconds"] > 0
-    assert len(list((run_dir / "evalhf").iterdir())) == 2  # retired down to --eval-keep-snapshots
+    assert [evals[k]["eval/step"] for k in ("0", "2", "4")] == [0, 1, 3]
+    assert "eval/export_time_seconds" not in evals["0"]  # the baseline is --hf-checkpoint itself, not an export
+    assert evals["2"]["eval/export_time_seconds"] > 0 and evals["4"]["eval/export_time_seconds"] > 0
+    assert sorted(p.name for p in (run_dir / "evalhf").iterdir()) == ["step_2", "step_4"]  # kept: 2
     assert (run_dir / "logs" / "eval-engine-0.log").exists()
     assert_nothing_left(run_dir)
 
@@ -242,9 +257,10 @@ def test_external_evaluator_attached_to_an_sglang_protocol_server(tmp_path, tiny
             cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env,
         )  # fmt: skip
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        assert server.scheduler.weight_version == "2"  # the evaluator pinned the server to step 2's snapshot
+        # the evaluator pinned the server to the last point's snapshot, named as Miles names it: step 1
+        assert server.scheduler.weight_version == "1"
     evals = json.loads((run_dir / "result.json").read_text())["evals"]
-    assert evals["2"]["eval/reverse-digits/weight_version/mean"] == 2.0 and "eval/skipped_crashed" not in evals["2"]
+    assert evals["2"]["eval/reverse-digits/weight_version/mean"] == 1.0 and "eval/skipped_crashed" not in evals["2"]
 
 
 SLOW_EVAL = """

@@ -171,14 +171,15 @@ class RecordingEval(CheckpointEvalFn):
 async def test_an_external_evaluator_gets_the_step_as_weight_version_and_is_disposed(
     nats_server, run_id, task_data, tiny_model_dir, tmp_path
 ):
-    """As in Miles: weight_version == str(step) of the point (not the trainer's push counter),
-    and dispose() once at shutdown."""
+    """As in Miles: weight_version == str(eval/step) of the point (the step just trained, not the
+    trainer's push counter), and dispose() once at shutdown."""
     SEEN.clear()
     cfg = config(task_data, tiny_model_dir, tmp_path, eval_function_path=f"{__name__}.RecordingEval")
     async with running(cfg, nats_server, run_id) as bus:
-        await ask(bus, EvalRequest(step=4, version=2, snapshot_uri=snapshot(tiny_model_dir, tmp_path / "s4")))
-        assert SEEN == [("evaluate", "4", 2)]
-    assert SEEN == [("evaluate", "4", 2), ("dispose",)]
+        snap = snapshot(tiny_model_dir, tmp_path / "s4")
+        res = await ask(bus, EvalRequest(step=4, rollout_id=3, version=2, snapshot_uri=snap))
+        assert SEEN == [("evaluate", "3", 2)] and res.metrics["eval/step"] == 3
+    assert SEEN == [("evaluate", "3", 2), ("dispose",)]
 
 
 async def test_the_reference_evaluators_pin_failure_is_a_crash(nats_server, run_id, task_data, tiny_model_dir,

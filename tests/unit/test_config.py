@@ -97,3 +97,42 @@ def test_num_epoch_is_miles_step_count_and_a_run_must_name_its_length():
         steps_of_epochs(RunConfig(rollout_batch_size=3), rows=10)
     with pytest.raises(LaunchError, match="make no batch"):
         steps_of_epochs(RunConfig(rollout_batch_size=16, num_epoch=3), rows=10)
+
+
+def test_periodic_actions_follow_miles():
+    """should_run_periodic_action: never without an interval (no save at all without
+    --save-interval, no eval without --eval-interval), the last step when told, every interval,
+    every epoch's end."""
+    from services.common.config import periodic_due
+
+    assert not any(periodic_due(r, None, 3, 10) for r in range(10))
+    assert [r for r in range(10) if periodic_due(r, 4)] == [3, 7]
+    assert [r for r in range(10) if periodic_due(r, 4, total=10)] == [3, 7, 9]
+    assert [r for r in range(10) if periodic_due(r, 4, per_epoch=3, total=10)] == [2, 3, 5, 7, 8, 9]
+
+
+def test_driver_rules_for_pushes_saves_and_evals():
+    one_step = RunConfig(driver="async", num_rollout=5, update_weights_interval=2, save="/s", save_interval=2,
+                         eval_interval=2)  # fmt: skip
+    assert [r for r in range(5) if one_step.update_due(r)] == [1, 3]  # no forced push after the last step
+    assert [r for r in range(5) if one_step.save_due(r)] == [1, 3, 4]  # the last step saves
+    assert [r for r in range(5) if one_step.eval_due(r)] == [1, 3, 4]  # ... and evaluates, in the async drivers
+    sync = one_step.model_copy(update={"driver": "sync"})
+    assert [r for r in range(5) if sync.update_due(r)] == [0, 1, 2, 3, 4]  # on-policy: after every step
+    assert [r for r in range(5) if sync.eval_due(r)] == [1, 3]  # no forced eval after the last step in sync
+    assert one_step.checkpoints_resume and one_step.commit_interval == 2
+    no_interval = RunConfig(num_rollout=5, save="/s", update_weights_interval=3)
+    assert not any(no_interval.save_due(r) for r in range(5))  # --save alone saves nothing, as in Miles
+    assert not no_interval.checkpoints_resume and no_interval.commit_interval == 3  # commits follow the pushes
+    assert not any(no_interval.eval_due(r) for r in range(5))
+
+
+def test_the_baseline_eval_point():
+    """Before the run's first step; a synchronous run resumed at step 3 evaluates again before
+    step 3 (Miles's train.py), the async drivers do not; never without --eval-interval."""
+    sync = RunConfig(driver="sync", num_rollout=5, eval_interval=2)
+    assert sync.baseline_eval_due(0) and sync.baseline_eval_due(3) and not sync.baseline_eval_due(5)
+    one_step = sync.model_copy(update={"driver": "async"})
+    assert one_step.baseline_eval_due(0) and not one_step.baseline_eval_due(3)
+    assert not sync.model_copy(update={"skip_eval_before_train": True}).baseline_eval_due(0)
+    assert not RunConfig(driver="sync", num_rollout=5).baseline_eval_due(0)

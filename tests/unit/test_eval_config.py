@@ -15,6 +15,8 @@ RULES = [
      "Snapshot eval requires a snapshot source: set --eval-hf-dir (staging exports) or --save-hf (reuse periodic HF checkpoints)."),
     ({"eval_num_gpus": 1, "eval_interval": 5, "save_hf": "/h", "save": "/s", "save_interval": 2},
      "needs --eval-interval (5) to be a multiple of --save-interval (2)"),
+    ({"eval_num_gpus": 1, "eval_interval": 4, "save_hf": "/h"},
+     "Snapshot eval from --save-hf checkpoints needs --save-interval (without it nothing is saved)"),
     ({"eval_max_in_flight": 0}, "--eval-max-in-flight must be >= 1"),
     ({"eval_num_gpus": 3, "eval_num_gpus_per_engine": 2, "eval_interval": 2, "eval_hf_dir": "/x"}, "must be a multiple of --eval-num-gpus-per-engine"),
 ]  # fmt: skip
