@@ -50,6 +50,7 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
         if not config.eval_prompt_data:
             updates["eval_prompt_data"] = [reverse_digits.NAME, str(held_out)]
     rows = check_datasets(config.model_copy(update=updates))
+    check_sinks(config)
     if config.num_rollout is None:
         updates["num_rollout"] = steps_of_epochs(config, rows)
         updates["num_rollout_per_epoch"] = rows // config.rollout_batch_size
@@ -77,6 +78,16 @@ def steps_of_epochs(config: RunConfig, rows: int) -> int:
         raise LaunchError(f"--num-epoch {config.num_epoch}: {rows} prompts make no batch of --rollout-batch-size "
                           f"{config.rollout_batch_size}; set --num-rollout or a smaller --rollout-batch-size")  # fmt: skip
     return steps
+
+
+def check_sinks(config: RunConfig) -> None:
+    """A metrics sink asked for whose package is missing fails the launch, not the trainer."""
+    import importlib.util
+
+    for flag, wanted, package in (("--use-tensorboard", config.use_tensorboard, "tensorboard"),
+                                  ("--use-wandb", config.use_wandb, "wandb")):  # fmt: skip
+        if wanted and importlib.util.find_spec(package) is None:
+            raise LaunchError(f"{flag} needs the {package} package: pip install {package}")
 
 
 def check_datasets(config: RunConfig) -> int:

@@ -232,8 +232,13 @@ class DataSection(Section):
 class RolloutSection(Section):
     """Generation and rewards (producers; the buffer reads B and n)."""
 
-    rollout_batch_size: int = Field(16, ge=1, description="B: prompt groups per training step.")
-    n_samples_per_prompt: int = Field(8, ge=1, description="n: trajectories per prompt group.")
+    rollout_batch_size: int = Field(
+        16,
+        ge=1,
+        description="B: prompt groups per training step. Required on the command line (or in --config), as in "
+        "Miles; the default only serves configs built in code.",
+    )
+    n_samples_per_prompt: int = Field(1, ge=1, description="n: trajectories per prompt group (GRPO wants several).")
     rollout_max_response_len: int = Field(8, ge=1, description="max_new_tokens of every generation.")
     rollout_temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
     rollout_top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling p.")
@@ -426,6 +431,17 @@ class TrainerSection(Section):
     dist_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend of the trainer ranks (auto: NCCL on GPU, gloo on CPU)."
     )
+    global_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Samples per optimizer step: a rollout batch of B x n samples takes B x n / this optimizer "
+        "steps (default: one step per rollout).",
+    )
+    num_steps_per_rollout: int | None = Field(
+        None,
+        ge=1,
+        description="Optimizer steps per rollout batch: the same as --global-batch-size B x n / this.",
+    )
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
@@ -473,11 +489,61 @@ class TrainerSection(Section):
     keep_weight_snapshots: int = Field(
         3, ge=1, description="Weight snapshots kept on disk for the engines (older ones are deleted)."
     )
+    custom_rollout_log_function_path: str | None = Field(
+        None,
+        description="module.fn: log_rollout_data(rollout_id, config, samples, extra_metrics, rollout_time) -> bool, "
+        "called with each step's samples before the default logging; True skips the step's rollout/* and perf/* "
+        "rollout metrics (metrics.jsonl keeps the step, its version and train/*).",
+    )
+    use_tensorboard: bool = Field(
+        False,
+        description="Also write the metrics as TensorBoard event files: $TENSORBOARD_DIR, else "
+        "<run_dir>/tensorboard[/<--tb-project-name>[/<--tb-experiment-name>]] (pip install tensorboard).",
+    )
+    tb_project_name: str | None = Field(None, description="TensorBoard: a subdirectory for the project.")
+    tb_experiment_name: str | None = Field(None, description="TensorBoard: a subdirectory for the experiment.")
+    use_wandb: bool = Field(
+        False,
+        description="Also log the metrics to Weights & Biases (pip install wandb; the key from $WANDB_API_KEY).",
+    )
+    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="W&B mode (default: $WANDB_MODE, else online); offline keeps everything local."
+    )
+    wandb_dir: str | None = Field(None, description="W&B files (default: the run directory).")
+    wandb_project: str | None = Field(None, description="W&B project (default: asyncrl).")
+    wandb_group: str | None = Field(None, description="W&B group.")
+    wandb_team: str | None = Field(None, description="W&B entity (team).")
+    wandb_run_id: str | None = Field(None, description="W&B run id, to resume a W&B run.")
+    wandb_host: str | None = Field(None, description="W&B server URL (self-hosted).")
 
     def problems(self) -> list[str]:
         errs = []
-        if self.save_interval is not None and not (self.save or self.save_hf):
-            errs.append("--save-interval needs --save (checkpoints) or --save-hf (HF snapshots): set the directory")
+        if self.save_interval is not None and not self.save:
+            errs.append("--save-interval needs --save: set --save DIR for the checkpoints")
+        if self.save_trigger_sentinel is not None and not self.save:
+            errs.append("--save-trigger-sentinel needs --save: set --save DIR for the checkpoints")
+        samples = self.rollout_batch_size * self.n_samples_per_prompt
+        if self.num_steps_per_rollout is not None and self.global_batch_size is not None:
+            if self.global_batch_size != samples // self.num_steps_per_rollout:
+                errs.append(
+                    f"--global-batch-size {self.global_batch_size} is not equal to --rollout-batch-size "
+                    f"{self.rollout_batch_size} * --n-samples-per-prompt {self.n_samples_per_prompt} // "
+                    f"--num-steps-per-rollout {self.num_steps_per_rollout}: set one of them"
+                )
+        elif self.global_batch_size is not None and (
+            samples % self.global_batch_size or self.global_batch_size > samples
+        ):
+            errs.append(
+                f"--global-batch-size {self.global_batch_size} must divide the rollout's {samples} samples "
+                f"(--rollout-batch-size x --n-samples-per-prompt)"
+            )
+        elif self.num_steps_per_rollout is not None and self.num_steps_per_rollout > samples:
+            errs.append(f"--num-steps-per-rollout {self.num_steps_per_rollout} exceeds the rollout's {samples} samples")
+        if self.optimizer_steps_per_rollout > 1 and self.trainer_num_ranks > 1:
+            errs.append(
+                "several optimizer steps per rollout (--num-steps-per-rollout, --global-batch-size) run on one "
+                "trainer rank in this version: drop --trainer-num-ranks or train one step per rollout"
+            )
         if self.train_backend == "megatron" and self.trainer_num_ranks > 1:
             errs.append(
                 "--train-backend megatron runs one trainer rank in this version (tensor/pipeline parallel sizes 1): "
@@ -527,6 +593,11 @@ class EvalSection(Section):
         default_factory=list,
         description="Attach the eval fleet to these running engines instead of launching --eval-num-gpus of them.",
     )
+    custom_eval_rollout_log_function_path: str | None = Field(
+        None,
+        description="module.fn: log_eval_rollout_data(rollout_id, config, data, extra_metrics) -> bool, called "
+        "per eval point with data = {dataset: {rewards, truncated, samples}}; True skips the default eval metrics.",
+    )
     eval_sglang_args: list[str] = Field(
         default_factory=list,
         description="Overrides of the fleet engines' settings, collected from every --eval-sglang-<flag> "
@@ -569,6 +640,18 @@ class EvalSection(Section):
                         f"{save_every * max(1, self.eval_interval // save_every)} or --eval-hf-dir to export a "
                         "snapshot per eval point"
                     )
+        if self.eval_sglang_args and self.eval_num_gpus == 0:
+            given = sorted({a for a in self.eval_sglang_args if a.startswith("--")})
+            errs.append(
+                "--eval-sglang-* configures the dedicated eval fleet, which needs --eval-num-gpus > 0. "
+                f"Got {given} with --eval-num-gpus 0."
+            )
+        tp = [a for a in self.eval_sglang_args if a.split("=")[0] in ("--tp-size", "--tp", "--tensor-parallel-size")]
+        if tp:
+            errs.append(
+                f"--eval-sglang{tp[0].split('=')[0][1:]} is not a flag: the eval fleet's tensor-parallel size is "
+                "--eval-num-gpus-per-engine"
+            )
         if len(self.eval_prompt_data) % 2:
             errs.append("--eval-prompt-data takes NAME PATH pairs, e.g. --eval-prompt-data aime aime.jsonl")
         return errs
@@ -601,6 +684,14 @@ class RunConfig(EvalSection, TrainerSection, AsyncSection, RolloutSection, DataS
         if self.rollout_submission_granularity is not None:
             return self.rollout_submission_granularity
         return "sample" if self.mode == "fully_async" else "group"
+
+    @property
+    def optimizer_steps_per_rollout(self) -> int:
+        if self.num_steps_per_rollout is not None:
+            return self.num_steps_per_rollout
+        if self.global_batch_size is not None:
+            return max(1, self.rollout_batch_size * self.n_samples_per_prompt // self.global_batch_size)
+        return 1
 
     @property
     def total_steps(self) -> int:

@@ -1,13 +1,17 @@
 """The dedicated eval fleet: engines owned by the eval service, pinned to a snapshot per point.
 
-Fleet engines inherit every engine setting of the rollout engines; `--eval-sglang-<flag> V`
-overrides one (`--no-eval-sglang-<flag>` turns a boolean off). When the fleet's tensor-parallel
-size differs from the rollout's, the data/pipeline/expert/attention-context parallel sizes are
-not inherited (they default to 1), since they were chosen for the rollout's layout.
+Fleet engines inherit every engine setting of the rollout engines, as Miles's: the replay side
+channels (--enable-return-routed-experts, --enable-return-indexer-topk) are turned off, since
+eval samples never feed training; when the fleet's tensor-parallel size
+(--eval-num-gpus-per-engine) differs from the rollout's (--rollout-num-gpus-per-engine), the
+data/pipeline/expert/attention-context parallel sizes are not inherited (they default to 1: an
+engine with the rollout's layout at another TP does not boot), and the log says so; then
+`--eval-sglang-<flag> V` overrides one setting (`--no-eval-sglang-<flag>` turns a boolean off).
 """
 
 from __future__ import annotations
 
+import logging
 import subprocess
 from pathlib import Path
 
@@ -15,8 +19,11 @@ from services.common import procs
 from services.common.engine_commands import builtin_engine_command, builtin_engine_flags, sglang_server_command
 from services.common.secrets import run_token_from_env, without_nats_identity
 
+log = logging.getLogger(__name__)
+
 TP_FLAGS = ("--tp-size", "--tp", "--tensor-parallel-size")
 NOT_INHERITED_ACROSS_TP = ("--dp-size", "--dp", "--pp-size", "--pp", "--ep-size", "--ep", "--attn-cp-size")
+OFF_FOR_EVAL = ("--enable-return-routed-experts", "--enable-return-indexer-topk")
 
 
 def parse_flags(args: list[str]) -> dict[str, str | None]:
@@ -37,28 +44,23 @@ def parse_flags(args: list[str]) -> dict[str, str | None]:
     return out
 
 
-def tp_of(flags: dict[str, str | None], default: int) -> int:
-    for k in TP_FLAGS:
-        if flags.get(k) is not None:
-            return int(flags[k])
-    return default
-
-
 def fleet_server_args(rollout_args: list[str], overrides: list[str], rollout_tp: int, eval_tp: int) -> list[str]:
-    """The fleet's engine arguments: the rollout's, then the eval overrides."""
+    """The fleet's engine arguments: the rollout's, less what eval does not inherit (see the
+    module), then the eval overrides; the TP size is --eval-num-gpus-per-engine's (the rollout's
+    is an explicit --sglang-tp-size, else --rollout-num-gpus-per-engine)."""
     flags = parse_flags(rollout_args)
-    over = parse_flags(overrides)
-    eval_tp = tp_of(over, eval_tp)
-    if eval_tp != tp_of(flags, rollout_tp):
+    rollout_tp = next((int(flags[k]) for k in TP_FLAGS if flags.get(k) is not None), rollout_tp)
+    flags = {k: v for k, v in flags.items() if k not in TP_FLAGS and k not in OFF_FOR_EVAL}
+    if eval_tp != rollout_tp:
         for k in NOT_INHERITED_ACROSS_TP:
             flags.pop(k, None)
-    for k, v in over.items():
+        log.info("Eval tp=%d != rollout tp=%d; dp_size, pp_size, ep_size, attn_cp_size default to 1. Override with "
+                 "--eval-sglang-*.", eval_tp, rollout_tp)  # fmt: skip
+    for k, v in parse_flags(overrides).items():
         if k.startswith("--no-"):
             flags.pop("--" + k[len("--no-") :], None)
         else:
             flags[k] = v
-    for k in TP_FLAGS:
-        flags.pop(k, None)
     flags["--tp-size"] = str(eval_tp)
     out: list[str] = []
     for k, v in flags.items():

@@ -29,7 +29,6 @@ import inspect
 import json
 import logging
 import shutil
-import statistics
 import time
 from pathlib import Path
 
@@ -44,6 +43,7 @@ from services.common.responses import apply_response
 from services.common.rewards import resolve_reward, score_sample
 from services.common.runtime import Service, wait_event
 from services.common.sglang_client import SGLangClient
+from services.common.sinks import statistics_of
 from services.common.snapshot import is_complete, resolved
 from services.common.validate import finite, finite_metrics
 from services.eval.contract import CheckpointEvalFn, EvalSkip
@@ -99,6 +99,8 @@ class EvalService(Service):
                     f"--eval-function-path {config.eval_function_path} must name a CheckpointEvalFn subclass"
                 )
             self.evaluator = cls(config)
+        path = config.custom_eval_rollout_log_function_path
+        self.eval_log_fn = load_object(path, "--custom-eval-rollout-log-function-path") if path else None
         self.live_version: int | None = None
         self._live_changed = asyncio.Event()
         self.exported: collections.deque[Path] = collections.deque()
@@ -264,7 +266,7 @@ class EvalService(Service):
         await self._control("pause_submission", token)
         renew = asyncio.ensure_future(self._renew_pause(token))
         try:
-            return await self._evaluate_all(self.client)
+            return await self._evaluate_all(self.client, req)
         finally:
             renew.cancel()
             await self._control("resume_submission", token)
@@ -294,7 +296,7 @@ class EvalService(Service):
         pinned = await asyncio.gather(*(c.pin(u, snapshot, str(point_name(req))) for u in c.urls))
         if not all(pinned):
             raise SkipPoint("pin_violation")
-        return await self._evaluate_all(c)
+        return await self._evaluate_all(c, req)
 
     async def _external(self, req: EvalRequest) -> dict[str, float]:
         snapshot = self._snapshot(req)
@@ -325,12 +327,33 @@ class EvalService(Service):
             "stop_token_ids": list(c.rollout_stop_token_ids),
         }
 
-    async def _evaluate_all(self, client: SGLangClient) -> dict[str, float]:
-        metrics: dict[str, float] = {}
-        for name, rows in self.datasets.items():
-            metrics.update(await evaluate_dataset(client, self.tokenizer, self.reward_fn, self.config, name, rows,
-                                                  self._sampling_params()))  # fmt: skip
-        return metrics
+    async def _evaluate_all(self, client: SGLangClient, req: EvalRequest) -> dict[str, float]:
+        data = {
+            name: await generate_dataset(
+                client, self.tokenizer, self.reward_fn, self.config, rows, self._sampling_params()
+            )  # fmt: skip
+            for name, rows in self.datasets.items()
+        }
+        if self.eval_log_fn is not None and await self._custom_eval_log(req, data):
+            return {}
+        return {k: v for name, samples in data.items() for k, v in dataset_metrics(self.config, name, samples).items()}
+
+    async def _custom_eval_log(self, req: EvalRequest, data: dict[str, list[Sample]]) -> bool:
+        """Miles's log_eval_rollout_data(rollout_id, args, data, extra_metrics): True skips the
+        default eval metrics of the point (the point is still answered, with eval/step)."""
+        payload = {
+            name: {"rewards": [s.reward for s in samples], "truncated": [s.status == SampleStatus.TRUNCATED
+                   for s in samples], "samples": samples}
+            for name, samples in data.items()
+        }  # fmt: skip
+        try:
+            out = self.eval_log_fn(point_name(req), self.config, payload, {"eval/step": point_name(req)})
+            if inspect.isawaitable(out):
+                out = await out
+            return bool(out)
+        except Exception as e:  # a logging plugin never loses the point: the default metrics are kept
+            log.warning("--custom-eval-rollout-log-function-path raised at eval point %d: %s", point_name(req), e)
+            return False
 
     async def _control(self, command: str, token: str) -> None:
         await self.bus.publish_core(
@@ -349,8 +372,8 @@ class EvalService(Service):
                 "eval/dead_lettered_total": sum(self.bus.dead_lettered.values())}  # fmt: skip
 
 
-async def evaluate_dataset(client, tokenizer, reward_fn, config, name: str, rows: list[dict], params: dict) -> dict:
-    """n samples per held-out prompt on `client`'s engines; mean reward and version facts."""
+async def generate_dataset(client, tokenizer, reward_fn, config, rows: list[dict], params: dict) -> list[Sample]:
+    """n scored samples per held-out prompt on `client`'s engines."""
 
     async def one(row: dict) -> Sample:
         ids = tokenizer.prompt_ids(row["prompt"], config.apply_chat_template)
@@ -360,23 +383,26 @@ async def evaluate_dataset(client, tokenizer, reward_fn, config, name: str, rows
         await score_sample(reward_fn, config, s)
         return s
 
-    samples = await asyncio.gather(*(one(r) for r in rows for _ in range(config.n_samples_per_eval_prompt)))
+    return list(await asyncio.gather(*(one(r) for r in rows for _ in range(config.n_samples_per_eval_prompt))))
+
+
+def dataset_metrics(config, name: str, samples: list[Sample]) -> dict[str, float]:
+    """Mean reward and the facts of one held-out set, with Miles's names."""
     rewards = [scalar_reward(s, config.reward_key) for s in samples]
     versions = [min(s.weight_versions) for s in samples if s.weight_versions]
     out = {
         f"eval/{name}": sum(rewards) / len(rewards),  # Miles's names: "<set>-<ratio>", "<set>/<facts>/<stat>"
         f"eval/{name}-truncated_ratio": sum(s.status == SampleStatus.TRUNCATED for s in samples) / len(samples),
         f"eval/{name}-none_reward_ratio": sum(s.reward is None for s in samples) / len(samples),
-        **_stats(f"eval/{name}/response_len", [s.response_length for s in samples]),
+        **statistics_of(f"eval/{name}/response_len", [s.response_length for s in samples]),
     }
     if versions:
-        out.update(_stats(f"eval/{name}/weight_version", versions))
+        out.update(statistics_of(f"eval/{name}/weight_version", versions))
         out[f"eval/{name}/weight_version/mixed_version_ratio"] = sum(
             len(set(s.weight_versions)) > 1 for s in samples
         ) / len(samples)
     return out
 
 
-def _stats(prefix: str, values: list) -> dict[str, float]:
-    return {f"{prefix}/mean": sum(values) / len(values), f"{prefix}/median": float(statistics.median(values)),
-            f"{prefix}/max": float(max(values)), f"{prefix}/min": float(min(values))}  # fmt: skip
+async def evaluate_dataset(client, tokenizer, reward_fn, config, name: str, rows: list[dict], params: dict) -> dict:
+    return dataset_metrics(config, name, await generate_dataset(client, tokenizer, reward_fn, config, rows, params))

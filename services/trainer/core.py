@@ -131,11 +131,30 @@ def build_micro_batches(
     """The step split into micro-batches of similar lengths, each at most `max_tokens` padded
     tokens (one sample at least): with a long tail of lengths, padding every sample to the
     longest one would multiply the work. Same loss and gradient as one batch (see train_step)."""
-    items = samples_with_advantages(groups, std_normalization, reward_key)
+    return micro_batches(samples_with_advantages(groups, std_normalization, reward_key), pad_id, max_tokens)
+
+
+def micro_batches(items: list[tuple[Sample, float]], pad_id: int, max_tokens: int | None) -> list[TrainBatch]:
     if not max_tokens:
-        return [make_batch(items, pad_id)]
-    items.sort(key=lambda it: len(it[0].tokens))
+        return [make_batch(items, pad_id)] if items else []
+    items = sorted(items, key=lambda it: len(it[0].tokens))
     return [make_batch(c, pad_id) for c in chunk_by_tokens(items, max_tokens)]
+
+
+def build_step_batches(
+    groups: list[list],
+    std_normalization: bool,
+    reward_key: str | None,
+    pad_id: int,
+    max_tokens: int | None,
+    num_steps: int,
+) -> list[list[TrainBatch]]:
+    """A rollout batch as `num_steps` optimizer steps, as Miles splits it (--num-steps-per-rollout,
+    --global-batch-size): advantages over whole groups first, then the samples in order into
+    num_steps consecutive global batches of (nearly) equal size, each cut into micro-batches."""
+    items = samples_with_advantages(groups, std_normalization, reward_key)
+    bounds = [len(items) * i // num_steps for i in range(num_steps + 1)]
+    return [micro_batches(items[a:b], pad_id, max_tokens) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def chunk_by_tokens(items: list[tuple[Sample, float]], max_tokens: int) -> list[list[tuple[Sample, float]]]:
@@ -326,6 +345,34 @@ def finish_stats(stats: dict[str, float], norm: float) -> dict[str, float]:
         out["train/grad_norm"] = norm
     out["train/nonfinite_skipped"] = float(bad)
     return out
+
+
+def train_rollout(
+    model: CausalLM,
+    optimizer: torch.optim.Optimizer,
+    step_batches: list[list[TrainBatch]],
+    cfg: LossConfig,
+    clip_grad: float,
+    ref_model: CausalLM | None = None,
+) -> dict[str, float]:
+    """One optimizer step per global batch of the rollout; the stats are their means (counts
+    add up, a skipped update in any of them is reported), plus train/num_optimizer_steps."""
+    parts = [train_step(model, optimizer, b, cfg, clip_grad, ref_model) for b in step_batches]
+    if len(parts) == 1:
+        return parts[0]
+    stats: dict[str, float] = {}
+    for key in {k for p in parts for k in p}:
+        values = [p[key] for p in parts if key in p]
+        if key in ("train/num_micro_batches", "train/num_loss_tokens"):
+            stats[key] = float(sum(values))
+        elif key in ("train/nonfinite_skipped", "train/skipped") or key.endswith("_max"):
+            stats[key] = max(values)
+        elif key.endswith("_min"):
+            stats[key] = min(values)
+        else:
+            stats[key] = sum(values) / len(values)
+    stats["train/num_optimizer_steps"] = float(len(parts))
+    return stats
 
 
 def train_step(

@@ -23,6 +23,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import inspect
 import json
 import logging
 import shutil
@@ -51,6 +52,7 @@ from services.common.bus import TransportError
 from services.common.config import AsyncSection, DataSection, EvalSection, RolloutSection, TrainerSection, eval_backend
 from services.common.plugins import load_object
 from services.common.runtime import Service, wait_event
+from services.common.sinks import Sinks, statistics_of
 from services.common.snapshot import is_complete, remove_snapshot
 from services.common.validate import Limits, eval_result_problem, finite_metrics, sample_problem
 from services.model.hf_io import load_weights_into, save_model
@@ -58,9 +60,9 @@ from services.trainer.checkpoint import ckpt_step, latest_checkpoint, load_check
 from services.trainer.core import (
     apply_sample_filter,
     assemble_batch,
-    build_micro_batches,
+    build_step_batches,
     std_normalization,
-    train_step,
+    train_rollout,
 )
 from services.trainer.setup import TrainerError, build_model, build_optimizer, build_reference, loss_config
 
@@ -68,8 +70,19 @@ log = logging.getLogger(__name__)
 
 
 EVAL_WAIT_WARN_S = 60.0
+EVAL_DRAIN_TIMEOUT_S = 600.0
 FAILED_WINDOW_STEPS = 4
 """--max-failed-ratio is judged over this many recent steps."""
+
+
+@dataclasses.dataclass
+class Batch:
+    groups: list[list]
+    metrics: dict
+    rollout_time: float
+    """Seconds from the step's first get to its complete lease (Miles's perf/rollout_time)."""
+    wait_s: float
+    """Seconds the loop waited for it (less than rollout_time when it was fetched ahead)."""
 
 
 class RunFailed(RuntimeError):
@@ -92,6 +105,12 @@ class TrainerService(Service):
         self.optimizer = build_optimizer(config, self.model)
         self.loss_cfg = loss_config(config)
         self.ref_model = build_reference(config)
+        self.rollout_log_fn = (
+            load_object(config.custom_rollout_log_function_path, "--custom-rollout-log-function-path")
+            if config.custom_rollout_log_function_path
+            else None
+        )
+        self.sinks = Sinks(config, self.run_dir)
         self.sample_filter = (
             load_object(config.rollout_sample_filter_path, "--rollout-sample-filter-path")
             if config.rollout_sample_filter_path
@@ -204,6 +223,7 @@ class TrainerService(Service):
         return {"train": self._train_loop}
 
     async def teardown(self) -> None:
+        self.sinks.close()
         if self.dp is not None:
             await asyncio.to_thread(self.dp.stop)
 
@@ -243,7 +263,7 @@ class TrainerService(Service):
             while self.step < total:
                 step = self.step
                 t_step = time.perf_counter()
-                groups, buffer_metrics, wait_s = batch
+                groups = batch.groups
                 if c.mode == "fully_async" and step + 1 < total and prefetch is None:
                     # as Miles's async driver: the next batch is drained while this one trains
                     prefetch = asyncio.ensure_future(self._fetch(step + 1))
@@ -259,8 +279,8 @@ class TrainerService(Service):
                     # no weight update while a batch is being leased: step r+1's groups are all judged
                     # against the version of the gets that lease them, never half against the next
                     t0 = time.monotonic()
-                    groups_next, metrics_next, _ = await prefetch
-                    prefetch, next_batch = None, (groups_next, metrics_next, time.monotonic() - t0)
+                    next_batch = dataclasses.replace(await prefetch, wait_s=time.monotonic() - t0)
+                    prefetch = None
                 if update_due and c.mode == "one_step" and step + 1 < total:
                     # the in-flight batch completes before the push, and nothing newer starts on old weights
                     next_batch = await self._fetch(step + 1, lookahead=0)
@@ -271,8 +291,7 @@ class TrainerService(Service):
                 # between resumes from the checkpoint, drops the records after it and trains those
                 # steps again, so a committed step always has its records (the audit checks it)
                 self._append_trained(step, groups)
-                record = self._record(step, groups, buffer_metrics, train_stats, wait_s, train_s, push_s,
-                                      time.perf_counter() - t_step)  # fmt: skip
+                record = await self._record(step, batch, train_stats, train_s, push_s, time.perf_counter() - t_step)
                 await self._emit(step, record)
                 crash.point("trainer", "records_before_checkpoint")
                 await self._checkpoint_and_commit(step, pushed=update_due)
@@ -286,15 +305,29 @@ class TrainerService(Service):
                         batch = next_batch
                     elif prefetch is not None:
                         t0 = time.monotonic()
-                        groups, buffer_metrics, _ = await prefetch
+                        batch = dataclasses.replace(await prefetch, wait_s=time.monotonic() - t0)  # what it waited
                         prefetch = None
-                        batch = groups, buffer_metrics, time.monotonic() - t0  # what the loop waited
                     else:
                         batch = await self._fetch(self.step)
         finally:
             if prefetch is not None:
                 prefetch.cancel()
+        await self._drain_evals()
         await self._finish()
+
+    async def _drain_evals(self) -> None:
+        """As Miles's driver drains its eval dispatcher: the run ends once its eval points are
+        answered, so every result reaches the sinks on its eval/step (a dead eval fleet is
+        given up on after EVAL_DRAIN_TIMEOUT_S, loudly)."""
+        deadline = time.monotonic() + EVAL_DRAIN_TIMEOUT_S
+        while self.eval_pending and time.monotonic() < deadline:
+            self._eval_done.clear()
+            if not await wait_event(self._eval_done, EVAL_WAIT_WARN_S):
+                log.warning("waiting for eval points %s before finishing; is the eval service running?",
+                            sorted(self.eval_pending))  # fmt: skip
+        if self.eval_pending:
+            log.error("eval points %s were not answered within %.0fs: finishing without them",
+                      sorted(self.eval_pending), EVAL_DRAIN_TIMEOUT_S)  # fmt: skip
 
     async def _finish(self, error: str | None = None) -> None:
         total = self.config.total_steps
@@ -332,15 +365,11 @@ class TrainerService(Service):
         if self.dp is not None:
             stats = await asyncio.to_thread(self.dp.train, groups, self.loss_cfg)
             return stats, time.perf_counter() - t0
-        batches = build_micro_batches(
-            groups,
-            std_normalization(c),
-            c.reward_key,
-            self.pad_id,
-            c.max_tokens_per_gpu if c.use_dynamic_batch_size else None,
-        )
+        max_tokens = c.max_tokens_per_gpu if c.use_dynamic_batch_size else None
+        steps = build_step_batches(groups, std_normalization(c), c.reward_key, self.pad_id, max_tokens,
+                                   c.optimizer_steps_per_rollout)  # fmt: skip
         stats = await asyncio.to_thread(
-            train_step, self.model, self.optimizer, batches, self.loss_cfg, c.clip_grad, self.ref_model
+            train_rollout, self.model, self.optimizer, steps, self.loss_cfg, c.clip_grad, self.ref_model
         )
         return stats, time.perf_counter() - t0
 
@@ -367,9 +396,8 @@ class TrainerService(Service):
         req = self._get_request(step, lookahead=1, wait_s=0.0)
         await self._request(self.bus.subjects.buffer_get, req, BufferGetReply, "release of the next batch")
 
-    async def _fetch(self, step: int, lookahead: int | None = None) -> tuple[list[list], dict, float]:
-        """Wait for the step's B groups (a durable lease); returns (groups, buffer metrics,
-        seconds waited)."""
+    async def _fetch(self, step: int, lookahead: int | None = None) -> Batch:
+        """Wait for the step's B groups (a durable lease), with the buffer's metrics."""
         t0 = time.monotonic()
         reply = await self._lease(step, lookahead)
         groups = [await self._load_group(ref) for ref in reply.refs]
@@ -377,7 +405,8 @@ class TrainerService(Service):
         self._exclude_invalid(groups)
         if self.sample_filter is not None:
             self._apply_sample_filter(groups)
-        return groups, reply.metrics, time.monotonic() - t0
+        elapsed = time.monotonic() - t0
+        return Batch(groups, reply.metrics, rollout_time=elapsed, wait_s=elapsed)
 
     async def _lease(self, step: int, lookahead: int | None) -> BufferGetReply:
         """Ask the buffer for the step's lease until it is complete; warn while groups are
@@ -589,6 +618,8 @@ class TrainerService(Service):
             log.warning("eval result of step %d: metrics %s are not finite numbers; left out", res.step, dropped)
         metrics["eval/lag_steps"] = self.step - res.step
         self.pending_eval.append(metrics)
+        if "eval/step" in metrics:
+            self.sinks.log(metrics, "eval/step")
         if res.step in self.eval_pending:  # the eval service answers its requests in order
             self.eval_pending -= {s for s in self.eval_pending if s <= res.step}
         self._eval_done.set()
@@ -599,53 +630,50 @@ class TrainerService(Service):
                 self.last_producer_seen = time.monotonic()
 
     # ---- records -------------------------------------------------------------------------------
-    def _record(self, step, groups, buffer_metrics, train_stats, wait_s, train_s, push_s, step_s) -> dict:
-        samples = [s for g in groups for s in flatten_group(g)]
-        scored = [s for s in samples if s.status != SampleStatus.FAILED]
-        rewards = [scalar_reward(s, self.config.reward_key) for s in scored] or [0.0]
-        mean = sum(rewards) / len(rewards)
-        oldest = [min(s.weight_versions) for s in samples if s.weight_versions]
-        newest = [max(s.weight_versions) for s in samples if s.weight_versions]
+    async def _record(self, step: int, batch: Batch, train_stats: dict, train_s: float, push_s: float,
+                      step_s: float) -> dict:  # fmt: skip
+        """The step's metrics, with Miles's names on Miles's axis (rollout/step). A
+        --custom-rollout-log-function-path that returns True replaces the rollout ones."""
+        samples = [s for g in batch.groups for s in flatten_group(g)]
         tokens = sum(s.response_length for s in samples)
         rec = {
             "step": step,
+            "rollout/step": step,
             "weight_version": self.version,
             "time": time.time(),
-            "rollout/reward/mean": mean,
-            "rollout/reward/std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
-            "rollout/reward/min": min(rewards),
-            "rollout/reward/max": max(rewards),
-            "rollout/response_length/mean": tokens / len(samples),
-            "rollout/truncated_ratio": sum(s.status.value == "truncated" for s in samples) / len(samples),
-            "rollout/num_samples": len(samples),
-            "rollout/failed_ratio": (len(samples) - len(scored)) / len(samples),
-            "rollout/failed_groups": sum(
-                all(s.status == SampleStatus.FAILED for s in flatten_group(g)) for g in groups
-            ),
-            "perf/rollout_wait_s": wait_s,
+            "perf/rollout_wait_s": batch.wait_s,
             "perf/train_time_s": train_s,
             "perf/weight_push_s": push_s,
             "perf/step_time_s": step_s,
             "perf/elapsed_s": time.perf_counter() - self.loop_started,
-            "perf/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
-            **buffer_metrics,
             **train_stats,
         }
-        if oldest:
-            rec["rollout/weight_version/mean"] = sum(oldest) / len(oldest)
-            rec["rollout/weight_version/min"] = min(oldest)
-            rec["rollout/weight_version/max"] = max(newest)
-            rec["rollout/weight_version/mixed_version_ratio"] = sum(
-                len(set(s.weight_versions)) > 1 for s in samples
-            ) / len(samples)
+        custom = self.rollout_log_fn is not None and await self._custom_rollout_log(step, samples, batch)
+        if not custom:
+            rec.update(rollout_metrics(samples, self.config.reward_key, [g for g in batch.groups]))
+            rec["perf/rollout_time"] = batch.rollout_time
+            rec["perf/tokens_per_s"] = tokens / step_s if step_s > 0 else 0.0
+            rec.update(batch.metrics)
         while self.pending_eval:
             rec.update(self.pending_eval.pop(0))
         return rec
+
+    async def _custom_rollout_log(self, step: int, samples: list, batch: Batch) -> bool:
+        """Miles's log_rollout_data(rollout_id, args, samples, rollout_extra_metrics, rollout_time)."""
+        try:
+            out = self.rollout_log_fn(step, self.config, samples, dict(batch.metrics), batch.rollout_time)
+            if inspect.isawaitable(out):
+                out = await out
+            return bool(out)
+        except Exception as e:  # a logging plugin never stops training: the default logging runs
+            log.warning("--custom-rollout-log-function-path raised at step %d: %s", step, e)
+            return False
 
     async def _emit(self, step: int, record: dict) -> None:
         self.last_record = record
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        self.sinks.log(record, "rollout/step")
         await self.bus.publish_durably(
             [(self.bus.subjects.progress, ProgressRecord(step=step, record=record), None)], "progress"
         )
@@ -660,3 +688,31 @@ class TrainerService(Service):
                "trainer/nonfinite_updates_skipped_total": self.num_nonfinite_skipped}  # fmt: skip
         out.update({k: v for k, v in self.last_record.items() if isinstance(v, (int, float))})
         return out
+
+
+def rollout_metrics(samples: list, reward_key: str | None, groups: list[list]) -> dict[str, float]:
+    """A step's sample metrics, as Miles names them: rollout/weight_version/{mean,median,max,min}
+    over each sample's oldest version (and the share generated by more than one),
+    rollout/response_len/{...}, rollout/truncated_ratio; plus ours: reward stats, failures."""
+    scored = [s for s in samples if s.status != SampleStatus.FAILED]
+    rewards = [scalar_reward(s, reward_key) for s in scored] or [0.0]
+    mean = sum(rewards) / len(rewards)
+    rec = {
+        "rollout/reward/mean": mean,
+        "rollout/reward/std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
+        "rollout/reward/min": min(rewards),
+        "rollout/reward/max": max(rewards),
+        "rollout/response_length/mean": sum(s.response_length for s in samples) / len(samples),
+        **statistics_of("rollout/response_len", [s.response_length for s in samples]),
+        "rollout/truncated_ratio": sum(s.status == SampleStatus.TRUNCATED for s in samples) / len(samples),
+        "rollout/num_samples": len(samples),
+        "rollout/failed_ratio": (len(samples) - len(scored)) / len(samples),
+        "rollout/failed_groups": sum(all(s.status == SampleStatus.FAILED for s in flatten_group(g)) for g in groups),
+    }
+    oldest = [min(s.weight_versions) for s in samples if s.weight_versions]
+    if oldest:
+        rec.update(statistics_of("rollout/weight_version", oldest))
+        rec["rollout/weight_version/mixed_version_ratio"] = sum(len(set(s.weight_versions)) > 1 for s in samples) / len(
+            samples
+        )
+    return rec

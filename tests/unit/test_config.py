@@ -68,6 +68,11 @@ RULES = [
     ({"update_weights_interval": 0}, "--update-weights-interval must be >= 1"),
     ({"max_weight_staleness": -1}, "--max-weight-staleness must be >= 0"),
     ({"save_interval": 5}, "--save-interval needs --save"),
+    ({"save_trigger_sentinel": "/tmp/x"}, "--save-trigger-sentinel needs --save"),
+    ({"rollout_batch_size": 4, "n_samples_per_prompt": 4, "global_batch_size": 8, "num_steps_per_rollout": 4},
+     "--global-batch-size 8 is not equal to --rollout-batch-size 4 * --n-samples-per-prompt 4 // --num-steps-per-rollout 4"),
+    ({"rollout_batch_size": 4, "n_samples_per_prompt": 4, "global_batch_size": 6}, "--global-batch-size 6 must divide"),
+    ({"num_steps_per_rollout": 2, "trainer_num_ranks": 2}, "run on one trainer rank in this version"),
     ({"eval_prompt_data": ["only-a-name"]}, "NAME PATH pairs"),
 ]  # fmt: skip
 
@@ -136,3 +141,17 @@ def test_the_baseline_eval_point():
     assert one_step.baseline_eval_due(0) and not one_step.baseline_eval_due(3)
     assert not sync.model_copy(update={"skip_eval_before_train": True}).baseline_eval_due(0)
     assert not RunConfig(driver="sync", num_rollout=5).baseline_eval_due(0)
+
+
+def test_bare_command_line_defaults_are_miless(capsys, tmp_path):
+    """--rollout-batch-size is required (from the command line, the environment or a file);
+    --n-samples-per-prompt defaults to 1."""
+    from services.cli import _resolve
+
+    with pytest.raises(SystemExit) as e:
+        _resolve("asyncrl train-async", ["--num-rollout", "3"], sync=False)
+    assert e.value.code == 2 and "--rollout-batch-size is required" in capsys.readouterr().err
+    c = _resolve("asyncrl train-async", ["--rollout-batch-size", "4"], sync=False)
+    assert (c.rollout_batch_size, c.n_samples_per_prompt) == (4, 1)
+    (tmp_path / "c.yaml").write_text("rollout-batch-size: 5\n")
+    assert _resolve("asyncrl train", ["--config", str(tmp_path / "c.yaml")], sync=True).rollout_batch_size == 5

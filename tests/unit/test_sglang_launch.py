@@ -14,7 +14,7 @@ from services.launcher import sglang_engine_commands
 
 
 def test_sglang_flags_pass_through_to_each_engine():
-    c = _resolve("asyncrl train-async", ["--fully-async", "--engine", "sglang", "--rollout-num-engines", "2",
+    c = _resolve("asyncrl train-async", ["--fully-async", "--engine", "sglang", "--rollout-num-engines", "2", "--rollout-batch-size", "4",
                                           "--rollout-num-gpus-per-engine", "2", "--sglang-mem-fraction-static", "0.5",
                                           "--sglang-enable-deterministic-inference", "--use-sglang-router",
                                           "--router-policy", "cache_aware", "--hf-checkpoint", "/m"], sync=False)  # fmt: skip
@@ -30,7 +30,9 @@ def test_sglang_flags_pass_through_to_each_engine():
 
 def test_an_explicit_tp_size_wins():
     c = _resolve(
-        "asyncrl train-async", ["--engine", "sglang", "--sglang-tp-size", "4", "--hf-checkpoint", "/m"], sync=False
+        "asyncrl train-async",
+        ["--engine", "sglang", "--sglang-tp-size", "4", "--hf-checkpoint", "/m", "--rollout-batch-size", "4"],
+        sync=False,
     )
     [(cmd, _)] = sglang_engine_commands(c, [1])
     assert cmd.count("--tp-size") == 1 and cmd[cmd.index("--tp-size") + 1] == "4"
@@ -39,7 +41,7 @@ def test_an_explicit_tp_size_wins():
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="SGLang is installed here")
 def test_without_sglang_the_error_says_what_to_do(tmp_path):
     r = subprocess.run([sys.executable, "-m", "services.cli", "train-async", "--fully-async", "--engine", "sglang",
-                        "--num-rollout", "1", "--run-dir", str(tmp_path / "run")],
+                        "--num-rollout", "1", "--rollout-batch-size", "4", "--run-dir", str(tmp_path / "run")],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 1
     assert "needs SGLang installed" in r.stderr and "--rollout-external-engine-addrs" in r.stderr
@@ -48,7 +50,7 @@ def test_without_sglang_the_error_says_what_to_do(tmp_path):
 def test_sglang_server_concurrency_is_ours_never_passed_to_sglang():
     """Miles's --sglang-server-concurrency is the producer's per-engine semaphore, not a flag of
     sglang.launch_server (which would refuse it as unknown)."""
-    c = _resolve("asyncrl train-async", ["--engine", "sglang", "--sglang-server-concurrency", "8",
+    c = _resolve("asyncrl train-async", ["--engine", "sglang", "--sglang-server-concurrency", "8", "--rollout-batch-size", "4",
                                           "--sglang-mem-fraction-static", "0.5", "--hf-checkpoint", "/m"], sync=False)  # fmt: skip
     assert c.sglang_server_concurrency == 8
     assert c.sglang_server_args == ["--mem-fraction-static", "0.5"]

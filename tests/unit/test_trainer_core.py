@@ -323,3 +323,40 @@ def test_a_non_finite_loss_or_gradient_never_reaches_the_weights(tmp_path):
     with pytest.raises(NonFiniteWeights, match="non-finite"):
         save_model(model, tmp_path / "v9")
     assert not (tmp_path / "v9").exists()  # nothing written
+
+
+def test_several_optimizer_steps_per_rollout_as_miles_splits_it():
+    """--num-steps-per-rollout K: advantages over whole groups, then the samples in order into K
+    global batches, one optimizer step each: the same weights as K train_steps by hand."""
+    from services.common.config import RunConfig
+    from services.trainer.core import (
+        LossConfig,
+        build_step_batches,
+        micro_batches,
+        samples_with_advantages,
+        train_rollout,
+        train_step,
+    )
+    from tests.unit.test_data_parallel import make_groups
+
+    groups, cfg = make_groups(), LossConfig()
+    steps = build_step_batches(groups, True, None, 0, 12, 2)
+    assert len(steps) == 2 and sum(b.num_samples for s in steps for b in s) == 12
+    a = tiny_model(0)
+    opt_a = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    stats = train_rollout(a, opt_a, steps, cfg, 1.0)
+    assert stats["train/num_optimizer_steps"] == 2.0 and opt_a.state[next(a.parameters())]["step"] == 2
+    b = tiny_model(0)
+    opt_b = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    items = samples_with_advantages(groups, True, None)  # advantages over the whole groups, then halves
+    for half in (items[:6], items[6:]):
+        train_step(b, opt_b, micro_batches(half, 0, 12), cfg, 1.0)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    one = tiny_model(0)
+    train_rollout(one, torch.optim.AdamW(one.parameters(), lr=1e-2), build_step_batches(groups, True, None, 0, 12, 1),
+                  cfg, 1.0)  # fmt: skip
+    assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), one.parameters(), strict=True))
+    # --global-batch-size is the same thing in samples per step
+    assert RunConfig(rollout_batch_size=4, n_samples_per_prompt=4, global_batch_size=8).optimizer_steps_per_rollout == 2
+    assert RunConfig(num_steps_per_rollout=3).optimizer_steps_per_rollout == 3
+    assert RunConfig().optimizer_steps_per_rollout == 1

@@ -1,0 +1,142 @@
+"""Metric sinks beside the JSONL file: TensorBoard event files and Weights & Biases.
+
+The trainer is their one writer. As in Miles, every series is on its own step axis: a training
+step's record (rollout/*, perf/*, train/*, the buffer's metrics) on `rollout/step`, an eval
+point's metrics on `eval/step` (the rollout id the point was dispatched at), so eval points land
+at the step they evaluate, whenever they finish.
+
+- `--use-tensorboard`: event files under $TENSORBOARD_DIR if set, else
+  <run_dir>/tensorboard[/<--tb-project-name>[/<--tb-experiment-name>]] (pip install tensorboard).
+- `--use-wandb`: one W&B run (--wandb-project, --wandb-group, --wandb-team, --wandb-run-id,
+  --wandb-host, --wandb-mode online/offline/disabled, files under --wandb-dir, default the run
+  directory); the API key comes from $WANDB_API_KEY, never from a flag. `offline` writes
+  everything locally (nothing leaves the machine; `wandb sync` uploads it later). pip install wandb.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import statistics
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+AXES = {"eval/": "eval/step"}
+"""Series prefix -> its step metric; everything else is on rollout/step."""
+DEFAULT_AXIS = "rollout/step"
+
+
+class SinkError(RuntimeError):
+    """A sink asked for cannot start (its package is missing); the message says what to install."""
+
+
+def statistics_of(prefix: str, values: list) -> dict[str, float]:
+    """Miles's compute_statistics: <prefix>/{mean,median,max,min}."""
+    return {f"{prefix}/mean": sum(values) / len(values), f"{prefix}/median": float(statistics.median(values)),
+            f"{prefix}/max": float(max(values)), f"{prefix}/min": float(min(values))}  # fmt: skip
+
+
+def axis_of(key: str) -> str:
+    return next((axis for prefix, axis in AXES.items() if key.startswith(prefix)), DEFAULT_AXIS)
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """The finite numbers of a record (booleans as 0/1), without the axes themselves."""
+    out = {}
+    for k, v in record.items():
+        if isinstance(v, bool):
+            v = float(v)
+        if isinstance(v, (int, float)) and math.isfinite(v) and k not in (DEFAULT_AXIS, *AXES.values()):
+            out[k] = float(v)
+    return out
+
+
+class TensorBoardSink:
+    def __init__(self, config, run_dir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise SinkError(f"--use-tensorboard needs the tensorboard package: pip install tensorboard ({e})") from e
+        parts = [p for p in (config.tb_project_name, config.tb_experiment_name) if p]
+        self.dir = Path(os.environ.get("TENSORBOARD_DIR") or run_dir.joinpath("tensorboard", *parts))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.writer = SummaryWriter(str(self.dir))
+        log.info("TensorBoard event files in %s", self.dir)
+
+    def log(self, values: dict[str, float], axis: str, step: int) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    def __init__(self, config, run_dir: Path):
+        try:
+            import wandb
+        except ImportError as e:
+            raise SinkError(f"--use-wandb needs the wandb package: pip install wandb ({e})") from e
+        if config.wandb_host:
+            os.environ["WANDB_BASE_URL"] = config.wandb_host
+        self.wandb = wandb
+        directory = Path(config.wandb_dir or run_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=config.wandb_project or "asyncrl",
+            group=config.wandb_group,
+            entity=config.wandb_team,
+            name=config.run_id,
+            id=config.wandb_run_id,
+            resume="allow" if config.wandb_run_id else None,
+            mode=config.wandb_mode,
+            dir=str(directory),
+            config=config.model_dump(mode="json"),  # secrets are excluded from the dump
+        )
+        for axis in (DEFAULT_AXIS, *AXES.values()):
+            self.run.define_metric(axis)
+        for prefix, axis in AXES.items():
+            self.run.define_metric(prefix + "*", step_metric=axis)
+        for prefix in ("rollout/*", "perf/*", "train/*"):
+            self.run.define_metric(prefix, step_metric=DEFAULT_AXIS)
+        log.info("W&B run %s (%s mode) in %s", self.run.id, config.wandb_mode or "online", directory)
+
+    def log(self, values: dict[str, float], axis: str, step: int) -> None:
+        self.run.log({**values, axis: step})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Sinks:
+    """The sinks the config asks for; `log(record, axis)` writes a record's numbers at the
+    record's own value of `axis`."""
+
+    def __init__(self, config, run_dir: Path):
+        self.sinks = []
+        if config.use_tensorboard:
+            self.sinks.append(TensorBoardSink(config, run_dir))
+        if config.use_wandb:
+            self.sinks.append(WandbSink(config, run_dir))
+
+    def log(self, record: dict, axis: str) -> None:
+        """The record's series that live on `axis` (a step record also carries the eval
+        metrics that arrived since the last step: those were logged on eval/step already)."""
+        values = {k: v for k, v in scalars(record).items() if axis_of(k) == axis}
+        step = int(record[axis])
+        for sink in self.sinks:
+            try:
+                sink.log(values, axis, step)
+            except Exception as e:  # a sink's hiccup never stops training; the JSONL file has it all
+                log.warning("%s: logging step %d failed: %s", type(sink).__name__, step, e)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as e:
+                log.warning("%s: close failed: %s", type(sink).__name__, e)
+        self.sinks = []

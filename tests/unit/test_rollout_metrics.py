@@ -1,0 +1,31 @@
+"""A step's rollout metrics, as Miles computes them (miles/ray/rollout/metrics.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl_proto import Sample, SampleStatus
+from services.common.sinks import axis_of, scalars
+
+
+def sample(versions, status=SampleStatus.COMPLETED, length=3, reward=1.0):
+    return Sample(weight_versions=versions, status=status, response_length=length, reward=reward)
+
+
+def test_weight_version_statistics_are_over_each_samples_oldest_version():
+    pytest.importorskip("torch")
+    from services.trainer.service import rollout_metrics
+
+    samples = [sample([1, 3]), sample([2]), sample([4], status=SampleStatus.TRUNCATED, length=8), sample([])]
+    m = rollout_metrics(samples, None, [samples])
+    # oldest versions 1, 2, 4 (a sample without versions has none): max is 4, not the newest 3 of [1, 3]
+    assert [m[f"rollout/weight_version/{k}"] for k in ("mean", "median", "max", "min")] == [7 / 3, 2.0, 4.0, 1.0]
+    assert m["rollout/weight_version/mixed_version_ratio"] == 0.25
+    assert [m[f"rollout/response_len/{k}"] for k in ("mean", "median", "max", "min")] == [4.25, 3.0, 8.0, 3.0]
+    assert m["rollout/truncated_ratio"] == 0.25
+
+
+def test_every_series_has_its_step_axis():
+    assert axis_of("eval/reverse-digits") == "eval/step"
+    assert axis_of("rollout/reward/mean") == axis_of("train/loss") == axis_of("perf/rollout_time") == "rollout/step"
+    assert scalars({"rollout/step": 3, "a": 1, "b": True, "c": float("nan"), "d": "x"}) == {"a": 1.0, "b": 1.0}
