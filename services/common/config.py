@@ -454,6 +454,11 @@ class TrainerSection(Section):
     eps_clip: float = Field(0.2, gt=0, description="PPO clip range (lower, and upper unless --eps-clip-high).")
     eps_clip_high: float | None = Field(None, gt=0, description="Upper PPO clip range.")
     use_rollout_logprobs: bool = Field(True, description="Importance ratios against the engine's behaviour log-probs.")
+    keep_old_actor: bool = Field(
+        False,
+        description="Keep a copy of the weights the engines run (updated at every push) and, without "
+        "--use-rollout-logprobs, take the PPO ratio against its log-probs instead of the trainer's own.",
+    )
     use_tis: bool = Field(
         False, description="Truncated importance sampling: weight the loss by exp(logp_trainer - logp_engine), clipped."
     )
@@ -539,6 +544,8 @@ class TrainerSection(Section):
             )
         elif self.num_steps_per_rollout is not None and self.num_steps_per_rollout > samples:
             errs.append(f"--num-steps-per-rollout {self.num_steps_per_rollout} exceeds the rollout's {samples} samples")
+        if self.keep_old_actor and (self.trainer_num_ranks > 1 or self.train_backend != "torch"):
+            errs.append("--keep-old-actor runs on one trainer rank with --train-backend torch in this version")
         if self.optimizer_steps_per_rollout > 1 and self.trainer_num_ranks > 1:
             errs.append(
                 "several optimizer steps per rollout (--num-steps-per-rollout, --global-batch-size) run on one "

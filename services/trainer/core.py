@@ -72,6 +72,9 @@ class TrainBatch:
     advantages_b: torch.Tensor
     num_samples: int
     num_tokens: int
+    old_logprobs_bt: torch.Tensor | None = None
+    """The PPO ratio's denominator when computed by the trainer before the rollout's first
+    optimizer step (several steps per rollout, or --keep-old-actor); None: see policy_loss."""
 
 
 def samples_with_advantages(
@@ -230,7 +233,10 @@ def policy_loss(
     own = mask.sum().clamp(min=1.0)
     if denom is None:
         denom = own.item() if cfg.aggregation == "token" else float((mask.sum(1) > 0).sum().clamp(min=1).item())
-    old_bt = batch.rollout_logprobs_bt if cfg.use_rollout_logprobs else logp_bt.detach()
+    if batch.old_logprobs_bt is not None:
+        old_bt = batch.old_logprobs_bt
+    else:
+        old_bt = batch.rollout_logprobs_bt if cfg.use_rollout_logprobs else logp_bt.detach()
     log_ratio = (logp_bt - old_bt) * mask
     ratio = torch.exp(log_ratio)
     adv_bt = batch.advantages_b[:, None].expand_as(ratio)
@@ -347,6 +353,14 @@ def finish_stats(stats: dict[str, float], norm: float) -> dict[str, float]:
     return out
 
 
+def set_old_logprobs(model: CausalLM, step_batches: list[list[TrainBatch]], temperature: float) -> None:
+    """Every batch's PPO denominator from `model`, before any optimizer step of the rollout."""
+    with torch.no_grad():
+        for b in (b for batches in step_batches for b in batches):
+            logits_btv = model(b.input_ids_bt, b.attention_mask_bt)[:, :-1]
+            b.old_logprobs_bt = token_logprobs(logits_btv, b.input_ids_bt[:, 1:], temperature)
+
+
 def train_rollout(
     model: CausalLM,
     optimizer: torch.optim.Optimizer,
@@ -354,9 +368,15 @@ def train_rollout(
     cfg: LossConfig,
     clip_grad: float,
     ref_model: CausalLM | None = None,
+    old_actor: CausalLM | None = None,
 ) -> dict[str, float]:
     """One optimizer step per global batch of the rollout; the stats are their means (counts
-    add up, a skipped update in any of them is reported), plus train/num_optimizer_steps."""
+    add up, a skipped update in any of them is reported), plus train/num_optimizer_steps.
+    Without the engine's log-probs (--no-use-rollout-logprobs) the ratio's denominator is the
+    trainer's: `old_actor`'s (--keep-old-actor: the weights the engines ran), else the model's
+    own before the first step (with one step per rollout, a ratio of 1)."""
+    if not cfg.use_rollout_logprobs and (old_actor is not None or len(step_batches) > 1):
+        set_old_logprobs(old_actor or model, step_batches, cfg.temperature)
     parts = [train_step(model, optimizer, b, cfg, clip_grad, ref_model) for b in step_batches]
     if len(parts) == 1:
         return parts[0]

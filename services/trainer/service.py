@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import copy
 import dataclasses
 import inspect
 import json
@@ -105,6 +106,8 @@ class TrainerService(Service):
         self.optimizer = build_optimizer(config, self.model)
         self.loss_cfg = loss_config(config)
         self.ref_model = build_reference(config)
+        self.old_actor = copy.deepcopy(self.model).eval() if config.keep_old_actor else None
+        """--keep-old-actor: the weights the engines run (the last pushed), the PPO denominator."""
         self.rollout_log_fn = (
             load_object(config.custom_rollout_log_function_path, "--custom-rollout-log-function-path")
             if config.custom_rollout_log_function_path
@@ -143,6 +146,8 @@ class TrainerService(Service):
         s = self.bus.subjects
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         await self._resume()
+        if self.old_actor is not None:  # the engines converge to the resumed weights
+            self.old_actor.load_state_dict(self.model.state_dict())
         if self.config.trainer_num_ranks > 1:
             cfg_file = self.run_dir / "trainer-config.json"
             cfg_file.write_text(json.dumps(self.config.model_dump(mode="json")))
@@ -369,7 +374,7 @@ class TrainerService(Service):
         steps = build_step_batches(groups, std_normalization(c), c.reward_key, self.pad_id, max_tokens,
                                    c.optimizer_steps_per_rollout)  # fmt: skip
         stats = await asyncio.to_thread(
-            train_rollout, self.model, self.optimizer, steps, self.loss_cfg, c.clip_grad, self.ref_model
+            train_rollout, self.model, self.optimizer, steps, self.loss_cfg, c.clip_grad, self.ref_model, self.old_actor
         )
         return stats, time.perf_counter() - t0
 
@@ -476,6 +481,8 @@ class TrainerService(Service):
         self.version += 1
         path = self.weights_dir / f"v{self.version}"
         info = await asyncio.to_thread(save_model, self.model, path, self.config.hf_checkpoint)
+        if self.old_actor is not None:
+            self.old_actor.load_state_dict(self.model.state_dict())
         pub = WeightsPublished(
             version=self.version, step=step, uri=str(path.resolve()), sha256=info["sha256"],
             num_bytes=info["num_bytes"], created_at=time.time(),

@@ -360,3 +360,27 @@ def test_several_optimizer_steps_per_rollout_as_miles_splits_it():
     assert RunConfig(rollout_batch_size=4, n_samples_per_prompt=4, global_batch_size=8).optimizer_steps_per_rollout == 2
     assert RunConfig(num_steps_per_rollout=3).optimizer_steps_per_rollout == 3
     assert RunConfig().optimizer_steps_per_rollout == 1
+
+
+def test_the_ppo_denominator_without_the_engines_log_probs():
+    """--no-use-rollout-logprobs: with one step per rollout the ratio is 1; with several, the
+    ratio of the later steps is against the weights before the rollout's first step (as Miles
+    recomputes log_probs once per rollout), not 1; --keep-old-actor takes it from the old actor."""
+    from services.trainer.core import LossConfig, build_step_batches, train_rollout
+    from tests.unit.test_data_parallel import make_groups
+
+    cfg = LossConfig(use_rollout_logprobs=False)
+    model = tiny_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-2)
+    one = train_rollout(model, opt, build_step_batches(make_groups(), True, None, 0, 12, 1), cfg, 1.0)
+    assert one["train/importance_ratio_min"] == one["train/importance_ratio_max"] == 1.0
+    model = tiny_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-2)
+    steps = build_step_batches(make_groups(), True, None, 0, 12, 2)
+    two = train_rollout(model, opt, steps, cfg, 1.0)
+    assert two["train/importance_ratio_max"] > 1.0 or two["train/importance_ratio_min"] < 1.0  # step 2 moved
+    old = tiny_model(1)  # another policy: the weights the engines ran
+    model = tiny_model(0)
+    steps = build_step_batches(make_groups(), True, None, 0, 12, 1)
+    kept = train_rollout(model, torch.optim.AdamW(model.parameters(), lr=5e-2), steps, cfg, 1.0, old_actor=old)
+    assert kept["train/importance_ratio_max"] > 1.0 and kept["train/importance_ratio_min"] < 1.0  # one step, yet
