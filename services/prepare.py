@@ -41,13 +41,16 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
     for field in ("save", "save_hf", "load", "eval_hf_dir", "prompt_data"):  # services may run elsewhere
         if getattr(config, field):
             updates[field] = str(Path(getattr(config, field)).resolve())
-    if config.task == "reverse-digits" and (config.prompt_data is None or not config.eval_prompt_data):
+    if config.eval_config:  # inlined, with absolute paths: every service reads the same document
+        updates.update(inline_eval_config(config))
+    given_eval = bool(config.eval_prompt_data or config.eval_config)
+    if config.task == "reverse-digits" and (config.prompt_data is None or not given_eval):
         from services.tasks import reverse_digits
 
         train, held_out = reverse_digits.write_datasets(run_dir / "data", seed=config.rollout_seed)
         if config.prompt_data is None:
             updates["prompt_data"] = str(train)
-        if not config.eval_prompt_data:
+        if not given_eval:
             updates["eval_prompt_data"] = [reverse_digits.NAME, str(held_out)]
     rows = check_datasets(config.model_copy(update=updates))
     check_sinks(config)
@@ -80,6 +83,26 @@ def steps_of_epochs(config: RunConfig, rows: int) -> int:
     return steps
 
 
+def inline_eval_config(config: RunConfig) -> dict:
+    """--eval-config as an inline document with absolute dataset paths, and the pairs it names
+    as --eval-prompt-data (as Miles sets them)."""
+    import base64
+
+    from services.eval.datasets import dataset_entries, read_document
+
+    try:
+        doc = read_document(config.eval_config)
+        entries, defaults = dataset_entries(doc)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+    for e in entries:
+        if "path" in e:
+            e["path"] = str(Path(e["path"]).resolve())
+    text = json.dumps({"eval": {"defaults": defaults, "datasets": entries}})
+    return {"eval_config": "base64:" + base64.b64encode(text.encode()).decode(),
+            "eval_prompt_data": [x for e in entries for x in (str(e["name"]), e.get("path", ""))]}  # fmt: skip
+
+
 def check_sinks(config: RunConfig) -> None:
     """A metrics sink asked for whose package is missing fails the launch, not the trainer."""
     import importlib.util
@@ -94,12 +117,11 @@ def check_datasets(config: RunConfig) -> int:
     """Read every dataset of the run before any service starts; a bad row is an error naming its
     file and line (not a buffer that crashes three times). Returns the prompts per epoch."""
     from services.common.datasource import load_rows
+    from services.eval.datasets import load_eval_sets
 
     try:
         rows = load_rows(config.prompt_data, config.input_key, config.label_key, config.metadata_key)
-        pairs = config.eval_prompt_data
-        for path in pairs[1::2]:
-            load_rows(path, config.input_key, config.label_key, config.metadata_key)
+        load_eval_sets(config)
     except ValueError as e:
         raise LaunchError(str(e)) from None
     return len(rows)

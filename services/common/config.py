@@ -567,6 +567,12 @@ class EvalSection(Section):
         default_factory=list,
         description="NAME PATH pairs of held-out JSONL sets; default: the task's held-out set.",
     )
+    eval_config: str | None = Field(
+        None,
+        description="Miles's eval dataset file (YAML/JSON, or base64:<payload>): eval.datasets with per-set "
+        "path, n_samples_per_eval_prompt, temperature, top_p, top_k, max_response_len, rm_type, keys and "
+        "metadata_overrides, and eval.defaults; replaces --eval-prompt-data.",
+    )
     n_samples_per_eval_prompt: int = Field(4, ge=1, description="Samples per held-out prompt.")
     eval_temperature: float = Field(1.0, ge=0, description="Sampling temperature for evaluation.")
     skip_eval_before_train: bool = Field(False, description="No evaluation at step 0.")

@@ -5,10 +5,12 @@ A `--eval-function-path` class subclasses CheckpointEvalFn. The eval service bui
 the HF snapshot of that point (complete: its `.complete` marker exists) and a dict:
 
     {"step": int, "weight_version": str(step), "trainer_version": int, "datasets": {name: [rows]},
-     "n_samples_per_prompt": int, "sampling_params": dict}
+     "n_samples_per_prompt": int, "sampling_params": dict,
+     "dataset_settings": {name: {"n_samples_per_eval_prompt", "sampling_params", "rm_type"}}}
 
-`weight_version` names the point as Miles does (the step, as a string: the version to load it
-under on a server); `trainer_version` is the trainer's push counter at the point. It returns
+`step` and `weight_version` name the point as Miles does (eval/step: the rollout id at dispatch;
+as a string, the version to load it under on a server); `trainer_version` is the trainer's push
+counter at the point; `dataset_settings` are each set's own (--eval-config). It returns
 metrics (a dict of floats; keys without an "eval/" prefix get one), or raises EvalSkip(reason)
 to record the point as skipped with that reason; any other exception records it as `crashed`.
 It may be sync or async. `dispose()` (sync or async) is called once when the eval service stops.

@@ -44,8 +44,11 @@ class SGLangServerEval(CheckpointEvalFn):
                                    f"{checkpoint_dir}: its answers would not be this snapshot's")  # fmt: skip
             metrics: dict[str, float] = {}
             for name, rows in input["datasets"].items():
+                settings = input.get("dataset_settings", {}).get(name, {})
+                params = settings.get("sampling_params", input["sampling_params"])
+                n = settings.get("n_samples_per_eval_prompt", input["n_samples_per_prompt"])
                 metrics.update(await evaluate_dataset(client, self.tokenizer, self.reward_fn, self.config, name, rows,
-                                                      input["sampling_params"]))  # fmt: skip
+                                                      params, n))  # fmt: skip
             return metrics
         finally:
             await client.close()

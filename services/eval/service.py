@@ -37,7 +37,6 @@ from asyncrl_proto.messages import scalar_reward
 from services.common import crash, procs
 from services.common.bus import VersionBound, fetch_some, keep_alive, settle
 from services.common.config import AsyncSection, DataSection, EvalSection, RolloutSection, TrainerSection, eval_backend
-from services.common.datasource import load_rows
 from services.common.plugins import load_object
 from services.common.responses import apply_response
 from services.common.rewards import resolve_reward, score_sample
@@ -47,6 +46,7 @@ from services.common.sinks import statistics_of
 from services.common.snapshot import is_complete, resolved
 from services.common.validate import finite, finite_metrics
 from services.eval.contract import CheckpointEvalFn, EvalSkip
+from services.eval.datasets import load_eval_sets
 from services.eval.fleet import launch_fleet
 from services.model.tokenizer import Tokenizer
 
@@ -64,11 +64,6 @@ class SkipPoint(Exception):
         self.reason = reason
 
 
-def eval_datasets(config) -> list[tuple[str, str]]:
-    pairs = config.eval_prompt_data
-    return [(pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2)]
-
-
 def point_name(req: EvalRequest) -> int:
     """The point's name on Miles's axis: eval/step, and the weight version it is pinned under."""
     return req.rollout_id if req.rollout_id is not None else req.step
@@ -82,10 +77,11 @@ class EvalService(Service):
         super().__init__(config, bus, **kw)
         self.backend = eval_backend(config)
         self.tokenizer = Tokenizer(config.hf_checkpoint)
-        self.reward_fn = resolve_reward(config)
-        self.datasets = {
-            name: load_rows(path, config.input_key, config.label_key, config.metadata_key)
-            for name, path in eval_datasets(config)
+        self.sets = {ds.name: (ds, rows) for ds, rows in load_eval_sets(config)}  # --eval-prompt-data / --eval-config
+        self.datasets = {name: rows for name, (_, rows) in self.sets.items()}
+        self.reward_fns = {
+            name: resolve_reward(config.model_copy(update={"rm_type": ds.rm_type}) if ds.rm_type else config)
+            for name, (ds, _) in self.sets.items()
         }
         rollout_urls = [config.rollout_router_url] if config.rollout_router_url else config.rollout_engine_urls
         self.client = SGLangClient(rollout_urls, api_key=self.http_token)  # the shared backend's engines
@@ -306,8 +302,11 @@ class EvalService(Service):
             "trainer_version": req.version,
             "datasets": self.datasets,
             "n_samples_per_prompt": self.config.n_samples_per_eval_prompt,
-            "sampling_params": self._sampling_params(),
-        }
+            "sampling_params": next(iter(self.sets.values()))[0].sampling_params() if self.sets else {},
+            "dataset_settings": {name: {"n_samples_per_eval_prompt": ds.n_samples_per_eval_prompt,
+                                        "sampling_params": ds.sampling_params(), "rm_type": ds.rm_type}
+                                 for name, (ds, _) in self.sets.items()},
+        }  # fmt: skip
         try:
             out = self.evaluator.evaluate_checkpoint(snapshot, inp)
             if inspect.isawaitable(out):
@@ -317,22 +316,11 @@ class EvalService(Service):
         return {(k if k.startswith("eval/") else f"eval/{k}"): float(v) for k, v in (out or {}).items()}
 
     # ---- generation and scoring ----------------------------------------------------------------
-    def _sampling_params(self) -> dict:
-        c = self.config
-        return {
-            "max_new_tokens": c.eval_max_response_len or c.rollout_max_response_len,
-            "temperature": c.eval_temperature,
-            "top_p": c.eval_top_p if c.eval_top_p is not None else c.rollout_top_p,
-            "top_k": c.rollout_top_k,
-            "stop_token_ids": list(c.rollout_stop_token_ids),
-        }
-
     async def _evaluate_all(self, client: SGLangClient, req: EvalRequest) -> dict[str, float]:
         data = {
-            name: await generate_dataset(
-                client, self.tokenizer, self.reward_fn, self.config, rows, self._sampling_params()
-            )  # fmt: skip
-            for name, rows in self.datasets.items()
+            name: await generate_dataset(client, self.tokenizer, self.reward_fns[name], self.config, rows,
+                                         ds.sampling_params(), ds.n_samples_per_eval_prompt)  # fmt: skip
+            for name, (ds, rows) in self.sets.items()
         }
         if self.eval_log_fn is not None and await self._custom_eval_log(req, data):
             return {}
@@ -372,7 +360,9 @@ class EvalService(Service):
                 "eval/dead_lettered_total": sum(self.bus.dead_lettered.values())}  # fmt: skip
 
 
-async def generate_dataset(client, tokenizer, reward_fn, config, rows: list[dict], params: dict) -> list[Sample]:
+async def generate_dataset(
+    client, tokenizer, reward_fn, config, rows: list[dict], params: dict, n: int
+) -> list[Sample]:
     """n scored samples per held-out prompt on `client`'s engines."""
 
     async def one(row: dict) -> Sample:
@@ -383,7 +373,7 @@ async def generate_dataset(client, tokenizer, reward_fn, config, rows: list[dict
         await score_sample(reward_fn, config, s)
         return s
 
-    return list(await asyncio.gather(*(one(r) for r in rows for _ in range(config.n_samples_per_eval_prompt))))
+    return list(await asyncio.gather(*(one(r) for r in rows for _ in range(n))))
 
 
 def dataset_metrics(config, name: str, samples: list[Sample]) -> dict[str, float]:
@@ -404,5 +394,9 @@ def dataset_metrics(config, name: str, samples: list[Sample]) -> dict[str, float
     return out
 
 
-async def evaluate_dataset(client, tokenizer, reward_fn, config, name: str, rows: list[dict], params: dict) -> dict:
-    return dataset_metrics(config, name, await generate_dataset(client, tokenizer, reward_fn, config, rows, params))
+async def evaluate_dataset(
+    client, tokenizer, reward_fn, config, name: str, rows: list[dict], params: dict, n: int | None = None
+) -> dict:
+    n = n if n is not None else config.n_samples_per_eval_prompt
+    samples = await generate_dataset(client, tokenizer, reward_fn, config, rows, params, n)
+    return dataset_metrics(config, name, samples)

@@ -194,3 +194,38 @@ async def test_the_reference_evaluators_pin_failure_is_a_crash(nats_server, run_
             server.scheduler.update_weights_from_disk = lambda path, version, **kw: real(path, None, **kw)
             res = await ask(bus, EvalRequest(step=2, version=2, snapshot_uri=snapshot(tiny_model_dir, tmp_path / "s2")))
             assert res.skipped_reason == "crashed" and res.metrics["eval/skipped_crashed"] == 1.0
+
+
+EVAL_LOGS: list = []
+
+
+def record_eval_data(rollout_id, config, data, extra_metrics):
+    EVAL_LOGS.append((rollout_id, {k: v["samples"] for k, v in data.items()}, extra_metrics))
+    return False
+
+
+async def test_eval_config_sets_each_datasets_settings(nats_server, run_id, task_data, tiny_model_dir, tmp_path):
+    """--eval-config as Miles reads it: per-set n, max_response_len and metadata overrides over
+    the defaults over the flags; the custom eval log function sees each set's samples."""
+    EVAL_LOGS.clear()
+    doc = tmp_path / "eval.yaml"
+    doc.write_text(f"""eval:
+  defaults: {{n_samples_per_eval_prompt: 2}}
+  datasets:
+    short: {{path: {task_data[1]}, max_response_len: 1, metadata_overrides: {{tag: s}}}}
+    long: {{path: {task_data[1]}, n_samples_per_eval_prompt: 3}}
+""")
+    rows = len(task_data[1].read_text().splitlines())
+    with EngineThread(tiny_model_dir) as fleet:
+        cfg = config(task_data, tiny_model_dir, tmp_path, eval_engine_urls=[fleet.url], eval_config=str(doc),
+                     custom_eval_rollout_log_function_path=f"{__name__}.record_eval_data")  # fmt: skip
+        async with running(cfg, nats_server, run_id) as bus:
+            res = await ask(bus, EvalRequest(step=2, rollout_id=1, version=2,
+                                             snapshot_uri=snapshot(tiny_model_dir, tmp_path / "s2")))  # fmt: skip
+    m = res.metrics
+    assert res.skipped_reason is None and "eval/heldout" not in m
+    assert m["eval/short/response_len/max"] == 1.0 and m["eval/long/response_len/max"] <= cfg.rollout_max_response_len
+    ((rollout_id, samples, extra),) = EVAL_LOGS
+    assert rollout_id == 1 and extra == {"eval/step": 1}
+    assert (len(samples["short"]), len(samples["long"])) == (2 * rows, 3 * rows)
+    assert all(s.metadata["tag"] == "s" for s in samples["short"]) and "tag" not in samples["long"][0].metadata
