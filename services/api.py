@@ -5,6 +5,7 @@
 - DataBuffer, DefaultDataBuffer: the buffer contract (put / get / get_metrics) and its default.
 - DynamicFilterOutput, check_reward_nonzero_std: dynamic-sampling filter result and built-in filter.
 - CheckpointEvalFn, EvalSkip: the external evaluator contract (--eval-function-path).
+- DataSource: Miles's data source contract (--data-source-path).
 """
 
 from asyncrl_proto.messages import Sample, SampleStatus
@@ -15,11 +16,13 @@ from services.buffer.core import (
     check_reward_nonzero_std,
 )
 from services.common.config import RunConfig
+from services.common.datasource import DataSource
 from services.eval.contract import CheckpointEvalFn, EvalSkip
 
 __all__ = [
     "CheckpointEvalFn",
     "DataBuffer",
+    "DataSource",
     "DefaultDataBuffer",
     "DynamicFilterOutput",
     "EvalSkip",

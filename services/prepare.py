@@ -54,6 +54,8 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
             updates["eval_prompt_data"] = [reverse_digits.NAME, str(held_out)]
     rows = check_datasets(config.model_copy(update=updates))
     check_sinks(config)
+    if config.num_rollout is None and config.data_source_path:
+        raise LaunchError("--data-source-path needs --num-rollout: a custom data source has no epochs to count")
     if config.num_rollout is None:
         updates["num_rollout"] = steps_of_epochs(config, rows)
         updates["num_rollout_per_epoch"] = rows // config.rollout_batch_size

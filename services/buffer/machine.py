@@ -222,7 +222,7 @@ class BufferMachine:
             inflight_cap=sum(caps) if caps else self.config.inflight_groups, want_step=self.want_step,
             lookahead=self.lookahead, groups_still_needed=need, stored=len(s.stored),
             outstanding=len(s.outstanding) + len(self.releasing), live_version=self.live_version,
-            min_version=self.min_version,
+            min_version=self.min_version, over_sampling=self.config.over_sampling_batch_size,
         )  # fmt: skip
 
     def plan_release(self, now: float) -> list[tuple[PromptMsg, dict]]:
@@ -241,7 +241,7 @@ class BufferMachine:
         for _ in range(max(k, 0)):
             prompt, cur = self.source.next_release(epoch, cursor, nxt, recycled)
             if recycled:
-                recycled.pop(0)
+                recycled = [p for p in recycled if p.group_index != prompt.group_index]
             else:
                 epoch, cursor, nxt = cur["epoch"], cur["cursor"], cur["next_group_index"]
             planned.append((prompt, cur))

@@ -36,6 +36,9 @@ class ReleaseState:
     groups_left: int | None = None
     """Groups the run still needs: --num-rollout x B less those trained, leased, stored or in
     flight (None: no limit). Nothing is released beyond it, in any mode."""
+    over_sampling: int | None = None
+    """--over-sampling-batch-size (sync modes): prompts are released in multiples of it, as
+    Miles's rollout fetches them whenever fewer than B groups are done or in flight."""
 
 
 def release_allowance(s: ReleaseState) -> int:
@@ -47,4 +50,6 @@ def release_allowance(s: ReleaseState) -> int:
         return 0
     else:
         k = s.groups_still_needed - s.stored - s.outstanding
+        if k > 0 and s.over_sampling:
+            k = -(-k // s.over_sampling) * s.over_sampling
     return max(0, k if s.groups_left is None else min(k, s.groups_left))

@@ -43,7 +43,8 @@ from services.buffer.machine import BufferMachine, BufferPluginError, Out, group
 from services.common import crash
 from services.common.bus import VersionBound, next_batch, settle
 from services.common.config import AsyncSection, DataSection, RolloutSection, TrainerSection
-from services.common.datasource import PromptSource, load_rows
+from services.common.datasource import make_prompt_source
+from services.common.plugins import load_object
 from services.common.runtime import Service, wait_event
 from services.common.validate import limits_from_model_dir
 
@@ -59,20 +60,21 @@ class BufferService(Service):
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
-        if not config.prompt_data:
-            raise ValueError("the buffer needs --prompt-data (the launcher sets it to the task's data)")
-        rows = load_rows(config.prompt_data, config.input_key, config.label_key, config.metadata_key)
+        source = make_prompt_source(config)
         self.buffer = make_buffer(config, self._recycle)
         self.plugin_path = config.custom_async_data_buffer_path or "services.api.DefaultDataBuffer"
         self.published = VersionBound(bus)  # the newest weight version the trainer published
         self.core = BufferMachine(
-            config, PromptSource(config, rows),
+            config, source,
             limits_from_model_dir(config.hf_checkpoint, config.n_samples_per_prompt, config.reward_key),
             published=lambda: self.published.value, metrics=self._metrics,
             observed=isinstance(self.buffer, DefaultDataBuffer), plugin_path=self.plugin_path,
         )  # fmt: skip
         if isinstance(self.buffer, DefaultDataBuffer):
-            self.buffer.on_event = self.core.on_decision
+            self.buffer.on_event = self._on_decision
+        path = config.rollout_all_samples_process_path
+        self.all_samples_fn = load_object(path, "--rollout-all-samples-process-path") if path else None
+        self._step_groups: list[list] = []  # the groups of the step being leased, filtered ones included
         self.ledger = Ledger(bus, self.fail, self.background)
         self._consumer = bus.subjects.consumers(config.prompt_ack_wait_s)["buffer"]
         self._rollouts = None
@@ -131,6 +133,7 @@ class BufferService(Service):
             await self.ledger.flush()
         if completes:
             crash.point("buffer", "lease_decided_before_reply")
+            self._process_all_samples()
         for msg, reason in out.dead_letters:
             if msg is None:
                 log.error("ignoring the KV value: %s", reason)
@@ -250,7 +253,27 @@ class BufferService(Service):
                 continue
             version = self.core.clock()
             group = await self._plugin(self.buffer.get(current_version=version, step=step), "get")
+            if self.all_samples_fn is not None:
+                self._step_groups.append(group)
             await self._apply(self.core.on_handed(step, group, version))
+
+    def _on_decision(self, kind: str, group: list, reason: str | None) -> None:
+        if kind == "filtered" and self.all_samples_fn is not None:
+            self._step_groups.append(group)
+        self.core.on_decision(kind, group, reason)
+
+    def _process_all_samples(self) -> None:
+        """Miles's --rollout-all-samples-process-path, fn(config, all_samples, data_source), once
+        per completed lease with every group generated for it, those the dynamic filter dropped
+        included, sorted by index (data_source: None; recycling is the buffer's own). A hook that
+        raises is logged; not durable: a restarted buffer does not call it again."""
+        if self.all_samples_fn is None:
+            return
+        groups, self._step_groups = sorted(self._step_groups, key=lambda g: flatten_group(g)[0].index), []
+        try:
+            self.all_samples_fn(self.config, groups, None)
+        except Exception as e:
+            log.warning("--rollout-all-samples-process-path raised: %s", e)
 
     # ---- commit, live version, producers -------------------------------------------------------
     async def _on_commit(self, msg) -> None:

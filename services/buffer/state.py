@@ -96,10 +96,11 @@ def apply(state: BufferState, ev: LedgerEvent) -> None:
     if kind == "released":
         p = ev.prompt
         gid = group_id(p.group_index, p.attempt)
-        if p.attempt > 0:
-            if not state.recycled or group_id(state.recycled[0].group_index, state.recycled[0].attempt) != gid:
-                raise StateError(f"re-release of {gid} is not the head of the recycled queue")
-            state.recycled.pop(0)
+        if p.attempt > 0:  # the queue's head, or the one --buffer-filter-path picked
+            at = [i for i, r in enumerate(state.recycled) if group_id(r.group_index, r.attempt) == gid]
+            if not at:
+                raise StateError(f"re-release of {gid} is not in the recycled queue")
+            state.recycled.pop(at[0])
             state.count("rereleased")
         else:
             state.epoch = ev.source.get("epoch", state.epoch)

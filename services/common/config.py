@@ -283,6 +283,29 @@ class RolloutSection(Section):
     rollout_sample_filter_path: str | None = Field(
         None, description="module.fn: fn(config, batch) marking remove_sample, applied per step."
     )
+    over_sampling_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Sync and one-step drivers: release prompts in multiples of this (>= B) whenever fewer than "
+        "the step's B groups are done or in flight, as Miles's rollout over-samples for dynamic filtering. "
+        "Leftover groups are trained by the next step (Miles discards them). Unset: exactly what is missing.",
+    )
+    data_source_path: str | None = Field(
+        None,
+        description="module.Class: a services.api.DataSource subclass (Miles's get_samples(num_samples)) that "
+        "replaces --prompt-data; it must give the same prompts in the same order from a fresh instance (needs "
+        "--num-rollout).",
+    )
+    buffer_filter_path: str | None = Field(
+        None,
+        description="module.fn: fn(config, rollout_id, buffer, num_samples) -> list[list[Sample]] picks which "
+        "recycled prompt group is released next (default: the oldest).",
+    )
+    rollout_all_samples_process_path: str | None = Field(
+        None,
+        description="module.fn: fn(config, all_samples, data_source) once per step with every group generated for "
+        "it, those the dynamic filter dropped included (train and one-step train-async; data_source is None).",
+    )
     custom_async_data_buffer_path: str | None = Field(
         None, description="module.Class: a DataBuffer subclass replacing the default buffer."
     )
@@ -291,6 +314,18 @@ class RolloutSection(Section):
         errs = []
         if any(t < 0 for t in self.rollout_stop_token_ids):
             errs.append(f"--rollout-stop-token-ids must be token ids >= 0 (got {self.rollout_stop_token_ids})")
+        if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < self.rollout_batch_size:
+            errs.append(
+                f"--over-sampling-batch-size ({self.over_sampling_batch_size}) must be >= --rollout-batch-size "
+                f"({self.rollout_batch_size})"
+            )
+        if self.rollout_all_samples_process_path is not None and self.fully_async:
+            errs.append("--fully-async does not support --rollout-all-samples-process-path")
+        if self.over_sampling_batch_size is not None and self.fully_async:
+            errs.append(
+                "--over-sampling-batch-size applies to the train and one-step train-async drivers: under "
+                "--fully-async the producers keep the buffer full instead; drop it"
+            )
         if self.rollout_top_k != -1 and self.rollout_top_k < 1:
             errs.append(f"--rollout-top-k must be -1 or >= 1 (got {self.rollout_top_k})")
         return errs

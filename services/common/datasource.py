@@ -10,6 +10,7 @@ releases exactly what it would have released.
 
 from __future__ import annotations
 
+import abc
 import json
 import random
 import time
@@ -18,7 +19,9 @@ from pathlib import Path
 import msgspec
 
 from asyncrl_proto import PromptMsg
+from asyncrl_proto.messages import Sample, SampleStatus, flatten_group
 from services.common.config import RunConfig
+from services.common.plugins import load_object
 
 
 class DataError(ValueError):
@@ -58,12 +61,40 @@ def load_rows(path: str | Path, input_key: str, label_key: str | None, metadata_
     return rows
 
 
+class DataSource(abc.ABC):
+    """Miles's data source contract (--data-source-path names a subclass; `cls(config)`):
+    `get_samples(num_samples)` returns that many prompt groups (list[list[Sample]]; the first
+    sample of each gives the prompt, label and metadata). The buffer draws one group at a time and
+    keeps the position durably; a restarted buffer draws again from a fresh instance up to it, so
+    a subclass must give the same prompts in the same order (as a dataset read in order does).
+    Recycled prompts stay in the buffer's durable queue: `add_samples`, `save` and `load` are
+    never called (they are Miles's way to persist what the ledger persists here)."""
+
+    def __init__(self, config):
+        self.config = config
+
+    @abc.abstractmethod
+    def get_samples(self, num_samples: int) -> list[list[Sample]]: ...
+
+    def add_samples(self, samples: list[list[Sample]]) -> None:
+        raise NotImplementedError("asyncrl recycles prompts in the buffer's own durable queue")
+
+    def save(self, rollout_id) -> None:
+        return None
+
+    def load(self, rollout_id=None) -> None:
+        return None
+
+
 class PromptSource:
     def __init__(self, config: RunConfig, rows: list[dict]):
         self.config = config
         self.rows = rows
         self.n = config.n_samples_per_prompt
         self._orders: dict[int, list[int]] = {}
+        self.buffer_filter = (
+            load_object(config.buffer_filter_path, "--buffer-filter-path") if config.buffer_filter_path else None
+        )
 
     @property
     def epoch_size(self) -> int:
@@ -78,14 +109,12 @@ class PromptSource:
         return self._orders[epoch]
 
     def next_release(self, epoch: int, cursor: int, next_group_index: int, recycled: list[PromptMsg]):
-        """The next prompt and the cursor after it: the head of the recycled queue (original
-        group_index, attempt + 1) if any, else the next row. Pure: nothing is mutated."""
+        """The next prompt and the cursor after it: a recycled prompt (original group_index,
+        attempt + 1) if any, the queue's head or the one --buffer-filter-path picks, else the next
+        row. Pure: nothing is mutated."""
         if recycled:
-            return msgspec.structs.replace(recycled[0], released_at=time.time()), {}
-        if cursor >= len(self.rows):
-            epoch, cursor = epoch + 1, 0
-        row_id = self.order(epoch)[cursor]
-        row = self.rows[row_id]
+            return msgspec.structs.replace(recycled[self.pick_recycled(recycled)], released_at=time.time()), {}
+        epoch, cursor, row_id, row = self._row(epoch, cursor)
         msg = PromptMsg(
             group_index=next_group_index,
             prompt=row["prompt"],
@@ -98,3 +127,69 @@ class PromptSource:
             released_at=time.time(),
         )
         return msg, {"epoch": epoch, "cursor": cursor + 1, "next_group_index": next_group_index + 1}
+
+    def _row(self, epoch: int, cursor: int) -> tuple[int, int, int, dict]:
+        if cursor >= len(self.rows):
+            epoch, cursor = epoch + 1, 0
+        row_id = self.order(epoch)[cursor]
+        return epoch, cursor, row_id, self.rows[row_id]
+
+    def pick_recycled(self, recycled: list[PromptMsg]) -> int:
+        """Which recycled prompt goes next: Miles's buffer filter, `fn(config, rollout_id,
+        buffer, num_samples) -> list[list[Sample]]`, given the queue as reset groups (pop_first,
+        the head, without one). It must decide from what it is given: the buffer asks again after
+        a restart."""
+        if self.buffer_filter is None:
+            return 0
+        groups = [[Sample(index=p.group_index * p.n_samples + i, group_index=p.group_index, prompt=p.prompt,
+                          label=p.label, metadata=dict(p.metadata), status=SampleStatus.ABORTED)
+                   for i in range(p.n_samples)] for p in recycled]  # fmt: skip
+        try:
+            picked = self.buffer_filter(self.config, None, groups, 1)
+            gi = flatten_group(picked[0])[0].group_index
+            return next(i for i, p in enumerate(recycled) if p.group_index == gi)
+        except Exception as e:
+            raise DataError(
+                f"--buffer-filter-path {self.config.buffer_filter_path} must return one of the groups it "
+                f"is given ({type(e).__name__}: {e})"
+            ) from e
+
+
+class CustomPromptSource(PromptSource):
+    """Prompts from a --data-source-path DataSource, by position (see DataSource): the cursor
+    counts the groups drawn, in one endless epoch."""
+
+    def __init__(self, config: RunConfig, source: DataSource):
+        super().__init__(config, [])
+        self.source = source
+        self.drawn: list[dict] = []
+
+    @property
+    def epoch_size(self) -> int:
+        return 0  # unknown: a custom source has no epochs
+
+    def _row(self, epoch: int, cursor: int) -> tuple[int, int, int, dict]:
+        path = self.config.data_source_path
+        while len(self.drawn) <= cursor:
+            groups = self.source.get_samples(1)
+            if not groups or not flatten_group(groups[0]):
+                raise DataError(f"--data-source-path {path}: get_samples(1) returned no group: the source is exhausted")
+            s = flatten_group(groups[0])[0]
+            if not (
+                isinstance(s.prompt, str) or (isinstance(s.prompt, list) and all(isinstance(t, int) for t in s.prompt))
+            ):
+                raise DataError(f"--data-source-path {path}: a sample's prompt must be text or token ids")
+            self.drawn.append({"prompt": s.prompt, "label": s.label, "metadata": dict(s.metadata or {})})
+        return 0, cursor, cursor, self.drawn[cursor]
+
+
+def make_prompt_source(config: RunConfig) -> PromptSource:
+    if config.data_source_path:
+        cls = load_object(config.data_source_path, "--data-source-path")
+        if not callable(getattr(cls, "get_samples", None)):
+            raise DataError(f"--data-source-path {config.data_source_path} must name a DataSource subclass "
+                            "(get_samples(num_samples) -> list[list[Sample]])")  # fmt: skip
+        return CustomPromptSource(config, cls(config))
+    if not config.prompt_data:
+        raise DataError("the buffer needs --prompt-data (the launcher sets it to the task's data)")
+    return PromptSource(config, load_rows(config.prompt_data, config.input_key, config.label_key, config.metadata_key))

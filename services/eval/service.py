@@ -318,8 +318,15 @@ class EvalService(Service):
     # ---- generation and scoring ----------------------------------------------------------------
     async def _evaluate_all(self, client: SGLangClient, req: EvalRequest) -> dict[str, float]:
         data = {
-            name: await generate_dataset(client, self.tokenizer, self.reward_fns[name], self.config, rows,
-                                         ds.sampling_params(), ds.n_samples_per_eval_prompt)  # fmt: skip
+            name: await generate_dataset(
+                client,
+                self.tokenizer,
+                self.reward_fns[name],
+                self.config,
+                rows,
+                ds.sampling_params(),
+                ds.n_samples_per_eval_prompt,
+            )  # fmt: skip
             for name, (ds, rows) in self.sets.items()
         }
         if self.eval_log_fn is not None and await self._custom_eval_log(req, data):

@@ -325,3 +325,20 @@ def test_nothing_is_released_beyond_what_the_run_can_train():
     r.do(r.m.on_put_returned())
     (again, _), = r.m.plan_release(now=0.0)  # fmt: skip
     assert again.group_index == 4  # one replacement for the dropped group, no more
+
+
+def pick_last(config, rollout_id, buffer, num_samples):
+    """A --buffer-filter-path: the newest recycled groups first."""
+    return buffer[-num_samples:]
+
+
+def test_the_buffer_filter_picks_which_recycled_prompt_goes_next():
+    r = Run(async_unused_samples_handler="retry", buffer_filter_path=f"{__name__}.pick_last")
+    r.get(0)
+    prompts, _ = r.release()
+    for seq, p in enumerate(prompts[:2], 1):
+        r.put(r.group(p, status=SampleStatus.ABORTED), seq=seq, decision="aborted")
+    assert [p.group_index for p in r.m.state.recycled] == [prompts[0].group_index, prompts[1].group_index]
+    again, _ = r.release()
+    assert [(p.group_index, p.attempt) for p in again] == [(prompts[1].group_index, 1), (prompts[0].group_index, 1)]
+    r.check_fold()  # a re-release that is not the queue's head folds too

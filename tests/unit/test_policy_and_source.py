@@ -105,3 +105,59 @@ def test_shuffle_is_seeded_per_epoch(tmp_path):
     assert first == first_40(1)
     assert first[:20] != [str(i) for i in range(20)] and sorted(first[:20]) == sorted(first[20:])
     assert first[:20] != first[20:]
+
+
+def test_over_sampling_releases_in_multiples_of_its_batch():
+    """--over-sampling-batch-size O: whenever fewer than the step's groups are done or in flight,
+    O more prompts (Miles's rollout loop); never beyond what the run can train."""
+    s = state(mode="sync", groups_still_needed=4, over_sampling=6)
+    assert release_allowance(s) == 6
+    s.outstanding = 3  # three dropped by the dynamic filter: 3 missing -> O more
+    assert release_allowance(s) == 6
+    s.outstanding = 6
+    assert release_allowance(s) == 0
+    assert release_allowance(state(mode="one_step", lookahead=1, groups_still_needed=8, over_sampling=6)) == 12
+    assert release_allowance(state(mode="sync", groups_still_needed=4, over_sampling=6, groups_left=5)) == 5
+
+
+COUNTING = []
+
+
+class Counting:
+    """A --data-source-path: prompt i is "q<i>", from any fresh instance."""
+
+    def __init__(self, config):
+        self.config, self.i = config, 0
+        COUNTING.append(self)
+
+    def get_samples(self, num_samples):
+        from services.api import Sample
+
+        out = []
+        for _ in range(num_samples):
+            out.append([Sample(prompt=f"q{self.i}", label=str(self.i), metadata={"i": self.i})])
+            self.i += 1
+        return out
+
+
+class Exhausted(Counting):
+    def get_samples(self, num_samples):
+        return [] if self.i >= 2 else super().get_samples(num_samples)
+
+
+def test_a_custom_data_source_is_read_by_position_and_replays_after_a_restart():
+    from services.common.datasource import CustomPromptSource, make_prompt_source
+
+    cfg = RunConfig(data_source_path=f"{__name__}.Counting", n_samples_per_prompt=2)
+    src = make_prompt_source(cfg)
+    assert isinstance(src, CustomPromptSource)
+    msg, cur = src.next_release(0, 3, 7, [])  # position 3 of a fresh source: drawn in order up to it
+    assert (msg.prompt, msg.label, msg.metadata, msg.group_index, msg.n_samples) == ("q3", "3", {"i": 3}, 7, 2)
+    assert cur == {"epoch": 0, "cursor": 4, "next_group_index": 8}
+    assert src.next_release(0, 1, 5, [])[0].prompt == "q1"  # pure: an earlier position again
+    restarted = make_prompt_source(cfg)
+    assert restarted.next_release(0, 3, 7, [])[0].prompt == "q3" and len(COUNTING) == 2
+    with pytest.raises(DataError, match="returned no group: the source is exhausted"):
+        make_prompt_source(cfg.model_copy(update={"data_source_path": f"{__name__}.Exhausted"})).next_release(
+            0, 2, 0, []
+        )
