@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -155,3 +156,24 @@ def test_bare_command_line_defaults_are_miless(capsys, tmp_path):
     assert (c.rollout_batch_size, c.n_samples_per_prompt) == (4, 1)
     (tmp_path / "c.yaml").write_text("rollout-batch-size: 5\n")
     assert _resolve("asyncrl train", ["--config", str(tmp_path / "c.yaml")], sync=True).rollout_batch_size == 5
+
+
+def test_num_epoch_makes_every_epochs_end_a_save_and_eval_point(tmp_path):
+    """--num-epoch: the launcher counts the steps (10 rows, B 3, 2 epochs: 6) and the steps per
+    epoch (3), so the end of each epoch is a periodic point too, as in Miles."""
+    from services.prepare import prepare_run
+
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}=", "label": str(i)}) + "\n" for i in range(10)))
+    model = tmp_path / "m"
+    model.mkdir()
+    c = prepare_run(RunConfig(num_epoch=2, rollout_batch_size=3, prompt_data=str(data), eval_prompt_data=["h", str(data)],
+                              hf_checkpoint=str(model), eval_interval=100, save="/s", save_interval=4,
+                              run_dir=str(tmp_path / "run")), log=lambda *_: None)  # fmt: skip
+    assert (c.num_rollout, c.num_rollout_per_epoch) == (6, 3)
+    assert [r for r in range(6) if c.eval_due(r)] == [2, 5]  # each epoch's end (the last step too)
+    assert [r for r in range(6) if c.save_due(r)] == [2, 3, 5]  # and every --save-interval
+    given = prepare_run(RunConfig(num_rollout=6, num_epoch=2, rollout_batch_size=3, prompt_data=str(data),
+                                  eval_prompt_data=["h", str(data)], hf_checkpoint=str(model),
+                                  run_dir=str(tmp_path / "run2")), log=lambda *_: None)  # fmt: skip
+    assert given.num_rollout_per_epoch is None  # --num-rollout given: no epoch points (as Miles)
