@@ -121,14 +121,16 @@ async def test_requests_and_announcements_outside_the_window_are_refused(
 
 
 async def test_the_get_window_follows_the_checkpoint_cadence(nats_server, run_id, task_data, tiny_model_dir):
-    """With --save and no --save-interval the trainer commits only at the end: every step of the
-    run is a step it may ask for; without --save it commits every step."""
-    cfg = config(task_data, tiny_model_dir, save="/tmp/asyncrl-never-written", num_rollout=20)
+    """With --save and --save-interval 10 the trainer commits every 10 steps: the 12 steps after
+    the committed one (10 trained since the last checkpoint, one prefetched) are steps it may ask
+    for; with --save alone nothing is saved and it commits at every push (here every step)."""
+    cfg = config(task_data, tiny_model_dir, save="/tmp/asyncrl-never-written", save_interval=10, num_rollout=20)
     svc = await start_service(BufferService, cfg, nats_server.url, run_id)
     h = Harness(await Bus.connect(nats_server.url, run_id, "test"))
     try:
-        assert (await h.get(15, wait_s=0.1)).error is None
-        assert "outside the steps" in (await h.get(22, wait_s=0.1)).error
+        assert (await h.get(11, wait_s=0.1)).error is None
+        assert "outside the steps" in (await h.get(12, wait_s=0.1)).error
+        assert cfg.model_copy(update={"save_interval": None}).commit_interval == 1
     finally:
         await svc.stop()
         await h.bus.close()
