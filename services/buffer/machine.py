@@ -525,6 +525,7 @@ class BufferMachine:
         out = {
             "rollout/fully_async/queue_size": rs.stored,
             "buffer/capacity": self.config.buffer_capacity,
+            "buffer/free_capacity": max(0, self.config.buffer_capacity - rs.stored),  # the producers' HPA metric
             "buffer/outstanding_prompts": rs.outstanding,
             "buffer/live_version": self.live_version if self.live_version is not None else -1,
             "buffer/committed_step": s.committed_step,

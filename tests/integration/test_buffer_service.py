@@ -167,7 +167,9 @@ async def test_bad_messages_are_dead_lettered_and_the_service_keeps_running(
             await h.publish_group(p)
         assert (await h.get(0)).complete  # still serving
         async with httpx.AsyncClient(base_url=svc.service.http_url, headers=AUTH) as c:
-            assert "asyncrl_buffer_ledger_dead_lettered_total 3.0" in (await c.get("/metrics")).text
+            text = (await c.get("/metrics")).text
+            assert "asyncrl_buffer_ledger_dead_lettered_total 3.0" in text
+            assert "asyncrl_buffer_free_capacity 2.0" in text  # the producers' autoscaling metric: all leased
             status = (await c.get("/status")).json()
         assert status["capacity"] == 2 and status["dead_lettered"] == {"rollouts": 3}
         assert status["ledger"]["rejected"] == 3  # and each one's fate is on the ledger

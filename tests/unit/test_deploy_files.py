@@ -102,3 +102,46 @@ def test_read_config_file_formats(tmp_path):
     (tmp_path / "a.json").write_text('{"rollout_batch_size": 5}')
     assert read_config_file(tmp_path / "a.toml") == {"rollout_batch_size": 3}
     assert read_config_file(tmp_path / "a.json") == {"rollout_batch_size": 5}
+
+
+def k8s_docs() -> list[dict]:
+    return [d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "asyncrl.yaml").read_text()) if d]
+
+
+def test_the_k8s_manifest_and_secrets_are_valid_kubernetes():
+    """kubernetes-validate, strict (no unknown fields), on the manifest and on what `asyncrl
+    secrets --k8s` prints."""
+    kv = pytest.importorskip("kubernetes_validate")
+    from services.common.natsauth import k8s_secrets
+
+    docs = k8s_docs() + [d for d in yaml.safe_load_all(k8s_secrets("k8s")) if d]
+    for doc in docs:
+        kv.validate(doc, kv.latest_version(), strict=True)
+    assert {d["kind"] for d in docs} >= {"Secret", "Job", "Deployment", "StatefulSet", "HorizontalPodAutoscaler"}
+
+
+def test_the_k8s_manifest_would_run():
+    """The trainer is a Job (restarted on failure, not on success); every asyncrl container uses
+    a local image if present and has probes; the engine waits for the model; producers scale on
+    the buffer's free capacity."""
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in k8s_docs()}
+    trainer = docs[("Job", "asyncrl-trainer")]["spec"]["template"]["spec"]
+    assert trainer["restartPolicy"] == "OnFailure" and ("Deployment", "asyncrl-trainer") not in docs
+    for (kind, name), d in docs.items():
+        pod = (d.get("spec") or {}).get("template", {}).get("spec", {})
+        for c in pod.get("containers", []) + pod.get("initContainers", []):
+            if c["image"].startswith("asyncrl"):
+                assert c.get("imagePullPolicy") == "IfNotPresent", f"{name}/{c['name']}"
+        if kind in ("Deployment", "StatefulSet") or name == "asyncrl-trainer":
+            for c in pod["containers"]:
+                assert "livenessProbe" in c and "readinessProbe" in c, f"{name}/{c['name']}"
+    engine = docs[("Deployment", "asyncrl-engine")]["spec"]["template"]["spec"]
+    assert "/runs/k8s/model/initial/.complete" in " ".join(engine["initContainers"][0]["command"])
+    hpa = docs[("HorizontalPodAutoscaler", "asyncrl-rollout")]["spec"]
+    assert hpa["scaleTargetRef"]["name"] == "asyncrl-rollout"
+    assert hpa["metrics"][0]["external"]["metric"]["name"] == "asyncrl_buffer_free_capacity"
+
+
+def test_the_docker_build_context_leaves_local_state_out():
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".venv", ".git", "runs"} <= set(ignored)
