@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch; override for another build, e.g. make run TORCH="torch==2.13.0 --index-url ..."
 TORCH ?= torch==2.13.0
 
-.PHONY: setup run smoke test test-crash test-all bench lint clean
+.PHONY: setup run smoke test test-crash test-cluster test-all bench lint clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,10 @@ test: $(BIN)/.test-installed
 # A short run killed at every named crash point (tests/crash); CI runs it after `make test`.
 test-crash: $(BIN)/.test-installed
 	$(BIN)/python -m pytest -q -m crash tests/crash
+
+# Whole runs on a 3-node NATS cluster, one node killed, every node restarted in turn; CI runs it too.
+test-cluster: $(BIN)/.test-installed
+	$(BIN)/python -m pytest -q -m cluster tests/integration/test_nats_cluster.py
 
 # Everything, including the slow learning checks.
 test-all: $(BIN)/.test-installed

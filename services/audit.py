@@ -95,10 +95,12 @@ def audit_run(run_dir: str | Path) -> dict:
     if url and _answers(url):
         return asyncio.run(collect(url, run_id, run_dir))
     store = run_dir / "nats"
-    if not (store / "jetstream").exists():
+    if not ((store / "jetstream").exists() or (store / "node-0" / "jetstream").exists()):
         raise RuntimeError(f"the run's NATS server at {url} does not answer and {store} holds no store")
+    from types import SimpleNamespace
+
     from services.common.natsauth import server_auth_conf
-    from services.common.natsserver import EmbeddedNats
+    from services.common.natsserver import local_nats
     from services.common.secrets import load_roles_file
 
     # the run's own store, behind the run's own users (its secrets directory), on a free port
@@ -108,8 +110,10 @@ def audit_run(run_dir: str | Path) -> dict:
         if roles.exists()
         else ""
     )
-    with EmbeddedNats(store, log_path=run_dir / "logs" / "audit-nats-server.log", auth_conf=auth,
-                      max_file_store=cfg.get("nats_max_file_store")) as srv:  # fmt: skip
+    # the same server or cluster the launcher ran, on free ports (a cluster's nodes find each other again)
+    local = SimpleNamespace(nats_cluster=cfg.get("nats_cluster", 1), nats_max_file_store=cfg.get("nats_max_file_store"),
+                            nats_sync=None, run_id=run_id)  # fmt: skip
+    with local_nats(local, store, run_dir / "logs", auth, log_name="audit-nats-server") as srv:
         return asyncio.run(collect(srv.url, run_id, run_dir))
 
 
@@ -117,12 +121,14 @@ def _answers(url: str) -> bool:
     import socket
     from urllib.parse import urlparse
 
-    u = urlparse(url)
-    try:
-        with socket.create_connection((u.hostname or "127.0.0.1", u.port or 4222), timeout=1.0):
-            return True
-    except OSError:
-        return False
+    for one in url.split(","):  # a cluster: any node will do
+        u = urlparse(one.strip())
+        try:
+            with socket.create_connection((u.hostname or "127.0.0.1", u.port or 4222), timeout=1.0):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def format_report(r: dict) -> str:

@@ -38,7 +38,7 @@ from services.common.bus import STORE_DIR_ENV, Bus
 from services.common.config import RunConfig
 from services.common.engine_commands import builtin_engine_command, builtin_engine_flags, sglang_server_command
 from services.common.natsauth import server_auth_conf
-from services.common.natsserver import EmbeddedNats
+from services.common.natsserver import EmbeddedNats, NatsCluster, local_nats
 from services.common.secrets import RUN_TOKEN_ENV, NatsCredentials, without_nats_identity
 from services.common.snapshot import COMPLETE_MARKER, is_complete
 from services.common.validate import eval_result_problem, finite_metrics
@@ -84,7 +84,7 @@ class Launcher:
         self.nats_restarts: list[float] = []
         self.router_url: str | None = None
         self.services: dict[str, str] = {}
-        self.nats: EmbeddedNats | None = None
+        self.nats: EmbeddedNats | NatsCluster | None = None
         self.nats_url = config.nats_url
         self.evals: dict[int, EvalResult] = {}
         self.done: ProgressRecord | None = None
@@ -113,21 +113,23 @@ class Launcher:
         return self.procs.child(name)
 
     def start_nats(self) -> None:
+        if self.nats_url and self.config.nats_cluster > 1:
+            raise LaunchError("--nats-cluster starts an embedded cluster; with --nats-url the cluster is yours: "
+                              "drop --nats-cluster and set --nats-replicas to its size")  # fmt: skip
         if self.nats_url:
             self.creds = role_credentials(self.config)
             return
         passwords = role_passwords(self.secrets_dir)
         self.creds = {r: NatsCredentials(user=r, password=p) for r, p in passwords.items()}
-        self.nats = EmbeddedNats(
-            self.run_dir / "nats",
-            log_path=self.run_dir / "logs" / "nats-server.log",
-            auth_conf=server_auth_conf(self.config.run_id, passwords),
-            max_file_store=self.config.nats_max_file_store,
-            sync_interval=self.config.nats_sync,
-        ).start()
+        auth = server_auth_conf(self.config.run_id, passwords)
+        self.nats = local_nats(self.config, self.run_dir / "nats", self.run_dir / "logs", auth).start()
         self.nats_url = self.nats.url
-        self.procs.extra_pids["nats-server"] = self.nats.proc.pid
+        for i, node in enumerate(self.nats.nodes):
+            self.procs.extra_pids[self.nats.pid_name(i)] = node.proc.pid
         self.procs.write_pids()
+        nodes = {self.nats.pid_name(i): {"url": n.url, "monitor": f"http://127.0.0.1:{n.http_port}" if n.http_port else None}
+                 for i, n in enumerate(self.nats.nodes)}  # fmt: skip
+        (self.run_dir / "nats" / "nodes.json").write_text(json.dumps(nodes, indent=2))
 
     def start_engines(self) -> list[str]:
         """The engines' URLs: attached (--rollout-external-engine-addrs), or launched here -
@@ -214,19 +216,23 @@ class Launcher:
     def check_children(self, allow_exit: tuple[str, ...] = ()) -> None:
         """Restart a crashed child (same command, same ports) or nats-server, up to
         --service-restarts times; a child that keeps crashing fails the run with its last log lines."""
-        if self.nats and self.nats.proc and self.nats.proc.poll() is not None:
-            self._restart_nats()
+        for i, node in enumerate(self.nats.nodes if self.nats else []):
+            if node.proc and node.proc.poll() is not None:
+                self._restart_nats(i, node)
         self.procs.check_exits(allow_exit)
 
-    def _restart_nats(self) -> None:
+    def _restart_nats(self, i: int, node: EmbeddedNats) -> None:
+        """A nats-server node that exited comes back on its own store and ports (in a cluster it
+        catches up with the others; clients moved to them meanwhile)."""
+        name = self.nats.pid_name(i)
         if not self.procs.budget.take(self.nats_restarts):
             raise LaunchError(
-                f"nats-server exited {self.config.service_restarts + 1} times in {self.config.restart_window_s:.0f}s; "
-                f"see {self.run_dir}/logs/nats-server.log"
+                f"{name} exited {self.config.service_restarts + 1} times in {self.config.restart_window_s:.0f}s; "
+                f"see {node.log_path}"
             )
-        self.out(f"  nats-server exited with code {self.nats.proc.returncode}; restarting on the same store")
-        self.nats.start()
-        self.procs.extra_pids["nats-server"] = self.nats.proc.pid
+        self.out(f"  {name} exited with code {node.proc.returncode}; restarting on the same store")
+        node.start()
+        self.procs.extra_pids[name] = node.proc.pid
         self.procs.write_pids()
 
     # ---- run -------------------------------------------------------------------------------
@@ -240,7 +246,7 @@ class Launcher:
         (self.run_dir / "config.json").write_text(json.dumps(c.model_dump(mode="json"), indent=2))
         bus = await Bus.connect(self.nats_url, c.run_id, "launcher", creds=self.creds["admin"])
         try:
-            await bus.ensure_streams()
+            await bus.ensure_streams(c.stream_replicas)
             await bus.ensure_consumers(c.prompt_ack_wait_s)
             await bus.kv_put("config", json.dumps(c.model_dump(mode="json")).encode())
             await asyncio.to_thread(self.wait_ready)  # engines first: every service talks to them

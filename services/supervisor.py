@@ -103,8 +103,11 @@ class Supervisor:
         return next(c for c in self.children if c.name == name)
 
     def write_pids(self) -> None:
+        """pids.json, replaced whole (written beside it, then renamed): a reader never sees it half-written."""
         pids = {c.name: c.proc.pid for c in self.children} | self.extra_pids | {"launcher": os.getpid()}
-        (self.run_dir / "pids.json").write_text(json.dumps(pids, indent=2))
+        tmp = self.run_dir / "pids.json.tmp"
+        tmp.write_text(json.dumps(pids, indent=2))
+        tmp.replace(self.run_dir / "pids.json")
 
     def tail(self, name: str, n: int = 15) -> str:
         try:

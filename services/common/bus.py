@@ -184,7 +184,7 @@ class Bus:
         while True:
             try:
                 nc = await nats.connect(
-                    url,
+                    [u.strip() for u in url.split(",")],  # a cluster: every node's URL
                     name=f"asyncrl-{run_id}-{service}",
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5,
@@ -222,25 +222,33 @@ class Bus:
             await self.nc.close()
 
     # ---- setup -----------------------------------------------------------------------------
-    async def ensure_streams(self) -> None:
-        """Create (or update) every stream of the run and its KV bucket. Idempotent; needs the
-        admin role (the launcher, `asyncrl init-run`): services only use what exists."""
+    async def ensure_streams(self, replicas: int = 1) -> None:
+        """Create (or update) every stream of the run and its KV bucket, each with `replicas`
+        copies on a JetStream cluster (--nats-replicas; the run's consumers inherit it).
+        Idempotent; needs the admin role (the launcher, `asyncrl init-run`): services only use
+        what exists."""
         for spec in self.subjects.stream_specs():
             spec = dict(spec)
             spec["retention"] = _RETENTION[spec["retention"]]
             spec["storage"] = _STORAGE[spec["storage"]]
-            cfg = api.StreamConfig(**spec)
-            try:
-                await self.js.add_stream(cfg)
-            except nats.js.errors.BadRequestError:
-                await self.js.update_stream(cfg)
+            cfg = api.StreamConfig(**spec, num_replicas=replicas)
+            await self._through_outage(lambda cfg=cfg: self._add_or_update_stream(cfg), cfg.name, 120.0, "create")
         bucket = self.subjects.kv_bucket
         try:
             self._kv = await self.js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
             # direct gets by key: a role's permissions then name the keys it may read
-            cfg = api.KeyValueConfig(bucket=bucket, history=1, storage=api.StorageType.FILE, direct=True)
+            cfg = api.KeyValueConfig(bucket=bucket, history=1, storage=api.StorageType.FILE, direct=True,
+                                     replicas=replicas)  # fmt: skip
             self._kv = await self.js.create_key_value(config=cfg)
+
+    async def _add_or_update_stream(self, cfg) -> None:
+        """A cluster that is still forming answers with a timeout or "insufficient resources"
+        (no quorum yet): the caller retries."""
+        try:
+            await self.js.add_stream(cfg)
+        except nats.js.errors.BadRequestError:
+            await self.js.update_stream(cfg)
 
     async def ensure_consumers(self, prompt_ack_wait_s: float) -> None:
         """Create (or update) the run's durable consumers (asyncrl_proto.subjects.consumers); the
@@ -351,9 +359,10 @@ class Bus:
         )
 
     @staticmethod
-    async def _through_outage(op, what: str, deadline_s: float):
-        """`await op()`, retried with backoff while the broker is away; a full store or another
-        writer's message is final; gives up loudly after deadline_s."""
+    async def _through_outage(op, what: str, deadline_s: float, verb: str = "publish"):
+        """`await op()`, retried with backoff while the broker is away (or, on a cluster, while a
+        stream elects its leader); a full store or another writer's message is final; gives up
+        loudly after deadline_s."""
         end = time.monotonic() + deadline_s
         delay = 0.2
         while True:
@@ -363,8 +372,8 @@ class Bus:
                 raise
             except (TimeoutError, BusError, nats.errors.Error, OSError) as e:
                 if time.monotonic() > end:
-                    raise BusError(f"could not publish {what} for {deadline_s:.0f}s: {e}") from e
-                log.warning("publishing %s failed (%s); retrying", what, type(e).__name__)
+                    raise BusError(f"could not {verb} {what} for {deadline_s:.0f}s: {e}") from e
+                log.warning("%s %s failed (%s); retrying", verb, what, type(e).__name__)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
@@ -470,9 +479,14 @@ class Bus:
         except nats.js.errors.NotFoundError:
             return None
 
-    async def read_stream(self, stream: str, subject: str | None = None) -> list[bytes]:
+    async def read_stream(self, stream: str, subject: str | None = None, deadline_s: float = 60.0) -> list[bytes]:
         """Every payload still in a stream. With `subject`, read by an ephemeral consumer in large
-        batches; without (a work-queue stream admits one consumer per subject), message by message."""
+        batches; without (a work-queue stream admits one consumer per subject), message by message.
+        Read again from the start while the broker is away or the stream has no leader yet (a
+        cluster just started), for up to deadline_s."""
+        return await self._through_outage(lambda: self._read_stream(stream, subject), stream, deadline_s, "read")
+
+    async def _read_stream(self, stream: str, subject: str | None) -> list[bytes]:
         bounds = await self.stream_bounds(stream)
         if bounds is None:
             return []

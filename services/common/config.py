@@ -107,6 +107,22 @@ class InfraSection(Section):
         "nothing acknowledged is lost even when the machine crashes) or an interval like 1s (a machine crash may "
         "lose that much). Unset: the server's default, 2m. A process crash never loses an acknowledged write.",
     )
+    nats_cluster: int = Field(
+        1,
+        ge=1,
+        le=7,
+        description="Embedded NATS: start this many nats-server nodes joined into one JetStream cluster on "
+        "loopback ports (3 survives the loss of any one node; 2 would lose its quorum with either). 1: one server. "
+        "Not with --nats-url (a cluster of your own: set --nats-replicas to its size).",
+    )
+    nats_replicas: int | None = Field(
+        None,
+        ge=1,
+        le=5,
+        description="Replicas of every stream, KV and object bucket of the run (JetStream's num_replicas). "
+        "Unset: 3 on an embedded cluster of 3 or more nodes, else 1. On a NATS cluster of your own (--nats-url), "
+        "set it to that cluster's size (at most 5).",
+    )
     run_token: SecretStr | None = Field(
         None,
         exclude=True,
@@ -193,11 +209,24 @@ class InfraSection(Section):
         errs = []
         if self.nats_sync is not None and not re.fullmatch(r"always|\d+(ms|s|m|h)", self.nats_sync):
             errs.append(f"--nats-sync must be `always` or an interval like 500ms, 1s, 2m (got {self.nats_sync!r})")
+        if self.nats_cluster == 2:
+            errs.append("--nats-cluster 2 loses its JetStream quorum when either node stops: use 3 (or 1)")
+        if not self.nats_url and self.nats_replicas and self.nats_replicas > self.nats_cluster:
+            errs.append(f"--nats-replicas {self.nats_replicas} needs as many NATS nodes: add --nats-cluster "
+                        f"{max(3, self.nats_replicas)} (the embedded server is {self.nats_cluster} node(s))")  # fmt: skip
         if self.nats_tls_key and not self.nats_tls_cert:
             errs.append("--nats-tls-key needs --nats-tls-cert (the client certificate it belongs to)")
         if self.rollout_num_engines < 1 and not self.rollout_external_engine_addrs:
             errs.append("--rollout-num-engines must be >= 1 unless --rollout-external-engine-addrs is set")
         return errs
+
+    @property
+    def stream_replicas(self) -> int:
+        """Replicas of the run's streams and buckets: --nats-replicas, else 3 on an embedded
+        cluster (one node may die), else 1."""
+        if self.nats_replicas is not None:
+            return self.nats_replicas
+        return 3 if self.nats_cluster >= 3 else 1
 
 
 class DataSection(Section):

@@ -106,11 +106,27 @@ def server_auth_conf(run_id: str, passwords: dict[str, str] | None = None) -> st
     return "authorization {\n  users = [\n" + "\n".join(users) + "\n  ]\n}\n"
 
 
+COMPOSE_ROUTES = [f"nats-{i}:6222" for i in range(3)]
+"""The 3-node cluster of deploy/compose.nats-cluster.yml (service names on the compose network)."""
+K8S_ROUTES = [f"nats-{i}.nats:6222" for i in range(3)]
+"""The 3-node StatefulSet of deploy/k8s/asyncrl.yaml (pod names under its headless Service)."""
+
+
+def routes_conf(password: str, routes: list[str]) -> str:
+    """What goes inside a nats-server `cluster { }` block besides its name and listen address:
+    the route user its peers must present, and the routes to them with that user (nats-server
+    takes a route's credentials from its URL only). A node's route to itself is ignored."""
+    pw = json.dumps(password)[1:-1]
+    urls = ", ".join(f'"nats-route://route:{pw}@{r}"' for r in routes)
+    return f"authorization {{ user: route, password: {json.dumps(password)} }}\nroutes: [{urls}]\n"
+
+
 def write_deploy_secrets(run_id: str, out_dir) -> dict[str, str]:
     """The secrets of a run whose services start elsewhere (docker compose, Kubernetes), each
     mode 0600, kept if they exist (a restart changes nothing):
       nats.json, run-token     every identity and the run token (the operator's copy)
       auth.conf                the server's authorization block (deploy/nats-server.conf includes it)
+      routes.conf              a 3-node cluster's route user and routes (deploy/nats-cluster.conf)
       roles/<role>/            what one service may see: its own identity (nats.json) and the
                                run token; roles/engine/ holds the run token only."""
     from pathlib import Path
@@ -121,6 +137,8 @@ def write_deploy_secrets(run_id: str, out_dir) -> dict[str, str]:
     passwords = keep_or_make_passwords(out / "nats.json", ROLES)
     token = keep_or_make_token(out / "run-token")
     write_secret_file(out / "auth.conf", server_auth_conf(run_id, passwords))
+    route_password = keep_or_make_token(out / "route-password")
+    write_secret_file(out / "routes.conf", routes_conf(route_password, COMPOSE_ROUTES))
     for role in (*ROLES, "engine"):
         if role in passwords:
             write_roles_file(out / "roles" / role / "nats.json", {role: passwords[role]})
@@ -142,7 +160,8 @@ def k8s_secrets(run_id: str) -> str:
         return f"apiVersion: v1\nkind: Secret\nmetadata: {{name: {name}}}\ntype: Opaque\ndata:\n{items}\n"
 
     passwords = {r: new_secret() for r in ROLES}
-    docs = [secret("asyncrl-nats-auth", {"auth.conf": server_auth_conf(run_id, passwords)}),
+    routes = routes_conf(new_secret(), K8S_ROUTES)
+    docs = [secret("asyncrl-nats-auth", {"auth.conf": server_auth_conf(run_id, passwords), "routes.conf": routes}),
             secret("asyncrl-run-token", {"run-token": new_secret()})]  # fmt: skip
     docs += [secret(f"asyncrl-nats-{r}", {"user": r, "password": passwords[r]}) for r in ROLES]
     return "---\n".join(docs)

