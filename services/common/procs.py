@@ -92,21 +92,29 @@ def _ephemeral_range() -> tuple[int, int]:
         return 49152, 65535
 
 
+_handed_out: set[int] = set()
+"""Ports this process chose already: each is a child's until the process ends, bound or not yet."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port to listen on, outside the ephemeral range: a port the kernel hands out for
     bind(0) can be taken by any process's outbound connection before the service binds it, and
-    stay taken for that connection's life (every restart of the service on it would fail)."""
+    stay taken for that connection's life (every restart of the service on it would fail).
+    Never one this process chose before: the launcher picks every child's port before the child
+    binds it, and two children drawn the same port made one of them fail every restart."""
     low, high = _ephemeral_range()
-    candidates = [p for p in range(10_000, 30_000) if not low <= p <= high]
+    candidates = [p for p in range(10_000, 30_000) if not low <= p <= high and p not in _handed_out]
     for port in random.SystemRandom().sample(candidates, min(200, len(candidates))):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
+            _handed_out.add(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # nothing free outside it: any port
         s.bind((host, 0))
+        _handed_out.add(s.getsockname()[1])
         return s.getsockname()[1]
 
 

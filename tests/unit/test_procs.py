@@ -16,3 +16,13 @@ def test_listening_ports_are_chosen_outside_the_ephemeral_range():
         assert not low <= port <= high
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_a_process_never_hands_out_one_port_twice():
+    """The launcher picks every child's port before the child binds it: two children drawn the
+    same port (a buffer and a producer, once in a suite run) left one failing every restart.
+    300 draws from ~20,000 ports would repeat one about 9 times in 10 without the record."""
+    from services.common.procs import free_port
+
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
