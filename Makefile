@@ -33,9 +33,10 @@ smoke: setup
 test: $(BIN)/.test-installed
 	$(BIN)/python -m pytest -q
 
-# A short run killed at every named crash point (tests/crash); CI runs it after `make test`.
+# A short run killed at every named crash point (tests/crash), and whole runs with one process
+# of each kind SIGKILLed at a random moment; CI runs it after `make test`.
 test-crash: $(BIN)/.test-installed
-	$(BIN)/python -m pytest -q -m crash tests/crash
+	$(BIN)/python -m pytest -q -m crash tests/crash tests/integration/test_kill_recovery.py
 
 # Whole runs on a 3-node NATS cluster, one node killed, every node restarted in turn; CI runs it too.
 test-cluster: $(BIN)/.test-installed

@@ -30,6 +30,7 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.crash  # with the crash points: make test-crash (.ci/run runs it)
 @pytest.mark.parametrize("victim", ["buffer", "trainer", "rollout-0", "nats-server"])
 def test_sigkill_loses_nothing_and_trains_nothing_twice(tmp_path, victim):
     rng = random.Random(f"{SEED}-{victim}")
