@@ -81,7 +81,7 @@ class Launcher:
                                 headers={"Authorization": f"Bearer {self.run_token}"}, secrets=[self.run_token],
                                 restart_window_s=config.restart_window_s, before_restart=self._restart_command)  # fmt: skip
         self.live_version = 0  # the engines' version (weights.live): a restarted engine starts on it
-        self.nats_restarts: list[float] = []
+        self.nats_restarts: dict[int, list[float]] = {}  # per node: a rolling restart is one restart each
         self.router_url: str | None = None
         self.services: dict[str, str] = {}
         self.nats: EmbeddedNats | NatsCluster | None = None
@@ -225,7 +225,7 @@ class Launcher:
         """A nats-server node that exited comes back on its own store and ports (in a cluster it
         catches up with the others; clients moved to them meanwhile)."""
         name = self.nats.pid_name(i)
-        if not self.procs.budget.take(self.nats_restarts):
+        if not self.procs.budget.take(self.nats_restarts.setdefault(i, [])):
             raise LaunchError(
                 f"{name} exited {self.config.service_restarts + 1} times in {self.config.restart_window_s:.0f}s; "
                 f"see {node.log_path}"

@@ -81,6 +81,13 @@ def raise_if_store_full(e: BaseException, subject: str) -> None:
         ) from e
 
 
+class StreamSetupError(Exception):
+    """The server refused to create or update a stream for a reason no retry fixes."""
+
+
+_STREAM_EXISTS_DIFFERENTLY = 10058  # "stream name already in use with a different configuration"
+
+
 class SequenceConflict(BusError):
     """A publish that expected the stream to end at a sequence found another writer's message."""
 
@@ -243,12 +250,20 @@ class Bus:
             self._kv = await self.js.create_key_value(config=cfg)
 
     async def _add_or_update_stream(self, cfg) -> None:
-        """A cluster that is still forming answers with a timeout or "insufficient resources"
-        (no quorum yet): the caller retries."""
+        """A cluster that is still forming answers with a timeout, 503 or "insufficient
+        resources" (no quorum yet): the caller retries those. Any other refusal is final and
+        says why (e.g. --nats-replicas 3 on a server that is not a cluster)."""
         try:
-            await self.js.add_stream(cfg)
-        except nats.js.errors.BadRequestError:
-            await self.js.update_stream(cfg)
+            try:
+                await self.js.add_stream(cfg)
+            except nats.js.errors.BadRequestError as e:
+                if e.err_code != _STREAM_EXISTS_DIFFERENTLY:
+                    raise
+                await self.js.update_stream(cfg)
+        except nats.js.errors.APIError as e:
+            if isinstance(e, nats.js.errors.ServiceUnavailableError) or e.err_code in _STORE_FULL_CODES:
+                raise  # retried
+            raise StreamSetupError(f"NATS refused the stream {cfg.name}: {e.description} (code {e.err_code})") from e
 
     async def ensure_consumers(self, prompt_ack_wait_s: float) -> None:
         """Create (or update) the run's durable consumers (asyncrl_proto.subjects.consumers); the
@@ -373,7 +388,7 @@ class Bus:
             except (TimeoutError, BusError, nats.errors.Error, OSError) as e:
                 if time.monotonic() > end:
                     raise BusError(f"could not {verb} {what} for {deadline_s:.0f}s: {e}") from e
-                log.warning("%s %s failed (%s); retrying", verb, what, type(e).__name__)
+                log.warning("%s %s failed (%s: %.200s); retrying", verb, what, type(e).__name__, e)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
@@ -466,9 +481,15 @@ class Bus:
 
     async def get_msg(self, stream: str, seq: int, *, direct: bool = False):
         """The stored message `seq` of `stream` (.subject, .data, .seq); None when there is none
-        (deleted, purged, acknowledged on a work queue)."""
+        (deleted, purged, acknowledged on a work queue). A direct get that finds none asks the
+        stream's leader: on a cluster any replica answers a direct get, one behind the leader too."""
         try:
             return await self.js.get_msg(stream, seq=seq, direct=direct)
+        except nats.js.errors.NotFoundError:
+            if not direct:
+                return None
+        try:
+            return await self.js.get_msg(stream, seq=seq, direct=False)
         except nats.js.errors.NotFoundError:
             return None
 
@@ -497,11 +518,14 @@ class Bus:
                                      inactive_threshold=30.0)  # fmt: skip
             sub = await self.js.pull_subscribe(subject, stream=stream, config=cfg)
             try:
-                while len(out) < total:
+                expected = (await sub.consumer_info()).num_pending  # what matches `subject`
+                got = 0
+                while got < expected:
                     try:
-                        msgs = await sub.fetch(min(1000, total - len(out)), timeout=2.0)
-                    except TimeoutError:  # nats-py's is one too
-                        break
+                        msgs = await sub.fetch(min(1000, expected - got), timeout=2.0)
+                    except TimeoutError:  # nats-py's is one too; a cluster electing a leader
+                        raise BusError(f"read {got} of {expected} messages of {stream}, then nothing") from None
+                    got += len(msgs)
                     out += [m.data for m in msgs if m.data]
             finally:
                 await sub.unsubscribe()
@@ -521,9 +545,9 @@ class Bus:
         await self.js.purge_stream(stream, seq=seq)
 
     async def get_payload(self, stream: str, seq: int) -> bytes:
-        raw = await self.js.get_msg(stream, seq=seq, direct=True)
-        if raw.data is None:
-            raise BusError(f"message {seq} of {stream} has no payload")
+        raw = await self.get_msg(stream, seq, direct=True)
+        if raw is None or raw.data is None:
+            raise BusError(f"message {seq} of {stream} is gone or has no payload")
         return raw.data
 
     async def dead_letter(self, subject: str, data: bytes, reason: str) -> None:

@@ -119,7 +119,7 @@ class InfraSection(Section):
         None,
         ge=1,
         le=5,
-        description="Replicas of every stream, KV and object bucket of the run (JetStream's num_replicas). "
+        description="Replicas of every stream and the KV bucket of the run (JetStream's num_replicas). "
         "Unset: 3 on an embedded cluster of 3 or more nodes, else 1. On a NATS cluster of your own (--nats-url), "
         "set it to that cluster's size (at most 5).",
     )

@@ -116,7 +116,9 @@ def routes_conf(password: str, routes: list[str]) -> str:
     """What goes inside a nats-server `cluster { }` block besides its name and listen address:
     the route user its peers must present, and the routes to them with that user (nats-server
     takes a route's credentials from its URL only). A node's route to itself is ignored."""
-    pw = json.dumps(password)[1:-1]
+    from urllib.parse import quote
+
+    pw = json.dumps(quote(password, safe=""))[1:-1]
     urls = ", ".join(f'"nats-route://route:{pw}@{r}"' for r in routes)
     return f"authorization {{ user: route, password: {json.dumps(password)} }}\nroutes: [{urls}]\n"
 

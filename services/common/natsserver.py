@@ -168,7 +168,7 @@ class NatsCluster:
     """`n` embedded nodes joined into one JetStream cluster on loopback ports. Node i keeps its
     store in `store_dir/node-<i>` and its log in `log_dir/<log_name>-<i>.log`; `url` lists every
     node, so a client whose node dies reconnects to another. Streams created with 3 replicas
-    survive one node lost; `restart(i)` brings node i back on its own store and ports."""
+    survive one node lost; a node restarted (`nodes[i].start()`) comes back on its own store and ports."""
 
     def __init__(self, store_dir: str | Path, n: int, log_dir: str | Path, *, name: str = "asyncrl",
                  log_name: str = "nats-server", **node_kw):  # fmt: skip
@@ -203,9 +203,13 @@ class NatsCluster:
     def start(self, timeout_s: float = 60.0) -> NatsCluster:
         """Every node started, then each one waited for until healthy (a JetStream cluster elects
         its meta leader only once a quorum of nodes sees each other)."""
-        for node in self.nodes:
-            node.spawn()
-        self.wait_healthy(range(len(self.nodes)), timeout_s)
+        try:
+            for node in self.nodes:
+                node.spawn()
+            self.wait_healthy(range(len(self.nodes)), timeout_s)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def wait_healthy(self, which, timeout_s: float) -> None:

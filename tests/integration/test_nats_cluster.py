@@ -165,3 +165,18 @@ def test_the_shipped_cluster_config_forms_a_cluster_with_the_secrets_routes(tmp_
     finally:
         for proc, _ in nodes:
             procs.stop(proc)
+
+
+async def test_replicas_a_server_cannot_give_are_a_clear_error_at_once(nats_server, run_id):
+    """--nats-replicas 3 against one server (not a cluster): the refusal is final and says why,
+    not two minutes of retries."""
+    from services.common.bus import Bus, StreamSetupError
+
+    bus = await Bus.connect(nats_server.url, run_id, "test")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StreamSetupError, match="replicas > 1 not supported"):
+            await bus.ensure_streams(3)
+        assert time.monotonic() - t0 < 10
+    finally:
+        await bus.close()
