@@ -21,6 +21,7 @@ from services.common import procs
 from services.common.natsauth import COMPOSE_ROUTES, routes_conf, write_deploy_secrets
 from services.common.natsserver import nats_server_binary
 from services.common.procs import pid_alive
+from tests.runs import audited, finish, stopped_at_exit
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,23 +58,7 @@ def pids(run_dir: Path) -> dict:
 
 def assert_balanced(run_dir: Path, steps: int) -> None:
     assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == list(range(steps))
-    audit = subprocess.run([sys.executable, "-m", "services.cli", "audit", str(run_dir), "--json"],
-                           capture_output=True, text=True, timeout=120)  # fmt: skip
-    report = json.loads(audit.stdout)
-    assert audit.returncode == 0 and report["balanced"], report["problems"]
-    assert report["lost"] == 0 and report["trained_twice"] == 0
-    assert report["trained"] == steps * B
-
-
-def finish(proc: subprocess.Popen) -> str:
-    try:
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, out[-4000:]
-    return out
+    audited(run_dir, steps * B)
 
 
 @pytest.mark.cluster  # make test-cluster (with the rolling restart, about 2 minutes); .ci/run runs it
@@ -82,11 +67,11 @@ def test_a_node_killed_mid_run_loses_nothing(tmp_path):
     victim, kill_after = f"nats-server-{rng.randrange(3)}", rng.randint(2, STEPS // 2)
     print(f"ASYNCRL_KILL_SEED={SEED}: killing {victim} after step {kill_after}")
     run_dir = tmp_path / "run"
-    proc = start_run(run_dir, STEPS)
-    wait_for(proc, f"step {kill_after}", lambda: steps_done(run_dir) >= kill_after)
-    pid = pids(run_dir)[victim]
-    os.kill(pid, signal.SIGKILL)
-    out = finish(proc)
+    with stopped_at_exit(start_run(run_dir, STEPS)) as proc:
+        wait_for(proc, f"step {kill_after}", lambda: steps_done(run_dir) >= kill_after)
+        pid = pids(run_dir)[victim]
+        os.kill(pid, signal.SIGKILL)
+        out = finish(proc)
     assert f"{victim} exited" in out and not pid_alive(pid)
     config = json.loads((run_dir / "config.json").read_text())
     assert config["nats_url"].count(",") == 2 and config["nats_cluster"] == 3
@@ -99,26 +84,26 @@ def test_a_rolling_restart_of_every_node_loses_nothing(tmp_path):
     back by the launcher and waited for until its JetStream is current again, then the next."""
     steps = 40
     run_dir = tmp_path / "run"
-    proc = start_run(run_dir, steps)
-    wait_for(proc, "step 2", lambda: steps_done(run_dir) >= 2)
-    nodes = json.loads((run_dir / "nats" / "nodes.json").read_text())
-    assert len(nodes) == 3
-    restarted_at = []
-    for name, node in nodes.items():
-        old = pids(run_dir)[name]
-        os.kill(old, signal.SIGTERM)
-        wait_for(proc, f"{name} to restart", lambda: pids(run_dir)[name] != old)  # noqa: B023
+    with stopped_at_exit(start_run(run_dir, steps)) as proc:
+        wait_for(proc, "step 2", lambda: steps_done(run_dir) >= 2)
+        nodes = json.loads((run_dir / "nats" / "nodes.json").read_text())
+        assert len(nodes) == 3
+        restarted_at = []
+        for name, node in nodes.items():
+            old = pids(run_dir)[name]
+            os.kill(old, signal.SIGTERM)
+            wait_for(proc, f"{name} to restart", lambda: pids(run_dir)[name] != old)  # noqa: B023
 
-        def current() -> bool:
-            try:
-                return httpx.get(node["monitor"] + "/healthz", timeout=2).status_code == 200  # noqa: B023
-            except httpx.HTTPError:
-                return False
+            def current() -> bool:
+                try:
+                    return httpx.get(node["monitor"] + "/healthz", timeout=2).status_code == 200  # noqa: B023
+                except httpx.HTTPError:
+                    return False
 
-        wait_for(proc, f"{name}'s JetStream to be current", current)
-        restarted_at.append(steps_done(run_dir))
-    assert restarted_at[-1] < steps, "the run ended before the last node came back: make it longer"
-    out = finish(proc)
+            wait_for(proc, f"{name}'s JetStream to be current", current)
+            restarted_at.append(steps_done(run_dir))
+        assert restarted_at[-1] < steps, "the run ended before the last node came back: make it longer"
+        out = finish(proc)
     assert all(f"{name} exited" in out for name in nodes)
     assert_balanced(run_dir, steps)
 
