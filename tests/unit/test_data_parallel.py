@@ -53,6 +53,7 @@ def _rank(rank: int, world: int, port: int, out_dir: str):
                os.path.join(out_dir, f"rank{rank}.pt"))  # fmt: skip
     import torch.distributed as dist
 
+    dist.barrier()  # both ranks done before either tears down (rank 0 hosts the store; an early exit aborted it once)
     dist.destroy_process_group()
 
 
