@@ -97,8 +97,6 @@ def audit_run(run_dir: str | Path) -> dict:
     store = run_dir / "nats"
     if not ((store / "jetstream").exists() or (store / "node-0" / "jetstream").exists()):
         raise RuntimeError(f"the run's NATS server at {url} does not answer and {store} holds no store")
-    from types import SimpleNamespace
-
     from services.common.natsauth import server_auth_conf
     from services.common.natsserver import local_nats
     from services.common.secrets import load_roles_file
@@ -111,9 +109,8 @@ def audit_run(run_dir: str | Path) -> dict:
         else ""
     )
     # the same server or cluster the launcher ran, on free ports (a cluster's nodes find each other again)
-    local = SimpleNamespace(nats_cluster=cfg.get("nats_cluster", 1), nats_max_file_store=cfg.get("nats_max_file_store"),
-                            nats_sync=None, run_id=run_id)  # fmt: skip
-    with local_nats(local, store, run_dir / "logs", auth, log_name="audit-nats-server") as srv:
+    with local_nats(store, run_dir / "logs", auth, nodes=cfg.get("nats_cluster", 1), run_id=run_id,
+                    max_file_store=cfg.get("nats_max_file_store"), log_name="audit-nats-server") as srv:  # fmt: skip
         return asyncio.run(collect(srv.url, run_id, run_dir))
 
 

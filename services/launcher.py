@@ -122,7 +122,9 @@ class Launcher:
         passwords = role_passwords(self.secrets_dir)
         self.creds = {r: NatsCredentials(user=r, password=p) for r, p in passwords.items()}
         auth = server_auth_conf(self.config.run_id, passwords)
-        self.nats = local_nats(self.config, self.run_dir / "nats", self.run_dir / "logs", auth).start()
+        c = self.config
+        self.nats = local_nats(self.run_dir / "nats", self.run_dir / "logs", auth, nodes=c.nats_cluster, run_id=c.run_id,
+                               max_file_store=c.nats_max_file_store, sync_interval=c.nats_sync).start()  # fmt: skip
         self.nats_url = self.nats.url
         for i, node in enumerate(self.nats.nodes):
             self.procs.extra_pids[self.nats.pid_name(i)] = node.proc.pid

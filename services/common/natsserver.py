@@ -206,16 +206,15 @@ class NatsCluster:
         try:
             for node in self.nodes:
                 node.spawn()
-            self.wait_healthy(range(len(self.nodes)), timeout_s)
+            self.wait_healthy(timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def wait_healthy(self, which, timeout_s: float) -> None:
+    def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        for i in which:
-            node = self.nodes[i]
+        for node in self.nodes:
             procs.wait_for_port("127.0.0.1", node.port, max(1.0, deadline - time.monotonic()), node.proc)
             while not node.healthy():
                 if node.proc.poll() is not None:
@@ -239,13 +238,13 @@ class NatsCluster:
         self.stop()
 
 
-def local_nats(config, store_dir: str | Path, log_dir: str | Path, auth_conf: str,
+def local_nats(store_dir: str | Path, log_dir: str | Path, auth_conf: str, *, nodes: int, run_id: str,
+               max_file_store: int | None = None, sync_interval: str | None = None,
                log_name: str = "nats-server") -> EmbeddedNats | NatsCluster:  # fmt: skip
     """The run's own NATS (not started): one server with its store in `store_dir` (the
-    launcher's run_dir/nats), or with --nats-cluster N a cluster whose nodes keep theirs in
-    `store_dir`/node-<i>. The launcher and the audit (which reads a finished run's store) build it alike."""
-    kw = {"auth_conf": auth_conf, "max_file_store": config.nats_max_file_store, "sync_interval": config.nats_sync}
-    if config.nats_cluster > 1:
-        return NatsCluster(store_dir, config.nats_cluster, log_dir, name=f"asyncrl-{config.run_id}",
-                           log_name=log_name, **kw)  # fmt: skip
+    launcher's run_dir/nats), or with --nats-cluster N (`nodes`) a cluster whose nodes keep theirs
+    in `store_dir`/node-<i>. The launcher and the audit (which reads a finished run's store) build it alike."""
+    kw = {"auth_conf": auth_conf, "max_file_store": max_file_store, "sync_interval": sync_interval}
+    if nodes > 1:
+        return NatsCluster(store_dir, nodes, log_dir, name=f"asyncrl-{run_id}", log_name=log_name, **kw)
     return EmbeddedNats(store_dir, log_path=Path(log_dir) / f"{log_name}.log", **kw)

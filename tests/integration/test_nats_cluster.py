@@ -52,6 +52,14 @@ def wait_for(proc: subprocess.Popen, what: str, cond, timeout_s: float = 180) ->
         time.sleep(0.05)
 
 
+def healthz_ok(monitor: str) -> bool:
+    """A node's monitoring /healthz: 200 once its JetStream is current (it is in the cluster)."""
+    try:
+        return httpx.get(monitor + "/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def pids(run_dir: Path) -> dict:
     return json.loads((run_dir / "pids.json").read_text())
 
@@ -93,14 +101,7 @@ def test_a_rolling_restart_of_every_node_loses_nothing(tmp_path):
             old = pids(run_dir)[name]
             os.kill(old, signal.SIGTERM)
             wait_for(proc, f"{name} to restart", lambda: pids(run_dir)[name] != old)  # noqa: B023
-
-            def current() -> bool:
-                try:
-                    return httpx.get(node["monitor"] + "/healthz", timeout=2).status_code == 200  # noqa: B023
-                except httpx.HTTPError:
-                    return False
-
-            wait_for(proc, f"{name}'s JetStream to be current", current)
+            wait_for(proc, f"{name}'s JetStream to be current", lambda: healthz_ok(node["monitor"]))  # noqa: B023
             restarted_at.append(steps_done(run_dir))
         assert restarted_at[-1] < steps, "the run ended before the last node came back: make it longer"
         out = finish(proc)
@@ -137,11 +138,8 @@ def test_the_shipped_cluster_config_forms_a_cluster_with_the_secrets_routes(tmp_
             while True:
                 assert proc.poll() is None, "a node exited"
                 assert time.monotonic() < deadline, "the cluster did not form"
-                try:
-                    if httpx.get(f"http://127.0.0.1:{monitor}/healthz", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
+                if healthz_ok(f"http://127.0.0.1:{monitor}"):
+                    break
                 time.sleep(0.1)
         routez = httpx.get(f"http://127.0.0.1:{nodes[0][1]}/routez", timeout=5).json()
         assert {r["remote_name"] for r in routez["routes"]} == {"nats-1", "nats-2"}
