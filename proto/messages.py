@@ -214,6 +214,9 @@ class WeightsLive(msgspec.Struct, kw_only=True):
     updated_at: float = 0.0
     pause_mode: str = ""
     duration_s: float = 0.0
+    """Publish to live: staging, pauses and read-backs on every engine."""
+    pause_s: float = 0.0
+    """The longest time any engine spent paused for this update (generation stopped)."""
 
 
 class ControlMsg(msgspec.Struct, kw_only=True):

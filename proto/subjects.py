@@ -78,6 +78,12 @@ class Subjects(Struct, frozen=True):
     def kv_bucket(self) -> str:
         return f"ASYNCRL_{self.run_id}"
 
+    @property
+    def weights_bucket(self) -> str:
+        """The Object Store bucket of weight snapshots (--update-weight-transfer-mode object-store);
+        its stream is OBJ_<bucket>."""
+        return f"WEIGHTS_{self.run_id}"
+
     # subjects
     def _s(self, tail: str) -> str:
         return f"asyncrl.{self.run_id}.{tail}"

@@ -3,7 +3,8 @@
 Reads the buffer's ledger (LEDGER_<run>), the prompts still on PROMPTS and the groups still on
 ROLLOUTS from the run's NATS server - the live one if it answers, otherwise a temporary
 nats-server started on the run's own store (embedded runs keep it under RUN_DIR/nats) - and the
-trainer's record of what it trained (RUN_DIR/trained.jsonl). Exit code 0 when balanced.
+trainer's record of what it trained (RUN_DIR/trained.jsonl). Exit code 0 when balanced. The
+report also lists the weight versions the run's object bucket holds (`weights_stored`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ import json
 import sys
 from pathlib import Path
 
+import nats.js.errors
+
 from asyncrl_proto import PromptMsg, RolloutGroupView, decode, group_id
 from asyncrl_proto.codec import MalformedMessage
 from services.buffer.state import LedgerError, audit, ledger_events
+from services.common.weightstore import WeightStore
 
 
 async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None) -> dict:
@@ -41,6 +45,10 @@ async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None) -> dict
         rollouts = {
             g.group_id for g in _decoded(await bus.read_stream(s.rollouts_stream, s.rollouts), RolloutGroupView)
         }
+        try:  # the weight versions the run's object bucket still holds (object-store mode)
+            weights_stored = await WeightStore(bus).stored_versions()
+        except nats.js.errors.BucketNotFoundError:
+            weights_stored = []  # a run prepared before the bucket existed
     finally:
         await bus.close()
     trained = None
@@ -60,6 +68,7 @@ async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None) -> dict
             skipped.append(f"ledger event {ev.seq} appears more than once (kept the first)")
     report = audit(unique, remaining_prompts=prompts, remaining_rollouts=rollouts, trained_by_trainer=trained)
     report["ledger_skipped"] = skipped
+    report["weights_stored"] = weights_stored
     return report
 
 

@@ -147,9 +147,15 @@ class Launcher:
         pins = procs.split_cpus(c.rollout_num_engines) if c.pin_cpus else None
         for i in range(c.rollout_num_engines):
             port = procs.free_port()
-            cmd = builtin_engine_command(c.hf_checkpoint, port, builtin_engine_flags(c, c.seed + i))
+            flags = builtin_engine_flags(c, c.seed + i)
+            role = None
+            if c.update_weight_transfer_mode == "object-store":  # it fetches weights with a read-only identity
+                flags |= {"--nats-url": self.nats_url, "--run-id": c.run_id,
+                          "--weights-cache-dir": str(self.run_dir / "engine-cache" / f"engine-{i}")}  # fmt: skip
+                role = "engine"
+            cmd = builtin_engine_command(c.hf_checkpoint, port, flags)
             url = f"http://127.0.0.1:{port}"
-            self._spawn(f"engine-{i}", cmd, extra_env={procs.CPU_ENV: pins[0][i]} if pins else None,
+            self._spawn(f"engine-{i}", cmd, role=role, extra_env={procs.CPU_ENV: pins[0][i]} if pins else None,
                         health=url + "/health_generate")  # fmt: skip
             urls.append(url)
             self.services[f"engine-{i}"] = urls[-1]

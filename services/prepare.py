@@ -139,10 +139,12 @@ def role_credentials(config: RunConfig, roles: tuple[str, ...] = ROLES) -> dict[
             given = load_roles_file(config.nats_roles_file)
         except SecretError as e:
             raise LaunchError(str(e)) from None
-        missing = [r for r in roles if r not in given]
+        # the engine's identity only matters when engines fetch weights from the object store
+        needed = [r for r in roles if r != "engine" or config.update_weight_transfer_mode == "object-store"]
+        missing = [r for r in needed if r not in given]
         if missing:
             raise LaunchError(f"--nats-roles-file {config.nats_roles_file} has no identity for {', '.join(missing)}")
-        return {r: NatsCredentials(**given[r]).with_tls(*tls) for r in roles}
+        return {r: NatsCredentials(**given[r]).with_tls(*tls) for r in roles if r in given}
     one = NatsCredentials(
         user=config.nats_user,
         password=config.nats_password.get_secret_value() if config.nats_password else None,

@@ -230,7 +230,7 @@ class Bus:
 
     # ---- setup -----------------------------------------------------------------------------
     async def ensure_streams(self, replicas: int = 1) -> None:
-        """Create (or update) every stream of the run and its KV bucket, each with `replicas`
+        """Create (or update) every stream of the run, its KV bucket and its weights object bucket, each with `replicas`
         copies on a JetStream cluster (--nats-replicas; the run's consumers inherit it).
         Idempotent; needs the admin role (the launcher, `asyncrl init-run`): services only use
         what exists."""
@@ -248,6 +248,12 @@ class Bus:
             cfg = api.KeyValueConfig(bucket=bucket, history=1, storage=api.StorageType.FILE, direct=True,
                                      replicas=replicas)  # fmt: skip
             self._kv = await self.js.create_key_value(config=cfg)
+        try:
+            await self.js.object_store(self.subjects.weights_bucket)
+        except nats.js.errors.BucketNotFoundError:
+            cfg = api.ObjectStoreConfig(storage=api.StorageType.FILE, replicas=replicas,
+                                        description="weight snapshots (--update-weight-transfer-mode object-store)")  # fmt: skip
+            await self.js.create_object_store(self.subjects.weights_bucket, config=cfg)
 
     async def _add_or_update_stream(self, cfg) -> None:
         """A cluster that is still forming answers with a timeout, 503 or "insufficient

@@ -391,6 +391,18 @@ class AsyncSection(Section):
     pause_generation_mode: Literal["retract", "in_place", "abort"] = Field(
         "retract", description="How engines pause for a weight update."
     )
+    update_weight_transfer_mode: Literal["disk", "object-store", "distributed"] = Field(
+        "disk",
+        description="How weights reach the engines. disk: snapshots under <run_dir>/weights (a shared filesystem); "
+        "object-store: the run's NATS Object Store bucket, fetched by each engine (no shared disk; built-in engines); "
+        "distributed: SGLang's update_weights_from_distributed (not built yet: refused).",
+    )
+    update_weight_buffer_size: int = Field(
+        512 * 1024**2,
+        ge=4096,
+        description="Bytes per transfer unit: object-store chunks are this size, capped at half the NATS server's "
+        "max_payload (1 MiB by default, so 512 KiB chunks).",
+    )
     colocate: bool = Field(
         False,
         description="Miles's shared training/rollout devices. Not supported (training and rollout are separate "
@@ -426,6 +438,16 @@ class AsyncSection(Section):
 
     def problems(self) -> list[str]:
         errs = []
+        if self.update_weight_transfer_mode == "distributed":
+            errs.append(
+                "--update-weight-transfer-mode distributed is not built yet: use disk (a filesystem the trainer and "
+                "the engines share) or object-store (no shared disk)"
+            )
+        if self.update_weight_transfer_mode == "object-store" and getattr(self, "engine", "builtin") == "sglang":
+            errs.append(
+                "--update-weight-transfer-mode object-store needs the built-in engine, which fetches weights from the "
+                "bucket itself; an SGLang server loads from disk only: use --update-weight-transfer-mode disk"
+            )
         if self.fully_async and self.driver == "sync":
             errs.append("--fully-async requires the async driver: run train-async")
         if self.fully_async:

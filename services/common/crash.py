@@ -29,6 +29,7 @@ POINTS: dict[str, tuple[str, ...]] = {
         "checkpoint_before_commit",  # the checkpoint has the step, the buffer does not know
         "commit_before_next_step",  # committed, before the next step starts
         "weights_export",  # a weight snapshot half written
+        "weights_stored",  # object-store: a version in the bucket, not announced
     ),
     "weight-sync": (
         "paused",  # the engines are paused, nothing loaded

@@ -4,10 +4,11 @@
 |---|---|---|---|
 | admin (launcher, init-run, audit) | everything | everything | creates the streams and the KV bucket |
 | buffer | prompts, ledger, KV buffer_snapshot | buffer.get, buffer.commit, weights.live, weights.published, heartbeat.rollout | consumer `buffer` on ROLLOUTS, purges ROLLOUTS, reads LEDGER, ROLLOUTS and the last WEIGHTS message |
-| trainer | buffer.get, buffer.commit, weights.published, KV published_version, progress, eval.requests, eval.results | eval.results, heartbeat.rollout | reads ROLLOUTS, the last WEIGHTS message |
+| trainer | buffer.get, buffer.commit, weights.published, KV published_version, progress, eval.requests, eval.results | eval.results, heartbeat.rollout | reads ROLLOUTS, the last WEIGHTS message; writes, reads and purges the weights object bucket |
 | rollout | rollouts | control | consumer `producers` on PROMPTS |
-| weight-sync | weights.live, KV live_version | - | consumer `weight-sync` on WEIGHTS, reads WEIGHTS |
+| weight-sync | weights.live, KV live_version | - | consumer `weight-sync` on WEIGHTS, reads WEIGHTS and the weights object bucket |
 | eval | eval.results, control | weights.live | consumer `eval` on EVAL, reads the last WEIGHTS message |
+| engine (built-in engine, object-store mode) | - | - | reads the weights object bucket (direct gets only: no consumer, no write) |
 
 Every role may also publish its own heartbeat and dead letters, read the run's config, live
 version and published version from KV, look up stream info, and receive replies on its own inbox prefix
@@ -27,7 +28,7 @@ import json
 
 from asyncrl_proto.subjects import Subjects, inbox_prefix
 
-ROLES = ("admin", "buffer", "trainer", "rollout", "weight-sync", "eval")
+ROLES = ("admin", "buffer", "trainer", "rollout", "weight-sync", "eval", "engine")
 SERVICE_ROLES = ROLES[1:]
 JS = "$JS.API"
 
@@ -55,6 +56,7 @@ def role_permissions(run_id: str, role: str) -> dict:
         return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
     s = Subjects(run_id=run_id)
     bucket, kv_stream = s.kv_bucket, f"KV_{s.kv_bucket}"
+    obj_stream = f"OBJ_{s.weights_bucket}"
 
     def kv_get(*keys: str) -> list[str]:
         return [f"{JS}.DIRECT.GET.{kv_stream}.$KV.{bucket}.{k}" for k in keys]
@@ -75,16 +77,20 @@ def role_permissions(run_id: str, role: str) -> dict:
         pub += [s.buffer_get, s.buffer_commit, s.weights_published, s.progress, s.eval_requests, s.eval_results]
         pub += [f"$KV.{bucket}.published_version"]
         pub += _read(s.rollouts_stream) + _read(s.weights_stream)
+        pub += [f"$O.{s.weights_bucket}.>", f"{JS}.STREAM.PURGE.{obj_stream}", f"{JS}.STREAM.INFO.{obj_stream}"]
+        pub += _read(obj_stream)
         sub += [s.eval_results, s.heartbeat("rollout")]
     elif role == "rollout":
         pub += [s.rollouts] + _consume(s.prompts_stream, "producers")
         sub += [s.control]
     elif role == "weight-sync":
         pub += [s.weights_live, f"$KV.{bucket}.live_version"] + _consume(s.weights_stream, "weight-sync")
-        pub += _read(s.weights_stream)
+        pub += _read(s.weights_stream) + _read(obj_stream)
     elif role == "eval":
         pub += [s.eval_results, s.control] + _consume(s.eval_stream, "eval") + _read(s.weights_stream)
         sub += [s.weights_live]
+    elif role == "engine":  # nothing else: not even heartbeats or dead letters
+        pub = _read(obj_stream)
     perms: dict = {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
     if responses:
         perms["allow_responses"] = responses
@@ -130,7 +136,7 @@ def write_deploy_secrets(run_id: str, out_dir) -> dict[str, str]:
       auth.conf                the server's authorization block (deploy/nats-server.conf includes it)
       routes.conf              a 3-node cluster's route user and routes (deploy/nats-cluster.conf)
       roles/<role>/            what one service may see: its own identity (nats.json) and the
-                               run token; roles/engine/ holds the run token only."""
+                               run token (roles/engine/: the read-only weights identity)."""
     from pathlib import Path
 
     from services.common.secrets import keep_or_make_passwords, keep_or_make_token, write_roles_file, write_secret_file
@@ -141,7 +147,7 @@ def write_deploy_secrets(run_id: str, out_dir) -> dict[str, str]:
     write_secret_file(out / "auth.conf", server_auth_conf(run_id, passwords))
     route_password = keep_or_make_token(out / "route-password")
     write_secret_file(out / "routes.conf", routes_conf(route_password, COMPOSE_ROUTES))
-    for role in (*ROLES, "engine"):
+    for role in ROLES:
         if role in passwords:
             write_roles_file(out / "roles" / role / "nats.json", {role: passwords[role]})
         write_secret_file(out / "roles" / role / "run-token", token)

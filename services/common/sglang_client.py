@@ -65,6 +65,7 @@ class SGLangClient:
         self._session: aiohttp.ClientSession | None = None
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._slots = {u: asyncio.Semaphore(max_concurrency) for u in self.urls} if max_concurrency else {}
+        self._stages: dict[str, bool] = {}  # url -> whether it stages weights (/server_info)
 
     @property
     def http(self) -> aiohttp.ClientSession:
@@ -214,6 +215,21 @@ class SGLangClient:
             "flush_cache": flush_cache,
         }
         return await self._call("POST", url, "/update_weights_from_disk", body)
+
+    async def stage_weights(self, url: str, model_path: str, weight_version: str) -> bool:
+        """Have a built-in engine load a snapshot beside its running weights while it generates
+        (asyncrl's /stage_weights); False for an engine without staged loading (an SGLang server),
+        which then loads inside the pause."""
+        if url not in self._stages:
+            try:
+                info = await self._call("GET", url, "/server_info", timeout=30.0)
+            except EngineError:
+                return False  # asked again next time
+            self._stages[url] = isinstance(info, dict) and info.get("staged_weight_loading") is True
+        if not self._stages[url]:
+            return False
+        await self._call("POST", url, "/stage_weights", {"model_path": model_path, "weight_version": weight_version})
+        return True
 
     async def pin(self, url: str, model_path: str, version: str, attempts: int = 2) -> bool:
         """Load a snapshot under `version` and read the version back (SPEC.md section 7: one

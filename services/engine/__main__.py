@@ -29,7 +29,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="every route but /health, /health_generate and /metrics needs `Authorization: Bearer <key>` "
         "(SGLang's flag; prefer $ASYNCRL_RUN_TOKEN, which keeps the key off the command line)",
     )
-    return p.parse_args(argv)
+    p.add_argument("--disable-staged-weight-loading", action="store_true",
+                   help="load new weights only inside update_weights_from_disk, as an SGLang server does (staging "
+                   "holds a second copy of the weights beside the running one)")  # fmt: skip
+    p.add_argument("--nats-url", default=None,
+                   help="with --run-id: fetch nats-object:// weights (--update-weight-transfer-mode object-store) from "
+                   "the run's bucket, as the read-only NATS identity `engine` (from $ASYNCRL_NATS_*)")  # fmt: skip
+    p.add_argument("--run-id", default=None)
+    p.add_argument("--weights-cache-dir", default=None,
+                   help="where fetched object-store weights go (default: a temporary directory, removed at exit)")  # fmt: skip
+    args = p.parse_args(argv)
+    if bool(args.nats_url) != bool(args.run_id):
+        p.error("--nats-url and --run-id go together (the run whose weights bucket to read)")
+    return args
 
 
 def _die(e: BaseException) -> None:
@@ -71,7 +83,16 @@ def main(argv=None) -> None:
     )
     sched.start()
     api_key = args.api_key or run_token_from_env()
-    server = EngineServer(sched, args.model_path, tokenizer, args.served_model_name, args.host, args.port, api_key)
+    weights, temp_cache = None, None
+    if args.nats_url:
+        import tempfile
+
+        from services.engine.weights import ObjectWeights
+
+        cache = args.weights_cache_dir or (temp_cache := tempfile.mkdtemp(prefix="asyncrl-engine-weights-"))
+        weights = ObjectWeights(args.nats_url, args.run_id, cache)
+    server = EngineServer(sched, args.model_path, tokenizer, args.served_model_name, args.host, args.port, api_key,
+                          weights=weights, staged_loading=not args.disable_staged_weight_loading)  # fmt: skip
     try:
         uvicorn.run(
             server.app,
@@ -84,6 +105,10 @@ def main(argv=None) -> None:
         )
     finally:
         sched.shutdown()
+        if temp_cache:
+            import shutil
+
+            shutil.rmtree(temp_cache, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common import crash
-from services.model.hf_io import load_weights_into
+from services.common.snapshot import COMPLETE_MARKER, resolved
+from services.model.hf_io import load_weights_into, stage_weights, swap_in
 from services.model.llama import CausalLM, KVCache
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,10 @@ class EngineStats:
         self.num_aborted_requests_total = 0
         self.num_retracted_requests_total = 0
         self.weight_load_duration_s = 0.0
+        """The last weight update's time under the model lock (generation stopped)."""
+        self.weight_stage_duration_s = 0.0
+        """The last staging's time (generation going on)."""
+        self.num_staged_swaps_total = 0
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
 
     def record_generated(self, n: int) -> None:
@@ -158,6 +163,9 @@ class Scheduler:
         self._work = threading.Condition()
         self._model_lock = threading.Lock()
         self._gen = torch.Generator().manual_seed(seed)
+        self._staged: tuple[tuple, dict[str, torch.Tensor]] | None = None
+        """The next weights, loaded beside the running ones: ((path, version, marker), tensors)."""
+        self._stage_lock = threading.Lock()
         self.last_progress = time.monotonic()
         """When the loop last started work or finished a step (for /health_generate)."""
         self.stall_timeout_s = 20.0
@@ -294,23 +302,55 @@ class Scheduler:
             self.paused_mode = None
             self._work.notify_all()
 
+    @staticmethod
+    def _snapshot_key(model_path: str, weight_version) -> tuple:
+        """What names one snapshot exactly: its resolved path, the version, and its marker's
+        content (a snapshot rewritten under the same name has another digest)."""
+        path = resolved(model_path)
+        try:
+            marker = (path / COMPLETE_MARKER).read_text() if path is not None else None
+        except OSError:
+            marker = None
+        return (str(path), None if weight_version is None else str(weight_version), marker)
+
+    def stage_weights(self, model_path: str, weight_version) -> float:
+        """Load a snapshot beside the running weights while generation goes on (no lock the
+        forward pass takes); the next update_weights_from_disk of the same snapshot then only
+        swaps it in. Returns the seconds it took. One staged version at a time (the newest)."""
+        with self._stage_lock:
+            t0 = time.perf_counter()
+            key = self._snapshot_key(model_path, weight_version)
+            tensors = stage_weights(self.model, model_path)
+            with self._work:
+                self._staged = (key, tensors)
+            self.stats.weight_stage_duration_s = time.perf_counter() - t0
+            return self.stats.weight_stage_duration_s
+
     def update_weights_from_disk(self, model_path: str, weight_version: str | None, timeout_s: float = 600) -> dict:
-        """Load a snapshot in place. Paused: at once (after the step in flight). Not paused:
-        after in-flight requests finish, as SGLang's writer lock does."""
+        """Load a snapshot in place: a staged one (stage_weights) is swapped in, anything else is
+        read now. Paused: at once (after the step in flight). Not paused: after in-flight requests
+        finish, as SGLang's writer lock does."""
         deadline = time.monotonic() + timeout_s
         with self._work:
             while not self.paused_mode and (self.running or self.waiting or self._inbox):
                 if not self._work.wait(timeout=max(0.0, deadline - time.monotonic())):
                     raise TimeoutError("in-flight requests did not finish; pause generation first")
+            staged, self._staged = self._staged, None
+        if staged is not None and staged[0] != self._snapshot_key(model_path, weight_version):
+            staged = None  # staged something else: read this one
         with self._model_lock:
             t0 = time.perf_counter()
-            load_weights_into(self.model, model_path)
+            if staged is not None:
+                swap_in(self.model, staged[1])
+            else:
+                load_weights_into(self.model, model_path)
             self.stats.weight_load_duration_s = time.perf_counter() - t0
+            self.stats.num_staged_swaps_total += staged is not None
             with self._work:
                 self.kv_epoch += 1  # every cached prefix was computed with the old weights
                 if weight_version is not None:
                     self.weight_version = str(weight_version)
-                return {"num_paused_requests": len(self.running) + len(self.waiting)}
+                return {"num_paused_requests": len(self.running) + len(self.waiting), "staged": staged is not None}
 
     def set_weight_version(self, version: str) -> None:
         with self._model_lock, self._work:

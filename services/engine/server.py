@@ -4,7 +4,15 @@ Routes (shapes as in SGLang 0.5.16, see docs/engine.md): POST /generate; GET /he
 /health_generate; GET|POST /flush_cache; POST /abort_request, /pause_generation,
 /continue_generation, /update_weights_from_disk, /update_weight_version; GET /model_info,
 /server_info (and their /get_* aliases), /metrics (sglang:* names); plus asyncrl's /healthz,
-/readyz and /status. The torch work runs on the scheduler thread; handlers only enqueue and wait.
+/readyz, /status and POST /stage_weights. The torch work runs on the scheduler thread; handlers
+only enqueue and wait.
+
+Staged loading (asyncrl's extension; /server_info says `"staged_weight_loading": true`):
+POST /stage_weights {model_path, weight_version} loads a snapshot beside the running weights while
+generation goes on; the update_weights_from_disk of the same snapshot that follows only swaps it
+in, so the pause around it does not grow with the model. A model_path `nats-object://<bucket>/v<N>`
+(--update-weight-transfer-mode object-store) is fetched from the run's weights bucket first
+(--nats-url, --run-id, and the read-only `engine` NATS identity): no shared disk.
 
 Trust: every request is validated before anything is queued (services.engine.protocol: a 400
 that names the field, never a 500); with an API key (--api-key or $ASYNCRL_RUN_TOKEN), every
@@ -14,6 +22,7 @@ route but /health, /health_generate and /metrics needs `Authorization: Bearer <k
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -23,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from services.common.httpauth import require_token
+from services.common.weightstore import SCHEME, WeightStoreError
 from services.engine.protocol import BadRequest, Limits, parse_generate
 from services.engine.scheduler import Request as EngineRequest
 from services.engine.scheduler import Scheduler
@@ -46,8 +56,14 @@ class EngineServer:
         host: str = "127.0.0.1",
         port: int = 0,
         api_key: str | None = None,
+        weights=None,
+        staged_loading: bool = True,
     ):
+        """weights: an ObjectWeights that fetches `nats-object://` snapshots (None: disk only).
+        staged_loading False: no /stage_weights (404), as an SGLang server."""
         self.scheduler = scheduler
+        self.weights = weights
+        self.staged_loading = staged_loading
         self.api_key = api_key
         cfg = scheduler.model.cfg
         self.limits = Limits(vocab_size=cfg.vocab_size, context_length=scheduler.context_length)
@@ -153,6 +169,7 @@ class EngineServer:
                 }
             ],
             "version": f"asyncrl-builtin (sglang-compatible {SGLANG_COMPAT_VERSION})",
+            "staged_weight_loading": self.staged_loading,
         }
 
     def metrics_text(self) -> str:
@@ -187,7 +204,14 @@ class EngineServer:
 
     # ---- routes ------------------------------------------------------------------------------
     def _build(self) -> FastAPI:
-        app = FastAPI(title="asyncrl built-in engine", docs_url=None, redoc_url=None, openapi_url=None)
+        @contextlib.asynccontextmanager
+        async def lifespan(app):
+            yield
+            if self.weights is not None:  # its NATS connection
+                await self.weights.close()
+
+        app = FastAPI(title="asyncrl built-in engine", docs_url=None, redoc_url=None, openapi_url=None,
+                      lifespan=lifespan)  # fmt: skip
         sched = self.scheduler
         if self.api_key:
             require_token(app, lambda: self.api_key, OPEN_ROUTES)
@@ -271,6 +295,31 @@ class EngineServer:
             await asyncio.to_thread(sched.resume)
             return {"message": "Generation continued successfully.", "status": "ok"}
 
+        async def local_snapshot(path: str, version) -> str:
+            """The directory to load: `path`, or a `nats-object://` snapshot fetched to local disk."""
+            if not path.startswith(SCHEME):
+                return path
+            if self.weights is None:
+                raise ValueError(f"{path!r:.120} is in a NATS object store, and this engine was started without "
+                                 "--nats-url and --run-id (start it with them to fetch object-store weights)")  # fmt: skip
+            return str(await self.weights.local_path(path))
+
+        @app.post("/stage_weights")
+        async def stage_weights(request: Request):
+            if not self.staged_loading:
+                return JSONResponse({"detail": "Not Found"}, status_code=404)
+            body = await body_of(request)
+            path = field(body, "model_path", str)
+            if not path:
+                return JSONResponse({"success": False, "message": "model_path is required"}, status_code=400)
+            version = field(body, "weight_version", (str, int))
+            try:
+                local = await local_snapshot(path, version)
+                seconds = await asyncio.to_thread(sched.stage_weights, local, version)
+            except (OSError, ValueError, WeightStoreError) as e:
+                return JSONResponse({"success": False, "message": f"Failed to stage weights: {e}"}, status_code=400)
+            return {"success": True, "message": f"Staged {path} in {seconds:.3f}s.", "stage_seconds": seconds}
+
         @app.post("/update_weights_from_disk")
         async def update_weights_from_disk(request: Request):
             body = await body_of(request)
@@ -280,10 +329,11 @@ class EngineServer:
             version = field(body, "weight_version", (str, int))
             field(body, "flush_cache", bool)
             try:
+                local = await local_snapshot(path, version)
                 if field(body, "abort_all_requests", bool):
                     await asyncio.to_thread(sched.abort, "", True)
-                res = await asyncio.to_thread(sched.update_weights_from_disk, path, version)
-            except (OSError, ValueError, TimeoutError) as e:
+                res = await asyncio.to_thread(sched.update_weights_from_disk, local, version)
+            except (OSError, ValueError, TimeoutError, WeightStoreError) as e:
                 return JSONResponse({"success": False, "message": f"Failed to update weights: {e}"}, status_code=400)
             self.model_path = path
             msg = "Succeeded to update model weights."
@@ -293,6 +343,7 @@ class EngineServer:
                 "success": True,
                 "message": msg,
                 "num_paused_requests": res["num_paused_requests"],
+                "staged": res["staged"],
             }
 
         @app.post("/update_weight_version")
@@ -347,6 +398,9 @@ class EngineServer:
                 **sched.snapshot(),
                 "cache_hit_rate": sched.stats.cache_hit_rate,
                 "gen_throughput": sched.stats.gen_throughput,
+                "weight_load_seconds": sched.stats.weight_load_duration_s,
+                "weight_stage_seconds": sched.stats.weight_stage_duration_s,
+                "num_staged_weight_swaps": sched.stats.num_staged_swaps_total,
             }
 
         return app

@@ -70,10 +70,20 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM
 def load_weights_into(model: CausalLM, path: str | Path) -> None:
     """Copy a snapshot's weights into an existing model in place (the engine's weight update).
     A model in another layout (the Megatron backend) converts through load_hf_state_dict."""
-    state = load_state_dict(path)
     if hasattr(model, "load_hf_state_dict"):
-        model.load_hf_state_dict(state)
+        model.load_hf_state_dict(load_state_dict(path))
         return
+    staged = stage_weights(model, path)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(staged[name])
+
+
+def stage_weights(model: CausalLM, path: str | Path) -> dict[str, torch.Tensor]:
+    """A snapshot's weights as new tensors matching `model`'s parameters (names, shapes, dtypes),
+    read without touching the model: the engine stages the next version this way while it keeps
+    generating. ValueError when the snapshot does not fit the model; NonFiniteWeights on NaN/inf."""
+    state = load_state_dict(path)
     if model.cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     own = dict(model.named_parameters())
@@ -83,9 +93,19 @@ def load_weights_into(model: CausalLM, path: str | Path) -> None:
         raise ValueError(
             f"snapshot {path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
+    wrong = [n for n, p in own.items() if tuple(state[n].shape) != tuple(p.shape)]
+    if wrong:
+        raise ValueError(f"snapshot {path} does not match the model: {wrong[0]} has shape "
+                         f"{tuple(state[wrong[0]].shape)}, the model's is {tuple(own[wrong[0]].shape)}")  # fmt: skip
+    return {n: state[n].to(p.dtype).contiguous() for n, p in own.items()}
+
+
+def swap_in(model: CausalLM, staged: dict[str, torch.Tensor]) -> None:
+    """Make staged tensors (stage_weights) the model's parameters: one pointer per tensor, no copy,
+    so the time is independent of the model's size."""
     with torch.no_grad():
-        for name, p in own.items():
-            p.copy_(state[name].to(p.dtype))
+        for name, p in model.named_parameters():
+            p.data = staged[name]
 
 
 def save_model(model: CausalLM, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> dict:

@@ -55,6 +55,7 @@ from services.common.plugins import load_object
 from services.common.runtime import Service, wait_event
 from services.common.sinks import Sinks, statistics_of
 from services.common.snapshot import is_complete, remove_snapshot
+from services.common.weightstore import WeightStore, WeightStoreError
 from services.common.validate import Limits, eval_result_problem, finite_metrics, sample_problem
 from services.model.hf_io import load_weights_into, save_model
 from services.trainer.checkpoint import ckpt_step, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -141,11 +142,19 @@ class TrainerService(Service):
         self.eval_pending: set[int] = set()  # eval points requested and not yet answered
         self.last_eval: int | None = None  # the last eval point dispatched (the launcher waits for it)
         self._eval_done = asyncio.Event()
+        self.store: WeightStore | None = None
+        """--update-weight-transfer-mode object-store: the run's weights bucket (pushes go there too)."""
+        self.stored: set[int] = set()
+        """Versions that may still be in the bucket (retired as their local snapshots are)."""
 
     async def setup(self) -> None:
         s = self.bus.subjects
         self.weights_dir.mkdir(parents=True, exist_ok=True)
+        if self.config.update_weight_transfer_mode == "object-store":
+            self.store = WeightStore(self.bus, chunk_size=self.config.update_weight_buffer_size)
         await self._resume()
+        if self.store is not None:  # a restart: any version so far may still be in the bucket
+            self.stored = set(range(1, self.version + 1))
         if self.old_actor is not None:  # the engines converge to the resumed weights
             self.old_actor.load_state_dict(self.model.state_dict())
         if self.config.trainer_num_ranks > 1:
@@ -213,9 +222,25 @@ class TrainerService(Service):
                 pub = decode(raw.data, WeightsPublished) if raw and raw.subject == s.weights_published else None
             except MalformedMessage:
                 continue
-            if pub is not None and pub.step <= step and is_complete(self.weights_dir / f"v{pub.version}"):
+            if pub is not None and pub.step <= step and await self._have_snapshot(pub):
                 return pub
         return None
+
+    async def _have_snapshot(self, pub: WeightsPublished) -> bool:
+        """The snapshot of `pub` is on local disk, or (object-store) fetched from the bucket now:
+        a trainer restarted on another host resumes from the newest stored version."""
+        local = self.weights_dir / f"v{pub.version}"
+        if is_complete(local):
+            return True
+        if self.store is None:
+            return False
+        try:
+            await self.store.fetch(pub.version, local, expect_sha256=pub.sha256)
+        except WeightStoreError as e:
+            log.info("weights v%d are not usable from the object store: %s", pub.version, e)
+            return False
+        log.info("fetched the weights v%d from the object store into %s", pub.version, local)
+        return True
 
     def _truncate_records(self, last_step: int) -> None:
         """Steps after the checkpoint are trained again: drop their records."""
@@ -483,24 +508,37 @@ class TrainerService(Service):
         info = await asyncio.to_thread(save_model, self.model, path, self.config.hf_checkpoint)
         if self.old_actor is not None:
             self.old_actor.load_state_dict(self.model.state_dict())
+        uri = str(path.resolve())
+        if self.store is not None:  # every engine, on any host, fetches it from the bucket
+            await self.store.upload(self.version, path)
+            crash.point("trainer", "weights_stored")  # stored, not yet announced
+            uri = self.store.uri(self.version)
+            self.stored.add(self.version)
         pub = WeightsPublished(
-            version=self.version, step=step, uri=str(path.resolve()), sha256=info["sha256"],
+            version=self.version, step=step, uri=uri, sha256=info["sha256"],
             num_bytes=info["num_bytes"], created_at=time.time(),
         )  # fmt: skip
         await self.bus.publish_weights(pub)
         if path not in self.snapshots:  # re-pushed under the same number after a crash
             self.snapshots.append(path)
-        self._retain_snapshots()
+        await self._retain_snapshots()
         return time.perf_counter() - t0
 
-    def _retain_snapshots(self) -> None:
+    async def _retain_snapshots(self) -> None:
         """Keep the newest --keep-weight-snapshots snapshots, and always the one behind the
-        committed step: without --save, a restarted trainer resumes from it."""
+        committed step: without --save, a restarted trainer resumes from it. In object-store
+        mode the bucket keeps the same versions (after a restart, every older version is looked
+        up once and retired)."""
         keep = max(1, self.config.keep_weight_snapshots)
         backing = self.weights_dir / f"v{self.committed_version}" if self.committed_version is not None else None
         for old in [p for p in self.snapshots[:-keep] if p != backing]:
             self.snapshots.remove(old)
             remove_snapshot(old)
+        if self.store is not None:
+            kept = set(sorted(self.stored)[-keep:]) | {self.committed_version}
+            for v in sorted(self.stored - kept):
+                await self.store.retire(v)
+                self.stored.discard(v)
 
     async def _checkpoint_and_commit(self, step: int, pushed: bool) -> None:
         """Save after step r when due (RunConfig.save_due: --save-interval, epoch ends, the last

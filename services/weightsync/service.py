@@ -3,19 +3,23 @@
 Consumes: WeightsPublished from WEIGHTS (durable pull consumer "weight-sync"). When several
   versions are waiting, only the newest is applied (the others are acknowledged unapplied).
   Only what the trainer published is loaded: a version newer than the live one, pointing at the
-  run's own complete snapshot <run_dir>/weights/v<N> whose digest is the announced one; anything
-  else (a forged version, a snapshot elsewhere or altered) is dead-lettered and never loaded.
+  run's own complete snapshot whose digest is the announced one - <run_dir>/weights/v<N>
+  (--update-weight-transfer-mode disk) or nats-object://<the run's weights bucket>/v<N>
+  (object-store); anything else (a forged version, a snapshot elsewhere or altered) is
+  dead-lettered and never loaded.
 Produces: WeightsLive on `weights.live` and KV `live_version`: the staleness clock.
-Per update, on every engine concurrently: pause_generation(--pause-generation-mode) ->
-  update_weights_from_disk(snapshot, weight_version) -> continue_generation, then the version is
-  read back from /model_info. A failed engine update is retried; a persistent failure fails the
-  service loudly (the message is redelivered after restart).
-HTTP: /status shows the live version, the engines and the last update's duration.
+Per update, on every engine concurrently: stage_weights(snapshot) while it generates (built-in
+  engines: fetch and load beside the running weights) -> pause_generation(--pause-generation-mode)
+  -> flush_cache -> update_weights_from_disk(snapshot, weight_version) (a staged engine only swaps)
+  -> continue_generation, then the version is read back from /model_info. A failed engine update
+  is retried; a persistent failure fails the service loudly (the message is redelivered after restart).
+HTTP: /status shows the live version, the engines, the last update's duration and the pauses.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -28,6 +32,7 @@ from services.common.config import AsyncSection, RolloutSection
 from services.common.runtime import Service
 from services.common.sglang_client import EngineError, SGLangClient
 from services.common.snapshot import COMPLETE_MARKER, is_complete, resolved
+from services.common.weightstore import WeightStore, WeightStoreError
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +63,10 @@ class WeightSyncService(Service):
         self.num_skipped = 0
         self.published = VersionBound(bus)
         self._psub = None
+        self.store = WeightStore(bus) if config.update_weight_transfer_mode == "object-store" else None
+        self.pauses: collections.deque[float] = collections.deque(maxlen=1000)
+        """Seconds each engine spent paused per update (pause call to continue answered), newest last."""
+        self.last_pause_s = 0.0
 
     async def setup(self) -> None:
         s = self.bus.subjects
@@ -112,11 +121,11 @@ class WeightSyncService(Service):
             try:
                 got = (await self.client.model_info(url)).get("weight_version")
                 if _version(got) < live or not await self.published.allows(_version(got)):
-                    path = Path(self.config.run_dir) / "weights" / f"v{live}"
+                    path = self._snapshot_uri(live)
                     log.warning(
                         "engine %s runs weight version %s, behind the live v%d: loading %s", url, got, live, path
                     )
-                    await self._update_engine(url, str(path), live, self.config.pause_generation_mode)
+                    await self._update_engine(url, path, live, self.config.pause_generation_mode)
                 else:
                     await self.client.continue_generation(url)
             except EngineError as e:
@@ -147,7 +156,7 @@ class WeightSyncService(Service):
             fresh.sort(key=lambda pm: pm[0].version)
             # only the newest version whose snapshot is the trainer's is loaded; older ones are
             # superseded (never loaded), and a message whose snapshot is not the trainer's is refused
-            while fresh and (problem := self._snapshot_problem(fresh[-1][0])) is not None:
+            while fresh and (problem := await self._snapshot_problem(fresh[-1][0])) is not None:
                 await self.bus.dead_letter_msg(fresh.pop()[1], problem)
             if fresh:
                 async with keep_alive(fresh[-1][1]):
@@ -156,9 +165,27 @@ class WeightSyncService(Service):
             for _, m in fresh:
                 await settle(m)
 
-    def _snapshot_problem(self, pub: WeightsPublished) -> str | None:
-        """The snapshot must be the run's own (<run_dir>/weights/v<N>), complete, and the one the
-        trainer wrote (the digest in its marker equals the announced one)."""
+    def _snapshot_uri(self, version: int) -> str:
+        if self.store is not None:
+            return self.store.uri(version)
+        return str(Path(self.config.run_dir) / "weights" / f"v{version}")
+
+    async def _snapshot_problem(self, pub: WeightsPublished) -> str | None:
+        """The snapshot must be the run's own (<run_dir>/weights/v<N>, or v<N> of the run's
+        weights bucket), complete, and the one the trainer wrote (the digest in its marker
+        equals the announced one)."""
+        if self.store is not None:
+            if pub.uri != self.store.uri(pub.version):
+                return f"weights v{pub.version} point at {pub.uri!r:.200}, not the run's {self.store.uri(pub.version)}"
+            try:
+                manifest = await self.store.manifest(pub.version)
+            except WeightStoreError as e:
+                return f"weights v{pub.version}: {e}"
+            if manifest is None:
+                return f"weights v{pub.version}: the object store has no complete snapshot of it"
+            if not pub.sha256 or manifest.get("sha256") != pub.sha256:
+                return f"weights v{pub.version}: the snapshot's digest differs from the announced one"
+            return None
         path = resolved(pub.uri)
         expected = (Path(self.config.run_dir) / "weights" / f"v{pub.version}").resolve()
         if path is None or path != expected:
@@ -191,7 +218,7 @@ class WeightSyncService(Service):
                     raise r
             if not failed:
                 break
-            if self._snapshot_problem(pub) is not None:
+            if await self._snapshot_problem(pub) is not None:
                 log.warning("weights v%d: the snapshot is gone before %s took it; a newer version is next",
                             pub.version, [url for url, _ in failed])  # fmt: skip
                 return
@@ -203,14 +230,19 @@ class WeightSyncService(Service):
             delay = min(delay * 2, 5.0)
         self.last_update_s = time.perf_counter() - t0
         self.num_updates += 1
+        pause_s = max(list(self.pauses)[-len(self.client.urls):], default=0.0)
         crash.point("weight-sync", "continued_before_announce")
-        await self._announce(pub.version, self.last_update_s)
-        log.info("engines now at weight version %d (%.3fs, %s)", pub.version, self.last_update_s, mode)
+        await self._announce(pub.version, self.last_update_s, pause_s)
+        log.info("engines now at weight version %d (%.3fs, paused %.3fs, %s)", pub.version, self.last_update_s,
+                 pause_s, mode)  # fmt: skip
 
     async def _update_engine(self, url: str, uri: str, version: int, mode: str) -> None:
-        """Miles's disk sequence: pause; flush the prefix cache unless requests stay resident
-        (in_place), so no new request reuses KV computed with the old weights; load with
-        flush_cache false (SGLang asserts a flush that finds resident requests); continue."""
+        """Stage the snapshot while the engine generates (built-in engines), then Miles's disk
+        sequence: pause; flush the prefix cache unless requests stay resident (in_place), so no
+        new request reuses KV computed with the old weights; load with flush_cache false (SGLang
+        asserts a flush that finds resident requests) - a staged engine only swaps; continue."""
+        await self.client.stage_weights(url, uri, str(version))
+        t0 = time.perf_counter()
         await self.client.pause(url, mode)
         crash.point("weight-sync", "paused")
         try:
@@ -220,11 +252,13 @@ class WeightSyncService(Service):
             crash.point("weight-sync", "loaded_before_continue")
         finally:
             await self.client.continue_generation(url)
+            self.last_pause_s = time.perf_counter() - t0
+            self.pauses.append(self.last_pause_s)
         got = (await self.client.model_info(url)).get("weight_version")
         if str(got) != str(version):
             raise EngineError(f"{url} reports weight_version {got!r} after loading v{version}")
 
-    async def _announce(self, version: int, duration_s: float) -> None:
+    async def _announce(self, version: int, duration_s: float, pause_s: float = 0.0) -> None:
         self.live_version = version
         live = WeightsLive(
             version=version,
@@ -232,6 +266,7 @@ class WeightSyncService(Service):
             updated_at=time.time(),
             pause_mode=self.config.pause_generation_mode,
             duration_s=duration_s,
+            pause_s=pause_s,
         )
         await self.bus.kv_put("live_version", encode(live))
         await self.bus.publish_durably([(self.bus.subjects.weights_live, live, None)], f"live version {version}")
@@ -242,6 +277,9 @@ class WeightSyncService(Service):
             "engines": self.client.urls,
             "pause_mode": self.config.pause_generation_mode,
             "last_update_s": self.last_update_s,
+            "transfer_mode": self.config.update_weight_transfer_mode,
+            "last_pause_s": self.last_pause_s,
+            "pauses_s": list(self.pauses)[-100:],
             "num_updates": self.num_updates,
             "num_skipped_versions": self.num_skipped,
             "num_rejected": sum(self.bus.dead_lettered.values()),
@@ -251,6 +289,7 @@ class WeightSyncService(Service):
         return {
             "weight_sync/live_version": self.live_version if self.live_version is not None else -1,
             "weight_sync/last_update_seconds": self.last_update_s,
+            "weight_sync/last_pause_seconds": self.last_pause_s,
             "weight_sync/updates_total": self.num_updates,
             "weight_sync/skipped_versions_total": self.num_skipped,
             "weight_sync/rejected_total": sum(self.bus.dead_lettered.values()),

@@ -26,6 +26,8 @@ NTH = {"decided_before_append": 30, "appended_before_ack": 10, "snapshot_write":
 """Which pass of the point crashes (default 3): late enough to be mid-run."""
 STEPS = {"snapshot_write": 45}
 """Steps of the run (default 10): the buffer snapshots every 500 ledger events."""
+EXTRA = {"weights_stored": ["--update-weight-transfer-mode", "object-store"]}
+"""Flags a point needs to be on the run's path (weights_stored: object-store weights)."""
 CASES = [(service, point) for service, points in POINTS.items() for point in points]
 
 
@@ -47,7 +49,7 @@ def test_a_crash_at_every_point_loses_nothing(tmp_path, model_dir, service, poin
         [sys.executable, "-m", "services.cli", "train-async", "--fully-async", "--rollout-batch-size", "4",
          "--n-samples-per-prompt", "4", "--async-data-buffer-capacity-factor", "1", "--num-rollout", str(steps),
          "--eval-interval", "5", "--prompt-ack-wait-s", "3", "--hf-checkpoint", str(model_dir),
-         "--run-dir", str(run_dir)],
+         "--run-dir", str(run_dir), *EXTRA.get(point, [])],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400,
     )  # fmt: skip
     out = r.stdout + r.stderr

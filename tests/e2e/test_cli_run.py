@@ -345,3 +345,22 @@ def test_fully_async_staleness_bound_holds_exactly_over_a_whole_run(tmp_path):
         assert e.staleness is not None and e.staleness <= 1, e
         # the clock it was judged against is the version the trainer had when it asked
         assert e.staleness + oldest[e.group_id] == version_before[e.step], (e, version_before)
+
+
+def test_object_store_weights_reach_the_engines_without_the_trainers_disk(tmp_path):
+    """--update-weight-transfer-mode object-store: every push goes to the run's NATS object
+    bucket, the engine fetches it there (its cache holds the versions), old versions are retired
+    like the trainer's own snapshots, and the run's ledger balances."""
+    run_dir = tmp_path / "run"
+    r = asyncrl("train-async", "--fully-async", *SMALL, "--num-rollout", "6", "--keep-weight-snapshots", "2",
+                "--update-weight-transfer-mode", "object-store", "--run-dir", str(run_dir), cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "0 lost, 0 trained twice (balanced" in r.stdout
+    assert [rec["weight_version"] for rec in records(run_dir)] == list(range(1, 7))
+    cached = sorted(int(p.name[1:]) for p in (run_dir / "engine-cache" / "engine-0").glob("v*"))
+    assert cached and cached[-1] == 6 and len(cached) <= 3  # fetched, the newest few kept
+    sync_log = (run_dir / "logs" / "weight-sync.log").read_text()
+    assert "engines now at weight version 6" in sync_log
+    audit = json.loads((run_dir / "audit.json").read_text())
+    assert audit["balanced"] and audit["weights_stored"] == [5, 6]  # retired down to --keep-weight-snapshots
+    assert_nothing_left(run_dir)

@@ -1,0 +1,204 @@
+"""Weight snapshots in the run's NATS JetStream Object Store bucket (--update-weight-transfer-mode
+object-store): engines and a restarted trainer on any host fetch them, no shared disk needed.
+
+Layout: version N is the objects `v<N>/<file>` (model.safetensors, config.json, the tokenizer
+files), each chunked and SHA-256-digested by the object store, and `v<N>/.complete` last: JSON
+{"sha256": <the weights file's digest>, "files": {name: size}}. A version without its marker is
+incomplete and never read; retiring a version deletes its marker first, then its files.
+
+Roles (services.common.natsauth): the trainer writes and retires; weight-sync, the built-in engine
+and the trainer read. Readers fetch meta and chunks by direct get (one message per request, no
+consumer): a reader's credentials cannot create a consumer, write or delete.
+
+A snapshot's URI on weights.published is `nats-object://<bucket>/v<N>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import nats.js.errors
+from nats.js import api
+
+from services.common.snapshot import COMPLETE_MARKER
+
+log = logging.getLogger(__name__)
+
+SCHEME = "nats-object://"
+DEFAULT_CHUNK = 128 * 1024
+
+
+class WeightStoreError(RuntimeError):
+    """A version that is missing, incomplete or whose bytes are not the ones announced."""
+
+
+def uri_of(bucket: str, version: int) -> str:
+    return f"{SCHEME}{bucket}/v{version}"
+
+
+def parse_uri(uri: str) -> tuple[str, int] | None:
+    """(bucket, version) of a `nats-object://<bucket>/v<N>` URI; None for anything else."""
+    if not uri.startswith(SCHEME):
+        return None
+    bucket, _, name = uri[len(SCHEME) :].partition("/")
+    if not bucket or not name.startswith("v") or not name[1:].isdigit() or len(name) > 20:
+        return None
+    return bucket, int(name[1:])
+
+
+def _b64(name: str) -> str:
+    return base64.urlsafe_b64encode(name.encode()).decode()
+
+
+class WeightStore:
+    """One run's weight bucket, through a connected Bus (its role decides what it may do)."""
+
+    def __init__(self, bus, chunk_size: int = DEFAULT_CHUNK):
+        self.bus = bus
+        self.bucket = bus.subjects.weights_bucket
+        self.stream = f"OBJ_{self.bucket}"
+        # a chunk and its headers must fit one message: at most half the server's max_payload
+        max_payload = getattr(bus.nc, "max_payload", 0) or 1024 * 1024
+        self.chunk_size = max(4096, min(chunk_size, max_payload // 2))
+
+    def uri(self, version: int) -> str:
+        return uri_of(self.bucket, version)
+
+    # ---- writing (trainer) -------------------------------------------------------------------
+    async def upload(self, version: int, snapshot_dir: str | Path) -> dict:
+        """Put the complete local snapshot `snapshot_dir` as version `version`, its marker last.
+        Returns the marker's content. Idempotent: a re-upload (after a crash) replaces each file."""
+        src = Path(snapshot_dir)
+        marker = json.loads((src / COMPLETE_MARKER).read_text())
+        obs = await self.bus.js.object_store(self.bucket)
+        await self._delete_quietly(obs, f"v{version}/{COMPLETE_MARKER}")  # a stale marker first
+        files = {}
+        for f in sorted(p for p in src.iterdir() if p.is_file() and p.name != COMPLETE_MARKER):
+            meta = api.ObjectMeta(name=f"v{version}/{f.name}",
+                                  options=api.ObjectMetaOptions(max_chunk_size=self.chunk_size))  # fmt: skip
+            with f.open("rb") as fh:
+                await obs.put(f"v{version}/{f.name}", fh, meta=meta)
+            files[f.name] = f.stat().st_size
+        manifest = {"sha256": marker.get("sha256", ""), "files": files}
+        await obs.put(f"v{version}/{COMPLETE_MARKER}", json.dumps(manifest).encode())
+        return manifest
+
+    async def retire(self, version: int) -> None:
+        """Delete a version: its marker first (a reader meanwhile finds it incomplete), then its files."""
+        obs = await self.bus.js.object_store(self.bucket)
+        manifest = await self.manifest(version)
+        await self._delete_quietly(obs, f"v{version}/{COMPLETE_MARKER}")
+        for name in (manifest or {}).get("files", {}):
+            await self._delete_quietly(obs, f"v{version}/{name}")
+
+    @staticmethod
+    async def _delete_quietly(obs, name: str) -> None:
+        try:
+            await obs.delete(name)
+        except nats.js.errors.ObjectNotFoundError:
+            pass
+        except nats.js.errors.ObjectDeletedError:
+            pass
+
+    async def stored_versions(self) -> list[int]:
+        """The complete versions in the bucket (needs a role that may create a consumer on it:
+        the admin, for `asyncrl audit`)."""
+        obs = await self.bus.js.object_store(self.bucket)
+        try:
+            infos = await obs.list(ignore_deletes=True)
+        except nats.js.errors.NotFoundError:
+            return []
+        marker = "/" + COMPLETE_MARKER
+        names = [i.name for i in infos if i.name.endswith(marker) and not i.deleted]
+        return sorted(int(n[1 : -len(marker)]) for n in names if n.startswith("v") and n[1 : -len(marker)].isdigit())
+
+    # ---- reading (weight-sync, engines, a restarted trainer) ----------------------------------
+    async def _info(self, name: str) -> dict | None:
+        subject = f"$O.{self.bucket}.M.{_b64(name)}"
+        msg = None
+        for direct in (True, False):  # a replica behind the leader answers a direct get with 404
+            try:
+                msg = await self.bus.js.get_msg(self.stream, subject=subject, direct=direct)
+                break
+            except nats.js.errors.NotFoundError:
+                continue
+        if msg is None or not msg.data:
+            return None
+        info = json.loads(msg.data)
+        return None if info.get("deleted") else info
+
+    async def manifest(self, version: int) -> dict | None:
+        """The marker of a complete version; None when the version is missing or incomplete."""
+        info = await self._info(f"v{version}/{COMPLETE_MARKER}")
+        if info is None:
+            return None
+        data = await self._read_object(info)
+        try:
+            manifest = json.loads(data)
+        except ValueError:
+            return None
+        ok = isinstance(manifest, dict) and isinstance(manifest.get("files"), dict)
+        return manifest if ok else None
+
+    async def _read_object(self, info: dict, out=None) -> bytes:
+        """An object's bytes (or written to `out`), chunk by chunk, checked against its digest."""
+        size, subject = int(info.get("size") or 0), f"$O.{self.bucket}.C.{info['nuid']}"
+        h, got, seq, parts = hashlib.sha256(), 0, 1, []
+        while got < size:
+            msg = None
+            for direct in (True, False):
+                try:
+                    msg = await self.bus.js.get_msg(self.stream, seq=seq, subject=subject, direct=direct, next=True)
+                    break
+                except nats.js.errors.NotFoundError:
+                    continue
+            if msg is None or msg.data is None:
+                raise WeightStoreError(f"{info.get('name')}: a chunk is missing after {got} of {size} bytes")
+            h.update(msg.data)
+            got += len(msg.data)
+            if out is None:
+                parts.append(msg.data)
+            else:
+                await asyncio.to_thread(out.write, msg.data)
+            seq = msg.seq + 1
+        digest = "SHA-256=" + base64.urlsafe_b64encode(h.digest()).decode()
+        if got != size or digest.rstrip("=") != str(info.get("digest", "")).rstrip("="):
+            raise WeightStoreError(f"{info.get('name')}: its bytes do not match the object's digest")
+        return b"".join(parts)
+
+    async def fetch(self, version: int, dest: str | Path, expect_sha256: str | None = None) -> Path:
+        """Download a complete version into the directory `dest` (replaced), with a local
+        `.complete` marker last, so disk loaders take it as a complete snapshot. The weights
+        file's SHA-256 must be the manifest's (and `expect_sha256`, when given)."""
+        manifest = await self.manifest(version)
+        if manifest is None:
+            raise WeightStoreError(f"weights v{version} are not in the object store (or incomplete)")
+        if expect_sha256 is not None and manifest.get("sha256") != expect_sha256:
+            raise WeightStoreError(f"weights v{version}: the stored digest differs from the announced one")
+        out = Path(dest)
+        tmp = out.with_name(out.name + ".part")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for name in manifest["files"]:
+            if name != Path(name).name or name in ("", ".", "..", COMPLETE_MARKER):
+                raise WeightStoreError(f"weights v{version}: the manifest names a file {name!r:.80}")
+            info = await self._info(f"v{version}/{name}")
+            if info is None:
+                raise WeightStoreError(f"weights v{version}: {name} is missing from the object store")
+            with (tmp / name).open("wb") as fh:
+                await self._read_object(info, fh)
+        weights = tmp / "model.safetensors"
+        digest = await asyncio.to_thread(lambda: hashlib.sha256(weights.read_bytes()).hexdigest())
+        if digest != manifest.get("sha256"):
+            raise WeightStoreError(f"weights v{version}: the weights file's digest differs from the manifest's")
+        (tmp / COMPLETE_MARKER).write_text(json.dumps({"sha256": digest}))
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+        return out

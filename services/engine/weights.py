@@ -1,0 +1,55 @@
+"""The built-in engine's fetcher of object-store weights (--update-weight-transfer-mode
+object-store): `nats-object://<bucket>/v<N>` snapshots of its own run, downloaded once into a local
+cache directory with the read-only `engine` NATS identity, digests checked, the newest few kept."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from pathlib import Path
+
+from services.common.snapshot import is_complete
+from services.common.weightstore import WeightStore, parse_uri
+
+log = logging.getLogger(__name__)
+
+
+class ObjectWeights:
+    def __init__(self, nats_url: str, run_id: str, cache_dir: str | Path, keep: int = 3):
+        self.nats_url, self.run_id = nats_url, run_id
+        self.cache_dir = Path(cache_dir)
+        self.keep = max(2, keep)
+        self.bus = None
+        self._lock = asyncio.Lock()
+
+    async def local_path(self, uri: str) -> Path:
+        """The local copy of a snapshot of this run's bucket (fetched unless already here)."""
+        from services.common.bus import Bus
+
+        parsed = parse_uri(uri)
+        if parsed is None:
+            raise ValueError(f"{uri!r:.120} is not a nats-object://<bucket>/v<N> URI")
+        bucket, version = parsed
+        async with self._lock:
+            if self.bus is None:
+                self.bus = await Bus.connect(self.nats_url, self.run_id, "engine", connect_timeout_s=10)
+            store = WeightStore(self.bus)
+            if bucket != store.bucket:
+                raise ValueError(f"{uri!r:.120} is not in this run's weights bucket {store.bucket}")
+            dest = self.cache_dir / f"v{version}"
+            if not is_complete(dest):
+                await store.fetch(version, dest)
+                log.info("fetched weights v%d from the object store into %s", version, dest)
+            self._prune(keep_also=dest)
+            return dest
+
+    def _prune(self, keep_also: Path) -> None:
+        versions = sorted((p for p in self.cache_dir.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
+        for old in versions[: -self.keep]:
+            if old != keep_also:
+                shutil.rmtree(old, ignore_errors=True)
+
+    async def close(self) -> None:
+        if self.bus is not None:
+            await self.bus.close()

@@ -1,0 +1,147 @@
+"""Weights without a shared disk (--update-weight-transfer-mode object-store), against a real
+nats-server with one user per role: the trainer stores a snapshot, the read-only engine identity
+fetches it with every digest checked and cannot write or delete; a version is retired marker
+first; and a built-in engine loads a nats-object:// snapshot, staged beside its running weights."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import httpx
+import nats.js.errors
+import pytest
+import torch
+
+from services.common.bus import Bus
+from services.common.natsauth import ROLES, server_auth_conf
+from services.common.natsserver import EmbeddedNats
+from services.common.secrets import NatsCredentials, new_secret
+from services.common.snapshot import COMPLETE_MARKER, is_complete
+from services.common.weightstore import WeightStore, WeightStoreError, _b64, parse_uri
+from services.engine.weights import ObjectWeights
+from services.model.hf_io import load_model, save_model
+from tests.conftest import EngineThread
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    run_id = "w" + uuid.uuid4().hex[:10]
+    passwords = {r: new_secret() for r in ROLES}
+    srv = EmbeddedNats(tmp_path_factory.mktemp("objnats"), auth_conf=server_auth_conf(run_id, passwords)).start()
+    yield srv, run_id, passwords
+    srv.stop()
+
+
+async def connect(server, role: str) -> Bus:
+    srv, run_id, pw = server
+    return await Bus.connect(srv.url, run_id, role if role != "admin" else "launcher",
+                             creds=NatsCredentials(user=role, password=pw[role]))  # fmt: skip
+
+
+def perturbed(model_dir, seed: int):
+    model = load_model(model_dir)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+async def test_the_trainer_stores_the_engine_fetches_and_cannot_write(server, tiny_model_dir, tmp_path):
+    admin, trainer, engine = [await connect(server, r) for r in ("admin", "trainer", "engine")]
+    try:
+        await admin.ensure_streams()
+        snap = tmp_path / "v1"
+        info = save_model(perturbed(tiny_model_dir, 1), snap, tiny_model_dir)
+        store = WeightStore(trainer, chunk_size=64 * 1024)  # several chunks per weights file
+        manifest = await store.upload(1, snap)
+        assert manifest["sha256"] == info["sha256"] and "model.safetensors" in manifest["files"]
+        assert parse_uri(store.uri(1)) == (store.bucket, 1)
+
+        reader = WeightStore(engine)
+        got = await reader.fetch(1, tmp_path / "fetched", expect_sha256=info["sha256"])
+        assert is_complete(got)
+        assert (got / "model.safetensors").read_bytes() == (snap / "model.safetensors").read_bytes()
+        assert json.loads((got / "config.json").read_text()) == json.loads((snap / "config.json").read_text())
+        with pytest.raises(WeightStoreError, match="differs from the announced"):
+            await reader.fetch(1, tmp_path / "other", expect_sha256="0" * 64)
+        with pytest.raises(WeightStoreError, match="not in the object store"):
+            await reader.fetch(7, tmp_path / "none")
+
+        # the engine's identity reads, nothing more: no put, no delete, no consumer on the bucket
+        for subject in (f"$O.{store.bucket}.C.forged", f"$O.{store.bucket}.M.{_b64('v1/.complete')}"):
+            with pytest.raises((nats.errors.Error, nats.js.errors.Error, TimeoutError)):
+                await engine.js.publish(subject, b"forged", timeout=2)
+        with pytest.raises((nats.errors.Error, nats.js.errors.Error, TimeoutError)):
+            await engine.js.purge_stream(store.stream)
+        assert (await reader.manifest(1))["sha256"] == info["sha256"]
+        with pytest.raises((nats.errors.Error, nats.js.errors.Error, TimeoutError)):
+            await engine.js.add_consumer(store.stream, durable_name="spy")
+
+        await store.upload(2, snap)
+        await store.retire(1)
+        assert await reader.manifest(1) is None and await reader.manifest(2) is not None
+        with pytest.raises(WeightStoreError):
+            await reader.fetch(1, tmp_path / "retired")
+    finally:
+        for b in (admin, trainer, engine):
+            await b.close()
+
+
+async def test_an_incomplete_version_is_never_fetched(server, tiny_model_dir, tmp_path):
+    admin, trainer, engine = [await connect(server, r) for r in ("admin", "trainer", "engine")]
+    try:
+        await admin.ensure_streams()
+        snap = tmp_path / "v3"
+        save_model(load_model(tiny_model_dir), snap, tiny_model_dir)
+        obs = await trainer.js.object_store(trainer.subjects.weights_bucket)
+        await obs.put("v3/model.safetensors", (snap / "model.safetensors").read_bytes())  # no marker: a crash mid-upload
+        reader = WeightStore(engine)
+        assert await reader.manifest(3) is None
+        with pytest.raises(WeightStoreError, match="incomplete"):
+            await reader.fetch(3, tmp_path / "fetched")
+    finally:
+        for b in (admin, trainer, engine):
+            await b.close()
+
+
+async def test_the_engine_stages_an_object_store_snapshot_and_swaps_it_in(server, tiny_model_dir, tmp_path,
+                                                                       monkeypatch):  # fmt: skip
+    srv, run_id, pw = server
+    admin, trainer = await connect(server, "admin"), await connect(server, "trainer")
+    try:
+        await admin.ensure_streams()
+        snap = tmp_path / "v5"
+        save_model(perturbed(tiny_model_dir, 5), snap, tiny_model_dir)
+        store = WeightStore(trainer)
+        await store.upload(5, snap)
+        monkeypatch.setenv("ASYNCRL_NATS_USER", "engine")
+        monkeypatch.setenv("ASYNCRL_NATS_PASSWORD", pw["engine"])
+        weights = ObjectWeights(srv.url, run_id, tmp_path / "cache")
+        with EngineThread(tiny_model_dir, weights=weights) as eng:
+            prompt = {"input_ids": [1, 5, 6, 7], "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+            async with httpx.AsyncClient(base_url=eng.url, timeout=60) as http:
+                before = (await http.post("/generate", json=prompt)).json()["output_ids"]
+                r = await http.post("/stage_weights", json={"model_path": store.uri(5), "weight_version": "5"})
+                assert r.status_code == 200 and r.json()["success"], r.text
+                assert eng.scheduler.weight_version == "0"  # staged beside, still serving the old weights
+                assert (await http.post("/generate", json=prompt)).json()["output_ids"] == before
+                await http.post("/pause_generation", json={"mode": "retract"})
+                r = await http.post("/update_weights_from_disk",
+                                    json={"model_path": store.uri(5), "weight_version": "5"})  # fmt: skip
+                await http.post("/continue_generation")
+                assert r.status_code == 200 and r.json()["staged"] is True, r.text
+                after = (await http.post("/generate", json=prompt)).json()
+                assert after["meta_info"]["weight_version"] == "5"
+                forged = await http.post("/update_weights_from_disk",
+                                         json={"model_path": "nats-object://OTHER_run/v5", "weight_version": "6"})
+                assert forged.status_code == 400 and "this run's weights bucket" in forged.text
+        # the swapped-in weights are exactly the snapshot's: the same greedy output as a fresh load
+        with EngineThread(snap) as fresh:
+            async with httpx.AsyncClient(base_url=fresh.url, timeout=60) as http:
+                expected = (await http.post("/generate", json=prompt)).json()["output_ids"]
+        assert after["output_ids"] == expected
+    finally:
+        for b in (admin, trainer):
+            await b.close()
