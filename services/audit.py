@@ -15,8 +15,6 @@ import json
 import sys
 from pathlib import Path
 
-import nats.js.errors
-
 from asyncrl_proto import PromptMsg, RolloutGroupView, decode, group_id
 from asyncrl_proto.codec import MalformedMessage
 from services.buffer.state import LedgerError, audit, ledger_events
@@ -45,10 +43,7 @@ async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None) -> dict
         rollouts = {
             g.group_id for g in _decoded(await bus.read_stream(s.rollouts_stream, s.rollouts), RolloutGroupView)
         }
-        try:  # the weight versions the run's object bucket still holds (object-store mode)
-            weights_stored = await WeightStore(bus).stored_versions()
-        except nats.js.errors.BucketNotFoundError:
-            weights_stored = []  # a run prepared before the bucket existed
+        weights_stored = await WeightStore(bus).stored_versions()  # the versions its object bucket holds
     finally:
         await bus.close()
     trained = None

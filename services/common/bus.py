@@ -499,12 +499,48 @@ class Bus:
         except nats.js.errors.NotFoundError:
             return None
 
-    async def get_last(self, stream: str, subject: str):
-        """The last message of `stream` on `subject` (.subject, .data, .seq); None when none."""
+    async def get_last(self, stream: str, subject: str, *, direct: bool = False):
+        """The last message of `stream` on `subject` (.subject, .data, .seq); None when none. A
+        direct get that finds none asks the leader (a replica may be behind)."""
+        for d in (True, False) if direct else (False,):
+            try:
+                return await self.js.get_msg(stream, subject=subject, direct=d)
+            except nats.js.errors.NotFoundError:
+                continue
+        return None
+
+    async def get_next(self, stream: str, subject: str, seq: int):
+        """The first message of `stream` on `subject` at or after `seq`, by direct get (the
+        leader's answer when a replica has none); None when there is none."""
+        for d in (True, False):
+            try:
+                return await self.js.get_msg(stream, seq=seq, subject=subject, direct=d, next=True)
+            except nats.js.errors.NotFoundError:
+                continue
+        return None
+
+    # ---- object store (services.common.weightstore) -------------------------------------------
+    async def object_put(self, bucket: str, name: str, data, chunk_size: int) -> None:
+        """Store `data` (bytes or a binary file) as object `name`, in chunks of chunk_size bytes."""
+        obs = await self.js.object_store(bucket)
+        meta = api.ObjectMeta(name=name, options=api.ObjectMetaOptions(max_chunk_size=chunk_size))
+        await obs.put(name, data, meta=meta)
+
+    async def object_delete(self, bucket: str, name: str) -> None:
+        """Delete object `name` (its chunks are purged); nothing when it is not there."""
+        obs = await self.js.object_store(bucket)
+        with contextlib.suppress(nats.js.errors.ObjectNotFoundError, nats.js.errors.ObjectDeletedError):
+            await obs.delete(name)
+
+    async def object_names(self, bucket: str) -> list[str]:
+        """The names of the objects in a bucket (none when the bucket does not exist). Lists by
+        an ordered consumer: the admin's right, not a service's."""
         try:
-            return await self.js.get_last_msg(stream, subject)
-        except nats.js.errors.NotFoundError:
-            return None
+            obs = await self.js.object_store(bucket)
+            infos = await obs.list(ignore_deletes=True)
+        except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
+            return []
+        return [i.name for i in infos if not i.deleted]
 
     async def read_stream(self, stream: str, subject: str | None = None, deadline_s: float = 60.0) -> list[bytes]:
         """Every payload still in a stream. With `subject`, read by an ephemeral consumer in large

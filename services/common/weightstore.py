@@ -24,9 +24,6 @@ import os
 import shutil
 from pathlib import Path
 
-import nats.js.errors
-from nats.js import api
-
 from services.common.snapshot import COMPLETE_MARKER
 
 log = logging.getLogger(__name__)
@@ -77,71 +74,48 @@ class WeightStore:
         Returns the marker's content. Idempotent: a re-upload (after a crash) replaces each file."""
         src = Path(snapshot_dir)
         marker = json.loads((src / COMPLETE_MARKER).read_text())
-        obs = await self.bus.js.object_store(self.bucket)
-        await self._delete_quietly(obs, f"v{version}/{COMPLETE_MARKER}")  # a stale marker first
+        await self.bus.object_delete(self.bucket, f"v{version}/{COMPLETE_MARKER}")  # a stale marker first
         files = {}
         for f in sorted(p for p in src.iterdir() if p.is_file() and p.name != COMPLETE_MARKER):
-            meta = api.ObjectMeta(name=f"v{version}/{f.name}",
-                                  options=api.ObjectMetaOptions(max_chunk_size=self.chunk_size))  # fmt: skip
             with f.open("rb") as fh:
-                await obs.put(f"v{version}/{f.name}", fh, meta=meta)
+                await self.bus.object_put(self.bucket, f"v{version}/{f.name}", fh, self.chunk_size)
             files[f.name] = f.stat().st_size
         manifest = {"sha256": marker.get("sha256", ""), "files": files}
-        await obs.put(f"v{version}/{COMPLETE_MARKER}", json.dumps(manifest).encode())
+        await self.bus.object_put(self.bucket, f"v{version}/{COMPLETE_MARKER}", json.dumps(manifest).encode(),
+                                  self.chunk_size)  # fmt: skip
         return manifest
 
     async def retire(self, version: int) -> None:
         """Delete a version: its marker first (a reader meanwhile finds it incomplete), then its files."""
-        obs = await self.bus.js.object_store(self.bucket)
         manifest = await self.manifest(version)
-        await self._delete_quietly(obs, f"v{version}/{COMPLETE_MARKER}")
+        await self.bus.object_delete(self.bucket, f"v{version}/{COMPLETE_MARKER}")
         for name in (manifest or {}).get("files", {}):
-            await self._delete_quietly(obs, f"v{version}/{name}")
-
-    @staticmethod
-    async def _delete_quietly(obs, name: str) -> None:
-        try:
-            await obs.delete(name)
-        except nats.js.errors.ObjectNotFoundError:
-            pass
-        except nats.js.errors.ObjectDeletedError:
-            pass
+            await self.bus.object_delete(self.bucket, f"v{version}/{name}")
 
     async def stored_versions(self) -> list[int]:
-        """The complete versions in the bucket (needs a role that may create a consumer on it:
-        the admin, for `asyncrl audit`)."""
-        obs = await self.bus.js.object_store(self.bucket)
-        try:
-            infos = await obs.list(ignore_deletes=True)
-        except nats.js.errors.NotFoundError:
-            return []
+        """The complete versions in the bucket (listing needs the admin role: `asyncrl audit`)."""
         marker = "/" + COMPLETE_MARKER
-        names = [i.name for i in infos if i.name.endswith(marker) and not i.deleted]
-        return sorted(int(n[1 : -len(marker)]) for n in names if n.startswith("v") and n[1 : -len(marker)].isdigit())
+        names = [n for n in await self.bus.object_names(self.bucket) if n.endswith(marker) and n.startswith("v")]
+        return sorted(int(n[1 : -len(marker)]) for n in names if n[1 : -len(marker)].isdigit())
 
     # ---- reading (weight-sync, engines, a restarted trainer) ----------------------------------
     async def _info(self, name: str) -> dict | None:
-        subject = f"$O.{self.bucket}.M.{_b64(name)}"
-        msg = None
-        for direct in (True, False):  # a replica behind the leader answers a direct get with 404
-            try:
-                msg = await self.bus.js.get_msg(self.stream, subject=subject, direct=direct)
-                break
-            except nats.js.errors.NotFoundError:
-                continue
+        msg = await self.bus.get_last(self.stream, f"$O.{self.bucket}.M.{_b64(name)}", direct=True)
         if msg is None or not msg.data:
             return None
-        info = json.loads(msg.data)
-        return None if info.get("deleted") else info
+        try:
+            info = json.loads(msg.data)
+        except ValueError:
+            return None
+        return None if not isinstance(info, dict) or info.get("deleted") or not info.get("nuid") else info
 
     async def manifest(self, version: int) -> dict | None:
         """The marker of a complete version; None when the version is missing or incomplete."""
         info = await self._info(f"v{version}/{COMPLETE_MARKER}")
         if info is None:
             return None
-        data = await self._read_object(info)
         try:
-            manifest = json.loads(data)
+            manifest = json.loads(await self._read_object(info))
         except ValueError:
             return None
         ok = isinstance(manifest, dict) and isinstance(manifest.get("files"), dict)
@@ -152,13 +126,7 @@ class WeightStore:
         size, subject = int(info.get("size") or 0), f"$O.{self.bucket}.C.{info['nuid']}"
         h, got, seq, parts = hashlib.sha256(), 0, 1, []
         while got < size:
-            msg = None
-            for direct in (True, False):
-                try:
-                    msg = await self.bus.js.get_msg(self.stream, seq=seq, subject=subject, direct=direct, next=True)
-                    break
-                except nats.js.errors.NotFoundError:
-                    continue
+            msg = await self.bus.get_next(self.stream, subject, seq)
             if msg is None or msg.data is None:
                 raise WeightStoreError(f"{info.get('name')}: a chunk is missing after {got} of {size} bytes")
             h.update(msg.data)
@@ -187,7 +155,7 @@ class WeightStore:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         for name in manifest["files"]:
-            if name != Path(name).name or name in ("", ".", "..", COMPLETE_MARKER):
+            if not isinstance(name, str) or name != Path(name).name or name in ("", ".", "..", COMPLETE_MARKER):
                 raise WeightStoreError(f"weights v{version}: the manifest names a file {name!r:.80}")
             info = await self._info(f"v{version}/{name}")
             if info is None:
@@ -195,6 +163,8 @@ class WeightStore:
             with (tmp / name).open("wb") as fh:
                 await self._read_object(info, fh)
         weights = tmp / "model.safetensors"
+        if not weights.exists():
+            raise WeightStoreError(f"weights v{version}: the manifest has no model.safetensors")
         digest = await asyncio.to_thread(lambda: hashlib.sha256(weights.read_bytes()).hexdigest())
         if digest != manifest.get("sha256"):
             raise WeightStoreError(f"weights v{version}: the weights file's digest differs from the manifest's")
