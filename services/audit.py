@@ -25,7 +25,7 @@ async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None) -> dict
     """The audit report of a run, read from its NATS server (as the admin role: `creds`, else
     the run's own secrets, else the environment). Ledger messages that are not the buffer's
     (undecodable) are skipped and listed under `ledger_skipped`, never a crash."""
-    from services.common.bus import Bus
+    from services.common.bus import Bus, BusError
 
     bus = await Bus.connect(nats_url, run_id, "audit", connect_timeout_s=10, creds=creds or admin_credentials(run_dir))
     skipped: list[str] = []
@@ -43,7 +43,10 @@ async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None) -> dict
         rollouts = {
             g.group_id for g in _decoded(await bus.read_stream(s.rollouts_stream, s.rollouts), RolloutGroupView)
         }
-        weights_stored = await WeightStore(bus).stored_versions()  # the versions its object bucket holds
+        try:  # the versions its object bucket holds: a report beside the ledger, never its failure
+            weights_stored = await WeightStore(bus).stored_versions()
+        except BusError as e:
+            weights_stored = f"not listed: {e}"
     finally:
         await bus.close()
     trained = None

@@ -535,12 +535,16 @@ class Bus:
     async def object_names(self, bucket: str) -> list[str]:
         """The names of the objects in a bucket (none when the bucket does not exist). Lists by
         an ordered consumer: the admin's right, not a service's."""
-        try:
-            obs = await self.js.object_store(bucket)
-            infos = await obs.list(ignore_deletes=True)
-        except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
-            return []
-        return [i.name for i in infos if not i.deleted]
+        async def names() -> list[str]:
+            try:
+                obs = await self.js.object_store(bucket)
+                infos = await obs.list(ignore_deletes=True)
+            except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
+                return []
+            return [i.name for i in infos if not i.deleted]
+
+        # rides out a cluster whose streams are still electing leaders (an audit just started it)
+        return await self._through_outage(names, bucket, 30.0, "list")
 
     async def read_stream(self, stream: str, subject: str | None = None, deadline_s: float = 60.0) -> list[bytes]:
         """Every payload still in a stream. With `subject`, read by an ephemeral consumer in large
