@@ -195,8 +195,10 @@ class BufferCommitReply(msgspec.Struct, kw_only=True):
     error: str | None = None
 
 
-class WeightsPublished(msgspec.Struct, kw_only=True):
-    """Trainer -> weight-sync, eval: a new weight version exists as an HF snapshot at `uri`."""
+class WeightsPublished(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Trainer -> weight-sync, eval: a new weight version exists as an HF snapshot at `uri`.
+    Fields left at their defaults are not encoded, so a message without the later fields
+    (tensor_sha256) has the same bytes as before them."""
 
     version: int
     step: int
@@ -204,6 +206,39 @@ class WeightsPublished(msgspec.Struct, kw_only=True):
     sha256: str = ""
     num_bytes: int = 0
     created_at: float = 0.0
+    tensor_sha256: str = ""
+    """--update-weight-transfer-mode distributed: the digest of the tensors as the trainer
+    broadcasts them (services/model/transfer.py `digest`), which the built-in engine checks."""
+
+
+class TransferRequest(msgspec.Struct, kw_only=True):
+    """Weight-sync -> trainer (core request/reply on `weights.transfer`, distributed mode):
+    join: open a new weight transfer group as its rank 0 (the engines are ranks 1..world_size-1);
+    has: can it still send `version`; send: broadcast `version`'s tensors to the group, in
+    manifest order; leave: close the group."""
+
+    op: str
+    group_name: str
+    world_size: int = 0
+    version: int = 0
+
+
+class TransferReply(msgspec.Struct, kw_only=True):
+    """Trainer -> weight-sync. join: where the group meets and the manifest every send follows;
+    send: the version sent and its tensors' digest."""
+
+    ok: bool
+    error: str = ""
+    master_address: str = ""
+    master_port: int = 0
+    backend: str = ""
+    names: list[str] = msgspec.field(default_factory=list)
+    dtypes: list[str] = msgspec.field(default_factory=list)
+    shapes: list[list[int]] = msgspec.field(default_factory=list)
+    version: int = 0
+    tensor_sha256: str = ""
+    gone: bool = False
+    """send: the trainer no longer has that version (neither held nor on disk): a newer one is next."""
 
 
 class WeightsLive(msgspec.Struct, kw_only=True):

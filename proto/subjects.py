@@ -129,6 +129,11 @@ class Subjects(Struct, frozen=True):
         return self._s("buffer.commit")
 
     @property
+    def weights_transfer(self) -> str:
+        """Core request/reply, weight-sync -> trainer: the distributed weight transfer group."""
+        return self._s("weights.transfer")
+
+    @property
     def control(self) -> str:
         return self._s("control")
 

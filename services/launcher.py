@@ -249,7 +249,9 @@ class Launcher:
         self.start_nats()
         urls = self.start_engines()
         self.config = c = c.model_copy(
-            update={"rollout_engine_urls": urls, "nats_url": self.nats_url, "rollout_router_url": self.router_url}
+            update={"rollout_engine_urls": urls, "nats_url": self.nats_url, "rollout_router_url": self.router_url,
+                    # distributed weight transfer: the engines are on this machine
+                    "update_weight_master_address": c.update_weight_master_address or "127.0.0.1"}
         )
         (self.run_dir / "config.json").write_text(json.dumps(c.model_dump(mode="json"), indent=2))
         bus = await Bus.connect(self.nats_url, c.run_id, "launcher", creds=self.creds["admin"])

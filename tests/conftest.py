@@ -21,6 +21,30 @@ def nats_server(tmp_path_factory):
     srv.stop()
 
 
+@pytest.fixture(scope="module")
+def role_server(tmp_path_factory):
+    """A nats-server with one user per role of one run (the least-privilege bus):
+    (server, run_id, passwords by role)."""
+    from services.common.natsauth import ROLES, server_auth_conf
+    from services.common.secrets import new_secret
+
+    run_id = "a" + uuid.uuid4().hex[:10]
+    passwords = {r: new_secret() for r in ROLES}
+    srv = EmbeddedNats(tmp_path_factory.mktemp("rolenats"), auth_conf=server_auth_conf(run_id, passwords)).start()
+    yield srv, run_id, passwords
+    srv.stop()
+
+
+async def connect_role(role_server, role: str):
+    """A Bus of `role_server`'s run, connected with `role`'s identity (admin: as the launcher)."""
+    from services.common.bus import Bus
+    from services.common.secrets import NatsCredentials
+
+    srv, run_id, pw = role_server
+    return await Bus.connect(srv.url, run_id, role if role != "admin" else "launcher",
+                             creds=NatsCredentials(user=role, password=pw[role]))  # fmt: skip
+
+
 @pytest.fixture
 def run_id() -> str:
     return "t" + uuid.uuid4().hex[:12]

@@ -395,13 +395,20 @@ class AsyncSection(Section):
         "disk",
         description="How weights reach the engines. disk: snapshots under <run_dir>/weights (a shared filesystem); "
         "object-store: the run's NATS Object Store bucket, fetched by each engine (no shared disk; built-in engines); "
-        "distributed: SGLang's update_weights_from_distributed (not built yet: refused).",
+        "distributed: SGLang's init_weights_update_group + update_weights_from_distributed, the trainer "
+        "broadcasting to every engine (gloo on CPU, NCCL on GPU; no disk or bucket on the way).",
+    )
+    update_weight_master_address: str = Field(
+        "",
+        description="distributed: the trainer's address the engines reach (its transfer group's TCP store and "
+        "gloo/NCCL). Default: the trainer host's name resolved; the single-machine launcher uses 127.0.0.1.",
     )
     update_weight_buffer_size: int = Field(
         512 * 1024**2,
         ge=4096,
         description="Bytes per transfer unit: object-store chunks are this size, capped at half the NATS server's "
-        "max_payload (1 MiB by default, so 512 KiB chunks).",
+        "max_payload (1 MiB by default, so 512 KiB chunks); distributed updates send this many bytes of tensors per "
+        "update_weights_from_distributed call.",
     )
     colocate: bool = Field(
         False,
@@ -438,11 +445,6 @@ class AsyncSection(Section):
 
     def problems(self) -> list[str]:
         errs = []
-        if self.update_weight_transfer_mode == "distributed":
-            errs.append(
-                "--update-weight-transfer-mode distributed is not built yet: use disk (a filesystem the trainer and "
-                "the engines share) or object-store (no shared disk)"
-            )
         if self.update_weight_transfer_mode == "object-store" and getattr(self, "engine", "builtin") == "sglang":
             errs.append(
                 "--update-weight-transfer-mode object-store needs the built-in engine, which fetches weights from the "

@@ -4,16 +4,16 @@
 |---|---|---|---|
 | admin (launcher, init-run, audit) | everything | everything | creates the streams and the KV bucket |
 | buffer | prompts, ledger, KV buffer_snapshot | buffer.get, buffer.commit, weights.live, weights.published, heartbeat.rollout | consumer `buffer` on ROLLOUTS, purges ROLLOUTS, reads LEDGER, ROLLOUTS and the last WEIGHTS message |
-| trainer | buffer.get, buffer.commit, weights.published, KV published_version, progress, eval.requests, eval.results | eval.results, heartbeat.rollout | reads ROLLOUTS, the last WEIGHTS message; writes, reads and purges the weights object bucket |
+| trainer | buffer.get, buffer.commit, weights.published, KV published_version, progress, eval.requests, eval.results | eval.results, heartbeat.rollout, weights.transfer (answers it) | reads ROLLOUTS, the last WEIGHTS message; writes, reads and purges the weights object bucket |
 | rollout | rollouts | control | consumer `producers` on PROMPTS |
-| weight-sync | weights.live, KV live_version | - | consumer `weight-sync` on WEIGHTS, reads WEIGHTS and the weights object bucket |
+| weight-sync | weights.live, KV live_version, weights.transfer (requests) | - | consumer `weight-sync` on WEIGHTS, reads WEIGHTS and the weights object bucket |
 | eval | eval.results, control | weights.live | consumer `eval` on EVAL, reads the last WEIGHTS message |
 | engine (built-in engine, object-store mode) | - | - | reads the weights object bucket (direct gets only: no consumer, no write) |
 
 Every role may also publish its own heartbeat and dead letters, read the run's config, live
 version and published version from KV, look up stream info, and receive replies on its own inbox prefix
-(`_INBOX.<run>.<role>`), so no role can read another's replies. Only the buffer answers requests
-(`allow_responses`). The admin creates the streams and the durable consumers; a role may only bind
+(`_INBOX.<run>.<role>`), so no role can read another's replies. Only the buffer and the trainer
+answer requests (`allow_responses`). The admin creates the streams and the durable consumers; a role may only bind
 to its own consumer. So a producer's credentials cannot append to the ledger, publish weights,
 progress or commits, answer a get, or touch a stream's or a consumer's configuration.
 
@@ -79,12 +79,14 @@ def role_permissions(run_id: str, role: str) -> dict:
         pub += _read(s.rollouts_stream) + _read(s.weights_stream)
         pub += [f"$O.{s.weights_bucket}.>", f"{JS}.STREAM.PURGE.{obj_stream}", f"{JS}.STREAM.INFO.{obj_stream}"]
         pub += _read(obj_stream)
-        sub += [s.eval_results, s.heartbeat("rollout")]
+        sub += [s.eval_results, s.heartbeat("rollout"), s.weights_transfer]
+        responses = {"max": 4, "expires": "5m"}  # a send's answer comes once its broadcast is done
     elif role == "rollout":
         pub += [s.rollouts] + _consume(s.prompts_stream, "producers")
         sub += [s.control]
     elif role == "weight-sync":
-        pub += [s.weights_live, f"$KV.{bucket}.live_version"] + _consume(s.weights_stream, "weight-sync")
+        pub += [s.weights_live, s.weights_transfer, f"$KV.{bucket}.live_version"]
+        pub += _consume(s.weights_stream, "weight-sync")
         pub += _read(s.weights_stream) + _read(obj_stream)
     elif role == "eval":
         pub += [s.eval_results, s.control] + _consume(s.eval_stream, "eval") + _read(s.weights_stream)

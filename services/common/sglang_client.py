@@ -65,7 +65,7 @@ class SGLangClient:
         self._session: aiohttp.ClientSession | None = None
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._slots = {u: asyncio.Semaphore(max_concurrency) for u in self.urls} if max_concurrency else {}
-        self._stages: dict[str, bool] = {}  # url -> whether it stages weights (/server_info)
+        self._flags: dict[str, dict] = {}  # url -> its /server_info (asyncrl's extension flags)
 
     @property
     def http(self) -> aiohttp.ClientSession:
@@ -220,16 +220,50 @@ class SGLangClient:
         """Have a built-in engine load a snapshot beside its running weights while it generates
         (asyncrl's /stage_weights); False for an engine without staged loading (an SGLang server),
         which then loads inside the pause."""
-        if url not in self._stages:
-            try:
-                info = await self._call("GET", url, "/server_info", timeout=30.0)
-            except EngineError:
-                return False  # asked again next time
-            self._stages[url] = isinstance(info, dict) and info.get("staged_weight_loading") is True
-        if not self._stages[url]:
+        if not await self.server_flag(url, "staged_weight_loading"):
             return False
         await self._call("POST", url, "/stage_weights", {"model_path": model_path, "weight_version": weight_version})
         return True
+
+    async def server_flag(self, url: str, key: str) -> bool:
+        """Whether /server_info says `key: true` (asyncrl's extensions; an SGLang server has none).
+        Read once per engine; an engine that does not answer is asked again next time."""
+        if url not in self._flags:
+            try:
+                info = await self._call("GET", url, "/server_info", timeout=30.0)
+            except EngineError:
+                return False
+            self._flags[url] = info if isinstance(info, dict) else {}
+        return self._flags[url].get(key) is True
+
+    # ---- distributed weight updates (SGLang's NCCL path; gloo on the built-in CPU engine) -------
+    async def init_weights_update_group(self, url: str, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> None:  # fmt: skip
+        body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                "world_size": world_size, "group_name": group_name, "backend": backend}  # fmt: skip
+        await self._call("POST", url, "/init_weights_update_group", body, timeout=120.0)
+
+    async def destroy_weights_update_group(self, url: str, group_name: str) -> bool:
+        """False when there was no such group (or the engine is away): nothing to tear down."""
+        try:
+            await self._call("POST", url, "/destroy_weights_update_group", {"group_name": group_name}, timeout=60.0)
+        except EngineError:
+            return False
+        return True
+
+    async def update_weights_from_distributed(self, url: str, names: list[str], dtypes: list[str],
+                                              shapes: list[list[int]], group_name: str, weight_version: str,
+                                              digest: str | None = None) -> dict:  # fmt: skip
+        """One bucket, received while the trainer broadcasts it. `digest` (the whole version's, as
+        the trainer announced it) goes only to an engine that checks it (the built-in engine)."""
+        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                "flush_cache": False, "weight_version": weight_version}  # fmt: skip
+        if digest and await self.server_flag(url, "weight_digest_check"):
+            body["weight_digest"] = digest
+        return await self._call("POST", url, "/update_weights_from_distributed", body)
+
+    async def update_weight_version(self, url: str, version: str) -> None:
+        await self._call("POST", url, "/update_weight_version", {"new_version": version, "abort_all_requests": False})
 
     async def pin(self, url: str, model_path: str, version: str, attempts: int = 2) -> bool:
         """Load a snapshot under `version` and read the version back (SPEC.md section 7: one

@@ -330,27 +330,40 @@ class Scheduler:
         """Load a snapshot in place: a staged one (stage_weights) is swapped in, anything else is
         read now. Paused: at once (after the step in flight). Not paused: after in-flight requests
         finish, as SGLang's writer lock does."""
-        deadline = time.monotonic() + timeout_s
         with self._work:
-            while not self.paused_mode and (self.running or self.waiting or self._inbox):
-                if not self._work.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    raise TimeoutError("in-flight requests did not finish; pause generation first")
+            self._wait_quiet(timeout_s)
             staged, self._staged = self._staged, None
         if staged is not None and staged[0] != self._snapshot_key(model_path, weight_version):
             staged = None  # staged something else: read this one
+        if staged is not None:
+            self.stats.num_staged_swaps_total += 1
+            return self._load(lambda: swap_in(self.model, staged[1]), weight_version) | {"staged": True}
+        return self._load(lambda: load_weights_into(self.model, model_path), weight_version) | {"staged": False}
+
+    def update_weights_from_tensors(self, tensors: dict, weight_version: str | None, timeout_s: float = 600) -> dict:
+        """Swap in a whole set of weights received from the trainer (distributed mode): new
+        tensors matching the model's parameters; waits for in-flight work as update_weights_from_disk."""
+        with self._work:
+            self._wait_quiet(timeout_s)
+        return self._load(lambda: swap_in(self.model, tensors), weight_version)
+
+    def _wait_quiet(self, timeout_s: float) -> None:
+        """Under `_work`: return once paused, or once no request is in flight (SGLang's writer lock)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.paused_mode and (self.running or self.waiting or self._inbox):
+            if not self._work.wait(timeout=max(0.0, deadline - time.monotonic())):
+                raise TimeoutError("in-flight requests did not finish; pause generation first")
+
+    def _load(self, load, weight_version) -> dict:
         with self._model_lock:
             t0 = time.perf_counter()
-            if staged is not None:
-                swap_in(self.model, staged[1])
-            else:
-                load_weights_into(self.model, model_path)
+            load()
             self.stats.weight_load_duration_s = time.perf_counter() - t0
-            self.stats.num_staged_swaps_total += staged is not None
             with self._work:
                 self.kv_epoch += 1  # every cached prefix was computed with the old weights
                 if weight_version is not None:
                     self.weight_version = str(weight_version)
-                return {"num_paused_requests": len(self.running) + len(self.waiting), "staged": staged is not None}
+                return {"num_paused_requests": len(self.running) + len(self.waiting)}
 
     def set_weight_version(self, version: str) -> None:
         with self._model_lock, self._work:

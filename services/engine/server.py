@@ -2,7 +2,8 @@
 
 Routes (shapes as in SGLang 0.5.16, see docs/engine.md): POST /generate; GET /health,
 /health_generate; GET|POST /flush_cache; POST /abort_request, /pause_generation,
-/continue_generation, /update_weights_from_disk, /update_weight_version; GET /model_info,
+/continue_generation, /update_weights_from_disk, /update_weight_version, /init_weights_update_group,
+/update_weights_from_distributed, /destroy_weights_update_group (services/engine/distributed.py); GET /model_info,
 /server_info (and their /get_* aliases), /metrics (sglang:* names); plus asyncrl's /healthz,
 /readyz, /status and POST /stage_weights. The torch work runs on the scheduler thread; handlers
 only enqueue and wait.
@@ -33,6 +34,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from services.common.httpauth import require_token
 from services.common.weightstore import SCHEME, WeightStoreError
+from services.engine.distributed import DistributedReceiver
 from services.engine.protocol import BadRequest, Limits, parse_generate
 from services.engine.scheduler import Request as EngineRequest
 from services.engine.scheduler import Scheduler
@@ -62,6 +64,7 @@ class EngineServer:
         """weights: an ObjectWeights that fetches `nats-object://` snapshots (None: disk only).
         staged_loading False: no /stage_weights (404), as an SGLang server."""
         self.scheduler = scheduler
+        self.receiver = DistributedReceiver(scheduler)
         self.weights = weights
         self.staged_loading = staged_loading
         self.api_key = api_key
@@ -170,6 +173,7 @@ class EngineServer:
             ],
             "version": f"asyncrl-builtin (sglang-compatible {SGLANG_COMPAT_VERSION})",
             "staged_weight_loading": self.staged_loading,
+            "weight_digest_check": True,
         }
 
     def metrics_text(self) -> str:
@@ -346,6 +350,27 @@ class EngineServer:
                 "staged": res["staged"],
             }
 
+        @app.post("/init_weights_update_group")
+        async def init_weights_update_group(request: Request):
+            body = await body_of(request)
+            try:
+                return await asyncio.to_thread(self.receiver.init_group, body)
+            except (RuntimeError, ValueError, OSError) as e:  # the others never joined, or a bad address
+                return JSONResponse({"success": False, "message": f"Failed to init group: {e}"}, status_code=400)
+
+        @app.post("/destroy_weights_update_group")
+        async def destroy_weights_update_group(request: Request):
+            res = await asyncio.to_thread(self.receiver.destroy_group, await body_of(request))
+            return JSONResponse(res, status_code=200 if res["success"] else 400)
+
+        @app.post("/update_weights_from_distributed")
+        async def update_weights_from_distributed(request: Request):
+            body = await body_of(request)
+            try:
+                return await asyncio.to_thread(self.receiver.update, body)
+            except (ValueError, TimeoutError) as e:
+                return JSONResponse({"success": False, "message": f"Failed to update weights: {e}"}, status_code=400)
+
         @app.post("/update_weight_version")
         async def update_weight_version(request: Request):
             body = await body_of(request)
@@ -401,6 +426,7 @@ class EngineServer:
                 "weight_load_seconds": sched.stats.weight_load_duration_s,
                 "weight_stage_seconds": sched.stats.weight_stage_duration_s,
                 "num_staged_weight_swaps": sched.stats.num_staged_swaps_total,
+                **self.receiver.status(),
             }
 
         return app

@@ -108,20 +108,27 @@ def swap_in(model: CausalLM, staged: dict[str, torch.Tensor]) -> None:
             p.data = staged[name]
 
 
+def hf_state(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The model's weights under their HF names, as a snapshot holds them (a tied lm_head is
+    left out): detached, not copied, on the model's device."""
+    raw = model.hf_state_dict() if hasattr(model, "hf_state_dict") else model.state_dict()
+    state = {k: v.detach() for k, v in raw.items()}
+    if model.cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
 def save_model(model: CausalLM, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> dict:
     """Write an HF snapshot atomically enough for readers: stale marker removed first, weights
     and config written, marker last. Returns {"sha256", "num_bytes"} of the weights file.
     NonFiniteWeights (nothing written) when a weight holds NaN or inf."""
     out = Path(out_dir)
-    raw = model.hf_state_dict() if hasattr(model, "hf_state_dict") else model.state_dict()
-    state = {k: v.detach().contiguous().cpu() for k, v in raw.items()}
+    state = {k: v.contiguous().cpu() for k, v in hf_state(model).items()}
     check_finite(state, f"refusing to write {out}")
     out.mkdir(parents=True, exist_ok=True)
     marker = out / COMPLETE_MARKER
     if marker.exists():
         marker.unlink()
-    if model.cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
     weights = out / "model.safetensors"
     tmp = out / "model.safetensors.tmp"
     save_file(state, str(tmp), metadata={"format": "pt"})

@@ -55,8 +55,8 @@ from services.common.plugins import load_object
 from services.common.runtime import Service, wait_event
 from services.common.sinks import Sinks, statistics_of
 from services.common.snapshot import is_complete, remove_snapshot
-from services.common.weightstore import WeightStore, WeightStoreError
 from services.common.validate import Limits, eval_result_problem, finite_metrics, sample_problem
+from services.common.weightstore import WeightStore, WeightStoreError
 from services.model.hf_io import load_weights_into, save_model
 from services.trainer.checkpoint import ckpt_step, latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.core import (
@@ -69,6 +69,9 @@ from services.trainer.core import (
 from services.trainer.setup import TrainerError, build_model, build_optimizer, build_reference, loss_config
 
 log = logging.getLogger(__name__)
+
+FINAL_BROADCAST_TIMEOUT_S = 120.0
+"""Distributed mode: how long a finished trainer waits for its last weights to go live."""
 
 
 EVAL_WAIT_WARN_S = 60.0
@@ -146,6 +149,8 @@ class TrainerService(Service):
         """--update-weight-transfer-mode object-store: the run's weights bucket (pushes go there too)."""
         self.stored: set[int] = set()
         """Versions that may still be in the bucket (retired as their local snapshots are)."""
+        self.sender = None
+        """--update-weight-transfer-mode distributed: rank 0 of the weight transfer group."""
 
     async def setup(self) -> None:
         s = self.bus.subjects
@@ -169,6 +174,13 @@ class TrainerService(Service):
             log.info("data parallel over %d ranks (%s)", self.config.trainer_num_ranks, self.dp.backend)
         await self.bus.subscribe(s.eval_results, self._on_eval_result)
         await self.bus.subscribe(s.heartbeat("rollout"), self._on_producer_heartbeat)
+        if self.config.update_weight_transfer_mode == "distributed":
+            from services.trainer.parallel import backend_for
+            from services.trainer.transfer import WeightSender
+
+            self.sender = WeightSender(self.model, self.weights_dir, master_address(self.config),
+                                       backend_for(self.config.dist_backend))  # fmt: skip
+            await self.bus.subscribe(s.weights_transfer, self.sender.on_request)
 
     async def _resume(self) -> None:
         """Continue from the newest complete checkpoint unless the buffer's committed step is
@@ -254,6 +266,8 @@ class TrainerService(Service):
 
     async def teardown(self) -> None:
         self.sinks.close()
+        if self.sender is not None:
+            await self.sender.stop()
         if self.dp is not None:
             await asyncio.to_thread(self.dp.stop)
 
@@ -361,6 +375,8 @@ class TrainerService(Service):
 
     async def _finish(self, error: str | None = None) -> None:
         total = self.config.total_steps
+        if self.sender is not None and error is None:
+            await self._wait_final_broadcast()
         done = ProgressRecord(step=total, done=True, record=self.last_record, error=error, last_eval=self.last_eval)
         await self.bus.publish_durably([(self.bus.subjects.progress, done, None)], "the final progress record")
         if error:
@@ -368,6 +384,20 @@ class TrainerService(Service):
         else:
             log.info("training finished: %d steps, weight version %d", total, self.version)
         self.stop()
+
+    async def _wait_final_broadcast(self) -> None:
+        """Distributed mode: only the trainer holds the newest weights, so it stays (answering
+        weight-sync's broadcasts) until they are live, or FINAL_BROADCAST_TIMEOUT_S has passed."""
+        from asyncrl_proto import WeightsLive
+
+        deadline = time.monotonic() + FINAL_BROADCAST_TIMEOUT_S
+        while time.monotonic() < deadline:
+            raw = await self.bus.kv_get("live_version")
+            if raw is not None and decode(raw, WeightsLive).version >= self.version:
+                return
+            await asyncio.sleep(0.2)
+        log.error("weights v%d were not live within %.0fs of the last step: the engines keep an older version",
+                  self.version, FINAL_BROADCAST_TIMEOUT_S)  # fmt: skip
 
     def _check_failures(self, groups: list[list]) -> None:
         """RunFailed when more than --max-failed-ratio of the samples of the last steps FAILED,
@@ -514,9 +544,11 @@ class TrainerService(Service):
             crash.point("trainer", "weights_stored")  # stored, not yet announced
             uri = self.store.uri(self.version)
             self.stored.add(self.version)
+        # distributed: weight-sync asks for these tensors by broadcast; the snapshot stays for a restart
+        tensor_sha = await asyncio.to_thread(self.sender.hold, self.version) if self.sender is not None else ""
         pub = WeightsPublished(
             version=self.version, step=step, uri=uri, sha256=info["sha256"],
-            num_bytes=info["num_bytes"], created_at=time.time(),
+            num_bytes=info["num_bytes"], created_at=time.time(), tensor_sha256=tensor_sha,
         )  # fmt: skip
         await self.bus.publish_weights(pub)
         if path not in self.snapshots:  # re-pushed under the same number after a crash
@@ -725,7 +757,8 @@ class TrainerService(Service):
 
     def status(self) -> dict:
         return {"step": self.step, "total_steps": self.config.total_steps, "weight_version": self.version,
-                "mode": self.config.mode, "last_record": self.last_record}  # fmt: skip
+                "mode": self.config.mode, "last_record": self.last_record,
+                "weight_transfer": self.sender.status() if self.sender is not None else None}  # fmt: skip
 
     def metric_values(self) -> dict[str, float]:
         out = {"trainer/step": self.step, "trainer/weight_version": self.version,
@@ -733,6 +766,19 @@ class TrainerService(Service):
                "trainer/nonfinite_updates_skipped_total": self.num_nonfinite_skipped}  # fmt: skip
         out.update({k: v for k, v in self.last_record.items() if isinstance(v, (int, float))})
         return out
+
+
+def master_address(config) -> str:
+    """Where the engines reach the trainer's weight transfer group: --update-weight-master-address,
+    or this host's name resolved (127.0.0.1 when it does not resolve)."""
+    import socket
+
+    if config.update_weight_master_address:
+        return config.update_weight_master_address
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def rollout_metrics(samples: list, reward_key: str | None, groups: list[list]) -> dict[str, float]:

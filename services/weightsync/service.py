@@ -6,7 +6,8 @@ Consumes: WeightsPublished from WEIGHTS (durable pull consumer "weight-sync"). W
   run's own complete snapshot whose digest is the announced one - <run_dir>/weights/v<N>
   (--update-weight-transfer-mode disk) or nats-object://<the run's weights bucket>/v<N>
   (object-store); anything else (a forged version, a snapshot elsewhere or altered) is
-  dead-lettered and never loaded.
+  dead-lettered and never loaded. In distributed mode the trainer broadcasts the tensors
+  itself (services/weightsync/distributed.py); the announcement must carry their digest.
 Produces: WeightsLive on `weights.live` and KV `live_version`: the staleness clock.
 Per update, on every engine concurrently: stage_weights(snapshot) while it generates (built-in
   engines: fetch and load beside the running weights) -> pause_generation(--pause-generation-mode)
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import time
@@ -33,6 +35,7 @@ from services.common.runtime import Service
 from services.common.sglang_client import EngineError, SGLangClient
 from services.common.snapshot import COMPLETE_MARKER, is_complete, resolved
 from services.common.weightstore import WeightStore, WeightStoreError
+from services.weightsync.distributed import DistributedUpdater, TransferFailed, VersionGone
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,13 @@ class WeightSyncService(Service):
         self.pauses: collections.deque[float] = collections.deque(maxlen=1000)
         """Seconds each engine spent paused per update (pause call to continue answered), newest last."""
         self.last_pause_s = 0.0
+        self.distributed = (
+            DistributedUpdater(bus, self.client, config.run_id, config.update_weight_buffer_size,
+                               config.pause_generation_mode, on_pause=self._paused)
+            if config.update_weight_transfer_mode == "distributed" else None
+        )  # fmt: skip
+        self.live_digest: str | None = None
+        """distributed: the tensor digest of the version this process made live (a catch-up load checks it)."""
 
     async def setup(self) -> None:
         s = self.bus.subjects
@@ -81,7 +91,14 @@ class WeightSyncService(Service):
         log.info("weight-sync ready: engines %s at version %s", self.client.urls, self.live_version)
 
     async def teardown(self) -> None:
+        if self.distributed is not None and self.distributed.join is not None:
+            with contextlib.suppress(TransferFailed, EngineError, OSError):
+                await self.distributed.leave()
         await self.client.close()
+
+    def _paused(self, seconds: float) -> None:
+        self.last_pause_s = seconds
+        self.pauses.append(seconds)
 
     async def _engine_version(self, timeout_s: float = 120.0) -> int:
         versions = set()
@@ -117,6 +134,9 @@ class WeightSyncService(Service):
         whose announcement is still due (their message comes back): it is left as it is; one on a
         version nobody published (set through its HTTP API) is brought back to the live one."""
         live = self.live_version or 0
+        if self.distributed is not None:
+            await self._converge_distributed(live)
+            return
         for url in self.client.urls:
             try:
                 got = (await self.client.model_info(url)).get("weight_version")
@@ -130,6 +150,27 @@ class WeightSyncService(Service):
                     await self.client.continue_generation(url)
             except EngineError as e:
                 log.info("engine %s did not converge now (%s); again in %.0fs", url, e, CONVERGE_EVERY_S)
+
+    async def _converge_distributed(self, live: int) -> None:
+        """Distributed mode: engines behind the live version take it again by broadcast (every
+        engine is in each broadcast); the rest are continued."""
+        behind = []
+        for url in self.client.urls:
+            try:
+                got = (await self.client.model_info(url)).get("weight_version")
+                if _version(got) < live or not await self.published.allows(_version(got)):
+                    behind.append((url, got))
+                else:
+                    await self.client.continue_generation(url)
+            except EngineError as e:
+                log.info("engine %s did not converge now (%s); again in %.0fs", url, e, CONVERGE_EVERY_S)
+                return
+        if behind and live > 0:
+            log.warning("engines %s run versions behind the live v%d: broadcasting it again", behind, live)
+            try:
+                await self.distributed.update(live, self.live_digest)
+            except (TransferFailed, VersionGone, EngineError, OSError) as e:
+                log.info("catching up to v%d failed now (%s); again in %.0fs", live, e, CONVERGE_EVERY_S)
 
     async def _apply_updates(self) -> None:
         next_converge = time.monotonic() + CONVERGE_EVERY_S
@@ -173,7 +214,12 @@ class WeightSyncService(Service):
     async def _snapshot_problem(self, pub: WeightsPublished) -> str | None:
         """The snapshot must be the run's own (<run_dir>/weights/v<N>, or v<N> of the run's
         weights bucket), complete, and the one the trainer wrote (the digest in its marker
-        equals the announced one)."""
+        equals the announced one). Distributed: the tensors come from the trainer itself, and
+        the announcement must carry their digest (the engines check what they receive)."""
+        if self.distributed is not None:
+            if len(pub.tensor_sha256) != 64 or not all(ch in "0123456789abcdef" for ch in pub.tensor_sha256):
+                return f"weights v{pub.version} carry no tensor digest (tensor_sha256), which distributed mode needs"
+            return None
         if self.store is not None:
             if pub.uri != self.store.uri(pub.version):
                 return f"weights v{pub.version} point at {pub.uri!r:.200}, not the run's {self.store.uri(pub.version)}"
@@ -206,6 +252,20 @@ class WeightSyncService(Service):
         newer version replaced it, and that one is applied next)."""
         t0 = time.perf_counter()
         mode = self.config.pause_generation_mode
+        loaded = await (self._update_distributed(pub) if self.distributed is not None else self._update_each(pub, mode))
+        if not loaded:
+            return
+        self.last_update_s = time.perf_counter() - t0
+        self.num_updates += 1
+        pause_s = max(list(self.pauses)[-len(self.client.urls):], default=0.0)
+        crash.point("weight-sync", "continued_before_announce")
+        await self._announce(pub.version, self.last_update_s, pause_s)
+        log.info("engines now at weight version %d (%.3fs, paused %.3fs, %s)", pub.version, self.last_update_s,
+                 pause_s, mode)  # fmt: skip
+
+    async def _update_each(self, pub: WeightsPublished, mode: str) -> bool:
+        """Disk and object-store: each engine loads the snapshot on its own; an engine that fails
+        loads again (one restarting), until the deadline. False when the snapshot is gone."""
         pending = list(self.client.urls)
         deadline, delay = time.monotonic() + UPDATE_DEADLINE_S, 1.0
         while True:
@@ -217,24 +277,38 @@ class WeightSyncService(Service):
                 if not isinstance(r, (EngineError, OSError)):
                     raise r
             if not failed:
-                break
+                return True
             if await self._snapshot_problem(pub) is not None:
                 log.warning("weights v%d: the snapshot is gone before %s took it; a newer version is next",
                             pub.version, [url for url, _ in failed])  # fmt: skip
-                return
+                return False
             if time.monotonic() > deadline:  # an engine that stays away fails the service loudly
                 raise failed[0][1]
-            pending = [url for url, _ in failed]  # only the engines that failed load again (one restarting)
+            pending = [url for url, _ in failed]
             log.warning("weight update to v%d failed on %s (%s), retrying", pub.version, pending, failed[0][1])
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
-        self.last_update_s = time.perf_counter() - t0
-        self.num_updates += 1
-        pause_s = max(list(self.pauses)[-len(self.client.urls):], default=0.0)
-        crash.point("weight-sync", "continued_before_announce")
-        await self._announce(pub.version, self.last_update_s, pause_s)
-        log.info("engines now at weight version %d (%.3fs, paused %.3fs, %s)", pub.version, self.last_update_s,
-                 pause_s, mode)  # fmt: skip
+
+    async def _update_distributed(self, pub: WeightsPublished) -> bool:
+        """Every engine to `pub` by broadcast, retried (the group formed again) until the deadline;
+        False when the trainer no longer has it (a newer version is next)."""
+        deadline, delay = time.monotonic() + UPDATE_DEADLINE_S, 1.0
+        while True:
+            try:
+                if not await self.distributed.update(pub.version, pub.tensor_sha256):
+                    return False
+                for url in self.client.urls:
+                    got = (await self.client.model_info(url)).get("weight_version")
+                    if str(got) != str(pub.version):
+                        raise EngineError(f"{url} reports weight_version {got!r} after receiving v{pub.version}")
+                self.live_digest = pub.tensor_sha256
+                return True
+            except (TransferFailed, VersionGone, EngineError, OSError) as e:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("distributed update to v%d failed (%s), forming the group again", pub.version, e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     async def _update_engine(self, url: str, uri: str, version: int, mode: str) -> None:
         """Stage the snapshot while the engine generates (built-in engines), then Miles's disk

@@ -364,3 +364,19 @@ def test_object_store_weights_reach_the_engines_without_the_trainers_disk(tmp_pa
     audit = json.loads((run_dir / "audit.json").read_text())
     assert audit["balanced"] and audit["weights_stored"] == [5, 6]  # retired down to --keep-weight-snapshots
     assert_nothing_left(run_dir)
+
+
+def test_distributed_weights_reach_the_engines_by_broadcast_from_the_trainer(tmp_path):
+    """--update-weight-transfer-mode distributed: weight-sync forms one gloo group of the trainer
+    and the engines, every push is broadcast by the trainer (the engine checks the announced
+    digest), and the run's ledger balances."""
+    run_dir = tmp_path / "run"
+    r = asyncrl("train-async", "--fully-async", *SMALL, "--num-rollout", "6", "--update-weight-transfer-mode",
+                "distributed", "--update-weight-buffer-size", "65536", "--run-dir", str(run_dir), cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "0 lost, 0 trained twice (balanced" in r.stdout
+    assert [rec["weight_version"] for rec in records(run_dir)] == list(range(1, 7))
+    sync_log = (run_dir / "logs" / "weight-sync.log").read_text()
+    assert "weight transfer group asyncrl-" in sync_log and "engines now at weight version 6" in sync_log
+    assert "update_weights_from_disk" not in (run_dir / "logs" / "engine-0.log").read_text()
+    assert_nothing_left(run_dir)

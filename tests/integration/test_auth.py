@@ -26,12 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    run_id = "a" + uuid.uuid4().hex[:10]
-    passwords = {r: new_secret() for r in ROLES}
-    srv = EmbeddedNats(tmp_path_factory.mktemp("authnats"), auth_conf=server_auth_conf(run_id, passwords)).start()
-    yield srv, run_id, passwords
-    srv.stop()
+def server(role_server):
+    return role_server
 
 
 def creds(passwords, role) -> NatsCredentials:

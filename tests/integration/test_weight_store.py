@@ -6,7 +6,6 @@ first; and a built-in engine loads a nats-object:// snapshot, staged beside its 
 from __future__ import annotations
 
 import json
-import uuid
 
 import httpx
 import nats.js.errors
@@ -14,29 +13,20 @@ import pytest
 import torch
 
 from services.common.bus import Bus
-from services.common.natsauth import ROLES, server_auth_conf
-from services.common.natsserver import EmbeddedNats
-from services.common.secrets import NatsCredentials, new_secret
-from services.common.snapshot import COMPLETE_MARKER, is_complete
+from services.common.snapshot import is_complete
 from services.common.weightstore import WeightStore, WeightStoreError, _b64, parse_uri
 from services.engine.weights import ObjectWeights
 from services.model.hf_io import load_model, save_model
-from tests.conftest import EngineThread
+from tests.conftest import EngineThread, connect_role
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    run_id = "w" + uuid.uuid4().hex[:10]
-    passwords = {r: new_secret() for r in ROLES}
-    srv = EmbeddedNats(tmp_path_factory.mktemp("objnats"), auth_conf=server_auth_conf(run_id, passwords)).start()
-    yield srv, run_id, passwords
-    srv.stop()
+def server(role_server):
+    return role_server
 
 
 async def connect(server, role: str) -> Bus:
-    srv, run_id, pw = server
-    return await Bus.connect(srv.url, run_id, role if role != "admin" else "launcher",
-                             creds=NatsCredentials(user=role, password=pw[role]))  # fmt: skip
+    return await connect_role(server, role)
 
 
 def perturbed(model_dir, seed: int):

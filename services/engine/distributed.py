@@ -1,0 +1,176 @@
+"""The built-in engine's end of SGLang's distributed weight update (--update-weight-transfer-mode
+distributed): /init_weights_update_group, /update_weights_from_distributed and
+/destroy_weights_update_group, with SGLang's request fields (docs: reference SGLang HTTP API §5.3).
+
+The engine is rank `rank_offset` of the group whose rank 0 is the trainer. Each
+update_weights_from_distributed call names a bucket of tensors (names, dtypes, shapes) and
+receives them by broadcast, one by one in that order, into new tensors beside the running
+weights. Where SGLang loads each bucket into the model as it arrives, this engine collects the
+buckets of one weight version and swaps them in only once every parameter has arrived, checked
+(shapes, finite values and, when weight-sync passes it, `weight_digest`: the digest the trainer
+announced on the bus): the model never runs half of one version and half of another, nor
+tensors that did not come from the trainer. A call that does not complete the set answers
+success with what is still missing.
+
+Every field is checked before anything is received; a bad request is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from services.engine.protocol import BadRequest
+from services.model.hf_io import NonFiniteWeights, check_finite
+from services.model.transfer import GROUP_TIMEOUT_S, Digest, TransferGroup, dtype_of
+
+DEFAULT_GROUP = "weight_update_group"
+
+
+@dataclass
+class _Incoming:
+    """The buckets of one version received so far."""
+
+    key: tuple[str, str | None]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    digest: Digest = field(default_factory=Digest)
+
+
+def _typed(body: dict, key: str, kind, required: bool = False, default=None):
+    v = body.get(key, default)
+    if v is None:
+        if required:
+            raise BadRequest(f"{key} is required")
+        return v
+    if not isinstance(v, kind) or (kind is not bool and isinstance(v, bool)):
+        raise BadRequest(f"{key} must be a {getattr(kind, '__name__', kind)}, got {type(v).__name__}")
+    return v
+
+
+class DistributedReceiver:
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        self.groups: dict[str, TransferGroup] = {}
+        self._lock = threading.Lock()
+        """One group operation or receive at a time (a receive holds it for the whole bucket)."""
+        self._incoming: _Incoming | None = None
+        self.num_updates = 0
+
+    # ---- groups --------------------------------------------------------------------------------
+    def init_group(self, body: dict) -> dict:
+        """Blocking: returns once every rank has joined (at most the group's timeout)."""
+        address = _typed(body, "master_address", str, required=True)
+        port = _typed(body, "master_port", int, required=True)
+        rank = _typed(body, "rank_offset", int, required=True)
+        world = _typed(body, "world_size", int, required=True)
+        name = _typed(body, "group_name", str, default=DEFAULT_GROUP)
+        backend = _typed(body, "backend", str, default="nccl")
+        if not 0 < port < 65536:
+            raise BadRequest(f"master_port must be a TCP port, got {port}")
+        if not 0 < rank < world:
+            raise BadRequest(f"rank_offset must be in 1..world_size-1 (rank 0 is the trainer), got {rank} of {world}")
+        if backend not in ("gloo", "nccl"):
+            raise BadRequest(f"backend must be gloo or nccl, got {backend!r:.40}")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise BadRequest("backend nccl needs a GPU and this engine runs on the CPU: use gloo")
+        with self._lock:
+            old = self.groups.pop(name, None)
+            if old is not None:
+                old.close()
+            self.groups[name] = TransferGroup(name, backend, address, port, rank, world, GROUP_TIMEOUT_S)
+        return {"success": True, "message": f"Initialized weight update group {name} (rank {rank} of {world})."}
+
+    def destroy_group(self, body: dict) -> dict:
+        name = _typed(body, "group_name", str, default=DEFAULT_GROUP)
+        with self._lock:
+            group = self.groups.pop(name, None)
+            if group is not None:
+                group.close()
+        if group is None:
+            return {"success": False, "message": f"no weight update group {name!r:.80}"}
+        return {"success": True, "message": f"Destroyed weight update group {name}."}
+
+    # ---- updates -------------------------------------------------------------------------------
+    def update(self, body: dict) -> dict:
+        """Receive one bucket; once the version is whole and checked, swap it in."""
+        names = _typed(body, "names", list, required=True)
+        dtypes = _typed(body, "dtypes", list, required=True)
+        shapes = _typed(body, "shapes", list, required=True)
+        name = _typed(body, "group_name", str, default=DEFAULT_GROUP)
+        version = _typed(body, "weight_version", (str, int))
+        expected = _typed(body, "weight_digest", str)
+        _typed(body, "flush_cache", bool)  # the pause flushed already (weight-sync); nothing else to flush
+        abort_all = _typed(body, "abort_all_requests", bool, default=False)
+        if body.get("load_format") is not None:
+            raise BadRequest("load_format is not supported by the built-in engine: leave it unset")
+        plan = self._plan(names, dtypes, shapes)
+        version = None if version is None else str(version)
+        with self._lock:
+            group = self.groups.get(name)
+            if group is None:
+                raise BadRequest(f"no weight update group {name!r:.80}: call /init_weights_update_group first")
+            key = (name, version)
+            if self._incoming is None or self._incoming.key != key:
+                self._incoming = _Incoming(key)
+            inc = self._incoming
+            try:
+                for pname, dtype, shape in plan:
+                    t = torch.empty(shape, dtype=dtype, device=group.device)
+                    group.broadcast(t)
+                    inc.tensors[pname] = t
+                    inc.digest.update(pname, t)
+            except RuntimeError as e:  # a peer left mid-broadcast: this group is finished
+                self._incoming = None
+                self.groups.pop(name, None)
+                group.close()
+                raise ValueError(f"the broadcast failed ({e}); the group {name} is closed: initialize it again") from e
+            params = dict(self.scheduler.model.named_parameters())
+            missing = [n for n in params if n not in inc.tensors]
+            if missing:
+                return {"success": True, "message": f"Received {len(plan)} tensors; {len(missing)} of "
+                        f"{len(params)} still to come for weight version {version}."}  # fmt: skip
+            self._incoming = None
+        got = inc.digest.hexdigest()
+        if expected is not None and got != expected:
+            raise ValueError(f"the received weights' digest {got[:16]}... differs from the announced "
+                             f"{expected[:16]}...: not loaded")  # fmt: skip
+        try:
+            check_finite(inc.tensors, "received weights")
+        except NonFiniteWeights as e:
+            raise ValueError(str(e)) from None
+        tensors = {n: inc.tensors[n].to(p.dtype).contiguous() for n, p in params.items()}
+        if abort_all:
+            self.scheduler.abort("", True)
+        res = self.scheduler.update_weights_from_tensors(tensors, version)
+        self.num_updates += 1
+        msg = "Succeeded to update model weights."
+        if version is not None:
+            msg += f" Weight version updated to {version}."
+        return {"success": True, "message": msg, "num_paused_requests": res["num_paused_requests"]}
+
+    def _plan(self, names: list, dtypes: list, shapes: list) -> list[tuple[str, torch.dtype, list[int]]]:
+        if not (len(names) == len(dtypes) == len(shapes)) or not names:
+            raise BadRequest(f"names, dtypes and shapes must be non-empty lists of one length, got "
+                             f"{len(names)}, {len(dtypes)} and {len(shapes)}")  # fmt: skip
+        params = dict(self.scheduler.model.named_parameters())
+        if len(set(map(str, names))) != len(names):
+            raise BadRequest("names holds a name twice")
+        plan = []
+        for n, dt, shape in zip(names, dtypes, shapes, strict=True):
+            if not isinstance(n, str) or n not in params:
+                raise BadRequest(f"names: {n!r:.80} is not a parameter of this model")
+            if not isinstance(dt, str):
+                raise BadRequest(f"dtypes: {dt!r:.40} is not a dtype name")
+            try:
+                dtype = dtype_of(dt)
+            except ValueError as e:
+                raise BadRequest(f"dtypes: {e}") from None
+            if not isinstance(shape, list) or not all(type(d) is int for d in shape) or list(params[n].shape) != shape:
+                raise BadRequest(f"shapes: {n} has shape {list(params[n].shape)}, got {shape!r:.80}")
+            plan.append((n, dtype, shape))
+        return plan
+
+    def status(self) -> dict:
+        return {"groups": sorted(self.groups), "num_distributed_updates": self.num_updates}

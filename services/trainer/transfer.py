@@ -1,0 +1,161 @@
+"""The trainer's end of --update-weight-transfer-mode distributed: rank 0 of the weight transfer
+group (services/model/transfer.py), driven by weight-sync over `weights.transfer`.
+
+Consumes: TransferRequest (core request/reply) from weight-sync:
+  join  closes any group it had, opens a TCP store on --update-weight-master-address (a port the
+        kernel picks) and answers at once with where to meet and the manifest (names, dtypes,
+        shapes) every send follows; the group forms in a worker thread while weight-sync calls
+        /init_weights_update_group on the engines;
+  send  waits for that group, then broadcasts the version's tensors one by one in manifest
+        order while weight-sync's update_weights_from_distributed calls receive them; answers
+        once all are sent, with their digest;
+  has   whether it can still send a version (weight-sync asks before it pauses the engines);
+  leave closes the group.
+Holds: the newest pushed version's tensors (a copy taken at the push, so training goes on);
+  an older version, or any version after a restart, is read from its snapshot on disk.
+Failures: a failed formation or broadcast closes the group and answers ok=false with the cause;
+  weight-sync joins again. One request at a time; each waits at most the group's timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from asyncrl_proto import TransferReply, TransferRequest, decode, encode
+from asyncrl_proto.codec import MalformedMessage
+from services.model.hf_io import hf_state, load_state_dict
+from services.model.transfer import TransferGroup, digest, manifest, open_store
+
+log = logging.getLogger(__name__)
+
+
+class WeightSender:
+    def __init__(self, model, weights_dir: Path, address: str, backend: str):
+        self.model = model
+        self.weights_dir = weights_dir
+        self.address = address
+        self.backend = backend
+        self.held: tuple[int, dict[str, torch.Tensor], str] | None = None
+        """(version, tensors, digest) of the newest push."""
+        self._forming: asyncio.Task | None = None
+        """The group being formed (or formed): its result is the TransferGroup."""
+        self._lock = asyncio.Lock()
+        self.num_sends = 0
+        self.last_send_s = 0.0
+
+    def hold(self, version: int) -> str:
+        """Keep a copy of the weights just pushed as `version`; returns their digest. Blocking
+        (a copy and a hash of every tensor): call it from a worker thread."""
+        state = {k: v.clone() for k, v in hf_state(self.model).items()}
+        sha = digest(state)
+        self.held = (version, state, sha)
+        return sha
+
+    async def on_request(self, msg) -> None:
+        try:
+            req = decode(msg.data, TransferRequest)
+        except MalformedMessage as e:
+            await msg.respond(encode(TransferReply(ok=False, error=f"malformed request: {e}")))
+            return
+        async with self._lock:
+            try:
+                if req.op == "join":
+                    reply = await self._join(req)
+                elif req.op == "send":
+                    reply = await self._send(req)
+                elif req.op == "has":
+                    reply = TransferReply(ok=True, version=req.version, gone=not self._has(req.version))
+                elif req.op == "leave":
+                    await self._close()
+                    reply = TransferReply(ok=True)
+                else:
+                    reply = TransferReply(ok=False, error=f"unknown op {req.op!r:.40}: join, send or leave")
+            except (ValueError, RuntimeError, OSError, TimeoutError) as e:
+                await self._close()
+                log.warning("weight transfer %s failed: %s", req.op, e)
+                reply = TransferReply(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
+        await msg.respond(encode(reply))
+
+    async def _join(self, req: TransferRequest) -> TransferReply:
+        if req.world_size < 2:
+            raise ValueError(f"a transfer group needs the trainer and at least one engine, not {req.world_size} ranks")
+        await self._close()
+        store = await asyncio.to_thread(open_store, self.address, 0, req.world_size, True)
+        self._forming = asyncio.create_task(asyncio.to_thread(
+            TransferGroup, req.group_name, self.backend, self.address, store.port, 0, req.world_size, store=store
+        ))  # fmt: skip
+        names, dtypes, shapes = manifest(self.held[1] if self.held else hf_state(self.model))
+        log.info("weight transfer group %s: rank 0 of %d on %s:%d (%s)", req.group_name, req.world_size,
+                 self.address, store.port, self.backend)  # fmt: skip
+        return TransferReply(ok=True, master_address=self.address, master_port=store.port, backend=self.backend,
+                             names=names, dtypes=dtypes, shapes=shapes)  # fmt: skip
+
+    async def _send(self, req: TransferRequest) -> TransferReply:
+        if self._forming is None:
+            raise RuntimeError("no weight transfer group: join first")
+        group = await self._forming  # raises when the engines never joined
+        if self.held is not None and self.held[0] == req.version:
+            state, sha = self.held[1], self.held[2]
+        elif not self._has(req.version):
+            return TransferReply(
+                ok=False,
+                gone=True,
+                version=req.version,
+                error=f"weights v{req.version} are neither held nor on disk: a newer version is next",
+            )
+        else:
+            state = await asyncio.to_thread(self._from_disk, req.version)
+            sha = await asyncio.to_thread(digest, state)
+        t0 = time.perf_counter()
+        await asyncio.to_thread(self._broadcast, group, state)
+        self.last_send_s = time.perf_counter() - t0
+        self.num_sends += 1
+        return TransferReply(ok=True, version=req.version, tensor_sha256=sha)
+
+    def _has(self, version: int) -> bool:
+        return (self.held is not None and self.held[0] == version) or (self.weights_dir / f"v{version}").is_dir()
+
+    def _from_disk(self, version: int) -> dict[str, torch.Tensor]:
+        """`version`'s snapshot, in the order (and on the device) of the model's own tensors."""
+        path = self.weights_dir / f"v{version}"
+        on_disk = load_state_dict(path)
+        own = hf_state(self.model)
+        missing = sorted(set(own) - set(on_disk))
+        if missing:
+            raise ValueError(f"snapshot {path} lacks {missing[:3]}")
+        return {n: on_disk[n].to(device=t.device, dtype=t.dtype) for n, t in own.items()}
+
+    @staticmethod
+    def _broadcast(group: TransferGroup, state: dict[str, torch.Tensor]) -> None:
+        for t in state.values():
+            group.broadcast(t.contiguous())
+
+    async def _close(self) -> None:
+        forming, self._forming = self._forming, None
+        if forming is None:
+            return
+        try:
+            group = await forming  # a formation still under way ends within the group's timeout
+        except (ValueError, RuntimeError, OSError, TimeoutError) as e:
+            log.info("the last weight transfer group never formed: %s", e)
+            return
+        await asyncio.to_thread(group.close)
+
+    async def stop(self) -> None:
+        async with self._lock:
+            await self._close()
+
+    def status(self) -> dict:
+        return {
+            "held_version": self.held[0] if self.held else None,
+            "group": "formed"
+            if self._forming is not None and self._forming.done() and not self._forming.exception()
+            else ("forming" if self._forming is not None else None),
+            "num_sends": self.num_sends,
+            "last_send_s": self.last_send_s,
+        }
