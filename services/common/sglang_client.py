@@ -253,13 +253,16 @@ class SGLangClient:
 
     async def update_weights_from_distributed(self, url: str, names: list[str], dtypes: list[str],
                                               shapes: list[list[int]], group_name: str, weight_version: str,
-                                              digest: str | None = None) -> dict:  # fmt: skip
+                                              digest: str | None = None, stage: bool = False) -> dict:  # fmt: skip
         """One bucket, received while the trainer broadcasts it. `digest` (the whole version's, as
-        the trainer announced it) goes only to an engine that checks it (the built-in engine)."""
+        the trainer announced it) goes only to an engine that checks it (the built-in engine);
+        `stage`: keep the version aside until update_weight_version (built-in engines only)."""
         body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                 "flush_cache": False, "weight_version": weight_version}  # fmt: skip
         if digest and await self.server_flag(url, "weight_digest_check"):
             body["weight_digest"] = digest
+        if stage:
+            body["stage"] = True
         return await self._call("POST", url, "/update_weights_from_distributed", body)
 
     async def update_weight_version(self, url: str, version: str) -> None:

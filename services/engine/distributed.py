@@ -12,6 +12,10 @@ announced on the bus): the model never runs half of one version and half of anot
 tensors that did not come from the trainer. A call that does not complete the set answers
 success with what is still missing.
 
+Staged loading (asyncrl's extension, `"stage": true`; /server_info says `staged_weight_loading`):
+the whole version is received and checked while the engine keeps generating, and kept aside; the
+/update_weight_version to that version, inside the pause, then only swaps it in.
+
 Every field is checked before anything is received; a bad request is a 400 naming the field.
 """
 
@@ -50,12 +54,15 @@ def _typed(body: dict, key: str, kind, required: bool = False, default=None):
 
 
 class DistributedReceiver:
-    def __init__(self, scheduler):
+    def __init__(self, scheduler, staged_loading: bool = True):
         self.scheduler = scheduler
+        self.staged_loading = staged_loading
         self.groups: dict[str, TransferGroup] = {}
         self._lock = threading.Lock()
         """One group operation or receive at a time (a receive holds it for the whole bucket)."""
         self._incoming: _Incoming | None = None
+        self.staged: tuple[str, dict[str, torch.Tensor]] | None = None
+        """(version, tensors) received with stage=true, swapped in by set_version."""
         self.num_updates = 0
 
     # ---- groups --------------------------------------------------------------------------------
@@ -103,6 +110,11 @@ class DistributedReceiver:
         expected = _typed(body, "weight_digest", str)
         _typed(body, "flush_cache", bool)  # the pause flushed already (weight-sync); nothing else to flush
         abort_all = _typed(body, "abort_all_requests", bool, default=False)
+        stage = _typed(body, "stage", bool, default=False)
+        if stage and not self.staged_loading:
+            raise BadRequest("stage: this engine was started with --disable-staged-weight-loading")
+        if stage and version is None:
+            raise BadRequest("stage needs the weight_version that /update_weight_version will swap in")
         if body.get("load_format") is not None:
             raise BadRequest("load_format is not supported by the built-in engine: leave it unset")
         plan = self._plan(names, dtypes, shapes)
@@ -141,6 +153,9 @@ class DistributedReceiver:
         except NonFiniteWeights as e:
             raise ValueError(str(e)) from None
         tensors = {n: inc.tensors[n].to(p.dtype).contiguous() for n, p in params.items()}
+        if stage:
+            self.staged = (version, tensors)
+            return {"success": True, "message": f"Staged weight version {version}: /update_weight_version swaps it in."}
         if abort_all:
             self.scheduler.abort("", True)
         res = self.scheduler.update_weights_from_tensors(tensors, version)
@@ -149,6 +164,18 @@ class DistributedReceiver:
         if version is not None:
             msg += f" Weight version updated to {version}."
         return {"success": True, "message": msg, "num_paused_requests": res["num_paused_requests"]}
+
+    def set_version(self, version: str) -> bool:
+        """/update_weight_version: swap in the version staged under that name, if any (True).
+        Blocking: waits like a weight update for the pause or for in-flight requests."""
+        with self._lock:
+            staged, self.staged = self.staged, None
+        if staged is None or staged[0] != version:
+            return False
+        self.scheduler.update_weights_from_tensors(staged[1], version)
+        self.scheduler.stats.num_staged_swaps_total += 1
+        self.num_updates += 1
+        return True
 
     def _plan(self, names: list, dtypes: list, shapes: list) -> list[tuple[str, torch.dtype, list[int]]]:
         if not (len(names) == len(dtypes) == len(shapes)) or not names:

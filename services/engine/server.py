@@ -64,7 +64,7 @@ class EngineServer:
         """weights: an ObjectWeights that fetches `nats-object://` snapshots (None: disk only).
         staged_loading False: no /stage_weights (404), as an SGLang server."""
         self.scheduler = scheduler
-        self.receiver = DistributedReceiver(scheduler)
+        self.receiver = DistributedReceiver(scheduler, staged_loading)
         self.weights = weights
         self.staged_loading = staged_loading
         self.api_key = api_key
@@ -378,9 +378,14 @@ class EngineServer:
                 return JSONResponse({"success": False, "message": "new_version is required"}, status_code=400)
             if field(body, "abort_all_requests", bool, True):
                 await asyncio.to_thread(sched.abort, "", True)
-            await asyncio.to_thread(sched.set_weight_version, str(body["new_version"]))
             v = str(body["new_version"])
-            return {"success": True, "message": f"Weight version updated to {v}", "new_version": v}
+            try:  # a version staged by broadcast (stage: true) is swapped in; otherwise only the name changes
+                swapped = await asyncio.to_thread(self.receiver.set_version, v)
+            except TimeoutError as e:
+                return JSONResponse({"success": False, "message": f"Failed to update weights: {e}"}, status_code=400)
+            if not swapped:
+                await asyncio.to_thread(sched.set_weight_version, v)
+            return {"success": True, "message": f"Weight version updated to {v}", "new_version": v, "staged": swapped}
 
         @app.get("/model_info")
         @app.get("/get_model_info")

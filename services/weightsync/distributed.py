@@ -9,7 +9,9 @@ One update (Miles's order): ask the trainer whether it still has the version (`h
   engine, one update_weights_from_distributed per bucket of --update-weight-buffer-size bytes
   (the built-in engine also gets the announced digest, and swaps only a whole, checked version),
   update_weight_version, continue. All engines take part in each broadcast, so all of them
-  are paused together and updated together.
+  are paused together and updated together. When every engine stages (built-in engines), the
+  broadcast comes first, with `stage: true`, while they generate; the pause then holds only
+  update_weight_version, which swaps the staged version in.
 Failures: any failure leaves the group (destroy on the engines, `leave` to the trainer) and
   raises; the next attempt forms it again. A version the trainer no longer has (`gone`) is
   skipped: a newer one is next.
@@ -123,7 +125,12 @@ class DistributedUpdater:
         return True
 
     async def _transfer(self, join: TransferReply, version: int, digest: str | None) -> None:
+        """Built-in engines (all of them staging) receive while they generate and pause only to
+        swap; otherwise every engine receives inside the pause, as SGLang servers must."""
         urls = self.client.urls
+        staged = all([await self.client.server_flag(u, "staged_weight_loading") for u in urls])
+        if staged:
+            await self._broadcast(join, version, digest, stage=True)
         pause_t0 = {}
         try:
             for u in urls:
@@ -133,16 +140,10 @@ class DistributedUpdater:
                 for u in urls:
                     if not await self.client.flush_cache(u):
                         log.warning("%s refused to flush its cache while paused", u)
-            send = self._ask(TransferRequest(op="send", group_name=self.group_name, version=version), SEND_TIMEOUT_S)
-            results = await asyncio.gather(send, *(self._receive(u, join, version, digest) for u in urls),
-                                           return_exceptions=True)  # fmt: skip
-            for r in results:
-                if isinstance(r, BaseException):
-                    raise r
-            sent = results[0]
-            if digest and sent.tensor_sha256 != digest:
-                raise TransferFailed(f"the trainer sent v{version} with digest {sent.tensor_sha256[:16]}..., "
-                                     f"not the announced {digest[:16]}...")  # fmt: skip
+            if not staged:
+                await self._broadcast(join, version, digest, stage=False)
+            for u in urls:  # a staged engine swaps the version in here
+                await self.client.update_weight_version(u, str(version))
         finally:
             for u in pause_t0:
                 try:
@@ -150,10 +151,21 @@ class DistributedUpdater:
                 finally:
                     self.on_pause(time.perf_counter() - pause_t0[u])
 
-    async def _receive(self, url: str, join: TransferReply, version: int, digest: str | None) -> None:
+    async def _broadcast(self, join: TransferReply, version: int, digest: str | None, stage: bool) -> None:
+        """The trainer's send and every engine's receive, at once."""
+        send = self._ask(TransferRequest(op="send", group_name=self.group_name, version=version), SEND_TIMEOUT_S)
+        results = await asyncio.gather(send, *(self._receive(u, join, version, digest, stage) for u in self.client.urls),
+                                       return_exceptions=True)  # fmt: skip
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        if digest and results[0].tensor_sha256 != digest:
+            raise TransferFailed(f"the trainer sent v{version} with digest {results[0].tensor_sha256[:16]}..., "
+                                 f"not the announced {digest[:16]}...")  # fmt: skip
+
+    async def _receive(self, url: str, join: TransferReply, version: int, digest: str | None, stage: bool) -> None:
         for idx in buckets(join.dtypes, join.shapes, self.buffer_size):
             await self.client.update_weights_from_distributed(
                 url, [join.names[i] for i in idx], [join.dtypes[i] for i in idx], [join.shapes[i] for i in idx],
-                self.group_name, str(version), digest,
+                self.group_name, str(version), digest, stage=stage,
             )  # fmt: skip
-        await self.client.update_weight_version(url, str(version))

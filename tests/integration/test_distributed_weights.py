@@ -92,9 +92,10 @@ async def test_the_engine_receives_a_whole_checked_version_by_broadcast(tiny_mod
                 r = await http.post("/update_weights_from_distributed", json=body)
                 assert r.status_code == 400 and why in r.text, (bad, r.text)
 
-            async def bucket(lo, hi, version="7", sha=None):
+            async def bucket(lo, hi, version="7", sha=None, stage=False):
                 body = {"names": names[lo:hi], "dtypes": dtypes[lo:hi], "shapes": shapes[lo:hi], "group_name": "g",
-                        "weight_version": version, "flush_cache": False, "weight_digest": sha or digest(state)}  # fmt: skip
+                        "weight_version": version, "flush_cache": False, "weight_digest": sha or digest(state),
+                        "stage": stage}  # fmt: skip
                 r, _ = await asyncio.gather(http.post("/update_weights_from_distributed", json=body),
                                             rank0.send([state[n] for n in names[lo:hi]]))  # fmt: skip
                 return r
@@ -108,10 +109,17 @@ async def test_the_engine_receives_a_whole_checked_version_by_broadcast(tiny_mod
             assert r.status_code == 200 and "Weight version updated to 7" in r.text, r.text
             assert eng.scheduler.weight_version == "7"
             after = await greedy(eng.url)
+            # staged: received beside the running weights, swapped in by update_weight_version
+            r = await bucket(0, len(names), version="9", stage=True)
+            assert r.status_code == 200 and "Staged weight version 9" in r.text, r.text
+            assert eng.scheduler.weight_version == "7" and await greedy(eng.url) == after
+            r = await http.post("/update_weight_version", json={"new_version": "9", "abort_all_requests": False})
+            assert r.status_code == 200 and r.json()["staged"] is True and eng.scheduler.weight_version == "9"
+            assert await greedy(eng.url) == after  # the same tensors under a new name
             # tensors that are not the announced ones are received and refused: the weights stay
             r = await bucket(0, len(names), version="8", sha="0" * 64)
             assert r.status_code == 400 and "differs from the announced" in r.text, r.text
-            assert eng.scheduler.weight_version == "7" and await greedy(eng.url) == after
+            assert eng.scheduler.weight_version == "9" and await greedy(eng.url) == after
             r = await http.post("/destroy_weights_update_group", json={"group_name": "g"})
             assert r.status_code == 200, r.text
             r = await http.post("/destroy_weights_update_group", json={"group_name": "g"})
@@ -126,7 +134,10 @@ def server(role_server):
     return role_server
 
 
-async def test_weight_sync_updates_every_engine_from_the_trainer(server, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "in-pause"])
+async def test_weight_sync_updates_every_engine_from_the_trainer(server, tiny_model_dir, tmp_path, staged):
+    """Staged (built-in engines): received while generating, swapped inside the pause. In-pause
+    (engines without staged loading, as SGLang servers): received inside the pause."""
     admin, trainer_bus, sync_bus, producer = [
         await connect_role(server, r) for r in ("admin", "trainer", "weight-sync", "rollout")
     ]
@@ -142,7 +153,8 @@ async def test_weight_sync_updates_every_engine_from_the_trainer(server, tiny_mo
                                    TransferRequest(op="join", group_name="x", world_size=2), TransferReply, timeout=1)  # fmt: skip
         sha = await asyncio.to_thread(sender.hold, 1)
         save_model(model, tmp_path / "v1", tiny_model_dir)
-        with EngineThread(tiny_model_dir) as e1, EngineThread(tiny_model_dir) as e2:
+        with EngineThread(tiny_model_dir, staged_loading=staged) as e1, \
+                EngineThread(tiny_model_dir, staged_loading=staged) as e2:
             client = SGLangClient([e1.url, e2.url])
             pauses = []
             updater = DistributedUpdater(sync_bus, client, "run", 64 * 1024, "retract", on_pause=pauses.append)
@@ -151,6 +163,7 @@ async def test_weight_sync_updates_every_engine_from_the_trainer(server, tiny_mo
                 assert len(pauses) == 2 and updater.num_groups_formed == 1
                 assert e1.scheduler.weight_version == e2.scheduler.weight_version == "1"
                 assert sender.num_sends == 1
+                assert e1.scheduler.stats.num_staged_swaps_total == (1 if staged else 0)
                 with EngineThread(tmp_path / "v1") as fresh:
                     expected = await greedy(fresh.url)
                 assert await greedy(e1.url) == await greedy(e2.url) == expected
