@@ -43,6 +43,7 @@ from services.common.secrets import RUN_TOKEN_ENV, NatsCredentials, without_nats
 from services.common.snapshot import COMPLETE_MARKER, is_complete
 from services.common.validate import eval_result_problem, finite_metrics
 from services.prepare import prepare_run, role_credentials, role_passwords, run_token
+from services.raycluster import Placement, with_ray_defaults
 from services.supervisor import LaunchError, Supervisor
 
 SERVICE_MODULES = {
@@ -89,6 +90,8 @@ class Launcher:
         self.evals: dict[int, EvalResult] = {}
         self.done: ProgressRecord | None = None
         self.engines_paused: list[str] = []
+        self.placement: Placement | None = None
+        """--use-ray: where engines, producers and the trainer run (services/raycluster.py)."""
         self.t0 = time.time()
 
     # ---- start -----------------------------------------------------------------------------
@@ -111,6 +114,14 @@ class Launcher:
 
     def child(self, name: str):
         return self.procs.child(name)
+
+    def _address(self, name: str, side: str) -> tuple[str, int]:
+        """Where a child binds: with --use-ray its host's node IP and a free port there (`side`:
+        trainer or rollout), else 127.0.0.1. Its command is the same either way (_placed)."""
+        return self.placement.host(name, side) if self.placement else ("127.0.0.1", procs.free_port())
+
+    def _placed(self, name: str, cmd: list[str]) -> list[str]:
+        return self.placement.wrap(name, cmd) if self.placement and name in self.placement.children else cmd
 
     def start_nats(self) -> None:
         if self.nats_url and self.config.nats_cluster > 1:
@@ -144,17 +155,17 @@ class Launcher:
         if c.engine == "sglang":
             return self._start_sglang()
         urls = []
-        pins = procs.split_cpus(c.rollout_num_engines) if c.pin_cpus else None
+        pins = procs.split_cpus(c.rollout_num_engines) if c.pin_cpus and not self.placement else None
         for i in range(c.rollout_num_engines):
-            port = procs.free_port()
-            flags = builtin_engine_flags(c, c.seed + i)
+            host, port = self._address(f"engine-{i}", "rollout")
+            flags = builtin_engine_flags(c, c.seed + i) | ({"--host": host} if self.placement else {})
             role = None
             if c.update_weight_transfer_mode == "object-store":  # it fetches weights with a read-only identity
                 flags |= {"--nats-url": self.nats_url, "--run-id": c.run_id,
                           "--weights-cache-dir": str(self.run_dir / "engine-cache" / f"engine-{i}")}  # fmt: skip
                 role = "engine"
-            cmd = builtin_engine_command(c.hf_checkpoint, port, flags)
-            url = f"http://127.0.0.1:{port}"
+            cmd = self._placed(f"engine-{i}", builtin_engine_command(c.hf_checkpoint, port, flags))
+            url = f"http://{host}:{port}"
             self._spawn(f"engine-{i}", cmd, role=role, extra_env={procs.CPU_ENV: pins[0][i]} if pins else None,
                         health=url + "/health_generate")  # fmt: skip
             urls.append(url)
@@ -192,14 +203,15 @@ class Launcher:
         return urls
 
     def start_service(self, name: str, instance: str | None = None) -> None:
-        port = procs.free_port()
         label = instance or name
+        placed = self.placement is not None and name in ("rollout", "trainer")  # the rest stay with the launcher
+        host, port = self._address(label, name) if placed else ("127.0.0.1", procs.free_port())
         pins = procs.split_cpus(self.config.rollout_num_engines) if self.config.pin_cpus and name == "trainer" else None
-        url = f"http://127.0.0.1:{port}"
-        self._spawn(label, [
+        url = f"http://{host}:{port}"
+        self._spawn(label, self._placed(label, [
             sys.executable, "-m", SERVICE_MODULES[name], "--nats-url", self.nats_url, "--run-id",
-            self.config.run_id, "--http-port", str(port), "--instance-id", label,
-        ], role=name, extra_env={procs.CPU_ENV: pins[1]} if pins else None, health=url + "/healthz")  # fmt: skip
+            self.config.run_id, "--http-host", host, "--http-port", str(port), "--instance-id", label,
+        ]), role=name, extra_env={procs.CPU_ENV: pins[1]} if pins and not placed else None, health=url + "/healthz")  # fmt: skip
         self.services[label] = url
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
@@ -247,12 +259,16 @@ class Launcher:
     async def run(self) -> dict:
         c = self.config
         self.start_nats()
+        if c.use_ray:
+            self.placement = Placement(c, self.run_dir)  # in the main thread: Ray's driver wants it
         urls = self.start_engines()
+        # distributed weight transfer: engines on this machine reach the trainer on loopback; a
+        # trainer placed by Ray offers its node's address (services/trainer/service.py master_address)
+        master = c.update_weight_master_address or ("" if self.placement else "127.0.0.1")
         self.config = c = c.model_copy(
             update={"rollout_engine_urls": urls, "nats_url": self.nats_url, "rollout_router_url": self.router_url,
-                    # distributed weight transfer: the engines are on this machine
-                    "update_weight_master_address": c.update_weight_master_address or "127.0.0.1"}
-        )
+                    "update_weight_master_address": master}
+        )  # fmt: skip
         (self.run_dir / "config.json").write_text(json.dumps(c.model_dump(mode="json"), indent=2))
         bus = await Bus.connect(self.nats_url, c.run_id, "launcher", creds=self.creds["admin"])
         try:
@@ -333,7 +349,7 @@ class Launcher:
         until the next push. The snapshot is hard-linked into weights/restart-<engine> first:
         the trainer keeps only its newest snapshots and may delete this one while the engine
         starts. The rest restart as they started."""
-        if not child.name.startswith("engine-"):
+        if not child.name.startswith("engine-") or self.placement:  # placed: its node may not see weights/
             return child.launch_cmd
         weights = self.run_dir / "weights"
         versions = [int(p.name[1:]) for p in weights.glob("v*") if p.name[1:].isdigit()]
@@ -408,6 +424,8 @@ class Launcher:
 
     def shutdown(self) -> None:
         self.stop_services()
+        if self.placement:
+            self.placement.close()
         if self.nats:
             self.nats.stop()
 
@@ -463,7 +481,7 @@ def launch(config: RunConfig, out=print) -> dict:
     """Run a whole job; returns the summary. Every started process is stopped on every path.
     After training, with the services stopped and the broker still up, the ledger is audited
     (RUN_DIR/audit.json)."""
-    config = prepare_run(config, log=out)
+    config = prepare_run(with_ray_defaults(config), log=out)
     launcher = Launcher(config, out=out)
     old_term = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the run the way Ctrl-C does

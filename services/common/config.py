@@ -515,7 +515,13 @@ class TrainerSection(Section):
     trainer_num_ranks: int = Field(
         1, ge=1, description="Data-parallel trainer ranks (torch.distributed); rank 0 owns the bus and HTTP."
     )
-    use_ray: bool = Field(False, description="Place trainer ranks 1..K-1 as Ray actors in a placement group.")
+    use_ray: bool = Field(
+        False,
+        description="Place the engines, producers and trainer ranks with a placement group over the Ray cluster at "
+        "$RAY_ADDRESS (unset: a local one): the trainer's ranks on one node, the engines and producers on another "
+        "when the cluster has two. Weights cannot go by disk: implies --update-weight-transfer-mode object-store "
+        "(the run's object bucket) unless distributed (a broadcast from the trainer's node) is given.",
+    )
     dist_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend of the trainer ranks (auto: NCCL on GPU, gloo on CPU)."
     )
@@ -639,6 +645,12 @@ class TrainerSection(Section):
                 "several optimizer steps per rollout (--num-steps-per-rollout, --global-batch-size) run on one "
                 "trainer rank in this version: drop --trainer-num-ranks or train one step per rollout"
             )
+        if self.use_ray and "update_weight_transfer_mode" in self.model_fields_set:
+            if self.update_weight_transfer_mode == "disk":
+                errs.append(
+                    "--use-ray places engines on nodes that do not see the trainer's disk: use "
+                    "--update-weight-transfer-mode object-store (the default with --use-ray) or distributed"
+                )
         if self.train_backend == "megatron" and self.trainer_num_ranks > 1:
             errs.append(
                 "--train-backend megatron runs one trainer rank in this version (tensor/pipeline parallel sizes 1): "

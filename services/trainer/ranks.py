@@ -1,5 +1,12 @@
 """Rank 0's side of data-parallel training: it starts ranks 1..K-1 (worker processes or Ray
-actors), joins their process group, and sends them each step (services/trainer/parallel.py)."""
+actors), joins their process group, and sends them each step (services/trainer/parallel.py).
+
+With --use-ray the ranks are Ray actors. A trainer the launcher placed (services/raycluster.py)
+finds its node's IP and its placement-group bundle in its environment: the ranks join that bundle
+and rendezvous on that IP. A trainer started on its own joins $RAY_ADDRESS (unset: a local Ray of
+its own) with a placement group of its own, and rendezvous on the IP of the node it joined. The
+actors get the config's content and the initial checkpoint's files through Ray's object store.
+trainer-ranks.json (in the run directory) records the rendezvous address and each rank's node."""
 
 from __future__ import annotations
 
@@ -14,8 +21,10 @@ import torch.distributed as dist
 
 from services.trainer.core import LossConfig, std_normalization
 from services.trainer.parallel import backend_for, broadcast_state, dp_train_step, init_group
+from services.trainer.worker import NODE_IP_ENV, PLACEMENT_ENV
 
 log = logging.getLogger(__name__)
+RAY_READY_TIMEOUT_S = 120.0
 
 
 class DataParallel:
@@ -29,20 +38,25 @@ class DataParallel:
         self.actors = []
         from services.common import procs
 
-        self.port = procs.free_port()
+        self.master_addr = connect_ray(config) if config.use_ray else "127.0.0.1"
+        self.port = procs.free_port(self.master_addr)
         self.backend = backend_for(config.dist_backend)
-        args = ["--world-size", str(self.world), "--master-addr", "127.0.0.1", "--master-port", str(self.port),
-                "--config-file", str(config_file), "--backend", self.backend]  # fmt: skip
+        args = ["--world-size", str(self.world), "--master-addr", self.master_addr, "--master-port", str(self.port),
+                "--backend", self.backend]  # fmt: skip
+        rank_nodes = []
         if config.use_ray:
-            self.actors = start_ray_workers(self.world, args)
+            self.actors, rank_nodes = start_ray_workers(self.world, [*args, "--config-json", config_file.read_text()],
+                                                        checkpoint_files(config.hf_checkpoint))  # fmt: skip
         else:
             for rank in range(1, self.world):
-                cmd = [sys.executable, "-m", "services.trainer.worker", "--rank", str(rank), *args]
+                cmd = [sys.executable, "-m", "services.trainer.worker", "--rank", str(rank), *args,
+                       "--config-file", str(config_file)]  # fmt: skip
                 self.procs.append(procs.spawn(cmd, log_path=log_dir / f"trainer-rank{rank}.log", env=os.environ.copy()))
-        (log_dir.parent / "trainer-ranks.json").write_text(
-            json.dumps({"ranks": [p.pid for p in self.procs], "ray_actors": len(self.actors)})
-        )
-        init_group(0, self.world, "127.0.0.1", self.port, self.backend)
+        (log_dir.parent / "trainer-ranks.json").write_text(json.dumps({
+            "ranks": [p.pid for p in self.procs], "ray_actors": len(self.actors), "master_addr": self.master_addr,
+            "master_port": self.port, "rank_nodes": [self.master_addr, *rank_nodes],
+        }))  # fmt: skip
+        init_group(0, self.world, self.master_addr, self.port, self.backend)
         broadcast_state(model, optimizer)
 
     def train(self, groups, cfg: LossConfig) -> dict:
@@ -71,33 +85,71 @@ class DataParallel:
 
             for a in self.actors:
                 ray.kill(a)
-            ray.shutdown()  # the local Ray cluster this trainer started
+            ray.shutdown()  # our driver (and the local Ray cluster, if this trainer started one)
 
 
-def start_ray_workers(world: int, args: list[str]):
-    """Ranks 1..K-1 as Ray actors in a placement group (one bundle per rank)."""
+def connect_ray(config) -> str:
+    """Join the Ray cluster; the rendezvous address: this node's IP (never 127.0.0.1 unless the
+    node itself is there)."""
     import ray
-    from ray.util.placement_group import placement_group
+
+    node_ip = os.environ.get(NODE_IP_ENV) or None
+    placed = os.environ.get(PLACEMENT_ENV)
+    namespace = placed.split("/")[0] if placed else f"asyncrl-{config.run_id}"
+    address = os.environ.get("RAY_ADDRESS") or None
+    if not ray.is_initialized():
+        local = {"include_dashboard": False, "num_cpus": config.trainer_num_ranks} if address is None else {}
+        ray.init(address=address or "local", namespace=namespace, log_to_driver=False, logging_level=logging.WARNING,
+                 **({"_node_ip_address": node_ip} if node_ip else {}), **local)  # fmt: skip
+    return node_ip or ray.util.get_node_ip_address()
+
+
+def checkpoint_files(path: str | None) -> dict[str, bytes] | None:
+    """The initial checkpoint's files, for ranks on nodes that may not see rank 0's disk."""
+    if not path or not Path(path).is_dir():
+        return None
+    return {f.name: f.read_bytes() for f in Path(path).iterdir() if f.is_file()}
+
+
+def start_ray_workers(world: int, args: list[str], files: dict[str, bytes] | None):
+    """Ranks 1..K-1 as Ray actors: in the bundle the launcher placed this trainer in, or in a
+    placement group of their own (one bundle per rank). The actors and their nodes' IPs."""
+    import ray
+    from ray.util.placement_group import get_placement_group, placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
     gpus = 1 if torch.cuda.is_available() else 0
-    pg = placement_group([{"CPU": 1, "GPU": gpus}] * world if gpus else [{"CPU": 1}] * world)
-    ray.get(pg.ready())
+    placed = os.environ.get(PLACEMENT_ENV)
+    if placed:
+        _, name, bundle = placed.split("/")
+        pg, bundles = get_placement_group(name), [int(bundle)] * world
+    else:
+        pg = placement_group([{"CPU": 1, "GPU": gpus}] * world if gpus else [{"CPU": 1}] * world)
+        bundles = list(range(world))
+    try:
+        ray.get(pg.ready(), timeout=RAY_READY_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"Ray has no room for {world - 1} trainer rank(s) after {RAY_READY_TIMEOUT_S:.0f}s: "
+                           f"{pg.bundle_specs} (`ray status` shows the cluster)") from None  # fmt: skip
 
     @ray.remote
     class Rank:
-        def run(self, argv):
+        def node_ip(self) -> str:
+            return ray.util.get_node_ip_address()
+
+        def run(self, argv, files):
             from services.trainer.worker import main
 
-            main(argv)
+            main(argv, checkpoint_files=files)
             return True
 
+    files_ref = ray.put(files)  # once in the object store, fetched by each rank's node
     actors = []
     for rank in range(1, world):
-        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=rank)
+        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundles[rank])
         actor = Rank.options(scheduling_strategy=strategy, num_cpus=1, num_gpus=gpus).remote()
-        actor.run.remote(["--rank", str(rank), *args])
         actors.append(actor)
-    return actors
+    nodes = ray.get([a.node_ip.remote() for a in actors], timeout=RAY_READY_TIMEOUT_S)
+    for rank, actor in enumerate(actors, start=1):
+        actor.run.remote(["--rank", str(rank), *args], files_ref)
+    return actors, nodes

@@ -770,11 +770,17 @@ class TrainerService(Service):
 
 def master_address(config) -> str:
     """Where the engines reach the trainer's weight transfer group: --update-weight-master-address,
-    or this host's name resolved (127.0.0.1 when it does not resolve)."""
+    the node's address a Ray placement gave this process, or this host's name resolved
+    (127.0.0.1 when it does not resolve)."""
+    import os
     import socket
+
+    from services.trainer.worker import NODE_IP_ENV
 
     if config.update_weight_master_address:
         return config.update_weight_master_address
+    if os.environ.get(NODE_IP_ENV):
+        return os.environ[NODE_IP_ENV]
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:

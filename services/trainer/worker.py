@@ -3,7 +3,9 @@
 Started by rank 0 (the trainer service) as a process, or as a Ray actor with --use-ray. It
 holds a replica of the model and optimizer, receives each step's groups from rank 0, computes
 the gradient of its share and applies the same update as every other rank. It talks to no
-service: rank 0 owns the bus and HTTP.
+service: rank 0 owns the bus and HTTP. A Ray actor may be on another node: it gets the config's
+content (--config-json) and the initial checkpoint's files through Ray's object store, never a
+path of rank 0's disk, and it rendezvous on rank 0's node address.
 """
 
 from __future__ import annotations
@@ -11,15 +13,28 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+NODE_IP_ENV = "ASYNCRL_NODE_IP"
+"""The IP of the Ray node a placed process runs on (its host sets it, services/raycluster.py): the
+trainer's rank 0 rendezvous there."""
+PLACEMENT_ENV = "ASYNCRL_RAY_PLACEMENT"
+"""`<namespace>/<placement group>/<bundle>` of a placed trainer: the bundle its ranks 1..K-1 join."""
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, checkpoint_files: dict[str, bytes] | None = None) -> None:
+    """checkpoint_files: the initial checkpoint's files by name (from rank 0 through Ray's object
+    store), written to a directory of this node that replaces --hf-checkpoint."""
     p = argparse.ArgumentParser(prog="python -m services.trainer.worker")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--master-addr", required=True)
     p.add_argument("--master-port", type=int, required=True)
-    p.add_argument("--config-file", required=True, help="the run's resolved config (JSON)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config-file", help="the run's resolved config (JSON)")
+    source.add_argument("--config-json", help="the run's resolved config itself (JSON)")
     p.add_argument("--backend", default="gloo")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [trainer-rank{a.rank}] %(message)s")
@@ -34,12 +49,18 @@ def main(argv: list[str] | None = None) -> None:
     from services.trainer.setup import build_model, build_optimizer, build_reference, loss_config
 
     apply_cpu_affinity_from_env()
-    with open(a.config_file) as f:
-        config = RunConfig(**json.load(f))
+    config = RunConfig(**json.loads(a.config_json if a.config_json else Path(a.config_file).read_text()))
+    if checkpoint_files is not None:
+        local = Path(tempfile.mkdtemp(prefix="asyncrl-checkpoint-"))
+        for name, data in checkpoint_files.items():
+            (local / name).write_bytes(data)
+        config = config.model_copy(update={"hf_checkpoint": str(local)})
     torch.set_num_threads(config.torch_num_threads)
     model = build_model(config)
     optimizer = build_optimizer(config, model)
     ref_model = build_reference(config)
+    if checkpoint_files is not None:  # loaded: the model and the reference hold it now
+        shutil.rmtree(config.hf_checkpoint, ignore_errors=True)
     pad_id = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
     cfg = loss_config(config)
     init_group(a.rank, a.world_size, a.master_addr, a.master_port, a.backend)
