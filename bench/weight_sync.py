@@ -4,18 +4,23 @@ update takes from the trainer's publish to live, per transfer mode and model siz
 Everything on the path is real: an embedded nats-server with one user per role, a built-in
 engine process (`python -m services.engine`) kept busy by concurrent /generate requests, the
 weight-sync service process (`python -m services.weightsync`) that pauses, loads and continues
-it, and, in object-store mode, the run's NATS Object Store bucket with the engine's read-only
-identity. This process plays the trainer: per update it writes an HF snapshot (save_model),
-stores it in the bucket (object-store), publishes WeightsPublished as the trainer role and waits
-for weights.live.
+it, in object-store mode the run's NATS Object Store bucket with the engine's read-only
+identity, and in distributed mode the trainer's WeightSender (rank 0 of a gloo group with the
+engine, answering weight-sync on weights.transfer). This process plays the trainer: per update
+it writes an HF snapshot (save_model), stores it in the bucket (object-store) or holds a copy of
+the tensors (distributed), publishes WeightsPublished as the trainer role and waits for
+weights.live.
 
   arms      disk, unstaged   the engine loads inside the pause (as an SGLang server does:
                              --disable-staged-weight-loading)
             disk             staged: loaded beside the running weights while generating, swapped in the pause
             object-store     staged, fetched from the bucket (no shared disk)
+            distributed, unstaged  broadcast from the trainer inside the pause (as to an SGLang server)
+            distributed      staged: broadcast while generating, swapped in the pause
   pause     the longest time an engine spent paused per update (weight-sync's pause call to
             the continue's answer; weights.live carries it): p50 and p99 over the updates
-  live      publish to weights.live (object-store: the upload before it is printed apart)
+  live      publish to weights.live (the trainer's own part before it, the object-store upload or the
+            distributed copy and digest, is printed apart as "trainer")
   ideal     the pause with nothing to load: pause, flush, continue on the same busy engine, measured
             before each cell's updates (not one of the runs being judged)
 
@@ -50,7 +55,7 @@ from services.common.secrets import NatsCredentials, new_secret
 from services.common.sglang_client import SGLangClient
 from services.common.weightstore import WeightStore
 
-ARMS = ("disk, unstaged", "disk", "object-store")
+ARMS = ("disk, unstaged", "disk", "object-store", "distributed, unstaged", "distributed")
 SIZES = {  # name -> (hidden, intermediate, layers, heads); tiny is the quickstart's own model
     "tiny": None,
     "25m": (512, 1408, 8, 8),
@@ -119,7 +124,7 @@ async def cell(arm: str, size: str, model: Path, a, tmp: Path) -> dict:
     (run_dir / "logs").mkdir(parents=True)
     passwords = {r: new_secret() for r in ROLES}
     token = new_secret()
-    mode = "object-store" if arm == "object-store" else "disk"
+    mode = arm.split(",")[0]
     srv = EmbeddedNats(run_dir / "nats", auth_conf=server_auth_conf(run_id, passwords)).start()
     children, stop = [], asyncio.Event()
 
@@ -136,7 +141,7 @@ async def cell(arm: str, size: str, model: Path, a, tmp: Path) -> dict:
         url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "services.engine", "--model-path", str(model), "--port", str(port),
                "--weight-version", "0", "--torch-num-threads", "1"]  # fmt: skip
-        if arm == "disk, unstaged":
+        if arm.endswith("unstaged"):
             cmd.append("--disable-staged-weight-loading")
         if mode == "object-store":
             cmd += ["--nats-url", srv.url, "--run-id", run_id, "--weights-cache-dir", str(run_dir / "cache")]
@@ -144,7 +149,7 @@ async def cell(arm: str, size: str, model: Path, a, tmp: Path) -> dict:
         procs.wait_for_port("127.0.0.1", port, 120, children[-1])
         cfg = RunConfig(prompt_data=str(a.data), rollout_engine_urls=[url], run_id=run_id,
                         run_dir=str(run_dir), hf_checkpoint=str(model), num_rollout=10**6, fully_async=True,
-                        update_weight_transfer_mode=mode)  # fmt: skip
+                        update_weight_transfer_mode=mode, update_weight_master_address="127.0.0.1")  # fmt: skip
         await admin.ensure_streams()
         await admin.ensure_consumers(cfg.prompt_ack_wait_s)
         await admin.kv_put("config", json.dumps(cfg.model_dump(mode="json")).encode())
@@ -175,21 +180,31 @@ async def cell(arm: str, size: str, model: Path, a, tmp: Path) -> dict:
                 break
         store = WeightStore(trainer, chunk_size=cfg.update_weight_buffer_size) if mode == "object-store" else None
         weights = load_model(model)
+        sender = None
+        if mode == "distributed":
+            from services.trainer.transfer import WeightSender
+
+            sender = WeightSender(weights, run_dir / "weights", "127.0.0.1", "gloo")
+            await trainer.subscribe(trainer.subjects.weights_transfer, sender.on_request)
         pauses, to_live, uploads = [], [], []
         for v in range(1, a.updates + 1):
             with torch.no_grad():
                 next(weights.parameters()).add_(0.01)  # new weights each version
             path = run_dir / "weights" / f"v{v}"
             info = await asyncio.to_thread(save_model, weights, path, model)
-            uri = str(path.resolve())
+            uri, tensor_sha = str(path.resolve()), ""
+            t0 = time.perf_counter()
             if store is not None:
-                t0 = time.perf_counter()
                 await store.upload(v, path)
                 uploads.append(time.perf_counter() - t0)
                 uri = store.uri(v)
+            if sender is not None:
+                tensor_sha = await asyncio.to_thread(sender.hold, v)
+                uploads.append(time.perf_counter() - t0)
             t_pub = time.perf_counter()
             await trainer.publish_weights(WeightsPublished(version=v, step=v - 1, uri=uri, sha256=info["sha256"],
-                                                           num_bytes=info["num_bytes"], created_at=time.time()))  # fmt: skip
+                                                           num_bytes=info["num_bytes"], created_at=time.time(),
+                                                           tensor_sha256=tensor_sha))  # fmt: skip
             while True:
                 t_live, live = await asyncio.wait_for(lives.get(), 300)
                 if live.version == v:
@@ -234,7 +249,7 @@ async def run(a) -> dict:
         for arm, size in cells if r % 2 == 0 else list(reversed(cells)):
             res = await cell(arm, size, models[size], a, tmp)
             results[(arm, size)].append(res)
-            print(f"  round {r + 1}, {size:>5} {arm:<15} pause p50 {res['pause_p50'] * 1e3:7.1f} ms  "
+            print(f"  round {r + 1}, {size:>5} {arm:<21} pause p50 {res['pause_p50'] * 1e3:7.1f} ms  "
                   f"p99 {res['pause_p99'] * 1e3:7.1f} ms  live p50 {res['live_p50'] * 1e3:7.1f} ms", flush=True)  # fmt: skip
     rows = []
     for (arm, size), rs in results.items():
@@ -260,20 +275,21 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args()
     out = asyncio.run(run(a))
-    print(f"\n{'size':>5} {'arm':<15} {'pause p50':>10} {'spread':>7} {'p99':>9} {'ideal p50':>10} {'ideal p99':>10}"
-          f" {'live p50':>9} {'live p99':>9} {'upload p50':>11}")  # fmt: skip
+    print(f"\n{'size':>5} {'arm':<21} {'pause p50':>10} {'spread':>7} {'p99':>9} {'ideal p50':>10} {'ideal p99':>10}"
+          f" {'live p50':>9} {'live p99':>9} {'trainer p50':>11}")  # fmt: skip
     ms = lambda x: f"{x * 1e3:.1f} ms"  # noqa: E731
     for r in out["rows"]:
         up = ms(r["upload_p50"]) if "upload_p50" in r else "-"
-        print(f"{r['size']:>5} {r['arm']:<15} {ms(r['pause_p50']):>10} {r['pause_p50_spread']:>6.0%} "
+        print(f"{r['size']:>5} {r['arm']:<21} {ms(r['pause_p50']):>10} {r['pause_p50_spread']:>6.0%} "
               f"{ms(r['pause_p99']):>9} {ms(r['ideal_p50']):>10} {ms(r['ideal_p99']):>10} {ms(r['live_p50']):>9} "
               f"{ms(r['live_p99']):>9} {up:>11}")  # fmt: skip
     by = {(r["arm"], r["size"]): r for r in out["rows"]}
     for size in a.sizes.split(","):
-        base, staged = by.get(("disk, unstaged", size)), by.get(("disk", size))
-        if base and staged and staged["pause_p99"] > 0:
-            print(f"{size}: staging cuts the p99 pause {base['pause_p99'] / staged['pause_p99']:.1f}x "
-                  f"({ms(base['pause_p99'])} -> {ms(staged['pause_p99'])})")  # fmt: skip
+        for mode in ("disk", "distributed"):
+            base, staged = by.get((f"{mode}, unstaged", size)), by.get((mode, size))
+            if base and staged and staged["pause_p99"] > 0:
+                print(f"{size} {mode}: staging cuts the p99 pause {base['pause_p99'] / staged['pause_p99']:.1f}x "
+                      f"({ms(base['pause_p99'])} -> {ms(staged['pause_p99'])})")  # fmt: skip
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=2))
 

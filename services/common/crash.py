@@ -30,11 +30,13 @@ POINTS: dict[str, tuple[str, ...]] = {
         "commit_before_next_step",  # committed, before the next step starts
         "weights_export",  # a weight snapshot half written
         "weights_stored",  # object-store: a version in the bucket, not announced
+        "mid_broadcast",  # distributed: half of a version's tensors sent to the engines
     ),
     "weight-sync": (
         "paused",  # the engines are paused, nothing loaded
         "loaded_before_continue",  # the new weights are loaded, the engines still paused
         "continued_before_announce",  # the engines run the new version, nobody knows
+        "transfer_paused",  # distributed: the engines paused (staged: holding the new version), not swapped
     ),
     "rollout": (
         "generated_before_publish",  # a group is finished, not on ROLLOUTS

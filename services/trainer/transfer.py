@@ -28,6 +28,7 @@ import torch
 
 from asyncrl_proto import TransferReply, TransferRequest, decode, encode
 from asyncrl_proto.codec import MalformedMessage
+from services.common import crash
 from services.model.hf_io import hf_state, load_state_dict
 from services.model.transfer import TransferGroup, digest, manifest, open_store
 
@@ -132,7 +133,9 @@ class WeightSender:
 
     @staticmethod
     def _broadcast(group: TransferGroup, state: dict[str, torch.Tensor]) -> None:
-        for t in state.values():
+        for i, t in enumerate(state.values()):
+            if i == len(state) // 2:
+                crash.point("trainer", "mid_broadcast")
             group.broadcast(t.contiguous())
 
     async def _close(self) -> None:

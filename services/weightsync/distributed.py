@@ -25,6 +25,7 @@ import math
 import time
 
 from asyncrl_proto import TransferReply, TransferRequest
+from services.common import crash
 from services.common.bus import TransportError
 from services.common.sglang_client import EngineError
 
@@ -136,6 +137,7 @@ class DistributedUpdater:
             for u in urls:
                 await self.client.pause(u, self.pause_mode)
                 pause_t0[u] = time.perf_counter()
+            crash.point("weight-sync", "transfer_paused")
             if self.pause_mode != "in_place":
                 for u in urls:
                     if not await self.client.flush_cache(u):
@@ -153,14 +155,24 @@ class DistributedUpdater:
 
     async def _broadcast(self, join: TransferReply, version: int, digest: str | None, stage: bool) -> None:
         """The trainer's send and every engine's receive, at once."""
-        send = self._ask(TransferRequest(op="send", group_name=self.group_name, version=version), SEND_TIMEOUT_S)
-        results = await asyncio.gather(send, *(self._receive(u, join, version, digest, stage) for u in self.client.urls),
-                                       return_exceptions=True)  # fmt: skip
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        if digest and results[0].tensor_sha256 != digest:
-            raise TransferFailed(f"the trainer sent v{version} with digest {results[0].tensor_sha256[:16]}..., "
+        send = asyncio.ensure_future(
+            self._ask(TransferRequest(op="send", group_name=self.group_name, version=version), SEND_TIMEOUT_S)
+        )
+        tasks = [
+            send,
+            *(asyncio.ensure_future(self._receive(u, join, version, digest, stage)) for u in self.client.urls),
+        ]
+        # the first failure ends the transfer: a trainer killed mid-send never answers, and an
+        # engine that failed leaves the others waiting for tensors that will not come
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for t in tasks:
+            if t in done and t.exception() is not None:
+                raise t.exception()
+        if digest and send.result().tensor_sha256 != digest:
+            raise TransferFailed(f"the trainer sent v{version} with digest {send.result().tensor_sha256[:16]}..., "
                                  f"not the announced {digest[:16]}...")  # fmt: skip
 
     async def _receive(self, url: str, join: TransferReply, version: int, digest: str | None, stage: bool) -> None:

@@ -26,8 +26,11 @@ NTH = {"decided_before_append": 30, "appended_before_ack": 10, "snapshot_write":
 """Which pass of the point crashes (default 3): late enough to be mid-run."""
 STEPS = {"snapshot_write": 45}
 """Steps of the run (default 10): the buffer snapshots every 500 ledger events."""
-EXTRA = {"weights_stored": ["--update-weight-transfer-mode", "object-store"]}
-"""Flags a point needs to be on the run's path (weights_stored: object-store weights)."""
+EXTRA = {"weights_stored": ["--update-weight-transfer-mode", "object-store"],
+         "mid_broadcast": ["--update-weight-transfer-mode", "distributed"],
+         "transfer_paused": ["--update-weight-transfer-mode", "distributed"]}  # fmt: skip
+"""Flags a point needs to be on the run's path (weights_stored: object-store weights; the
+broadcast points: distributed weights)."""
 CASES = [(service, point) for service, points in POINTS.items() for point in points]
 
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from asyncrl_proto import TransferReply, TransferRequest
-from services.common import procs
 from services.common.sglang_client import EngineError, SGLangClient
 from services.model.hf_io import hf_state, load_model, save_model
 from services.model.transfer import TransferGroup, digest, manifest, open_store
