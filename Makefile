@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch; override for another build, e.g. make run TORCH="torch==2.13.0 --index-url ..."
 TORCH ?= torch==2.13.0
 
-.PHONY: setup run smoke test test-crash test-cluster test-all bench lint clean
+.PHONY: setup run smoke test test-crash test-cluster test-ray test-docker test-all bench lint clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,15 @@ test-crash: $(BIN)/.test-installed
 # Whole runs on a 3-node NATS cluster, one node killed, every node restarted in turn; CI runs it too.
 test-cluster: $(BIN)/.test-installed
 	$(BIN)/python -m pytest -q -m cluster tests/integration/test_nats_cluster.py
+
+# A whole run placed with --use-ray over a 2-node Ray cluster on 127.0.0.2 and 127.0.0.3; CI runs it too.
+test-ray: $(BIN)/.test-installed
+	$(BIN)/python -m pytest -q -m ray tests/integration/test_ray_cluster.py
+
+# docker-compose.yml run for real on loopback (tests/docker): builds the image, runs a short job to
+# its end with three producers and audits it; skips, saying why, when no Docker daemon can start.
+test-docker: $(BIN)/.test-installed
+	$(BIN)/python -m pytest -q -m docker tests/docker
 
 # Everything, including the slow learning checks.
 test-all: $(BIN)/.test-installed
