@@ -86,6 +86,7 @@ class DistributedReceiver:
             old = self.groups.pop(name, None)
             if old is not None:
                 old.close()
+            self._incoming = None  # what an earlier group delivered of a version is not counted again
             self.groups[name] = TransferGroup(name, backend, address, port, rank, world, GROUP_TIMEOUT_S)
         return {"success": True, "message": f"Initialized weight update group {name} (rank {rank} of {world})."}
 
