@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from services.common.procs import pid_alive
-from tests.runs import audited, finish
+from tests.runs import audited, finish, stopped_at_exit
 
 STEPS, B = 24, 4
 SEED = int(os.environ.get("ASYNCRL_KILL_SEED", random.SystemRandom().randrange(10**6)))
@@ -70,3 +71,47 @@ def test_sigkill_loses_nothing_and_trains_nothing_twice(tmp_path, victim):
     accounted = (report["trained"] + sum(report["filtered"].values()) + report["aborted_dropped"]
                  + report["stale_dropped"] + sum(report["in_flight_at_end"].values()) - report["in_flight_at_end"].get("recycled_waiting", 0))  # fmt: skip
     assert accounted == report["released_prompts"]
+
+
+def _reaped_or_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.crash
+def test_a_trainer_restarted_without_its_disk_resumes_from_the_object_store(tmp_path):
+    """object-store weights: the trainer is SIGKILLed and its weight snapshots deleted before the
+    launcher restarts it (the launcher frozen meanwhile, so the restart cannot come first), as if
+    it came back on another host. It fetches the snapshot it resumes from out of the run's
+    bucket, and the run finishes balanced."""
+    run_dir = tmp_path / "run"
+    steps = 10
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "train-async", "--fully-async", "--rollout-batch-size", str(B),
+         "--n-samples-per-prompt", "4", "--async-data-buffer-capacity-factor", "1", "--num-rollout", str(steps),
+         "--update-weight-transfer-mode", "object-store", "--prompt-ack-wait-s", "3", "--run-dir", str(run_dir)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    with stopped_at_exit(proc):
+        deadline = time.monotonic() + 180
+        while len(records(run_dir)) < 4:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "the run did not reach step 4"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            trainer = json.loads((run_dir / "pids.json").read_text())["trainer"]
+            os.kill(trainer, signal.SIGKILL)
+            deadline = time.monotonic() + 20
+            while not _reaped_or_zombie(trainer):
+                assert time.monotonic() < deadline, "the trainer did not die"
+                time.sleep(0.01)
+            shutil.rmtree(run_dir / "weights")
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        finish(proc)
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "from the object store into" in log, log[-3000:]
+    audited(run_dir, steps * B)
