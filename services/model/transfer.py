@@ -93,7 +93,11 @@ class TransferGroup:
         self.name, self.backend, self.rank, self.world_size = name, backend, rank, world_size
         timeout = datetime.timedelta(seconds=timeout_s)
         self.store = store or open_store(master_address, master_port, world_size, rank == 0, timeout_s)
-        prefixed = dist.PrefixStore(f"asyncrl-weights/{name}", self.store)
+        # the store keys of SGLang's init_custom_process_group (its group name) and of torch's
+        # process group helper inside it (the group, then the device), so that an SGLang server's
+        # rank meets this one
+        device = "cuda" if backend == "nccl" else "cpu"
+        prefixed = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{name}/", dist.PrefixStore(name, self.store)))
         if backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = timeout
