@@ -221,6 +221,8 @@ class TransferRequest(msgspec.Struct, kw_only=True):
     group_name: str
     world_size: int = 0
     version: int = 0
+    backend: str = ""
+    """join: gloo or nccl, as the engines need (empty: the trainer's own choice)."""
 
 
 class TransferReply(msgspec.Struct, kw_only=True):
@@ -238,7 +240,7 @@ class TransferReply(msgspec.Struct, kw_only=True):
     version: int = 0
     tensor_sha256: str = ""
     gone: bool = False
-    """send: the trainer no longer has that version (neither held nor on disk): a newer one is next."""
+    """has, send: the trainer no longer has that version (neither held nor on disk): a newer one is next."""
 
 
 class WeightsLive(msgspec.Struct, kw_only=True):
@@ -252,6 +254,8 @@ class WeightsLive(msgspec.Struct, kw_only=True):
     """Publish to live: staging, pauses and read-backs on every engine."""
     pause_s: float = 0.0
     """The longest time any engine spent paused for this update (generation stopped)."""
+    tensor_sha256: str = ""
+    """distributed: the live version's tensor digest (a restarted weight-sync checks a catch-up with it)."""
 
 
 class ControlMsg(msgspec.Struct, kw_only=True):

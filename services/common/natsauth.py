@@ -80,7 +80,7 @@ def role_permissions(run_id: str, role: str) -> dict:
         pub += [f"$O.{s.weights_bucket}.>", f"{JS}.STREAM.PURGE.{obj_stream}", f"{JS}.STREAM.INFO.{obj_stream}"]
         pub += _read(obj_stream)
         sub += [s.eval_results, s.heartbeat("rollout"), s.weights_transfer]
-        responses = {"max": 4, "expires": "5m"}  # a send's answer comes once its broadcast is done
+        responses = {"max": 16, "expires": "5m"}  # a send's answer comes once its broadcast is done
     elif role == "rollout":
         pub += [s.rollouts] + _consume(s.prompts_stream, "producers")
         sub += [s.control]

@@ -220,21 +220,25 @@ class SGLangClient:
         """Have a built-in engine load a snapshot beside its running weights while it generates
         (asyncrl's /stage_weights); False for an engine without staged loading (an SGLang server),
         which then loads inside the pause."""
-        if not await self.server_flag(url, "staged_weight_loading"):
-            return False
+        try:
+            if not await self.server_flag(url, "staged_weight_loading"):
+                return False
+        except EngineError:
+            return False  # asked again next time; the update then loads inside the pause
         await self._call("POST", url, "/stage_weights", {"model_path": model_path, "weight_version": weight_version})
         return True
 
-    async def server_flag(self, url: str, key: str) -> bool:
-        """Whether /server_info says `key: true` (asyncrl's extensions; an SGLang server has none).
-        Read once per engine; an engine that does not answer is asked again next time."""
+    async def server_info(self, url: str) -> dict:
+        """/server_info, read once per engine (asyncrl's extension flags); EngineError when it
+        does not answer (asked again next time)."""
         if url not in self._flags:
-            try:
-                info = await self._call("GET", url, "/server_info", timeout=30.0)
-            except EngineError:
-                return False
+            info = await self._call("GET", url, "/server_info", timeout=30.0)
             self._flags[url] = info if isinstance(info, dict) else {}
-        return self._flags[url].get(key) is True
+        return self._flags[url]
+
+    async def server_flag(self, url: str, key: str) -> bool:
+        """Whether /server_info says `key: true` (an SGLang server has none of asyncrl's)."""
+        return (await self.server_info(url)).get(key) is True
 
     # ---- distributed weight updates (SGLang's NCCL path; gloo on the built-in CPU engine) -------
     async def init_weights_update_group(self, url: str, master_address: str, master_port: int, rank_offset: int,
@@ -252,21 +256,24 @@ class SGLangClient:
         return True
 
     async def update_weights_from_distributed(self, url: str, names: list[str], dtypes: list[str],
-                                              shapes: list[list[int]], group_name: str, weight_version: str,
+                                              shapes: list[list[int]], group_name: str, weight_version: str | None,
                                               digest: str | None = None, stage: bool = False) -> dict:  # fmt: skip
         """One bucket, received while the trainer broadcasts it. `digest` (the whole version's, as
-        the trainer announced it) goes only to an engine that checks it (the built-in engine);
-        `stage`: keep the version aside until update_weight_version (built-in engines only)."""
-        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-                "flush_cache": False, "weight_version": weight_version}  # fmt: skip
-        if digest and await self.server_flag(url, "weight_digest_check"):
+        the trainer announced it) and `stage` (keep the version aside until update_weight_version)
+        are asyncrl's extensions: for built-in engines only."""
+        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": False}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        if digest:
             body["weight_digest"] = digest
         if stage:
             body["stage"] = True
         return await self._call("POST", url, "/update_weights_from_distributed", body)
 
-    async def update_weight_version(self, url: str, version: str) -> None:
-        await self._call("POST", url, "/update_weight_version", {"new_version": version, "abort_all_requests": False})
+    async def update_weight_version(self, url: str, version: str) -> dict:
+        body = {"new_version": version, "abort_all_requests": False}
+        reply = await self._call("POST", url, "/update_weight_version", body)
+        return reply if isinstance(reply, dict) else {}
 
     async def pin(self, url: str, model_path: str, version: str, attempts: int = 2) -> bool:
         """Load a snapshot under `version` and read the version back (SPEC.md section 7: one

@@ -9,8 +9,9 @@ weights. Where SGLang loads each bucket into the model as it arrives, this engin
 buckets of one weight version and swaps them in only once every parameter has arrived, checked
 (shapes, finite values and, when weight-sync passes it, `weight_digest`: the digest the trainer
 announced on the bus): the model never runs half of one version and half of another, nor
-tensors that did not come from the trainer. A call that does not complete the set answers
-success with what is still missing.
+tensors that did not come from the trainer. Every answer says whether the version is now
+`complete`; one that is not says what is still missing. One group at a time: a new
+/init_weights_update_group replaces any group left over.
 
 Staged loading (asyncrl's extension, `"stage": true`; /server_info says `staged_weight_loading`):
 the whole version is received and checked while the engine keeps generating, and kept aside; the
@@ -83,9 +84,9 @@ class DistributedReceiver:
         if backend == "nccl" and not torch.cuda.is_available():
             raise BadRequest("backend nccl needs a GPU and this engine runs on the CPU: use gloo")
         with self._lock:
-            old = self.groups.pop(name, None)
-            if old is not None:
+            for old in self.groups.values():  # one group at a time: a new one replaces any left over
                 old.close()
+            self.groups.clear()
             self._incoming = None  # what an earlier group delivered of a version is not counted again
             self.groups[name] = TransferGroup(name, backend, address, port, rank, world, GROUP_TIMEOUT_S)
         return {"success": True, "message": f"Initialized weight update group {name} (rank {rank} of {world})."}
@@ -142,8 +143,8 @@ class DistributedReceiver:
             params = dict(self.scheduler.model.named_parameters())
             missing = [n for n in params if n not in inc.tensors]
             if missing:
-                return {"success": True, "message": f"Received {len(plan)} tensors; {len(missing)} of "
-                        f"{len(params)} still to come for weight version {version}."}  # fmt: skip
+                return {"success": True, "complete": False, "message": f"Received {len(plan)} tensors; "
+                        f"{len(missing)} of {len(params)} still to come for weight version {version}."}  # fmt: skip
             self._incoming = None
         got = inc.digest.hexdigest()
         if expected is not None and got != expected:
@@ -153,10 +154,12 @@ class DistributedReceiver:
             check_finite(inc.tensors, "received weights")
         except NonFiniteWeights as e:
             raise ValueError(str(e)) from None
-        tensors = {n: inc.tensors[n].to(p.dtype).contiguous() for n, p in params.items()}
+        tensors = {n: inc.tensors[n].to(device=p.device, dtype=p.dtype).contiguous() for n, p in params.items()}
         if stage:
-            self.staged = (version, tensors)
-            return {"success": True, "message": f"Staged weight version {version}: /update_weight_version swaps it in."}
+            with self._lock:
+                self.staged = (version, tensors)
+            return {"success": True, "complete": True,
+                    "message": f"Staged weight version {version}: /update_weight_version swaps it in."}  # fmt: skip
         if abort_all:
             self.scheduler.abort("", True)
         res = self.scheduler.update_weights_from_tensors(tensors, version)
@@ -164,15 +167,15 @@ class DistributedReceiver:
         msg = "Succeeded to update model weights."
         if version is not None:
             msg += f" Weight version updated to {version}."
-        return {"success": True, "message": msg, "num_paused_requests": res["num_paused_requests"]}
+        return {"success": True, "complete": True, "message": msg, "num_paused_requests": res["num_paused_requests"]}
 
     def set_version(self, version: str) -> bool:
         """/update_weight_version: swap in the version staged under that name, if any (True).
         Blocking: waits like a weight update for the pause or for in-flight requests."""
         with self._lock:
+            if self.staged is None or self.staged[0] != version:
+                return False  # another version stays staged for its own swap
             staged, self.staged = self.staged, None
-        if staged is None or staged[0] != version:
-            return False
         self.scheduler.update_weights_from_tensors(staged[1], version)
         self.scheduler.stats.num_staged_swaps_total += 1
         self.num_updates += 1
@@ -199,6 +202,11 @@ class DistributedReceiver:
                 raise BadRequest(f"shapes: {n} has shape {list(params[n].shape)}, got {shape!r:.80}")
             plan.append((n, dtype, shape))
         return plan
+
+    @staticmethod
+    def backends() -> list[str]:
+        """The groups this engine can join (/server_info `weight_update_backends`)."""
+        return ["gloo", "nccl"] if torch.cuda.is_available() else ["gloo"]
 
     def status(self) -> dict:
         return {"groups": sorted(self.groups), "num_distributed_updates": self.num_updates}

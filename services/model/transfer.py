@@ -78,9 +78,14 @@ def digest(state: dict[str, torch.Tensor]) -> str:
 
 
 class TransferGroup:
-    """One member of a weight transfer group. Creating it blocks until every rank has joined
-    (at most `timeout_s`); rank 0 hosts the group's TCP store on (master_address, master_port).
-    `broadcast` sends from rank 0 and receives into the given tensor elsewhere."""
+    """One member of a weight transfer group; rank 0 hosts the group's TCP store on
+    (master_address, master_port). Gloo: creating it blocks until every rank has joined (at most
+    `timeout_s`). NCCL: the communicator is made at the first broadcast (as on SGLang's side), so
+    a rank that never joins shows there. `broadcast` sends from rank 0 and receives into the
+    given tensor elsewhere; an NCCL broadcast is only queued on the stream (synchronize to wait).
+    The store listens on every interface and anyone who reaches it can take a rank: the group's
+    name (the keys' prefix) is a fresh random one, known only to the ranks, and the engine checks
+    the announced digest; the network between trainer and engines should still be a trusted one."""
 
     def __init__(self, name: str, backend: str, master_address: str, master_port: int, rank: int,
                  world_size: int, timeout_s: float = GROUP_TIMEOUT_S, store=None):  # fmt: skip

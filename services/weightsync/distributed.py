@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import secrets
 import time
 
 from asyncrl_proto import TransferReply, TransferRequest
@@ -35,7 +36,7 @@ SEND_TIMEOUT_S = 300.0
 """The trainer answers a send once every engine has every tensor."""
 
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
 def buckets(dtypes: list[str], shapes: list[list[int]], max_bytes: int) -> list[list[int]]:
@@ -64,7 +65,10 @@ class VersionGone(Exception):
 class DistributedUpdater:
     def __init__(self, bus, client, run_id: str, buffer_size: int, pause_mode: str, on_pause=None):
         self.bus, self.client = bus, client
-        self.group_name = f"asyncrl-{run_id}"
+        self.run_id = run_id
+        self.group_name = ""
+        """The formed group's name: a fresh random one each time, sent only over NATS and the
+        authenticated HTTP API, so nobody else can name the group's keys in the trainer's store."""
         self.buffer_size = buffer_size
         self.pause_mode = pause_mode
         self.on_pause = on_pause or (lambda seconds: None)
@@ -84,25 +88,40 @@ class DistributedUpdater:
             raise TransferFailed(f"the trainer refused {req.op}: {reply.error}")
         return reply
 
+    async def _builtin(self) -> dict[str, bool]:
+        """Which engines are built-in engines (they check the digest, collect a version whole and
+        stage it); an engine whose /server_info does not answer fails the transfer."""
+        return {u: await self.client.server_flag(u, "weight_digest_check") for u in self.client.urls}
+
     async def _form(self) -> TransferReply:
         urls = self.client.urls
         world = 1 + len(urls)
-        reply = await self._ask(TransferRequest(op="join", group_name=self.group_name, world_size=world), 60.0)
-        await asyncio.gather(*(self.client.destroy_weights_update_group(u, self.group_name) for u in urls))
-        await asyncio.gather(*(
+        # gloo where every engine takes it (built-in engines say so), else NCCL (SGLang servers on GPUs)
+        infos = [await self.client.server_info(u) for u in urls]
+        backend = "gloo" if all("gloo" in (i.get("weight_update_backends") or ()) for i in infos) else "nccl"
+        self.group_name = f"asyncrl-{self.run_id}-{secrets.token_hex(8)}"
+        req = TransferRequest(op="join", group_name=self.group_name, world_size=world, backend=backend)
+        reply = await self._ask(req, 60.0)
+        results = await asyncio.gather(*(
             self.client.init_weights_update_group(u, reply.master_address, reply.master_port, i + 1, world,
                                                   self.group_name, reply.backend)
             for i, u in enumerate(urls)
-        ))  # fmt: skip
+        ), return_exceptions=True)  # fmt: skip
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
         self.num_groups_formed += 1
-        log.info("weight transfer group %s formed: trainer %s:%d and %d engines (%s, %d tensors)", self.group_name,
+        log.info("weight transfer group formed: trainer %s:%d and %d engines (%s, %d tensors)",
                  reply.master_address, reply.master_port, len(urls), reply.backend, len(reply.names))  # fmt: skip
         return reply
 
     async def leave(self) -> None:
         """Tear the group down on every end (each may be gone already)."""
         self.join = None
-        await asyncio.gather(*(self.client.destroy_weights_update_group(u, self.group_name) for u in self.client.urls))
+        if self.group_name:
+            await asyncio.gather(
+                *(self.client.destroy_weights_update_group(u, self.group_name) for u in self.client.urls)
+            )
         try:
             await self._ask(TransferRequest(op="leave", group_name=self.group_name), 60.0)
         except (TransferFailed, VersionGone) as e:
@@ -111,8 +130,8 @@ class DistributedUpdater:
     async def update(self, version: int, digest: str | None) -> bool:
         """Every engine to `version`, by broadcast from the trainer. False when the trainer no
         longer has it. Raises (after leaving the group) on any failure."""
-        try:
-            await self._ask(TransferRequest(op="has", group_name=self.group_name, version=version), 60.0)
+        try:  # the trainer also reads an older version from disk now, before any engine waits for it
+            await self._ask(TransferRequest(op="has", group_name=self.group_name, version=version), 300.0)
         except VersionGone as e:
             log.warning("weights v%d: %s", version, e)
             return False
@@ -127,12 +146,20 @@ class DistributedUpdater:
 
     async def _transfer(self, join: TransferReply, version: int, digest: str | None) -> None:
         """Built-in engines (all of them staging) receive while they generate and pause only to
-        swap; otherwise every engine receives inside the pause, as SGLang servers must."""
+        swap. Otherwise every engine receives inside the pause, as SGLang servers must. An SGLang
+        server loads each bucket as it comes, so it is first named `loading-<N>` (no version: it
+        counts as behind) and continued only once the whole version is in: a failed broadcast
+        leaves it paused until a later one completes, never generating from half of one version
+        under the name of another. (A built-in engine swaps only a whole version in.)"""
         urls = self.client.urls
-        staged = all([await self.client.server_flag(u, "staged_weight_loading") for u in urls])
+        builtin = await self._builtin()
+        staged = all(builtin.values()) and all(
+            [await self.client.server_flag(u, "staged_weight_loading") for u in urls]
+        )
         if staged:
-            await self._broadcast(join, version, digest, stage=True)
-        pause_t0 = {}
+            await self._broadcast(join, version, digest, builtin, stage=True)
+        pause_t0: dict[str, float] = {}
+        mixed: list[str] = []
         try:
             for u in urls:
                 await self.client.pause(u, self.pause_mode)
@@ -143,25 +170,38 @@ class DistributedUpdater:
                     if not await self.client.flush_cache(u):
                         log.warning("%s refused to flush its cache while paused", u)
             if not staged:
-                await self._broadcast(join, version, digest, stage=False)
+                mixed = [u for u in urls if not builtin[u]]
+                for u in mixed:
+                    await self.client.update_weight_version(u, f"loading-{version}")
+                await self._broadcast(join, version, digest, builtin, stage=False)
             for u in urls:  # a staged engine swaps the version in here
-                await self.client.update_weight_version(u, str(version))
+                swapped = (await self.client.update_weight_version(u, str(version))).get("staged")
+                if staged and swapped is not True:
+                    raise EngineError(f"{u} held no staged v{version} to swap in (restarted?)")
+            mixed = []
         finally:
-            for u in pause_t0:
-                try:
-                    await self.client.continue_generation(u)
-                finally:
-                    self.on_pause(time.perf_counter() - pause_t0[u])
+            if mixed:
+                log.error("engines %s stay paused: they may hold part of v%d; the next complete broadcast "
+                          "continues them", mixed, version)  # fmt: skip
+            await self._continue({u: t for u, t in pause_t0.items() if u not in mixed})
 
-    async def _broadcast(self, join: TransferReply, version: int, digest: str | None, stage: bool) -> None:
+    async def _continue(self, pause_t0: dict[str, float]) -> None:
+        """Continue every paused engine, each whatever the others answer."""
+        results = await asyncio.gather(*(self.client.continue_generation(u) for u in pause_t0), return_exceptions=True)
+        for u, r in zip(pause_t0, results, strict=True):
+            self.on_pause(time.perf_counter() - pause_t0[u])
+            if isinstance(r, BaseException):
+                log.warning("continuing %s failed: %s", u, r)
+
+    async def _broadcast(self, join: TransferReply, version: int, digest: str | None, builtin: dict[str, bool],
+                         stage: bool) -> None:  # fmt: skip
         """The trainer's send and every engine's receive, at once."""
         send = asyncio.ensure_future(
             self._ask(TransferRequest(op="send", group_name=self.group_name, version=version), SEND_TIMEOUT_S)
         )
-        tasks = [
-            send,
-            *(asyncio.ensure_future(self._receive(u, join, version, digest, stage)) for u in self.client.urls),
-        ]
+        receives = [asyncio.ensure_future(self._receive(u, join, version, digest, builtin[u], stage))
+                    for u in self.client.urls]  # fmt: skip
+        tasks = [send, *receives]
         # the first failure ends the transfer: a trainer killed mid-send never answers, and an
         # engine that failed leaves the others waiting for tensors that will not come
         done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -175,9 +215,16 @@ class DistributedUpdater:
             raise TransferFailed(f"the trainer sent v{version} with digest {send.result().tensor_sha256[:16]}..., "
                                  f"not the announced {digest[:16]}...")  # fmt: skip
 
-    async def _receive(self, url: str, join: TransferReply, version: int, digest: str | None, stage: bool) -> None:
+    async def _receive(self, url: str, join: TransferReply, version: int, digest: str | None, builtin: bool,
+                       stage: bool) -> None:  # fmt: skip
+        """One engine's buckets. A built-in engine gets the version's name and digest and must say
+        the last bucket completed it; an SGLang server gets neither (it would take the name at
+        its first bucket), its name comes from update_weight_version."""
+        reply: dict = {}
         for idx in buckets(join.dtypes, join.shapes, self.buffer_size):
-            await self.client.update_weights_from_distributed(
+            reply = await self.client.update_weights_from_distributed(
                 url, [join.names[i] for i in idx], [join.dtypes[i] for i in idx], [join.shapes[i] for i in idx],
-                self.group_name, str(version), digest, stage=stage,
+                self.group_name, str(version) if builtin else None, digest if builtin else None, stage=stage,
             )  # fmt: skip
+        if builtin and not (isinstance(reply, dict) and reply.get("complete") is True):
+            raise EngineError(f"{url} did not receive all of v{version}: {str(reply)[:300]}")

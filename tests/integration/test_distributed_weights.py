@@ -178,6 +178,8 @@ async def test_weight_sync_updates_every_engine_from_the_trainer(server, tiny_mo
                     await updater.update(2, "f" * 64)
                 assert updater.join is None and e1.scheduler.weight_version == "2"
                 assert await updater.update(2, sha2) is True and updater.num_groups_formed == 2  # formed again
+                if not staged:
+                    await cut_off_mid_broadcast(updater, sender, model, e1, e2)
             finally:
                 await updater.leave()
                 await client.close()
@@ -185,3 +187,32 @@ async def test_weight_sync_updates_every_engine_from_the_trainer(server, tiny_mo
         await sender.stop()
         for b in (admin, trainer_bus, sync_bus, producer):
             await b.close()
+
+
+async def cut_off_mid_broadcast(updater, sender, model, *engines):
+    """Engines that weight-sync takes for SGLang servers (no asyncrl extensions: they load each
+    bucket as it comes, inside the pause): a broadcast cut off after half the tensors leaves every
+    one paused and named `loading-<N>`, never generating from a mixture under a version's name;
+    the next complete broadcast continues them."""
+    for e in engines:
+        updater.client._flags[e.url]["weight_digest_check"] = False
+    with torch.no_grad():
+        next(model.parameters()).add_(0.1)
+    sha3 = await asyncio.to_thread(sender.hold, 3)
+    whole = WeightSender._broadcast
+
+    def half(group, state):
+        for t in list(state.values())[: len(state) // 2]:
+            group.broadcast(t.contiguous())
+        raise RuntimeError("the trainer went away mid-broadcast")
+
+    sender._broadcast = half
+    with pytest.raises((TransferFailed, EngineError)):
+        await updater.update(3, sha3)
+    for e in engines:
+        assert e.scheduler.paused_mode is not None and e.scheduler.weight_version == "loading-3"
+    sender._broadcast = whole
+    assert await updater.update(3, sha3) is True
+    for e in engines:
+        assert e.scheduler.paused_mode is None and e.scheduler.weight_version == "3"
+    assert updater.num_groups_formed == 3  # formed again after the cut-off
