@@ -154,6 +154,12 @@ class WeightStore:
         tmp = out.with_name(out.name + ".part")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        try:
+            return await self._fetch_into(version, manifest, tmp, out)
+        finally:  # a fetch cut off (the version retired meanwhile, a lost connection) leaves nothing
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    async def _fetch_into(self, version: int, manifest: dict, tmp: Path, out: Path) -> Path:
         for name in manifest["files"]:
             if not isinstance(name, str) or name != Path(name).name or name in ("", ".", "..", COMPLETE_MARKER):
                 raise WeightStoreError(f"weights v{version}: the manifest names a file {name!r:.80}")

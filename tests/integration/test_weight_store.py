@@ -91,6 +91,12 @@ async def test_an_incomplete_version_is_never_fetched(server, tiny_model_dir, tm
         assert await reader.manifest(3) is None
         with pytest.raises(WeightStoreError, match="incomplete"):
             await reader.fetch(3, tmp_path / "fetched")
+        # a version retired while it is fetched: the fetch fails and leaves no partial copy behind
+        await WeightStore(trainer).upload(4, snap)
+        await obs.delete("v4/model.safetensors")
+        with pytest.raises(WeightStoreError, match="missing"):
+            await reader.fetch(4, tmp_path / "v4")
+        assert not (tmp_path / "v4.part").exists() and not (tmp_path / "v4").exists()
     finally:
         for b in (admin, trainer, engine):
             await b.close()
