@@ -158,7 +158,7 @@ class Launcher:
         pins = procs.split_cpus(c.rollout_num_engines) if c.pin_cpus and not self.placement else None
         for i in range(c.rollout_num_engines):
             host, port = self._address(f"engine-{i}", "rollout")
-            flags = builtin_engine_flags(c, c.seed + i) | ({"--host": host} if self.placement else {})
+            flags = builtin_engine_flags(c, c.seed + i, f"engine-{i}") | ({"--host": host} if self.placement else {})
             role = None
             if c.update_weight_transfer_mode == "object-store":  # it fetches weights with a read-only identity
                 flags |= {"--nats-url": self.nats_url, "--run-id": c.run_id,

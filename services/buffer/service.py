@@ -45,6 +45,7 @@ from services.common.bus import VersionBound, next_batch, settle
 from services.common.config import AsyncSection, DataSection, RolloutSection, TrainerSection
 from services.common.datasource import make_prompt_source
 from services.common.plugins import load_object
+from services.common.promexport import LATENCY_BUCKETS_S
 from services.common.runtime import Service, wait_event
 from services.common.validate import limits_from_model_dir
 
@@ -57,6 +58,9 @@ PURGE_INTERVAL_S = 1.0
 class BufferService(Service):
     name = "buffer"
     reads = (DataSection, RolloutSection, AsyncSection, TrainerSection)  # TrainerSection: commit_interval
+    counter_keys = frozenset({"buffer/ledger_events"})
+    histograms = {"buffer/get_wait_seconds": ("Seconds from a trainer's buffer.get to its reply, for the gets "
+                                              "answered before their wait ran out", LATENCY_BUCKETS_S)}  # fmt: skip
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
@@ -237,10 +241,13 @@ class BufferService(Service):
             if v is not None:
                 await self.published.allows(v)  # re-reads the bound for a version newer than it
         answered = self._answered[id(msg)] = asyncio.Event()
+        t0 = time.perf_counter()
         out = self.core.on_get(msg, req)
         await self._apply(out)
         if out.waiting and not await wait_event(answered, req.wait_s):
             await self._apply(self.core.on_get_timeout(msg, req.step))
+        elif not out.dead_letters:
+            self.observe("buffer/get_wait_seconds", time.perf_counter() - t0)
         self._answered.pop(id(msg), None)
 
     async def _pump_gets(self) -> None:

@@ -16,13 +16,15 @@ def builtin_engine_command(model_path: str, port: int, flags: dict[str, str | No
     return cmd
 
 
-def builtin_engine_flags(config, seed: int) -> dict[str, str | None]:
-    """The built-in engine settings a run gives every engine it starts."""
+def builtin_engine_flags(config, seed: int, instance: str) -> dict[str, str | None]:
+    """The built-in engine settings a run gives every engine it starts; `instance` (engine-0,
+    eval-engine-0, ...) and the run id label its /metrics."""
     return {
         "--max-running-requests": str(config.engine_max_running_requests),
         "--torch-num-threads": str(config.torch_num_threads),
         "--random-seed": str(seed),
-    }
+        "--instance-id": instance,
+    } | ({"--run-id": config.run_id} if config.run_id else {})
 
 
 def sglang_server_command(model_path: str, port: int, seed: int, args: list[str]) -> list[str]:

@@ -1,11 +1,12 @@
 """Service runtime: named loops under one TaskGroup, an HTTP app, heartbeats, clean shutdown.
 
 Every service subclasses `Service` and provides `loops()` (named coroutines that run until
-stop()), `status()` (JSON for /status) and `metric_values()` (numbers for /metrics). The runtime
-serves /healthz, /readyz, /metrics, /status and /config on the service's own port, publishes a
-heartbeat every 2 s, and turns SIGTERM/SIGINT into stop(): loops are cancelled, `teardown()`
-runs, the NATS connection flushes and closes. A loop that returns while the service is not stopping is a bug
-and fails the process, so a supervisor restarts it and unacknowledged messages are redelivered.
+stop()), `status()` (JSON for /status) and `metric_values()` (numbers for /metrics, typed and
+labelled by services.common.promexport). The runtime serves /healthz, /readyz, /metrics, /status
+and /config on the service's own port, publishes a heartbeat every 2 s, and turns SIGTERM/SIGINT
+into stop(): loops are cancelled, `teardown()` runs, the NATS connection flushes and closes. A
+loop that returns while the service is not stopping is a bug and fails the process, so a
+supervisor restarts it and unacknowledged messages are redelivered.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import signal
 import socket
 import time
@@ -26,12 +26,12 @@ import uvicorn
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
 
 from asyncrl_proto import Heartbeat
 from services.common.bus import Bus
 from services.common.config import RunConfig
 from services.common.httpauth import OPEN_PATHS, require_token
+from services.common.promexport import LabelledProcessCollector, ServiceCollector
 from services.common.secrets import install_log_redaction, run_token_from_env
 
 log = logging.getLogger(__name__)
@@ -62,27 +62,6 @@ async def wait_event(event: asyncio.Event, timeout: float) -> bool:
     return event.is_set()
 
 
-_PROM_BAD = re.compile(r"[^a-zA-Z0-9_]")
-
-
-def prom_name(name: str) -> str:
-    """Miles metric names carry '/' (rollout/fully_async/queue_size); Prometheus does not."""
-    return "asyncrl_" + _PROM_BAD.sub("_", name).strip("_")
-
-
-class _DictCollector:
-    def __init__(self, fn: Callable[[], dict[str, float]]):
-        self._fn = fn
-
-    def collect(self):
-        for key, value in sorted(self._fn().items()):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            fam = GaugeMetricFamily(prom_name(key), key)
-            fam.add_metric([], float(value))
-            yield fam
-
-
 class _QuietServer(uvicorn.Server):
     """uvicorn without its own signal handling: the service owns SIGTERM/SIGINT."""
 
@@ -105,6 +84,10 @@ class Service:
     reads: tuple[type, ...] = ()
     """The config sections (services.common.config) this service reads besides InfraSection, which the
     runtime reads for every service (tests/unit/test_config_sections.py checks it)."""
+    counter_keys: frozenset[str] = frozenset()
+    """metric_values() keys that are counters although their names do not end in `_total`."""
+    histograms: dict[str, tuple[str, tuple[float, ...]]] = {}
+    """Distributions this service observes (`observe`): key -> (help, upper bounds in its unit)."""
 
     def __init__(
         self,
@@ -132,7 +115,10 @@ class Service:
         self._background: set[asyncio.Task] = set()
         self._tasks: list[asyncio.Task] = []
         self.registry = CollectorRegistry()
-        self.registry.register(_DictCollector(self.metric_values))
+        labels = {"run": bus.subjects.run_id, "service": self.name, "instance": self.instance_id}
+        self.metrics = ServiceCollector(self.metric_values, labels, self.counter_keys, self.histograms)
+        self.registry.register(self.metrics)
+        self.registry.register(LabelledProcessCollector(labels))
         self.app = self._build_app()
 
     # ---- to override ---------------------------------------------------------------------
@@ -149,6 +135,7 @@ class Service:
         return {}
 
     def metric_values(self) -> dict[str, float]:
+        """Numbers for /metrics (services.common.promexport types and labels them)."""
         return {}
 
     def add_routes(self, app: FastAPI) -> None:
@@ -166,6 +153,10 @@ class Service:
         if not self._stop.is_set():
             log.info("%s %s stopping", self.name, self.instance_id)
         self._stop.set()
+
+    def observe(self, key: str, value: float) -> None:
+        """One observation of a histogram the class declares in `histograms`."""
+        self.metrics.observe(key, value)
 
     def background(self, coro: Awaitable[None], what: str) -> asyncio.Task:
         """A fire-and-forget task, referenced until done (the event loop keeps only weak ones),

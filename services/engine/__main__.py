@@ -35,12 +35,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nats-url", default=None,
                    help="with --run-id: fetch nats-object:// weights (--update-weight-transfer-mode object-store) from "
                    "the run's bucket, as the read-only NATS identity `engine` (from $ASYNCRL_NATS_*)")  # fmt: skip
-    p.add_argument("--run-id", default=None)
+    p.add_argument("--run-id", default=None, help="the run this engine serves: the `run` label on /metrics, and with "
+                   "--nats-url the run whose weights bucket to read")  # fmt: skip
+    p.add_argument("--instance-id", default=None,
+                   help="the `instance` label on /metrics (default: <host name>:<port>)")  # fmt: skip
     p.add_argument("--weights-cache-dir", default=None,
                    help="where fetched object-store weights go (default: a temporary directory, removed at exit)")  # fmt: skip
     args = p.parse_args(argv)
-    if bool(args.nats_url) != bool(args.run_id):
-        p.error("--nats-url and --run-id go together (the run whose weights bucket to read)")
+    if args.nats_url and not args.run_id:
+        p.error("--nats-url needs --run-id (the run whose weights bucket to read)")
     return args
 
 
@@ -62,6 +65,7 @@ def main(argv=None) -> None:
     import torch
     import uvicorn
 
+    from services.engine.metrics import engine_metrics
     from services.engine.scheduler import Scheduler
     from services.engine.server import EngineServer
     from services.model.hf_io import load_model
@@ -93,6 +97,7 @@ def main(argv=None) -> None:
         weights = ObjectWeights(args.nats_url, args.run_id, cache)
     server = EngineServer(sched, args.model_path, tokenizer, args.served_model_name, args.host, args.port, api_key,
                           weights=weights, staged_loading=not args.disable_staged_weight_loading)  # fmt: skip
+    engine_metrics(server, run=args.run_id, instance=args.instance_id)  # the run and instance labels
     try:
         uvicorn.run(
             server.app,

@@ -11,6 +11,7 @@ client never gets silently different behaviour from what it asked for.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,32 +28,51 @@ class BadRequest(ValueError):
     pass
 
 
-# SGLang fields this engine does not implement, with the values that ask for nothing
+# SGLang 0.5.23 fields this engine does not implement, with the values that ask for nothing
 _NEUTRAL = (None, False, 0, [], {}, "")
 NOT_IMPLEMENTED_TOP = {
-    "input_embeds": _NEUTRAL, "top_logprobs_num": _NEUTRAL, "token_ids_logprob": _NEUTRAL,
-    "return_text_in_logprobs": _NEUTRAL, "stream": _NEUTRAL, "lora_path": _NEUTRAL, "lora_id": _NEUTRAL,
+    "input_embeds": _NEUTRAL, "token_ids_logprob": _NEUTRAL, "lora_path": _NEUTRAL, "lora_id": _NEUTRAL,
     "return_routed_experts": _NEUTRAL, "routed_experts_start_len": _NEUTRAL, "return_indexer_topk": _NEUTRAL,
-    "return_hidden_states": _NEUTRAL, "return_prompt_token_ids": _NEUTRAL, "return_entropy": _NEUTRAL,
+    "return_hidden_states": _NEUTRAL, "return_entropy": _NEUTRAL,
     "return_sampling_mask": _NEUTRAL, "image_data": _NEUTRAL, "video_data": _NEUTRAL, "audio_data": _NEUTRAL,
     "modalities": _NEUTRAL, "session_params": _NEUTRAL, "session_id": _NEUTRAL, "extra_key": _NEUTRAL,
     "priority": _NEUTRAL, "routed_dp_rank": _NEUTRAL, "routing_key": _NEUTRAL, "custom_logit_processor": _NEUTRAL,
     "custom_labels": _NEUTRAL, "background": _NEUTRAL, "bootstrap_host": _NEUTRAL, "bootstrap_port": _NEUTRAL,
-    "bootstrap_room": _NEUTRAL, "data_parallel_rank": _NEUTRAL, "logprob_start_len": (None, -1),
+    "bootstrap_room": _NEUTRAL, "data_parallel_rank": _NEUTRAL,
     "log_metrics": (None, True, False), "no_logs": (None, True, False),
+    "mm_hashes": _NEUTRAL, "mm_content_hashes": _NEUTRAL, "use_audio_in_video": _NEUTRAL, "video_config": _NEUTRAL,
+    "watermark": _NEUTRAL, "sampling_logprobs_mode": _NEUTRAL, "return_flat_raw_top_logprobs": _NEUTRAL,
+    "return_flat_raw_output_top_logprobs": _NEUTRAL, "return_flat_raw_top_logprobs_b64": _NEUTRAL,
+    "positional_embed_overrides": _NEUTRAL, "bootstrap_pair_key": _NEUTRAL, "decode_tp_size": _NEUTRAL,
+    "disagg_prefill_dp_rank": _NEUTRAL, "conversation_id": _NEUTRAL, "http_worker_ipc": _NEUTRAL,
+    "require_reasoning": _NEUTRAL, "max_thinking_tokens": _NEUTRAL, "return_bytes": _NEUTRAL,
+    "external_trace_header": _NEUTRAL, "received_time": _NEUTRAL, "need_wait_for_mm_inputs": _NEUTRAL,
+    "num_items_assigned": _NEUTRAL, "encoder_urls": _NEUTRAL, "max_dynamic_patch": _NEUTRAL,
+    "min_dynamic_patch": _NEUTRAL, "image_max_dynamic_patch": _NEUTRAL, "video_max_dynamic_patch": _NEUTRAL,
+    "images_config": _NEUTRAL, "mm_processor_kwargs": _NEUTRAL, "multi_item_delimiter_indices": _NEUTRAL,
+    "token_indices_to_pool": _NEUTRAL, "cache_salt": _NEUTRAL, "kv_hints": _NEUTRAL,
+    # not SGLang's: sglang-router (the model gateway) adds `"model": null` to every /generate it forwards
+    "model": (None,),
 }  # fmt: skip
+CONSTRAINED = ("json_schema", "regex", "ebnf", "structural_tag")
 NOT_IMPLEMENTED_SAMPLING = {
-    "min_p": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}), "json_schema": (None, ""),
-    "regex": (None, ""), "ebnf": (None, ""), "structural_tag": (None, ""), "stop": (None, "", []),
-    "stop_regex": (None, "", []), "custom_params": (None, {}), "stream_interval": (None,),
-    "sampling_seed": (None,),
+    "json_schema": (None, ""), "regex": (None, ""), "ebnf": (None, ""), "structural_tag": (None, ""),
+    "custom_params": (None, {}), "beam_width": (None, 1), "watermark": (None, {}),
 }  # fmt: skip
-TOP_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob"} | set(NOT_IMPLEMENTED_TOP)
+SGLANG_INTERNAL_SAMPLING = ("stop_strs", "stop_regex_strs", "stop_str_max_len", "stop_regex_max_len",
+                            "is_normalized", "ebnf_full_assistant")  # fmt: skip
+"""SamplingParams fields SGLang fills in itself; a request that sends one is refused."""
+TOP_FIELDS = {
+    "text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
+    "return_text_in_logprobs", "stream", "return_prompt_token_ids",
+} | set(NOT_IMPLEMENTED_TOP)  # fmt: skip
 SAMPLING_FIELDS = {
     "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "n",
-    "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens",
-} | set(NOT_IMPLEMENTED_SAMPLING)  # fmt: skip
+    "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens", "min_p", "frequency_penalty",
+    "presence_penalty", "repetition_penalty", "logit_bias", "stop", "stop_regex", "sampling_seed", "stream_interval",
+} | set(NOT_IMPLEMENTED_SAMPLING) | set(SGLANG_INTERNAL_SAMPLING)  # fmt: skip
+MAX_TOP_LOGPROBS = 64
+MAX_STOPS = 16
 
 
 @dataclass
@@ -61,6 +81,10 @@ class TextOptions:
 
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    stop: tuple[str, ...] = ()
+    stop_regex: tuple[str, ...] = ()
+    stream_interval: int = 1
+    """Tokens between two streamed chunks."""
 
 
 @dataclass
@@ -70,6 +94,11 @@ class Sequence:
     text: TextOptions
     rid: str | None
     return_logprob: bool
+    logprob_start: int | None = None
+    """Where input_token_logprobs start (validated logprob_start_len); None: none asked for."""
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    return_prompt_token_ids: bool = False
 
 
 @dataclass
@@ -140,7 +169,7 @@ def token_ids(v: Any, field: str, limits: Limits, prompt: bool = True) -> list[i
 
 
 def sampling_params(
-    raw: Any, limits: Limits, where: str = "sampling_params."
+    raw: Any, limits: Limits, where: str = "sampling_params.", tokenizer=None
 ) -> tuple[SamplingParams, TextOptions, int]:
     if raw is None:
         raw = {}
@@ -149,6 +178,12 @@ def sampling_params(
     unknown = sorted(set(raw) - SAMPLING_FIELDS)
     if unknown:
         raise BadRequest(f"{where}{unknown[0]} is not a sampling parameter SGLang knows")
+    internal = [k for k in SGLANG_INTERNAL_SAMPLING if k in raw]
+    if internal:
+        raise BadRequest(f"{where}{internal[0]} is internal to SGLang's server, not a request field")
+    for key in CONSTRAINED:
+        if raw.get(key) not in (None, ""):
+            raise BadRequest(f"{where}{key}: constrained decoding is not implemented by the built-in engine")
     _unimplemented(raw, NOT_IMPLEMENTED_SAMPLING, where)
     n = _integer(raw, "n", 1, where, 1, MAX_N)
     max_new = _integer(raw, "max_new_tokens", 128, where, 0, limits.context_length)
@@ -170,12 +205,68 @@ def sampling_params(
             f"{where}spaces_between_special_tokens false is not implemented by the built-in engine "
             "unless skip_special_tokens is true"
         )
+    min_p = _number(raw, "min_p", 0.0, where)
+    if not 0 <= min_p <= 1:
+        raise BadRequest(f"{where}min_p must be in [0, 1], got {min_p}")
+    penalties = {k: _number(raw, k, 0.0, where) for k in ("frequency_penalty", "presence_penalty")}
+    for k, v in penalties.items():
+        if not -2 <= v <= 2:
+            raise BadRequest(f"{where}{k} must be in [-2, 2], got {v}")
+    repetition = _number(raw, "repetition_penalty", 1.0, where)
+    if not 0 < repetition <= 2:
+        raise BadRequest(f"{where}repetition_penalty must be in (0, 2], got {repetition}")
+    seed = raw.get("sampling_seed")
+    if seed is not None:
+        seed = _integer(raw, "sampling_seed", 0, where, 0, 2**63 - 1)
+    stop, stop_regex = _strings(raw, "stop", where), _strings(raw, "stop_regex", where)
+    if (stop or stop_regex) and tokenizer is None:
+        raise BadRequest(f"{where}stop and stop_regex need a tokenizer, and this engine has none")
+    for pattern in stop_regex:
+        try:
+            re.compile(pattern)
+        except (re.error, RecursionError) as e:
+            raise BadRequest(f"{where}stop_regex {pattern!r:.80} is not a valid regular expression: {e}") from None
     params = SamplingParams(
         max_new_tokens=max_new, min_new_tokens=min_new, temperature=temperature, top_p=top_p, top_k=top_k,
-        stop_token_ids=stop_ids, ignore_eos=_boolean(raw, "ignore_eos", False, where),
+        stop_token_ids=stop_ids, ignore_eos=_boolean(raw, "ignore_eos", False, where), min_p=min_p,
+        repetition_penalty=repetition, logit_bias=_logit_bias(raw.get("logit_bias"), limits, where),
+        sampling_seed=seed, **penalties,
     )  # fmt: skip
-    text = TextOptions(skip_special_tokens=skip_special, no_stop_trim=_boolean(raw, "no_stop_trim", False, where))
+    text = TextOptions(skip_special_tokens=skip_special, no_stop_trim=_boolean(raw, "no_stop_trim", False, where),
+                       stop=stop, stop_regex=stop_regex,
+                       stream_interval=_integer(raw, "stream_interval", 1, where, 1, limits.context_length))  # fmt: skip
     return params, text, n
+
+
+def _strings(raw: dict, key: str, where: str) -> tuple[str, ...]:
+    v = raw.get(key)
+    if v is None or v == "":
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(x, str) and x for x in items):
+        raise BadRequest(f"{where}{key} must be a string or a list of non-empty strings")
+    if len(items) > MAX_STOPS or any(len(x) > 256 for x in items):
+        raise BadRequest(f"{where}{key}: at most {MAX_STOPS} entries of at most 256 characters")
+    return tuple(items)
+
+
+def _logit_bias(v: Any, limits: Limits, where: str) -> dict[int, float]:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise BadRequest(f"{where}logit_bias must be an object of token id -> bias, got {type(v).__name__}")
+    out = {}
+    for key, bias in v.items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise BadRequest(f"{where}logit_bias has key {key!r:.40}, not a token id") from None
+        if not 0 <= tid < limits.vocab_size:
+            raise BadRequest(f"{where}logit_bias has token id {tid}, outside the vocabulary [0, {limits.vocab_size})")
+        if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias):
+            raise BadRequest(f"{where}logit_bias[{key}] must be a finite number")
+        out[tid] = float(bias)
+    return out
 
 
 def parse_generate(body: Any, limits: Limits, tokenizer=None) -> tuple[list[Sequence], bool]:
@@ -192,23 +283,47 @@ def parse_generate(body: Any, limits: Limits, tokenizer=None) -> tuple[list[Sequ
     if isinstance(raw_params, list):
         if len(raw_params) != len(prompts):
             raise BadRequest(f"sampling_params has {len(raw_params)} entries for {len(prompts)} prompts")
-        parsed = [sampling_params(p, limits, f"sampling_params[{i}].") for i, p in enumerate(raw_params)]
+        parsed = [sampling_params(p, limits, f"sampling_params[{i}].", tokenizer) for i, p in enumerate(raw_params)]
     else:
-        parsed = [sampling_params(raw_params, limits)] * len(prompts)
+        parsed = [sampling_params(raw_params, limits, tokenizer=tokenizer)] * len(prompts)
     rids = _per_prompt(body.get("rid"), "rid", len(prompts), str)
     logprob = _per_prompt(body.get("return_logprob"), "return_logprob", len(prompts), bool)
+    starts = _per_prompt(body.get("logprob_start_len"), "logprob_start_len", len(prompts), int)
+    tops = _per_prompt(body.get("top_logprobs_num"), "top_logprobs_num", len(prompts), int)
+    flags = {k: _boolean(body, k, False, "") for k in ("return_text_in_logprobs", "return_prompt_token_ids", "stream")}
     total = sum(n for _, _, n in parsed)
     if total > MAX_SEQUENCES:
         raise BadRequest(f"the request asks for {total} sequences; at most {MAX_SEQUENCES} per call")
     is_batch = is_batch or any(n > 1 for _, _, n in parsed)
     seqs = []
     for i, (ids, (params, text, n)) in enumerate(zip(prompts, parsed, strict=True)):
+        start, top = _logprob_options(ids, bool(logprob[i]), starts[i], tops[i], flags["return_text_in_logprobs"])
         for j in range(n):
             rid = rids[i]
             if rid is not None and isinstance(body.get("rid"), str) and is_batch:
                 rid = f"{rid}-{i}-{j}"  # one string names a batch: a prefix of per-item ids
-            seqs.append(Sequence(ids, params, text, rid, bool(logprob[i])))
+            seqs.append(Sequence(ids, params, text, rid, bool(logprob[i]), start, top,
+                                 flags["return_text_in_logprobs"], flags["return_prompt_token_ids"]))  # fmt: skip
     return seqs, is_batch
+
+
+def _logprob_options(
+    ids: list[int], return_logprob: bool, start: int | None, top: int | None, with_text: bool
+) -> tuple[int | None, int]:
+    """(where prompt log-probs start or None, top_logprobs_num); what needs return_logprob says so."""
+    start = -1 if start is None else start
+    top = 0 if top is None else top
+    if not return_logprob:
+        asked = [k for k, v in (("logprob_start_len", start != -1), ("top_logprobs_num", top != 0),
+                                ("return_text_in_logprobs", with_text)) if v]  # fmt: skip
+        if asked:
+            raise BadRequest(f"{asked[0]} needs return_logprob: true")
+        return None, 0
+    if not -1 <= start <= len(ids):
+        raise BadRequest(f"logprob_start_len must be in [-1, {len(ids)}] (the prompt's length), got {start}")
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+    return (None if start in (-1, len(ids)) else start), top
 
 
 def _prompts(body: dict, limits: Limits, tokenizer) -> tuple[list[list[int]], bool]:
@@ -235,11 +350,15 @@ def _prompts(body: dict, limits: Limits, tokenizer) -> tuple[list[list[int]], bo
 def _per_prompt(v: Any, field: str, count: int, kind: type) -> list:
     if v is None:
         return [None] * count
+
+    def fits(x) -> bool:
+        return isinstance(x, kind) and (kind is bool or not isinstance(x, bool))
+
     if isinstance(v, list):
-        if len(v) != count or not all(isinstance(x, kind) for x in v):
+        if len(v) != count or not all(fits(x) for x in v):
             raise BadRequest(f"{field} must be one {kind.__name__} or a list of {count}")
         items = v
-    elif isinstance(v, kind):
+    elif fits(v):
         items = [v] * count
     else:
         raise BadRequest(f"{field} must be a {kind.__name__}, got {type(v).__name__}")

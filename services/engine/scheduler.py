@@ -8,6 +8,10 @@ One scheduler thread runs the loop. A step admits waiting requests into free slo
 request (new requests feed their uncached tokens, running ones their last sampled token), samples
 one token each, and finishes requests that hit a stop token, max_new_tokens or the context limit.
 Requests join and leave between steps, so long and short generations share the batch.
+Sampling (penalties, logit_bias, top-k/p, min-p, top log-probs) is services/engine/sampling.py. A
+request that wants its prompt's log-probs (`logprob_start`) prefills its whole prompt itself,
+never from the prefix cache, so that every position's logits are seen; with max_new_tokens 0
+it finishes after that prefill without sampling (prompt scoring).
 
 Locks: `_work` guards all scheduling state and is held only to plan and to apply a step, never
 during the forward pass, so HTTP handlers and control calls never wait behind the model.
@@ -35,6 +39,8 @@ import torch
 
 from services.common import crash
 from services.common.snapshot import COMPLETE_MARKER, resolved
+from services.engine.metrics import RequestLatency
+from services.engine.sampling import StepOutput, prompt_logprobs, sample
 from services.model.hf_io import load_weights_into, stage_weights, swap_in
 from services.model.llama import CausalLM, KVCache
 
@@ -50,6 +56,12 @@ class SamplingParams:
     top_k: int = -1
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    sampling_seed: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -73,6 +85,21 @@ class Request:
     admitted: bool = False
     created_at: float = field(default_factory=time.time)
     finished_at: float = 0.0
+    admitted_at: float = 0.0
+    """When it first got a slot: its queue time ends (0: never)."""
+    first_token_at: float = 0.0
+    """When its first output token was sampled (0: none yet)."""
+    logprob_start: int | None = None
+    """Where the prompt's log-probabilities start (SGLang's logprob_start_len); None: not wanted.
+    Such a request prefills its whole prompt itself (no prefix cache) to see every position's logits."""
+    top_logprobs_num: int = 0
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list | None = None
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    on_token: Callable[[Request], None] | None = None
+    """Called on the scheduler thread after each token of an unfinished request (streaming)."""
+    stop_check: Callable[[Request], str | None] | None = None
+    """Called on the scheduler thread after each token: the stop string it matched, or None."""
 
     @property
     def seq(self) -> list[int]:
@@ -102,6 +129,8 @@ class EngineStats:
         self.weight_stage_duration_s = 0.0
         """The last staging's time (generation going on)."""
         self.num_staged_swaps_total = 0
+        self.latency = RequestLatency()
+        """SGLang's time-to-first-token, end-to-end and queue time histograms, per finished request."""
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
 
     def record_generated(self, n: int) -> None:
@@ -250,7 +279,7 @@ class Scheduler:
         while self._inbox:
             req = self._inbox.popleft()
             self.stats.num_requests_total += 1
-            if req.params.max_new_tokens == 0:
+            if req.params.max_new_tokens == 0 and req.logprob_start is None:  # nothing to compute
                 self.stats.prompt_tokens_total += len(req.input_ids)
                 self._finish(req, {"type": "length", "length": 0})
             else:
@@ -415,13 +444,15 @@ class Scheduler:
             req = self.waiting.popleft()
             prompt = tuple(req.input_ids)
             fresh = req.kv_len == 0 and not req.output_ids
-            src = self._prefix_source(prompt) if fresh and len(prompt) > 1 else None
+            reusable = fresh and len(prompt) > 1 and req.logprob_start is None
+            src = self._prefix_source(prompt) if reusable else None
             if fresh and src is None and prompt in being_prefilled:
                 deferred.append(req)
                 continue
             req.slot = self._take_slot()
             if not req.admitted:
                 req.admitted = True
+                req.admitted_at = time.time()
                 self.stats.prompt_tokens_total += len(req.input_ids)
             req.kv_len = 0
             if src is not None and src != req.slot:
@@ -447,53 +478,49 @@ class Scheduler:
 
     # ---- the step ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def _forward(self, p: _Planned) -> tuple[list[int], list[float]]:
+    def _forward(self, p: _Planned) -> StepOutput:
         width = max(map(len, p.feeds))
         ids = torch.tensor([f + [0] * (width - len(f)) for f in p.feeds], dtype=torch.long)
         start = torch.tensor([r.kv_len for r in p.reqs], dtype=torch.long)
         logits_ntv = self.model.forward_cached(ids, self.cache, torch.tensor(p.slots), start)
         last = torch.tensor([len(f) - 1 for f in p.feeds])
         logits_nv = logits_ntv[torch.arange(len(p.reqs)), last].float()
-        tokens, logprobs = self._sample(logits_nv, [r.params for r in p.reqs])
-        return tokens.tolist(), logprobs.tolist()
+        history = [(r.input_ids, r.output_ids) for r in p.reqs]
+        out = sample(logits_nv, [r.params for r in p.reqs], history, self._gen, [r.top_logprobs_num for r in p.reqs])
+        for i, r in enumerate(p.reqs):
+            if r.logprob_start is not None and r.input_logprobs is None and r.kv_len == 0:
+                out.prompt[i] = prompt_logprobs(logits_ntv[i], r.input_ids, r.logprob_start, r.top_logprobs_num)
+        return out
 
-    def _apply(self, p: _Planned, out: tuple[list[int], list[float]], version: int, epoch: int) -> None:
+    def _apply(self, p: _Planned, out: StepOutput, version: int, epoch: int) -> None:
         running = set(map(id, self.running))
-        for r, f, slot, tok, lp in zip(p.reqs, p.feeds, p.slots, *out, strict=True):
+        generated = 0
+        for i, (r, f, slot) in enumerate(zip(p.reqs, p.feeds, p.slots, strict=True)):
             if id(r) not in running or r.slot != slot:
                 continue  # retracted or aborted while this step ran: its result is void
             r.kv_len += len(f)
             if len(f) > 1 and r.kv_len >= len(r.input_ids):
                 self.slot_prompt[slot] = tuple(r.input_ids)  # now a prefix source
                 self.slot_kv_epoch[slot] = epoch
-            r.output_ids.append(tok)
-            r.output_logprobs.append(lp)
+            if out.prompt[i] is not None:
+                r.input_logprobs, r.input_top_logprobs = out.prompt[i]
+            if r.params.max_new_tokens == 0:  # prompt scoring: the prompt's log-probs, no token
+                self.running.remove(r)
+                self._release_slot(r)
+                self._finish(r, {"type": "length", "length": 0})
+                continue
+            if not r.output_ids:
+                r.first_token_at = time.time()
+            r.output_ids.append(out.tokens[i])
+            r.output_logprobs.append(out.logprobs[i])
+            if out.top[i] is not None:
+                r.output_top_logprobs.append(out.top[i])
             r.token_versions.append(version)
-            self._maybe_finish(r, tok)
-        self.stats.record_generated(len(p.reqs))
-
-    def _sample(self, logits_nv: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample from softmax(logits / T) after top-k / top-p; report log p under
-        softmax(logits / T), the quantity the trainer recomputes (greedy: T = 1)."""
-        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params])
-        scaled = logits_nv / temps[:, None]
-        logprobs_nv = torch.log_softmax(scaled, dim=-1)
-        filtered = scaled
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            filtered = scaled.clone()
-            for i, p in enumerate(params):
-                if 0 < p.top_k < filtered.shape[-1]:
-                    kth = torch.topk(filtered[i], p.top_k).values[-1]
-                    filtered[i][filtered[i] < kth] = float("-inf")
-                if p.top_p < 1.0:
-                    sorted_logits, order = torch.sort(filtered[i], descending=True)
-                    probs = torch.softmax(sorted_logits, -1)
-                    drop = probs.cumsum(-1) - probs > p.top_p
-                    filtered[i][order[drop]] = float("-inf")
-        sampled = torch.multinomial(torch.softmax(filtered, dim=-1), 1, generator=self._gen).squeeze(1)
-        greedy = torch.tensor([p.greedy for p in params])
-        tokens = torch.where(greedy, scaled.argmax(-1), sampled)
-        return tokens, logprobs_nv.gather(-1, tokens[:, None]).squeeze(1)
+            generated += 1
+            self._maybe_finish(r, out.tokens[i])
+            if r.finish_reason is None and r.on_token is not None:
+                r.on_token(r)
+        self.stats.record_generated(generated)
 
     def _maybe_finish(self, req: Request, tok: int) -> None:
         p = req.params
@@ -501,6 +528,8 @@ class Scheduler:
         reason = None
         if n >= p.min_new_tokens and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)):
             reason = {"type": "stop", "matched": tok}
+        elif n >= p.min_new_tokens and req.stop_check is not None and (matched := req.stop_check(req)) is not None:
+            reason = {"type": "stop", "matched": matched}
         elif n >= p.max_new_tokens or len(req.seq) >= self.context_length:
             reason = {"type": "length", "length": n}
         if reason is not None:
@@ -511,6 +540,7 @@ class Scheduler:
     def _finish(self, req: Request, reason: dict) -> None:
         req.finish_reason = reason
         req.finished_at = time.time()
+        self.stats.latency.observe(req)
         req.on_done(req)
 
     # ---- introspection ---------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """The built-in engine's HTTP server: the SGLang HTTP protocol subset an RL producer uses.
 
-Routes (shapes as in SGLang 0.5.16, see docs/engine.md): POST /generate; GET /health,
+Routes (shapes as in SGLang 0.5.16, see docs/engine.md): POST /generate (JSON, or server-sent
+events with `stream`: services/engine/generate.py); GET /get_load, /get_weight_version; OpenAI's
+GET /v1/models, POST /v1/completions, /v1/chat/completions (services/engine/openai.py); GET /health,
 /health_generate; GET|POST /flush_cache; POST /abort_request, /pause_generation,
 /continue_generation, /update_weights_from_disk, /update_weight_version, /init_weights_update_group,
 /update_weights_from_distributed, /destroy_weights_update_group (services/engine/distributed.py); GET /model_info,
@@ -30,13 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from services.common.httpauth import require_token
 from services.common.weightstore import SCHEME, WeightStoreError
 from services.engine.distributed import DistributedReceiver
+from services.engine.generate import Generation
+from services.engine.openai import add_openai_routes
 from services.engine.protocol import BadRequest, Limits, parse_generate
-from services.engine.scheduler import Request as EngineRequest
 from services.engine.scheduler import Scheduler
 
 SGLANG_COMPAT_VERSION = "0.5.16"
@@ -75,63 +78,15 @@ class EngineServer:
         self.served_model_name = served_model_name or Path(model_path).name
         self.host, self.port = host, port
         self.started_at = time.time()
+        self.generation = Generation(scheduler, tokenizer)
         self.app = self._build()
 
     # ---- generate --------------------------------------------------------------------------
     async def generate(self, body: Any) -> Any:
+        """A non-streaming /generate: the response object, or a list of them for a batch."""
         seqs, is_batch = parse_generate(body, self.limits, self.tokenizer)
-        loop = asyncio.get_running_loop()
-        futures, reqs = [], []
-        for seq in seqs:
-            fut = loop.create_future()
-
-            def done(req, fut=fut):
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(req))
-
-            req = EngineRequest(rid=seq.rid or self.scheduler.new_rid(), input_ids=seq.input_ids, params=seq.params,
-                                on_done=done)  # fmt: skip
-            self.scheduler.add_request(req)
-            futures.append(fut)
-            reqs.append(req)
-        try:
-            finished = await asyncio.gather(*futures)
-        except asyncio.CancelledError:
-            for r in reqs:
-                self.scheduler.abort(rid=r.rid)
-            raise
-        outs = [self._response(r, s) for r, s in zip(finished, seqs, strict=True)]
+        outs = [self.generation.output(t) for t in await self.generation.run(seqs)]
         return outs if is_batch else outs[0]
-
-    def _response(self, req: EngineRequest, seq) -> dict:
-        reason = req.finish_reason or {}
-        meta: dict[str, Any] = {
-            "id": req.rid,
-            "finish_reason": reason,
-            "weight_version": self.scheduler.weight_version,
-            "completion_tokens": len(req.output_ids),
-            "e2e_latency": req.finished_at - req.created_at,
-        }
-        waiting_abort = reason.get("type") == "abort" and reason.get("message") == "Abort in waiting queue"
-        if not waiting_abort:
-            meta.update(
-                prompt_tokens=len(req.input_ids),
-                cached_tokens=req.cached_tokens,
-                reasoning_tokens=0,
-                num_retractions=req.num_retractions,
-                weight_versions=req.version_spans(),
-            )
-        if seq.return_logprob:
-            meta["output_token_logprobs"] = [
-                [lp, tid, None] for lp, tid in zip(req.output_logprobs, req.output_ids, strict=True)
-            ]
-            meta["output_token_logprobs_length"] = len(req.output_ids)
-            meta["input_token_logprobs"] = []
-        meta["response_sent_to_client_ts"] = time.time()
-        shown = req.output_ids
-        if not seq.text.no_stop_trim and reason.get("type") == "stop" and isinstance(reason.get("matched"), int):
-            shown = shown[:-1]  # a matched stop token is not detokenized into text (SGLang)
-        text = self.tokenizer.decode(shown, seq.text.skip_special_tokens) if self.tokenizer is not None else ""
-        return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
     # ---- info --------------------------------------------------------------------------------
     def model_info(self) -> dict:
@@ -174,37 +129,13 @@ class EngineServer:
             "version": f"asyncrl-builtin (sglang-compatible {SGLANG_COMPAT_VERSION})",
             "staged_weight_loading": self.staged_loading,
             "weight_digest_check": True,
+            "weight_update_backends": self.receiver.backends(),
         }
 
     def metrics_text(self) -> str:
-        snap = self.scheduler.snapshot()
-        st = self.scheduler.stats
-        labels = f'{{model_name="{self.served_model_name}",engine_type="unified",tp_rank="0",pp_rank="0"}}'
-        gauges = {
-            "num_running_reqs": snap["num_running_reqs"],
-            "num_queue_reqs": snap["num_queue_reqs"],
-            "num_paused_reqs": snap["num_paused_reqs"],
-            "num_used_tokens": snap["num_used_tokens"],
-            "max_total_num_tokens": snap["max_total_num_tokens"],
-            "token_usage": snap["token_usage"],
-            "cache_hit_rate": st.cache_hit_rate,
-            "gen_throughput": st.gen_throughput,
-            "weight_load_duration_seconds": st.weight_load_duration_s,
-        }
-        counters = {
-            "prompt_tokens_total": st.prompt_tokens_total,
-            "generation_tokens_total": st.generation_tokens_total,
-            "cached_tokens_total": st.cached_tokens_total,
-            "num_requests_total": st.num_requests_total,
-            "num_aborted_requests_total": st.num_aborted_requests_total,
-            "num_retracted_requests_total": st.num_retracted_requests_total,
-        }
-        lines = []
-        for name, value in gauges.items():
-            lines += [f"# TYPE sglang:{name} gauge", f"sglang:{name}{labels} {float(value)}"]
-        for name, value in counters.items():
-            lines += [f"# TYPE sglang:{name} counter", f"sglang:{name}{labels} {float(value)}"]
-        return "\n".join(lines) + "\n"
+        from services.engine.metrics import engine_metrics
+
+        return engine_metrics(self).text()
 
     # ---- routes ------------------------------------------------------------------------------
     def _build(self) -> FastAPI:
@@ -245,7 +176,23 @@ class EngineServer:
 
         @app.api_route("/generate", methods=["POST", "PUT"])
         async def generate(request: Request):
-            return JSONResponse(await self.generate(await body_of(request)))
+            body = await body_of(request)
+            if body.get("stream") is True:
+                seqs, is_batch = parse_generate(body, self.limits, self.tokenizer)
+                return StreamingResponse(self.generation.stream(seqs, is_batch), media_type="text/event-stream")
+            return JSONResponse(await self.generate(body))
+
+        add_openai_routes(app, self)
+
+        @app.get("/get_load")
+        async def get_load():
+            snap = sched.snapshot()
+            return [{"dp_rank": 0, "num_reqs": snap["num_running_reqs"] + snap["num_queue_reqs"],
+                     "num_waiting_reqs": snap["num_queue_reqs"], "num_tokens": snap["num_used_tokens"]}]  # fmt: skip
+
+        @app.get("/get_weight_version")
+        async def get_weight_version():
+            return {"weight_version": sched.weight_version}
 
         @app.get("/health")
         @app.get("/health_generate")

@@ -85,7 +85,7 @@ def launch_fleet(config, log_dir: Path) -> tuple[list[subprocess.Popen], list[st
             if token := run_token_from_env():
                 cmd += ["--api-key", token]  # SGLang takes its key on its command line only
         else:
-            flags = builtin_engine_flags(config, config.seed + 100 + i)
+            flags = builtin_engine_flags(config, config.seed + 100 + i, f"eval-engine-{i}")
             flags.update({k: v for k, v in parse_flags(list(config.eval_sglang_args)).items() if k in BUILTIN_FLAGS})
             cmd = builtin_engine_command(config.hf_checkpoint, port, flags)
         children.append(procs.spawn(cmd, log_path=log_dir / f"eval-engine-{i}.log", env=without_nats_identity()))

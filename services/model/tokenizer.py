@@ -1,7 +1,9 @@
 """Client-side tokenization, as Miles does it: prompts go to engines as input_ids.
 
-Uses the `tokenizers` library on the checkpoint's tokenizer.json (fast to import, no torch);
-transformers is imported only when a chat template is applied.
+Uses the `tokenizers` library on the checkpoint's tokenizer.json (fast to import, no torch).
+Chat templates (tokenizer_config.json's `chat_template`) are rendered with jinja2 as transformers
+renders them (a sandboxed environment with trim_blocks and lstrip_blocks, the special tokens,
+`raise_exception`, `strftime_now` and a `tojson` filter), so transformers is never needed.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class Tokenizer:
         self.eos_token_id = self._special_id("eos_token", model_cfg.get("eos_token_id"))
         self.bos_token_id = self._special_id("bos_token", model_cfg.get("bos_token_id"))
         self.pad_token_id = self._special_id("pad_token", model_cfg.get("pad_token_id"))
-        self._hf = None
+        self._template = None
 
     def _special_id(self, key: str, fallback):
         tok = self._cfg.get(key)
@@ -60,13 +62,25 @@ class Tokenizer:
                 f"--apply-chat-template: the tokenizer in {self.model_dir} has no chat template; "
                 "drop the flag or use a checkpoint whose tokenizer_config.json has one"
             )
-        if self._hf is None:
-            from transformers import AutoTokenizer
-
-            self._hf = AutoTokenizer.from_pretrained(str(self.model_dir))
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.render_chat(messages, add_generation_prompt=True)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template applied to `messages` (text, not token ids). ValueError if the
+        template fails or calls raise_exception."""
+        if self._template is None:
+            self._template = _compile_template(self._cfg.get("chat_template"))
+        specials = {}
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            tok = self._cfg.get(key)
+            specials[key] = tok.get("content") if isinstance(tok, dict) else tok
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
+        except ValueError:
+            raise
+        except Exception as e:  # jinja2's TemplateError and whatever the template's own code raises
+            raise ValueError(f"{type(e).__name__}: {e}") from None
 
     def prompt_ids(self, prompt: str | list[int] | list[dict], chat_template: bool) -> list[int]:
         """Token ids of a prompt: ids pass through; a chat prompt is templated (which carries its
@@ -78,3 +92,26 @@ class Tokenizer:
         if not isinstance(prompt, str):
             raise ValueError("a prompt must be text or token ids unless --apply-chat-template is set")
         return self.encode(prompt, add_special_tokens=True)
+
+
+def _compile_template(source):
+    import datetime
+    import json as _json
+
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if isinstance(source, list):  # several named templates: transformers takes "default"
+        source = next((t["template"] for t in source if t.get("name") == "default"), None)
+    if not isinstance(source, str) or not source:
+        raise ValueError("the tokenizer has no usable chat template")
+
+    def raise_exception(message):
+        raise ValueError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, sort_keys=False: _json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys
+    )
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(source)

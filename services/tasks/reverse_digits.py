@@ -25,6 +25,14 @@ NUM_TRAIN_PROMPTS = 20_000
 NUM_EVAL_PROMPTS = 64
 
 
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}={% endif %}"
+)
+"""The task's prompt format as a chat: the user's digits, then `=` (the model answers after it)."""
+
+
 def build_tokenizer(out_dir: str | Path) -> None:
     """A character-level fast tokenizer (16 tokens) saved as tokenizer.json + config."""
     vocab = {tok: i for i, tok in enumerate(SPECIAL)}
@@ -47,6 +55,7 @@ def build_tokenizer(out_dir: str | Path) -> None:
                 "pad_token": "<pad>",
                 "unk_token": "<unk>",
                 "model_max_length": 64,
+                "chat_template": CHAT_TEMPLATE,
             },
             indent=2,
         )

@@ -52,6 +52,7 @@ from services.common import crash
 from services.common.bus import TransportError
 from services.common.config import AsyncSection, DataSection, EvalSection, RolloutSection, TrainerSection, eval_backend
 from services.common.plugins import load_object
+from services.common.promexport import LATENCY_BUCKETS_S
 from services.common.runtime import Service, wait_event
 from services.common.sinks import Sinks, statistics_of
 from services.common.snapshot import is_complete, remove_snapshot
@@ -78,6 +79,11 @@ EVAL_WAIT_WARN_S = 60.0
 EVAL_DRAIN_TIMEOUT_S = 600.0
 FAILED_WINDOW_STEPS = 4
 """--max-failed-ratio is judged over this many recent steps."""
+NOT_EXPORTED = frozenset({"step", "rollout/step", "weight_version", "time", "rollout/fully_async/queue_size",
+                          "rollout/fully_async/buffer_avg_staleness", "rollout/fully_async/buffer_max_staleness"})  # fmt: skip
+"""Step record keys left out of the trainer's /metrics: the step and version are trainer/step and
+trainer/weight_version; the buffer's gauges (what it holds now) are the buffer's to export, and
+the trainer's copies (what it held when this step's lease completed) would give one name two meanings."""
 
 
 @dataclasses.dataclass
@@ -98,6 +104,12 @@ class RunFailed(RuntimeError):
 class TrainerService(Service):
     name = "trainer"
     reads = (DataSection, RolloutSection, AsyncSection, TrainerSection, EvalSection)
+    histograms = {
+        "trainer/step_seconds": ("Seconds per training step, its batch in hand to its records (perf/step_time_s)",
+                                 LATENCY_BUCKETS_S),
+        "trainer/rollout_wait_seconds": ("Seconds each step waited for its batch (perf/rollout_wait_s)",
+                                         LATENCY_BUCKETS_S),
+    }  # fmt: skip
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
@@ -748,6 +760,8 @@ class TrainerService(Service):
 
     async def _emit(self, step: int, record: dict) -> None:
         self.last_record = record
+        self.observe("trainer/step_seconds", record["perf/step_time_s"])
+        self.observe("trainer/rollout_wait_seconds", record["perf/rollout_wait_s"])
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         self.sinks.log(record, "rollout/step")
@@ -764,25 +778,27 @@ class TrainerService(Service):
         out = {"trainer/step": self.step, "trainer/weight_version": self.version,
                "trainer/invalid_samples_total": self.num_invalid_samples,
                "trainer/nonfinite_updates_skipped_total": self.num_nonfinite_skipped}  # fmt: skip
-        out.update({k: v for k, v in self.last_record.items() if isinstance(v, (int, float))})
+        out.update({k: v for k, v in self.last_record.items() if isinstance(v, (int, float)) and k not in NOT_EXPORTED})
         return out
 
 
 def master_address(config) -> str:
     """Where the engines reach the trainer's weight transfer group: --update-weight-master-address,
-    the node's address a Ray placement gave this process, or this host's name resolved
-    (127.0.0.1 when it does not resolve)."""
+    the node's address a Ray placement gave this process, or this host's address on its route to
+    the NATS server (an address the other hosts of the run reach; 127.0.0.1 with a local server)."""
     import os
-    import socket
+    from urllib.parse import urlsplit
 
+    from services.model.transfer import local_address_towards
     from services.trainer.worker import NODE_IP_ENV
 
     if config.update_weight_master_address:
         return config.update_weight_master_address
     if os.environ.get(NODE_IP_ENV):
         return os.environ[NODE_IP_ENV]
+    host = urlsplit((config.nats_url or "").split(",")[0].strip()).hostname or "127.0.0.1"
     try:
-        return socket.gethostbyname(socket.gethostname())
+        return local_address_towards(host)
     except OSError:
         return "127.0.0.1"
 

@@ -31,6 +31,7 @@ from asyncrl_proto import WeightsLive, WeightsPublished, decode, encode
 from services.common import crash
 from services.common.bus import VersionBound, fetch_some, keep_alive, settle
 from services.common.config import AsyncSection, RolloutSection
+from services.common.promexport import LATENCY_BUCKETS_S
 from services.common.runtime import Service
 from services.common.sglang_client import EngineError, SGLangClient
 from services.common.snapshot import COMPLETE_MARKER, is_complete, resolved
@@ -56,6 +57,12 @@ def _version(reported) -> int:
 class WeightSyncService(Service):
     name = "weight-sync"
     reads = (RolloutSection, AsyncSection)
+    histograms = {
+        "weight_sync/pause_seconds": ("Seconds one engine spent paused for one weight update (pause call to "
+                                      "continue answered)", LATENCY_BUCKETS_S),
+        "weight_sync/update_seconds": ("Seconds one weight update took on every engine, from taking the "
+                                       "published version to the last engine continued", LATENCY_BUCKETS_S),
+    }  # fmt: skip
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
@@ -82,7 +89,8 @@ class WeightSyncService(Service):
         s = self.bus.subjects
         raw = await self.bus.kv_get("live_version")
         if raw is not None:
-            self.live_version = decode(raw, WeightsLive).version
+            live = decode(raw, WeightsLive)
+            self.live_version, self.live_digest = live.version, live.tensor_sha256 or None
         else:
             self.live_version = await self._engine_version()
             await self._announce(self.live_version, 0.0)
@@ -99,6 +107,7 @@ class WeightSyncService(Service):
     def _paused(self, seconds: float) -> None:
         self.last_pause_s = seconds
         self.pauses.append(seconds)
+        self.observe("weight_sync/pause_seconds", seconds)
 
     async def _engine_version(self, timeout_s: float = 120.0) -> int:
         versions = set()
@@ -152,20 +161,23 @@ class WeightSyncService(Service):
                 log.info("engine %s did not converge now (%s); again in %.0fs", url, e, CONVERGE_EVERY_S)
 
     async def _converge_distributed(self, live: int) -> None:
-        """Distributed mode: engines behind the live version take it again by broadcast (every
-        engine is in each broadcast); the rest are continued."""
-        behind = []
+        """Distributed mode: engines behind the live version, or left `loading-<N>` by a broadcast
+        cut off inside the pause (SGLang servers may hold part of it), take the live version
+        again by broadcast (every engine is in each broadcast); the rest are continued. An
+        engine that does not answer is skipped, and the catch-up waits for it."""
+        behind, away = [], []
         for url in self.client.urls:
             try:
                 got = (await self.client.model_info(url)).get("weight_version")
-                if _version(got) < live or not await self.published.allows(_version(got)):
+                loading = str(got).startswith("loading-")
+                if loading or _version(got) < live or not await self.published.allows(_version(got)):
                     behind.append((url, got))
                 else:
                     await self.client.continue_generation(url)
             except EngineError as e:
+                away.append(url)
                 log.info("engine %s did not converge now (%s); again in %.0fs", url, e, CONVERGE_EVERY_S)
-                return
-        if behind and live > 0:
+        if behind and not away:
             log.warning("engines %s run versions behind the live v%d: broadcasting it again", behind, live)
             try:
                 await self.distributed.update(live, self.live_digest)
@@ -257,6 +269,7 @@ class WeightSyncService(Service):
             return
         self.last_update_s = time.perf_counter() - t0
         self.num_updates += 1
+        self.observe("weight_sync/update_seconds", self.last_update_s)
         pause_s = max(list(self.pauses)[-len(self.client.urls):], default=0.0)
         crash.point("weight-sync", "continued_before_announce")
         await self._announce(pub.version, self.last_update_s, pause_s)
@@ -326,8 +339,7 @@ class WeightSyncService(Service):
             crash.point("weight-sync", "loaded_before_continue")
         finally:
             await self.client.continue_generation(url)
-            self.last_pause_s = time.perf_counter() - t0
-            self.pauses.append(self.last_pause_s)
+            self._paused(time.perf_counter() - t0)
         got = (await self.client.model_info(url)).get("weight_version")
         if str(got) != str(version):
             raise EngineError(f"{url} reports weight_version {got!r} after loading v{version}")
@@ -341,6 +353,7 @@ class WeightSyncService(Service):
             pause_mode=self.config.pause_generation_mode,
             duration_s=duration_s,
             pause_s=pause_s,
+            tensor_sha256=self.live_digest or "",
         )
         await self.bus.kv_put("live_version", encode(live))
         await self.bus.publish_durably([(self.bus.subjects.weights_live, live, None)], f"live version {version}")

@@ -7,6 +7,7 @@ import asyncio
 
 import httpx
 import msgpack
+from prometheus_client.parser import text_string_to_metric_families
 
 from asyncrl_proto import (
     BufferCommit,
@@ -168,8 +169,11 @@ async def test_bad_messages_are_dead_lettered_and_the_service_keeps_running(
         assert (await h.get(0)).complete  # still serving
         async with httpx.AsyncClient(base_url=svc.service.http_url, headers=AUTH) as c:
             text = (await c.get("/metrics")).text
-            assert "asyncrl_buffer_ledger_dead_lettered_total 3.0" in text
-            assert "asyncrl_buffer_free_capacity 2.0" in text  # the producers' autoscaling metric: all leased
+            samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
+            assert samples["asyncrl_buffer_ledger_dead_lettered_total"].value == 3
+            assert samples["asyncrl_buffer_free_capacity"].value == 2  # the producers' autoscaling metric: all leased
+            assert samples["asyncrl_buffer_free_capacity"].labels == {"run": run_id, "service": "buffer",
+                                                                      "instance": svc.service.instance_id}  # fmt: skip
             status = (await c.get("/status")).json()
         assert status["capacity"] == 2 and status["dead_lettered"] == {"rollouts": 3}
         assert status["ledger"]["rejected"] == 3  # and each one's fate is on the ledger

@@ -30,6 +30,26 @@ def test_chat_template_when_the_tokenizer_has_one(tiny_model_dir, tmp_path):
     assert tok.prompt_ids([{"role": "user", "content": "9"}], chat_template=True) == [1, 13, 15]
 
 
-def test_chat_template_flag_without_a_template_says_what_to_do(tiny_model_dir):
+def test_chat_template_flag_without_a_template_says_what_to_do(tiny_model_dir, tmp_path):
+    d = tmp_path / "plain"
+    shutil.copytree(tiny_model_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="has no chat template; drop the flag"):
-        Tokenizer(tiny_model_dir).prompt_ids("12", chat_template=True)
+        Tokenizer(d).prompt_ids("12", chat_template=True)
+
+
+def test_the_bundled_chat_template_renders_as_transformers_renders_it(tiny_model_dir):
+    """The engine renders templates with jinja2 alone; transformers (test extra) must agree."""
+    transformers = pytest.importorskip("transformers")
+    ours = Tokenizer(tiny_model_dir)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    chats = [[{"role": "user", "content": "123"}],
+             [{"role": "system", "content": "9"}, {"role": "user", "content": "45"},
+              {"role": "assistant", "content": "54"}, {"role": "user", "content": "67"}]]  # fmt: skip
+    for messages in chats:
+        for gen in (True, False):
+            want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+            assert ours.render_chat(messages, add_generation_prompt=gen) == want
+    assert ours.prompt_ids("123", chat_template=True) == [1, 5, 6, 7, 15]  # <s>123=, the task's format

@@ -1,0 +1,319 @@
+"""OpenAI-compatible routes of the built-in engine: GET /v1/models, POST /v1/completions and
+POST /v1/chat/completions, so that OpenAI clients and tools can use it.
+
+Each request is validated field by field (an unknown or unimplemented field is a 400 that names
+it, in OpenAI's error shape), translated into the engine's sequences (the same sampling as
+/generate: services/engine/protocol.py, scheduler.py) and answered as OpenAI does, or streamed as
+server-sent events (`data: <chunk>` per step, `data: [DONE]` last; with
+`stream_options.include_usage` a last chunk with `usage` and no choices). Chat prompts are rendered
+with the chat template of the model's tokenizer (services/model/tokenizer.py, jinja2).
+Beyond OpenAI's fields, SGLang's extra sampling fields are accepted (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, no_stop_trim).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from services.engine.generate import Tracked, sse
+from services.engine.protocol import MAX_SEQUENCES, BadRequest, Sequence, sampling_params, token_ids
+
+MAX_LOGPROBS = 20
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
+           "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user"}  # fmt: skip
+_SGLANG_EXTRAS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+                  "skip_special_tokens", "no_stop_trim"}  # fmt: skip
+COMPLETION_FIELDS = _COMMON | _SGLANG_EXTRAS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+CHAT_FIELDS = _COMMON | _SGLANG_EXTRAS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                                          "response_format", "tools", "tool_choice", "parallel_tool_calls"}  # fmt: skip
+NEUTRAL_ONLY = {"return_hidden_states": (None, False), "continue_final_message": (None, False),
+                "separate_reasoning": (None, True, False), "stream_reasoning": (None, True, False)}  # fmt: skip
+"""SGLang's fields accepted only with values that ask for nothing here (sglang-router sends their
+defaults; with no reasoning parser there is no reasoning to separate or stream)."""
+_RENAMED = {"max_tokens": "max_new_tokens", "seed": "sampling_seed", "min_tokens": "min_new_tokens"}
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class OpenAIError(ValueError):
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _error(e: OpenAIError) -> JSONResponse:
+    body = {"error": {"message": str(e), "type": "invalid_request_error", "param": e.param, "code": None}}
+    return JSONResponse(body, status_code=400)
+
+
+def _check(cond: bool, message: str, param: str) -> None:
+    if not cond:
+        raise OpenAIError(message, param)
+
+
+class OpenAIRoutes:
+    def __init__(self, server):
+        self.server = server
+        self.generation = server.generation
+
+    # ---- requests ---------------------------------------------------------------------------
+    def _common(self, body: Any, fields: set[str]) -> dict:
+        _check(isinstance(body, dict), "the request body must be a JSON object", None)
+        unknown = sorted(set(body) - fields - set(NEUTRAL_ONLY))
+        _check(not unknown, f"{unknown[0] if unknown else ''} is not a field the built-in engine implements",
+               unknown[0] if unknown else None)  # fmt: skip
+        for key, neutral in NEUTRAL_ONLY.items():
+            _check(body.get(key) in neutral, f"{key} is not implemented by the built-in engine", key)
+        # one model is served: like SGLang, any name reaches it (routers fill in names of their own)
+        _check(body.get("model") is None or isinstance(body.get("model"), str), "model must be a string", "model")
+        _check(body.get("user") is None or isinstance(body.get("user"), str), "user must be a string", "user")
+        opts = body.get("stream_options")
+        _check(opts is None or (isinstance(opts, dict) and set(opts) <= {"include_usage"}),
+               "stream_options may hold only include_usage", "stream_options")  # fmt: skip
+        raw = {_RENAMED.get(k, k): v for k, v in body.items() if k in _RENAMED or k in _SGLANG_EXTRAS}
+        raw.update({k: body.get(k) for k in ("temperature", "top_p", "n", "stop", "presence_penalty",
+                                             "frequency_penalty", "logit_bias")})  # fmt: skip
+        return {k: v for k, v in raw.items() if v is not None}
+
+    def _sampling(self, raw: dict, body: dict):
+        try:
+            params, text, n = sampling_params(raw, self.server.limits, "", self.server.tokenizer)
+        except BadRequest as e:
+            msg = str(e)
+            for ours, theirs in _RENAMED.items():
+                msg = msg.replace(theirs, ours)
+            raise OpenAIError(msg, next((k for k in body if msg.startswith(k)), None)) from None
+        return params, text, n
+
+    def _stream_flag(self, body: dict) -> tuple[bool, bool]:
+        stream = body.get("stream") or False
+        _check(isinstance(stream, bool), "stream must be true or false", "stream")
+        return stream, bool((body.get("stream_options") or {}).get("include_usage"))
+
+    def completion_seqs(self, body: Any) -> tuple[list[Sequence], list[list[int]], dict]:
+        raw = self._common(body, COMPLETION_FIELDS)
+        for key, neutral in (("suffix", (None, "")), ("best_of", (None, body.get("n") or 1))):
+            _check(body.get(key) in neutral, f"{key} is not implemented by the built-in engine", key)
+        echo = body.get("echo") or False
+        _check(isinstance(echo, bool), "echo must be true or false", "echo")
+        k = body.get("logprobs")
+        _check(k is None or (type(k) is int and 0 <= k <= MAX_LOGPROBS), f"logprobs must be in [0, {MAX_LOGPROBS}]",
+               "logprobs")  # fmt: skip
+        raw.setdefault("max_new_tokens", 16)
+        params, text, n = self._sampling(raw, body)
+        prompts = self._prompts(body.get("prompt"))
+        _check(len(prompts) * n <= MAX_SEQUENCES, f"at most {MAX_SEQUENCES} choices per call", "n")
+        rid = "cmpl-" + uuid.uuid4().hex
+        seqs = [Sequence(ids, params, text, f"{rid}-{i * n + j}", k is not None, 0 if echo and k is not None else None,
+                         k or 0) for i, ids in enumerate(prompts) for j in range(n)]  # fmt: skip
+        return seqs, prompts, {"id": rid, "echo": echo, "n": n}
+
+    def _prompts(self, prompt: Any) -> list[list[int]]:
+        limits, tok = self.server.limits, self.server.tokenizer
+        try:
+            if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], str)):
+                texts = [prompt] if isinstance(prompt, str) else prompt
+                _check(tok is not None, "this engine has no tokenizer: send token ids", "prompt")
+                _check(all(isinstance(t, str) for t in texts), "prompt must be strings or token ids", "prompt")
+                return [token_ids(tok.encode(t), "prompt", limits) for t in texts]
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+                return [token_ids(p, "prompt", limits) for p in prompt]
+            return [token_ids(prompt, "prompt", limits)]
+        except BadRequest as e:
+            raise OpenAIError(str(e), "prompt") from None
+
+    def chat_seqs(self, body: Any) -> tuple[list[Sequence], list[list[int]], dict]:
+        raw = self._common(body, CHAT_FIELDS)
+        if body.get("max_completion_tokens") is not None:
+            raw["max_new_tokens"] = body["max_completion_tokens"]
+        fmt = body.get("response_format")
+        _check(fmt is None or fmt == {"type": "text"},
+               "response_format other than text: constrained decoding is not implemented", "response_format")  # fmt: skip
+        for key, neutral in (("tools", (None, [])), ("tool_choice", (None, "none")), ("parallel_tool_calls", (None,))):
+            _check(body.get(key) in neutral, f"{key}: tool calls are not implemented by the built-in engine", key)
+        want = body.get("logprobs") or False
+        _check(isinstance(want, bool), "logprobs must be true or false", "logprobs")
+        k = body.get("top_logprobs")
+        _check(k is None or (type(k) is int and 0 <= k <= MAX_LOGPROBS), f"top_logprobs must be in [0, {MAX_LOGPROBS}]",
+               "top_logprobs")  # fmt: skip
+        _check(k is None or want, "top_logprobs needs logprobs: true", "top_logprobs")
+        ids = self._chat_prompt(body.get("messages"))
+        raw.setdefault("max_new_tokens", self.server.limits.context_length - len(ids))
+        params, text, n = self._sampling(raw, body)
+        rid = "chatcmpl-" + uuid.uuid4().hex
+        seqs = [Sequence(ids, params, text, f"{rid}-{j}", want, None, k or 0) for j in range(n)]
+        return seqs, [ids], {"id": rid, "n": n}
+
+    def _chat_prompt(self, messages: Any) -> list[int]:
+        tok = self.server.tokenizer
+        _check(isinstance(messages, list) and bool(messages), "messages must be a non-empty list", "messages")
+        clean = []
+        for i, m in enumerate(messages):
+            where = f"messages[{i}]"
+            _check(isinstance(m, dict) and m.get("role") in ROLES, f"{where} needs a role in {ROLES}", where)
+            content = m.get("content")
+            if isinstance(content, list):
+                _check(all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content), f"{where}.content: only text parts are implemented", where)  # fmt: skip
+                content = "".join(p["text"] for p in content)
+            _check(content is None or isinstance(content, str), f"{where}.content must be text", where)
+            _check(
+                set(m) <= {"role", "content", "name"}, f"{where}: only role, content and name are implemented", where
+            )
+            clean.append({**m, "content": content or ""})
+        _check(tok is not None and tok.has_chat_template, "the model's tokenizer has no chat template", "messages")
+        try:
+            rendered = tok.render_chat(clean, add_generation_prompt=True)
+        except ValueError as e:
+            raise OpenAIError(f"the chat template failed: {e}", "messages") from None
+        try:
+            return token_ids(tok.encode(rendered, add_special_tokens=False), "messages", self.server.limits)
+        except BadRequest as e:
+            raise OpenAIError(str(e), "messages") from None
+
+    # ---- responses --------------------------------------------------------------------------
+    @staticmethod
+    def _usage(tracked: list[Tracked], prompts: list[list[int]]) -> dict:
+        prompt = sum(map(len, prompts))
+        completion = sum(len(t.req.output_ids) for t in tracked)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    @staticmethod
+    def _finish(t: Tracked) -> tuple[str | None, Any]:
+        reason = t.req.finish_reason or {}
+        return reason.get("type"), reason.get("matched")
+
+    def _completion_logprobs(self, t: Tracked, lo: int, hi: int, offset: int, echo: bool) -> dict:
+        view, req = t.view, t.req
+        entries = []
+        if echo and lo == 0 and req.input_logprobs is not None:
+            tops = req.input_top_logprobs or [None] * len(req.input_ids)
+            entries += list(zip(req.input_ids, req.input_logprobs, tops, strict=True))
+        tops = req.output_top_logprobs[lo:hi] if t.seq.top_logprobs_num else [None] * (hi - lo)
+        entries += list(zip(req.output_ids[lo:hi], req.output_logprobs[lo:hi], tops, strict=True))
+        out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, lp, top in entries:
+            piece = view.token_text(tid)
+            out["tokens"].append(piece)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append(None if top is None else {view.token_text(i): v for v, i in top})
+            out["text_offset"].append(offset)
+            offset += len(piece)
+        return out
+
+    def _chat_logprobs(self, t: Tracked, lo: int, hi: int) -> dict:
+        view, req = t.view, t.req
+
+        def entry(tid, lp):
+            piece = view.token_text(tid)
+            return {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
+
+        content = []
+        for j in range(lo, hi):
+            e = entry(req.output_ids[j], req.output_logprobs[j])
+            top = req.output_top_logprobs[j] if t.seq.top_logprobs_num else []
+            content.append(e | {"top_logprobs": [entry(i, v) for v, i in top]})
+        return {"content": content}
+
+    def completion_body(self, tracked: list[Tracked], prompts: list[list[int]], meta: dict) -> dict:
+        choices = []
+        for t in tracked:
+            reason, matched = self._finish(t)
+            prefix = t.view.decode(t.req.input_ids) if meta["echo"] else ""
+            lp = (self._completion_logprobs(t, 0, len(t.req.output_ids), 0, meta["echo"])
+                  if t.seq.return_logprob else None)  # fmt: skip
+            choices.append({"index": t.index, "text": prefix + t.view.text(t.req.output_ids, t.req.finish_reason),
+                            "logprobs": lp, "finish_reason": reason, "matched_stop": matched})  # fmt: skip
+        return {"id": meta["id"], "object": "text_completion", "created": int(time.time()),
+                "model": self.server.served_model_name, "choices": choices, "usage": self._usage(tracked, prompts)}  # fmt: skip
+
+    def chat_body(self, tracked: list[Tracked], prompts: list[list[int]], meta: dict) -> dict:
+        choices = []
+        for t in tracked:
+            reason, matched = self._finish(t)
+            message = {"role": "assistant", "content": t.view.text(t.req.output_ids, t.req.finish_reason)}
+            lp = self._chat_logprobs(t, 0, len(t.req.output_ids)) if t.seq.return_logprob else None
+            choices.append({"index": t.index, "message": message, "logprobs": lp, "finish_reason": reason,
+                            "matched_stop": matched})  # fmt: skip
+        return {"id": meta["id"], "object": "chat.completion", "created": int(time.time()),
+                "model": self.server.served_model_name, "choices": choices, "usage": self._usage(tracked, prompts)}  # fmt: skip
+
+    async def stream(self, seqs, prompts, meta, chat: bool, include_usage: bool):
+        """OpenAI chunks: each carries one choice's new text (and its new tokens' logprobs)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        tracked = self.generation.submit(seqs, queue)
+        created, model = int(time.time()), self.server.served_model_name
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        sent_text, sent_tokens = [0] * len(tracked), [0] * len(tracked)
+        echoed = [t.view.decode(t.req.input_ids) if not chat and meta["echo"] else "" for t in tracked]
+
+        def chunk(choice: dict) -> bytes:
+            return sse({"id": meta["id"], "object": kind, "created": created, "model": model, "choices": [choice]})
+
+        if chat:
+            for t in tracked:
+                yield chunk({"index": t.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})  # fmt: skip
+        async for t, n in self.generation.progress(tracked, queue):
+            i, req = t.index, t.req
+            text = echoed[i] + t.view.text(req.output_ids[:n], req.finish_reason if t.done else None)
+            delta, sent_text[i] = text[sent_text[i] :], max(sent_text[i], len(text))
+            lp = None
+            if t.seq.return_logprob:
+                lp = (self._chat_logprobs(t, sent_tokens[i], n) if chat else
+                      self._completion_logprobs(t, sent_tokens[i], n, sent_text[i] - len(delta), meta["echo"]))  # fmt: skip
+            sent_tokens[i] = n
+            reason, matched = self._finish(t) if t.done else (None, None)
+            if chat:
+                body = {"index": i, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+                        "finish_reason": reason, "matched_stop": matched}  # fmt: skip
+            else:
+                body = {"index": i, "text": delta, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
+            yield chunk(body)
+        if include_usage:
+            yield sse({"id": meta["id"], "object": kind, "created": created, "model": model, "choices": [],
+                       "usage": self._usage(tracked, prompts)})  # fmt: skip
+        yield b"data: [DONE]\n\n"
+
+    async def answer(self, request: Request, chat: bool):
+        try:
+            body = await request.json()
+        except ValueError as e:
+            return _error(OpenAIError(f"invalid JSON: {e}"))
+        try:
+            seqs, prompts, meta = self.chat_seqs(body) if chat else self.completion_seqs(body)
+            stream, include_usage = self._stream_flag(body)
+        except OpenAIError as e:
+            return _error(e)
+        if stream:
+            return StreamingResponse(self.stream(seqs, prompts, meta, chat, include_usage),
+                                     media_type="text/event-stream")  # fmt: skip
+        tracked = await self.generation.run(seqs)
+        return (self.chat_body if chat else self.completion_body)(tracked, prompts, meta)
+
+    def models(self) -> dict:
+        card = {"id": self.server.served_model_name, "object": "model", "created": int(self.server.started_at),
+                "owned_by": "asyncrl", "root": self.server.model_path,
+                "max_model_len": self.server.limits.context_length}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+
+def add_openai_routes(app: FastAPI, server) -> None:
+    routes = OpenAIRoutes(server)
+
+    @app.get("/v1/models")
+    async def models():
+        return routes.models()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await routes.answer(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await routes.answer(request, chat=True)

@@ -1,0 +1,142 @@
+"""The built-in engine's OpenAI-compatible routes, driven by the `openai` client over real HTTP:
+models, completions (n, logprobs, stop, max_tokens, usage, echo), chat completions with the
+model's chat template, streaming for both, and OpenAI-shaped 400s."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.model.tokenizer import Tokenizer
+from tests.conftest import EngineThread
+
+openai = pytest.importorskip("openai", reason="openai is in the test extras (pip install -e '.[test]')")
+
+
+@pytest.fixture
+async def client(tiny_model_dir):
+    with EngineThread(tiny_model_dir, api_key="secret-key") as e:
+        async with openai.AsyncOpenAI(base_url=e.url + "/v1", api_key="secret-key", max_retries=0, timeout=30) as c:
+            yield c, e
+
+
+async def test_models_and_completions(client, tiny_model_dir):
+    c, engine = client
+    models = await c.models.list()
+    assert [m.id for m in models.data] == [engine.server.served_model_name]
+    model = models.data[0].id
+    r = await c.completions.create(model=model, prompt="123=", max_tokens=4, temperature=0, n=3, logprobs=2)
+    assert len(r.choices) == 3 and {ch.index for ch in r.choices} == {0, 1, 2}
+    assert len({ch.text for ch in r.choices}) == 1  # greedy: n identical choices
+    assert r.usage.prompt_tokens == 5  # <s>123= once, whatever n
+    completion = sum(len(ch.logprobs.tokens) for ch in r.choices)
+    assert r.usage.completion_tokens == completion and r.usage.total_tokens == 5 + completion
+    ch = r.choices[0]
+    assert ch.finish_reason in ("stop", "length") and len(ch.logprobs.tokens) <= 4
+    for lp, top in zip(ch.logprobs.token_logprobs, ch.logprobs.top_logprobs, strict=True):
+        assert len(top) <= 2 and abs(max(top.values()) - lp) < 1e-6  # greedy: the chosen is the best
+    # max_tokens and stop strings
+    long = await c.completions.create(model=model, prompt="12345=", max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True, "skip_special_tokens": False})  # fmt: skip
+    assert long.choices[0].finish_reason == "length" and long.usage.completion_tokens == 12
+    stop = long.choices[0].text[1:3]
+    cut = await c.completions.create(model=model, prompt="12345=", max_tokens=12, temperature=0, stop=[stop],
+                                     extra_body={"ignore_eos": True, "skip_special_tokens": False})  # fmt: skip
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == long.choices[0].text[:1]
+    # echo with logprobs scores the prompt too (its first token has none)
+    echo = await c.completions.create(model=model, prompt="123=", max_tokens=0, echo=True, logprobs=0)
+    assert echo.choices[0].text == "123=" and echo.choices[0].logprobs.token_logprobs[0] is None
+    assert len(echo.choices[0].logprobs.tokens) == 5
+
+
+async def test_chat_completions_use_the_chat_template(client, tiny_model_dir):
+    c, engine = client
+    messages = [{"role": "user", "content": "123"}]
+    chat = await c.chat.completions.create(model="any", messages=messages, max_tokens=6, temperature=0,
+                                           logprobs=True, top_logprobs=2)  # fmt: skip
+    plain = await c.completions.create(model="any", prompt="123=", max_tokens=6, temperature=0)
+    msg = chat.choices[0].message
+    assert msg.role == "assistant" and msg.content == plain.choices[0].text  # <s>123= either way
+    ids = Tokenizer(tiny_model_dir).encode(Tokenizer(tiny_model_dir).render_chat(messages), add_special_tokens=False)
+    assert chat.usage.prompt_tokens == len(ids) == 5
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(e.top_logprobs[0].token == e.token for e in content)
+
+
+async def test_streaming_completions_and_chat(client):
+    c, _ = client
+    full = await c.completions.create(model="m", prompt="12345=", max_tokens=10, temperature=0,
+                                      extra_body={"ignore_eos": True})  # fmt: skip
+    stream = await c.completions.create(model="m", prompt="12345=", max_tokens=10, temperature=0, stream=True,
+                                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})  # fmt: skip
+    chunks = [ch async for ch in stream]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert "".join(ch.choices[0].text for ch in chunks[:-1]) == full.choices[0].text
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert all(ch.choices[0].finish_reason is None for ch in chunks[:-2])
+
+    messages = [{"role": "user", "content": "45"}]
+    whole = await c.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0, n=2)
+    stream = await c.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0, n=2,
+                                             stream=True)  # fmt: skip
+    parts: dict[int, list[str]] = {0: [], 1: []}
+    finish = {}
+    async for ch in stream:
+        choice = ch.choices[0]
+        if choice.delta.role:
+            assert choice.delta.role == "assistant"
+        parts[choice.index].append(choice.delta.content or "")
+        if choice.finish_reason:
+            finish[choice.index] = choice.finish_reason
+    assert ["".join(parts[i]) for i in (0, 1)] == [ch.message.content for ch in whole.choices]
+    assert finish == {i: ch.finish_reason for i, ch in enumerate(whole.choices)}
+
+
+async def test_openai_errors_are_400s_that_name_the_field(client, tiny_model_dir):
+    c, engine = client
+    cases = [
+        (lambda: c.completions.create(model="m", prompt="1=", max_tokens=-1), "max_tokens"),
+        (lambda: c.completions.create(model="m", prompt="1=", temperature=-1), "temperature"),
+        (lambda: c.completions.create(model="m", prompt="1=", logprobs=99), "logprobs"),
+        (lambda: c.completions.create(model="m", prompt="1=", extra_body={"bogus": 1}), "bogus"),
+        (lambda: c.completions.create(model="m", prompt="1=", extra_body={"regex": "[0-9]"}), "regex"),
+        (lambda: c.chat.completions.create(model="m", messages=[], max_tokens=2), "messages"),
+        (
+            lambda: c.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "1"}], response_format={"type": "json_object"}
+            ),
+            "response_format",
+        ),  # fmt: skip
+        (
+            lambda: c.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "1"}],
+                tools=[{"type": "function", "function": {"name": "f"}}],
+            ),
+            "tools",
+        ),  # fmt: skip
+    ]
+    for call, field in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            await call()
+        err = info.value.body
+        assert info.value.status_code == 400 and field in err["message"] and err["param"] == field, err
+        assert err["type"] == "invalid_request_error"
+    async with openai.AsyncOpenAI(base_url=engine.url + "/v1", api_key="wrong", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError):
+            await bad.models.list()
+
+
+async def test_a_model_without_a_chat_template_refuses_chat(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+
+    d = tmp_path / "plain"
+    shutil.copytree(tiny_model_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with EngineThread(d) as e:
+        async with openai.AsyncOpenAI(base_url=e.url + "/v1", api_key="x", max_retries=0) as c:
+            with pytest.raises(openai.BadRequestError, match="no chat template"):
+                await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "1"}])
