@@ -44,6 +44,7 @@ import uuid
 from pathlib import Path
 
 import aiohttp
+from bench_models import SIZES, build_models  # bench/ is the script's folder
 
 from asyncrl_proto import WeightsLive, WeightsPublished, decode
 from services.common import procs
@@ -56,40 +57,6 @@ from services.common.sglang_client import SGLangClient
 from services.common.weightstore import WeightStore
 
 ARMS = ("disk, unstaged", "disk", "object-store", "distributed, unstaged", "distributed")
-SIZES = {  # name -> (hidden, intermediate, layers, heads); tiny is the quickstart's own model
-    "tiny": None,
-    "25m": (512, 1408, 8, 8),
-    "100m": (1024, 2816, 8, 16),
-}
-
-
-def build_models(root: Path, sizes: list[str]) -> dict[str, Path]:
-    import torch
-
-    from services.model.hf_io import load_model, read_config, save_model
-    from services.model.llama import CausalLM, ModelConfig
-    from services.tasks.reverse_digits import build_model
-
-    tiny = root / "tiny"
-    build_model(tiny, warmup_sft_steps=0, log=lambda *_: None)
-    out = {"tiny": tiny}
-    base = read_config(tiny)
-    for name in sizes:
-        if SIZES.get(name) is None:
-            continue
-        hidden, inter, layers, heads = SIZES[name]
-        cfg = ModelConfig(vocab_size=base.vocab_size, hidden_size=hidden, intermediate_size=inter,
-                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                          max_position_embeddings=base.max_position_embeddings, bos_token_id=base.bos_token_id,
-                          eos_token_id=base.eos_token_id, pad_token_id=base.pad_token_id)  # fmt: skip
-        torch.manual_seed(0)
-        save_model(CausalLM(cfg), root / name, tiny)
-        out[name] = root / name
-    for name, path in out.items():
-        n = sum(p.numel() for p in load_model(path).parameters())
-        print(f"model {name}: {n / 1e6:.2f}M parameters, {(path / 'model.safetensors').stat().st_size / 2**20:.1f} MiB",
-              flush=True)  # fmt: skip
-    return out
 
 
 async def keep_busy(url: str, token: str, n: int, stop: asyncio.Event) -> None:
@@ -236,9 +203,6 @@ def spread(xs: list[float]) -> float:
 async def run(a) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="asyncrl-weightsync-"))
     sizes = a.sizes.split(",")
-    unknown = [s for s in sizes if s not in SIZES]
-    if unknown:
-        raise SystemExit(f"unknown --sizes {unknown}: use {', '.join(SIZES)}")
     models = build_models(tmp / "models", sizes)
     from services.tasks.reverse_digits import write_datasets
 

@@ -45,6 +45,20 @@ async def connect_role(role_server, role: str):
                              creds=NatsCredentials(user=role, password=pw[role]))  # fmt: skip
 
 
+def perturbed_model(model_dir, seed: int, scale: float = 0.05):
+    """The model at `model_dir` with every weight moved by seeded noise: another weight version."""
+    import torch
+
+    from services.model.hf_io import load_model
+
+    model = load_model(model_dir)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return model
+
+
 @pytest.fixture
 def run_id() -> str:
     return "t" + uuid.uuid4().hex[:12]

@@ -15,22 +15,13 @@ import torch
 
 from asyncrl_proto import TransferReply, TransferRequest
 from services.common.sglang_client import EngineError, SGLangClient
-from services.model.hf_io import hf_state, load_model, save_model
+from services.model.hf_io import hf_state, save_model
 from services.model.transfer import TransferGroup, digest, manifest, open_store
 from services.trainer.transfer import WeightSender
 from services.weightsync.distributed import DistributedUpdater, TransferFailed
-from tests.conftest import EngineThread, connect_role
+from tests.conftest import EngineThread, connect_role, perturbed_model
 
 PROMPT = {"input_ids": [1, 5, 6, 7], "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
-
-
-def perturbed(model_dir, seed: int):
-    model = load_model(model_dir)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
 
 
 class Rank0:
@@ -63,7 +54,7 @@ async def greedy(url: str) -> list[int]:
 
 
 async def test_the_engine_receives_a_whole_checked_version_by_broadcast(tiny_model_dir, tmp_path):
-    new = perturbed(tiny_model_dir, 3)
+    new = perturbed_model(tiny_model_dir, 3)
     state = hf_state(new)
     names, dtypes, shapes = manifest(state)
     save_model(new, tmp_path / "v7", tiny_model_dir)
@@ -140,7 +131,7 @@ async def test_weight_sync_updates_every_engine_from_the_trainer(server, tiny_mo
     admin, trainer_bus, sync_bus, producer = [
         await connect_role(server, r) for r in ("admin", "trainer", "weight-sync", "rollout")
     ]
-    model = perturbed(tiny_model_dir, 11)
+    model = perturbed_model(tiny_model_dir, 11)
     sender = WeightSender(model, tmp_path / "weights", "127.0.0.1", "gloo")
     try:
         await admin.ensure_streams()

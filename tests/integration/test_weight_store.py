@@ -10,14 +10,13 @@ import json
 import httpx
 import nats.js.errors
 import pytest
-import torch
 
 from services.common.bus import Bus
 from services.common.snapshot import is_complete
 from services.common.weightstore import WeightStore, WeightStoreError, _b64, parse_uri
 from services.engine.weights import ObjectWeights
 from services.model.hf_io import load_model, save_model
-from tests.conftest import EngineThread, connect_role
+from tests.conftest import EngineThread, connect_role, perturbed_model
 
 
 @pytest.fixture(scope="module")
@@ -29,21 +28,12 @@ async def connect(server, role: str) -> Bus:
     return await connect_role(server, role)
 
 
-def perturbed(model_dir, seed: int):
-    model = load_model(model_dir)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
-
-
 async def test_the_trainer_stores_the_engine_fetches_and_cannot_write(server, tiny_model_dir, tmp_path):
     admin, trainer, engine = [await connect(server, r) for r in ("admin", "trainer", "engine")]
     try:
         await admin.ensure_streams()
         snap = tmp_path / "v1"
-        info = save_model(perturbed(tiny_model_dir, 1), snap, tiny_model_dir)
+        info = save_model(perturbed_model(tiny_model_dir, 1), snap, tiny_model_dir)
         store = WeightStore(trainer, chunk_size=64 * 1024)  # several chunks per weights file
         manifest = await store.upload(1, snap)
         assert manifest["sha256"] == info["sha256"] and "model.safetensors" in manifest["files"]
@@ -109,7 +99,7 @@ async def test_the_engine_stages_an_object_store_snapshot_and_swaps_it_in(server
     try:
         await admin.ensure_streams()
         snap = tmp_path / "v5"
-        save_model(perturbed(tiny_model_dir, 5), snap, tiny_model_dir)
+        save_model(perturbed_model(tiny_model_dir, 5), snap, tiny_model_dir)
         store = WeightStore(trainer)
         await store.upload(5, snap)
         monkeypatch.setenv("ASYNCRL_NATS_USER", "engine")
