@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.protocol import BadRequest
+from services.engine.protocol import BadRequest, typed
 from services.model.hf_io import NonFiniteWeights, check_finite
 from services.model.transfer import GROUP_TIMEOUT_S, Digest, TransferGroup, dtype_of
 
@@ -41,17 +41,6 @@ class _Incoming:
     key: tuple[str, str | None]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     digest: Digest = field(default_factory=Digest)
-
-
-def _typed(body: dict, key: str, kind, required: bool = False, default=None):
-    v = body.get(key, default)
-    if v is None:
-        if required:
-            raise BadRequest(f"{key} is required")
-        return v
-    if not isinstance(v, kind) or (kind is not bool and isinstance(v, bool)):
-        raise BadRequest(f"{key} must be a {getattr(kind, '__name__', kind)}, got {type(v).__name__}")
-    return v
 
 
 class DistributedReceiver:
@@ -69,12 +58,12 @@ class DistributedReceiver:
     # ---- groups --------------------------------------------------------------------------------
     def init_group(self, body: dict) -> dict:
         """Blocking: returns once every rank has joined (at most the group's timeout)."""
-        address = _typed(body, "master_address", str, required=True)
-        port = _typed(body, "master_port", int, required=True)
-        rank = _typed(body, "rank_offset", int, required=True)
-        world = _typed(body, "world_size", int, required=True)
-        name = _typed(body, "group_name", str, default=DEFAULT_GROUP)
-        backend = _typed(body, "backend", str, default="nccl")
+        address = typed(body, "master_address", str, required=True)
+        port = typed(body, "master_port", int, required=True)
+        rank = typed(body, "rank_offset", int, required=True)
+        world = typed(body, "world_size", int, required=True)
+        name = typed(body, "group_name", str, default=DEFAULT_GROUP)
+        backend = typed(body, "backend", str, default="nccl")
         if not 0 < port < 65536:
             raise BadRequest(f"master_port must be a TCP port, got {port}")
         if not 0 < rank < world:
@@ -92,7 +81,7 @@ class DistributedReceiver:
         return {"success": True, "message": f"Initialized weight update group {name} (rank {rank} of {world})."}
 
     def destroy_group(self, body: dict) -> dict:
-        name = _typed(body, "group_name", str, default=DEFAULT_GROUP)
+        name = typed(body, "group_name", str, default=DEFAULT_GROUP)
         with self._lock:
             group = self.groups.pop(name, None)
             if group is not None:
@@ -104,15 +93,15 @@ class DistributedReceiver:
     # ---- updates -------------------------------------------------------------------------------
     def update(self, body: dict) -> dict:
         """Receive one bucket; once the version is whole and checked, swap it in."""
-        names = _typed(body, "names", list, required=True)
-        dtypes = _typed(body, "dtypes", list, required=True)
-        shapes = _typed(body, "shapes", list, required=True)
-        name = _typed(body, "group_name", str, default=DEFAULT_GROUP)
-        version = _typed(body, "weight_version", (str, int))
-        expected = _typed(body, "weight_digest", str)
-        _typed(body, "flush_cache", bool)  # the pause flushed already (weight-sync); nothing else to flush
-        abort_all = _typed(body, "abort_all_requests", bool, default=False)
-        stage = _typed(body, "stage", bool, default=False)
+        names = typed(body, "names", list, required=True)
+        dtypes = typed(body, "dtypes", list, required=True)
+        shapes = typed(body, "shapes", list, required=True)
+        name = typed(body, "group_name", str, default=DEFAULT_GROUP)
+        version = typed(body, "weight_version", (str, int))
+        expected = typed(body, "weight_digest", str)
+        typed(body, "flush_cache", bool)  # the pause flushed already (weight-sync); nothing else to flush
+        abort_all = typed(body, "abort_all_requests", bool, default=False)
+        stage = typed(body, "stage", bool, default=False)
         if stage and not self.staged_loading:
             raise BadRequest("stage: this engine was started with --disable-staged-weight-loading")
         if stage and version is None:

@@ -56,6 +56,13 @@ def _check(cond: bool, message: str, param: str) -> None:
         raise OpenAIError(message, param)
 
 
+def _logprobs_count(body: dict, key: str) -> int | None:
+    """How many alternatives per token a request asks for in `key` (logprobs, top_logprobs)."""
+    k = body.get(key)
+    _check(k is None or (type(k) is int and 0 <= k <= MAX_LOGPROBS), f"{key} must be in [0, {MAX_LOGPROBS}]", key)
+    return k
+
+
 class OpenAIRoutes:
     def __init__(self, server):
         self.server = server
@@ -101,9 +108,7 @@ class OpenAIRoutes:
             _check(body.get(key) in neutral, f"{key} is not implemented by the built-in engine", key)
         echo = body.get("echo") or False
         _check(isinstance(echo, bool), "echo must be true or false", "echo")
-        k = body.get("logprobs")
-        _check(k is None or (type(k) is int and 0 <= k <= MAX_LOGPROBS), f"logprobs must be in [0, {MAX_LOGPROBS}]",
-               "logprobs")  # fmt: skip
+        k = _logprobs_count(body, "logprobs")
         raw.setdefault("max_new_tokens", 16)
         params, text, n = self._sampling(raw, body)
         prompts = self._prompts(body.get("prompt"))
@@ -138,9 +143,7 @@ class OpenAIRoutes:
             _check(body.get(key) in neutral, f"{key}: tool calls are not implemented by the built-in engine", key)
         want = body.get("logprobs") or False
         _check(isinstance(want, bool), "logprobs must be true or false", "logprobs")
-        k = body.get("top_logprobs")
-        _check(k is None or (type(k) is int and 0 <= k <= MAX_LOGPROBS), f"top_logprobs must be in [0, {MAX_LOGPROBS}]",
-               "top_logprobs")  # fmt: skip
+        k = _logprobs_count(body, "top_logprobs")
         _check(k is None or want, "top_logprobs needs logprobs: true", "top_logprobs")
         ids = self._chat_prompt(body.get("messages"))
         raw.setdefault("max_new_tokens", self.server.limits.context_length - len(ids))

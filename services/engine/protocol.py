@@ -107,6 +107,20 @@ class Limits:
     context_length: int
 
 
+def typed(body: dict, key: str, kind: type | tuple, default=None, required: bool = False):
+    """A control route's field: `default` when absent or null (a 400 when `required`), else a
+    value of `kind` (a bool is not an int); anything else is a 400 naming the field."""
+    v = body.get(key, default)
+    if v is None:
+        if required:
+            raise BadRequest(f"{key} is required")
+        return None
+    if not isinstance(v, kind) or (kind is not bool and isinstance(v, bool)):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise BadRequest(f"{key} must be a {names}, got {type(v).__name__}")
+    return v
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

@@ -39,7 +39,7 @@ from services.common.weightstore import SCHEME, WeightStoreError
 from services.engine.distributed import DistributedReceiver
 from services.engine.generate import Generation
 from services.engine.openai import add_openai_routes
-from services.engine.protocol import BadRequest, Limits, parse_generate
+from services.engine.protocol import BadRequest, Limits, parse_generate, typed
 from services.engine.scheduler import Scheduler
 
 SGLANG_COMPAT_VERSION = "0.5.16"
@@ -167,13 +167,6 @@ class EngineServer:
                 raise BadRequest("the request body must be a JSON object")
             return data
 
-        def field(body: dict, key: str, kind: type | tuple, default=None):
-            v = body.get(key, default)
-            if v is not None and (not isinstance(v, kind) or (kind is not bool and isinstance(v, bool))):
-                names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-                raise BadRequest(f"{key} must be a {names}, got {type(v).__name__}")
-            return v
-
         @app.api_route("/generate", methods=["POST", "PUT"])
         async def generate(request: Request):
             body = await body_of(request)
@@ -229,13 +222,13 @@ class EngineServer:
         @app.post("/abort_request")
         async def abort_request(request: Request):
             body = await body_of(request)
-            rid, abort_all = field(body, "rid", str, ""), field(body, "abort_all", bool, False)
+            rid, abort_all = typed(body, "rid", str, ""), typed(body, "abort_all", bool, False)
             await asyncio.to_thread(sched.abort, rid, abort_all)
             return Response(status_code=200)
 
         @app.post("/pause_generation")
         async def pause_generation(request: Request):
-            mode = field(await body_of(request), "mode", str) or "abort"
+            mode = typed(await body_of(request), "mode", str) or "abort"
             if mode not in ("abort", "retract", "in_place"):
                 raise BadRequest(f"mode must be abort, retract or in_place, got {mode!r:.40}")
             await asyncio.to_thread(sched.pause, mode)
@@ -260,10 +253,10 @@ class EngineServer:
             if not self.staged_loading:
                 return JSONResponse({"detail": "Not Found"}, status_code=404)
             body = await body_of(request)
-            path = field(body, "model_path", str)
+            path = typed(body, "model_path", str)
             if not path:
                 return JSONResponse({"success": False, "message": "model_path is required"}, status_code=400)
-            version = field(body, "weight_version", (str, int))
+            version = typed(body, "weight_version", (str, int))
             try:
                 local = await local_snapshot(path, version)
                 seconds = await asyncio.to_thread(sched.stage_weights, local, version)
@@ -274,14 +267,14 @@ class EngineServer:
         @app.post("/update_weights_from_disk")
         async def update_weights_from_disk(request: Request):
             body = await body_of(request)
-            path = field(body, "model_path", str)
+            path = typed(body, "model_path", str)
             if not path:
                 return JSONResponse({"success": False, "message": "model_path is required"}, status_code=400)
-            version = field(body, "weight_version", (str, int))
-            field(body, "flush_cache", bool)
+            version = typed(body, "weight_version", (str, int))
+            typed(body, "flush_cache", bool)
             try:
                 local = await local_snapshot(path, version)
-                if field(body, "abort_all_requests", bool):
+                if typed(body, "abort_all_requests", bool):
                     await asyncio.to_thread(sched.abort, "", True)
                 res = await asyncio.to_thread(sched.update_weights_from_disk, local, version)
             except (OSError, ValueError, TimeoutError, WeightStoreError) as e:
@@ -321,9 +314,9 @@ class EngineServer:
         @app.post("/update_weight_version")
         async def update_weight_version(request: Request):
             body = await body_of(request)
-            if field(body, "new_version", (str, int)) is None:
+            if typed(body, "new_version", (str, int)) is None:
                 return JSONResponse({"success": False, "message": "new_version is required"}, status_code=400)
-            if field(body, "abort_all_requests", bool, True):
+            if typed(body, "abort_all_requests", bool, True):
                 await asyncio.to_thread(sched.abort, "", True)
             v = str(body["new_version"])
             try:  # a version staged by broadcast (stage: true) is swapped in; otherwise only the name changes

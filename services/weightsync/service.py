@@ -149,7 +149,7 @@ class WeightSyncService(Service):
         for url in self.client.urls:
             try:
                 got = (await self.client.model_info(url)).get("weight_version")
-                if _version(got) < live or not await self.published.allows(_version(got)):
+                if await self._behind(got, live):
                     path = self._snapshot_uri(live)
                     log.warning(
                         "engine %s runs weight version %s, behind the live v%d: loading %s", url, got, live, path
@@ -160,6 +160,13 @@ class WeightSyncService(Service):
             except EngineError as e:
                 log.info("engine %s did not converge now (%s); again in %.0fs", url, e, CONVERGE_EVERY_S)
 
+    async def _behind(self, got, live: int) -> bool:
+        """An engine reporting `got` must take the live version again: it is behind it, on a
+        version nobody published, or `loading-<N>` (a distributed broadcast cut off inside the
+        pause: an SGLang server may hold part of it)."""
+        v = _version(got)
+        return str(got).startswith("loading-") or v < live or not await self.published.allows(v)
+
     async def _converge_distributed(self, live: int) -> None:
         """Distributed mode: engines behind the live version, or left `loading-<N>` by a broadcast
         cut off inside the pause (SGLang servers may hold part of it), take the live version
@@ -169,8 +176,7 @@ class WeightSyncService(Service):
         for url in self.client.urls:
             try:
                 got = (await self.client.model_info(url)).get("weight_version")
-                loading = str(got).startswith("loading-")
-                if loading or _version(got) < live or not await self.published.allows(_version(got)):
+                if await self._behind(got, live):
                     behind.append((url, got))
                 else:
                     await self.client.continue_generation(url)
@@ -270,7 +276,7 @@ class WeightSyncService(Service):
         self.last_update_s = time.perf_counter() - t0
         self.num_updates += 1
         self.observe("weight_sync/update_seconds", self.last_update_s)
-        pause_s = max(list(self.pauses)[-len(self.client.urls):], default=0.0)
+        pause_s = max(list(self.pauses)[-len(self.client.urls) :], default=0.0)
         crash.point("weight-sync", "continued_before_announce")
         await self._announce(pub.version, self.last_update_s, pause_s)
         log.info("engines now at weight version %d (%.3fs, paused %.3fs, %s)", pub.version, self.last_update_s,
