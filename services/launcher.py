@@ -262,13 +262,9 @@ class Launcher:
         if c.use_ray:
             self.placement = Placement(c, self.run_dir)  # in the main thread: Ray's driver wants it
         urls = self.start_engines()
-        # distributed weight transfer: engines on this machine reach the trainer on loopback; a
-        # trainer placed by Ray offers its node's address (services/trainer/service.py master_address)
-        master = c.update_weight_master_address or ("" if self.placement else "127.0.0.1")
         self.config = c = c.model_copy(
-            update={"rollout_engine_urls": urls, "nats_url": self.nats_url, "rollout_router_url": self.router_url,
-                    "update_weight_master_address": master}
-        )  # fmt: skip
+            update={"rollout_engine_urls": urls, "nats_url": self.nats_url, "rollout_router_url": self.router_url}
+        )
         (self.run_dir / "config.json").write_text(json.dumps(c.model_dump(mode="json"), indent=2))
         bus = await Bus.connect(self.nats_url, c.run_id, "launcher", creds=self.creds["admin"])
         try:

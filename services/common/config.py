@@ -401,7 +401,8 @@ class AsyncSection(Section):
     update_weight_master_address: str = Field(
         "",
         description="distributed: the trainer's address the engines reach (its transfer group's TCP store and "
-        "gloo/NCCL). Default: the trainer host's name resolved; the single-machine launcher uses 127.0.0.1.",
+        "gloo/NCCL). Default: the node address a Ray placement gives the trainer, else the trainer host's address "
+        "on its route to the NATS server (127.0.0.1 with the embedded server).",
     )
     update_weight_buffer_size: int = Field(
         512 * 1024**2,
