@@ -71,7 +71,9 @@ def main(argv=None) -> None:
     from services.model.hf_io import load_model
     from services.model.tokenizer import Tokenizer
 
-    torch.set_num_threads(args.torch_num_threads)
+    # All torch work runs on the scheduler's thread at --torch-num-threads; the model loads here
+    # at 1 thread, so no second OpenMP team ever shares the cores with it (services/engine/scheduler.py).
+    torch.set_num_threads(1)
     model = load_model(args.model_path)
     try:
         tokenizer = Tokenizer(args.model_path)
@@ -84,6 +86,7 @@ def main(argv=None) -> None:
         weight_version=args.weight_version,
         seed=args.random_seed,
         on_death=_die,
+        torch_threads=args.torch_num_threads,
     )
     sched.start()
     api_key = args.api_key or run_token_from_env()

@@ -43,6 +43,15 @@ class _Incoming:
     digest: Digest = field(default_factory=Digest)
 
 
+def _checked(received: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+    """The received tensors in the model's devices and dtypes; ValueError if any is not finite."""
+    try:
+        check_finite(received, "received weights")
+    except NonFiniteWeights as e:
+        raise ValueError(str(e)) from None
+    return {n: received[n].to(device=p.device, dtype=p.dtype).contiguous() for n, p in params.items()}
+
+
 class DistributedReceiver:
     def __init__(self, scheduler, staged_loading: bool = True):
         self.scheduler = scheduler
@@ -139,11 +148,7 @@ class DistributedReceiver:
         if expected is not None and got != expected:
             raise ValueError(f"the received weights' digest {got[:16]}... differs from the announced "
                              f"{expected[:16]}...: not loaded")  # fmt: skip
-        try:
-            check_finite(inc.tensors, "received weights")
-        except NonFiniteWeights as e:
-            raise ValueError(str(e)) from None
-        tensors = {n: inc.tensors[n].to(device=p.device, dtype=p.dtype).contiguous() for n, p in params.items()}
+        tensors = self.scheduler.call(_checked, inc.tensors, params)  # torch work on the engine's one thread
         if stage:
             with self._lock:
                 self.staged = (version, tensors)

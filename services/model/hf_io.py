@@ -11,9 +11,11 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Generator
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from services.common import crash
@@ -83,21 +85,47 @@ def stage_weights(model: CausalLM, path: str | Path) -> dict[str, torch.Tensor]:
     """A snapshot's weights as new tensors matching `model`'s parameters (names, shapes, dtypes),
     read without touching the model: the engine stages the next version this way while it keeps
     generating. ValueError when the snapshot does not fit the model; NonFiniteWeights on NaN/inf."""
-    state = load_state_dict(path)
-    if model.cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+    gen = iter_stage_weights(model, path)
+    while True:
+        try:
+            next(gen)
+        except StopIteration as done:
+            return done.value
+
+
+def iter_stage_weights(model: CausalLM, path: str | Path) -> Generator[None, None, dict[str, torch.Tensor]]:
+    """stage_weights one tensor at a time: yields after each, returns the tensors. The names and
+    shapes are checked from the files' headers before any tensor is read."""
+    files = _weight_files(Path(path))
     own = dict(model.named_parameters())
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own) - {"lm_head.weight"})
+    where: dict[str, Path] = {}
+    shapes: dict[str, tuple] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for n in fh.keys():
+                where[n], shapes[n] = f, tuple(fh.get_slice(n).get_shape())
+    if model.cfg.tie_word_embeddings:
+        where.pop("lm_head.weight", None)
+    missing = sorted(set(own) - set(where))
+    unexpected = sorted(set(where) - set(own) - {"lm_head.weight"})
     if missing or unexpected:
         raise ValueError(
             f"snapshot {path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
-    wrong = [n for n, p in own.items() if tuple(state[n].shape) != tuple(p.shape)]
+    wrong = [n for n, p in own.items() if shapes[n] != tuple(p.shape)]
     if wrong:
         raise ValueError(f"snapshot {path} does not match the model: {wrong[0]} has shape "
-                         f"{tuple(state[wrong[0]].shape)}, the model's is {tuple(own[wrong[0]].shape)}")  # fmt: skip
-    return {n: state[n].to(p.dtype).contiguous() for n, p in own.items()}
+                         f"{shapes[wrong[0]]}, the model's is {tuple(own[wrong[0]].shape)}")  # fmt: skip
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for n in fh.keys():
+                if n in own:
+                    t = fh.get_tensor(n)
+                    check_finite({n: t}, f"snapshot {path}")
+                    out[n] = t.to(own[n].dtype).contiguous()
+                    yield
+    return out
 
 
 def swap_in(model: CausalLM, staged: dict[str, torch.Tensor]) -> None:
