@@ -84,7 +84,8 @@ class EngineThread:
     """The built-in engine (scheduler + HTTP server) inside the test process, on a free port."""
 
     def __init__(self, model_dir, weight_version: str = "0", max_running_requests: int = 64, seed: int = 0,
-                 api_key: str | None = None, on_death=None, weights=None, staged_loading: bool = True):  # fmt: skip
+                 api_key: str | None = None, on_death=None, weights=None, staged_loading: bool = True,
+                 max_loras: int = 0, max_lora_rank: int = 8):  # fmt: skip
         import uvicorn
 
         from services.engine.scheduler import Scheduler
@@ -100,10 +101,16 @@ class EngineThread:
             seed=seed,
             on_death=on_death,
         )
+        self.loras = None
+        if max_loras:
+            from services.engine.loras import EngineLoras
+
+            self.loras = EngineLoras(self.scheduler, max_loras, max_lora_rank)
         self.port = procs.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = EngineServer(self.scheduler, str(model_dir), Tokenizer(model_dir), port=self.port,
-                                   api_key=api_key, weights=weights, staged_loading=staged_loading)  # fmt: skip
+                                   api_key=api_key, weights=weights, staged_loading=staged_loading,
+                                   loras=self.loras)  # fmt: skip
         self._uv = uvicorn.Server(
             uvicorn.Config(
                 self.server.app,

@@ -41,7 +41,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the `instance` label on /metrics (default: <host name>:<port>)")  # fmt: skip
     p.add_argument("--weights-cache-dir", default=None,
                    help="where fetched object-store weights go (default: a temporary directory, removed at exit)")  # fmt: skip
+    lora = p.add_argument_group("LoRA (SGLang's flags; services/engine/loras.py)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-paths)")
+    lora.add_argument("--max-loras-per-batch", type=int, default=8, help="adapters resident at once, each in a slot")
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank this engine can load")
+    lora.add_argument("--lora-target-modules", nargs="+", default=None,
+                      help="modules adapters may target (default: all of q,k,v,o,gate,up,down_proj)")  # fmt: skip
+    lora.add_argument("--lora-paths", nargs="+", default=[],
+                      help="adapters loaded at start: NAME=PATH, PATH, or {\"lora_name\",\"lora_path\",\"pinned\"}")  # fmt: skip
     args = p.parse_args(argv)
+    if args.lora_paths:
+        args.enable_lora = True
+    if args.enable_lora and (args.max_loras_per_batch < 1 or args.max_lora_rank < 1):
+        p.error("--max-loras-per-batch and --max-lora-rank must be at least 1")
     if args.nats_url and not args.run_id:
         p.error("--nats-url needs --run-id (the run whose weights bucket to read)")
     return args
@@ -88,7 +100,22 @@ def main(argv=None) -> None:
         on_death=_die,
         torch_threads=args.torch_num_threads,
     )
+    loras = None
+    if args.enable_lora:
+        from services.engine.loras import EngineLoras, parse_lora_paths, parse_target_modules
+
+        try:
+            targets, initial = parse_target_modules(args.lora_target_modules), parse_lora_paths(args.lora_paths)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        loras = EngineLoras(sched, args.max_loras_per_batch, args.max_lora_rank, targets)
     sched.start()
+    for body in initial if loras is not None else []:
+        try:
+            loras.load(body)
+        except ValueError as e:  # BadRequest: a bad adapter given at start is a bad command line
+            sched.shutdown()
+            raise SystemExit(f"error: --lora-paths: {e}") from None
     api_key = args.api_key or run_token_from_env()
     weights, temp_cache = None, None
     if args.nats_url:
@@ -99,7 +126,7 @@ def main(argv=None) -> None:
         cache = args.weights_cache_dir or (temp_cache := tempfile.mkdtemp(prefix="asyncrl-engine-weights-"))
         weights = ObjectWeights(args.nats_url, args.run_id, cache)
     server = EngineServer(sched, args.model_path, tokenizer, args.served_model_name, args.host, args.port, api_key,
-                          weights=weights, staged_loading=not args.disable_staged_weight_loading)  # fmt: skip
+                          weights=weights, staged_loading=not args.disable_staged_weight_loading, loras=loras)  # fmt: skip
     engine_metrics(server, run=args.run_id, instance=args.instance_id)  # the run and instance labels
     try:
         uvicorn.run(

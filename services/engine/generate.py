@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.engine.detok import TextView
-from services.engine.protocol import Sequence
+from services.engine.protocol import BadRequest, Sequence
 from services.engine.scheduler import Request as EngineRequest
 from services.engine.scheduler import Scheduler
 
@@ -39,9 +39,21 @@ class Tracked:
 
 
 class Generation:
-    def __init__(self, scheduler: Scheduler, tokenizer):
+    def __init__(self, scheduler: Scheduler, tokenizer, loras=None):
+        """loras: the engine's EngineLoras (None: LoRA not enabled, and `lora_path` is refused)."""
         self.scheduler = scheduler
         self.tokenizer = tokenizer
+        self.loras = loras
+
+    def check_loras(self, seqs: list[Sequence]) -> None:
+        """BadRequest now (before a stream starts) if a sequence names an adapter not loaded."""
+        if self.loras is None:
+            if any(seq.lora is not None for seq in seqs):
+                raise BadRequest("lora_path: this engine serves no LoRA adapters; start it with --enable-lora")
+            return
+        with self.loras.lock:
+            for seq in seqs:
+                self.loras.resolve(seq.lora)
 
     def submit(self, seqs: list[Sequence], queue: asyncio.Queue) -> list[Tracked]:
         """Queue every sequence; progress arrives on `queue` as (index, tokens so far) and
@@ -63,8 +75,16 @@ class Generation:
                                 top_logprobs_num=seq.top_logprobs_num,
                                 stop_check=view.stop_check if view.checks_text else None)  # fmt: skip
             tracked.append(Tracked(i, seq, req, view))
-        for t in tracked:
-            self.scheduler.add_request(t.req)
+        if self.loras is None:
+            self.check_loras(seqs)
+            for t in tracked:
+                self.scheduler.add_request(t.req)
+            return tracked
+        with self.loras.lock:  # resolved and queued together: an unload never misses these requests
+            for t in tracked:
+                t.req.lora_slot, t.req.lora_uid = self.loras.resolve(t.seq.lora)
+            for t in tracked:
+                self.scheduler.add_request(t.req)
         return tracked
 
     async def progress(self, tracked: list[Tracked], queue: asyncio.Queue) -> AsyncIterator[tuple[Tracked, int]]:

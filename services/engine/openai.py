@@ -291,19 +291,42 @@ class OpenAIRoutes:
         try:
             seqs, prompts, meta = self.chat_seqs(body) if chat else self.completion_seqs(body)
             stream, include_usage = self._stream_flag(body)
+            adapter = self._adapter(body.get("model"))
         except OpenAIError as e:
             return _error(e)
+        for seq in seqs:
+            seq.lora = adapter
         if stream:
             return StreamingResponse(self.stream(seqs, prompts, meta, chat, include_usage),
                                      media_type="text/event-stream")  # fmt: skip
         tracked = await self.generation.run(seqs)
         return (self.chat_body if chat else self.completion_body)(tracked, prompts, meta)
 
+    def _adapter(self, model: str | None) -> str | None:
+        """The LoRA adapter a `model` names, as SGLang: "<adapter>" or "<served-model>:<adapter>";
+        None for the base model (any other name reaches it, as routers fill in names of their own)."""
+        loras = self.server.loras
+        if loras is None or model is None:
+            return None
+        loaded = loras.loaded()
+        if model in loaded:
+            return model
+        base, sep, adapter = model.partition(":")
+        if sep and base == self.server.served_model_name:
+            _check(adapter in loaded, f"no LoRA adapter {adapter!r:.120} is loaded (loaded: "
+                   f"{', '.join(sorted(loaded)) or 'none'})", "model")  # fmt: skip
+            return adapter
+        return None
+
     def models(self) -> dict:
         card = {"id": self.server.served_model_name, "object": "model", "created": int(self.server.started_at),
                 "owned_by": "asyncrl", "root": self.server.model_path,
                 "max_model_len": self.server.limits.context_length}  # fmt: skip
-        return {"object": "list", "data": [card]}
+        cards = [card]
+        if self.server.loras is not None:  # each loaded adapter is a model of its own, parented by the base
+            cards += [card | {"id": name, "root": path, "parent": self.server.served_model_name}
+                      for name, path in sorted(self.server.loras.loaded().items())]  # fmt: skip
+        return {"object": "list", "data": cards}
 
 
 def add_openai_routes(app: FastAPI, server) -> None:

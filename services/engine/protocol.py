@@ -31,7 +31,7 @@ class BadRequest(ValueError):
 # SGLang 0.5.23 fields this engine does not implement, with the values that ask for nothing
 _NEUTRAL = (None, False, 0, [], {}, "")
 NOT_IMPLEMENTED_TOP = {
-    "input_embeds": _NEUTRAL, "token_ids_logprob": _NEUTRAL, "lora_path": _NEUTRAL, "lora_id": _NEUTRAL,
+    "input_embeds": _NEUTRAL, "token_ids_logprob": _NEUTRAL, "lora_id": _NEUTRAL,
     "return_routed_experts": _NEUTRAL, "routed_experts_start_len": _NEUTRAL, "return_indexer_topk": _NEUTRAL,
     "return_hidden_states": _NEUTRAL, "return_entropy": _NEUTRAL,
     "return_sampling_mask": _NEUTRAL, "image_data": _NEUTRAL, "video_data": _NEUTRAL, "audio_data": _NEUTRAL,
@@ -64,7 +64,7 @@ SGLANG_INTERNAL_SAMPLING = ("stop_strs", "stop_regex_strs", "stop_str_max_len", 
 """SamplingParams fields SGLang fills in itself; a request that sends one is refused."""
 TOP_FIELDS = {
     "text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-    "return_text_in_logprobs", "stream", "return_prompt_token_ids",
+    "return_text_in_logprobs", "stream", "return_prompt_token_ids", "lora_path",
 } | set(NOT_IMPLEMENTED_TOP)  # fmt: skip
 SAMPLING_FIELDS = {
     "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "n",
@@ -99,6 +99,8 @@ class Sequence:
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     return_prompt_token_ids: bool = False
+    lora: str | None = None
+    """The LoRA adapter's name (`lora_path`); None: the base model."""
 
 
 @dataclass
@@ -304,6 +306,7 @@ def parse_generate(body: Any, limits: Limits, tokenizer=None) -> tuple[list[Sequ
     logprob = _per_prompt(body.get("return_logprob"), "return_logprob", len(prompts), bool)
     starts = _per_prompt(body.get("logprob_start_len"), "logprob_start_len", len(prompts), int)
     tops = _per_prompt(body.get("top_logprobs_num"), "top_logprobs_num", len(prompts), int)
+    loras = _loras(body.get("lora_path"), len(prompts))
     flags = {k: _boolean(body, k, False, "") for k in ("return_text_in_logprobs", "return_prompt_token_ids", "stream")}
     total = sum(n for _, _, n in parsed)
     if total > MAX_SEQUENCES:
@@ -317,7 +320,7 @@ def parse_generate(body: Any, limits: Limits, tokenizer=None) -> tuple[list[Sequ
             if rid is not None and isinstance(body.get("rid"), str) and is_batch:
                 rid = f"{rid}-{i}-{j}"  # one string names a batch: a prefix of per-item ids
             seqs.append(Sequence(ids, params, text, rid, bool(logprob[i]), start, top,
-                                 flags["return_text_in_logprobs"], flags["return_prompt_token_ids"]))  # fmt: skip
+                                 flags["return_text_in_logprobs"], flags["return_prompt_token_ids"], loras[i]))  # fmt: skip
     return seqs, is_batch
 
 
@@ -359,6 +362,14 @@ def _prompts(body: dict, limits: Limits, tokenizer) -> tuple[list[list[int]], bo
             raise BadRequest(f"text holds {len(texts)} prompts; at most {MAX_SEQUENCES} per call")
         return [token_ids(tokenizer.encode(t), "text", limits) for t in texts], isinstance(text, list)
     raise BadRequest("Either text or input_ids should be provided.")
+
+
+def _loras(v: Any, count: int) -> list[str | None]:
+    """lora_path: one adapter name for every prompt, or a list with one name (or null) per prompt."""
+    items = v if isinstance(v, list) else [v] * count
+    if len(items) != count or not all(x is None or (isinstance(x, str) and 0 < len(x) <= MAX_RID_CHARS) for x in items):
+        raise BadRequest(f"lora_path must be an adapter name, or a list of {count} names (null for the base model)")
+    return items
 
 
 def _per_prompt(v: Any, field: str, count: int, kind: type) -> list:

@@ -107,6 +107,14 @@ class Request:
     """Called on the scheduler thread after each token of an unfinished request (streaming)."""
     stop_check: Callable[[Request], str | None] | None = None
     """Called on the scheduler thread after each token: the stop string it matched, or None."""
+    lora_slot: int = -1
+    """The LoRA slot its rows use (services/engine/loras.py); -1: the base model."""
+    lora_uid: int = 0
+    """Which load of an adapter it uses: part of its prompt's prefix-cache key."""
+
+    @property
+    def prefix_key(self) -> tuple:
+        return (self.lora_uid, *self.input_ids)
 
     @property
     def seq(self) -> list[int]:
@@ -204,6 +212,7 @@ class Scheduler:
         self.free_slots = list(range(max_running_requests))
         # prefix cache: which slot holds a prompt's KV, and under which weights (epoch) it was computed
         self.slot_prompt: dict[int, tuple[int, ...]] = {}
+        """slot -> the prefix key (adapter load, *prompt) whose KV it holds."""
         self.slot_kv_epoch: dict[int, int] = {}
         self.kv_epoch = 0
         self.stats = EngineStats()
@@ -219,6 +228,8 @@ class Scheduler:
         self.stall_timeout_s = 20.0
         """Holding work with no step for this long reads as stuck."""
         self._shutdown = False
+        self.lora = None
+        """The model's MultiLora when LoRA is enabled (services/engine/loras.py sets it)."""
         self.torch_threads = torch_threads
         self._jobs: collections.deque[tuple[Callable, tuple, concurrent.futures.Future]] = collections.deque()
         """Torch work from other threads, run on the scheduler's thread before the next step."""
@@ -466,6 +477,16 @@ class Scheduler:
             if not self._work.wait(timeout=max(0.0, deadline - time.monotonic())):
                 raise TimeoutError("in-flight requests did not finish; pause generation first")
 
+    def wait_lora_idle(self, lora_slot: int, timeout_s: float) -> None:
+        """Return once no request queued, waiting or running uses the LoRA slot."""
+        deadline = time.monotonic() + timeout_s
+        with self._work:
+            self._drain_inbox()
+            while any(r.lora_slot == lora_slot for r in itertools.chain(self.running, self.waiting)):
+                if not self._work.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError("requests using the adapter did not finish; abort them first")
+                self._drain_inbox()
+
     def _load(self, load, weight_version) -> dict:
         with self._model_lock:
             t0 = time.perf_counter()
@@ -521,13 +542,13 @@ class Scheduler:
         """Move waiting requests into free slots. A fresh request whose prompt is resident in
         another slot copies that prefix instead of prefilling it; one whose prompt is being
         prefilled right now waits a step for it (a group's n samples share one prefill)."""
-        being_prefilled = {tuple(r.input_ids) for r in self.running if r.kv_len < len(r.input_ids)}
+        being_prefilled = {r.prefix_key for r in self.running if r.kv_len < len(r.input_ids)}
         deferred: list[Request] = []
         while self.waiting and self.free_slots:
             req = self.waiting.popleft()
-            prompt = tuple(req.input_ids)
+            prompt = req.prefix_key
             fresh = req.kv_len == 0 and not req.output_ids
-            reusable = fresh and len(prompt) > 1 and req.logprob_start is None
+            reusable = fresh and len(req.input_ids) > 1 and req.logprob_start is None
             src = self._prefix_source(prompt) if reusable else None
             if fresh and src is None and prompt in being_prefilled:
                 deferred.append(req)
@@ -539,7 +560,7 @@ class Scheduler:
                 self.stats.prompt_tokens_total += len(req.input_ids)
             req.kv_len = 0
             if src is not None and src != req.slot:
-                reuse = len(prompt) - 1
+                reuse = len(req.input_ids) - 1
                 self.cache.copy_prefix(src, req.slot, reuse)
                 req.kv_len = req.cached_tokens = reuse
                 self.stats.cached_tokens_total += reuse
@@ -565,7 +586,9 @@ class Scheduler:
         width = max(map(len, p.feeds))
         ids = torch.tensor([f + [0] * (width - len(f)) for f in p.feeds], dtype=torch.long)
         start = torch.tensor([r.kv_len for r in p.reqs], dtype=torch.long)
-        logits_ntv = self.model.forward_cached(ids, self.cache, torch.tensor(p.slots), start)
+        rows = self.lora.rows([r.lora_slot for r in p.reqs]) if self.lora is not None else contextlib.nullcontext()
+        with rows:
+            logits_ntv = self.model.forward_cached(ids, self.cache, torch.tensor(p.slots), start)
         last = torch.tensor([len(f) - 1 for f in p.feeds])
         logits_nv = logits_ntv[torch.arange(len(p.reqs)), last].float()
         history = [(r.input_ids, r.output_ids) for r in p.reqs]
@@ -583,7 +606,7 @@ class Scheduler:
                 continue  # retracted or aborted while this step ran: its result is void
             r.kv_len += len(f)
             if len(f) > 1 and r.kv_len >= len(r.input_ids):
-                self.slot_prompt[slot] = tuple(r.input_ids)  # now a prefix source
+                self.slot_prompt[slot] = r.prefix_key  # now a prefix source
                 self.slot_kv_epoch[slot] = epoch
             if out.prompt[i] is not None:
                 r.input_logprobs, r.input_top_logprobs = out.prompt[i]

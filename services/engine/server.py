@@ -5,7 +5,8 @@ events with `stream`: services/engine/generate.py); GET /get_load, /get_weight_v
 GET /v1/models, POST /v1/completions, /v1/chat/completions (services/engine/openai.py); GET /health,
 /health_generate; GET|POST /flush_cache; POST /abort_request, /pause_generation,
 /continue_generation, /update_weights_from_disk, /update_weight_version, /init_weights_update_group,
-/update_weights_from_distributed, /destroy_weights_update_group (services/engine/distributed.py); GET /model_info,
+/update_weights_from_distributed, /destroy_weights_update_group (services/engine/distributed.py),
+/load_lora_adapter, /unload_lora_adapter (services/engine/loras.py); GET /model_info,
 /server_info (and their /get_* aliases), /metrics (sglang:* names); plus asyncrl's /healthz,
 /readyz, /status and POST /stage_weights. The torch work runs on the scheduler thread; handlers
 only enqueue and wait.
@@ -63,10 +64,13 @@ class EngineServer:
         api_key: str | None = None,
         weights=None,
         staged_loading: bool = True,
+        loras=None,
     ):
         """weights: an ObjectWeights that fetches `nats-object://` snapshots (None: disk only).
-        staged_loading False: no /stage_weights (404), as an SGLang server."""
+        staged_loading False: no /stage_weights (404), as an SGLang server. loras: the engine's
+        EngineLoras (--enable-lora; services/engine/loras.py), None: no LoRA routes."""
         self.scheduler = scheduler
+        self.loras = loras
         self.receiver = DistributedReceiver(scheduler, staged_loading)
         self.weights = weights
         self.staged_loading = staged_loading
@@ -78,7 +82,7 @@ class EngineServer:
         self.served_model_name = served_model_name or Path(model_path).name
         self.host, self.port = host, port
         self.started_at = time.time()
-        self.generation = Generation(scheduler, tokenizer)
+        self.generation = Generation(scheduler, tokenizer, loras)
         self.app = self._build()
 
     # ---- generate --------------------------------------------------------------------------
@@ -130,6 +134,7 @@ class EngineServer:
             "staged_weight_loading": self.staged_loading,
             "weight_digest_check": True,
             "weight_update_backends": self.receiver.backends(),
+            **(self.loras.info() if self.loras is not None else {"enable_lora": False}),
         }
 
     def metrics_text(self) -> str:
@@ -172,6 +177,7 @@ class EngineServer:
             body = await body_of(request)
             if body.get("stream") is True:
                 seqs, is_batch = parse_generate(body, self.limits, self.tokenizer)
+                self.generation.check_loras(seqs)
                 return StreamingResponse(self.generation.stream(seqs, is_batch), media_type="text/event-stream")
             return JSONResponse(await self.generate(body))
 
@@ -326,6 +332,25 @@ class EngineServer:
             if not swapped:
                 await asyncio.to_thread(sched.set_weight_version, v)
             return {"success": True, "message": f"Weight version updated to {v}", "new_version": v, "staged": swapped}
+
+        @app.post("/load_lora_adapter")
+        async def load_lora_adapter(request: Request):
+            return await lora_call("load", await body_of(request))
+
+        @app.post("/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request):
+            return await lora_call("unload", await body_of(request))
+
+        async def lora_call(op: str, body: dict):
+            """SGLang's LoRA answer: {success, error_message, loaded_adapters}, a 400 on failure."""
+            if self.loras is None:
+                return JSONResponse({"success": False, "error_message": "LoRA is not enabled on this engine: "
+                                     "start it with --enable-lora", "loaded_adapters": {}}, status_code=400)  # fmt: skip
+            try:
+                return await asyncio.to_thread(self.loras.load if op == "load" else self.loras.unload, body)
+            except (BadRequest, TimeoutError) as e:
+                return JSONResponse({"success": False, "error_message": str(e),
+                                     "loaded_adapters": self.loras.loaded()}, status_code=400)  # fmt: skip
 
         @app.get("/model_info")
         @app.get("/get_model_info")

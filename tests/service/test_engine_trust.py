@@ -76,7 +76,8 @@ BAD = [
     (body(stop_regex="(unclosed"), "stop_regex '(unclosed' is not a valid regular expression"),
     (body(sampling_seed=-1), "sampling_seed must be in [0,"),
     # SGLang features this engine does not implement: refused, never silently ignored
-    (body(top={"lora_path": "adapter"}), "lora_path is not implemented"),
+    (body(top={"lora_path": "adapter"}), "lora_path: this engine serves no LoRA adapters; start it with --enable-lora"),
+    (body(top={"lora_id": "adapter"}), "lora_id is not implemented"),
     (body(regex="[0-9]+"), "regex: constrained decoding is not implemented"),
     (body(json_schema="{}"), "json_schema: constrained decoding is not implemented"),
     (body(beam_width=4), "beam_width is not implemented"),

@@ -1,0 +1,322 @@
+"""Many LoRA adapters on one base model, each row of a batch with its own adapter (or none).
+
+`MultiLora(model, n_slots, max_rank, targets)` adds, for every target linear of every layer, the
+stacked low-rank factors A [slots, max_rank, in] and B [slots, out, max_rank] and a per-slot
+scale (alpha / rank). Inside `with lora.rows(slot_n):` every target linear returns
+`W x + scale[s] * B[s] A[s] x` for a row whose slot is s, and `W x` for a row whose slot is -1:
+one batch serves several adapters (the built-in engine), and one training batch trains several
+(the trainer). An adapter of a smaller rank fills the first `rank` rows of A (and columns of B)
+and leaves the rest zero, which adds exactly nothing. The base model is not modified: its
+parameter names, snapshots and weight updates stay as they are (the factors hang on forward
+hooks, not on replaced modules).
+
+On disk an adapter is a PEFT LoRA directory, the format SGLang's `/load_lora_adapter` and
+`--lora-paths` read: `adapter_config.json` (peft_type LORA, r, lora_alpha, target_modules) and
+`adapter_model.safetensors` with `base_model.model.model.layers.{i}.{self_attn|mlp}.{m}.lora_A.weight`
+[r, in] and `...lora_B.weight` [out, r]; the `.complete` marker is written last.
+
+`SlotAdamW` is AdamW over the factors with its moments and step count per slot, so that only the
+adapters whose batch completed take a step, and a slot's state is zeroed when it is freed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from services.common.snapshot import COMPLETE_MARKER
+from services.model.llama import CausalLM
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+TARGETS = ATTENTION + ("gate_proj", "up_proj", "down_proj")
+_PEFT_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+class LoraError(ValueError):
+    """An adapter that does not fit this model (shapes, rank, targets) or holds NaN/inf."""
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...] = ATTENTION
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise LoraError(f"rank must be at least 1, got {self.rank}")
+        if not self.alpha > 0:
+            raise LoraError(f"alpha must be positive, got {self.alpha}")
+        unknown = sorted(set(self.target_modules) - set(TARGETS))
+        if unknown or not self.target_modules:
+            raise LoraError(f"target_modules must be among {', '.join(TARGETS)}, got {list(self.target_modules)}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def peft_config(self, base_model: str = "") -> dict:
+        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.alpha,
+                "target_modules": list(self.target_modules), "lora_dropout": 0.0, "bias": "none",
+                "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": base_model}  # fmt: skip
+
+    @classmethod
+    def from_peft_config(cls, cfg: dict) -> LoraSpec:
+        if cfg.get("peft_type", "LORA") != "LORA":
+            raise LoraError(f"not a LoRA adapter: peft_type {cfg.get('peft_type')!r:.40}")
+        targets = cfg.get("target_modules")
+        if isinstance(targets, str):
+            targets = [targets]
+        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+            raise LoraError("adapter_config.json: target_modules must be a list of module names")
+        rank, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+        if type(rank) is not int or not isinstance(alpha, int | float) or isinstance(alpha, bool):
+            raise LoraError("adapter_config.json: r must be an integer and lora_alpha a number")
+        return cls(rank=rank, alpha=float(alpha), target_modules=tuple(targets))
+
+
+def _module_of(model: CausalLM, layer: int, name: str) -> nn.Linear:
+    block = model.model.layers[layer]
+    return getattr(block.self_attn if name in ATTENTION else block.mlp, name)
+
+
+def peft_key(layer: int, name: str, factor: str) -> str:
+    part = "self_attn" if name in ATTENTION else "mlp"
+    return f"base_model.model.model.layers.{layer}.{part}.{name}.lora_{factor}.weight"
+
+
+class MultiLora(nn.Module):
+    def __init__(self, model: CausalLM, n_slots: int, max_rank: int, targets: Sequence[str] = TARGETS):
+        super().__init__()
+        if n_slots < 1 or max_rank < 1:
+            raise LoraError(f"n_slots and max_rank must be at least 1, got {n_slots} and {max_rank}")
+        LoraSpec(rank=max_rank, alpha=1.0, target_modules=tuple(targets))  # checks the names
+        self.n_slots, self.max_rank, self.targets = n_slots, max_rank, tuple(targets)
+        self.num_layers = model.cfg.num_hidden_layers
+        ref = next(model.parameters())
+        self.A = nn.ParameterDict()
+        self.B = nn.ParameterDict()
+        self._hooks = []
+        for i in range(self.num_layers):
+            for name in self.targets:
+                lin = _module_of(model, i, name)
+                key = f"l{i}_{name}"
+                self.A[key] = nn.Parameter(torch.zeros(n_slots, max_rank, lin.in_features, dtype=ref.dtype))
+                self.B[key] = nn.Parameter(torch.zeros(n_slots, lin.out_features, max_rank, dtype=ref.dtype))
+                self._hooks.append(lin.register_forward_hook(self._hook(key)))
+        self.register_buffer("scale", torch.zeros(n_slots, dtype=ref.dtype))
+        self.specs: list[LoraSpec | None] = [None] * n_slots
+        self._rows: tuple[int, list[tuple[int, torch.Tensor | None]]] | None = None
+        """Inside rows(): (batch size, [(slot, its row indices or None for every row)])."""
+
+    # ---- the forward -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def rows(self, slot_n: torch.Tensor | Sequence[int] | None) -> Iterator[None]:
+        """Forward passes inside use adapter slot_n[i] for batch row i (-1: the base model)."""
+        slots = None if slot_n is None else torch.as_tensor(slot_n, dtype=torch.long)
+        if slots is not None and (slots.ndim != 1 or bool((slots >= self.n_slots).any()) or bool((slots < -1).any())):
+            raise LoraError(f"rows must be slot numbers in -1..{self.n_slots - 1}")
+        groups = None
+        if slots is not None:
+            used = [int(s) for s in torch.unique(slots) if s >= 0 and self.specs[int(s)] is not None]
+            whole = len(used) == 1 and bool((slots == used[0]).all())
+            groups = (slots.shape[0], [(s, None if whole else (slots == s).nonzero().flatten()) for s in used])
+        previous, self._rows = self._rows, groups
+        try:
+            yield
+        finally:
+            self._rows = previous
+
+    def _hook(self, key: str):
+        def add_delta(_module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor | None:
+            """out + scale[s] * (x A[s]^T) B[s]^T for the rows of each adapter s in the batch
+            (one pair of small matmuls per adapter present, at that adapter's own rank)."""
+            if self._rows is None or not self._rows[1]:
+                return None
+            n, groups = self._rows
+            if out.shape[0] != n:
+                raise LoraError(f"rows name {n} slots for a batch of {out.shape[0]}")
+            x = inputs[0]
+            for slot, idx in groups:
+                r = self.specs[slot].rank
+                a, b = self.A[key][slot, :r], self.B[key][slot, :, :r]
+                xs = x if idx is None else x.index_select(0, idx)
+                delta = (xs @ a.t()) @ b.t() * self.scale[slot]
+                out = out + delta if idx is None else out.index_add(0, idx, delta.to(out.dtype))
+            return out
+
+        return add_delta
+
+    # ---- slots -----------------------------------------------------------------------------------
+    def _check_spec(self, spec: LoraSpec) -> None:
+        if spec.rank > self.max_rank:
+            raise LoraError(f"rank {spec.rank} is above this model's max LoRA rank {self.max_rank}")
+        missing = sorted(set(spec.target_modules) - set(self.targets))
+        if missing:
+            raise LoraError(f"target_modules {missing} are not served here (LoRA targets: {', '.join(self.targets)})")
+
+    @torch.no_grad()
+    def init_slot(self, slot: int, spec: LoraSpec, seed: int) -> None:
+        """A fresh adapter: A uniform in +-1/sqrt(in) (PEFT's default), B zero, so it starts as the base."""
+        self._check_spec(spec)
+        self.clear_slot(slot)
+        gen = torch.Generator().manual_seed(seed)
+        for key in self._keys(spec):
+            a = self.A[key]
+            bound = 1.0 / math.sqrt(a.shape[-1])
+            a[slot, : spec.rank] = (torch.rand(spec.rank, a.shape[-1], generator=gen) * 2 - 1) * bound
+        self.scale[slot] = spec.scale
+        self.specs[slot] = spec
+
+    @torch.no_grad()
+    def clear_slot(self, slot: int) -> None:
+        for key in self.A:
+            self.A[key][slot].zero_()
+            self.B[key][slot].zero_()
+        self.scale[slot] = 0.0
+        self.specs[slot] = None
+
+    def _keys(self, spec: LoraSpec) -> list[str]:
+        return [f"l{i}_{m}" for i in range(self.num_layers) for m in spec.target_modules]
+
+    def slot_tensors(self, slot: int) -> dict[str, torch.Tensor]:
+        """The slot's adapter under PEFT names, trimmed to its rank (copies)."""
+        spec = self.specs[slot]
+        if spec is None:
+            raise LoraError(f"slot {slot} holds no adapter")
+        out = {}
+        for i in range(self.num_layers):
+            for m in spec.target_modules:
+                key = f"l{i}_{m}"
+                out[peft_key(i, m, "A")] = self.A[key][slot, : spec.rank].detach().clone()
+                out[peft_key(i, m, "B")] = self.B[key][slot, :, : spec.rank].detach().clone()
+        return out
+
+    @torch.no_grad()
+    def set_slot(self, slot: int, spec: LoraSpec, tensors: dict[str, torch.Tensor]) -> None:
+        """Put an adapter (PEFT names, as slot_tensors or load_adapter give) into a slot, checked
+        first: nothing changes unless every tensor fits and is finite."""
+        self._check_spec(spec)
+        want = {peft_key(i, m, f) for i in range(self.num_layers) for m in spec.target_modules for f in "AB"}
+        missing, unexpected = sorted(want - set(tensors)), sorted(set(tensors) - want)
+        if missing or unexpected:
+            raise LoraError(f"the adapter does not match rank/targets: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        placed = {}
+        for name, t in tensors.items():
+            layer, _, module, factor = _PEFT_KEY.match(name).groups()
+            key = f"l{layer}_{module}"
+            target = self.A[key] if factor == "A" else self.B[key]
+            shape = (spec.rank, target.shape[-1]) if factor == "A" else (target.shape[1], spec.rank)
+            if tuple(t.shape) != shape:
+                raise LoraError(f"{name} has shape {tuple(t.shape)}, this model needs {shape}")
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise LoraError(f"{name} holds non-finite values (NaN or inf)")
+            placed[(key, factor)] = t
+        self.clear_slot(slot)
+        for (key, factor), t in placed.items():
+            if factor == "A":
+                self.A[key][slot, : spec.rank] = t.to(self.A[key].dtype)
+            else:
+                self.B[key][slot, :, : spec.rank] = t.to(self.B[key].dtype)
+        self.scale[slot] = spec.scale
+        self.specs[slot] = spec
+
+
+# ---- PEFT directories ------------------------------------------------------------------------------
+def save_adapter(lora: MultiLora, slot: int, out_dir: str | Path, base_model: str = "") -> Path:
+    """Write a slot's adapter as a PEFT directory: stale marker removed first, marker written last."""
+    spec = lora.specs[slot]
+    if spec is None:
+        raise LoraError(f"slot {slot} holds no adapter")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / COMPLETE_MARKER).unlink(missing_ok=True)
+    tensors = {k: v.contiguous().cpu() for k, v in lora.slot_tensors(slot).items()}
+    if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
+        raise LoraError(f"refusing to write {out}: the adapter holds non-finite values")
+    tmp = out / "adapter_model.safetensors.tmp"
+    save_file(tensors, str(tmp))
+    tmp.replace(out / "adapter_model.safetensors")
+    (out / "adapter_config.json").write_text(json.dumps(spec.peft_config(base_model), indent=2))
+    (out / COMPLETE_MARKER).write_text("")
+    return out
+
+
+def load_adapter(path: str | Path) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
+    """A PEFT LoRA directory's spec and tensors (LoraError if it is not one this code reads)."""
+    p = Path(path)
+    try:
+        cfg = json.loads((p / "adapter_config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise LoraError(f"{p} is not a LoRA adapter directory (adapter_config.json: {e})") from None
+    if not isinstance(cfg, dict):
+        raise LoraError(f"{p}/adapter_config.json is not a JSON object")
+    spec = LoraSpec.from_peft_config(cfg)
+    try:
+        tensors = load_file(str(p / "adapter_model.safetensors"))
+    except (OSError, ValueError) as e:  # safetensors raises its own error types, subclasses of these
+        raise LoraError(f"{p}: cannot read adapter_model.safetensors ({e})") from None
+    bad = [k for k in tensors if not _PEFT_KEY.match(k)]
+    if bad:
+        raise LoraError(f"{p}: {bad[0]!r:.120} is not a LoRA weight of a Llama layer")
+    return spec, tensors
+
+
+# ---- per-slot AdamW --------------------------------------------------------------------------------
+class SlotAdamW:
+    """AdamW on a MultiLora's factors, per slot: `step(slots)` updates only those slots, each with
+    its own step count (bias correction), and `reset(slot)` zeroes a slot's moments."""
+
+    def __init__(self, lora: MultiLora, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
+        self.params = list(lora.A.values()) + list(lora.B.values())
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.m = [torch.zeros_like(p) for p in self.params]
+        self.v = [torch.zeros_like(p) for p in self.params]
+        self.steps = [0] * lora.n_slots
+
+    @torch.no_grad()
+    def step(self, slots: Sequence[int]) -> None:
+        b1, b2 = self.betas
+        for s in slots:
+            self.steps[s] += 1
+            t = self.steps[s]
+            c1, c2 = 1 - b1**t, 1 - b2**t
+            for p, m, v in zip(self.params, self.m, self.v, strict=True):
+                if p.grad is None:
+                    continue
+                g = p.grad[s]
+                m[s].mul_(b1).add_(g, alpha=1 - b1)
+                v[s].mul_(b2).addcmul_(g, g, value=1 - b2)
+                if self.weight_decay:
+                    p[s].mul_(1 - self.lr * self.weight_decay)
+                p[s].addcdiv_(m[s] / c1, (v[s] / c2).sqrt_().add_(self.eps), value=-self.lr)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def reset(self, slot: int) -> None:
+        for m, v in zip(self.m, self.v, strict=True):
+            m[slot].zero_()
+            v[slot].zero_()
+        self.steps[slot] = 0
+
+    def state_dict(self) -> dict:
+        return {"m": self.m, "v": self.v, "steps": list(self.steps)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["m"]) != len(self.m) or any(a.shape != b.shape for a, b in zip(state["m"], self.m, strict=True)):
+            raise LoraError("the optimizer state does not match these LoRA slots")
+        self.m = [t.clone() for t in state["m"]]
+        self.v = [t.clone() for t in state["v"]]
+        self.steps = list(state["steps"])
