@@ -572,8 +572,9 @@ class Scheduler:
     def _plan(self) -> list[_Planned]:
         """Admit, then one batch of prefills (several new tokens) and one of decodes (one)."""
         self._admit()
-        prefill = [r for r in self.running if len(r.seq) - r.kv_len > 1]
-        decode = [r for r in self.running if len(r.seq) - r.kv_len == 1]
+        by_adapter = sorted(self.running, key=lambda r: r.lora_slot)  # each adapter's rows side by side
+        prefill = [r for r in by_adapter if len(r.seq) - r.kv_len > 1]
+        decode = [r for r in by_adapter if len(r.seq) - r.kv_len == 1]
         return [
             _Planned(reqs=b, feeds=[r.seq[r.kv_len :] for r in b], slots=[r.slot for r in b])
             for b in (prefill, decode)

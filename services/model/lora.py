@@ -115,22 +115,27 @@ class MultiLora(nn.Module):
                 self._hooks.append(lin.register_forward_hook(self._hook(key)))
         self.register_buffer("scale", torch.zeros(n_slots, dtype=ref.dtype))
         self.specs: list[LoraSpec | None] = [None] * n_slots
-        self._rows: tuple[int, list[tuple[int, torch.Tensor | None]]] | None = None
-        """Inside rows(): (batch size, [(slot, its row indices or None for every row)])."""
+        self._rows: tuple[int, list[tuple[int, int, int]]] | None = None
+        """Inside rows(): (batch size, [(slot, first row, end row) of each run of one adapter])."""
 
     # ---- the forward -----------------------------------------------------------------------------
     @contextlib.contextmanager
     def rows(self, slot_n: torch.Tensor | Sequence[int] | None) -> Iterator[None]:
-        """Forward passes inside use adapter slot_n[i] for batch row i (-1: the base model)."""
-        slots = None if slot_n is None else torch.as_tensor(slot_n, dtype=torch.long)
-        if slots is not None and (slots.ndim != 1 or bool((slots >= self.n_slots).any()) or bool((slots < -1).any())):
+        """Forward passes inside use adapter slot_n[i] for batch row i (-1: the base model). Rows
+        of one adapter next to each other cost least (the engine sorts its batch by adapter)."""
+        slots = None if slot_n is None else [int(x) for x in torch.as_tensor(slot_n, dtype=torch.long).flatten()]
+        if slots is not None and any(not -1 <= x < self.n_slots for x in slots):
             raise LoraError(f"rows must be slot numbers in -1..{self.n_slots - 1}")
-        groups = None
-        if slots is not None:
-            used = [int(s) for s in torch.unique(slots) if s >= 0 and self.specs[int(s)] is not None]
-            whole = len(used) == 1 and bool((slots == used[0]).all())
-            groups = (slots.shape[0], [(s, None if whole else (slots == s).nonzero().flatten()) for s in used])
-        previous, self._rows = self._rows, groups
+        runs = None
+        if slots is not None:  # (slot, first row, end row) of each run of one adapter
+            runs, start = [], 0
+            for i in range(1, len(slots) + 1):
+                if i == len(slots) or slots[i] != slots[start]:
+                    if slots[start] >= 0 and self.specs[slots[start]] is not None:
+                        runs.append((slots[start], start, i))
+                    start = i
+            runs = (len(slots), runs)
+        previous, self._rows = self._rows, runs
         try:
             yield
         finally:
@@ -138,20 +143,19 @@ class MultiLora(nn.Module):
 
     def _hook(self, key: str):
         def add_delta(_module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor | None:
-            """out + scale[s] * (x A[s]^T) B[s]^T for the rows of each adapter s in the batch
-            (one pair of small matmuls per adapter present, at that adapter's own rank)."""
+            """out[rows] += scale * (x A^T) B^T for each run of rows of one adapter: two matmuls
+            per run, on views, at the adapter's own rank."""
             if self._rows is None or not self._rows[1]:
                 return None
-            n, groups = self._rows
+            n, runs = self._rows
             if out.shape[0] != n:
                 raise LoraError(f"rows name {n} slots for a batch of {out.shape[0]}")
             x = inputs[0]
-            for slot, idx in groups:
-                r = self.specs[slot].rank
-                a, b = self.A[key][slot, :r], self.B[key][slot, :, :r]
-                xs = x if idx is None else x.index_select(0, idx)
-                delta = (xs @ a.t()) @ b.t() * self.scale[slot]
-                out = out + delta if idx is None else out.index_add(0, idx, delta.to(out.dtype))
+            for slot, s, e in runs:
+                spec = self.specs[slot]
+                a, b = self.A[key][slot, : spec.rank], self.B[key][slot, :, : spec.rank]
+                h = x[s:e].reshape(-1, x.shape[-1]) @ a.t()
+                out[s:e].view(-1, out.shape[-1]).addmm_(h, b.t(), alpha=spec.scale)
             return out
 
         return add_delta

@@ -195,3 +195,22 @@ def test_peft_loads_the_adapter_onto_transformers_llama_with_the_same_logits(set
         with lora.rows([2, 2]):
             ours = model(ids)
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_factor_gradients_equal_those_through_the_merged_weights(setup):
+    """d loss / d A = scale * B^T dW and d loss / d B = scale * dW A^T, where dW is the gradient
+    of the same rows' loss with respect to the merged weight W + scale * B A."""
+    model, lora = setup
+    for p in model.parameters():
+        p.requires_grad_(False)
+    ids = torch.randint(3, 32, (3, 6), generator=torch.Generator().manual_seed(7))
+    with lora.rows([0, 2, 0]):
+        model(ids).logsumexp(-1).sum().backward()
+    ref = merged(model, lora, 0)
+    lin = ref.model.layers[1].self_attn.v_proj
+    lin.weight.requires_grad_(True)
+    ref(ids[[0, 2]]).logsumexp(-1).sum().backward()
+    spec, key = lora.specs[0], "l1_v_proj"
+    a, b = lora.A[key][0, : spec.rank].detach(), lora.B[key][0, :, : spec.rank].detach()
+    torch.testing.assert_close(lora.A[key].grad[0, : spec.rank], spec.scale * b.t() @ lin.weight.grad, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(lora.B[key].grad[0, :, : spec.rank], spec.scale * lin.weight.grad @ a.t(), atol=1e-5, rtol=1e-4)
