@@ -185,6 +185,14 @@ class LossConfig:
     kl_loss_type: str = "low_var_kl"
     aggregation: str = "token"
     temperature: float = 1.0
+    use_decoupled_ppo: bool = False
+    decoupled_weight_cap: float = 5.0
+
+
+def token_entropy(logits_tv: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The policy's entropy at each position (over the last dimension)."""
+    logp = torch.log_softmax(logits_tv.float() / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 def kl_per_token(logp_bt: torch.Tensor, ref_logp_bt: torch.Tensor, kind: str) -> torch.Tensor:
@@ -225,6 +233,13 @@ def policy_loss(
     per token: max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps_high)) [* tis]
                + kl_coef * KL(policy || reference) - entropy_coef * entropy;
     aggregated per token or per sequence over `denom` (default: this batch's tokens or sequences).
+
+    Decoupled PPO (--use-decoupled-ppo, AReaL's): old = the proximal policy, the trainer's weights
+    before the rollout's first optimizer step (`old_logprobs_bt`, or the model's own log-probs at
+    that first step), so the clip bounds how far one rollout's steps move the policy; the
+    behaviour policy (the engine's log-probs) enters only as the weight w = exp(prox - behav)
+    on each token's term, and a token whose w exceeds --decoupled-ppo-weight-cap is left out
+    (weight 0, still counted in the denominator).
     """
     logits_btv = model(batch.input_ids_bt, batch.attention_mask_bt)[:, :-1]
     targets_bt = batch.input_ids_bt[:, 1:]
@@ -235,6 +250,8 @@ def policy_loss(
         denom = own.item() if cfg.aggregation == "token" else float((mask.sum(1) > 0).sum().clamp(min=1).item())
     if batch.old_logprobs_bt is not None:
         old_bt = batch.old_logprobs_bt
+    elif cfg.use_decoupled_ppo:
+        old_bt = logp_bt.detach()  # the proximal policy is the model itself at a rollout's first step
     else:
         old_bt = batch.rollout_logprobs_bt if cfg.use_rollout_logprobs else logp_bt.detach()
     log_ratio = (logp_bt - old_bt) * mask
@@ -245,6 +262,12 @@ def policy_loss(
     pg2 = -adv_bt * ratio.clamp(1.0 - cfg.eps_clip, 1.0 + hi)
     pg_bt = torch.maximum(pg1, pg2)
     stats: dict[str, float] = {}
+    if cfg.use_decoupled_ppo:
+        behave_bt = torch.exp(old_bt - batch.rollout_logprobs_bt) * mask  # proximal / behaviour, a constant
+        kept = (behave_bt <= cfg.decoupled_weight_cap).float() * mask
+        pg_bt = pg_bt * behave_bt * kept
+        stats["train/behave_imp_weight_mean"] = (behave_bt.sum() / own).item()
+        stats["train/behave_imp_weight_capped_frac"] = ((mask - kept).sum() / own).item()
     if cfg.use_tis:
         tis_bt = torch.exp(logp_bt.detach() - batch.rollout_logprobs_bt).clamp(cfg.tis_clip_low, cfg.tis_clip)
         pg_bt = pg_bt * tis_bt
@@ -260,10 +283,12 @@ def policy_loss(
         loss = loss + cfg.kl_coef * kl
         stats["train/kl_loss"] = kl.item()
     if cfg.entropy_coef:
-        logp_all = torch.log_softmax(logits_btv.float() / cfg.temperature, dim=-1)
-        entropy_bt = -(logp_all.exp() * logp_all).sum(-1)
+        entropy_bt = token_entropy(logits_btv, cfg.temperature)
         loss = loss - cfg.entropy_coef * _aggregate(entropy_bt, mask, cfg.aggregation, denom)
-        stats["train/entropy"] = ((entropy_bt * mask).sum() / own).item()
+    else:  # logged always: a collapsing entropy tells a stall apart
+        with torch.no_grad():
+            entropy_bt = torch.stack([token_entropy(row, cfg.temperature) for row in logits_btv])  # a row at a time
+    stats["train/entropy"] = ((entropy_bt.detach() * mask).sum() / own).item()
     with torch.no_grad():
         ratios = ratio[mask > 0]
         stats.update({
@@ -273,6 +298,7 @@ def policy_loss(
             "train/importance_ratio_mean": ratios.mean().item() if ratios.numel() else 1.0,
             "train/importance_ratio_max": ratios.max().item() if ratios.numel() else 1.0,
             "train/importance_ratio_min": ratios.min().item() if ratios.numel() else 1.0,
+            "train/advantage_abs_mean": ((adv_bt.abs() * mask).sum() / own).item(),
         })  # fmt: skip
     stats["train/loss"] = loss.item()
     return loss, stats
@@ -375,7 +401,10 @@ def train_rollout(
     Without the engine's log-probs (--no-use-rollout-logprobs) the ratio's denominator is the
     trainer's: `old_actor`'s (--keep-old-actor: the weights the engines ran), else the model's
     own before the first step (with one step per rollout, a ratio of 1)."""
-    if not cfg.use_rollout_logprobs and (old_actor is not None or len(step_batches) > 1):
+    if cfg.use_decoupled_ppo:  # the proximal policy: the weights before this rollout's first step
+        if len(step_batches) > 1:
+            set_old_logprobs(model, step_batches, cfg.temperature)
+    elif not cfg.use_rollout_logprobs and (old_actor is not None or len(step_batches) > 1):
         set_old_logprobs(old_actor or model, step_batches, cfg.temperature)
     parts = [train_step(model, optimizer, b, cfg, clip_grad, ref_model) for b in step_batches]
     if len(parts) == 1:

@@ -822,6 +822,7 @@ def rollout_metrics(samples: list, reward_key: str | None, groups: list[list]) -
         "rollout/failed_ratio": (len(samples) - len(scored)) / len(samples),
         "rollout/failed_groups": sum(all(s.status == SampleStatus.FAILED for s in flatten_group(g)) for g in groups),
     }
+    rec.update(zero_std_metrics(groups, reward_key))
     oldest = [min(s.weight_versions) for s in samples if s.weight_versions]
     if oldest:
         rec.update(statistics_of("rollout/weight_version", oldest))
@@ -829,3 +830,20 @@ def rollout_metrics(samples: list, reward_key: str | None, groups: list[list]) -
             samples
         )
     return rec
+
+
+def zero_std_metrics(groups: list[list], reward_key: str | None) -> dict[str, float]:
+    """Miles's rollout/zero_std/*: the groups whose scored rewards are all equal (no advantage, so
+    nothing to learn), counted per reward rounded to 0.1, and the shares all 0 and all 1 of all
+    groups. A step where most groups are all 0 (too hard) or all 1 (too easy) cannot move."""
+    counts: dict[str, int] = {}
+    for g in groups:
+        rewards = [scalar_reward(s, reward_key) for s in flatten_group(g) if s.status != SampleStatus.FAILED]
+        if rewards and all(r == rewards[0] for r in rewards):
+            key = f"{round(rewards[0], 1):.1f}"
+            counts[key] = counts.get(key, 0) + 1
+    out = {f"rollout/zero_std/count_{k}": float(v) for k, v in counts.items()}
+    if groups:
+        out["rollout/zero_std/all_zero_percentage"] = counts.get("0.0", 0) / len(groups)
+        out["rollout/zero_std/all_one_percentage"] = counts.get("1.0", 0) / len(groups)
+    return out

@@ -29,3 +29,18 @@ def test_every_series_has_its_step_axis():
     assert axis_of("eval/reverse-digits") == "eval/step"
     assert axis_of("rollout/reward/mean") == axis_of("train/loss") == axis_of("perf/rollout_time") == "rollout/step"
     assert scalars({"rollout/step": 3, "a": 1, "b": True, "c": float("nan"), "d": "x"}) == {"a": 1.0, "b": 1.0}
+
+
+def test_zero_std_groups_are_counted_per_reward_as_miles_names_them():
+    from services.trainer.service import rollout_metrics
+
+    def group(*rewards, failed=()):
+        return [Sample(index=i, reward=r, status=SampleStatus.FAILED if i in failed else SampleStatus.COMPLETED)
+                for i, r in enumerate(rewards)]  # fmt: skip
+
+    groups = [group(1.0, 1.0), group(0.0, 0.0), group(1.0, 0.0), group(0.0, 0.0), group(0.5, 0.0, failed=(1,))]
+    rec = rollout_metrics([s for g in groups for s in g], None, groups)
+    assert rec["rollout/zero_std/count_1.0"] == 1 and rec["rollout/zero_std/count_0.0"] == 2
+    assert rec["rollout/zero_std/count_0.5"] == 1  # its FAILED sample has no reward to compare
+    assert rec["rollout/zero_std/all_zero_percentage"] == pytest.approx(2 / 5)
+    assert rec["rollout/zero_std/all_one_percentage"] == pytest.approx(1 / 5)

@@ -384,3 +384,78 @@ def test_the_ppo_denominator_without_the_engines_log_probs():
     steps = build_step_batches(make_groups(), True, None, 0, 12, 1)
     kept = train_rollout(model, torch.optim.AdamW(model.parameters(), lr=5e-2), steps, cfg, 1.0, old_actor=old)
     assert kept["train/importance_ratio_max"] > 1.0 and kept["train/importance_ratio_min"] < 1.0  # one step, yet
+
+
+def test_decoupled_ppo_terms_by_hand():
+    """--use-decoupled-ppo: ratio against the proximal policy (clipped), times the behaviour
+    weight exp(prox - behav) per token, a token whose weight passes the cap left out."""
+    model, prox_model = tiny_model(0), tiny_model(7)
+    a, b = _two_samples()
+    a.rollout_log_probs = [-1.2, -9.0]  # the second token: a behaviour far below the proximal -> capped
+    batch = build_train_batch([[a, b]], std_normalization=True, reward_key=None, pad_id=0)
+    with torch.no_grad():
+        batch.old_logprobs_bt = token_logprobs(prox_model(batch.input_ids_bt)[:, :-1], batch.input_ids_bt[:, 1:])
+    cap = 5.0
+    cfg = LossConfig(use_decoupled_ppo=True, decoupled_weight_cap=cap, eps_clip=0.2)
+    loss, stats = policy_loss(model, batch, cfg)
+
+    terms, weights, capped = [], [], 0
+    for (lps, _), (plps, _), s, adv in zip(_hand_logps(model, [a, b]), _hand_logps(prox_model, [a, b]), (a, b),
+                                           (1.0, -1.0), strict=True):  # fmt: skip
+        for lp, plp, beh in zip(lps, plps, s.rollout_log_probs, strict=True):
+            ratio = math.exp(lp - plp)
+            pg = max(-adv * ratio, -adv * min(max(ratio, 0.8), 1.2))
+            w = math.exp(plp - beh)
+            weights.append(w)
+            capped += w > cap
+            terms.append(pg * w if w <= cap else 0.0)
+    assert capped == 1
+    assert loss.item() == pytest.approx(sum(terms) / 3, rel=1e-5)
+    assert stats["train/behave_imp_weight_mean"] == pytest.approx(sum(weights) / 3, rel=1e-5)
+    assert stats["train/behave_imp_weight_capped_frac"] == pytest.approx(1 / 3)
+
+
+def test_decoupled_ppo_first_step_is_the_behaviour_weighted_policy_gradient():
+    """At a rollout's first step the proximal policy is the model itself: the ratio is 1, and the
+    gradient is that of -A * w * log p with w = exp(logp - behav) held constant."""
+    a, b = _two_samples()
+    batch = build_train_batch([[a, b]], std_normalization=True, reward_key=None, pad_id=0)
+    model = tiny_model(0)
+    loss, stats = policy_loss(model, batch, LossConfig(use_decoupled_ppo=True, decoupled_weight_cap=1e9))
+    loss.backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    ref = tiny_model(0)
+    logp = token_logprobs(ref(batch.input_ids_bt)[:, :-1], batch.input_ids_bt[:, 1:])
+    w = torch.exp(logp.detach() - batch.rollout_logprobs_bt)
+    mask = batch.response_mask_bt
+    hand = (-(batch.advantages_b[:, None] * w * logp) * mask).sum() / mask.sum()
+    hand.backward()
+    assert loss.item() == pytest.approx((-(batch.advantages_b[:, None] * w) * mask).sum().item() / mask.sum().item(), rel=1e-5)
+    for g, p in zip(got, ref.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad, atol=1e-6, rtol=1e-5)
+    assert stats["train/pg_clipfrac"] == 0.0 and stats["train/importance_ratio_mean"] == pytest.approx(1.0)
+
+
+def test_decoupled_ppo_takes_the_proximal_policy_before_the_rollouts_first_step():
+    from services.trainer.core import build_step_batches, train_rollout
+    from tests.unit.test_data_parallel import make_groups
+
+    steps = build_step_batches(make_groups(), True, None, 0, 12, 2)
+    model = tiny_model(0)
+    before = tiny_model(0)
+    train_rollout(model, torch.optim.AdamW(model.parameters(), lr=1e-2), steps,
+                  LossConfig(use_decoupled_ppo=True), 1.0)  # fmt: skip
+    for b in (b for s in steps for b in s):
+        with torch.no_grad():
+            want = token_logprobs(before(b.input_ids_bt, b.attention_mask_bt)[:, :-1], b.input_ids_bt[:, 1:])
+        torch.testing.assert_close(b.old_logprobs_bt, want)
+
+
+def test_entropy_and_advantage_magnitude_are_logged_without_an_entropy_bonus():
+    model = tiny_model(0)
+    a, b = _two_samples()
+    batch = build_train_batch([[a, b]], std_normalization=True, reward_key=None, pad_id=0)
+    _, stats = policy_loss(model, batch, LossConfig())
+    ents = [e for _, es in _hand_logps(model, [a, b]) for e in es]
+    assert stats["train/entropy"] == pytest.approx(sum(ents) / 3, rel=1e-5)
+    assert stats["train/advantage_abs_mean"] == pytest.approx(1.0, rel=1e-5)  # +1, +1, -1 on the three tokens
