@@ -1,123 +1,256 @@
-"""Learning benchmark: the same task and step budget in `train`, `train-async` and
-`train-async --fully-async`, held-out reward against steps and against wall-clock.
+"""Learning benchmark with error bars: the quickstart task and step budget in sync, one-step async
+and fully async, at least 8 seeds each, through the real CLI.
 
-Every run trains the bundled task (the quickstart settings) for --steps steps with a held-out
-evaluation every --eval-interval steps, through the real CLI. Each mode runs with every seed in
---seeds, which measures the run-to-run noise. Writes a table (stdout, JSON) and a PNG plot.
+Per arm it reports the mean final held-out reward with a 95% bootstrap interval, the stall rate
+(the share of runs gaining less than --stall-gain over their step-0 evaluation), the median
+wall-clock of the training loop to --threshold, and the staleness the runs actually had. The
+held-out set (--eval-prompts prompts, disjoint from the training prompts, --eval-samples samples
+each) is sized so that evaluating the same weights twice differs by less than 0.01: the bench
+measures that on the initial model with the eval service's own code and prints it.
 
-    pip install matplotlib   # or: pip install -e '.[bench]'
-    python bench/learning.py [--steps 300] [--seeds 1 2] [--out docs/bench/learning]
+Each finished run is appended to --record at once, and a run already recorded (same arm, seed,
+steps and extra arguments) is not run again: a long benchmark resumes where it stopped, across
+sessions. bench/staleness.py runs its sweep through the same functions.
+
+    python bench/learning.py [--arms sync,one-step,fully-async] [--seeds 1-8] [--steps 300]
+                             [--record docs/bench/learning_runs.jsonl] [--report-only] [-- EXTRA CLI ARGS]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
+import random
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = {
-    "train (sync)": ["train"],
-    "train-async (one-step)": ["train-async"],
-    "train-async --fully-async": ["train-async", "--fully-async"],
+ARMS = {
+    "sync": ["train", "--no-fully-async"],
+    "one-step": ["train-async", "--no-fully-async"],
+    "fully-async": ["train-async", "--fully-async"],
 }
+EVAL_NAME = "heldout"
 
 
-def run(mode: list[str], seed: int, steps: int, interval: int, run_dir: Path) -> dict:
-    cmd = [sys.executable, "-m", "services.cli", *mode, "--config", str(ROOT / "deploy/configs/quickstart.yaml"),
-           "--no-fully-async", "--num-rollout", str(steps), "--eval-interval", str(interval),
-           "--seed", str(seed), "--rollout-seed", str(seed), "--run-dir", str(run_dir)]  # fmt: skip
-    if "--fully-async" in mode:
-        cmd.remove("--no-fully-async")
+# ---- data --------------------------------------------------------------------------------------
+def write_data(root: Path, eval_prompts: int) -> tuple[Path, Path]:
+    """Training prompts and a larger held-out set, disjoint, in the task's format."""
+    from services.tasks import reverse_digits as task
+
+    root.mkdir(parents=True, exist_ok=True)
+    train, held = root / "train.jsonl", root / f"heldout_{eval_prompts}.jsonl"
+    if not (train.exists() and held.exists()):
+        eval_rows = task.make_rows(eval_prompts, seed=999)
+        train_rows = task.make_rows(task.NUM_TRAIN_PROMPTS, seed=0, exclude={r["label"][::-1] for r in eval_rows})
+        for path, rows in ((train, train_rows), (held, eval_rows)):
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return train, held
+
+
+# ---- one run -----------------------------------------------------------------------------------
+def run_key(arm: str, seed: int, steps: int, extra: list[str]) -> str:
+    return json.dumps([arm, seed, steps, extra])
+
+
+def run_one(arm: str, seed: int, steps: int, extra: list[str], a, data: tuple[Path, Path], run_dir: Path) -> dict:
+    """One run through the CLI; its held-out curve (step, loop seconds, reward) and facts."""
+    train, held = data
+    cmd = [sys.executable, "-m", "services.cli", *ARMS[arm], "--config", str(ROOT / "deploy/configs/quickstart.yaml"),
+           "--num-rollout", str(steps), "--eval-interval", str(a.eval_interval), "--seed", str(seed),
+           "--rollout-seed", str(seed), "--run-dir", str(run_dir), "--prompt-data", str(train),
+           "--eval-prompt-data", EVAL_NAME, str(held), "--n-samples-per-eval-prompt", str(a.eval_samples),
+           *extra]  # fmt: skip
+    t0 = time.time()
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        raise SystemExit(f"{' '.join(mode)} (seed {seed}) failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+        raise RuntimeError(f"{arm} seed {seed} failed ({' '.join(cmd[3:])}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
-    t0 = recs[0]["time"] - recs[0]["perf/elapsed_s"]  # the training loop's start
-    by_step = {r["step"] + 1: r["time"] - t0 for r in recs}
-    by_step[0] = 0.0
-    key = next(
-        k for k in evals[0] if k.startswith("eval/") and k.count("/") == 1 and k != "eval/step" and "duration" not in k
-    )
-    points = sorted((e["step"], by_step.get(e["step"], 0.0), e[key]) for e in evals if not e.get("skipped"))
-    return {"points": points, "loop_wall_s": recs[-1]["perf/elapsed_s"]}
+    start = recs[0]["time"] - recs[0]["perf/elapsed_s"]  # the training loop's start
+    at = {rec["step"] + 1: rec["time"] - start for rec in recs}
+    at[0] = 0.0
+    points = sorted((e["step"], at.get(e["step"], 0.0), e[f"eval/{EVAL_NAME}"]) for e in evals
+                    if f"eval/{EVAL_NAME}" in e)  # fmt: skip
+    stale = [rec[k] for rec in recs for k in ("rollout/fully_async/avg_staleness",) if k in rec]
+    stale_max = [rec[k] for rec in recs for k in ("rollout/fully_async/max_staleness",) if k in rec]
+    return {"arm": arm, "seed": seed, "steps": steps, "extra": extra, "points": points,
+            "loop_wall_s": recs[-1]["perf/elapsed_s"], "run_wall_s": time.time() - t0,
+            "staleness_mean": statistics.mean(stale) if stale else 0.0, "staleness_max": max(stale_max, default=0),
+            "finished_at": time.time()}  # fmt: skip
 
 
-def time_to_reach(points: list, target: float) -> float | None:
-    for _step, t, reward in points:
-        if reward >= target:
-            return t
-    return None
+def load_record(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_all(cells: list[tuple[str, int, list[str]]], a, record: Path) -> None:
+    """Run every (arm, seed, extra) not yet in the record, appending each as it finishes."""
+    done = {run_key(r["arm"], r["seed"], r["steps"], r["extra"]) for r in load_record(record) if "arm" in r}
+    todo = [c for c in cells if run_key(c[0], c[1], a.steps, c[2]) not in done]
+    print(f"{len(cells) - len(todo)} of {len(cells)} runs already recorded in {record}; {len(todo)} to go", flush=True)
+    data = write_data(Path(tempfile.gettempdir()) / "asyncrl-learning-data", a.eval_prompts)
+    for i, (arm, seed, extra) in enumerate(todo, 1):
+        t0 = time.time()
+        with tempfile.TemporaryDirectory(prefix="asyncrl-learning-") as tmp:
+            res = run_one(arm, seed, a.steps, extra, a, data, Path(tmp) / "run")
+        record.parent.mkdir(parents=True, exist_ok=True)
+        with record.open("a") as f:
+            f.write(json.dumps(res) + "\n")
+        gain = res["points"][-1][2] - res["points"][0][2]
+        print(f"  [{i}/{len(todo)}] {arm:<11} seed {seed} {' '.join(extra):<40} final {res['points'][-1][2]:.3f} "
+              f"(gain {gain:+.3f}) in {time.time() - t0:.0f} s", flush=True)  # fmt: skip
+
+
+# ---- statistics --------------------------------------------------------------------------------
+def bootstrap_ci(values: list[float], n: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile bootstrap interval of the mean."""
+    if len(values) < 2:
+        return (values[0], values[0]) if values else (float("nan"), float("nan"))
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(n))
+    return means[int(0.025 * n)], means[int(0.975 * n) - 1]
+
+
+def time_to(points: list, threshold: float) -> float | None:
+    return next((t for _step, t, reward in points if reward >= threshold), None)
+
+
+def summarize(runs: list[dict], threshold: float, stall_gain: float) -> dict:
+    finals = [r["points"][-1][2] for r in runs]
+    gains = [r["points"][-1][2] - r["points"][0][2] for r in runs]
+    reach = [time_to(r["points"], threshold) for r in runs]
+    lo, hi = bootstrap_ci(finals)
+    reached = [t for t in reach if t is not None]
+    return {"n": len(runs), "final_mean": statistics.fmean(finals), "final_ci95": [lo, hi],
+            "final_sd": statistics.stdev(finals) if len(finals) > 1 else 0.0, "gain_mean": statistics.fmean(gains),
+            "stall_rate": sum(g < stall_gain for g in gains) / len(gains), "stalled_seeds":
+            [r["seed"] for r, g in zip(runs, gains, strict=True) if g < stall_gain],
+            "reached_threshold": len(reached), "median_s_to_threshold": statistics.median(reached) if reached else None,
+            "loop_wall_s_mean": statistics.fmean(r["loop_wall_s"] for r in runs),
+            "staleness_mean": statistics.fmean(r["staleness_mean"] for r in runs),
+            "staleness_max": max(r["staleness_max"] for r in runs)}  # fmt: skip
+
+
+def table(rows: dict[str, dict], threshold: float, stall_gain: float) -> str:
+    head = (f"{'arm':<34}{'n':>3}{'final reward (95% CI)':>26}{'stalls':>8}{'median s to ' + str(threshold):>20}"
+            f"{'loop s':>8}{'staleness mean (max)':>22}")  # fmt: skip
+    lines = [head]
+    for name, s in rows.items():
+        ci = f"{s['final_mean']:.3f} [{s['final_ci95'][0]:.3f}, {s['final_ci95'][1]:.3f}]"
+        reach = "-" if s["median_s_to_threshold"] is None else f"{s['median_s_to_threshold']:.0f} ({s['reached_threshold']}/{s['n']})"
+        lines.append(f"{name:<34}{s['n']:>3}{ci:>26}{s['stall_rate']:>7.0%} {reach:>19}{s['loop_wall_s_mean']:>8.0f}"
+                     f"{s['staleness_mean']:>15.2f} ({s['staleness_max']})")  # fmt: skip
+    lines.append(f"stall: a gain below {stall_gain} over the step-0 evaluation")
+    return "\n".join(lines)
+
+
+# ---- evaluation noise --------------------------------------------------------------------------
+def eval_noise(a, held: Path) -> dict:
+    """The same weights (the warm-started initial model) evaluated twice by the eval service's own
+    code on a built-in engine: the held-out figure's noise, to compare with the gaps measured."""
+    from services.common import procs
+    from services.common.config import resolve_config
+    from services.common.rewards import resolve_reward
+    from services.common.sglang_client import SGLangClient
+    from services.eval.datasets import load_eval_sets
+    from services.eval.service import evaluate_dataset
+    from services.model.tokenizer import Tokenizer
+    from services.tasks import reverse_digits as task
+
+    tmp = Path(tempfile.mkdtemp(prefix="asyncrl-evalnoise-"))
+    model = tmp / "model"
+    task.build_model(model, log=lambda *_: None)
+    config = resolve_config({"hf_checkpoint": str(model), "eval_prompt_data": [EVAL_NAME, str(held)],
+                             "n_samples_per_eval_prompt": a.eval_samples},
+                            str(ROOT / "deploy/configs/quickstart.yaml"))  # fmt: skip
+    [(ds, rows)] = load_eval_sets(config)
+    reward_fn = resolve_reward(config.model_copy(update={"rm_type": ds.rm_type}) if ds.rm_type else config)
+    port = procs.free_port()
+    proc = procs.spawn([sys.executable, "-m", "services.engine", "--model-path", str(model), "--port", str(port)],
+                       log_path=tmp / "engine.log", env={**os.environ})  # fmt: skip
+    try:
+        procs.wait_for_port("127.0.0.1", port, 120, proc)
+        tok = Tokenizer(model)
+
+        async def twice() -> list[float]:
+            client = SGLangClient([f"http://127.0.0.1:{port}"])
+            try:
+                out = []
+                for _ in range(2):
+                    m = await evaluate_dataset(client, tok, reward_fn, config, EVAL_NAME, rows, ds.sampling_params(),
+                                               a.eval_samples)  # fmt: skip
+                    out.append(m[f"eval/{EVAL_NAME}"])
+                return out
+            finally:
+                await client.close()
+
+        first, second = asyncio.run(twice())
+    finally:
+        procs.stop(proc)
+    return {"kind": "eval_noise", "eval_prompts": a.eval_prompts, "eval_samples": a.eval_samples,
+            "first": first, "second": second, "abs_diff": abs(first - second)}  # fmt: skip
+
+
+# ---- main --------------------------------------------------------------------------------------
+def seeds_of(spec: str) -> list[int]:
+    if "-" in spec:
+        lo, hi = spec.split("-")
+        return list(range(int(lo), int(hi) + 1))
+    return [int(x) for x in spec.split(",")]
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seeds", default="1-8", help="1-8 or 1,2,5")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--eval-interval", type=int, default=50)
+    p.add_argument("--eval-prompts", type=int, default=1024)
+    p.add_argument("--eval-samples", type=int, default=2)
+    p.add_argument("--threshold", type=float, default=0.5, help="held-out reward whose wall-clock is reported")
+    p.add_argument("--stall-gain", type=float, default=0.1)
+    p.add_argument("--report-only", action="store_true", help="summarize the record, run nothing")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--eval-interval", type=int, default=25)
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--out", default="docs/bench/learning", help="writes OUT.json and OUT.png")
-    a = p.parse_args()
-    results: dict[str, list[dict]] = {m: [] for m in MODES}
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed in a.seeds:
-            for name, mode in MODES.items():
-                print(f"{name}, seed {seed} ...", flush=True)
-                run_dir = Path(tmp) / f"{mode[-1].strip('-')}-{seed}"
-                results[name].append({"seed": seed, **run(mode, seed, a.steps, a.eval_interval, run_dir)})
-    finals = {m: [r["points"][-1][2] for r in rs] for m, rs in results.items()}
-    starts = [r["points"][0][2] for rs in results.values() for r in rs]
-    sync_final = sum(finals["train (sync)"]) / len(finals["train (sync)"])
-    noise = max(max(v) - min(v) for v in finals.values()) if len(a.seeds) > 1 else 0.0
-    table = {}
-    print(f"\n{'mode':28}{'final reward':>14}{'loop wall s':>13}{'time to sync final':>20}")
-    for name, rs in results.items():
-        reach = [time_to_reach(r["points"], sync_final - noise / 2) for r in rs]
-        table[name] = {
-            "final_reward": finals[name],
-            "final_reward_mean": sum(finals[name]) / len(finals[name]),
-            "loop_wall_s": [r["loop_wall_s"] for r in rs],
-            "seconds_to_sync_final": reach,
-        }
-        reach_s = ", ".join("-" if x is None else f"{x:.0f}" for x in reach)
-        walls = ", ".join(f"{r['loop_wall_s']:.0f}" for r in rs)
-        print(f"{name:28}{table[name]['final_reward_mean']:>14.3f}{walls:>13}{reach_s:>20}")
-    summary = {"steps": a.steps, "seeds": a.seeds, "step0_reward_mean": sum(starts) / len(starts),
-               "sync_final_reward": sync_final, "run_to_run_noise": noise, "modes": table, "runs": results}  # fmt: skip
-    out = ROOT / a.out if not Path(a.out).is_absolute() else Path(a.out)
+    p.add_argument("--arms", default="sync,one-step,fully-async")
+    p.add_argument("--record", default="docs/bench/learning_runs.jsonl")
+    p.add_argument("--out", default="docs/bench/learning.json")
+    p.add_argument("--skip-eval-noise", action="store_true")
+    add_common(p)
+    a, extra = p.parse_known_args()
+    extra = [x for x in extra if x != "--"]
+    record = ROOT / a.record
+    arms = a.arms.split(",")
+    if unknown := set(arms) - set(ARMS):
+        raise SystemExit(f"unknown arms {sorted(unknown)}: use {', '.join(ARMS)}")
+    if not a.report_only:
+        if not a.skip_eval_noise and not any(r.get("kind") == "eval_noise" and r["eval_prompts"] == a.eval_prompts
+                                             and r["eval_samples"] == a.eval_samples for r in load_record(record)):  # fmt: skip
+            _, held = write_data(Path(tempfile.gettempdir()) / "asyncrl-learning-data", a.eval_prompts)
+            noise = eval_noise(a, held)
+            with record.open("a") as f:
+                f.write(json.dumps(noise) + "\n")
+        seeds = seeds_of(a.seeds)
+        run_all([(arm, seed, extra) for seed in seeds for arm in arms], a, record)  # seed-major: arms side by side
+    runs = [r for r in load_record(record) if r.get("arm") in arms and r["steps"] == a.steps and r["extra"] == extra]
+    rows = {arm: summarize([r for r in runs if r["arm"] == arm], a.threshold, a.stall_gain)
+            for arm in arms if any(r["arm"] == arm for r in runs)}  # fmt: skip
+    print("\n" + table(rows, a.threshold, a.stall_gain))
+    for n in (r for r in load_record(record) if r.get("kind") == "eval_noise"):
+        print(f"eval noise: the same weights evaluated twice on {n['eval_prompts']} prompts x {n['eval_samples']} "
+              f"samples: {n['first']:.4f} and {n['second']:.4f} (differ by {n['abs_diff']:.4f})")  # fmt: skip
+    out = ROOT / a.out
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot(results, out.with_suffix(".png"))
-    print(f"noise between seeds (largest spread of a mode's final reward): {noise:.3f}")
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
-
-
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
-    colors = dict(zip(results, ("tab:gray", "tab:blue", "tab:red"), strict=False))
-    for name, rs in results.items():
-        for i, r in enumerate(rs):
-            steps, times, rewards = zip(*r["points"], strict=True)
-            label = name if i == 0 else None
-            by_step.plot(steps, rewards, color=colors[name], alpha=0.8, label=label)
-            by_time.plot(times, rewards, color=colors[name], alpha=0.8, label=label)
-    by_step.set_xlabel("training step")
-    by_time.set_xlabel("wall-clock of the training loop (s)")
-    for ax in (by_step, by_time):
-        ax.set_ylabel("held-out reward")
-        ax.grid(alpha=0.3)
-    by_step.legend(loc="lower right")
-    fig.suptitle("reverse-digits, tiny Llama, 2 CPU cores: same steps, three drivers")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    out.write_text(json.dumps({"steps": a.steps, "extra": extra, "arms": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
