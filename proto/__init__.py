@@ -7,6 +7,12 @@ the standard library only: no torch, ray or nats (a unit test enforces it).
 
 from asyncrl_proto.codec import MalformedMessage, decode, encode
 from asyncrl_proto.messages import (
+    AdapterControl,
+    AdapterControlReply,
+    AdapterRegistryState,
+    AdapterRun,
+    AdapterSpec,
+    AdapterState,
     BufferCommit,
     BufferCommitReply,
     BufferGetReply,
@@ -33,6 +39,12 @@ from asyncrl_proto.messages import (
 )
 
 __all__ = [
+    "AdapterControl",
+    "AdapterControlReply",
+    "AdapterRegistryState",
+    "AdapterRun",
+    "AdapterSpec",
+    "AdapterState",
     "BufferCommit",
     "BufferCommitReply",
     "BufferGetReply",

@@ -399,3 +399,106 @@ class RolloutGroupView(msgspec.Struct, kw_only=True):
     attempt: int = 0
     samples: list[SampleView | list[SampleView]] = msgspec.field(default_factory=list)
     producer_id: str = ""
+
+
+# ---- multi-LoRA: the adapter registry (services/adapters) --------------------------------------
+
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The projections an adapter may wrap."""
+DEFAULT_LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+"""An adapter's target modules when its spec names none: every attention projection."""
+
+
+class AdapterState(str, enum.Enum):
+    """An adapter's lifecycle: PENDING (registered, holds a slot, the trainer sets it up) ->
+    ACTIVE (training) -> RETIRING (asked to stop: DELETE, or the trainer reached its budget) ->
+    CLEANUP (its final save is running) -> COMPLETED (saved; its slot is free). A PENDING adapter
+    retired goes straight to CLEANUP."""
+
+    PENDING = "pending"
+    ACTIVE = "active"
+    RETIRING = "retiring"
+    CLEANUP = "cleanup"
+    COMPLETED = "completed"
+
+
+class AdapterSpec(msgspec.Struct, kw_only=True):
+    """One tenant's LoRA adapter on the run's base model (a YAML file of --multi-lora-adapter, or
+    the body of POST /adapter_runs). The registry checks what a tenant sends (unknown fields
+    included: services/adapters/registry.py `parse_spec`); decoding from KV ignores fields it
+    does not know, so that a newer registry's state stays readable."""
+
+    data: str
+    """JSONL prompt file of this adapter."""
+    rank: int
+    alpha: float
+    rollout_batch_size: int
+    """Groups per optimizer step of this adapter."""
+    n_samples_per_prompt: int
+    save: str
+    """Directory of this adapter's saves (its final save included)."""
+    target_modules: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_LORA_TARGET_MODULES))
+    rm_type: str | None = None
+    """A built-in reward (exactly one of rm_type and custom_rm_path)."""
+    custom_rm_path: str | None = None
+    """module.fn of a reward function."""
+    num_step: int | None = None
+    """The budget: this many optimizer steps (exactly one of num_step and num_epoch)."""
+    num_epoch: int | None = None
+    """The budget: this many passes over `data`."""
+    metadata: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class AdapterRun(msgspec.Struct, kw_only=True):
+    """One registration of an adapter: the registry keeps every one (COMPLETED ones as history)."""
+
+    name: str
+    registration_id: str
+    """uuid4 hex, one per registration (a name registered again gets a new one)."""
+    slot: int
+    """The trainer's adapter slot it holds (0 .. --multi-lora-n-adapters - 1); freed once COMPLETED."""
+    state: AdapterState
+    spec: AdapterSpec
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    step: int = 0
+    """Optimizer steps this adapter has taken (the trainer reports them)."""
+    slot_version: int = 0
+    """slot_versions[slot] after this adapter's last step (its weights' version in the slot)."""
+    message: str = ""
+    """Why it is where it is (who retired it, and when)."""
+
+
+class AdapterRegistryState(msgspec.Struct, kw_only=True):
+    """The registry's whole state: KV `adapters` of the run (asyncrl_proto.subjects.ADAPTERS_KV_KEY),
+    written by the adapters service only, compare-and-set on the KV revision it last read."""
+
+    runs: list[AdapterRun] = msgspec.field(default_factory=list)
+    """Every registration, oldest first."""
+    slot_versions: list[int] = msgspec.field(default_factory=list)
+    """Per slot, a counter that grows with every step any of its adapters takes and never resets,
+    so (slot, slot_version) names one set of adapter weights for the whole run."""
+    revision: int = 0
+    """The registry's own change counter (+1 per change)."""
+    updated_at: float = 0.0
+
+
+class AdapterControl(msgspec.Struct, kw_only=True):
+    """Trainer -> adapters (core request/reply on `adapters.control`): op activate | stepped |
+    retire | cleanup | complete on adapter `name`. With `registration_id`, the request is refused
+    unless it names the adapter's current registration (a name registered again is another run)."""
+
+    op: str
+    name: str
+    registration_id: str = ""
+    step: int = 0
+    """stepped: the adapter's optimizer steps so far."""
+    reason: str = ""
+
+
+class AdapterControlReply(msgspec.Struct, kw_only=True):
+    ok: bool
+    error: str = ""
+    run: AdapterRun | None = None
+    revision: int = 0
+    """The registry's revision after the request."""

@@ -22,6 +22,11 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
+ADAPTERS_KV_KEY = "adapters"
+"""KV key of the run's bucket holding the multi-LoRA registry's state (an AdapterRegistryState),
+written by the adapters service only."""
+
+
 def inbox_prefix(run_id: str, role: str) -> str:
     """Where one role's replies and push deliveries arrive: no other role may subscribe there."""
     return f"_INBOX.{run_id}.{role}"
@@ -136,6 +141,11 @@ class Subjects(Struct, frozen=True):
     @property
     def control(self) -> str:
         return self._s("control")
+
+    @property
+    def adapters_control(self) -> str:
+        """Core request/reply, trainer -> adapters: the multi-LoRA registry's transitions (AdapterControl)."""
+        return self._s("adapters.control")
 
     def heartbeat(self, service: str) -> str:
         return self._s(f"heartbeat.{service}")

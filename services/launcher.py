@@ -37,7 +37,7 @@ from services.common import procs
 from services.common.bus import STORE_DIR_ENV, Bus
 from services.common.config import RunConfig
 from services.common.engine_commands import builtin_engine_command, builtin_engine_flags, sglang_server_command
-from services.common.natsauth import server_auth_conf
+from services.common.natsauth import ROLES, server_auth_conf
 from services.common.natsserver import EmbeddedNats, NatsCluster, local_nats
 from services.common.secrets import RUN_TOKEN_ENV, NatsCredentials, without_nats_identity
 from services.common.snapshot import COMPLETE_MARKER, is_complete
@@ -52,6 +52,7 @@ SERVICE_MODULES = {
     "eval": "services.eval",
     "rollout": "services.rollout",
     "trainer": "services.trainer",
+    "adapters": "services.adapters",
 }
 FINAL_EVAL_TIMEOUT_S = 300.0
 
@@ -127,8 +128,9 @@ class Launcher:
         if self.nats_url and self.config.nats_cluster > 1:
             raise LaunchError("--nats-cluster starts an embedded cluster; with --nats-url the cluster is yours: "
                               "drop --nats-cluster and set --nats-replicas to its size")  # fmt: skip
-        if self.nats_url:
-            self.creds = role_credentials(self.config)
+        if self.nats_url:  # the registry's identity is needed only with multi-LoRA (older roles files lack it)
+            roles = tuple(r for r in ROLES if r != "adapters" or self.config.multi_lora_n_adapters > 0)
+            self.creds = role_credentials(self.config, roles)
             return
         passwords = role_passwords(self.secrets_dir)
         self.creds = {r: NatsCredentials(user=r, password=p) for r, p in passwords.items()}
@@ -275,7 +277,7 @@ class Launcher:
             await bus.subscribe(bus.subjects.progress, self._on_progress)
             await bus.subscribe(bus.subjects.weights_live, self._on_live)
             await bus.subscribe(bus.subjects.eval_results, self._on_eval)
-            for name in ("buffer", "weight-sync", "eval"):
+            for name in ("buffer", "weight-sync", "eval") + (("adapters",) if c.multi_lora_n_adapters > 0 else ()):
                 self.start_service(name)
             for i in range(c.rollout_num_producers):
                 self.start_service("rollout", f"rollout-{i}")

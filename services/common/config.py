@@ -88,7 +88,8 @@ class InfraSection(Section):
         exclude=True,
         description="JSON file with one NATS identity per role for a server with per-role "
         "permissions: {role: {user, password} | {token} | {creds} | {nkey}}, roles admin (launcher), buffer, "
-        "trainer, rollout, weight-sync, eval (`asyncrl secrets` writes one, with the matching server config).",
+        "trainer, rollout, weight-sync, eval, and adapters with --multi-lora-n-adapters (`asyncrl secrets` writes one, "
+        "with the matching server config).",
     )
     nats_tls_ca: str | None = Field(
         None, exclude=True, description="TLS: CA bundle that signs the NATS server's certificate (use a tls:// URL)."
@@ -559,6 +560,16 @@ class TrainerSection(Section):
     )
     tis_clip: float = Field(2.0, gt=0, description="Upper clip of the TIS weight.")
     tis_clip_low: float = Field(0.0, ge=0, description="Lower clip of the TIS weight.")
+    use_decoupled_ppo: bool = Field(
+        False,
+        description="Decoupled PPO (AReaL's): clip the ratio against the proximal policy (the trainer's weights "
+        "before the rollout's first optimizer step) and weight each token by the behaviour ratio "
+        "exp(logp_proximal - logp_engine), leaving out tokens whose weight exceeds --decoupled-ppo-weight-cap. "
+        "Needs the engine's log-probs; replaces --use-tis.",
+    )
+    decoupled_ppo_weight_cap: float = Field(
+        5.0, gt=1, description="Decoupled PPO: a token whose behaviour weight exceeds this is left out of the loss."
+    )
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the frozen initial policy (0 = off).")
     kl_loss_type: Literal["k1", "k2", "low_var_kl"] = Field("low_var_kl", description="KL estimator.")
     loss_aggregation: Literal["token", "sequence"] = Field(
@@ -618,6 +629,9 @@ class TrainerSection(Section):
 
     def problems(self) -> list[str]:
         errs = []
+        if self.use_decoupled_ppo and self.use_tis:
+            errs.append("--use-decoupled-ppo weights tokens by the behaviour ratio itself: drop --use-tis "
+                        "(or --use-decoupled-ppo)")  # fmt: skip
         if self.save_interval is not None and not self.save:
             errs.append("--save-interval needs --save: set --save DIR for the checkpoints")
         if self.save_trigger_sentinel is not None and not self.save:
@@ -771,7 +785,102 @@ class EvalSection(Section):
         return errs
 
 
-class RunConfig(EvalSection, TrainerSection, AsyncSection, RolloutSection, DataSection, InfraSection):
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+"""An adapter's name: 1-128 letters, digits, '.', '_' and '-', but not `.` or `..` (it names files)."""
+
+
+def adapter_name_problem(name: str) -> str | None:
+    """Why `name` cannot name an adapter, or None."""
+    if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name) or name in (".", ".."):
+        return (f"adapter name {name!r:.140} is invalid: use 1-128 characters from letters, digits, '.', '_' "
+                "and '-' (not '.' or '..')")  # fmt: skip
+    return None
+
+
+def adapter_pairs(entries: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """--multi-lora-adapter's values as (name, yaml path) pairs, and what is wrong with them. Each
+    adapter is NAME YAML (two values) or NAME=YAML (one)."""
+    pairs, errs, i = [], [], 0
+    while i < len(entries):
+        entry = entries[i]
+        if "=" in entry:
+            name, _, path = entry.partition("=")
+            i += 1
+        elif i + 1 < len(entries):
+            name, path = entry, entries[i + 1]
+            i += 2
+        else:
+            errs.append(f"--multi-lora-adapter {entry!r} has no YAML file: give NAME YAML (or NAME=YAML)")
+            break
+        if (problem := adapter_name_problem(name)) is not None:
+            errs.append(f"--multi-lora-adapter: {problem}")
+        elif not path:
+            errs.append(f"--multi-lora-adapter {name!r} has no YAML file: give NAME YAML (or NAME=YAML)")
+        elif name in dict(pairs):
+            errs.append(f"--multi-lora-adapter names {name!r} twice: give each adapter once")
+        else:
+            pairs.append((name, path))
+    return pairs, errs
+
+
+class MultiLoraSection(Section):
+    """Multi-LoRA async (Miles's train_multi_lora_async.py): tenants register LoRA adapters on the
+    one base model, each trained in a slot of the trainer until its own budget, saved, and its slot
+    freed for the next (launcher, adapters service; services/adapters)."""
+
+    multi_lora_n_adapters: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="Multi-LoRA async: the trainer's adapter slots, i.e. the most adapters trained at once "
+        "(0: multi-LoRA off). With it the launcher starts the adapter registry (`asyncrl service adapters`).",
+    )
+    multi_lora_adapter: list[str] = Field(
+        default_factory=list,
+        json_schema_extra={"repeatable": True},
+        description="Multi-LoRA: an adapter registered at start, as NAME YAML (repeat the flag for more: "
+        "--multi-lora-adapter a a.yaml --multi-lora-adapter b b.yaml) or NAME=YAML; the YAML holds its spec "
+        "(data, rank, alpha, target_modules, rollout_batch_size, n_samples_per_prompt, save, rm_type or "
+        "custom_rm_path, num_step or num_epoch, metadata). Registered once: a restarted registry skips a name it has.",
+    )
+    multi_lora_max_coalesce_wait_s: float = Field(
+        5.0,
+        ge=0,
+        description="Multi-LoRA: once one adapter's batch is ready, wait up to this long for other adapters' "
+        "batches to train them in the same step.",
+    )
+    multi_lora_max_empty_wait_s: float = Field(
+        30.0,
+        ge=0,
+        description="Multi-LoRA: with no adapter left to train, wait this long for a new registration before "
+        "the run ends (unless --multi-lora-service-mode).",
+    )
+    multi_lora_idle_poll_s: float = Field(
+        2.0, gt=0, description="Multi-LoRA: while no adapter is training, look for new ones this often."
+    )
+    multi_lora_service_mode: bool = Field(
+        False,
+        description="Multi-LoRA: run as a service: when no adapter is left, wait for new registrations "
+        "indefinitely instead of ending the run.",
+    )
+
+    @property
+    def multi_lora_adapter_pairs(self) -> list[tuple[str, str]]:
+        """--multi-lora-adapter as (name, yaml path) pairs."""
+        return adapter_pairs(self.multi_lora_adapter)[0]
+
+    def problems(self) -> list[str]:
+        errs = adapter_pairs(self.multi_lora_adapter)[1]
+        if self.multi_lora_adapter and self.multi_lora_n_adapters == 0:
+            errs.append("--multi-lora-adapter registers adapters for multi-LoRA, which is off: set "
+                        "--multi-lora-n-adapters to the number of adapter slots")  # fmt: skip
+        if self.multi_lora_n_adapters > 0 and self.eval_interval is not None:
+            errs.append("Multi-LoRA async (--multi-lora-n-adapters) does not support in-loop evaluation: unset "
+                        "--eval-interval (evaluate each adapter from its saves)")  # fmt: skip
+        return errs
+
+
+class RunConfig(MultiLoraSection, EvalSection, TrainerSection, AsyncSection, RolloutSection, DataSection, InfraSection):
     """Every flag under its snake_case name (the sections' fields, in their order), what is
     derived from them, and every rule: one-flag bounds on the fields, cross-flag rules in each
     section's problems()."""
@@ -983,7 +1092,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] 
             parser.add_argument(flag_name(name), action=argparse.BooleanOptionalAction, **kw)
         elif kind.startswith("list"):
             elem = int if kind == "list_int" else str
-            parser.add_argument(flag_name(name), nargs="*", type=elem, metavar="X", **kw)
+            extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+            action = "extend" if extra.get("repeatable") else "store"  # repeatable: every use adds its values
+            parser.add_argument(flag_name(name), nargs="*", type=elem, metavar="X", action=action, **kw)
         else:
             parser.add_argument(
                 flag_name(name),

@@ -28,6 +28,7 @@ SERVICES = {
     "trainer": "services.trainer.service:TrainerService",
     "weight-sync": "services.weightsync.service:WeightSyncService",
     "eval": "services.eval.service:EvalService",
+    "adapters": "services.adapters.service:AdapterService",
 }
 
 log = logging.getLogger("asyncrl.entry")

@@ -4,16 +4,17 @@
 |---|---|---|---|
 | admin (launcher, init-run, audit) | everything | everything | creates the streams and the KV bucket |
 | buffer | prompts, ledger, KV buffer_snapshot | buffer.get, buffer.commit, weights.live, weights.published, heartbeat.rollout | consumer `buffer` on ROLLOUTS, purges ROLLOUTS, reads LEDGER, ROLLOUTS and the last WEIGHTS message |
-| trainer | buffer.get, buffer.commit, weights.published, KV published_version, progress, eval.requests, eval.results | eval.results, heartbeat.rollout, weights.transfer (answers it) | reads ROLLOUTS, the last WEIGHTS message; writes, reads and purges the weights object bucket |
+| trainer | buffer.get, buffer.commit, weights.published, KV published_version, progress, eval.requests, eval.results, adapters.control (requests) | eval.results, heartbeat.rollout, weights.transfer (answers it) | reads ROLLOUTS, the last WEIGHTS message; writes, reads and purges the weights object bucket |
 | rollout | rollouts | control | consumer `producers` on PROMPTS |
 | weight-sync | weights.live, KV live_version, weights.transfer (requests) | - | consumer `weight-sync` on WEIGHTS, reads WEIGHTS and the weights object bucket |
 | eval | eval.results, control | weights.live | consumer `eval` on EVAL, reads the last WEIGHTS message |
 | engine (built-in engine, object-store mode) | - | - | reads the weights object bucket (direct gets only: no consumer, no write) |
+| adapters (multi-LoRA registry) | KV adapters | adapters.control (answers it) | reads and writes its KV key only |
 
 Every role may also publish its own heartbeat and dead letters, read the run's config, live
 version and published version from KV, look up stream info, and receive replies on its own inbox prefix
-(`_INBOX.<run>.<role>`), so no role can read another's replies. Only the buffer and the trainer
-answer requests (`allow_responses`). The admin creates the streams and the durable consumers; a role may only bind
+(`_INBOX.<run>.<role>`), so no role can read another's replies. Only the buffer, the trainer and
+the adapter registry answer requests (`allow_responses`). The admin creates the streams and the durable consumers; a role may only bind
 to its own consumer. So a producer's credentials cannot append to the ledger, publish weights,
 progress or commits, answer a get, or touch a stream's or a consumer's configuration.
 
@@ -26,9 +27,9 @@ from __future__ import annotations
 
 import json
 
-from asyncrl_proto.subjects import Subjects, inbox_prefix
+from asyncrl_proto.subjects import ADAPTERS_KV_KEY, Subjects, inbox_prefix
 
-ROLES = ("admin", "buffer", "trainer", "rollout", "weight-sync", "eval", "engine")
+ROLES = ("admin", "buffer", "trainer", "rollout", "weight-sync", "eval", "engine", "adapters")
 SERVICE_ROLES = ROLES[1:]
 JS = "$JS.API"
 
@@ -79,6 +80,7 @@ def role_permissions(run_id: str, role: str) -> dict:
         pub += _read(s.rollouts_stream) + _read(s.weights_stream)
         pub += [f"$O.{s.weights_bucket}.>", f"{JS}.STREAM.PURGE.{obj_stream}", f"{JS}.STREAM.INFO.{obj_stream}"]
         pub += _read(obj_stream)
+        pub += [s.adapters_control, *kv_get(ADAPTERS_KV_KEY)]  # multi-LoRA: the registry's transitions and state
         sub += [s.eval_results, s.heartbeat("rollout"), s.weights_transfer]
         responses = {"max": 16, "expires": "5m"}  # a send's answer comes once its broadcast is done
     elif role == "rollout":
@@ -91,6 +93,10 @@ def role_permissions(run_id: str, role: str) -> dict:
     elif role == "eval":
         pub += [s.eval_results, s.control] + _consume(s.eval_stream, "eval") + _read(s.weights_stream)
         sub += [s.weights_live]
+    elif role == "adapters":  # the multi-LoRA registry: its KV key, and it answers adapters.control
+        pub += [f"$KV.{bucket}.{ADAPTERS_KV_KEY}", *kv_get(ADAPTERS_KV_KEY)]
+        sub += [s.adapters_control]
+        responses = {"max": 1, "expires": "1m"}
     elif role == "engine":  # nothing else: not even heartbeats or dead letters
         pub = _read(obj_stream)
     perms: dict = {"publish": {"allow": pub}, "subscribe": {"allow": sub}}

@@ -42,4 +42,5 @@ def loss_config(config) -> LossConfig:
         use_rollout_logprobs=config.use_rollout_logprobs, use_tis=config.use_tis, tis_clip=config.tis_clip,
         tis_clip_low=config.tis_clip_low, kl_coef=config.kl_coef, kl_loss_type=config.kl_loss_type,
         aggregation=config.loss_aggregation, temperature=config.rollout_temperature,
+        use_decoupled_ppo=config.use_decoupled_ppo, decoupled_weight_cap=config.decoupled_ppo_weight_cap,
     )  # fmt: skip

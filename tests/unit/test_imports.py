@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICES = ("buffer", "engine", "eval", "rollout", "trainer", "weightsync")
+SERVICES = ("adapters", "buffer", "engine", "eval", "rollout", "trainer", "weightsync")
 ALLOWED = {
     # package: the packages of `services` it may import besides itself
     "common": set(),

@@ -87,7 +87,8 @@ def test_only_the_buffer_writes_the_ledger_only_the_trainer_publishes_weights_pr
         assert not any(
             x.startswith("_INBOX.") and not x.startswith(f"_INBOX.r.{role}.") for x in perms["subscribe"]["allow"]
         )
-        assert ("allow_responses" in perms) == (role in ("buffer", "trainer"))  # buffer.get; weights.transfer
+        # buffer.get; weights.transfer; adapters.control
+        assert ("allow_responses" in perms) == (role in ("buffer", "trainer", "adapters"))
         assert (s + "weights.transfer" in pub) == (role == "weight-sync")  # only weight-sync asks for weights
         assert (s + "weights.transfer" in perms["subscribe"]["allow"]) == (role == "trainer")  # only it answers
     assert role_permissions("r", "admin")["publish"]["allow"] == [">"]

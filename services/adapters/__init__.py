@@ -1,0 +1,1 @@
+"""Adapters: the multi-LoRA adapter registry (which tenant adapter trains in which trainer slot)."""
