@@ -173,3 +173,26 @@ async def test_load_weight_version_and_refusals(engine):
     assert "top_logprobs_num" in err["error"]["message"]
     err = await gen(engine, greedy(stop_regex="("), status=400)
     assert "stop_regex" in err["error"]["message"]
+
+
+async def test_a_client_that_leaves_a_stream_midway_aborts_its_request(engine):
+    """The reader goes away after the first chunk: the engine aborts what it was generating for it
+    (SGLang's behaviour) instead of finishing a request nobody reads."""
+    import asyncio
+
+    sched = engine.scheduler
+    aborted_before = sched.stats.num_aborted_requests_total
+    body = greedy(max_new_tokens=40) | {"stream": True}
+    async with httpx.AsyncClient(base_url=engine.url, timeout=30) as c:
+        async with c.stream("POST", "/generate", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    sched.pause("in_place")  # frozen mid-generation: it cannot finish on its own now
+                    break
+        # leaving the block closes the connection with the request still held
+    deadline = asyncio.get_running_loop().time() + 10
+    while sched.running or sched.waiting:
+        assert asyncio.get_running_loop().time() < deadline, "the engine kept the abandoned request"
+        await asyncio.sleep(0.01)
+    sched.resume()
+    assert sched.stats.num_aborted_requests_total == aborted_before + 1
