@@ -8,7 +8,9 @@ held-out set (--eval-prompts prompts, disjoint from the training prompts, --eval
 each) is sized so that evaluating the same weights twice differs by less than 0.01: the bench
 measures that on the initial model with the eval service's own code and prints it.
 
-Each finished run is appended to --record at once, and a run already recorded (same arm, seed,
+Each run keeps a trace of what tells a stall apart (entropy, advantage magnitude, gradient norm,
+clip fraction, the shares of all-0 and all-1 groups, about 40 points). Each finished run is
+appended to --record at once, and a run already recorded (same arm, seed,
 steps and extra arguments) is not run again: a long benchmark resumes where it stopped, across
 sessions. bench/staleness.py runs its sweep through the same functions.
 
@@ -37,6 +39,10 @@ ARMS = {
     "fully-async": ["train-async", "--fully-async"],
 }
 EVAL_NAME = "heldout"
+TRACE = ("rollout/reward/mean", "train/entropy", "train/advantage_abs_mean", "train/grad_norm", "train/pg_clipfrac",
+         "rollout/zero_std/all_zero_percentage", "rollout/zero_std/all_one_percentage",
+         "rollout/response_len/mean", "train/ppo_kl")  # fmt: skip
+"""Per-step metrics kept with each run (about 40 points): what tells a stall apart."""
 
 
 # ---- data --------------------------------------------------------------------------------------
@@ -78,12 +84,14 @@ def run_one(arm: str, seed: int, steps: int, extra: list[str], a, data: tuple[Pa
     at[0] = 0.0
     points = sorted((e["step"], at.get(e["step"], 0.0), e[f"eval/{EVAL_NAME}"]) for e in evals
                     if f"eval/{EVAL_NAME}" in e)  # fmt: skip
+    every = max(1, steps // 40)  # the stall diagnostics, about 40 points per run
+    trace = [{k: rec[k] for k in TRACE if k in rec} | {"step": rec["step"]} for rec in recs[::every]]
     stale = [rec[k] for rec in recs for k in ("rollout/fully_async/avg_staleness",) if k in rec]
     stale_max = [rec[k] for rec in recs for k in ("rollout/fully_async/max_staleness",) if k in rec]
     return {"arm": arm, "seed": seed, "steps": steps, "extra": extra, "points": points,
             "loop_wall_s": recs[-1]["perf/elapsed_s"], "run_wall_s": time.time() - t0,
             "staleness_mean": statistics.mean(stale) if stale else 0.0, "staleness_max": max(stale_max, default=0),
-            "finished_at": time.time()}  # fmt: skip
+            "trace": trace, "finished_at": time.time()}  # fmt: skip
 
 
 def load_record(path: Path) -> list[dict]:
