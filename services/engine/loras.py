@@ -105,7 +105,12 @@ class EngineLoras:
             if res is None or res.unloading:
                 raise BadRequest(f"no LoRA adapter {name!r:.140} is loaded")
             res.unloading = True  # from here no request resolves it
-        self.scheduler.wait_lora_idle(res.slot, UNLOAD_TIMEOUT_S)  # its requests in flight finish first
+        try:
+            self.scheduler.wait_lora_idle(res.slot, UNLOAD_TIMEOUT_S)  # its requests in flight finish first
+        except TimeoutError:
+            with self.lock:
+                res.unloading = False  # still loaded and usable: the caller may abort its requests and retry
+            raise
         self.scheduler.call(self.lora.clear_slot, res.slot)
         with self.lock:
             del self.adapters[name]

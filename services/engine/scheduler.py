@@ -313,9 +313,11 @@ class Scheduler:
                 except StopIteration as done:
                     self._chunked.popleft()
                     fut.set_result(done.value)
-                except Exception as e:  # the caller's error (a bad snapshot), not the loop's
+                except BaseException as e:  # a bad snapshot is the caller's error, not the loop's
                     self._chunked.popleft()
                     fut.set_exception(e)
+                    if not isinstance(e, Exception):
+                        raise
 
     # ---- torch work from other threads ------------------------------------------------------
     def call(self, fn: Callable, *args):
@@ -342,8 +344,10 @@ class Scheduler:
     def _settle(fut: concurrent.futures.Future, fn: Callable, *args) -> None:
         try:
             fut.set_result(fn(*args))
-        except Exception as e:
+        except BaseException as e:  # the caller learns of it either way; only an Exception is the caller's alone
             fut.set_exception(e)
+            if not isinstance(e, Exception):
+                raise
 
     def _fail_jobs(self, error: BaseException) -> None:
         with self._work:
