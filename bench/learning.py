@@ -161,6 +161,30 @@ def table(rows: dict[str, dict], threshold: float, stall_gain: float) -> str:
     return "\n".join(lines)
 
 
+def stall_evidence(runs: list[dict], stall_gain: float) -> str:
+    """The trace of stalled runs beside the others: each diagnostic's mean over the last quarter of
+    the run (a stall shows there: entropy collapsed, groups all 0 or all 1, no advantage left)."""
+    if not any("trace" in r for r in runs):
+        return ""
+
+    def late(r: dict, key: str) -> float | None:
+        points = [t[key] for t in r.get("trace", [])[-max(1, len(r.get("trace", [])) // 4):] if key in t]
+        return statistics.fmean(points) if points else None
+
+    def gain(r: dict) -> float:
+        return r["points"][-1][2] - r["points"][0][2]
+
+    groups = {"stalled": [r for r in runs if gain(r) < stall_gain], "learned": [r for r in runs if gain(r) >= stall_gain]}
+    lines = [f"{'last quarter of the run, mean':<40}" + "".join(f"{k + f' ({len(v)})':>16}" for k, v in groups.items())]
+    for key in TRACE:
+        cells = []
+        for rs in groups.values():
+            vals = [v for r in rs if (v := late(r, key)) is not None]
+            cells.append(f"{statistics.fmean(vals):>16.3f}" if vals else f"{'-':>16}")
+        lines.append(f"{key:<40}" + "".join(cells))
+    return "\n".join(lines)
+
+
 # ---- evaluation noise --------------------------------------------------------------------------
 def eval_noise(a, held: Path) -> dict:
     """The same weights (the warm-started initial model) evaluated twice by the eval service's own
@@ -253,6 +277,8 @@ def main() -> None:
     rows = {arm: summarize([r for r in runs if r["arm"] == arm], a.threshold, a.stall_gain)
             for arm in arms if any(r["arm"] == arm for r in runs)}  # fmt: skip
     print("\n" + table(rows, a.threshold, a.stall_gain))
+    if evidence := stall_evidence(runs, a.stall_gain):
+        print("\nwhat tells a stall apart (every arm's runs):\n" + evidence)
     for n in (r for r in load_record(record) if r.get("kind") == "eval_noise"):
         print(f"eval noise: the same weights evaluated twice on {n['eval_prompts']} prompts x {n['eval_samples']} "
               f"samples: {n['first']:.4f} and {n['second']:.4f} (differ by {n['abs_diff']:.4f})")  # fmt: skip
