@@ -308,6 +308,31 @@ class Bus:
             return None
         return entry.value
 
+    async def kv_entry(self, key: str) -> tuple[bytes | None, int]:
+        """(value, revision) of a key from one read; (None, 0) when it does not exist (or was deleted)."""
+        kv = await self.kv()
+        try:
+            entry = await kv.get(key)
+        except nats.js.errors.KeyNotFoundError:  # a deleted key's tombstone reads as not found too
+            return None, 0
+        return entry.value, entry.revision
+
+    async def kv_update(self, key: str, value: bytes, last_revision: int) -> int:
+        """Compare-and-set: store `value` only if the key is still at `last_revision` (0: it must not
+        exist, a deleted key included). The new revision; SequenceConflict when another writer
+        got there first."""
+        kv = await self.kv()
+        try:
+            if last_revision == 0:
+                return await kv.create(key, value)
+            return await kv.update(key, value, last=last_revision)
+        except nats.js.errors.KeyWrongLastSequenceError as e:
+            raise SequenceConflict(f"KV {key} moved past revision {last_revision}: another writer wrote it") from e
+        except nats.js.errors.APIError as e:
+            raise_if_conflict(e, f"KV {key}")
+            raise_if_store_full(e, f"KV {key}")
+            raise
+
     async def kv_put(self, key: str, value: bytes) -> None:
         kv = await self.kv()
         try:
