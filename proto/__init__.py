@@ -9,6 +9,8 @@ from asyncrl_proto.codec import MalformedMessage, decode, encode
 from asyncrl_proto.messages import (
     AdapterControl,
     AdapterControlReply,
+    AdapterLive,
+    AdapterPublished,
     AdapterRegistryState,
     AdapterRun,
     AdapterSpec,
@@ -41,6 +43,8 @@ from asyncrl_proto.messages import (
 __all__ = [
     "AdapterControl",
     "AdapterControlReply",
+    "AdapterLive",
+    "AdapterPublished",
     "AdapterRegistryState",
     "AdapterRun",
     "AdapterSpec",

@@ -502,3 +502,36 @@ class AdapterControlReply(msgspec.Struct, kw_only=True):
     run: AdapterRun | None = None
     revision: int = 0
     """The registry's revision after the request."""
+
+
+class AdapterPublished(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Trainer -> weight-sync (WEIGHTS, `weights.adapters`): version `version` of adapter `name`
+    (registration `registration_id`) is a complete PEFT directory at `uri`
+    (`<run_dir>/adapters/<name>/<registration>/v<version>`). Weight-sync loads it on every engine
+    under its engine name (`adapter_engine_name`), without pausing generation."""
+
+    name: str
+    registration_id: str
+    version: int
+    uri: str
+    num_bytes: int = 0
+    created_at: float = 0.0
+
+
+class AdapterLive(msgspec.Struct, kw_only=True):
+    """Weight-sync -> producers (KV `adapter_live.<name>`): the adapter version every engine
+    serves, and the name requests give it (`lora_path`)."""
+
+    name: str
+    registration_id: str
+    version: int
+    engine_name: str
+    uri: str = ""
+    engines: list[str] = msgspec.field(default_factory=list)
+    updated_at: float = 0.0
+
+
+def adapter_engine_name(name: str, registration_id: str, version: int) -> str:
+    """The name an engine serves one adapter version under (`lora_path`): a name registered again
+    is another adapter, so its registration is part of it."""
+    return f"{name}@{registration_id[:12]}.v{version}"

@@ -22,6 +22,10 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
+ADAPTER_LIVE_KV_PREFIX = "adapter_live"
+"""KV keys `adapter_live.<name>` of the run's bucket: each adapter's live version (AdapterLive),
+written by weight-sync once every engine serves it."""
+
 ADAPTERS_KV_KEY = "adapters"
 """KV key of the run's bucket holding the multi-LoRA registry's state (an AdapterRegistryState),
 written by the adapters service only."""
@@ -110,6 +114,11 @@ class Subjects(Struct, frozen=True):
         return self._s("weights.live")
 
     @property
+    def adapters_published(self) -> str:
+        """Multi-LoRA: the trainer's adapter versions (AdapterPublished), in WEIGHTS."""
+        return self._s("weights.adapters")
+
+    @property
     def eval_requests(self) -> str:
         return self._s("eval.requests")
 
@@ -170,6 +179,9 @@ class Subjects(Struct, frozen=True):
                                    deliver_subject=inbox_prefix(self.run_id, "buffer") + ".rollouts"),
             "weight-sync": ConsumerSpec(stream=self.weights_stream, durable="weight-sync",
                                         filter_subject=self.weights_published, ack_wait_s=15.0, max_ack_pending=1000),
+            "weight-sync-adapters": ConsumerSpec(stream=self.weights_stream, durable="weight-sync-adapters",
+                                                 filter_subject=self.adapters_published, ack_wait_s=60.0,
+                                                 max_ack_pending=1000),
             "eval": ConsumerSpec(stream=self.eval_stream, durable="eval", filter_subject=self.eval_requests,
                                  ack_wait_s=30.0, max_ack_pending=1000),
         }  # fmt: skip
@@ -193,7 +205,7 @@ class Subjects(Struct, frozen=True):
             },
             {
                 "name": self.weights_stream,
-                "subjects": [self.weights_published, self.weights_live],
+                "subjects": [self.weights_published, self.weights_live, self.adapters_published],
                 "retention": "limits",
                 "storage": "file",
             },

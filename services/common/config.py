@@ -843,6 +843,13 @@ class MultiLoraSection(Section):
         "(data, rank, alpha, target_modules, rollout_batch_size, n_samples_per_prompt, save, rm_type or "
         "custom_rm_path, num_step or num_epoch, metadata). Registered once: a restarted registry skips a name it has.",
     )
+    multi_lora_max_rank: int = Field(
+        16,
+        ge=1,
+        le=1024,
+        description="Multi-LoRA: the largest adapter rank the engines can load (SGLang's --max-lora-rank; the built-in "
+        "engines are started with it).",
+    )
     multi_lora_max_coalesce_wait_s: float = Field(
         5.0,
         ge=0,

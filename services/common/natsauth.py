@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 
-from asyncrl_proto.subjects import ADAPTERS_KV_KEY, Subjects, inbox_prefix
+from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX, ADAPTERS_KV_KEY, Subjects, inbox_prefix
 
 ROLES = ("admin", "buffer", "trainer", "rollout", "weight-sync", "eval", "engine", "adapters")
 SERVICE_ROLES = ROLES[1:]
@@ -81,14 +81,17 @@ def role_permissions(run_id: str, role: str) -> dict:
         pub += [f"$O.{s.weights_bucket}.>", f"{JS}.STREAM.PURGE.{obj_stream}", f"{JS}.STREAM.INFO.{obj_stream}"]
         pub += _read(obj_stream)
         pub += [s.adapters_control, *kv_get(ADAPTERS_KV_KEY)]  # multi-LoRA: the registry's transitions and state
+        pub += [s.adapters_published]  # multi-LoRA: adapter versions for weight-sync
         sub += [s.eval_results, s.heartbeat("rollout"), s.weights_transfer]
         responses = {"max": 16, "expires": "5m"}  # a send's answer comes once its broadcast is done
     elif role == "rollout":
         pub += [s.rollouts] + _consume(s.prompts_stream, "producers")
+        pub += kv_get(f"{ADAPTER_LIVE_KV_PREFIX}.>")  # multi-LoRA: which adapter version to ask for
         sub += [s.control]
     elif role == "weight-sync":
         pub += [s.weights_live, s.weights_transfer, f"$KV.{bucket}.live_version"]
-        pub += _consume(s.weights_stream, "weight-sync")
+        pub += _consume(s.weights_stream, "weight-sync") + _consume(s.weights_stream, "weight-sync-adapters")
+        pub += [f"$KV.{bucket}.{ADAPTER_LIVE_KV_PREFIX}.>", *kv_get(f"{ADAPTER_LIVE_KV_PREFIX}.>")]
         pub += _read(s.weights_stream) + _read(obj_stream)
     elif role == "eval":
         pub += [s.eval_results, s.control] + _consume(s.eval_stream, "eval") + _read(s.weights_stream)

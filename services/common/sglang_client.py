@@ -296,6 +296,19 @@ class SGLangClient:
             return False
         return True
 
+    async def load_lora_adapter(self, url: str, name: str, path: str) -> dict:
+        """SGLang's /load_lora_adapter: {success, error_message, loaded_adapters}; EngineError on a 400."""
+        return await self._call("POST", url, "/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    async def unload_lora_adapter(self, url: str, name: str) -> dict:
+        """/unload_lora_adapter: returns once the adapter's requests in flight are done."""
+        return await self._call("POST", url, "/unload_lora_adapter", {"lora_name": name})
+
+    async def loaded_adapters(self, url: str) -> set[str]:
+        """The adapter names an engine serves (its /v1/models cards with a parent)."""
+        models = await self._call("GET", url, "/v1/models", timeout=30.0)
+        return {m["id"] for m in models.get("data", []) if m.get("parent")} if isinstance(models, dict) else set()
+
     async def model_info(self, url: str) -> dict:
         return await self._call("GET", url, "/model_info", timeout=30.0)
 

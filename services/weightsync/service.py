@@ -27,15 +27,16 @@ import logging
 import time
 from pathlib import Path
 
-from asyncrl_proto import WeightsLive, WeightsPublished, decode, encode
+from asyncrl_proto import AdapterPublished, WeightsLive, WeightsPublished, decode, encode
 from services.common import crash
 from services.common.bus import VersionBound, fetch_some, keep_alive, settle
-from services.common.config import AsyncSection, RolloutSection
+from services.common.config import AsyncSection, MultiLoraSection, RolloutSection
 from services.common.promexport import LATENCY_BUCKETS_S
 from services.common.runtime import Service
 from services.common.sglang_client import EngineError, SGLangClient
 from services.common.snapshot import COMPLETE_MARKER, is_complete, resolved
 from services.common.weightstore import WeightStore, WeightStoreError
+from services.weightsync.adapters import AdapterSync
 from services.weightsync.distributed import DistributedUpdater, TransferFailed, VersionGone
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ def _version(reported) -> int:
 
 class WeightSyncService(Service):
     name = "weight-sync"
-    reads = (RolloutSection, AsyncSection)
+    reads = (RolloutSection, AsyncSection, MultiLoraSection)
     histograms = {
         "weight_sync/pause_seconds": ("Seconds one engine spent paused for one weight update (pause call to "
                                       "continue answered)", LATENCY_BUCKETS_S),
@@ -82,6 +83,10 @@ class WeightSyncService(Service):
                                config.pause_generation_mode, on_pause=self._paused)
             if config.update_weight_transfer_mode == "distributed" else None
         )  # fmt: skip
+        self.adapters = (AdapterSync(bus, self.client, config.run_dir, self.background)
+                         if config.multi_lora_n_adapters > 0 else None)  # fmt: skip
+        """Multi-LoRA: adapter versions onto the engines, without a pause (services/weightsync/adapters.py)."""
+        self._asub = None
         self.live_digest: str | None = None
         """distributed: the tensor digest of the version this process made live (a catch-up load checks it)."""
 
@@ -95,6 +100,8 @@ class WeightSyncService(Service):
             self.live_version = await self._engine_version()
             await self._announce(self.live_version, 0.0)
         self._psub = await self.bus.consume(s.consumers(self.config.prompt_ack_wait_s)["weight-sync"])
+        if self.adapters is not None:
+            self._asub = await self.bus.consume(s.consumers(self.config.prompt_ack_wait_s)["weight-sync-adapters"])
         await self._converge()
         log.info("weight-sync ready: engines %s at version %s", self.client.urls, self.live_version)
 
@@ -133,7 +140,33 @@ class WeightSyncService(Service):
         return min(versions)
 
     def loops(self):
-        return {"apply_updates": self._apply_updates}
+        loops = {"apply_updates": self._apply_updates}
+        if self.adapters is not None:
+            loops["apply_adapters"] = self._apply_adapters
+        return loops
+
+    async def _apply_adapters(self) -> None:
+        """Multi-LoRA: each announced adapter version onto every engine, in stream order; a bad one
+        is dead-lettered, one an engine refused is redelivered (the engines' 400 is logged)."""
+        next_converge = time.monotonic() + CONVERGE_EVERY_S
+        while True:
+            for m in await fetch_some(self._asub, 16, 1.0):
+                if (pub := await self.bus.decode_or_dead_letter(m, AdapterPublished, jetstream=True)) is None:
+                    continue
+                if (problem := self.adapters.problem(pub)) is not None:
+                    await self.bus.dead_letter_msg(m, problem)
+                    continue
+                try:
+                    async with keep_alive(m):
+                        await self.adapters.apply(pub)
+                except EngineError as e:
+                    log.warning("adapter %s v%d did not load on every engine (%s): it comes back", pub.name,
+                                pub.version, e)  # fmt: skip
+                    continue  # not acknowledged: redelivered after the ack wait
+                await settle(m)
+            if time.monotonic() >= next_converge:
+                await self.adapters.converge()
+                next_converge = time.monotonic() + CONVERGE_EVERY_S
 
     async def _converge(self) -> None:
         """Every engine generates, on the live version at least. An engine restarted elsewhere
@@ -376,7 +409,8 @@ class WeightSyncService(Service):
             "num_updates": self.num_updates,
             "num_skipped_versions": self.num_skipped,
             "num_rejected": sum(self.bus.dead_lettered.values()),
-        }
+        } | ({"adapters_live": {n: a.engine_name for n, a in self.adapters.live.items()}}
+             if self.adapters is not None else {})  # fmt: skip
 
     def metric_values(self) -> dict[str, float]:
         return {
@@ -386,4 +420,6 @@ class WeightSyncService(Service):
             "weight_sync/updates_total": self.num_updates,
             "weight_sync/skipped_versions_total": self.num_skipped,
             "weight_sync/rejected_total": sum(self.bus.dead_lettered.values()),
-        }
+        } | ({"weight_sync/adapters_live": len(self.adapters.live),
+              "weight_sync/adapter_versions_loaded_total": self.adapters.num_loaded}
+             if self.adapters is not None else {})  # fmt: skip

@@ -1,0 +1,117 @@
+"""Multi-LoRA: adapter versions from the trainer onto every engine, without a pause.
+
+Consumes AdapterPublished (WEIGHTS `weights.adapters`, durable `weight-sync-adapters`). A version
+newer than its adapter's live one is loaded on every engine under its engine name
+(`adapter_engine_name`: the adapter, its registration and the version) with /load_lora_adapter;
+then it is recorded live (KV `adapter_live.<name>`, an AdapterLive), and only then is the version
+before it unloaded from every engine (the engine lets that version's requests in flight finish
+first). Producers read the live version and ask for it by that name, so a request always names a
+version every engine serves, and the base model never pauses for an adapter.
+
+A version at or below the live one of the same registration is skipped (a redelivery, or one
+superseded); a new registration of the same name replaces the old one's live version. The
+directory must be the run's own (`<run_dir>/adapters/<name>/...`) and complete (its `.complete`
+marker). `converge()` loads the live versions on an engine that lacks them (restarted, or started
+after them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from asyncrl_proto import AdapterLive, AdapterPublished, MalformedMessage, decode, encode
+from asyncrl_proto.messages import adapter_engine_name
+from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX
+from services.common.config import adapter_name_problem
+from services.common.sglang_client import EngineError, SGLangClient
+from services.common.snapshot import is_complete, resolved
+
+log = logging.getLogger(__name__)
+
+
+def live_key(name: str) -> str:
+    return f"{ADAPTER_LIVE_KV_PREFIX}.{name}"
+
+
+class AdapterSync:
+    def __init__(self, bus, client: SGLangClient, run_dir: str,
+                 spawn: Callable[[Awaitable, str], object] | None = None):  # fmt: skip
+        """spawn(coro, what): runs an unload in the background (the service's `background`)."""
+        self.bus = bus
+        self.client = client
+        self.root = resolved(str(Path(run_dir) / "adapters"))
+        self.live: dict[str, AdapterLive] = {}
+        self._spawn = spawn or (lambda coro, what: asyncio.ensure_future(coro))
+        self.num_loaded = 0
+        self.num_skipped = 0
+
+    def problem(self, pub: AdapterPublished) -> str | None:
+        """Why a published adapter version must not reach an engine, or None."""
+        if (why := adapter_name_problem(pub.name)) is not None:
+            return why
+        if pub.version < 1 or not pub.registration_id.isalnum():
+            return f"adapter {pub.name}: version {pub.version} / registration {pub.registration_id!r:.40} is not one"
+        path = resolved(pub.uri)
+        if path is None or self.root is None or not path.is_relative_to(self.root / pub.name):
+            return f"adapter {pub.name} v{pub.version}: {pub.uri!r:.200} is not under the run's adapters/{pub.name}/"
+        if not is_complete(path):
+            return f"adapter {pub.name} v{pub.version}: {path} is not a complete adapter directory"
+        return None
+
+    async def live_of(self, name: str) -> AdapterLive | None:
+        if name not in self.live:
+            raw = await self.bus.kv_get(live_key(name))
+            if raw is not None:
+                try:
+                    self.live[name] = decode(raw, AdapterLive)
+                except MalformedMessage as e:
+                    log.error("KV %s holds no AdapterLive (%s): taken as no live version", live_key(name), e)
+        return self.live.get(name)
+
+    async def apply(self, pub: AdapterPublished) -> bool:
+        """Make `pub` the adapter's live version on every engine; False when it is not newer."""
+        old = await self.live_of(pub.name)
+        if old is not None and old.registration_id == pub.registration_id and pub.version <= old.version:
+            self.num_skipped += 1
+            return False
+        engine_name = adapter_engine_name(pub.name, pub.registration_id, pub.version)
+        for url in self.client.urls:
+            await self._load(url, engine_name, pub.uri)
+        new = AdapterLive(name=pub.name, registration_id=pub.registration_id, version=pub.version,
+                          engine_name=engine_name, uri=pub.uri, engines=list(self.client.urls),
+                          updated_at=time.time())  # fmt: skip
+        await self.bus.kv_put(live_key(pub.name), encode(new))
+        self.live[pub.name] = new
+        self.num_loaded += 1
+        if old is not None and old.engine_name != engine_name:
+            self._spawn(self._unload_everywhere(old.engine_name), f"unloading adapter {old.engine_name}")
+        return True
+
+    async def _load(self, url: str, engine_name: str, path: str) -> None:
+        try:
+            await self.client.load_lora_adapter(url, engine_name, path)
+        except EngineError as e:
+            if "already loaded" not in str(e):  # a redelivery after a crash between load and record
+                raise
+
+    async def _unload_everywhere(self, engine_name: str) -> None:
+        for url in self.client.urls:
+            try:
+                await self.client.unload_lora_adapter(url, engine_name)
+            except EngineError as e:  # gone with a restart, or unloaded before: nothing to free
+                log.info("unloading adapter %s from %s: %s", engine_name, url, e)
+
+    async def converge(self) -> None:
+        """Every engine serves every live adapter version (an engine restarted lost them)."""
+        for live in list(self.live.values()):
+            for url in self.client.urls:
+                try:
+                    if live.engine_name not in await self.client.loaded_adapters(url):
+                        log.warning("engine %s lacks adapter %s: loading it", url, live.engine_name)
+                        await self._load(url, live.engine_name, live.uri)
+                except EngineError as e:
+                    log.info("engine %s did not take adapter %s now (%s)", url, live.engine_name, e)
