@@ -195,6 +195,17 @@ def token_entropy(logits_tv: torch.Tensor, temperature: float) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
+def missing_logprobs(sample: Sample, cfg: LossConfig) -> str | None:
+    """Why a sample cannot be trained under `cfg`: it has response tokens but no engine log-probs,
+    which the ratio (--use-rollout-logprobs), TIS or decoupled PPO's behaviour weight need (as
+    zeros they would read as certainty). None when it can."""
+    needs = [flag for flag, on in (("--use-rollout-logprobs", cfg.use_rollout_logprobs), ("--use-tis", cfg.use_tis),
+                                   ("--use-decoupled-ppo", cfg.use_decoupled_ppo)) if on]  # fmt: skip
+    if needs and sample.response_length and not sample.rollout_log_probs:
+        return f"no engine log-probs, which {' and '.join(needs)} need"
+    return None
+
+
 def kl_per_token(logp_bt: torch.Tensor, ref_logp_bt: torch.Tensor, kind: str) -> torch.Tensor:
     """KL(policy || reference) estimators on sampled tokens: k1 = log r, k2 = (log r)^2 / 2,
     low_var_kl (k3) = exp(-log r) + log r - 1, with log r = logp - ref_logp."""

@@ -61,6 +61,7 @@ from services.common.weightstore import WeightStore, WeightStoreError
 from services.model.hf_io import load_weights_into, save_model
 from services.trainer.checkpoint import ckpt_step, latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.core import (
+    missing_logprobs,
     apply_sample_filter,
     assemble_batch,
     build_step_batches,
@@ -521,7 +522,9 @@ class TrainerService(Service):
         which leaves it out of the loss, and said loudly; it never reaches the model."""
         limits = dataclasses.replace(self.limits, max_version=self.version)
         for s in (s for g in groups for s in flatten_group(g)):
-            if s.status != SampleStatus.FAILED and (problem := sample_problem(s, limits)) is not None:
+            if s.status == SampleStatus.FAILED:
+                continue
+            if (problem := sample_problem(s, limits) or missing_logprobs(s, self.loss_cfg)) is not None:
                 self.num_invalid_samples += 1
                 log.error("sample %s of group %s cannot be trained on (%s): left out of the loss",
                           s.index, s.group_index, problem)  # fmt: skip

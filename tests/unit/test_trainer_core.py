@@ -459,3 +459,14 @@ def test_entropy_and_advantage_magnitude_are_logged_without_an_entropy_bonus():
     ents = [e for _, es in _hand_logps(model, [a, b]) for e in es]
     assert stats["train/entropy"] == pytest.approx(sum(ents) / 3, rel=1e-5)
     assert stats["train/advantage_abs_mean"] == pytest.approx(1.0, rel=1e-5)  # +1, +1, -1 on the three tokens
+
+
+def test_a_sample_without_engine_log_probs_is_refused_where_the_loss_needs_them():
+    from services.trainer.core import missing_logprobs
+
+    bare = Sample(index=0, tokens=[1, 2, 3, 4], response_length=2, reward=1.0)
+    assert "--use-rollout-logprobs" in missing_logprobs(bare, LossConfig())
+    assert "--use-decoupled-ppo" in missing_logprobs(bare, LossConfig(use_rollout_logprobs=False, use_decoupled_ppo=True))
+    assert missing_logprobs(bare, LossConfig(use_rollout_logprobs=False)) is None  # the trainer's own log-probs
+    a, _ = _two_samples()
+    assert missing_logprobs(a, LossConfig(use_tis=True)) is None
