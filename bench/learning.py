@@ -154,7 +154,11 @@ def table(rows: dict[str, dict], threshold: float, stall_gain: float) -> str:
     lines = [head]
     for name, s in rows.items():
         ci = f"{s['final_mean']:.3f} [{s['final_ci95'][0]:.3f}, {s['final_ci95'][1]:.3f}]"
-        reach = "-" if s["median_s_to_threshold"] is None else f"{s['median_s_to_threshold']:.0f} ({s['reached_threshold']}/{s['n']})"
+        reach = (
+            "-"
+            if s["median_s_to_threshold"] is None
+            else f"{s['median_s_to_threshold']:.0f} ({s['reached_threshold']}/{s['n']})"
+        )
         lines.append(f"{name:<34}{s['n']:>3}{ci:>26}{s['stall_rate']:>7.0%} {reach:>19}{s['loop_wall_s_mean']:>8.0f}"
                      f"{s['staleness_mean']:>15.2f} ({s['staleness_max']})")  # fmt: skip
     lines.append(f"stall: a gain below {stall_gain} over the step-0 evaluation")
@@ -168,13 +172,16 @@ def stall_evidence(runs: list[dict], stall_gain: float) -> str:
         return ""
 
     def late(r: dict, key: str) -> float | None:
-        points = [t[key] for t in r.get("trace", [])[-max(1, len(r.get("trace", [])) // 4):] if key in t]
+        points = [t[key] for t in r.get("trace", [])[-max(1, len(r.get("trace", [])) // 4) :] if key in t]
         return statistics.fmean(points) if points else None
 
     def gain(r: dict) -> float:
         return r["points"][-1][2] - r["points"][0][2]
 
-    groups = {"stalled": [r for r in runs if gain(r) < stall_gain], "learned": [r for r in runs if gain(r) >= stall_gain]}
+    groups = {
+        "stalled": [r for r in runs if gain(r) < stall_gain],
+        "learned": [r for r in runs if gain(r) >= stall_gain],
+    }
     lines = [f"{'last quarter of the run, mean':<40}" + "".join(f"{k + f' ({len(v)})':>16}" for k, v in groups.items())]
     for key in TRACE:
         cells = []

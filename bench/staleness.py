@@ -50,7 +50,9 @@ def main() -> None:
     if unknown := set(corrections) - set(CORRECTIONS):
         raise SystemExit(f"unknown corrections {sorted(unknown)}: use {', '.join(CORRECTIONS)}")
     if not a.report_only:
-        cells = [("fully-async", seed, cell_args(k, c)) for seed in seeds_of(a.seeds) for k in levels for c in corrections]
+        cells = [
+            ("fully-async", seed, cell_args(k, c)) for seed in seeds_of(a.seeds) for k in levels for c in corrections
+        ]
         run_all(cells, a, record)
     runs = load_record(record)
     rows = {}

@@ -528,6 +528,8 @@ class AdapterLive(msgspec.Struct, kw_only=True):
     engine_name: str
     uri: str = ""
     engines: list[str] = msgspec.field(default_factory=list)
+    created_at: float = 0.0
+    """When the trainer announced this version: an older registration's late message never replaces it."""
     updated_at: float = 0.0
 
 

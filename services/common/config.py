@@ -785,15 +785,16 @@ class EvalSection(Section):
         return errs
 
 
-ADAPTER_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
-"""An adapter's name: 1-128 letters, digits, '.', '_' and '-', but not `.` or `..` (it names files)."""
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9_-]([A-Za-z0-9._-]{0,94}[A-Za-z0-9_-])?")
+"""An adapter's name: 1-96 letters, digits, '.', '_' and '-', neither starting nor ending with '.' (it
+names files and KV keys, and the engines serve its versions as `<name>@<registration>.v<k>`)."""
 
 
 def adapter_name_problem(name: str) -> str | None:
     """Why `name` cannot name an adapter, or None."""
-    if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name) or name in (".", ".."):
-        return (f"adapter name {name!r:.140} is invalid: use 1-128 characters from letters, digits, '.', '_' "
-                "and '-' (not '.' or '..')")  # fmt: skip
+    if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
+        return (f"adapter name {name!r:.140} is invalid: use 1-96 characters from letters, digits, '.', '_' "
+                "and '-', not starting or ending with '.'")  # fmt: skip
     return None
 
 
@@ -831,7 +832,7 @@ class MultiLoraSection(Section):
     multi_lora_n_adapters: int = Field(
         0,
         ge=0,
-        le=1024,
+        le=64,
         description="Multi-LoRA async: the trainer's adapter slots, i.e. the most adapters trained at once "
         "(0: multi-LoRA off). With it the launcher starts the adapter registry (`asyncrl service adapters`).",
     )

@@ -91,7 +91,7 @@ def role_permissions(run_id: str, role: str) -> dict:
     elif role == "weight-sync":
         pub += [s.weights_live, s.weights_transfer, f"$KV.{bucket}.live_version"]
         pub += _consume(s.weights_stream, "weight-sync") + _consume(s.weights_stream, "weight-sync-adapters")
-        pub += [f"$KV.{bucket}.{ADAPTER_LIVE_KV_PREFIX}.>", *kv_get(f"{ADAPTER_LIVE_KV_PREFIX}.>")]
+        pub += [f"$KV.{bucket}.{ADAPTER_LIVE_KV_PREFIX}.>", *kv_get(f"{ADAPTER_LIVE_KV_PREFIX}.>", ADAPTERS_KV_KEY)]
         pub += _read(s.weights_stream) + _read(obj_stream)
     elif role == "eval":
         pub += [s.eval_results, s.control] + _consume(s.eval_stream, "eval") + _read(s.weights_stream)

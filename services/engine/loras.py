@@ -66,7 +66,9 @@ class EngineLoras:
         return res.slot, res.uid
 
     def loaded(self) -> dict[str, str]:
-        return {n: r.path for n, r in self.adapters.items() if not r.unloading}
+        """{name: path} of the adapters requests may use (takes the lock)."""
+        with self.lock:
+            return {n: r.path for n, r in self.adapters.items() if not r.unloading}
 
     # ---- load / unload (blocking: run them in a worker thread) ---------------------------------
     def load(self, body: dict) -> dict:
@@ -90,10 +92,12 @@ class EngineLoras:
         try:
             spec, tensors = load_adapter(Path(path))
             self.scheduler.call(self.lora.set_slot, slot, spec, tensors)  # placed on the model's thread
-        except LoraError as e:
+        except BaseException as e:  # whatever failed, the reservation goes: the name and slot are free again
             with self.lock:
                 del self.adapters[name]
-            raise BadRequest(f"Failed to load LoRA adapter {name}: {e}") from None
+            if isinstance(e, LoraError):
+                raise BadRequest(f"Failed to load LoRA adapter {name}: {e}") from None
+            raise
         with self.lock:
             res.unloading = False
         return self._answer()
@@ -117,8 +121,7 @@ class EngineLoras:
         return self._answer()
 
     def _answer(self) -> dict:
-        with self.lock:
-            return {"success": True, "error_message": "", "loaded_adapters": self.loaded()}
+        return {"success": True, "error_message": "", "loaded_adapters": self.loaded()}
 
     def info(self) -> dict:
         return {"enable_lora": True, "max_loras_per_batch": self.lora.n_slots, "max_lora_rank": self.max_rank,

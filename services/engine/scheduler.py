@@ -392,6 +392,7 @@ class Scheduler:
             victims = [r for r in list(self.waiting) + self.running if abort_all or r.rid == rid]
             for r in victims:
                 self._abort(r)
+            self._work.notify_all()  # a wait for these requests to end (an unload) re-checks now
             return len(victims)
 
     def _abort(self, req: Request) -> None:
@@ -423,6 +424,7 @@ class Scheduler:
                     self.waiting.appendleft(r)
                 self.running = []
             self.paused_mode = mode
+            self._work.notify_all()
 
     def resume(self) -> None:
         with self._work:
@@ -465,7 +467,9 @@ class Scheduler:
         if staged is not None:
             self.stats.num_staged_swaps_total += 1
             return self.call(self._load, lambda: swap_in(self.model, staged[1]), weight_version) | {"staged": True}
-        return self.call(self._load, lambda: load_weights_into(self.model, model_path), weight_version) | {"staged": False}
+        return self.call(self._load, lambda: load_weights_into(self.model, model_path), weight_version) | {
+            "staged": False
+        }
 
     def update_weights_from_tensors(self, tensors: dict, weight_version: str | None, timeout_s: float = 600) -> dict:
         """Swap in a whole set of weights received from the trainer (distributed mode): new
@@ -487,8 +491,10 @@ class Scheduler:
         with self._work:
             self._drain_inbox()
             while any(r.lora_slot == lora_slot for r in itertools.chain(self.running, self.waiting)):
-                if not self._work.wait(timeout=max(0.0, deadline - time.monotonic())):
+                left = deadline - time.monotonic()
+                if left <= 0:
                     raise TimeoutError("requests using the adapter did not finish; abort them first")
+                self._work.wait(timeout=left)
                 self._drain_inbox()
 
     def _load(self, load, weight_version) -> dict:

@@ -26,6 +26,7 @@ route but /health, /health_generate and /metrics needs `Authorization: Bearer <k
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import time
@@ -71,6 +72,7 @@ class EngineServer:
         EngineLoras (--enable-lora; services/engine/loras.py), None: no LoRA routes."""
         self.scheduler = scheduler
         self.loras = loras
+        self._lora_pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="engine-lora")
         self.receiver = DistributedReceiver(scheduler, staged_loading)
         self.weights = weights
         self.staged_loading = staged_loading
@@ -346,8 +348,9 @@ class EngineServer:
             if self.loras is None:
                 return JSONResponse({"success": False, "error_message": "LoRA is not enabled on this engine: "
                                      "start it with --enable-lora", "loaded_adapters": {}}, status_code=400)  # fmt: skip
-            try:
-                return await asyncio.to_thread(self.loras.load if op == "load" else self.loras.unload, body)
+            try:  # their own threads: an unload waiting for its requests never takes one from pause/continue
+                fn = self.loras.load if op == "load" else self.loras.unload
+                return await asyncio.get_running_loop().run_in_executor(self._lora_pool, fn, body)
             except (BadRequest, TimeoutError) as e:
                 return JSONResponse({"success": False, "error_message": str(e),
                                      "loaded_adapters": self.loras.loaded()}, status_code=400)  # fmt: skip

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -54,7 +55,7 @@ class LoraSpec:
     def __post_init__(self) -> None:
         if self.rank < 1:
             raise LoraError(f"rank must be at least 1, got {self.rank}")
-        if not self.alpha > 0:
+        if not (self.alpha > 0 and math.isfinite(self.alpha)):
             raise LoraError(f"alpha must be positive, got {self.alpha}")
         unknown = sorted(set(self.target_modules) - set(TARGETS))
         if unknown or not self.target_modules:
@@ -81,6 +82,11 @@ class LoraSpec:
         rank, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
         if type(rank) is not int or not isinstance(alpha, int | float) or isinstance(alpha, bool):
             raise LoraError("adapter_config.json: r must be an integer and lora_alpha a number")
+        if not math.isfinite(alpha):
+            raise LoraError(f"adapter_config.json: lora_alpha must be finite, got {alpha}")
+        unsupported = [k for k in ("use_rslora", "use_dora", "alpha_pattern", "rank_pattern") if cfg.get(k)]
+        if unsupported:  # each changes the adapter's output: serving it without them would be silently wrong
+            raise LoraError(f"adapter_config.json: {', '.join(unsupported)} is not supported (plain LoRA only)")
         return cls(rank=rank, alpha=float(alpha), target_modules=tuple(targets))
 
 
@@ -213,7 +219,9 @@ class MultiLora(nn.Module):
         want = {peft_key(i, m, f) for i in range(self.num_layers) for m in spec.target_modules for f in "AB"}
         missing, unexpected = sorted(want - set(tensors)), sorted(set(tensors) - want)
         if missing or unexpected:
-            raise LoraError(f"the adapter does not match rank/targets: missing {missing[:3]}, unexpected {unexpected[:3]}")
+            raise LoraError(
+                f"the adapter does not match rank/targets: missing {missing[:3]}, unexpected {unexpected[:3]}"
+            )
         placed = {}
         for name, t in tensors.items():
             layer, _, module, factor = _PEFT_KEY.match(name).groups()
@@ -267,7 +275,7 @@ def load_adapter(path: str | Path) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
     spec = LoraSpec.from_peft_config(cfg)
     try:
         tensors = load_file(str(p / "adapter_model.safetensors"))
-    except (OSError, ValueError) as e:  # safetensors raises its own error types, subclasses of these
+    except (OSError, ValueError, SafetensorError) as e:  # a missing, truncated or corrupt file
         raise LoraError(f"{p}: cannot read adapter_model.safetensors ({e})") from None
     bad = [k for k in tensors if not _PEFT_KEY.match(k)]
     if bad:

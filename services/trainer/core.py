@@ -276,8 +276,8 @@ def policy_loss(
     if cfg.use_decoupled_ppo:
         behave_bt = torch.exp(old_bt - batch.rollout_logprobs_bt) * mask  # proximal / behaviour, a constant
         kept = (behave_bt <= cfg.decoupled_weight_cap).float() * mask
-        pg_bt = pg_bt * behave_bt * kept
-        stats["train/behave_imp_weight_mean"] = (behave_bt.sum() / own).item()
+        pg_bt = torch.where(kept > 0, pg_bt * behave_bt, torch.zeros_like(pg_bt))  # never inf * 0
+        stats["train/behave_imp_weight_mean"] = ((behave_bt * kept).sum() / kept.sum().clamp(min=1.0)).item()
         stats["train/behave_imp_weight_capped_frac"] = ((mask - kept).sum() / own).item()
     if cfg.use_tis:
         tis_bt = torch.exp(logp_bt.detach() - batch.rollout_logprobs_bt).clamp(cfg.tis_clip_low, cfg.tis_clip)

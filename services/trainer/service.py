@@ -61,10 +61,10 @@ from services.common.weightstore import WeightStore, WeightStoreError
 from services.model.hf_io import load_weights_into, save_model
 from services.trainer.checkpoint import ckpt_step, latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.core import (
-    missing_logprobs,
     apply_sample_filter,
     assemble_batch,
     build_step_batches,
+    missing_logprobs,
     std_normalization,
     train_rollout,
 )

@@ -23,9 +23,9 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from asyncrl_proto import AdapterLive, AdapterPublished, MalformedMessage, decode, encode
+from asyncrl_proto import AdapterLive, AdapterPublished, AdapterRegistryState, MalformedMessage, decode, encode
 from asyncrl_proto.messages import adapter_engine_name
-from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX
+from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX, ADAPTERS_KV_KEY
 from services.common.config import adapter_name_problem
 from services.common.sglang_client import EngineError, SGLangClient
 from services.common.snapshot import is_complete, resolved
@@ -72,10 +72,28 @@ class AdapterSync:
                     log.error("KV %s holds no AdapterLive (%s): taken as no live version", live_key(name), e)
         return self.live.get(name)
 
+    async def recover(self) -> None:
+        """After a restart: the live versions of every adapter the registry knows (so that
+        `converge` can give them back to an engine that lost them)."""
+        raw = await self.bus.kv_get(ADAPTERS_KV_KEY)
+        if raw is None:
+            return
+        try:
+            names = {run.name for run in decode(raw, AdapterRegistryState).runs}
+        except MalformedMessage as e:
+            log.error("KV %s holds no adapter registry state (%s): no adapter recovered", ADAPTERS_KV_KEY, e)
+            return
+        for name in sorted(names):
+            await self.live_of(name)
+
     async def apply(self, pub: AdapterPublished) -> bool:
-        """Make `pub` the adapter's live version on every engine; False when it is not newer."""
+        """Make `pub` the adapter's live version on every engine; False when it is not newer (of the
+        same registration), or comes from an older registration of the name (a late message)."""
         old = await self.live_of(pub.name)
-        if old is not None and old.registration_id == pub.registration_id and pub.version <= old.version:
+        if old is not None and (
+            (old.registration_id == pub.registration_id and pub.version <= old.version)
+            or (old.registration_id != pub.registration_id and pub.created_at < old.created_at)
+        ):
             self.num_skipped += 1
             return False
         engine_name = adapter_engine_name(pub.name, pub.registration_id, pub.version)
@@ -83,7 +101,7 @@ class AdapterSync:
             await self._load(url, engine_name, pub.uri)
         new = AdapterLive(name=pub.name, registration_id=pub.registration_id, version=pub.version,
                           engine_name=engine_name, uri=pub.uri, engines=list(self.client.urls),
-                          updated_at=time.time())  # fmt: skip
+                          created_at=pub.created_at, updated_at=time.time())  # fmt: skip
         await self.bus.kv_put(live_key(pub.name), encode(new))
         self.live[pub.name] = new
         self.num_loaded += 1
@@ -94,8 +112,8 @@ class AdapterSync:
     async def _load(self, url: str, engine_name: str, path: str) -> None:
         try:
             await self.client.load_lora_adapter(url, engine_name, path)
-        except EngineError as e:
-            if "already loaded" not in str(e):  # a redelivery after a crash between load and record
+        except EngineError as e:  # "already loaded": a redelivery after a crash between load and record
+            if "already loaded" not in str(e) or engine_name not in await self.client.loaded_adapters(url):
                 raise
 
     async def _unload_everywhere(self, engine_name: str) -> None:
@@ -106,12 +124,22 @@ class AdapterSync:
                 log.info("unloading adapter %s from %s: %s", engine_name, url, e)
 
     async def converge(self) -> None:
-        """Every engine serves every live adapter version (an engine restarted lost them)."""
-        for live in list(self.live.values()):
-            for url in self.client.urls:
-                try:
-                    if live.engine_name not in await self.client.loaded_adapters(url):
-                        log.warning("engine %s lacks adapter %s: loading it", url, live.engine_name)
+        """Every engine serves every live adapter version (an engine restarted lost them), and no
+        other version of those adapters (an unload that failed, or a registration replaced), so
+        the engines' slots never fill with versions nobody asks for."""
+        for url in self.client.urls:
+            try:
+                loaded = await self.client.loaded_adapters(url)
+            except EngineError as e:
+                log.info("engine %s did not list its adapters now (%s)", url, e)
+                continue
+            for live in list(self.live.values()):
+                stale = {n for n in loaded if n.startswith(f"{live.name}@") and n != live.engine_name}
+                for name in sorted(stale):
+                    self._spawn(self._unload_everywhere(name), f"unloading stale adapter {name}")
+                if live.engine_name not in loaded:
+                    log.warning("engine %s lacks adapter %s: loading it", url, live.engine_name)
+                    try:
                         await self._load(url, live.engine_name, live.uri)
-                except EngineError as e:
-                    log.info("engine %s did not take adapter %s now (%s)", url, live.engine_name, e)
+                    except EngineError as e:
+                        log.info("engine %s did not take adapter %s now (%s)", url, live.engine_name, e)

@@ -102,6 +102,7 @@ class WeightSyncService(Service):
         self._psub = await self.bus.consume(s.consumers(self.config.prompt_ack_wait_s)["weight-sync"])
         if self.adapters is not None:
             self._asub = await self.bus.consume(s.consumers(self.config.prompt_ack_wait_s)["weight-sync-adapters"])
+            await self.adapters.recover()
         await self._converge()
         log.info("weight-sync ready: engines %s at version %s", self.client.urls, self.live_version)
 
@@ -160,6 +161,9 @@ class WeightSyncService(Service):
                     async with keep_alive(m):
                         await self.adapters.apply(pub)
                 except EngineError as e:
+                    if "Failed to load LoRA adapter" in str(e):  # the adapter itself is refused: it never loads
+                        await self.bus.dead_letter_msg(m, f"adapter {pub.name} v{pub.version}: {e}")
+                        continue
                     log.warning("adapter %s v%d did not load on every engine (%s): it comes back", pub.name,
                                 pub.version, e)  # fmt: skip
                     continue  # not acknowledged: redelivered after the ack wait

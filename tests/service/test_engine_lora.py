@@ -154,6 +154,15 @@ async def test_bad_loads_and_names_are_clear_400s(lora_engine, adapters, tmp_pat
     for body, message in cases:
         res = await post(lora_engine, "/load_lora_adapter", body, status=400)
         assert message in (res.get("error_message") or res.get("error", {}).get("message", "")), (body, res)
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "adapter_config.json").write_text((adapters["beta"] / "adapter_config.json").read_text())
+    (corrupt / "adapter_model.safetensors").write_bytes(
+        (adapters["beta"] / "adapter_model.safetensors").read_bytes()[:100]
+    )
+    res = await post(lora_engine, "/load_lora_adapter", {"lora_name": "beta", "lora_path": str(corrupt)}, status=400)
+    assert "cannot read adapter_model.safetensors" in res["error_message"]
+    # the failed load left neither the name nor the slot taken
     await post(lora_engine, "/load_lora_adapter", {"lora_name": "beta", "lora_path": str(adapters["beta"])})
     full = await post(lora_engine, "/load_lora_adapter", {"lora_name": "b2", "lora_path": str(adapters["beta"])},
                       status=400)  # fmt: skip

@@ -212,5 +212,9 @@ def test_factor_gradients_equal_those_through_the_merged_weights(setup):
     ref(ids[[0, 2]]).logsumexp(-1).sum().backward()
     spec, key = lora.specs[0], "l1_v_proj"
     a, b = lora.A[key][0, : spec.rank].detach(), lora.B[key][0, :, : spec.rank].detach()
-    torch.testing.assert_close(lora.A[key].grad[0, : spec.rank], spec.scale * b.t() @ lin.weight.grad, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(lora.B[key].grad[0, :, : spec.rank], spec.scale * lin.weight.grad @ a.t(), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        lora.A[key].grad[0, : spec.rank], spec.scale * b.t() @ lin.weight.grad, atol=1e-5, rtol=1e-4
+    )
+    torch.testing.assert_close(
+        lora.B[key].grad[0, :, : spec.rank], spec.scale * lin.weight.grad @ a.t(), atol=1e-5, rtol=1e-4
+    )

@@ -411,8 +411,17 @@ def test_decoupled_ppo_terms_by_hand():
             terms.append(pg * w if w <= cap else 0.0)
     assert capped == 1
     assert loss.item() == pytest.approx(sum(terms) / 3, rel=1e-5)
-    assert stats["train/behave_imp_weight_mean"] == pytest.approx(sum(weights) / 3, rel=1e-5)
+    kept = [w for w in weights if w <= cap]  # the mean is over the tokens kept (a capped weight may be inf)
+    assert stats["train/behave_imp_weight_mean"] == pytest.approx(sum(kept) / len(kept), rel=1e-5)
     assert stats["train/behave_imp_weight_capped_frac"] == pytest.approx(1 / 3)
+
+
+def test_decoupled_ppo_survives_a_behaviour_weight_that_overflows():
+    a, b = _two_samples()
+    a.rollout_log_probs = [-1.2, -1e4]  # finite, valid, and exp(prox - behav) overflows to inf
+    batch = build_train_batch([[a, b]], std_normalization=True, reward_key=None, pad_id=0)
+    loss, stats = policy_loss(tiny_model(0), batch, LossConfig(use_decoupled_ppo=True))
+    assert math.isfinite(loss.item()) and stats["train/behave_imp_weight_capped_frac"] == pytest.approx(1 / 3)
 
 
 def test_decoupled_ppo_first_step_is_the_behaviour_weighted_policy_gradient():
@@ -430,7 +439,9 @@ def test_decoupled_ppo_first_step_is_the_behaviour_weighted_policy_gradient():
     mask = batch.response_mask_bt
     hand = (-(batch.advantages_b[:, None] * w * logp) * mask).sum() / mask.sum()
     hand.backward()
-    assert loss.item() == pytest.approx((-(batch.advantages_b[:, None] * w) * mask).sum().item() / mask.sum().item(), rel=1e-5)
+    assert loss.item() == pytest.approx(
+        (-(batch.advantages_b[:, None] * w) * mask).sum().item() / mask.sum().item(), rel=1e-5
+    )
     for g, p in zip(got, ref.parameters(), strict=True):
         torch.testing.assert_close(g, p.grad, atol=1e-6, rtol=1e-5)
     assert stats["train/pg_clipfrac"] == 0.0 and stats["train/importance_ratio_mean"] == pytest.approx(1.0)
@@ -466,7 +477,9 @@ def test_a_sample_without_engine_log_probs_is_refused_where_the_loss_needs_them(
 
     bare = Sample(index=0, tokens=[1, 2, 3, 4], response_length=2, reward=1.0)
     assert "--use-rollout-logprobs" in missing_logprobs(bare, LossConfig())
-    assert "--use-decoupled-ppo" in missing_logprobs(bare, LossConfig(use_rollout_logprobs=False, use_decoupled_ppo=True))
+    assert "--use-decoupled-ppo" in missing_logprobs(
+        bare, LossConfig(use_rollout_logprobs=False, use_decoupled_ppo=True)
+    )
     assert missing_logprobs(bare, LossConfig(use_rollout_logprobs=False)) is None  # the trainer's own log-probs
     a, _ = _two_samples()
     assert missing_logprobs(a, LossConfig(use_tis=True)) is None
