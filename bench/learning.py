@@ -51,7 +51,7 @@ def write_data(root: Path, eval_prompts: int) -> tuple[Path, Path]:
     from services.tasks import reverse_digits as task
 
     root.mkdir(parents=True, exist_ok=True)
-    train, held = root / "train.jsonl", root / f"heldout_{eval_prompts}.jsonl"
+    train, held = root / f"train_without_heldout_{eval_prompts}.jsonl", root / f"heldout_{eval_prompts}.jsonl"
     if not (train.exists() and held.exists()):
         eval_rows = task.make_rows(eval_prompts, seed=999)
         train_rows = task.make_rows(task.NUM_TRAIN_PROMPTS, seed=0, exclude={r["label"][::-1] for r in eval_rows})

@@ -34,6 +34,8 @@ LIVE = frozenset({PENDING, ACTIVE, RETIRING})
 """States of an adapter that is registered and not yet being finished."""
 HOLDING = LIVE | {CLEANUP}
 """States that hold a slot (and a save directory)."""
+MAX_SPEC_BYTES = 4096
+"""An adapter spec's encoded size at most: with MAX_HISTORY runs kept the registry stays one KV value."""
 MAX_HISTORY = 500
 """COMPLETED registrations kept (the oldest go first): the whole state is one KV value."""
 SPEC_FIELDS = tuple(AdapterSpec.__struct_fields__)
@@ -110,6 +112,9 @@ def spec_problems(spec: AdapterSpec) -> list[str]:
     for field, value in (("num_step", spec.num_step), ("num_epoch", spec.num_epoch)):
         if value is not None and value < 1:
             errs.append(f"{field} must be an integer >= 1 (got {value})")
+    size = len(encode(spec))
+    if size > MAX_SPEC_BYTES:  # the whole registry is one KV value: one tenant must not fill it
+        errs.append(f"the spec takes {size} bytes encoded (metadata and paths included); at most {MAX_SPEC_BYTES}")
     return errs
 
 

@@ -311,6 +311,8 @@ class OpenAIRoutes:
         loaded = loras.loaded()
         if model in loaded:
             return model
+        _check("@" not in model, f"no LoRA adapter {model!r:.120} is loaded (loaded: "
+               f"{', '.join(sorted(loaded)) or 'none'})", "model")  # fmt: skip  (an adapter version's name: never the base)
         base, sep, adapter = model.partition(":")
         if sep and base == self.server.served_model_name:
             _check(adapter in loaded, f"no LoRA adapter {adapter!r:.120} is loaded (loaded: "

@@ -157,8 +157,11 @@ class MultiLora(nn.Module):
             if out.shape[0] != n:
                 raise LoraError(f"rows name {n} slots for a batch of {out.shape[0]}")
             x = inputs[0]
+            module = key.split("_", 1)[1]
             for slot, s, e in runs:
                 spec = self.specs[slot]
+                if module not in spec.target_modules:  # its factors here are zero: nothing to add
+                    continue
                 a, b = self.A[key][slot, : spec.rank], self.B[key][slot, :, : spec.rank]
                 h = x[s:e].reshape(-1, x.shape[-1]) @ a.t()
                 out[s:e].view(-1, out.shape[-1]).addmm_(h, b.t(), alpha=spec.scale)

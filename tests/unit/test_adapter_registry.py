@@ -411,3 +411,11 @@ def test_the_registry_has_its_own_least_privilege_identity():
         assert (asks, answers) == (role == "trainer", role == "adapters"), role
         writes = "$KV.ASYNCRL_r.adapters" in allowed["publish"]["allow"]
         assert writes == (role == "adapters"), role
+
+
+def test_a_spec_too_large_for_the_registry_is_refused():
+    from services.adapters.registry import MAX_SPEC_BYTES, spec_problems
+
+    big = spec(metadata={"notes": "x" * MAX_SPEC_BYTES})
+    assert any(f"at most {MAX_SPEC_BYTES}" in p for p in spec_problems(big))
+    assert spec_problems(spec(metadata={"team": "a"})) == []

@@ -105,7 +105,8 @@ def test_gradients_reach_only_the_rows_slots_and_adamw_steps_per_slot(setup):
     with lora.rows([0, 0]):
         model(ids).logsumexp(-1).mean().backward()
     for p in list(lora.A.values()) + list(lora.B.values()):
-        assert p.grad[1].abs().sum() == 0 and p.grad[2].abs().sum() == 0
+        assert p.grad is None or (p.grad[1].abs().sum() == 0 and p.grad[2].abs().sum() == 0)
+    assert lora.A["l0_gate_proj"].grad is None, "a module slot 0 does not target does no work for it"
     assert any(p.grad[0].abs().sum() > 0 for p in lora.A.values())
     opt.step([0])
     after = lora.state_dict()
