@@ -481,8 +481,10 @@ def launch(config: RunConfig, out=print) -> dict:
     (RUN_DIR/audit.json)."""
     config = prepare_run(with_ray_defaults(config), log=out)
     launcher = Launcher(config, out=out)
-    old_term = signal.getsignal(signal.SIGTERM)
+    old_term, old_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the run the way Ctrl-C does
+    # and so does SIGINT, even when a shell started this run in the background (which ignores it)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         result = asyncio.run(launcher.run())
         launcher.stop_services()
@@ -504,4 +506,5 @@ def launch(config: RunConfig, out=print) -> dict:
     finally:
         launcher.shutdown()
         signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)
     return result
