@@ -86,8 +86,8 @@ def run_one(arm: str, seed: int, steps: int, extra: list[str], a, data: tuple[Pa
                     if f"eval/{EVAL_NAME}" in e)  # fmt: skip
     every = max(1, steps // 40)  # the stall diagnostics, about 40 points per run
     trace = [{k: rec[k] for k in TRACE if k in rec} | {"step": rec["step"]} for rec in recs[::every]]
-    stale = [rec[k] for rec in recs for k in ("rollout/fully_async/avg_staleness",) if k in rec]
-    stale_max = [rec[k] for rec in recs for k in ("rollout/fully_async/max_staleness",) if k in rec]
+    stale = [rec["rollout/fully_async/avg_staleness"] for rec in recs if "rollout/fully_async/avg_staleness" in rec]
+    stale_max = [rec["rollout/fully_async/max_staleness"] for rec in recs if "rollout/fully_async/max_staleness" in rec]
     return {"arm": arm, "seed": seed, "steps": steps, "extra": extra, "points": points,
             "loop_wall_s": recs[-1]["perf/elapsed_s"], "run_wall_s": time.time() - t0,
             "staleness_mean": statistics.mean(stale) if stale else 0.0, "staleness_max": max(stale_max, default=0),

@@ -48,7 +48,7 @@ from services.common import crash
 from services.common.snapshot import COMPLETE_MARKER, resolved
 from services.engine.metrics import RequestLatency
 from services.engine.sampling import StepOutput, prompt_logprobs, sample
-from services.model.hf_io import iter_stage_weights, load_weights_into, swap_in
+from services.model.hf_io import iter_stage_weights, load_weights_into, run_to_end, swap_in
 from services.model.llama import CausalLM, KVCache
 
 log = logging.getLogger(__name__)
@@ -129,15 +129,6 @@ class Request:
             else:
                 spans.append({"version": v, "start": pos, "end": pos + 1})
         return spans
-
-
-def _exhaust(gen: Generator):
-    """Run a generator to its end; its return value."""
-    while True:
-        try:
-            next(gen)
-        except StopIteration as done:
-            return done.value
 
 
 class EngineStats:
@@ -327,7 +318,7 @@ class Scheduler:
     def call_chunked(self, gen_fn: Callable[..., Generator], *args):
         """gen_fn(*args) is a generator: run on the scheduler's thread one `next` per step
         (back to back while idle); its return value, or what it raised."""
-        return self._submit(lambda fut: self._chunked.append((gen_fn(*args), fut)), lambda: _exhaust(gen_fn(*args)))
+        return self._submit(lambda fut: self._chunked.append((gen_fn(*args), fut)), lambda: run_to_end(gen_fn(*args)))
 
     def _submit(self, enqueue: Callable[[concurrent.futures.Future], None], inline: Callable[[], object]):
         if threading.current_thread() is self._thread or self._thread.ident is None:

@@ -85,7 +85,11 @@ def stage_weights(model: CausalLM, path: str | Path) -> dict[str, torch.Tensor]:
     """A snapshot's weights as new tensors matching `model`'s parameters (names, shapes, dtypes),
     read without touching the model: the engine stages the next version this way while it keeps
     generating. ValueError when the snapshot does not fit the model; NonFiniteWeights on NaN/inf."""
-    gen = iter_stage_weights(model, path)
+    return run_to_end(iter_stage_weights(model, path))
+
+
+def run_to_end(gen: Generator):
+    """Run a generator to its end; its return value (a chunked job done all at once)."""
     while True:
         try:
             next(gen)
