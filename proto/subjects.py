@@ -9,6 +9,7 @@ import re
 from msgspec import Struct
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_PARTITION = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 """The server's max_payload that the embedded nats-server is started with (DESIGN.md)."""
@@ -50,9 +51,26 @@ class ConsumerSpec(Struct, frozen=True):
 
 
 class Subjects(Struct, frozen=True):
-    """All names of one run."""
+    """All names of one run. With `partition` (multi-LoRA: an adapter registration's id), the
+    names of that partition's prompts, rollouts, ledger, gets and commits (`<name>.<partition>`,
+    in the same streams); every other name is the run's."""
 
     run_id: str
+    partition: str = ""
+
+    def of(self, partition: str) -> Subjects:
+        """The names of one partition of this run."""
+        if not _PARTITION.match(partition):
+            raise ValueError(f"partition {partition!r} is not usable in NATS subjects")
+        return Subjects(run_id=self.run_id, partition=partition)
+
+    def _p(self, tail: str) -> str:
+        return self._s(f"{tail}.{self.partition}" if self.partition else tail)
+
+    @property
+    def buffer_snapshot_key(self) -> str:
+        """KV key of the buffer's snapshot (one per partition)."""
+        return f"buffer_snapshot.{self.partition}" if self.partition else "buffer_snapshot"
 
     # JetStream streams
     @property
@@ -99,11 +117,11 @@ class Subjects(Struct, frozen=True):
 
     @property
     def prompts(self) -> str:
-        return self._s("prompts")
+        return self._p("prompts")
 
     @property
     def rollouts(self) -> str:
-        return self._s("rollouts")
+        return self._p("rollouts")
 
     @property
     def weights_published(self) -> str:
@@ -132,15 +150,15 @@ class Subjects(Struct, frozen=True):
 
     @property
     def ledger(self) -> str:
-        return self._s("ledger")
+        return self._p("ledger")
 
     @property
     def buffer_get(self) -> str:
-        return self._s("buffer.get")
+        return self._p("buffer.get")
 
     @property
     def buffer_commit(self) -> str:
-        return self._s("buffer.commit")
+        return self._p("buffer.commit")
 
     @property
     def weights_transfer(self) -> str:
@@ -169,12 +187,14 @@ class Subjects(Struct, frozen=True):
         tail = subject[len(prefix) :] if subject.startswith(prefix) else subject
         return self._s(f"deadletter.{tail}")
 
-    def consumers(self, prompt_ack_wait_s: float) -> dict[str, ConsumerSpec]:
-        """The run's durable consumers by name; `prompt_ack_wait_s` is --prompt-ack-wait-s."""
+    def consumers(self, prompt_ack_wait_s: float, partitioned: bool = False) -> dict[str, ConsumerSpec]:
+        """The run's durable consumers by name; `prompt_ack_wait_s` is --prompt-ack-wait-s. A
+        partitioned run (multi-LoRA) has its producers and its buffer read every partition."""
+        prompts, rollouts = (self._s("prompts.*"), self._s("rollouts.*")) if partitioned else (self.prompts, self.rollouts)
         return {
-            "producers": ConsumerSpec(stream=self.prompts_stream, durable="producers", filter_subject=self.prompts,
+            "producers": ConsumerSpec(stream=self.prompts_stream, durable="producers", filter_subject=prompts,
                                       ack_wait_s=prompt_ack_wait_s, max_ack_pending=100_000),
-            "buffer": ConsumerSpec(stream=self.rollouts_stream, durable="buffer", filter_subject=self.rollouts,
+            "buffer": ConsumerSpec(stream=self.rollouts_stream, durable="buffer", filter_subject=rollouts,
                                    ack_wait_s=10.0, max_ack_pending=256,
                                    deliver_subject=inbox_prefix(self.run_id, "buffer") + ".rollouts"),
             "weight-sync": ConsumerSpec(stream=self.weights_stream, durable="weight-sync",
@@ -191,13 +211,13 @@ class Subjects(Struct, frozen=True):
         return [
             {
                 "name": self.prompts_stream,
-                "subjects": [self.prompts],
+                "subjects": [self._s("prompts"), self._s("prompts.*")],
                 "retention": "workqueue",
                 "storage": "file",
             },
             {
                 "name": self.rollouts_stream,
-                "subjects": [self.rollouts],
+                "subjects": [self._s("rollouts"), self._s("rollouts.*")],
                 "retention": "limits",
                 "storage": "file",
                 "duplicate_window": 600.0,
@@ -224,7 +244,7 @@ class Subjects(Struct, frozen=True):
             },
             {
                 "name": self.ledger_stream,
-                "subjects": [self.ledger],
+                "subjects": [self._s("ledger"), self._s("ledger.*")],
                 "retention": "limits",
                 "storage": "file",
                 "duplicate_window": 600.0,

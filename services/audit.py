@@ -15,7 +15,8 @@ import json
 import sys
 from pathlib import Path
 
-from asyncrl_proto import PromptMsg, RolloutGroupView, decode, group_id
+from asyncrl_proto import AdapterRegistryState, PromptMsg, RolloutGroupView, decode, group_id
+from asyncrl_proto.subjects import ADAPTERS_KV_KEY
 from asyncrl_proto.codec import MalformedMessage
 from services.buffer.state import LedgerError, audit, ledger_events
 from services.common.weightstore import WeightStore
@@ -24,36 +25,53 @@ from services.common.weightstore import WeightStore
 async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None) -> dict:
     """The audit report of a run, read from its NATS server (as the admin role: `creds`, else
     the run's own secrets, else the environment). Ledger messages that are not the buffer's
-    (undecodable) are skipped and listed under `ledger_skipped`, never a crash."""
+    (undecodable) are skipped and listed under `ledger_skipped`, never a crash. A multi-LoRA run's
+    report holds one more per adapter registration (`adapters`): each balances on its own."""
     from services.common.bus import Bus, BusError
 
     bus = await Bus.connect(nats_url, run_id, "audit", connect_timeout_s=10, creds=creds or admin_credentials(run_dir))
-    skipped: list[str] = []
     try:
-        s = bus.subjects
-        events = []
-        for i, d in enumerate(await bus.read_stream(s.ledger_stream, s.ledger)):
-            try:
-                events += ledger_events(d)
-            except LedgerError as e:
-                skipped.append(f"ledger message #{i + 1}: {e}")
-        prompts = {
-            group_id(p.group_index, p.attempt) for p in _decoded(await bus.read_stream(s.prompts_stream), PromptMsg)
-        }
-        rollouts = {
-            g.group_id for g in _decoded(await bus.read_stream(s.rollouts_stream, s.rollouts), RolloutGroupView)
-        }
+        report = await _collect_partition(bus, bus.subjects, run_dir / "trained.jsonl")
         try:  # the versions its object bucket holds: a report beside the ledger, never its failure
-            weights_stored = await WeightStore(bus).stored_versions()
+            report["weights_stored"] = await WeightStore(bus).stored_versions()
         except BusError as e:
-            weights_stored = f"not listed: {e}"
+            report["weights_stored"] = f"not listed: {e}"
+        raw = await bus.kv_get(ADAPTERS_KV_KEY)
+        if raw is not None:  # multi-LoRA: every registration's partition balances on its own
+            report["adapters"] = {}
+            for run in decode(raw, AdapterRegistryState).runs:
+                trained = run_dir / "adapters" / run.name / run.registration_id / "trained.jsonl"
+                part = await _collect_partition(bus, bus.subjects.of(run.registration_id), trained)
+                part["state"] = run.state.value
+                report["adapters"][f"{run.name}@{run.registration_id[:12]}"] = part
+                if not part["balanced"]:
+                    report["problems"] += [f"adapter {run.name} ({run.registration_id[:12]}): {p}" for p in part["problems"]]
+                    report["balanced"] = False
     finally:
         await bus.close()
+    return report
+
+
+async def _collect_partition(bus, s, trained_path: Path) -> dict:
+    """The audit report of one partition: the run's (a single model), or one adapter registration's."""
+    skipped: list[str] = []
+    events = []
+    for i, d in enumerate(await bus.read_stream(s.ledger_stream, s.ledger)):
+        try:
+            events += ledger_events(d)
+        except LedgerError as e:
+            skipped.append(f"ledger message #{i + 1}: {e}")
+    prompts = {
+        group_id(p.group_index, p.attempt)
+        for p in _decoded(await bus.read_stream(s.prompts_stream, s.prompts), PromptMsg)
+    }
+    rollouts = {
+        g.group_id for g in _decoded(await bus.read_stream(s.rollouts_stream, s.rollouts), RolloutGroupView)
+    }
     trained = None
-    path = run_dir / "trained.jsonl"
-    if path.exists():
+    if trained_path.exists():
         trained = {}
-        for line in path.read_text().splitlines():
+        for line in trained_path.read_text().splitlines():
             with contextlib.suppress(ValueError, KeyError, TypeError):  # a torn last line of a killed trainer
                 rec = json.loads(line)
                 trained[int(rec["step"])] = list(rec["groups"])
@@ -66,7 +84,6 @@ async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None) -> dict
             skipped.append(f"ledger event {ev.seq} appears more than once (kept the first)")
     report = audit(unique, remaining_prompts=prompts, remaining_rollouts=rollouts, trained_by_trainer=trained)
     report["ledger_skipped"] = skipped
-    report["weights_stored"] = weights_stored
     return report
 
 
@@ -144,6 +161,8 @@ def format_report(r: dict) -> str:
         f"  dropped (aborted)    {r['aborted_dropped']}",
         f"  dropped (stale)      {r['stale_dropped']}",
         f"  rejected             {r['rejected']}  (groups that failed validation, dead-lettered)",
+        *([f"  dropped (foreign)    {r['foreign_dropped']}  (their adapter registration had ended)"]
+          if r.get("foreign_dropped") else []),
         f"  in flight at the end {sum(r['in_flight_at_end'].values())}  {r['in_flight_at_end']}",
         f"recycled (then one of the above) {r['recycled']}",
         f"duplicate groups ignored         {r['duplicates_ignored']}",
@@ -168,5 +187,10 @@ def main(argv: list[str]) -> int:
     except (FileNotFoundError, RuntimeError, ValueError) as e:  # BusError, SecretError
         print(f"asyncrl audit: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(report, indent=2) if a.json else format_report(report))
+    if a.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report))
+        for name, part in report.get("adapters", {}).items():
+            print(f"\nadapter {name} ({part['state']}):\n{format_report(part)}")
     return 0 if report["balanced"] else 1

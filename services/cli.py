@@ -8,6 +8,8 @@
   asyncrl engine ...                   run the built-in SGLang-compatible engine
   asyncrl audit RUN_DIR                balance a run's ledger (exit 0 when balanced)
   asyncrl build-model --out DIR        build the bundled task's tiny model
+  asyncrl eval-adapter --hf-checkpoint DIR --adapter DIR ... --prompt-data FILE --rm-type NAME
+                                       held-out reward of saved LoRA adapters (and --base)
   asyncrl secrets --run-id ID --out DIR   per-role NATS identities, the server's auth block and a
                                        run token for services started elsewhere (--k8s: Secrets)
 
@@ -161,6 +163,10 @@ def check_argv(argv: list[str]) -> None:
         from services.engine.__main__ import parse_args
 
         parse_args(rest)
+    elif cmd == "eval-adapter":
+        from services.eval.adapter_eval import parser
+
+        parser().parse_args(rest)
     elif cmd == "secrets":
         if "-h" in rest or "--help" in rest or "--run-id" not in rest:
             raise SystemExit("asyncrl secrets needs --run-id")
@@ -170,7 +176,17 @@ def check_argv(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ("train", "train-async", "init-run", "service", "engine", "audit", "build-model", "secrets")
+    commands = (
+        "train",
+        "train-async",
+        "init-run",
+        "service",
+        "engine",
+        "audit",
+        "build-model",
+        "eval-adapter",
+        "secrets",
+    )
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0
@@ -199,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if cmd == "build-model":
         return _cmd_build_model(rest)
+    if cmd == "eval-adapter":
+        from services.eval.adapter_eval import main as eval_adapter_main
+
+        return eval_adapter_main(rest)
     if cmd == "secrets":
         return _cmd_secrets(rest)
     if cmd == "audit":

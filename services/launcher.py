@@ -90,6 +90,8 @@ class Launcher:
         self.nats_url = config.nats_url
         self.evals: dict[int, EvalResult] = {}
         self.done: ProgressRecord | None = None
+        self.multi_lora = config.multi_lora_n_adapters > 0
+        """Multi-LoRA: the run ends when the trainer says every adapter is completed."""
         self.engines_paused: list[str] = []
         self.placement: Placement | None = None
         """--use-ray: where engines, producers and the trainer run (services/raycluster.py)."""
@@ -271,7 +273,7 @@ class Launcher:
         bus = await Bus.connect(self.nats_url, c.run_id, "launcher", creds=self.creds["admin"])
         try:
             await bus.ensure_streams(c.stream_replicas)
-            await bus.ensure_consumers(c.prompt_ack_wait_s)
+            await bus.ensure_consumers(c.prompt_ack_wait_s, c.multi_lora_n_adapters > 0)
             await bus.kv_put("config", json.dumps(c.model_dump(mode="json")).encode())
             await asyncio.to_thread(self.wait_ready)  # engines first: every service talks to them
             await bus.subscribe(bus.subjects.progress, self._on_progress)
@@ -324,7 +326,7 @@ class Launcher:
         raw = await bus.get_last(bus.subjects.progress_stream, bus.subjects.progress)
         with contextlib.suppress(MalformedMessage):
             rec = decode(raw.data, ProgressRecord) if raw is not None else None
-            if rec is not None and rec.done and rec.step == self.config.total_steps:
+            if rec is not None and rec.done and (rec.step == self.config.total_steps or self.multi_lora):
                 self.done = rec
 
     async def _wait_last_eval(self) -> None:
@@ -366,8 +368,12 @@ class Launcher:
     async def _on_progress(self, msg) -> None:
         with contextlib.suppress(MalformedMessage):
             rec = decode(msg.data, ProgressRecord)
-            if rec.done and rec.step == self.config.total_steps:  # the trainer's final record says it
+            if rec.done and (rec.step == self.config.total_steps or self.multi_lora):  # the trainer's final record says it
                 self.done = rec
+            elif not rec.done and self.multi_lora:  # adapter steps: each on its own axis
+                name = rec.record.get("adapter", "")
+                self.out(f"[{name} step {rec.record.get(f'{name}/step', '?')}] reward "
+                         f"{rec.record.get(f'{name}/raw_reward_mean', float('nan')):.3f}")  # fmt: skip
             elif not rec.done and 0 <= rec.step < self.config.total_steps:
                 self.out(format_progress(rec.step, self.config.total_steps, rec.record))
 
@@ -469,7 +475,7 @@ def _interrupt(signum, frame) -> None:
 def ledger_line(r: dict) -> str:
     return (
         f"{r['released_prompts']} prompts released, {r['trained']} trained once, {r['failed']} failed, "
-        f"{sum(r['filtered'].values())} filtered, {r['aborted_dropped'] + r['stale_dropped']} dropped, "
+        f"{sum(r['filtered'].values())} filtered, {r['aborted_dropped'] + r['stale_dropped'] + r.get('foreign_dropped', 0)} dropped, "
         f"{r['rejected']} rejected, {sum(r['in_flight_at_end'].values())} in flight at the end, "
         f"{r['lost']} lost, {r['trained_twice']} trained twice"
     )
@@ -495,8 +501,12 @@ def launch(config: RunConfig, out=print) -> dict:
         )
         (launcher.run_dir / "audit.json").write_text(json.dumps(report, indent=2))
         result["ledger_balanced"] = report["balanced"]
-        out(f"ledger: {ledger_line(report)} ({'balanced' if report['balanced'] else 'NOT balanced'}; "
-            f"asyncrl audit {launcher.run_dir})")  # fmt: skip
+        if "adapters" in report:  # multi-LoRA: the ledger of every adapter registration
+            for name, part in report["adapters"].items():
+                out(f"ledger of adapter {name}: {ledger_line(part)} ({'balanced' if part['balanced'] else 'NOT balanced'})")
+        else:
+            out(f"ledger: {ledger_line(report)} ({'balanced' if report['balanced'] else 'NOT balanced'}; "
+                f"asyncrl audit {launcher.run_dir})")  # fmt: skip
         if not report["balanced"]:
             raise LaunchError(
                 "the ledger does not balance:\n  "

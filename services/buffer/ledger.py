@@ -2,7 +2,8 @@
 it, folded by services.buffer.state) and the one ordered writer of new events.
 
 One writer: every append expects the stream's last sequence to be the last one this buffer
-wrote or replayed. A message it did not write in between (a second buffer, a forged publish) is
+wrote or replayed (a partition of a multi-LoRA run, whose ledger is one subject of the shared
+stream: the subject's last sequence, one ledger message at a time). A message it did not write in between (a second buffer, a forged publish) is
 a conflict: the buffer's state is no longer the ledger's fold, so nothing leaves it afterwards
 and the service fails (a crash, restarted; its restart replays what the other wrote).
 """
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from asyncrl_proto import LedgerBatch, LedgerEvent, encode
 from services.buffer.state import BufferState, LedgerError, StateError, apply, decode_state, encode_state, ledger_events
 from services.common import crash
+from asyncrl_proto.subjects import Subjects
 from services.common.bus import Bus, SequenceConflict
 
 log = logging.getLogger(__name__)
@@ -33,8 +35,11 @@ class LedgerConflict(RuntimeError):
 
 
 class Ledger:
-    def __init__(self, bus: Bus, fail: Callable[[BaseException], None], background: Callable):
+    def __init__(self, bus: Bus, fail: Callable[[BaseException], None], background: Callable,
+                 subjects: Subjects | None = None):  # fmt: skip
         self.bus = bus
+        self.subjects = subjects or bus.subjects
+        """The ledger subject and the snapshot key are its partition's (multi-LoRA)."""
         self._fail = fail
         self._background = background
         self.state = BufferState()
@@ -46,17 +51,12 @@ class Ledger:
 
     async def recover(self) -> int:
         """Load the last snapshot and replay the ledger after it; returns the events replayed."""
-        raw = await self.bus.kv_get("buffer_snapshot")
+        raw = await self.bus.kv_get(self.subjects.buffer_snapshot_key)
         if raw is not None:
             self.state = decode_state(raw)
             self.snapshot_seq = self.state.seq
-        stream = self.bus.subjects.ledger_stream
-        _, last, _ = await self.bus.stream_bounds(stream) or (1, 0, 0)
         replayed = 0
-        for seq in range(self.state.log_stream_seq + 1, last + 1):
-            msg = await self.bus.get_msg(stream, seq, direct=True)
-            if msg is None:  # a gap (deleted message) is corruption: say so
-                raise RuntimeError(f"cannot replay ledger message {seq} of {stream}: it is gone")
+        async for seq, msg in self._messages():
             try:
                 events = ledger_events(msg.data or b"")
             except LedgerError as e:  # not written by a buffer: skip it, say so
@@ -75,6 +75,22 @@ class Ledger:
             self.state.log_stream_seq = seq
         return replayed
 
+    async def _messages(self):
+        """The ledger's messages after the state's, in order: every one of the stream (a gap is
+        corruption), or a partition's, one subject of it."""
+        stream, seq = self.subjects.ledger_stream, self.state.log_stream_seq + 1
+        if self.subjects.partition:
+            while (msg := await self.bus.get_next(stream, self.subjects.ledger, seq)) is not None:
+                yield msg.seq, msg
+                seq = msg.seq + 1
+            return
+        _, last, _ = await self.bus.stream_bounds(stream) or (1, 0, 0)
+        for seq in range(seq, last + 1):
+            msg = await self.bus.get_msg(stream, seq, direct=True)
+            if msg is None:  # a gap (deleted message) is corruption: say so
+                raise RuntimeError(f"cannot replay ledger message {seq} of {stream}: it is gone")
+            yield seq, msg
+
     def _problem(self, text: str) -> None:
         self.problems.append(text)
         log.error("%s", text)
@@ -92,14 +108,23 @@ class Ledger:
             while self._unflushed:
                 crash.point("buffer", "decided_before_append")
                 events, self._unflushed = self._unflushed, []
-                subject, run = self.bus.subjects.ledger, self.bus.subjects.run_id
+                subject, run, part = self.subjects.ledger, self.subjects.run_id, self.subjects.partition
                 batches = chunks(events, min(LEDGER_BATCH_BYTES, self.bus.max_payload // 2))
+                items = [(subject, LedgerBatch(events=c), f"{run}{part}-L{c[0].seq}-{c[-1].seq}") for c in batches]
                 try:
-                    acks = await self.bus.publish_durably(
-                        [(subject, LedgerBatch(events=c), f"{run}-L{c[0].seq}-{c[-1].seq}") for c in batches],
-                        f"{len(events)} ledger events",
-                        expected_last_seq=self.state.log_stream_seq,  # one writer: nothing may come in between
-                    )
+                    if part:  # one writer of the subject: nothing may come in between on it
+                        for i, item in enumerate(items):
+                            (ack,) = await self.bus.publish_durably(
+                                [item], f"{len(batches[i])} ledger events", expected_last_subject_seq=self.state.log_stream_seq
+                            )  # fmt: skip
+                            self.state.log_stream_seq = max(self.state.log_stream_seq, ack.seq)
+                            events = events[len(batches[i]):]
+                        acks = [ack]
+                    else:
+                        acks = await self.bus.publish_durably(
+                            items, f"{len(events)} ledger events",
+                            expected_last_seq=self.state.log_stream_seq,  # one writer: nothing may come in between
+                        )  # fmt: skip
                 except SequenceConflict as e:
                     self._conflict = LedgerConflict(
                         f"the ledger holds a message this buffer did not write ({e}): another buffer is running for "
@@ -116,10 +141,11 @@ class Ledger:
                 # the critical path (a late older snapshot only means a longer replay)
                 data, self.snapshot_seq = encode_state(self.state), self.state.seq
                 crash.point("buffer", "snapshot_write")
+                key = self.subjects.buffer_snapshot_key
                 if snapshot:
-                    await self.bus.kv_put("buffer_snapshot", data)
+                    await self.bus.kv_put(key, data)
                 else:
-                    self._background(self.bus.kv_put("buffer_snapshot", data), "the buffer snapshot")
+                    self._background(self.bus.kv_put(key, data), "the buffer snapshot")
 
 
 def chunks(events: list[LedgerEvent], max_bytes: int) -> list[list[LedgerEvent]]:

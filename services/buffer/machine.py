@@ -309,6 +309,24 @@ class BufferMachine:
                            failed=all(s.status == SampleStatus.FAILED for s in samples))  # fmt: skip
         return self._out(settle="put")
 
+    def on_foreign(self, msg: Any, stream_seq: int, raw: bytes) -> Out:
+        """A group that came back after its partition closed (multi-LoRA: its registration was
+        retired): an outstanding one is recorded `foreign` and dropped; a repeat is a duplicate;
+        one that names nothing released is rejected."""
+        ident = group_identity(raw)
+        gid = ident.group_id if ident is not None else ""
+        common = {"group_id": gid, "group_index": ident.group_index if ident else -1,
+                  "attempt": ident.attempt if ident else 0, "stream_seq": stream_seq}  # fmt: skip
+        if ident is not None and gid in self.state.outstanding:
+            self._record("put", outcome="foreign", reason="its adapter registration is closed", **common)
+            return self._out(settle="ack")
+        if ident is not None:
+            self._record("put", outcome="duplicate", **common)
+            return self._out(settle="ack")
+        problem = "undecodable RolloutGroup for a closed adapter registration"
+        self._record("put", outcome="rejected", reason=problem, **common)
+        return self._out(settle="term", dead_letters=[(msg, problem)])
+
     def _record_put(self, outcome: str, reason: str = "", recycled: bool = False) -> None:
         cur = self.putting
         self._record("put", outcome=outcome, reason=reason, recycled=recycled, **cur.event_fields())

@@ -116,6 +116,10 @@ def apply(state: BufferState, ev: LedgerEvent) -> None:
             state.outstanding.pop(ev.group_id, None)
             state.count("rejected")
             return
+        if ev.outcome == "foreign":  # multi-LoRA: its registration ended before it came back
+            state.outstanding.pop(ev.group_id, None)
+            state.count("foreign")
+            return
         p = state.outstanding.pop(ev.group_id, None)
         if p is None:
             raise StateError(f"put of {ev.group_id}, which is not outstanding")
@@ -259,6 +263,7 @@ def audit(events, remaining_prompts: set[str] | None = None, remaining_rollouts:
         "aborted_dropped": outcomes.get("aborted_dropped", 0),
         "stale_dropped": outcomes.get("stale_dropped", 0),
         "rejected": outcomes.get("rejected", 0),
+        "foreign_dropped": outcomes.get("foreign", 0),
         "rejected_messages": state.counters.get("rejected", 0),
         "recycled": state.counters.get("recycled", 0),
         "duplicates_ignored": state.counters.get("duplicate_groups", 0),
@@ -277,8 +282,8 @@ def apply_checked(state, ev, terminal, trained_steps, first_release, problems) -
         if ev.prompt.group_index in first_release:
             problems.append(f"prompt {ev.prompt.group_index} was released twice as a fresh prompt")
         first_release.add(ev.prompt.group_index)
-    if ev.kind == "put" and ev.outcome == "rejected" and ev.group_id in state.outstanding:
-        terminal[ev.group_index] = "rejected"
+    if ev.kind == "put" and ev.outcome in ("rejected", "foreign") and ev.group_id in state.outstanding:
+        terminal[ev.group_index] = ev.outcome
     if ev.kind == "committed":
         for step in [s for s in state.leases if s <= ev.step]:
             for ref in state.leases[step].refs:

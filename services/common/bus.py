@@ -271,10 +271,10 @@ class Bus:
                 raise  # retried
             raise StreamSetupError(f"NATS refused the stream {cfg.name}: {e.description} (code {e.err_code})") from e
 
-    async def ensure_consumers(self, prompt_ack_wait_s: float) -> None:
+    async def ensure_consumers(self, prompt_ack_wait_s: float, partitioned: bool = False) -> None:
         """Create (or update) the run's durable consumers (asyncrl_proto.subjects.consumers); the
         admin does this, the services only bind to them."""
-        for spec in self.subjects.consumers(prompt_ack_wait_s).values():
+        for spec in self.subjects.consumers(prompt_ack_wait_s, partitioned).values():
             await self.js.add_consumer(spec.stream, config=_consumer_config(spec))
 
     async def consume(self, spec: ConsumerSpec):
@@ -352,19 +352,26 @@ class Bus:
             raise
 
     async def publish_batch(
-        self, items: list[tuple[str, Any, str | None]], timeout_s: float = 10.0, expected_last_seq: int | None = None
+        self, items: list[tuple[str, Any, str | None]], timeout_s: float = 10.0, expected_last_seq: int | None = None,
+        expected_last_subject_seq: int | None = None,
     ) -> list[api.PubAck]:
         """Pipelined JetStream publishes of (subject, msg, msg_id), in order; raises BusError
         unless every one is acknowledged within timeout_s, at once when the server refuses one
         (StoreFull when its store is full). With expected_last_seq, item i is stored only if the
         stream's last sequence is expected_last_seq + i: SequenceConflict when another writer
-        got in between (a retried item that was stored already is a duplicate, not a conflict)."""
+        got in between (a retried item that was stored already is a duplicate, not a conflict).
+        expected_last_subject_seq is the same for one item on its subject (the stream's sequence
+        of the subject's last message): a batch of one."""
+        if expected_last_subject_seq is not None and len(items) != 1:
+            raise ValueError("expected_last_subject_seq holds for a batch of one item")
         refusal = self._refused
         futures = []
         for i, (subject, msg, msg_id) in enumerate(items):
             headers = {"Nats-Msg-Id": msg_id} if msg_id else {}
             if expected_last_seq is not None:
                 headers["Nats-Expected-Last-Sequence"] = str(expected_last_seq + i)
+            if expected_last_subject_seq is not None:
+                headers["Nats-Expected-Last-Subject-Sequence"] = str(expected_last_subject_seq)
             futures.append(await self.js.publish_async(subject, encode(msg), headers=headers or None))
         if not futures:
             return []
@@ -397,12 +404,14 @@ class Bus:
         what: str,
         deadline_s: float = 180.0,
         expected_last_seq: int | None = None,
+        expected_last_subject_seq: int | None = None,
     ) -> list[api.PubAck]:
         """publish_batch, retried through a broker outage (msg ids make retries idempotent);
         gives up loudly after deadline_s."""
         return await self._through_outage(
-            lambda: self.publish_batch(items, expected_last_seq=expected_last_seq), what, deadline_s
-        )
+            lambda: self.publish_batch(items, expected_last_seq=expected_last_seq,
+                                       expected_last_subject_seq=expected_last_subject_seq), what, deadline_s
+        )  # fmt: skip
 
     @staticmethod
     async def _through_outage(op, what: str, deadline_s: float, verb: str = "publish"):

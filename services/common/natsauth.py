@@ -3,7 +3,7 @@
 | role | publishes | subscribes to | JetStream |
 |---|---|---|---|
 | admin (launcher, init-run, audit) | everything | everything | creates the streams and the KV bucket |
-| buffer | prompts, ledger, KV buffer_snapshot | buffer.get, buffer.commit, weights.live, weights.published, heartbeat.rollout | consumer `buffer` on ROLLOUTS, purges ROLLOUTS, reads LEDGER, ROLLOUTS and the last WEIGHTS message |
+| buffer | prompts, ledger, KV buffer_snapshot (and `.<registration>` of each: multi-LoRA) | buffer.get, buffer.commit, weights.live, weights.published, heartbeat.rollout | consumer `buffer` on ROLLOUTS, purges ROLLOUTS, reads LEDGER, ROLLOUTS and the last WEIGHTS message |
 | trainer | buffer.get, buffer.commit, weights.published, KV published_version, progress, eval.requests, eval.results, adapters.control (requests) | eval.results, heartbeat.rollout, weights.transfer (answers it) | reads ROLLOUTS, the last WEIGHTS message; writes, reads and purges the weights object bucket |
 | rollout | rollouts | control | consumer `producers` on PROMPTS |
 | weight-sync | weights.live, KV live_version, weights.transfer (requests) | - | consumer `weight-sync` on WEIGHTS, reads WEIGHTS and the weights object bucket |
@@ -69,6 +69,10 @@ def role_permissions(run_id: str, role: str) -> dict:
     responses = None
     if role == "buffer":
         pub += [s.prompts, s.ledger, f"$KV.{bucket}.buffer_snapshot", *kv_get("buffer_snapshot")]
+        # multi-LoRA: one partition per adapter registration, and the registry that opens them
+        pub += [s.prompts + ".*", s.ledger + ".*", f"$KV.{bucket}.buffer_snapshot.*", *kv_get("buffer_snapshot.*")]
+        pub += kv_get(ADAPTERS_KV_KEY)
+        sub += [s.buffer_get + ".*", s.buffer_commit + ".*"]
         pub += _consume(s.rollouts_stream, "buffer") + _read(s.rollouts_stream) + _read(s.ledger_stream)
         pub += _read(s.weights_stream)
         pub += [f"{JS}.STREAM.PURGE.{s.rollouts_stream}"]
@@ -76,6 +80,7 @@ def role_permissions(run_id: str, role: str) -> dict:
         responses = {"max": 4, "expires": "2m"}  # one answer per request; headroom
     elif role == "trainer":
         pub += [s.buffer_get, s.buffer_commit, s.weights_published, s.progress, s.eval_requests, s.eval_results]
+        pub += [s.buffer_get + ".*", s.buffer_commit + ".*"]  # multi-LoRA partitions
         pub += [f"$KV.{bucket}.published_version"]
         pub += _read(s.rollouts_stream) + _read(s.weights_stream)
         pub += [f"$O.{s.weights_bucket}.>", f"{JS}.STREAM.PURGE.{obj_stream}", f"{JS}.STREAM.INFO.{obj_stream}"]
@@ -86,7 +91,8 @@ def role_permissions(run_id: str, role: str) -> dict:
         responses = {"max": 16, "expires": "5m"}  # a send's answer comes once its broadcast is done
     elif role == "rollout":
         pub += [s.rollouts] + _consume(s.prompts_stream, "producers")
-        pub += kv_get(f"{ADAPTER_LIVE_KV_PREFIX}.>")  # multi-LoRA: which adapter version to ask for
+        pub += kv_get(f"{ADAPTER_LIVE_KV_PREFIX}.>", ADAPTERS_KV_KEY)  # multi-LoRA: which adapter version, its reward
+        pub += [s.rollouts + ".*"]  # multi-LoRA partitions
         sub += [s.control]
     elif role == "weight-sync":
         pub += [s.weights_live, s.weights_transfer, f"$KV.{bucket}.live_version"]

@@ -14,7 +14,10 @@ from services.common.validate import reward_problem
 
 log = logging.getLogger(__name__)
 
-BUILTIN_RM = {"reverse-digits": "services.tasks.reverse_digits.reward"}
+BUILTIN_RM = {
+    "reverse-digits": "services.tasks.reverse_digits.reward",
+    "copy-digits": "services.tasks.copy_digits.reward",
+}
 
 
 def resolve_reward(config: RunConfig) -> Callable:

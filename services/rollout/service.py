@@ -28,7 +28,7 @@ from asyncrl_proto import ControlMsg, PromptMsg, RolloutGroup, Sample, group_id
 from asyncrl_proto.messages import SampleStatus, flatten_group
 from services.common import crash
 from services.common.bus import fetch_some, settle
-from services.common.config import AsyncSection, DataSection, RolloutSection
+from services.common.config import AsyncSection, DataSection, MultiLoraSection, RolloutSection
 from services.common.plugins import load_object
 from services.common.responses import apply_response
 from services.common.rewards import mark_failed, resolve_reward, score_group, score_sample
@@ -36,6 +36,7 @@ from services.common.runtime import Service
 from services.common.sglang_client import SGLangClient
 from services.common.validate import MAX_ATTEMPT, limits_from_model_dir, sample_problem
 from services.model.tokenizer import Tokenizer
+from services.rollout.adapters import AdapterRoutes, Closed, NotYet
 from services.rollout.core import Credits
 
 PAUSE_TTL_S = 60.0
@@ -53,13 +54,17 @@ class PromptError(ValueError):
 
 
 class EngineHandle:
-    """What a custom generate function receives as `engine`."""
+    """What a custom generate function receives as `engine`. `lora_path` (multi-LoRA): the
+    adapter version every request through this handle is generated with."""
 
-    def __init__(self, client: SGLangClient, tokenizer: Tokenizer):
+    def __init__(self, client: SGLangClient, tokenizer: Tokenizer, lora_path: str | None = None):
         self.client = client
         self.tokenizer = tokenizer
+        self.lora_path = lora_path
 
     async def generate(self, input_ids: list[int], sampling_params: dict, **extra) -> dict:
+        if self.lora_path is not None:
+            extra["lora_path"] = self.lora_path
         return await self.client.generate(
             {
                 "input_ids": input_ids,
@@ -68,6 +73,16 @@ class EngineHandle:
                 **extra,
             }
         )
+
+
+class GroupContext:
+    """What one group is generated with: the engine handle, the reward, and (multi-LoRA) the
+    adapter version every sample is stamped with."""
+
+    def __init__(self, engine: EngineHandle, reward_fn, adapter_version: int | None = None):
+        self.engine = engine
+        self.reward_fn = reward_fn
+        self.adapter_version = adapter_version
 
 
 async def default_generate(config, sample: Sample, engine: EngineHandle, sampling_params: dict) -> Sample:
@@ -80,7 +95,7 @@ async def default_generate(config, sample: Sample, engine: EngineHandle, samplin
 
 class RolloutService(Service):
     name = "rollout"
-    reads = (DataSection, RolloutSection, AsyncSection)
+    reads = (DataSection, RolloutSection, AsyncSection, MultiLoraSection)
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
@@ -101,6 +116,8 @@ class RolloutService(Service):
             max_concurrency=config.sglang_server_concurrency * (max(1, config.rollout_num_engines) if routed else 1),
         )
         self.engine = EngineHandle(self.client, self.tokenizer)
+        self.partitioned = config.multi_lora_n_adapters > 0
+        self.adapters = AdapterRoutes(bus, config) if self.partitioned else None
         self.submission_open = asyncio.Event()
         self.submission_open.set()
         self.pause_tokens: dict[str, float] = {}  # token -> when it lapses (monotonic; inf for HTTP)
@@ -130,7 +147,7 @@ class RolloutService(Service):
 
     async def setup(self) -> None:
         s = self.bus.subjects
-        self._psub = await self.bus.consume(s.consumers(self.config.prompt_ack_wait_s)["producers"])
+        self._psub = await self.bus.consume(s.consumers(self.config.prompt_ack_wait_s, self.partitioned)["producers"])
         await self.bus.subscribe(s.control, self._on_control)
         log.info(
             "producer %s ready: %d groups in flight max, %s granularity, engines %s",
@@ -201,11 +218,14 @@ class RolloutService(Service):
                 await self._publish_failed(msg, prompt, time.time(), f"invalid prompt: {e}")
             return
         started = time.time()
+        if (ctx := await self._context(msg, prompt, started)) is None:
+            self.credits.group_done(0)
+            return
         self.groups_in_flight[id(msg)] = (msg, started)
         given_back = [0]  # credits this group already returned, trajectory by trajectory
         try:
             try:
-                rg = await self._generate_group(prompt, input_ids, started, given_back)
+                rg = await self._generate_group(prompt, input_ids, started, given_back, ctx)
             except asyncio.CancelledError:
                 # stopping: the prompt goes back to the queue now rather than after ack_wait
                 # (a nak is one buffered publish, sent at the latest when the connection closes)
@@ -213,12 +233,17 @@ class RolloutService(Service):
                     await asyncio.wait_for(settle(msg, "nak"), 2.0)
                 raise
             except Exception as e:
+                if ctx.adapter_version is not None and "no LoRA adapter" in str(e):
+                    # its version was replaced on the engines meanwhile: again, on the live one
+                    await settle(msg, "nak", delay=0.1)
+                    return
                 await self._group_failed(msg, prompt, started, e)
                 return
             self.failures.pop(rg.group_id, None)
             crash.point("rollout", "generated_before_publish")
             try:
-                await self.bus.publish(self.bus.subjects.rollouts, rg, msg_id=rg.group_id)
+                subject, msg_id = self._destination(msg, rg.group_id)
+                await self.bus.publish(subject, rg, msg_id=msg_id)
             except Exception as e:  # the broker is away: the finished work is not a failure
                 log.warning("publishing group %s failed (%s); its prompt goes back to the queue", rg.group_id, e)
                 await settle(msg, "nak", delay=1.0)
@@ -231,11 +256,39 @@ class RolloutService(Service):
             self.groups_in_flight.pop(id(msg), None)
             self.credits.group_done(given_back[0])
 
+    def _destination(self, msg, gid: str) -> tuple[str, str]:
+        """The subject and message id of a prompt's group: its partition's (multi-LoRA)."""
+        if not self.partitioned:
+            return self.bus.subjects.rollouts, gid
+        rid = msg.subject.rsplit(".", 1)[-1]
+        return self.bus.subjects.of(rid).rollouts, f"{rid}-{gid}"
+
+    async def _context(self, msg, prompt: PromptMsg, started: float) -> GroupContext | None:
+        """What the group is generated with; None when its prompt was settled here instead (an
+        adapter not on the engines yet: back to the queue; a closed registration: FAILED, which
+        its partition records as foreign)."""
+        if not self.partitioned:
+            return GroupContext(self.engine, self.reward_fn)
+        rid = msg.subject.rsplit(".", 1)[-1]
+        try:
+            run = await self.adapters.run(rid)
+            live = await self.adapters.live(run)
+            if prompt.n_samples != run.spec.n_samples_per_prompt:
+                raise Closed(f"n_samples {prompt.n_samples} differs from the adapter's {run.spec.n_samples_per_prompt}")
+            reward = self.adapters.reward(run)
+        except NotYet:
+            await settle(msg, "nak", delay=0.5)
+            return None
+        except (Closed, ValueError) as e:  # ValueError: a reward that does not resolve
+            await self._publish_failed(msg, prompt, started, str(e))
+            return None
+        return GroupContext(EngineHandle(self.client, self.tokenizer, lora_path=live.engine_name), reward, live.version)
+
     async def _generate_group(
-        self, prompt: PromptMsg, input_ids: list[int], started: float, given_back: list[int]
+        self, prompt: PromptMsg, input_ids: list[int], started: float, given_back: list[int], ctx: GroupContext
     ) -> RolloutGroup:
         samples = [self._new_sample(prompt, i, _input_ids=input_ids) for i in range(self.n)]
-        tasks = [asyncio.create_task(self._run_trajectory(s, given_back)) for s in samples]
+        tasks = [asyncio.create_task(self._run_trajectory(s, given_back, ctx)) for s in samples]
         try:
             results = await asyncio.gather(*tasks)
         except BaseException:
@@ -244,8 +297,11 @@ class RolloutService(Service):
             await asyncio.gather(*tasks, return_exceptions=True)  # all settle before the group fails
             raise
         group = list(results)
-        if self.config.group_rm and self.config.custom_rm_path:
-            if not await score_group(self.reward_fn, self.config, group):
+        if ctx.adapter_version is not None:  # generated under that adapter version, whatever the base's
+            for s in flatten_group(group):
+                s.weight_versions = [ctx.adapter_version]
+        if self.config.group_rm and self.config.custom_rm_path and not self.partitioned:
+            if not await score_group(ctx.reward_fn, self.config, group):
                 self.counters["reward_failures"] += len(group)
         self._check_samples(group)
         return self._group(prompt, group, started)
@@ -271,7 +327,8 @@ class RolloutService(Service):
         samples = [self._new_sample(prompt, i, SampleStatus.FAILED, error=reason[:1000]) for i in range(self.n)]
         rg = self._group(prompt, samples, started)
         try:
-            await self.bus.publish(self.bus.subjects.rollouts, rg, msg_id=rg.group_id)
+            subject, msg_id = self._destination(msg, rg.group_id)
+            await self.bus.publish(subject, rg, msg_id=msg_id)
         except Exception as e:  # the broker is away: the prompt comes back and fails once more
             log.error("publishing failed group %s: %s", rg.group_id, e)
             await settle(msg, "nak", delay=1.0)
@@ -334,13 +391,13 @@ class RolloutService(Service):
             status=status,
         )
 
-    async def _run_trajectory(self, sample: Sample, given_back: list[int]):
-        out = await self.generate_fn(self.config, sample, self.engine, self.sampling_params())
+    async def _run_trajectory(self, sample: Sample, given_back: list[int], ctx: GroupContext):
+        out = await self.generate_fn(self.config, sample, ctx.engine, self.sampling_params())
         sample.metadata.pop("_input_ids", None)
         trajectory = out if isinstance(out, list) else [out]
-        if not (self.config.group_rm and self.config.custom_rm_path):
+        if not (self.config.group_rm and self.config.custom_rm_path) or self.partitioned:
             for s in trajectory:
-                if s.status != SampleStatus.ABORTED and not await score_sample(self.reward_fn, self.config, s):
+                if s.status != SampleStatus.ABORTED and not await score_sample(ctx.reward_fn, self.config, s):
                     self.counters["reward_failures"] += 1
         given_back[0] += self.credits.trajectory_done()
         return out

@@ -50,7 +50,15 @@ from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import SampleStatus, flatten_group, scalar_reward
 from services.common import crash
 from services.common.bus import TransportError
-from services.common.config import AsyncSection, DataSection, EvalSection, RolloutSection, TrainerSection, eval_backend
+from services.common.config import (
+    AsyncSection,
+    DataSection,
+    EvalSection,
+    MultiLoraSection,
+    RolloutSection,
+    TrainerSection,
+    eval_backend,
+)
 from services.common.plugins import load_object
 from services.common.promexport import LATENCY_BUCKETS_S
 from services.common.runtime import Service, wait_event
@@ -104,7 +112,7 @@ class RunFailed(RuntimeError):
 
 class TrainerService(Service):
     name = "trainer"
-    reads = (DataSection, RolloutSection, AsyncSection, TrainerSection, EvalSection)
+    reads = (DataSection, RolloutSection, AsyncSection, TrainerSection, EvalSection, MultiLoraSection)
     histograms = {
         "trainer/step_seconds": ("Seconds per training step, its batch in hand to its records (perf/step_time_s)",
                                  LATENCY_BUCKETS_S),
@@ -164,10 +172,19 @@ class TrainerService(Service):
         """Versions that may still be in the bucket (retired as their local snapshots are)."""
         self.sender = None
         """--update-weight-transfer-mode distributed: rank 0 of the weight transfer group."""
+        self.multi = None
+        """--multi-lora-n-adapters: the adapters' loop (services.trainer.multi_lora) instead of the model's."""
+        if config.multi_lora_n_adapters > 0:
+            from services.trainer.multi_lora import MultiLoraTrainer
+
+            self.multi = MultiLoraTrainer(self)
 
     async def setup(self) -> None:
         s = self.bus.subjects
         self.weights_dir.mkdir(parents=True, exist_ok=True)
+        if self.multi is not None:  # adapters only: the base never changes, nothing to resume here
+            await self.bus.subscribe(s.heartbeat("rollout"), self._on_producer_heartbeat)
+            return
         if self.config.update_weight_transfer_mode == "object-store":
             self.store = WeightStore(self.bus, chunk_size=self.config.update_weight_buffer_size)
         await self._resume()
@@ -275,7 +292,7 @@ class TrainerService(Service):
                 path.write_text("".join(line + "\n" for line in keep))
 
     def loops(self):
-        return {"train": self._train_loop}
+        return {"train": self._train_loop if self.multi is None else self.multi.run}
 
     async def teardown(self) -> None:
         self.sinks.close()
@@ -516,11 +533,13 @@ class TrainerService(Service):
                     f"waits for groups ({len(reply.refs)}/{req.count}): start producers (asyncrl service rollout)"
                 )
 
-    def _exclude_invalid(self, groups: list[list]) -> None:
+    def _exclude_invalid(self, groups: list[list], max_version: int | None = None, n: int | None = None) -> None:
         """Defence in depth (the buffer validated these groups): a sample that cannot be trained
         on (ids outside the vocabulary, a non-finite log-prob or reward, ...) is marked FAILED,
-        which leaves it out of the loss, and said loudly; it never reaches the model."""
-        limits = dataclasses.replace(self.limits, max_version=self.version)
+        which leaves it out of the loss, and said loudly; it never reaches the model. (A
+        multi-LoRA adapter's versions and group size are its own.)"""
+        limits = dataclasses.replace(self.limits, max_version=self.version if max_version is None else max_version,
+                                     n=self.limits.n if n is None else n)  # fmt: skip
         for s in (s for g in groups for s in flatten_group(g)):
             if s.status == SampleStatus.FAILED:
                 continue

@@ -53,7 +53,7 @@ class AdapterSync:
         """Why a published adapter version must not reach an engine, or None."""
         if (why := adapter_name_problem(pub.name)) is not None:
             return why
-        if pub.version < 1 or not pub.registration_id.isalnum():
+        if pub.version < 0 or not pub.registration_id.isalnum():
             return f"adapter {pub.name}: version {pub.version} / registration {pub.registration_id!r:.40} is not one"
         path = resolved(pub.uri)
         if path is None or self.root is None or not path.is_relative_to(self.root / pub.name):

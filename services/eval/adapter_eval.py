@@ -1,0 +1,372 @@
+"""`asyncrl eval-adapter`: the held-out reward of saved LoRA adapters, after a run.
+
+    asyncrl eval-adapter --hf-checkpoint MODEL_DIR --adapter DIR [--adapter DIR ...] [--base]
+        --prompt-data FILE.jsonl (--rm-type NAME | --custom-rm-path mod.fn) [--json OUT]
+
+Reads the base model and its tokenizer (an HF checkpoint directory), PEFT LoRA directories (as
+services/model/lora.py `save_adapter` writes them: what the trainer publishes under
+`<run_dir>/adapters/<name>/<registration>/v<version>`), a JSONL prompt file and a reward.
+Produces, per adapter (and for the base model alone with --base): prompts, samples, the mean
+reward and the failed samples, as a table on stdout and, with --json, as a JSON file.
+
+Generation runs in this process, on CPU, with no engine: every adapter in turn sits in slot 0 of
+a `MultiLora` on the one base model, and each batch runs `forward_cached` over a KV cache inside
+`lora.rows([0] * batch)`. Prompts become token ids as the rollout producer makes them
+(`Tokenizer.prompt_ids`, --apply-chat-template); a sample ends at an EOS token (SGLang's "stop")
+or at --rollout-max-response-len or the context length ("length": TRUNCATED). The token choice is
+the engine's: greedy below temperature 1e-6, else a draw from softmax(logits / T), here with one
+generator per sample seeded from (--seed, sample index), so that a sample's draws do not depend on
+the other samples of its batch, and the base and an adapter that adds nothing (B = 0) give the
+very same samples. Rewards go through `score_sample`, as in the producer; the mean is over every
+sample, a failed one counting 0, as the eval service's `eval/<set>`.
+
+Flags are checked, and the reward, prompts and adapter files read, before the model is loaded;
+anything wrong exits with 2 and one line that says what to do. torch is imported only then, so
+`--help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROG = "asyncrl eval-adapter"
+GEN_BATCH_ROWS = 64
+"""Samples generated together, in one KV cache."""
+
+
+class AdapterEvalError(ValueError):
+    """A flag, file or adapter this command cannot use; the message says what to do."""
+
+
+@dataclass
+class AdapterScore:
+    adapter: str | None
+    """The adapter directory as given; None: the base model alone."""
+    prompts: int
+    samples: int
+    mean_reward: float
+    failed: int
+    truncated: int
+    sample_list: list = field(default_factory=list, repr=False)
+    """The scored Samples (not written to JSON)."""
+
+    def row(self) -> dict:
+        return {"adapter": self.adapter, "prompts": self.prompts, "samples": self.samples,
+                "mean_reward": self.mean_reward, "failed": self.failed, "truncated": self.truncated}  # fmt: skip
+
+
+@dataclass
+class Generated:
+    output_ids: list[int]
+    logprobs: list[float]
+    finish: str
+    """"stop" (an EOS token) or "length" (max new tokens or the context length)."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, description="Score saved LoRA adapters: the mean reward of each on held-out prompts."
+    )
+    p.add_argument(
+        "--hf-checkpoint", required=True, metavar="MODEL_DIR", help="the base model: an HF checkpoint directory"
+    )
+    p.add_argument("--adapter", action="append", default=[], metavar="DIR",
+                   help="a PEFT LoRA directory (repeat for several)")  # fmt: skip
+    p.add_argument("--base", action="store_true", help="also score the base model alone")
+    p.add_argument("--prompt-data", required=True, metavar="FILE", help="JSONL file of held-out prompts")
+    rm = p.add_mutually_exclusive_group(required=True)
+    rm.add_argument("--rm-type", metavar="NAME", help="a built-in reward (services/common/rewards.py BUILTIN_RM)")
+    rm.add_argument(
+        "--custom-rm-path", metavar="MOD.FN", help="import path of a reward function (config, sample) -> float"
+    )
+    p.add_argument("--reward-key", default=None, metavar="KEY", help="key to read when a reward is a dict")
+    p.add_argument("--input-key", default="prompt", metavar="KEY", help="JSONL key of the prompt")
+    p.add_argument("--label-key", default="label", metavar="KEY", help="JSONL key of the label")
+    p.add_argument("--apply-chat-template", action="store_true", help="format prompts with the chat template")
+    p.add_argument("--n-samples-per-prompt", type=int, default=1, metavar="N", help="samples per prompt")
+    p.add_argument("--max-prompts", type=int, default=None, metavar="N", help="score only the file's first N prompts")
+    p.add_argument("--rollout-max-response-len", type=int, default=16, metavar="N", help="max new tokens per sample")
+    p.add_argument(
+        "--rollout-temperature", type=float, default=1.0, metavar="T", help="sampling temperature (0: greedy)"
+    )
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the samples' draws")
+    p.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="also write the results here")
+    return p
+
+
+def check_args(a: argparse.Namespace) -> None:
+    positive = {"--n-samples-per-prompt": a.n_samples_per_prompt, "--max-prompts": a.max_prompts,
+                "--rollout-max-response-len": a.rollout_max_response_len}  # fmt: skip
+    for flag, value in positive.items():
+        if value is not None and value < 1:
+            raise AdapterEvalError(f"{flag} must be a positive count, got {value}")
+    t = a.rollout_temperature
+    if not (t >= 0 and t != float("inf")):
+        raise AdapterEvalError(f"--rollout-temperature must be a finite number >= 0 (0: greedy), got {t}")
+    if a.seed < 0:
+        raise AdapterEvalError(f"--seed must be >= 0, got {a.seed}")
+    if not a.adapter and not a.base:
+        raise AdapterEvalError("nothing to score: pass --adapter DIR (repeatable) and/or --base")
+    if not Path(a.hf_checkpoint).is_dir():
+        raise AdapterEvalError(f"--hf-checkpoint {a.hf_checkpoint}: no such directory (pass the run's base model)")
+    if a.json_out and not Path(a.json_out).resolve().parent.is_dir():
+        raise AdapterEvalError(f"--json {a.json_out}: its directory does not exist (create it first)")
+
+
+def run_config(a: argparse.Namespace):
+    """The RunConfig a reward function receives (the flags of this command; defaults elsewhere)."""
+    from services.common.config import ConfigError, RunConfig
+
+    try:
+        return RunConfig(hf_checkpoint=a.hf_checkpoint, prompt_data=a.prompt_data, rm_type=a.rm_type,
+                         custom_rm_path=a.custom_rm_path, reward_key=a.reward_key, input_key=a.input_key,
+                         label_key=a.label_key, apply_chat_template=a.apply_chat_template,
+                         n_samples_per_prompt=a.n_samples_per_prompt,
+                         rollout_max_response_len=a.rollout_max_response_len,
+                         rollout_temperature=a.rollout_temperature)  # fmt: skip
+    except (ConfigError, ValueError) as e:
+        raise AdapterEvalError(" ".join(str(e).split())) from None
+
+
+def reward_function(config):
+    from services.common.rewards import resolve_reward
+
+    try:
+        return resolve_reward(config)
+    except ValueError as e:
+        raise AdapterEvalError(str(e)) from None
+
+
+def load_prompts(config, max_prompts: int | None) -> list[dict]:
+    from services.common.datasource import DataError, load_rows
+
+    try:
+        rows = load_rows(config.prompt_data, config.input_key, config.label_key, None)
+    except (DataError, OSError, UnicodeDecodeError) as e:
+        raise AdapterEvalError(
+            f"{e} (pass a JSONL file with one {{{config.input_key!r}: ...}} object a line)"
+        ) from None
+    return rows[:max_prompts] if max_prompts else rows
+
+
+def read_adapters(paths: list[str]) -> list[tuple]:
+    """(path, spec, tensors) of every adapter directory; AdapterEvalError for one that is not a
+    PEFT LoRA directory."""
+    from services.model.lora import LoraError, load_adapter
+
+    out = []
+    for path in paths:
+        if not Path(path).is_dir():
+            raise AdapterEvalError(f"--adapter {path}: no such directory (pass a PEFT LoRA directory, as the trainer "
+                                   "writes under <run_dir>/adapters/<name>/<registration>/v<version>)")  # fmt: skip
+        try:
+            spec, tensors = load_adapter(path)
+        except LoraError as e:
+            raise AdapterEvalError(f"--adapter {path}: {e} (pass a PEFT LoRA directory: adapter_config.json and "
+                                   "adapter_model.safetensors)") from None  # fmt: skip
+        out.append((path, spec, tensors))
+    return out
+
+
+def prompt_ids(tokenizer, rows: list[dict], chat_template: bool, vocab_size: int, context_length: int) -> list:
+    """Each row's token ids, as the rollout producer makes them (services/rollout/service.py)."""
+    out = []
+    for i, row in enumerate(rows, 1):
+        try:
+            ids = tokenizer.prompt_ids(row["prompt"], chat_template)
+        except Exception as e:  # a prompt of the wrong shape, a template that fails on it
+            raise AdapterEvalError(f"prompt {i}: cannot tokenize it ({type(e).__name__}: {e})") from None
+        if not ids or min(ids) < 0 or max(ids) >= vocab_size:
+            raise AdapterEvalError(f"prompt {i}: its token ids are empty or outside the vocabulary [0, {vocab_size})")
+        if len(ids) >= context_length:
+            raise AdapterEvalError(f"prompt {i}: {len(ids)} tokens do not fit the context length {context_length}")
+        out.append(ids)
+    return out
+
+
+# ---- generation ------------------------------------------------------------------------------------
+def generate(model, lora, slot: int, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int,
+             temperature: float, eos_ids: set[int], context_length: int) -> list[Generated]:  # fmt: skip
+    """One response per prompt, GEN_BATCH_ROWS at a time, with adapter `slot` (-1: the base)."""
+    out: list[Generated] = []
+    for start in range(0, len(prompts), GEN_BATCH_ROWS):
+        end = start + GEN_BATCH_ROWS
+        out += _generate_batch(model, lora, slot, prompts[start:end], seeds[start:end], max_new_tokens,
+                               temperature, eos_ids, context_length)  # fmt: skip
+    return out
+
+
+def _generate_batch(model, lora, slot, prompts, seeds, max_new_tokens, temperature, eos_ids, context_length):
+    import torch
+
+    from services.model.llama import KVCache
+
+    n = len(prompts)
+    max_len = min(context_length, max(map(len, prompts)) + max_new_tokens)
+    cache = KVCache(model.cfg, n, max_len, dtype=next(model.parameters()).dtype)
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    outputs: list[list[int]] = [[] for _ in range(n)]
+    logprobs: list[list[float]] = [[] for _ in range(n)]
+    finish: list[str | None] = [None] * n
+
+    def forward(ids_nt, rows: list[int], start_n: list[int]):
+        use = lora.rows([slot] * len(rows)) if lora is not None and slot >= 0 else contextlib.nullcontext()
+        with torch.no_grad(), use:
+            return model.forward_cached(ids_nt, cache, torch.tensor(rows), torch.tensor(start_n))[:, -1]
+
+    logits = torch.empty(n, model.cfg.vocab_size)
+    by_length: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_length.setdefault(len(p), []).append(i)
+    for rows in by_length.values():  # prompts of one length prefill together
+        logits[rows] = forward(torch.tensor([prompts[i] for i in rows]), rows, [0] * len(rows)).float()
+    active = list(range(n))
+    while active:
+        tokens, chosen = _choose(logits[active], temperature, [gens[i] for i in active])
+        still = []
+        for i, tok, lp in zip(active, tokens, chosen, strict=True):
+            outputs[i].append(tok)
+            logprobs[i].append(lp)
+            if tok in eos_ids:
+                finish[i] = "stop"
+            elif len(outputs[i]) >= max_new_tokens or len(prompts[i]) + len(outputs[i]) >= max_len:
+                finish[i] = "length"
+            else:
+                still.append(i)
+        active = still
+        if active:
+            step = torch.tensor([[outputs[i][-1]] for i in active])
+            logits[active] = forward(step, active, [len(prompts[i]) + len(outputs[i]) - 1 for i in active]).float()
+    return [Generated(outputs[i], logprobs[i], finish[i]) for i in range(n)]
+
+
+def _choose(logits_nv, temperature: float, gens: list) -> tuple[list[int], list[float]]:
+    """The engine's token choice (services/engine/sampling.py without penalties or top-k/p):
+    greedy below temperature 1e-6, else a draw from softmax(logits / T), each row from its own
+    generator. Returns the tokens and their log-probabilities under softmax(logits / T)."""
+    import torch
+
+    greedy = temperature < 1e-6
+    scaled = logits_nv / (1.0 if greedy else temperature)
+    logp = torch.log_softmax(scaled, dim=-1)
+    if greedy:
+        tokens = scaled.argmax(-1)
+    else:
+        probs = torch.softmax(scaled, dim=-1)
+        tokens = torch.stack([torch.multinomial(probs[r], 1, generator=g)[0] for r, g in enumerate(gens)])
+    return tokens.tolist(), logp.gather(-1, tokens[:, None]).squeeze(-1).tolist()
+
+
+# ---- scoring ---------------------------------------------------------------------------------------
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index`'s generator. torch seeds its CPU generator with the low 32 bits
+    only, so the two are mixed within them (1_000_003 is odd: another --seed, another stream)."""
+    return (seed * 1_000_003 + index) % 2**32
+
+
+def score_model(model, lora, slot: int, tokenizer, rows: list[dict], ids: list[list[int]], config, reward_fn,
+                seed: int, adapter: str | None) -> AdapterScore:  # fmt: skip
+    """Generate n samples per prompt with one adapter (or the base) and score them."""
+    from asyncrl_proto.messages import Sample, SampleStatus, scalar_reward
+    from services.common.rewards import score_sample
+
+    n = config.n_samples_per_prompt
+    samples, prompts = [], []
+    for p, row in enumerate(rows):
+        for j in range(n):
+            samples.append(Sample(index=p * n + j, group_index=p, prompt=row["prompt"], label=row["label"],
+                                  metadata=dict(row["metadata"])))  # fmt: skip
+            prompts.append(ids[p])
+    eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    results = generate(model, lora, slot, prompts, [sample_seed(seed, s.index) for s in samples],
+                       max_new_tokens=config.rollout_max_response_len, temperature=config.rollout_temperature,
+                       eos_ids=eos, context_length=model.cfg.max_position_embeddings)  # fmt: skip
+    for s, p_ids, g in zip(samples, prompts, results, strict=True):
+        text_ids = g.output_ids[:-1] if g.finish == "stop" else g.output_ids  # a stop token is not text (SGLang)
+        s.tokens = list(p_ids) + g.output_ids
+        s.response = tokenizer.decode(text_ids, skip_special_tokens=True)
+        s.response_length = len(g.output_ids)
+        s.rollout_log_probs = g.logprobs
+        s.status = SampleStatus.COMPLETED if g.finish == "stop" else SampleStatus.TRUNCATED
+
+    async def score_all() -> list[bool]:
+        return list(await asyncio.gather(*(score_sample(reward_fn, config, s) for s in samples)))
+
+    scored = asyncio.run(score_all())
+    rewards = [scalar_reward(s, config.reward_key) for s in samples]
+    return AdapterScore(adapter=adapter, prompts=len(rows), samples=len(samples),
+                        mean_reward=sum(rewards) / len(rewards), failed=scored.count(False),
+                        truncated=sum(s.status == SampleStatus.TRUNCATED for s in samples),
+                        sample_list=samples)  # fmt: skip
+
+
+def evaluate(a: argparse.Namespace) -> list[AdapterScore]:
+    """Every check, then every adapter's score (the base's first with --base)."""
+    check_args(a)
+    config = run_config(a)
+    reward_fn = reward_function(config)
+    rows = load_prompts(config, a.max_prompts)
+    adapters = read_adapters(a.adapter)
+
+    from safetensors import SafetensorError
+
+    from services.model.hf_io import load_model
+    from services.model.lora import TARGETS, LoraError, MultiLora
+    from services.model.tokenizer import Tokenizer
+
+    try:
+        tokenizer = Tokenizer(a.hf_checkpoint)
+        model = load_model(a.hf_checkpoint).eval()
+    except (OSError, ValueError, SafetensorError) as e:
+        raise AdapterEvalError(f"--hf-checkpoint {a.hf_checkpoint}: cannot load the model ({e})") from None
+    context = model.cfg.max_position_embeddings
+    ids = prompt_ids(tokenizer, rows, config.apply_chat_template, model.cfg.vocab_size, context)
+    lora = None
+    if adapters:
+        lora = MultiLora(model, n_slots=1, max_rank=max(spec.rank for _, spec, _ in adapters), targets=TARGETS)
+        for path, spec, tensors in adapters:  # every adapter checked before any is scored
+            try:
+                lora.set_slot(0, spec, tensors)
+            except LoraError as e:
+                raise AdapterEvalError(f"--adapter {path} does not fit the base model in {a.hf_checkpoint}: {e} "
+                                       "(pass the --hf-checkpoint it was trained on)") from None  # fmt: skip
+    scores = []
+    if a.base:
+        scores.append(score_model(model, lora, -1, tokenizer, rows, ids, config, reward_fn, a.seed, None))
+    for path, spec, tensors in adapters:
+        lora.set_slot(0, spec, tensors)
+        scores.append(score_model(model, lora, 0, tokenizer, rows, ids, config, reward_fn, a.seed, path))
+    return scores
+
+
+def table(scores: list[AdapterScore]) -> str:
+    names = [s.adapter if s.adapter is not None else "(base model)" for s in scores]
+    width = max(len("adapter"), *map(len, names))
+    lines = [f"{'adapter':<{width}}  {'prompts':>7}  {'samples':>7}  {'mean reward':>11}  {'failed':>6}"]
+    for name, s in zip(names, scores, strict=True):
+        lines.append(f"{name:<{width}}  {s.prompts:>7}  {s.samples:>7}  {s.mean_reward:>11.4f}  {s.failed:>6}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    a = parser().parse_args(argv)
+    try:
+        scores = evaluate(a)
+    except AdapterEvalError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    print(table(scores))
+    if a.json_out:
+        doc = {"hf_checkpoint": a.hf_checkpoint, "prompt_data": a.prompt_data,
+               "reward": a.rm_type or a.custom_rm_path, "n_samples_per_prompt": a.n_samples_per_prompt,
+               "rollout_max_response_len": a.rollout_max_response_len,
+               "rollout_temperature": a.rollout_temperature, "seed": a.seed,
+               "results": [s.row() for s in scores]}  # fmt: skip
+        Path(a.json_out).write_text(json.dumps(doc, indent=2) + "\n")
+    return 0

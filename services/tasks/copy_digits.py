@@ -1,0 +1,53 @@
+"""A second bundled task: repeat a string of 3-5 digits as given ("2817+" -> "2817").
+
+It is reverse-digits' sibling for multi-LoRA runs: the same row format ({"prompt", "label"}),
+the same character alphabet (so reverse-digits' tokenizer and tiny model serve both) and the
+same soft reward (positions right / max(len(output), len(target))); only the operator differs.
+A copy prompt ends in `+` where a reverse prompt ends in `=`, so one model, or one adapter per
+task on one base, can tell the two tasks apart from the prompt alone.
+
+No torch: the producer and eval import it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from services.tasks.reverse_digits import NUM_EVAL_PROMPTS, NUM_TRAIN_PROMPTS, _digits, score
+
+NAME = "copy-digits"
+OPERATOR = "+"
+"""Ends every copy prompt (reverse-digits ends its prompts in `=`); both are in its ALPHABET."""
+
+
+def make_rows(num: int, seed: int, exclude: set[str] = frozenset()) -> list[dict]:
+    """`num` distinct prompts, none of whose digit strings is in `exclude`."""
+    rng = random.Random(seed)
+    rows, seen = [], set(exclude)
+    while len(rows) < num:
+        d = _digits(rng)
+        if d in seen:
+            continue
+        seen.add(d)
+        rows.append({"prompt": f"{d}{OPERATOR}", "label": d})
+    return rows
+
+
+def write_datasets(data_dir: str | Path, seed: int = 0) -> tuple[Path, Path]:
+    """Training and held-out prompt files; held-out prompts are disjoint from the training prompts."""
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    eval_rows = make_rows(NUM_EVAL_PROMPTS, seed + 1)
+    train_rows = make_rows(NUM_TRAIN_PROMPTS, seed, exclude={r["label"] for r in eval_rows})
+    train, held_out = data_dir / "copy_digits_train.jsonl", data_dir / "copy_digits_eval.jsonl"
+    for path, rows in ((train, train_rows), (held_out, eval_rows)):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return train, held_out
+
+
+async def reward(config, sample) -> float:
+    """The task's reward function, with the --custom-rm-path signature: reverse-digits' soft
+    positional score against the digits as given."""
+    return score(sample.response, str(sample.label))

@@ -1,0 +1,342 @@
+"""The trainer's multi-LoRA loop (--multi-lora-n-adapters N): many adapters on one frozen base.
+
+Each adapter registration is a partition of the buffer (services.buffer.service). The loop reads
+the registry (KV `adapters`) and, per registration:
+
+- PENDING: sets up its slot (from the adapter's latest save in its `save` directory when the
+  name was trained before, else fresh: B = 0, so version 0 is the base), publishes version 0 of
+  this registration for weight-sync to load on the engines, and activates it;
+- ACTIVE: asks its partition for its next step's lease (`buffer.get.<registration>`, naming the
+  adapter's version: staleness is `adapter version - version at submission`), and on a complete
+  lease takes one optimizer step of that adapter alone (services.trainer.adapters), reports the
+  step to the registry, publishes the new version, records the step (`{name}/step` axis), and
+  commits it; at its budget it retires it;
+- RETIRING (budget reached, or DELETE /adapter_runs/{name}): saves it a last time in its `save`
+  directory (PEFT), clears its slot and optimizer state, and completes it (CLEANUP, COMPLETED):
+  its partition closes, and a group that comes back for it afterwards is dropped as foreign.
+
+Gets for every active adapter are in flight at once; whichever lease completes first trains
+first, so a slow adapter holds no other up. A restarted trainer resumes each active adapter at
+its partition's committed step, from the version it published after that step (its optimizer
+moments are lost, as a single-model run without --save). Without --multi-lora-service-mode the
+run ends once every registered adapter is COMPLETED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from asyncrl_proto import (
+    AdapterControl,
+    AdapterControlReply,
+    AdapterRegistryState,
+    BufferCommit,
+    BufferCommitReply,
+    BufferGetReply,
+    BufferGetRequest,
+    ProgressRecord,
+    RolloutGroup,
+    decode,
+)
+from asyncrl_proto.codec import MalformedMessage
+from asyncrl_proto.messages import AdapterRun, AdapterState, SampleStatus, flatten_group
+from asyncrl_proto.subjects import ADAPTERS_KV_KEY
+from services.buffer.service import adapter_total_steps
+from services.common.datasource import load_rows
+from services.model.lora import LoraError, LoraSpec, MultiLora, SlotAdamW, load_adapter, save_adapter
+from services.trainer.adapter_push import adapter_dir, publish_adapter
+from services.trainer.adapters import train_adapter_step
+from services.trainer.core import assemble_batch, build_step_batches
+
+log = logging.getLogger(__name__)
+
+GET_WAIT_S = 1.0
+"""How long one get waits for a lease before the loop looks at the registry again."""
+
+
+class MultiLoraError(RuntimeError):
+    pass
+
+
+@dataclass
+class Track:
+    """One registration the trainer holds in a slot."""
+
+    run: AdapterRun
+    spec: LoraSpec
+    total: int
+    step: int = 0
+    """Its next step (= its version: version k is the adapter after k steps)."""
+    get: asyncio.Task | None = None
+    records: list = field(default_factory=list)
+
+    @property
+    def rid(self) -> str:
+        return self.run.registration_id
+
+
+class MultiLoraTrainer:
+    def __init__(self, svc):
+        self.svc = svc
+        self.config = c = svc.config
+        self.bus = svc.bus
+        self.model = svc.model
+        self.model.requires_grad_(False)
+        self.lora = MultiLora(self.model, c.multi_lora_n_adapters, c.multi_lora_max_rank)
+        self.optimizer = SlotAdamW(self.lora, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2),
+                                   weight_decay=c.weight_decay)  # fmt: skip
+        self.tracks: dict[str, Track] = {}
+        self.registry = AdapterRegistryState()
+        self.steps_total = 0
+        self.run_dir = Path(c.run_dir)
+
+    # ---- the registry ----------------------------------------------------------------------------
+    async def _read_registry(self) -> AdapterRegistryState:
+        raw = await self.bus.kv_get(ADAPTERS_KV_KEY)
+        if raw is not None:
+            try:
+                self.registry = decode(raw, AdapterRegistryState)
+            except MalformedMessage as e:
+                log.error("ignoring the registry's KV value: %s", e)
+        return self.registry
+
+    async def _control(self, op: str, run: AdapterRun, step: int = 0, reason: str = "") -> AdapterRun:
+        req = AdapterControl(op=op, name=run.name, registration_id=run.registration_id, step=step, reason=reason)
+        reply = await self.svc._request(self.bus.subjects.adapters_control, req, AdapterControlReply,
+                                        f"{op} of adapter {run.name}")  # fmt: skip
+        if not reply.ok or reply.run is None:
+            raise MultiLoraError(f"the registry refused {op} of adapter {run.name!r}: {reply.error}")
+        return reply.run
+
+    # ---- the loop --------------------------------------------------------------------------------
+    async def run(self) -> None:
+        try:
+            await self._loop()
+        finally:
+            for t in self.tracks.values():
+                if t.get is not None:
+                    t.get.cancel()
+
+    async def _loop(self) -> None:
+        c = self.config
+        while not self.svc.stopping:
+            reg = await self._read_registry()
+            for run in reg.runs:
+                await self._follow(run)
+            for rid in [rid for rid, t in self.tracks.items() if all(r.registration_id != rid for r in reg.runs)]:
+                self.tracks.pop(rid)  # pruned from the registry's history: nothing left to do
+            if reg.runs and all(r.state is AdapterState.COMPLETED for r in reg.runs) and not c.multi_lora_service_mode:
+                await self._finish()
+                return
+            active = [t for t in self.tracks.values() if t.run.state is AdapterState.ACTIVE]
+            if not active:
+                await self.svc.wait_stopped(c.multi_lora_idle_poll_s)
+                continue
+            for t in active:
+                if t.get is None:
+                    t.get = asyncio.ensure_future(self._get(t))
+            done, _ = await asyncio.wait([t.get for t in active], timeout=GET_WAIT_S * 2,
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            for t in active:
+                if t.get in done:
+                    task, t.get = t.get, None
+                    if (reply := task.result()) is not None:
+                        await self._train(t, reply)
+
+    async def _follow(self, run: AdapterRun) -> None:
+        """Bring one registration's slot in line with its state."""
+        t = self.tracks.get(run.registration_id)
+        if t is not None:
+            t.run = run
+        if run.state is AdapterState.PENDING:
+            await self._activate(run)
+        elif run.state is AdapterState.ACTIVE and t is None:
+            await self._resume(run)
+        elif run.state in (AdapterState.RETIRING, AdapterState.CLEANUP):
+            await self._retire(run)
+
+    def _lora_spec(self, run: AdapterRun) -> LoraSpec:
+        return LoraSpec(rank=run.spec.rank, alpha=run.spec.alpha, target_modules=tuple(run.spec.target_modules))
+
+    def _track(self, run: AdapterRun, step: int) -> Track:
+        rows = len(load_rows(run.spec.data, self.config.input_key, self.config.label_key, self.config.metadata_key))
+        t = Track(run=run, spec=self._lora_spec(run), total=adapter_total_steps(run, rows), step=step)
+        self.tracks[run.registration_id] = t
+        return t
+
+    async def _activate(self, run: AdapterRun) -> None:
+        """Fresh (B = 0) or from the name's latest save; version 0 published, then ACTIVE."""
+        spec = self._lora_spec(run)
+        latest = _latest_save(Path(run.spec.save))
+        self.optimizer.reset(run.slot)
+        if latest is not None:
+            try:
+                saved_spec, tensors = await asyncio.to_thread(load_adapter, latest)
+                self.lora.set_slot(run.slot, saved_spec, tensors)
+                spec = saved_spec
+                log.info("adapter %s resumes from its save %s", run.name, latest)
+            except LoraError as e:
+                raise MultiLoraError(f"adapter {run.name}: its save {latest} does not fit: {e}") from e
+        else:
+            self.lora.init_slot(run.slot, spec, seed=self.config.seed + run.slot)
+        t = self._track(run, step=0)
+        t.spec = spec
+        await self._publish(t)
+        t.run = await self._control("activate", run)
+
+    async def _resume(self, run: AdapterRun) -> None:
+        """After a trainer restart: the version published after the partition's committed step."""
+        reply = await self._ask(run.registration_id, BufferGetRequest(step=0, count=run.spec.rollout_batch_size,
+                                                                      wait_s=0.0), "question where to resume")  # fmt: skip
+        step = reply.committed_step + 1
+        path = adapter_dir(self.run_dir, run.name, run.registration_id, step)
+        t = self._track(run, step)
+        if (path / "adapter_config.json").exists():
+            spec, tensors = await asyncio.to_thread(load_adapter, path)
+            self.lora.set_slot(run.slot, spec, tensors)
+        else:  # its version was never written: start it again from version 0's weights
+            path0 = adapter_dir(self.run_dir, run.name, run.registration_id, 0)
+            spec, tensors = await asyncio.to_thread(load_adapter, path0)
+            self.lora.set_slot(run.slot, spec, tensors)
+            t.step = 0
+        self.optimizer.reset(run.slot)
+        self._truncate(t)
+        log.info("adapter %s resumed at its step %d (its optimizer state is lost)", run.name, t.step)
+
+    async def _retire(self, run: AdapterRun) -> None:
+        t = self.tracks.get(run.registration_id)
+        if t is None:  # a restart found it retiring: its weights are its last published version
+            t = self._track(run, 0)
+            await self._resume_weights(t)
+        if t.get is not None:
+            t.get.cancel()
+            t.get = None
+        out = Path(run.spec.save) / f"step_{t.step}"
+        await asyncio.to_thread(save_adapter, self.lora, run.slot, out, self.config.hf_checkpoint)
+        if run.state is AdapterState.RETIRING:
+            run = await self._control("cleanup", run)
+        self.lora.clear_slot(run.slot)
+        self.optimizer.reset(run.slot)
+        t.run = await self._control("complete", run)
+        log.info("adapter %s completed at its step %d: saved to %s, slot %d free", run.name, t.step, out, run.slot)
+
+    async def _resume_weights(self, t: Track) -> None:
+        d = self.run_dir / "adapters" / t.run.name / t.rid
+        versions = sorted((int(p.name[1:]) for p in d.glob("v*") if p.name[1:].isdigit()), reverse=True)
+        for v in versions:
+            if (d / f"v{v}" / "adapter_config.json").exists():
+                spec, tensors = await asyncio.to_thread(load_adapter, d / f"v{v}")
+                self.lora.set_slot(t.run.slot, spec, tensors)
+                t.step = v
+                return
+
+    # ---- one adapter step ------------------------------------------------------------------------
+    async def _ask(self, rid: str, req: BufferGetRequest, what: str) -> BufferGetReply:
+        return await self.svc._request(self.bus.subjects.of(rid).buffer_get, req, BufferGetReply, what)
+
+    async def _get(self, t: Track) -> BufferGetReply | None:
+        req = BufferGetRequest(step=t.step, count=t.run.spec.rollout_batch_size, current_version=t.step,
+                               wait_s=GET_WAIT_S)  # fmt: skip
+        reply = await self._ask(t.rid, req, f"lease of adapter {t.run.name} step {t.step}")
+        if reply.error:
+            raise MultiLoraError(f"buffer refused get(step={t.step}) of adapter {t.run.name}: {reply.error}")
+        return reply if reply.complete else None
+
+    async def _train(self, t: Track, reply: BufferGetReply) -> None:
+        t0 = time.perf_counter()
+        s = self.bus.subjects.of(t.rid)
+        groups = []
+        for ref in reply.refs:
+            data = ref.payload if ref.payload is not None else await self.bus.get_payload(s.rollouts_stream, ref.stream_seq)
+            groups.append(decode(data, RolloutGroup).samples)
+        groups = assemble_batch(groups, t.run.spec.n_samples_per_prompt)
+        self.svc._exclude_invalid(groups, max_version=t.step, n=t.run.spec.n_samples_per_prompt)
+        c = self.config
+        std = bool(c.grpo_std_normalization and t.run.spec.n_samples_per_prompt > 1)
+        (batches,) = build_step_batches(groups, std, c.reward_key, self.svc.pad_id, None, 1)
+        stats = await asyncio.to_thread(train_adapter_step, self.model, self.lora, self.optimizer, t.run.slot,
+                                        batches, self.svc.loss_cfg, c.clip_grad)  # fmt: skip
+        step = t.step
+        t.step += 1
+        # the registry first: the buffer bounds the versions groups and gets may name by it
+        t.run = await self._control("stepped", t.run, step=t.step)
+        await self._publish(t)
+        self._append_trained(t, step, groups)
+        record = self._record(t, step, groups, stats, reply, time.perf_counter() - t0)
+        await self._emit(t, record)
+        await self._commit(t, step)
+        if t.step >= t.total:
+            t.run = await self._control("retire", t.run, reason=f"its budget of {t.total} steps is reached")
+
+    async def _publish(self, t: Track) -> None:
+        await publish_adapter(self.bus, self.lora, t.run.slot, self.run_dir, t.run.name, t.rid, t.step,
+                              self.config.hf_checkpoint)  # fmt: skip
+
+    async def _commit(self, t: Track, step: int) -> None:
+        req = BufferCommit(step=step, version=t.step)
+        reply = await self.svc._request(self.bus.subjects.of(t.rid).buffer_commit, req, BufferCommitReply,
+                                        f"commit of adapter {t.run.name} step {step}")  # fmt: skip
+        if reply.error:
+            raise MultiLoraError(f"buffer refused commit of adapter {t.run.name} step {step}: {reply.error}")
+
+    # ---- records ---------------------------------------------------------------------------------
+    def _trained_path(self, t: Track) -> Path:
+        return self.run_dir / "adapters" / t.run.name / t.rid / "trained.jsonl"
+
+    def _append_trained(self, t: Track, step: int, groups: list[list]) -> None:
+        path = self._trained_path(t)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps({"step": step, "groups": sorted(flatten_group(g)[0].group_index for g in groups)}) + "\n")
+
+    def _truncate(self, t: Track) -> None:
+        """The steps after the committed one are trained again: drop their records."""
+        path = self._trained_path(t)
+        if path.exists():
+            keep = [x for x in path.read_text().splitlines() if json.loads(x)["step"] < t.step]
+            path.write_text("".join(x + "\n" for x in keep))
+
+    def _record(self, t: Track, step: int, groups, stats: dict, reply: BufferGetReply, step_s: float) -> dict:
+        n = t.run.name
+        samples = [s for g in groups for s in flatten_group(g)]
+        ok = [s for s in samples if s.status != SampleStatus.FAILED]
+        rewards = [float(s.reward) for s in ok if isinstance(s.reward, int | float)]
+        lengths = [s.response_length for s in ok]
+        record = {
+            "step": self.steps_total, f"{n}/step": step, "adapter": n,
+            f"{n}/raw_reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
+            f"{n}/response_len_mean": sum(lengths) / len(lengths) if lengths else math.nan,
+            f"{n}/perf/step_time_s": step_s,
+            "perf/fully_async/batch_n_adapters": 1, "perf/fully_async/batch_n_groups": len(groups),
+            "perf/fully_async/batch_n_samples": len(samples), "perf/fully_async/batch_n_adapters_to_step": 1,
+            "perf/fully_async/stale_dropped": reply.metrics.get("rollout/fully_async/stale_dropped", 0.0),
+        }  # fmt: skip
+        record.update({f"{n}/{k}": v for k, v in stats.items() if isinstance(v, int | float)})
+        self.steps_total += 1
+        return record
+
+    async def _emit(self, t: Track, record: dict) -> None:
+        self.svc.last_record = record
+        with self.svc.metrics_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.svc.sinks.log(record, f"{t.run.name}/step")
+        await self.bus.publish_durably([(self.bus.subjects.progress, ProgressRecord(step=record["step"], record=record),
+                                         None)], "progress")  # fmt: skip
+
+    async def _finish(self) -> None:
+        done = ProgressRecord(step=self.steps_total, done=True, record=self.svc.last_record)
+        await self.bus.publish_durably([(self.bus.subjects.progress, done, None)], "the final progress record")
+        log.info("multi-LoRA training finished: every adapter is completed (%d adapter steps)", self.steps_total)
+        self.svc.stop()
+
+
+def _latest_save(save: Path) -> Path | None:
+    """The newest `step_<k>` PEFT directory of an adapter's save directory."""
+    steps = [(int(p.name[5:]), p) for p in save.glob("step_*") if p.name[5:].isdigit() and (p / "adapter_config.json").exists()]
+    return max(steps)[1] if steps else None
