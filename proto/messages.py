@@ -332,8 +332,9 @@ class LedgerEvent(msgspec.Struct, kw_only=True):
     """One decision of the buffer, appended to LEDGER_<run>. The log is both the buffer's
     write-ahead log (its state is the fold of these events) and the audit ledger of the run.
 
-    kinds: released (prompt), put (outcome stored|filtered|aborted|duplicate|accepted|rejected|foreign), leased
-    (group -> step), stale (rejected at get), lease_complete (step, metrics), committed (step).
+    kinds: released (prompt), put (outcome stored|filtered|aborted|duplicate|accepted|rejected|foreign),
+    leased (group -> step), stale (rejected at get), retired (stored when its multi-LoRA adapter
+    registration completed: dropped), lease_complete (step, metrics), committed (step).
     `recycled` marks an aborted/stale group whose prompt went back to the data source."""
 
     seq: int

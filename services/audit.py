@@ -63,7 +63,7 @@ async def _collect_partition(bus, s, trained_path: Path) -> dict:
             skipped.append(f"ledger message #{i + 1}: {e}")
     prompts = {
         group_id(p.group_index, p.attempt)
-        for p in _decoded(await bus.read_stream(s.prompts_stream, s.prompts), PromptMsg)
+        for p in _decoded(await bus.read_stream(s.prompts_stream, only=s.prompts), PromptMsg)  # a work queue
     }
     rollouts = {
         g.group_id for g in _decoded(await bus.read_stream(s.rollouts_stream, s.rollouts), RolloutGroupView)
@@ -161,8 +161,9 @@ def format_report(r: dict) -> str:
         f"  dropped (aborted)    {r['aborted_dropped']}",
         f"  dropped (stale)      {r['stale_dropped']}",
         f"  rejected             {r['rejected']}  (groups that failed validation, dead-lettered)",
-        *([f"  dropped (foreign)    {r['foreign_dropped']}  (their adapter registration had ended)"]
-          if r.get("foreign_dropped") else []),
+        *([f"  dropped (foreign)    {r['foreign_dropped']}  (came back after their adapter registration ended)",
+           f"  dropped (retired)    {r['retired_dropped']}  (stored when their adapter registration ended)"]
+          if "foreign_dropped" in r and r["foreign_dropped"] + r["retired_dropped"] else []),
         f"  in flight at the end {sum(r['in_flight_at_end'].values())}  {r['in_flight_at_end']}",
         f"recycled (then one of the above) {r['recycled']}",
         f"duplicate groups ignored         {r['duplicates_ignored']}",

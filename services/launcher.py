@@ -475,7 +475,7 @@ def _interrupt(signum, frame) -> None:
 def ledger_line(r: dict) -> str:
     return (
         f"{r['released_prompts']} prompts released, {r['trained']} trained once, {r['failed']} failed, "
-        f"{sum(r['filtered'].values())} filtered, {r['aborted_dropped'] + r['stale_dropped'] + r.get('foreign_dropped', 0)} dropped, "
+        f"{sum(r['filtered'].values())} filtered, {r['aborted_dropped'] + r['stale_dropped'] + r.get('foreign_dropped', 0) + r.get('retired_dropped', 0)} dropped, "
         f"{r['rejected']} rejected, {sum(r['in_flight_at_end'].values())} in flight at the end, "
         f"{r['lost']} lost, {r['trained_twice']} trained twice"
     )

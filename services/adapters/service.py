@@ -34,10 +34,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from asyncrl_proto import AdapterControl, AdapterControlReply, AdapterRun, AdapterSpec, encode
-from services.adapters.registry import LIVE, AdapterRegistry, RegistryError, parse_spec
+from services.adapters.registry import LIVE, AdapterRegistry, RegistryError, SpecError, parse_spec
 from services.adapters.store import RegistryStore
 from services.common.bus import BusError, SequenceConflict, TransportError
-from services.common.config import ConfigError, MultiLoraSection
+from services.common.config import ConfigError, MultiLoraSection, RolloutSection
 from services.common.runtime import Service
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def _json(obj) -> Any:
 
 class AdapterService(Service):
     name = "adapters"
-    reads = (MultiLoraSection,)
+    reads = (MultiLoraSection, RolloutSection)  # RolloutSection: the run's group size
 
     def __init__(self, config, bus, **kw):
         if config.multi_lora_n_adapters < 1:
@@ -93,7 +93,7 @@ class AdapterService(Service):
                 log.info("adapter %s from --multi-lora-adapter is already registered (%s)", name, run.state.value)
                 continue
             try:
-                spec = parse_spec(read_spec_file(path))
+                spec = self._fits(parse_spec(read_spec_file(path)))
             except RegistryError as e:
                 raise ConfigError(f"--multi-lora-adapter {name} {path}: {e}") from None
             self.waiting.append((name, spec))
@@ -187,6 +187,16 @@ class AdapterService(Service):
                 log.info("could not answer an adapters.control request: %s", e)
 
     # ---- HTTP ---------------------------------------------------------------------------------
+    def _fits(self, spec: AdapterSpec) -> AdapterSpec:
+        """What this run can serve: the engines' largest rank, and the producers' group size."""
+        c = self.config
+        if spec.rank > c.multi_lora_max_rank:
+            raise SpecError(f"rank {spec.rank} is above the engines' --multi-lora-max-rank {c.multi_lora_max_rank}")
+        if spec.n_samples_per_prompt != c.n_samples_per_prompt:
+            raise SpecError(f"n_samples_per_prompt {spec.n_samples_per_prompt} differs from the run's "
+                            f"--n-samples-per-prompt {c.n_samples_per_prompt} (the producers' group size; one per run)")  # fmt: skip
+        return spec
+
     def add_routes(self, app: FastAPI) -> None:
         async def answer(work, status: int = 200) -> JSONResponse:
             try:
@@ -227,7 +237,7 @@ class AdapterService(Service):
 
             async def work():
                 name, raw = self._split_body(body)
-                spec = await asyncio.to_thread(parse_spec, raw, file_exists=os.path.isfile)
+                spec = self._fits(await asyncio.to_thread(parse_spec, raw, file_exists=os.path.isfile))
                 run = await self.register(name, spec)
                 log.info("registered adapter %s in slot %d over HTTP", name, run.slot)
                 return run

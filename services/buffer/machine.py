@@ -309,6 +309,14 @@ class BufferMachine:
                            failed=all(s.status == SampleStatus.FAILED for s in samples))  # fmt: skip
         return self._out(settle="put")
 
+    def on_closed(self) -> Out:
+        """The partition's adapter registration completed: its stored groups will never be
+        trained; each is recorded `retired` (dropped), so that nothing is left to purge around."""
+        for gid, ref in list(self.state.stored.items()):
+            self._record("retired", group_id=gid, group_index=ref.prompt.group_index, attempt=ref.prompt.attempt,
+                         reason="its adapter registration completed")  # fmt: skip
+        return self._out()
+
     def on_foreign(self, msg: Any, stream_seq: int, raw: bytes) -> Out:
         """A group that came back after its partition closed (multi-LoRA: its registration was
         retired): an outstanding one is recorded `foreign` and dropped; a repeat is a duplicate;

@@ -182,7 +182,7 @@ class BufferService(Service):
                     self.parts[rid] = part
                     self._start(rid)
                 elif run.state is AdapterState.COMPLETED and rid in self.parts:
-                    self._close(rid)
+                    await self._close(rid)
 
     def _partition(self, run: AdapterRun) -> Partition:
         bound = Bound(lambda rid=run.registration_id: self._adapter_version(rid))
@@ -208,12 +208,15 @@ class BufferService(Service):
             tasks.append(t)
         self._part_tasks[rid] = tasks
 
-    def _close(self, rid: str) -> None:
+    async def _close(self, rid: str) -> None:
+        """Its loops stop; its stored groups are recorded dropped (`retired`) and its ledger
+        snapshotted. It stays known here, for the groups that still come back for it (foreign)."""
         part = self.parts.pop(rid)
         for t in self._part_tasks.pop(rid, []):
             t.cancel()
         self.closed[rid] = part
-        self.background(part.ledger.flush(snapshot=True), f"the last snapshot of partition {rid}")
+        await part.apply(part.core.on_closed(), durable=True)
+        await part.ledger.flush(snapshot=True)
         log.info("closed the buffer partition of registration %s", rid)
 
     async def _watch_registry(self) -> None:

@@ -147,6 +147,10 @@ def apply(state: BufferState, ev: LedgerEvent) -> None:
         state.count("stale_recycled" if ev.recycled else "stale_dropped")
         if ev.recycled:
             _recycle(state, ref.prompt)
+    elif kind == "retired":  # multi-LoRA: stored when its adapter registration completed
+        if state.stored.pop(ev.group_id, None) is None:
+            raise StateError(f"retirement of {ev.group_id}, which is not stored")
+        state.count("retired_dropped")
     elif kind == "leased":
         ref = state.stored.pop(ev.group_id, None)
         if ref is None:
@@ -264,6 +268,7 @@ def audit(events, remaining_prompts: set[str] | None = None, remaining_rollouts:
         "stale_dropped": outcomes.get("stale_dropped", 0),
         "rejected": outcomes.get("rejected", 0),
         "foreign_dropped": outcomes.get("foreign", 0),
+        "retired_dropped": outcomes.get("retired_dropped", 0),
         "rejected_messages": state.counters.get("rejected", 0),
         "recycled": state.counters.get("recycled", 0),
         "duplicates_ignored": state.counters.get("duplicate_groups", 0),
@@ -297,3 +302,5 @@ def apply_checked(state, ev, terminal, trained_steps, first_release, problems) -
         terminal[gi] = "aborted_dropped"
     elif ev.kind == "stale" and not ev.recycled:
         terminal[gi] = "stale_dropped"
+    elif ev.kind == "retired":
+        terminal[gi] = "retired_dropped"

@@ -580,14 +580,15 @@ class Bus:
         # rides out a cluster whose streams are still electing leaders (an audit just started it)
         return await self._through_outage(names, bucket, 30.0, "list")
 
-    async def read_stream(self, stream: str, subject: str | None = None, deadline_s: float = 60.0) -> list[bytes]:
+    async def read_stream(self, stream: str, subject: str | None = None, deadline_s: float = 60.0,
+                          only: str | None = None) -> list[bytes]:  # fmt: skip
         """Every payload still in a stream. With `subject`, read by an ephemeral consumer in large
-        batches; without (a work-queue stream admits one consumer per subject), message by message.
-        Read again from the start while the broker is away or the stream has no leader yet (a
-        cluster just started), for up to deadline_s."""
-        return await self._through_outage(lambda: self._read_stream(stream, subject), stream, deadline_s, "read")
+        batches; without (a work-queue stream admits one consumer per subject), message by message,
+        those on subject `only` when given. Read again from the start while the broker is away or
+        the stream has no leader yet (a cluster just started), for up to deadline_s."""
+        return await self._through_outage(lambda: self._read_stream(stream, subject, only), stream, deadline_s, "read")
 
-    async def _read_stream(self, stream: str, subject: str | None) -> list[bytes]:
+    async def _read_stream(self, stream: str, subject: str | None, only: str | None = None) -> list[bytes]:
         bounds = await self.stream_bounds(stream)
         if bounds is None:
             return []
@@ -612,7 +613,7 @@ class Bus:
             return out
         for seq in range(first, last + 1):
             raw = await self.get_msg(stream, seq)
-            if raw is not None and raw.data:
+            if raw is not None and raw.data and (only is None or raw.subject == only):
                 out.append(raw.data)
         return out
 

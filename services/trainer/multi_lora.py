@@ -74,6 +74,9 @@ class Track:
     step: int = 0
     """Its next step (= its version: version k is the adapter after k steps)."""
     get: asyncio.Task | None = None
+    asked_at: float = 0.0
+    """When the get of its next step was first sent (batch_wait_time)."""
+    waited: float = 0.0
     records: list = field(default_factory=list)
 
     @property
@@ -140,6 +143,7 @@ class MultiLoraTrainer:
                 continue
             for t in active:
                 if t.get is None:
+                    t.asked_at = t.asked_at or time.monotonic()
                     t.get = asyncio.ensure_future(self._get(t))
             done, _ = await asyncio.wait([t.get for t in active], timeout=GET_WAIT_S * 2,
                                          return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
@@ -147,6 +151,7 @@ class MultiLoraTrainer:
                 if t.get in done:
                     task, t.get = t.get, None
                     if (reply := task.result()) is not None:
+                        t.waited, t.asked_at = time.monotonic() - t.asked_at, 0.0
                         await self._train(t, reply)
 
     async def _follow(self, run: AdapterRun) -> None:
@@ -315,8 +320,13 @@ class MultiLoraTrainer:
             f"{n}/perf/step_time_s": step_s,
             "perf/fully_async/batch_n_adapters": 1, "perf/fully_async/batch_n_groups": len(groups),
             "perf/fully_async/batch_n_samples": len(samples), "perf/fully_async/batch_n_adapters_to_step": 1,
-            "perf/fully_async/stale_dropped": reply.metrics.get("rollout/fully_async/stale_dropped", 0.0),
+            "perf/fully_async/stale_dropped": reply.metrics.get("rollout/fully_async/stale_groups_filtered", 0.0),
+            "perf/fully_async/queue_length": reply.metrics.get("rollout/fully_async/queue_size", 0.0),
+            "perf/fully_async/batch_wait_time": t.waited,
         }  # fmt: skip
+        for k in ("avg_staleness", "max_staleness"):
+            if (v := reply.metrics.get(f"rollout/fully_async/{k}")) is not None:
+                record[f"{n}/rollout/fully_async/{k}"] = v
         record.update({f"{n}/{k}": v for k, v in stats.items() if isinstance(v, int | float)})
         self.steps_total += 1
         return record

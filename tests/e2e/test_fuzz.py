@@ -281,6 +281,7 @@ def test_the_run_survived_and_its_ledger_balances(run):
             assert "Traceback" not in log.read_text(errors="replace"), f"{log.name} has a traceback"
     audit = subprocess.run([sys.executable, "-m", "services.cli", "audit", str(run.dir), "--json"],
                            capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert audit.stdout, audit.stderr[-3000:]
     report = json.loads(audit.stdout)
     assert report["balanced"] and report["lost"] == 0 and report["trained_twice"] == 0, report["problems"]
     # every group the buffer rejected is dead-lettered, and on the ledger as `rejected`

@@ -50,7 +50,7 @@ def body(files, name: str, **kw) -> dict:
 
 
 def config(files, slots: int = 2) -> RunConfig:
-    return RunConfig(multi_lora_n_adapters=slots, multi_lora_adapter=["boot", str(files / "boot.yaml")])
+    return RunConfig(n_samples_per_prompt=2, multi_lora_n_adapters=slots, multi_lora_adapter=["boot", str(files / "boot.yaml")])
 
 
 async def fresh_run(server):
@@ -113,6 +113,10 @@ async def test_register_over_http_and_drive_the_lifecycle_over_nats(server, file
             assert r.status_code == 400 and "unknown field(s) in the adapter spec: lr" in r.json()["error"]["message"]
             r = await http.post("/adapter_runs", json=body(files, "t3", data=str(files / "missing.jsonl")))
             assert r.status_code == 400 and "does not exist" in r.json()["error"]["message"]
+            r = await http.post("/adapter_runs", json=body(files, "t3", n_samples_per_prompt=3))
+            assert r.status_code == 400 and "differs from the run's --n-samples-per-prompt 2" in r.json()["error"]["message"]
+            r = await http.post("/adapter_runs", json=body(files, "t3", rank=64))
+            assert r.status_code == 400 and "above the engines' --multi-lora-max-rank 16" in r.json()["error"]["message"]
             assert (await http.post("/adapter_runs", content=b"not json")).status_code == 400
             assert (await http.get("/adapter_runs/nobody")).status_code == 404
             assert (await http.delete("/adapter_runs/nobody")).status_code == 404
@@ -190,7 +194,7 @@ async def test_a_restarted_registry_resumes_and_registers_start_adapters_once(se
 
 async def test_a_start_adapter_without_a_free_slot_waits_for_one(server, files):
     admin = await fresh_run(server)
-    first = await start(server, RunConfig(multi_lora_n_adapters=1))
+    first = await start(server, RunConfig(n_samples_per_prompt=2, multi_lora_n_adapters=1))
     async with httpx.AsyncClient(base_url=first.service.http_url, headers=AUTH, timeout=10) as http:
         assert (await http.post("/adapter_runs", json=body(files, "t1"))).status_code == 201
     await first.stop()
@@ -208,8 +212,8 @@ async def test_a_start_adapter_without_a_free_slot_waits_for_one(server, files):
 
 async def test_two_registries_never_both_win_a_write(server, files):
     admin = await fresh_run(server)
-    a = await start(server, RunConfig(multi_lora_n_adapters=3))
-    b = await start(server, RunConfig(multi_lora_n_adapters=3))  # a restart racing a frozen one
+    a = await start(server, RunConfig(n_samples_per_prompt=2, multi_lora_n_adapters=3))
+    b = await start(server, RunConfig(n_samples_per_prompt=2, multi_lora_n_adapters=3))  # a restart racing a frozen one
     try:
         async with httpx.AsyncClient(headers=AUTH, timeout=10) as http:
             r1 = await http.post(a.service.http_url + "/adapter_runs", json=body(files, "x"))

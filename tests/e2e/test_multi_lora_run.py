@@ -1,0 +1,163 @@
+"""Whole multi-LoRA runs through the CLI: two adapters with different tasks trained at once on
+one base, each in its own buffer partition, completed at its budget and saved, the audit
+balanced per adapter; and an adapter retired over HTTP mid-run whose slot a third one takes,
+with the trainer SIGKILLed while that one trains."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.tasks import copy_digits, reverse_digits
+from tests.conftest import run_auth
+
+SMALL = ["--fully-async", "--skip-eval-before-train", "--num-rollout", "1", "--n-samples-per-prompt", "4",
+         "--rollout-batch-size", "4", "--async-data-buffer-capacity-factor", "1"]  # fmt: skip
+
+
+LEARN_STEPS = 60
+LEARN_LR = "5e-3"
+
+
+def adapter_yaml(tmp: Path, name: str, task, num_step: int, batch: int = 4) -> Path:
+    data = tmp / f"{name}.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in task.make_rows(400, seed=3)))
+    path = tmp / f"{name}.yaml"
+    path.write_text(f"data: {data}\nrank: 8\nalpha: 16\nrollout_batch_size: {batch}\nn_samples_per_prompt: 4\n"
+                    f"save: {tmp / ('save_' + name)}\nrm_type: {task.NAME}\nnum_step: {num_step}\n")  # fmt: skip
+    return path
+
+
+def cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_two_adapters_train_at_once_each_in_its_own_partition(tmp_path, tiny_model_dir):
+    rev = adapter_yaml(tmp_path, "rev", reverse_digits, num_step=4)
+    copy = adapter_yaml(tmp_path, "copy", copy_digits, num_step=4)
+    run_dir = tmp_path / "run"
+    r = cli("train-async", *SMALL, "--multi-lora-n-adapters", "2", "--multi-lora-adapter", "rev", str(rev),
+            "--multi-lora-adapter", "copy", str(copy), "--run-dir", str(run_dir), cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    recs = records(run_dir)
+    for name in ("rev", "copy"):  # each on its own step axis, to its budget
+        steps = [rec[f"{name}/step"] for rec in recs if rec.get("adapter") == name]
+        assert steps == [0, 1, 2, 3], steps
+        assert all(rec[f"{name}/raw_reward_mean"] == rec[f"{name}/raw_reward_mean"] for rec in recs if rec.get("adapter") == name)
+        assert (tmp_path / f"save_{name}" / "step_4" / "adapter_config.json").exists()
+    audit = json.loads((run_dir / "audit.json").read_text())
+    assert audit["balanced"] and len(audit["adapters"]) == 2
+    for part in audit["adapters"].values():
+        assert part["balanced"] and part["state"] == "completed"
+        assert part["trained"] == 16 and part["lost"] == 0 and part["trained_twice"] == 0  # 4 steps x 4 groups
+    assert "ledger of adapter rev@" in r.stdout and "ledger of adapter copy@" in r.stdout
+    # the saved adapters are what a tenant scores after the run
+    out = tmp_path / "scores.json"
+    e = cli("eval-adapter", "--hf-checkpoint", str(tiny_model_dir), "--adapter", str(tmp_path / "save_rev" / "step_4"),
+            "--prompt-data", str(tmp_path / "rev.jsonl"), "--rm-type", "reverse-digits", "--max-prompts", "16",
+            "--json", str(out), cwd=tmp_path)  # fmt: skip
+    assert e.returncode == 0, e.stderr
+    assert json.loads(out.read_text())["results"][0]["samples"] == 16
+
+
+def test_an_adapter_retired_over_http_frees_its_slot_and_a_killed_trainer_resumes_the_next(tmp_path):
+    first = adapter_yaml(tmp_path, "first", reverse_digits, num_step=500)
+    second = adapter_yaml(tmp_path, "second", copy_digits, num_step=10)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "train-async", *SMALL, "--multi-lora-n-adapters",
+                             "1", "--multi-lora-adapter", "first", str(first), "--run-dir", str(run_dir)],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+
+        def wait_for(what, cond):
+            while not cond():
+                assert proc.poll() is None, proc.stdout.read()[-3000:]
+                assert time.monotonic() < deadline, f"waited too long for {what}"
+                time.sleep(0.1)
+
+        wait_for("3 steps of the first adapter", lambda: sum(r.get("adapter") == "first" for r in records(run_dir)) >= 3)
+        url = json.loads((run_dir / "services.json").read_text())["adapters"]
+        http = httpx.Client(base_url=url, headers=run_auth(run_dir), timeout=15)
+        spec = {"name": "second", "data": str(tmp_path / "second.jsonl"), "rank": 8, "alpha": 16,
+                "rollout_batch_size": 4, "n_samples_per_prompt": 4, "save": str(tmp_path / "save_second"),
+                "rm_type": "copy-digits", "num_step": 10}  # fmt: skip
+        full = http.post("/adapter_runs", json=spec)
+        assert full.status_code == 409 and "No free adapter slots" in full.text
+        assert httpx.delete(f"{url}/adapter_runs/first").status_code == 401  # the run token is asked for
+        assert http.delete("/adapter_runs/first").status_code == 200
+
+        def registered() -> bool:
+            return http.post("/adapter_runs", json=spec).status_code == 201
+
+        wait_for("the slot to be free", registered)
+        assert http.get("/adapter_runs/second").json()["slot"] == 0  # the freed slot, reused
+        wait_for("2 steps of the second adapter", lambda: sum(r.get("adapter") == "second" for r in records(run_dir)) >= 2)
+        trainer = json.loads((run_dir / "pids.json").read_text())["trainer"]
+        os.kill(trainer, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out[-3000:]
+    assert "trainer (pid" in out and "restarting" in out
+    audit = json.loads((run_dir / "audit.json").read_text())
+    assert audit["balanced"], audit["problems"]
+    parts = {k.split("@")[0]: v for k, v in audit["adapters"].items()}
+    assert parts["first"]["state"] == parts["second"]["state"] == "completed"
+    assert parts["second"]["trained"] == 40 and parts["second"]["trained_twice"] == 0  # 10 steps x 4 groups, once each
+    steps = [r["second/step"] for r in records(run_dir) if r.get("adapter") == "second"]
+    assert sorted(set(steps)) == list(range(10))
+    assert (tmp_path / "save_first").is_dir() and (tmp_path / "save_second" / "step_10").is_dir()
+
+
+@pytest.mark.slow
+def test_two_adapters_with_different_tasks_both_learn(tmp_path, tiny_model_dir):
+    """Reverse digits and copy digits, one adapter each on the same frozen base, trained at once:
+    each adapter's held-out reward (scored after the run by asyncrl eval-adapter on prompts it
+    never trained on) rises above the base's."""
+    specs, held = {}, {}
+    for name, task in (("rev", reverse_digits), ("copy", copy_digits)):
+        held_rows = task.make_rows(256, seed=99)
+        held[name] = tmp_path / f"{name}_heldout.jsonl"
+        held[name].write_text("".join(json.dumps(r) + "\n" for r in held_rows))
+        rows = task.make_rows(4000, seed=3, exclude={r["label"] for r in held_rows})
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        specs[name] = tmp_path / f"{name}.yaml"
+        specs[name].write_text(f"data: {tmp_path / (name + '.jsonl')}\nrank: 8\nalpha: 16\nrollout_batch_size: 8\n"
+                               f"n_samples_per_prompt: 8\nsave: {tmp_path / ('save_' + name)}\nrm_type: {task.NAME}\n"
+                               f"num_step: {LEARN_STEPS}\n")  # fmt: skip
+    run_dir = tmp_path / "run"
+    r = cli("train-async", "--fully-async", "--skip-eval-before-train", "--num-rollout", "1", "--n-samples-per-prompt",
+            "8", "--rollout-batch-size", "8", "--async-data-buffer-capacity-factor", "1", "--lr", LEARN_LR,
+            "--multi-lora-n-adapters", "2", "--multi-lora-adapter", "rev", str(specs["rev"]),
+            "--multi-lora-adapter", "copy", str(specs["copy"]), "--run-dir", str(run_dir), cwd=tmp_path,
+            timeout=900)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    gains = {}
+    for name, task in (("rev", reverse_digits), ("copy", copy_digits)):
+        out = tmp_path / f"{name}_scores.json"
+        e = cli("eval-adapter", "--hf-checkpoint", str(tiny_model_dir), "--base", "--adapter",
+                str(tmp_path / f"save_{name}" / f"step_{LEARN_STEPS}"), "--prompt-data", str(held[name]), "--rm-type",
+                task.NAME, "--n-samples-per-prompt", "2", "--json", str(out), cwd=tmp_path, timeout=300)  # fmt: skip
+        assert e.returncode == 0, e.stderr
+        base, adapter = (x["mean_reward"] for x in json.loads(out.read_text())["results"])
+        gains[name] = (base, adapter)
+    print("held-out reward (base, adapter):", gains)
+    for name, (base, adapter) in gains.items():
+        assert adapter >= base + 0.1, gains
