@@ -63,17 +63,10 @@ REGISTRY_POLL_S = 0.5
 OPEN_STATES = (AdapterState.PENDING, AdapterState.ACTIVE, AdapterState.RETIRING, AdapterState.CLEANUP)
 
 
-def adapter_total_steps(run: AdapterRun, rows: int) -> int:
-    """An adapter's step budget: num_step, or num_epoch passes over its `rows` prompts."""
-    if run.spec.num_step is not None:
-        return run.spec.num_step
-    return max(1, math.ceil((run.spec.num_epoch or 1) * rows / run.spec.rollout_batch_size))
-
-
 def adapter_config(config, run: AdapterRun):
     """The run's config as one adapter's partition sees it: its data, batch size, group size and
     budget; fully async (its clock is the adapter version the trainer names)."""
-    from services.common.datasource import load_rows
+    from services.common.datasource import adapter_total_steps, load_rows
 
     spec = run.spec
     rows = len(load_rows(spec.data, config.input_key, config.label_key, config.metadata_key))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import json
+import math
 import random
 import time
 from pathlib import Path
@@ -193,3 +194,11 @@ def make_prompt_source(config: RunConfig) -> PromptSource:
     if not config.prompt_data:
         raise DataError("the buffer needs --prompt-data (the launcher sets it to the task's data)")
     return PromptSource(config, load_rows(config.prompt_data, config.input_key, config.label_key, config.metadata_key))
+
+
+def adapter_total_steps(run, rows: int) -> int:
+    """A multi-LoRA adapter's step budget (an AdapterRun's spec): num_step, or num_epoch passes
+    over its `rows` prompts."""
+    if run.spec.num_step is not None:
+        return run.spec.num_step
+    return max(1, math.ceil((run.spec.num_epoch or 1) * rows / run.spec.rollout_batch_size))

@@ -47,8 +47,7 @@ from asyncrl_proto import (
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import AdapterRun, AdapterState, SampleStatus, flatten_group
 from asyncrl_proto.subjects import ADAPTERS_KV_KEY
-from services.buffer.service import adapter_total_steps
-from services.common.datasource import load_rows
+from services.common.datasource import adapter_total_steps, load_rows
 from services.model.lora import LoraError, LoraSpec, MultiLora, SlotAdamW, load_adapter, save_adapter
 from services.trainer.adapter_push import adapter_dir, publish_adapter
 from services.trainer.adapters import train_adapter_step
