@@ -43,6 +43,7 @@ from asyncrl_proto import (
     Heartbeat,
     ProgressRecord,
     RolloutGroup,
+    WeightsLive,
     WeightsPublished,
     decode,
 )
@@ -88,6 +89,9 @@ EVAL_WAIT_WARN_S = 60.0
 EVAL_DRAIN_TIMEOUT_S = 600.0
 FAILED_WINDOW_STEPS = 4
 """--max-failed-ratio is judged over this many recent steps."""
+SNAPSHOT_LAG_FACTOR = 4
+"""Snapshots newer than the engines' live version are kept up to this many times
+--keep-weight-snapshots (then the oldest go, as before)."""
 NOT_EXPORTED = frozenset({"step", "rollout/step", "weight_version", "time", "rollout/fully_async/queue_size",
                           "rollout/fully_async/buffer_avg_staleness", "rollout/fully_async/buffer_max_staleness"})  # fmt: skip
 """Step record keys left out of the trainer's /metrics: the step and version are trainer/step and
@@ -418,8 +422,6 @@ class TrainerService(Service):
     async def _wait_final_broadcast(self) -> None:
         """Distributed mode: only the trainer holds the newest weights, so it stays (answering
         weight-sync's broadcasts) until they are live, or FINAL_BROADCAST_TIMEOUT_S has passed."""
-        from asyncrl_proto import WeightsLive
-
         deadline = time.monotonic() + FINAL_BROADCAST_TIMEOUT_S
         while time.monotonic() < deadline:
             raw = await self.bus.kv_get("live_version")
@@ -597,7 +599,10 @@ class TrainerService(Service):
         up once and retired)."""
         keep = max(1, self.config.keep_weight_snapshots)
         backing = self.weights_dir / f"v{self.committed_version}" if self.committed_version is not None else None
-        for old in [p for p in self.snapshots[:-keep] if p != backing]:
+        # a version newer than the engines' live one may be loading right now: deleting it under
+        # weight-sync loses that whole update (the engines stay behind a cycle longer), so those
+        # stay too, up to SNAPSHOT_LAG_FACTOR x --keep-weight-snapshots (engines that are away)
+        for old in snapshots_to_remove(self.snapshots, keep, backing, await self._live_version()):
             self.snapshots.remove(old)
             remove_snapshot(old)
         if self.store is not None:
@@ -605,6 +610,14 @@ class TrainerService(Service):
             for v in sorted(self.stored - kept):
                 await self.store.retire(v)
                 self.stored.discard(v)
+
+    async def _live_version(self) -> int:
+        """The engines' version (KV live_version); the newest pushed when it cannot be read."""
+        try:
+            raw = await self.bus.kv_get("live_version")
+            return decode(raw, WeightsLive).version if raw is not None else 0
+        except Exception:  # a broker away, a value that does not decode: retain as before
+            return self.version
 
     async def _checkpoint_and_commit(self, step: int, pushed: bool) -> None:
         """Save after step r when due (RunConfig.save_due: --save-interval, epoch ends, the last
@@ -802,6 +815,14 @@ class TrainerService(Service):
                "trainer/nonfinite_updates_skipped_total": self.num_nonfinite_skipped}  # fmt: skip
         out.update({k: v for k, v in self.last_record.items() if isinstance(v, (int, float)) and k not in NOT_EXPORTED})
         return out
+
+
+def snapshots_to_remove(snapshots: list[Path], keep: int, backing: Path | None, live: int) -> list[Path]:
+    """The snapshots (`v<k>` directories, oldest first) beyond the newest `keep`, but the one
+    behind the committed step and those newer than the engines' `live` version among the newest
+    SNAPSHOT_LAG_FACTOR x keep: weight-sync may be loading one of them."""
+    pending = {p for p in snapshots[-keep * SNAPSHOT_LAG_FACTOR :] if int(p.name[1:]) > live}
+    return [p for p in snapshots[:-keep] if p != backing and p not in pending]
 
 
 def master_address(config) -> str:
