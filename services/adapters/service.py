@@ -37,7 +37,8 @@ from asyncrl_proto import AdapterControl, AdapterControlReply, AdapterRun, Adapt
 from services.adapters.registry import LIVE, AdapterRegistry, RegistryError, SpecError, parse_spec
 from services.adapters.store import RegistryStore
 from services.common.bus import BusError, SequenceConflict, TransportError
-from services.common.config import ConfigError, MultiLoraSection, RolloutSection
+from services.common.config import ConfigError, DataSection, MultiLoraSection, RolloutSection
+from services.common.datasource import DataError, load_rows
 from services.common.runtime import Service
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def _json(obj) -> Any:
 
 class AdapterService(Service):
     name = "adapters"
-    reads = (MultiLoraSection, RolloutSection)  # RolloutSection: the run's group size
+    reads = (MultiLoraSection, RolloutSection, DataSection)  # the run's group size, how prompts are read
 
     def __init__(self, config, bus, **kw):
         if config.multi_lora_n_adapters < 1:
@@ -195,6 +196,12 @@ class AdapterService(Service):
         if spec.n_samples_per_prompt != c.n_samples_per_prompt:
             raise SpecError(f"n_samples_per_prompt {spec.n_samples_per_prompt} differs from the run's "
                             f"--n-samples-per-prompt {c.n_samples_per_prompt} (the producers' group size; one per run)")  # fmt: skip
+        try:  # every prompt readable now: the buffer and the trainer read them later
+            rows = load_rows(spec.data, c.input_key, c.label_key, c.metadata_key)
+        except (DataError, OSError) as e:
+            raise SpecError(f"data {spec.data}: {e}") from None
+        if not rows:
+            raise SpecError(f"data {spec.data} holds no prompt")
         return spec
 
     def add_routes(self, app: FastAPI) -> None:
@@ -237,7 +244,7 @@ class AdapterService(Service):
 
             async def work():
                 name, raw = self._split_body(body)
-                spec = self._fits(await asyncio.to_thread(parse_spec, raw, file_exists=os.path.isfile))
+                spec = await asyncio.to_thread(lambda: self._fits(parse_spec(raw, file_exists=os.path.isfile)))
                 run = await self.register(name, spec)
                 log.info("registered adapter %s in slot %d over HTTP", name, run.slot)
                 return run

@@ -108,14 +108,25 @@ class Partition:
 
     state = property(lambda self: self.core.state)
 
-    async def recover(self) -> None:
+    async def recover(self, payloads: bool = True) -> None:
+        """From the ledger; the stored groups back into the DataBuffer, unless `payloads` is
+        False (a closed partition's: only its ledger is needed, its payloads may be purged)."""
         replayed = await self.ledger.recover()
+        if not payloads:
+            self.core.state = self.ledger.state
+            return
         stored = [decode(await self.bus.get_payload(self.s.rollouts_stream, ref.stream_seq), RolloutGroup)
                   for ref in self.ledger.state.stored.values()]  # fmt: skip
         await self._plugin(self.buffer.restore(self.core.on_restart(self.ledger.state, stored)), "restore")
         if self.ledger.snapshot_seq or replayed:
             log.info("recovered %s: snapshot at event %d, %d events replayed, %d groups restored",
                      self.name, self.ledger.snapshot_seq, replayed, len(stored))  # fmt: skip
+
+    def release_memory(self) -> None:
+        """A closed partition keeps its ledger (late groups are recorded in it) and nothing else."""
+        self.buffer = None
+        self.core.raw_of.clear()
+        self.core.gid_of.clear()
 
     def loops(self) -> dict:
         return {"consume_rollouts": self.consume_rollouts, "release_prompts": self.release_prompts,
@@ -196,12 +207,15 @@ class Partition:
         if out.settle != "put":
             return out.settle
         put = asyncio.ensure_future(self._plugin(self.buffer.put(rg.samples), "put"))
-        await asyncio.wait({put}, timeout=0.05)
-        while not put.done():  # a full buffer holds the producers back
-            await self.ledger.flush()  # what is decided becomes durable meanwhile
-            for m in pending:
-                await settle(m, "in_progress")  # and the waiting messages stay ours
-            await asyncio.wait({put}, timeout=self.ack_wait_s / 3)
+        try:
+            await asyncio.wait({put}, timeout=0.05)
+            while not put.done():  # a full buffer holds the producers back
+                await self.ledger.flush()  # what is decided becomes durable meanwhile
+                for m in pending:
+                    await settle(m, "in_progress")  # and the waiting messages stay ours
+                await asyncio.wait({put}, timeout=self.ack_wait_s / 3)
+        finally:
+            put.cancel()  # stopping (or a closed partition): nothing is decided after it
         put.result()
         await self.apply(self.core.on_put_returned())
         return "ack"

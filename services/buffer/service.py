@@ -99,6 +99,8 @@ class BufferService(Service):
         self.adapters = AdapterRegistryState()
         self._registry_revision = -1
         self._registry_lock = asyncio.Lock()
+        self.broken: dict[str, str] = {}
+        """Registrations whose partition cannot be built, and why (said once)."""
         self._part_tasks: dict[str, list[asyncio.Task]] = {}
         self.published = VersionBound(bus)  # the newest weight version the trainer published
         if not self.partitioned:
@@ -149,16 +151,23 @@ class BufferService(Service):
         for tasks in self._part_tasks.values():
             for t in tasks:
                 t.cancel()
-        for part in self.parts.values():
+        for part in [*self.parts.values(), *self.closed.values()]:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(part.ledger.flush(snapshot=True), 5)
 
     # ---- multi-LoRA: partitions follow the registry ---------------------------------------------
     async def _read_registry(self) -> None:
         """Open a partition (recovered from its ledger, its loops started) for every registration
-        the registry holds open, and close those it completed."""
+        the registry holds open, and close those it completed (also one completed while this
+        buffer was down: its stored groups are recorded retired). A registration whose partition
+        cannot be built (its data unreadable) is left unopened and said once; a broker that does
+        not answer leaves the rest for the next read."""
         async with self._registry_lock:
-            raw, revision = await self.bus.kv_entry(ADAPTERS_KV_KEY)
+            try:
+                raw, revision = await self.bus.kv_entry(ADAPTERS_KV_KEY)
+            except Exception as e:  # the broker is away: the next poll reads it again
+                log.warning("could not read the adapter registry (%s); reading it again soon", type(e).__name__)
+                return
             if raw is None or revision == self._registry_revision:
                 return
             try:
@@ -166,16 +175,27 @@ class BufferService(Service):
             except MalformedMessage as e:
                 log.error("ignoring the registry's KV value: %s", e)
                 return
-            self._registry_revision = revision
+            done = True
             for run in self.adapters.runs:
                 rid = run.registration_id
-                if run.state in OPEN_STATES and rid not in self.parts and rid not in self.closed:
-                    part = self._partition(run)
-                    await part.recover()
-                    self.parts[rid] = part
-                    self._start(rid)
-                elif run.state is AdapterState.COMPLETED and rid in self.parts:
-                    await self._close(rid)
+                try:
+                    if run.state in OPEN_STATES and rid not in self.parts and rid not in self.broken:
+                        part = self._partition(run)
+                        await part.recover()
+                        self.parts[rid] = part
+                        self._start(rid)
+                    elif run.state is AdapterState.COMPLETED and rid in self.parts:
+                        await self._close(rid)
+                    elif run.state is AdapterState.COMPLETED and rid not in self.closed:
+                        await self._closed_partition(run)
+                except (ValueError, OSError) as e:  # DataError, a spec that does not fit: not a broker's
+                    self.broken[rid] = str(e)
+                    log.error("adapter %s (registration %s) has no buffer partition: %s", run.name, rid, e)
+                except Exception as e:
+                    done = False
+                    log.warning("partition of registration %s: %s; trying again at the next read", rid, e)
+            if done:
+                self._registry_revision = revision
 
     def _partition(self, run: AdapterRun) -> Partition:
         bound = Bound(lambda rid=run.registration_id: self._adapter_version(rid))
@@ -185,9 +205,11 @@ class BufferService(Service):
                          QueueSub(), self._consumer.ack_wait_s)  # fmt: skip
 
     async def _adapter_version(self, rid: str) -> int:
-        """The newest version of a registration's adapter: the steps the registry says it took."""
-        await self._read_registry()
-        return max((r.step for r in self.adapters.runs if r.registration_id == rid), default=0)
+        """The newest version of a registration's adapter: the steps the registry says it took
+        (read only: a partition's own loop may ask, and must never close itself)."""
+        raw, _ = await self.bus.kv_entry(ADAPTERS_KV_KEY)
+        runs = decode(raw, AdapterRegistryState).runs if raw is not None else []
+        return max((r.step for r in runs if r.registration_id == rid), default=0)
 
     def _start(self, rid: str) -> None:
         def done(t: asyncio.Task) -> None:
@@ -205,12 +227,25 @@ class BufferService(Service):
         """Its loops stop; its stored groups are recorded dropped (`retired`) and its ledger
         snapshotted. It stays known here, for the groups that still come back for it (foreign)."""
         part = self.parts.pop(rid)
-        for t in self._part_tasks.pop(rid, []):
+        tasks = self._part_tasks.pop(rid, [])
+        for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self.closed[rid] = part
         await part.apply(part.core.on_closed(), durable=True)
         await part.ledger.flush(snapshot=True)
+        part.release_memory()
         log.info("closed the buffer partition of registration %s", rid)
+
+    async def _closed_partition(self, run: AdapterRun) -> Partition:
+        """The partition of a completed registration this buffer did not have open: its ledger
+        alone (its payloads may be purged), its stored groups recorded retired."""
+        part = self._partition(run)
+        await part.recover(payloads=False)
+        await part.apply(part.core.on_closed(), durable=True)
+        part.release_memory()
+        self.closed[run.registration_id] = part
+        return part
 
     async def _watch_registry(self) -> None:
         while True:
@@ -223,24 +258,31 @@ class BufferService(Service):
         while True:
             for msg in await next_batch(self._rollouts, 64, 1.0):
                 rid = msg.subject[len(prefix):] if msg.subject.startswith(prefix) else ""
-                if rid not in self.parts:  # the registry may have opened it since the last read
+                if rid not in self.parts and rid not in self.closed:  # opened since the last read?
                     await self._read_registry()
                 if (part := self.parts.get(rid)) is not None:
                     part.rollouts.put(msg)
-                else:
+                    continue
+                try:
                     await self._foreign(rid, msg)
+                except Exception as e:  # a broker away: the message comes back
+                    log.warning("group for registration %s: %s; it is delivered again", rid[:64], e)
+                    await settle(msg, "nak", delay=1.0)
 
     async def _foreign(self, rid: str, msg) -> None:
         """A group of a closed registration is recorded `foreign` in its ledger and dropped; one
         of a registration the registry never held is dead-lettered."""
         run = next((r for r in self.adapters.runs if r.registration_id == rid), None)
-        if run is None:
-            await self.bus.dead_letter(msg.subject, msg.data, f"no adapter registration {rid[:64]!r} in this run")
+        if run is None or rid in self.broken:
+            why = self.broken.get(rid) or "no such registration in this run"
+            await self.bus.dead_letter(msg.subject, msg.data, f"adapter registration {rid[:64]!r}: {why}")
             await settle(msg, "term")
             return
+        if run.state is not AdapterState.COMPLETED:  # open, its partition not built yet: later
+            await settle(msg, "nak", delay=1.0)
+            return
         if (part := self.closed.get(rid)) is None:
-            part = self.closed[rid] = self._partition(run)
-            await part.recover()
+            part = await self._closed_partition(run)
         out = part.core.on_foreign(msg, msg.metadata.sequence.stream, msg.data)
         await part.apply(out, durable=True)
         crash.point("buffer", "appended_before_ack")

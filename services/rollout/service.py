@@ -43,6 +43,9 @@ PAUSE_TTL_S = 60.0
 """A pause of submission sent over NATS lapses this long after it was last sent."""
 MAX_GROUP_DELIVERIES = 5
 """A group whose generation fails this many times on one producer is published as FAILED."""
+MAX_NOT_YET_DELIVERIES = 240
+"""Multi-LoRA: a prompt whose adapter is not on the engines after this many deliveries (0.5 s
+apart: two minutes) settles as a FAILED group rather than coming back forever."""
 RETRY_BACKOFF_S = 1.0
 """A failed group's prompt is redelivered after RETRY_BACKOFF_S * 2^(delivery - 1), at most 30 s."""
 
@@ -276,11 +279,18 @@ class RolloutService(Service):
             if prompt.n_samples != run.spec.n_samples_per_prompt:
                 raise Closed(f"n_samples {prompt.n_samples} differs from the adapter's {run.spec.n_samples_per_prompt}")
             reward = self.adapters.reward(run)
-        except NotYet:
-            await settle(msg, "nak", delay=0.5)
+        except NotYet as e:
+            if msg.metadata.num_delivered < MAX_NOT_YET_DELIVERIES:
+                await settle(msg, "nak", delay=0.5)
+                return None
+            await self._publish_failed(msg, prompt, started, f"{e} after {msg.metadata.num_delivered} deliveries")
             return None
         except (Closed, ValueError) as e:  # ValueError: a reward that does not resolve
             await self._publish_failed(msg, prompt, started, str(e))
+            return None
+        except Exception as e:  # the broker away, a reward module that fails to import: later
+            log.warning("prompt of adapter registration %s: %s; it goes back to the queue", rid[:64], e)
+            await settle(msg, "nak", delay=1.0)
             return None
         return GroupContext(EngineHandle(self.client, self.tokenizer, lora_path=live.engine_name), reward, live.version)
 

@@ -25,6 +25,7 @@ run ends once every registered adapter is COMPLETED.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -47,7 +48,8 @@ from asyncrl_proto import (
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import AdapterRun, AdapterState, SampleStatus, flatten_group
 from asyncrl_proto.subjects import ADAPTERS_KV_KEY
-from services.common.datasource import adapter_total_steps, load_rows
+from services.common.datasource import DataError, adapter_total_steps, load_rows
+from services.common.snapshot import COMPLETE_MARKER
 from services.model.lora import LoraError, LoraSpec, MultiLora, SlotAdamW, load_adapter, save_adapter
 from services.trainer.adapter_push import adapter_dir, publish_adapter
 from services.trainer.adapters import train_adapter_step
@@ -154,16 +156,28 @@ class MultiLoraTrainer:
                         await self._train(t, reply)
 
     async def _follow(self, run: AdapterRun) -> None:
-        """Bring one registration's slot in line with its state."""
+        """Bring one registration's slot in line with its state. What cannot be set up (its data
+        unreadable, its save not fitting) retires that adapter with the reason, never the run."""
         t = self.tracks.get(run.registration_id)
         if t is not None:
             t.run = run
-        if run.state is AdapterState.PENDING:
-            await self._activate(run)
-        elif run.state is AdapterState.ACTIVE and t is None:
-            await self._resume(run)
-        elif run.state in (AdapterState.RETIRING, AdapterState.CLEANUP):
-            await self._retire(run)
+        try:
+            if run.state is AdapterState.PENDING:
+                await self._activate(run)
+            elif run.state is AdapterState.ACTIVE and t is None:
+                await self._resume(run)
+            elif run.state in (AdapterState.RETIRING, AdapterState.CLEANUP):
+                await self._retire(run)
+        except (MultiLoraError, LoraError, DataError, OSError) as e:
+            if run.state not in (AdapterState.PENDING, AdapterState.ACTIVE):
+                raise
+            log.error("adapter %s cannot be trained: %s; retiring it", run.name, e)
+            self.tracks.pop(run.registration_id, None)
+            await self._control("retire", run, reason=f"cannot be trained: {str(e)[:300]}")
+            return
+        t = self.tracks.get(run.registration_id)
+        if t is not None and t.run.state is AdapterState.ACTIVE and t.step >= t.total:  # its budget, reached before a restart
+            t.run = await self._control("retire", t.run, reason=f"its budget of {t.total} steps is reached")
 
     def _lora_spec(self, run: AdapterRun) -> LoraSpec:
         return LoraSpec(rank=run.spec.rank, alpha=run.spec.alpha, target_modules=tuple(run.spec.target_modules))
@@ -195,22 +209,23 @@ class MultiLoraTrainer:
         t.run = await self._control("activate", run)
 
     async def _resume(self, run: AdapterRun) -> None:
-        """After a trainer restart: the version published after the partition's committed step."""
+        """After a trainer restart: from the version published after the partition's committed
+        step; a step trained, reported and published but not committed (killed in between) is
+        committed now rather than trained again, so no version number ever names two weights."""
         reply = await self._ask(run.registration_id, BufferGetRequest(step=0, count=run.spec.rollout_batch_size,
                                                                       wait_s=0.0), "question where to resume")  # fmt: skip
-        step = reply.committed_step + 1
-        path = adapter_dir(self.run_dir, run.name, run.registration_id, step)
-        t = self._track(run, step)
-        if (path / "adapter_config.json").exists():
-            spec, tensors = await asyncio.to_thread(load_adapter, path)
-            self.lora.set_slot(run.slot, spec, tensors)
-        else:  # its version was never written: start it again from version 0's weights
-            path0 = adapter_dir(self.run_dir, run.name, run.registration_id, 0)
-            spec, tensors = await asyncio.to_thread(load_adapter, path0)
-            self.lora.set_slot(run.slot, spec, tensors)
-            t.step = 0
+        t = self._track(run, reply.committed_step + 1)
+        if run.step == t.step + 1 and _complete(adapter_dir(self.run_dir, run.name, t.rid, run.step)):
+            t.step += 1  # that version is out: its step's records were written before it
+            self._truncate(t)
+            await self._commit(t, t.step - 1)
+        else:
+            self._truncate(t)
+        while t.step > 0 and not _complete(adapter_dir(self.run_dir, run.name, t.rid, t.step)):
+            t.step -= 1  # never written: from the version before it (the steps after are trained again)
+        spec, tensors = await asyncio.to_thread(load_adapter, adapter_dir(self.run_dir, run.name, t.rid, t.step))
+        self.lora.set_slot(run.slot, spec, tensors)
         self.optimizer.reset(run.slot)
-        self._truncate(t)
         log.info("adapter %s resumed at its step %d (its optimizer state is lost)", run.name, t.step)
 
     async def _retire(self, run: AdapterRun) -> None:
@@ -222,7 +237,10 @@ class MultiLoraTrainer:
             t.get.cancel()
             t.get = None
         out = Path(run.spec.save) / f"step_{t.step}"
-        await asyncio.to_thread(save_adapter, self.lora, run.slot, out, self.config.hf_checkpoint)
+        if self.lora.specs[run.slot] is not None:  # one retired before it was set up has nothing to save
+            await asyncio.to_thread(save_adapter, self.lora, run.slot, out, self.config.hf_checkpoint)
+        else:
+            out = "nothing (it never trained)"
         if run.state is AdapterState.RETIRING:
             run = await self._control("cleanup", run)
         self.lora.clear_slot(run.slot)
@@ -234,7 +252,7 @@ class MultiLoraTrainer:
         d = self.run_dir / "adapters" / t.run.name / t.rid
         versions = sorted((int(p.name[1:]) for p in d.glob("v*") if p.name[1:].isdigit()), reverse=True)
         for v in versions:
-            if (d / f"v{v}" / "adapter_config.json").exists():
+            if _complete(d / f"v{v}"):
                 spec, tensors = await asyncio.to_thread(load_adapter, d / f"v{v}")
                 self.lora.set_slot(t.run.slot, spec, tensors)
                 t.step = v
@@ -268,12 +286,13 @@ class MultiLoraTrainer:
                                         batches, self.svc.loss_cfg, c.clip_grad)  # fmt: skip
         step = t.step
         t.step += 1
-        # the registry first: the buffer bounds the versions groups and gets may name by it
-        t.run = await self._control("stepped", t.run, step=t.step)
-        await self._publish(t)
+        # records first (a restart drops those after its committed step), then the registry (the
+        # buffer bounds the versions groups and gets may name by it), then the version, the commit
         self._append_trained(t, step, groups)
         record = self._record(t, step, groups, stats, reply, time.perf_counter() - t0)
         await self._emit(t, record)
+        t.run = await self._control("stepped", t.run, step=t.step)
+        await self._publish(t)
         await self._commit(t, step)
         if t.step >= t.total:
             t.run = await self._control("retire", t.run, reason=f"its budget of {t.total} steps is reached")
@@ -303,7 +322,11 @@ class MultiLoraTrainer:
         """The steps after the committed one are trained again: drop their records."""
         path = self._trained_path(t)
         if path.exists():
-            keep = [x for x in path.read_text().splitlines() if json.loads(x)["step"] < t.step]
+            keep = []
+            for x in path.read_text().splitlines():
+                with contextlib.suppress(ValueError, KeyError, TypeError):  # a torn last line of a killed trainer
+                    if json.loads(x)["step"] < t.step:
+                        keep.append(x)
             path.write_text("".join(x + "\n" for x in keep))
 
     def _record(self, t: Track, step: int, groups, stats: dict, reply: BufferGetReply, step_s: float) -> dict:
@@ -345,7 +368,11 @@ class MultiLoraTrainer:
         self.svc.stop()
 
 
+def _complete(path: Path) -> bool:
+    return (path / COMPLETE_MARKER).exists()
+
+
 def _latest_save(save: Path) -> Path | None:
     """The newest `step_<k>` PEFT directory of an adapter's save directory."""
-    steps = [(int(p.name[5:]), p) for p in save.glob("step_*") if p.name[5:].isdigit() and (p / "adapter_config.json").exists()]
+    steps = [(int(p.name[5:]), p) for p in save.glob("step_*") if p.name[5:].isdigit() and _complete(p)]
     return max(steps)[1] if steps else None
