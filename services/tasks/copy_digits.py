@@ -12,10 +12,9 @@ No torch: the producer and eval import it.
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
-from services.tasks.reverse_digits import NUM_EVAL_PROMPTS, NUM_TRAIN_PROMPTS, _digits, score
+from services.tasks.reverse_digits import NUM_EVAL_PROMPTS, NUM_TRAIN_PROMPTS, distinct_rows, score
 
 NAME = "copy-digits"
 OPERATOR = "+"
@@ -24,15 +23,7 @@ OPERATOR = "+"
 
 def make_rows(num: int, seed: int, exclude: set[str] = frozenset()) -> list[dict]:
     """`num` distinct prompts, none of whose digit strings is in `exclude`."""
-    rng = random.Random(seed)
-    rows, seen = [], set(exclude)
-    while len(rows) < num:
-        d = _digits(rng)
-        if d in seen:
-            continue
-        seen.add(d)
-        rows.append({"prompt": f"{d}{OPERATOR}", "label": d})
-    return rows
+    return distinct_rows(num, seed, exclude, lambda d: {"prompt": f"{d}{OPERATOR}", "label": d})
 
 
 def write_datasets(data_dir: str | Path, seed: int = 0) -> tuple[Path, Path]:

@@ -66,7 +66,8 @@ def _digits(rng: random.Random) -> str:
     return "".join(rng.choice("0123456789") for _ in range(rng.randint(MIN_DIGITS, MAX_DIGITS)))
 
 
-def make_rows(num: int, seed: int, exclude: set[str] = frozenset()) -> list[dict]:
+def distinct_rows(num: int, seed: int, exclude: set[str], row) -> list[dict]:
+    """`num` rows `row(digits)` of distinct digit strings, none of them in `exclude`."""
     rng = random.Random(seed)
     rows, seen = [], set(exclude)
     while len(rows) < num:
@@ -74,8 +75,12 @@ def make_rows(num: int, seed: int, exclude: set[str] = frozenset()) -> list[dict
         if d in seen:
             continue
         seen.add(d)
-        rows.append({"prompt": f"{d}=", "label": d[::-1]})
+        rows.append(row(d))
     return rows
+
+
+def make_rows(num: int, seed: int, exclude: set[str] = frozenset()) -> list[dict]:
+    return distinct_rows(num, seed, exclude, lambda d: {"prompt": f"{d}=", "label": d[::-1]})
 
 
 def write_datasets(data_dir: str | Path, seed: int = 0) -> tuple[Path, Path]:

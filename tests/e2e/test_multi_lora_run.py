@@ -136,7 +136,7 @@ def test_two_adapters_with_different_tasks_both_learn(tmp_path, tiny_model_dir):
         held_rows = task.make_rows(256, seed=99)
         held[name] = tmp_path / f"{name}_heldout.jsonl"
         held[name].write_text("".join(json.dumps(r) + "\n" for r in held_rows))
-        rows = task.make_rows(4000, seed=3, exclude={r["label"] for r in held_rows})
+        rows = task.make_rows(4000, seed=3, exclude={r["prompt"][:-1] for r in held_rows})  # the digit strings
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         specs[name] = tmp_path / f"{name}.yaml"
         specs[name].write_text(f"data: {tmp_path / (name + '.jsonl')}\nrank: 8\nalpha: 16\nrollout_batch_size: 8\n"
