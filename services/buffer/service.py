@@ -188,6 +188,9 @@ class BufferService(Service):
                         await self._close(rid)
                     elif run.state is AdapterState.COMPLETED and rid not in self.closed:
                         await self._closed_partition(run)
+                except (TimeoutError, ConnectionError) as e:  # the broker: the next read tries again
+                    done = False
+                    log.warning("partition of registration %s: %s; trying again at the next read", rid, e)
                 except (ValueError, OSError) as e:  # DataError, a spec that does not fit: not a broker's
                     self.broken[rid] = str(e)
                     log.error("adapter %s (registration %s) has no buffer partition: %s", run.name, rid, e)
@@ -273,7 +276,7 @@ class BufferService(Service):
         """A group of a closed registration is recorded `foreign` in its ledger and dropped; one
         of a registration the registry never held is dead-lettered."""
         run = next((r for r in self.adapters.runs if r.registration_id == rid), None)
-        if run is None or rid in self.broken:
+        if run is None or (rid in self.broken and rid not in self.closed):
             why = self.broken.get(rid) or "no such registration in this run"
             await self.bus.dead_letter(msg.subject, msg.data, f"adapter registration {rid[:64]!r}: {why}")
             await settle(msg, "term")

@@ -168,12 +168,15 @@ class MultiLoraTrainer:
                 await self._resume(run)
             elif run.state in (AdapterState.RETIRING, AdapterState.CLEANUP):
                 await self._retire(run)
+        except (TimeoutError, ConnectionError):
+            raise  # the broker, not the adapter: the trainer fails and is restarted
         except (MultiLoraError, LoraError, DataError, OSError) as e:
             if run.state not in (AdapterState.PENDING, AdapterState.ACTIVE):
                 raise
             log.error("adapter %s cannot be trained: %s; retiring it", run.name, e)
             self.tracks.pop(run.registration_id, None)
-            await self._control("retire", run, reason=f"cannot be trained: {str(e)[:300]}")
+            with contextlib.suppress(MultiLoraError):  # retired meanwhile (DELETE): the registry refuses, fine
+                await self._control("retire", run, reason=f"cannot be trained: {str(e)[:300]}")
             return
         t = self.tracks.get(run.registration_id)
         if t is not None and t.run.state is AdapterState.ACTIVE and t.step >= t.total:  # its budget, reached before a restart
@@ -212,8 +215,15 @@ class MultiLoraTrainer:
         """After a trainer restart: from the version published after the partition's committed
         step; a step trained, reported and published but not committed (killed in between) is
         committed now rather than trained again, so no version number ever names two weights."""
-        reply = await self._ask(run.registration_id, BufferGetRequest(step=0, count=run.spec.rollout_batch_size,
-                                                                      wait_s=0.0), "question where to resume")  # fmt: skip
+        deadline = time.monotonic() + self.config.buffer_timeout_s
+        while True:  # a partition the buffer is still opening answers an error: ask again
+            reply = await self._ask(run.registration_id, BufferGetRequest(step=0, count=run.spec.rollout_batch_size,
+                                                                          wait_s=0.0), "question where to resume")  # fmt: skip
+            if not reply.error or "already committed" in reply.error:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"adapter {run.name}: the buffer cannot say where to resume: {reply.error}")
+            await asyncio.sleep(1.0)
         t = self._track(run, reply.committed_step + 1)
         if run.step == t.step + 1 and _complete(adapter_dir(self.run_dir, run.name, t.rid, run.step)):
             t.step += 1  # that version is out: its step's records were written before it
@@ -231,7 +241,8 @@ class MultiLoraTrainer:
     async def _retire(self, run: AdapterRun) -> None:
         t = self.tracks.get(run.registration_id)
         if t is None:  # a restart found it retiring: its weights are its last published version
-            t = self._track(run, 0)
+            t = Track(run=run, spec=self._lora_spec(run), total=0)  # its data is not needed (nor maybe readable)
+            self.tracks[run.registration_id] = t
             await self._resume_weights(t)
         if t.get is not None:
             t.get.cancel()
@@ -253,8 +264,12 @@ class MultiLoraTrainer:
         versions = sorted((int(p.name[1:]) for p in d.glob("v*") if p.name[1:].isdigit()), reverse=True)
         for v in versions:
             if _complete(d / f"v{v}"):
-                spec, tensors = await asyncio.to_thread(load_adapter, d / f"v{v}")
-                self.lora.set_slot(t.run.slot, spec, tensors)
+                try:
+                    spec, tensors = await asyncio.to_thread(load_adapter, d / f"v{v}")
+                    self.lora.set_slot(t.run.slot, spec, tensors)
+                except LoraError as e:
+                    log.error("adapter %s: its version %d does not load (%s); trying the one before", t.run.name, v, e)
+                    continue
                 t.step = v
                 return
 
@@ -327,7 +342,9 @@ class MultiLoraTrainer:
                 with contextlib.suppress(ValueError, KeyError, TypeError):  # a torn last line of a killed trainer
                     if json.loads(x)["step"] < t.step:
                         keep.append(x)
-            path.write_text("".join(x + "\n" for x in keep))
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(x + "\n" for x in keep))
+            tmp.replace(path)  # a kill meanwhile leaves the old records, never none
 
     def _record(self, t: Track, step: int, groups, stats: dict, reply: BufferGetReply, step_s: float) -> dict:
         n = t.run.name

@@ -602,12 +602,14 @@ class TrainerService(Service):
         # a version newer than the engines' live one may be loading right now: deleting it under
         # weight-sync loses that whole update (the engines stay behind a cycle longer), so those
         # stay too, up to SNAPSHOT_LAG_FACTOR x --keep-weight-snapshots (engines that are away)
-        for old in snapshots_to_remove(self.snapshots, keep, backing, await self._live_version()):
+        live = await self._live_version()
+        for old in snapshots_to_remove(self.snapshots, keep, backing, live):
             self.snapshots.remove(old)
             remove_snapshot(old)
-        if self.store is not None:
-            kept = set(sorted(self.stored)[-keep:]) | {self.committed_version}
-            for v in sorted(self.stored - kept):
+        if self.store is not None:  # the same versions, by number
+            stored = [Path(f"v{v}") for v in sorted(self.stored)]
+            committed = Path(f"v{self.committed_version}") if self.committed_version is not None else None
+            for v in [int(p.name[1:]) for p in snapshots_to_remove(stored, keep, committed, live)]:
                 await self.store.retire(v)
                 self.stored.discard(v)
 
