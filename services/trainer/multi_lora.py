@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,11 +41,10 @@ from asyncrl_proto import (
     BufferGetReply,
     BufferGetRequest,
     ProgressRecord,
-    RolloutGroup,
     decode,
 )
 from asyncrl_proto.codec import MalformedMessage
-from asyncrl_proto.messages import AdapterRun, AdapterState, SampleStatus, flatten_group
+from asyncrl_proto.messages import AdapterRun, AdapterState, flatten_group
 from asyncrl_proto.subjects import ADAPTERS_KV_KEY
 from services.common.datasource import DataError, adapter_total_steps, load_rows
 from services.common.snapshot import COMPLETE_MARKER
@@ -54,6 +52,7 @@ from services.model.lora import LoraError, LoraSpec, MultiLora, SlotAdamW, load_
 from services.trainer.adapter_push import adapter_dir, publish_adapter
 from services.trainer.adapters import train_adapter_step
 from services.trainer.core import assemble_batch, build_step_batches
+from services.trainer.rollout_stats import rollout_metrics
 
 log = logging.getLogger(__name__)
 
@@ -287,12 +286,7 @@ class MultiLoraTrainer:
 
     async def _train(self, t: Track, reply: BufferGetReply) -> None:
         t0 = time.perf_counter()
-        s = self.bus.subjects.of(t.rid)
-        groups = []
-        for ref in reply.refs:
-            data = ref.payload if ref.payload is not None else await self.bus.get_payload(s.rollouts_stream, ref.stream_seq)
-            groups.append(decode(data, RolloutGroup).samples)
-        groups = assemble_batch(groups, t.run.spec.n_samples_per_prompt)
+        groups = assemble_batch([await self.svc._load_group(ref) for ref in reply.refs], t.run.spec.n_samples_per_prompt)
         self.svc._exclude_invalid(groups, max_version=t.step, n=t.run.spec.n_samples_per_prompt)
         c = self.config
         std = bool(c.grpo_std_normalization and t.run.spec.n_samples_per_prompt > 1)
@@ -330,8 +324,7 @@ class MultiLoraTrainer:
     def _append_trained(self, t: Track, step: int, groups: list[list]) -> None:
         path = self._trained_path(t)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            f.write(json.dumps({"step": step, "groups": sorted(flatten_group(g)[0].group_index for g in groups)}) + "\n")
+        self.svc._append_trained(step, groups, path)
 
     def _truncate(self, t: Track) -> None:
         """The steps after the committed one are trained again: drop their records."""
@@ -349,13 +342,13 @@ class MultiLoraTrainer:
     def _record(self, t: Track, step: int, groups, stats: dict, reply: BufferGetReply, step_s: float) -> dict:
         n = t.run.name
         samples = [s for g in groups for s in flatten_group(g)]
-        ok = [s for s in samples if s.status != SampleStatus.FAILED]
-        rewards = [float(s.reward) for s in ok if isinstance(s.reward, int | float)]
-        lengths = [s.response_length for s in ok]
+        rollout = rollout_metrics(samples, self.config.reward_key, groups)  # the single-model step's, per adapter
         record = {
             "step": self.steps_total, f"{n}/step": step, "adapter": n,
-            f"{n}/raw_reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
-            f"{n}/response_len_mean": sum(lengths) / len(lengths) if lengths else math.nan,
+            **{f"{n}/raw_reward_{k}": rollout[f"rollout/reward/{k}"] for k in ("mean", "std", "min", "max")},
+            **{f"{n}/response_len_{k.rsplit('/', 1)[1]}": v for k, v in rollout.items()
+               if k.startswith("rollout/response_len/")},
+            f"{n}/rollout/failed_ratio": rollout["rollout/failed_ratio"],
             f"{n}/perf/step_time_s": step_s,
             "perf/fully_async/batch_n_adapters": 1, "perf/fully_async/batch_n_groups": len(groups),
             "perf/fully_async/batch_n_samples": len(samples), "perf/fully_async/batch_n_adapters_to_step": 1,
