@@ -100,16 +100,31 @@ def load_record(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def code_revision() -> str | None:
+    """The commit the runs measure (with "+dirty" when the tree has changes), so a record that
+    spans sessions says which code each run had; None outside a git checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
 def run_all(cells: list[tuple[str, int, list[str]]], a, record: Path) -> None:
     """Run every (arm, seed, extra) not yet in the record, appending each as it finishes."""
     done = {run_key(r["arm"], r["seed"], r["steps"], r["extra"]) for r in load_record(record) if "arm" in r}
     todo = [c for c in cells if run_key(c[0], c[1], a.steps, c[2]) not in done]
     print(f"{len(cells) - len(todo)} of {len(cells)} runs already recorded in {record}; {len(todo)} to go", flush=True)
     data = write_data(Path(tempfile.gettempdir()) / "asyncrl-learning-data", a.eval_prompts)
+    rev = code_revision()
     for i, (arm, seed, extra) in enumerate(todo, 1):
         t0 = time.time()
         with tempfile.TemporaryDirectory(prefix="asyncrl-learning-") as tmp:
             res = run_one(arm, seed, a.steps, extra, a, data, Path(tmp) / "run")
+        res["rev"] = rev
         record.parent.mkdir(parents=True, exist_ok=True)
         with record.open("a") as f:
             f.write(json.dumps(res) + "\n")
