@@ -189,13 +189,14 @@ class AdapterService(Service):
 
     # ---- HTTP ---------------------------------------------------------------------------------
     def _fits(self, spec: AdapterSpec) -> AdapterSpec:
-        """What this run can serve: the engines' largest rank, and the producers' group size."""
+        """What this run can serve: the engines' largest rank, and the producers' largest group."""
         c = self.config
         if spec.rank > c.multi_lora_max_rank:
             raise SpecError(f"rank {spec.rank} is above the engines' --multi-lora-max-rank {c.multi_lora_max_rank}")
-        if spec.n_samples_per_prompt != c.n_samples_per_prompt:
-            raise SpecError(f"n_samples_per_prompt {spec.n_samples_per_prompt} differs from the run's "
-                            f"--n-samples-per-prompt {c.n_samples_per_prompt} (the producers' group size; one per run)")  # fmt: skip
+        if spec.n_samples_per_prompt > c.n_samples_per_prompt:
+            raise SpecError(f"n_samples_per_prompt {spec.n_samples_per_prompt} is above the run's "
+                            f"--n-samples-per-prompt {c.n_samples_per_prompt} (the largest group the producers "
+                            "hold credits for): start the run with a larger one")  # fmt: skip
         try:  # every prompt readable now: the buffer and the trainer read them later
             rows = load_rows(spec.data, c.input_key, c.label_key, c.metadata_key)
         except (DataError, OSError) as e:

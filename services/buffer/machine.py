@@ -310,11 +310,18 @@ class BufferMachine:
         return self._out(settle="put")
 
     def on_closed(self) -> Out:
-        """The partition's adapter registration completed: its stored groups will never be
-        trained; each is recorded `retired` (dropped), so that nothing is left to purge around."""
+        """The partition's adapter registration completed: its stored groups, and those leased to
+        a step its trainer never committed (the lease completed as the adapter was retired), will
+        never be trained; each is recorded `retired` (dropped), so that nothing is left in flight
+        or to purge around."""
         for gid, ref in list(self.state.stored.items()):
             self._record("retired", group_id=gid, group_index=ref.prompt.group_index, attempt=ref.prompt.attempt,
                          reason="its adapter registration completed")  # fmt: skip
+        for lease in list(self.state.leases.values()):
+            for r in list(lease.refs):
+                self._record("retired", group_id=r.group_id, group_index=r.group_index, step=lease.step,
+                             reason="its adapter registration completed while it was leased to this step, "
+                             "never committed")  # fmt: skip
         return self._out()
 
     def on_foreign(self, msg: Any, stream_seq: int, raw: bytes) -> Out:

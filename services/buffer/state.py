@@ -147,9 +147,9 @@ def apply(state: BufferState, ev: LedgerEvent) -> None:
         state.count("stale_recycled" if ev.recycled else "stale_dropped")
         if ev.recycled:
             _recycle(state, ref.prompt)
-    elif kind == "retired":  # multi-LoRA: stored when its adapter registration completed
-        if state.stored.pop(ev.group_id, None) is None:
-            raise StateError(f"retirement of {ev.group_id}, which is not stored")
+    elif kind == "retired":  # multi-LoRA: stored, or leased to a step never committed, when its registration completed
+        if state.stored.pop(ev.group_id, None) is None and not _unlease(state, ev.group_id):
+            raise StateError(f"retirement of {ev.group_id}, which is neither stored nor leased")
         state.count("retired_dropped")
     elif kind == "leased":
         ref = state.stored.pop(ev.group_id, None)
@@ -179,6 +179,18 @@ def apply(state: BufferState, ev: LedgerEvent) -> None:
         state.committed_step = max(state.committed_step, ev.step)
     else:
         raise StateError(f"unknown ledger event kind {kind!r}")
+
+
+def _unlease(state: BufferState, gid: str) -> bool:
+    """Take a group out of the uncommitted lease holding it (a lease left empty goes); False if none does."""
+    for step, lease in state.leases.items():
+        for i, ref in enumerate(lease.refs):
+            if ref.group_id == gid:
+                del lease.refs[i]
+                if not lease.refs:
+                    del state.leases[step]
+                return True
+    return False
 
 
 def fold(events, state: BufferState | None = None) -> BufferState:

@@ -852,16 +852,19 @@ class MultiLoraSection(Section):
         "engines are started with it).",
     )
     multi_lora_max_coalesce_wait_s: float = Field(
-        5.0,
+        0.0,
         ge=0,
-        description="Multi-LoRA: once one adapter's batch is ready, wait up to this long for other adapters' "
-        "batches to train them in the same step.",
+        description="Multi-LoRA: once one adapter's batch (a step's rollout_batch_size groups) is ready, keep "
+        "collecting other adapters' batches into the same training batch while each arrives within this many "
+        "seconds of the last, up to --global-batch-size samples (default: --rollout-batch-size x "
+        "--n-samples-per-prompt); only the adapters in the batch step. 0: train what is ready at once (the "
+        "trainer runs each adapter's forward on its own rows, so waiting buys no speed, only Miles's batch shape).",
     )
     multi_lora_max_empty_wait_s: float = Field(
         30.0,
-        ge=0,
-        description="Multi-LoRA: with no adapter left to train, wait this long for a new registration before "
-        "the run ends (unless --multi-lora-service-mode).",
+        gt=0,
+        description="Multi-LoRA: with adapters active but no batch ready for this long, warn (naming the step "
+        "each adapter waits for) and keep waiting.",
     )
     multi_lora_idle_poll_s: float = Field(
         2.0, gt=0, description="Multi-LoRA: while no adapter is training, look for new ones this often."

@@ -10,6 +10,13 @@ and leaves the rest zero, which adds exactly nothing. The base model is not modi
 parameter names, snapshots and weight updates stay as they are (the factors hang on forward
 hooks, not on replaced modules).
 
+Where the factors attach is a model's `LoraSite`s: by default every target `nn.Linear` of the
+built-in model (batch first, one module per factor pair, the delta added in place). A model with
+other modules declares its own with `lora_sites(targets)`: the Megatron backend's fused QKV and
+gate/up linears (sequence first) take the deltas of q, k, v (or gate, up) laid out as their fused
+output. The factors are kept per Hugging Face module either way, so an adapter trained on either
+backend is the same PEFT directory.
+
 On disk an adapter is a PEFT LoRA directory, the format SGLang's `/load_lora_adapter` and
 `--lora-paths` read: `adapter_config.json` (peft_type LORA, r, lora_alpha, target_modules) and
 `adapter_model.safetensors` with `base_model.model.model.layers.{i}.{self_attn|mlp}.{m}.lora_A.weight`
@@ -25,7 +32,7 @@ import contextlib
 import json
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,9 +97,31 @@ class LoraSpec:
         return cls(rank=rank, alpha=float(alpha), target_modules=tuple(targets))
 
 
+@dataclass(frozen=True)
+class LoraSite:
+    """A module whose forward output gets the adapter deltas of the HF modules `names` of `layer`:
+    one name, or several fused into its output by `fuse` (their deltas, in `names` order, each
+    [..., out of that module] -> [..., the module's out]). `batch_dim` is where batch rows are
+    in its input and output (0: [batch, seq, features]; 1: [seq, batch, features])."""
+
+    module: nn.Module
+    layer: int
+    names: tuple[str, ...]
+    batch_dim: int = 0
+    fuse: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
+
+
 def _module_of(model: CausalLM, layer: int, name: str) -> nn.Linear:
     block = model.model.layers[layer]
     return getattr(block.self_attn if name in ATTENTION else block.mlp, name)
+
+
+def module_shape(cfg, name: str) -> tuple[int, int]:
+    """(in, out) features of a Llama layer's HF module `name` under a model config."""
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, inter),
+            "up_proj": (h, inter), "down_proj": (inter, h)}[name]  # fmt: skip
 
 
 def peft_key(layer: int, name: str, factor: str) -> str:
@@ -108,17 +137,22 @@ class MultiLora(nn.Module):
         LoraSpec(rank=max_rank, alpha=1.0, target_modules=tuple(targets))  # checks the names
         self.n_slots, self.max_rank, self.targets = n_slots, max_rank, tuple(targets)
         self.num_layers = model.cfg.num_hidden_layers
+        self.out_features = {name: module_shape(model.cfg, name)[1] for name in TARGETS}
         ref = next(model.parameters())
         self.A = nn.ParameterDict()
         self.B = nn.ParameterDict()
-        self._hooks = []
         for i in range(self.num_layers):
             for name in self.targets:
-                lin = _module_of(model, i, name)
-                key = f"l{i}_{name}"
-                self.A[key] = nn.Parameter(torch.zeros(n_slots, max_rank, lin.in_features, dtype=ref.dtype))
-                self.B[key] = nn.Parameter(torch.zeros(n_slots, lin.out_features, max_rank, dtype=ref.dtype))
-                self._hooks.append(lin.register_forward_hook(self._hook(key)))
+                fan_in, fan_out = module_shape(model.cfg, name)
+                self.A[f"l{i}_{name}"] = nn.Parameter(torch.zeros(n_slots, max_rank, fan_in, dtype=ref.dtype))
+                self.B[f"l{i}_{name}"] = nn.Parameter(torch.zeros(n_slots, fan_out, max_rank, dtype=ref.dtype))
+        if hasattr(model, "lora_sites"):
+            sites = model.lora_sites(self.targets)
+        else:
+            sites = [LoraSite(_module_of(model, i, name), i, (name,)) for i in range(self.num_layers) for name in self.targets]
+        self._hooks = [site.module.register_forward_hook(self._fused_hook(site) if site.fuse or site.batch_dim
+                                                         else self._hook(f"l{site.layer}_{site.names[0]}"))
+                       for site in sites]  # fmt: skip
         self.register_buffer("scale", torch.zeros(n_slots, dtype=ref.dtype))
         self.specs: list[LoraSpec | None] = [None] * n_slots
         self._rows: tuple[int, list[tuple[int, int, int]]] | None = None
@@ -168,6 +202,34 @@ class MultiLora(nn.Module):
             return out
 
         return add_delta
+
+    def _fused_hook(self, site: LoraSite):
+        def add_fused(_module: nn.Module, inputs: tuple, out):
+            """out + the deltas of the site's modules for each run of rows of one adapter, laid
+            out by `fuse` (zeros for a module the adapter does not target), not in place: the
+            output may be a tuple (Megatron's linears return (output, bias))."""
+            if self._rows is None or not self._rows[1]:
+                return None
+            n, runs = self._rows
+            y = out[0] if isinstance(out, tuple) else out
+            bd = site.batch_dim
+            if y.shape[bd] != n:
+                raise LoraError(f"rows name {n} slots for a batch of {y.shape[bd]}")
+            x, delta = inputs[0], torch.zeros_like(y)
+            for slot, s, e in runs:
+                spec, xs = self.specs[slot], inputs[0].narrow(bd, s, e - s)
+                parts = []
+                for name in site.names:
+                    key = f"l{site.layer}_{name}"
+                    if name in spec.target_modules and key in self.A:
+                        a, b = self.A[key][slot, : spec.rank], self.B[key][slot, :, : spec.rank]
+                        parts.append((xs @ a.t()) @ b.t() * spec.scale)
+                    else:
+                        parts.append(x.new_zeros(*xs.shape[:-1], self.out_features[name]))
+                delta.narrow(bd, s, e - s).add_(site.fuse(parts) if site.fuse else parts[0])
+            return (y + delta, *out[1:]) if isinstance(out, tuple) else y + delta
+
+        return add_fused
 
     # ---- slots -----------------------------------------------------------------------------------
     def _check_spec(self, spec: LoraSpec) -> None:

@@ -40,6 +40,12 @@ class Credits:
         assert self.free <= self.total, "credits returned twice"
         self._changed.set()
 
+    def give_back(self, k: int) -> None:
+        """Credits a group will not use (a smaller group than the unit it took)."""
+        if not 0 <= k <= self.n:
+            raise ValueError(f"a group gives back 0..{self.n} credits, not {k}")
+        self._give(k)
+
     def trajectory_done(self) -> int:
         """Returns the credits given back now (1 under sample granularity)."""
         if self.granularity == "sample":

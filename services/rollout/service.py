@@ -226,6 +226,9 @@ class RolloutService(Service):
             return
         self.groups_in_flight[id(msg)] = (msg, started)
         given_back = [0]  # credits this group already returned, trajectory by trajectory
+        if (spare := self.n - self._group_n(prompt)) > 0:  # an adapter's smaller group: its spare credits now
+            self.credits.give_back(spare)
+            given_back[0] = spare
         try:
             try:
                 rg = await self._generate_group(prompt, input_ids, started, given_back, ctx)
@@ -297,7 +300,7 @@ class RolloutService(Service):
     async def _generate_group(
         self, prompt: PromptMsg, input_ids: list[int], started: float, given_back: list[int], ctx: GroupContext
     ) -> RolloutGroup:
-        samples = [self._new_sample(prompt, i, _input_ids=input_ids) for i in range(self.n)]
+        samples = [self._new_sample(prompt, i, _input_ids=input_ids) for i in range(self._group_n(prompt))]
         tasks = [asyncio.create_task(self._run_trajectory(s, given_back, ctx)) for s in samples]
         try:
             results = await asyncio.gather(*tasks)
@@ -334,7 +337,8 @@ class RolloutService(Service):
         await self._publish_failed(msg, prompt, started, f"{type(error).__name__}: {error}")
 
     async def _publish_failed(self, msg, prompt: PromptMsg, started: float, reason: str) -> None:
-        samples = [self._new_sample(prompt, i, SampleStatus.FAILED, error=reason[:1000]) for i in range(self.n)]
+        samples = [self._new_sample(prompt, i, SampleStatus.FAILED, error=reason[:1000])
+                   for i in range(self._group_n(prompt))]  # fmt: skip
         rg = self._group(prompt, samples, started)
         try:
             subject, msg_id = self._destination(msg, rg.group_id)
@@ -346,11 +350,19 @@ class RolloutService(Service):
         self.failures.pop(rg.group_id, None)
         await settle(msg)
 
+    def _group_n(self, prompt: PromptMsg) -> int:
+        """The prompt's group size: --n-samples-per-prompt, or in multi-LoRA its adapter's (which
+        the buffer writes into the prompt, at most the run's: the producers' credit unit)."""
+        return prompt.n_samples if self.partitioned and 1 <= prompt.n_samples <= self.n else self.n
+
     def _prompt_ids(self, prompt: PromptMsg) -> list[int]:
         """The token ids to generate from; PromptError when a released prompt cannot be used."""
         if prompt.group_index < 0 or not 0 <= prompt.attempt <= MAX_ATTEMPT:
             raise PromptError(f"group_index {prompt.group_index} / attempt {prompt.attempt} out of range")
-        if prompt.n_samples != self.n:
+        if self.partitioned and not 1 <= prompt.n_samples <= self.n:
+            raise PromptError(f"n_samples {prompt.n_samples} is outside 1..{self.n} (--n-samples-per-prompt, "
+                              "the largest adapter group of this run)")  # fmt: skip
+        if not self.partitioned and prompt.n_samples != self.n:
             raise PromptError(f"n_samples {prompt.n_samples} differs from --n-samples-per-prompt {self.n}")
         try:
             ids = self.tokenizer.prompt_ids(prompt.prompt, self.config.apply_chat_template)
@@ -393,7 +405,7 @@ class RolloutService(Service):
     def _new_sample(self, prompt: PromptMsg, i: int, status=SampleStatus.PENDING, **metadata) -> Sample:
         """Trajectory i of the prompt's group: its prompt, label and metadata, plus `metadata`."""
         return Sample(
-            index=prompt.group_index * self.n + i,
+            index=prompt.group_index * self._group_n(prompt) + i,
             group_index=prompt.group_index,
             prompt=prompt.prompt,
             label=prompt.label,

@@ -99,6 +99,12 @@ def _fuse_qkv(q, k, v, cfg: ModelConfig):
     )
 
 
+def _fuse_qkv_last(q, k, v, cfg: ModelConfig):
+    """_fuse_qkv on the last dimension: activations [..., features] of q, k and v -> the fused
+    QKV linear's output layout."""
+    return _fuse_qkv(q.movedim(-1, 0), k.movedim(-1, 0), v.movedim(-1, 0), cfg).movedim(0, -1)
+
+
 def _split_qkv(qkv, cfg: ModelConfig):
     g, d = cfg.num_key_value_heads, cfg.head_dim
     per = cfg.num_attention_heads // g
@@ -187,6 +193,25 @@ class MegatronCausalLM(nn.Module):
             masked = masked | ~attention_mask_bt.bool()[:, None, None, :]
             masked = masked & ~torch.eye(t, dtype=torch.bool, device=input_ids_bt.device)  # padded rows see themselves
         return self.gpt(input_ids_bt, pos_bt, attention_mask=masked)
+
+    def lora_sites(self, targets) -> list:
+        """Where multi-LoRA factors attach (services.model.lora.MultiLora): the fused QKV linear
+        takes q, k and v's deltas in its per-query-group layout, the fused fc1 gate's and up's
+        concatenated, linear_proj o's and linear_fc2 down's; activations are [seq, batch, features]."""
+        from services.model.lora import LoraSite
+
+        cfg, sites = self.cfg, []
+        for i, layer in enumerate(self.gpt.decoder.layers):
+            attn, mlp = layer.self_attention, layer.mlp
+            for module, names, fuse in (
+                (attn.linear_qkv, ("q_proj", "k_proj", "v_proj"), lambda p: _fuse_qkv_last(*p, cfg)),
+                (attn.linear_proj, ("o_proj",), None),
+                (mlp.linear_fc1, ("gate_proj", "up_proj"), lambda p: torch.cat(p, dim=-1)),
+                (mlp.linear_fc2, ("down_proj",), None),
+            ):
+                if any(n in targets for n in names):
+                    sites.append(LoraSite(module, i, names, batch_dim=1, fuse=fuse))
+        return sites
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         mg = {k.removeprefix("gpt."): v for k, v in self.state_dict().items() if not k.endswith("_extra_state")}

@@ -98,6 +98,9 @@ class MultiLoraTrainer:
         self.registry = AdapterRegistryState()
         self.steps_total = 0
         self.run_dir = Path(c.run_dir)
+        self.global_batch_size = c.global_batch_size or c.rollout_batch_size * c.n_samples_per_prompt
+        """Samples a batch collects across adapters before it ships (the coalescing target)."""
+        self.empty_since = 0.0
 
     # ---- the registry ----------------------------------------------------------------------------
     async def _read_registry(self) -> AdapterRegistryState:
@@ -139,20 +142,61 @@ class MultiLoraTrainer:
                 return
             active = [t for t in self.tracks.values() if t.run.state is AdapterState.ACTIVE]
             if not active:
+                self.empty_since = 0.0  # idle, not waiting: nothing to warn about
                 await self.svc.wait_stopped(c.multi_lora_idle_poll_s)
                 continue
-            for t in active:
-                if t.get is None:
-                    t.asked_at = t.asked_at or time.monotonic()
-                    t.get = asyncio.ensure_future(self._get(t))
-            done, _ = await asyncio.wait([t.get for t in active], timeout=GET_WAIT_S * 2,
-                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-            for t in active:
-                if t.get in done:
-                    task, t.get = t.get, None
-                    if (reply := task.result()) is not None:
-                        t.waited, t.asked_at = time.monotonic() - t.asked_at, 0.0
-                        await self._train(t, reply)
+            batch = await self._collect(active)
+            for t, reply in batch:
+                t.waited, t.asked_at = time.monotonic() - t.asked_at, 0.0
+            info = _batch_info(batch)
+            for t, reply in batch:
+                await self._train(t, reply, info)
+
+    def _ask_next(self, tracks: list[Track]) -> None:
+        for t in tracks:
+            if t.get is None:
+                t.asked_at = t.asked_at or time.monotonic()
+                t.get = asyncio.ensure_future(self._get(t))
+
+    async def _ready(self, tracks: list[Track], timeout: float) -> list[tuple[Track, BufferGetReply]]:
+        """The complete leases among `tracks`' gets within `timeout` (returns at the first)."""
+        self._ask_next(tracks)
+        done, _ = await asyncio.wait([t.get for t in tracks], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        ready = []
+        for t in tracks:
+            if t.get in done:
+                task, t.get = t.get, None
+                if (reply := task.result()) is not None:
+                    ready.append((t, reply))
+        return ready
+
+    async def _collect(self, active: list[Track]) -> list[tuple[Track, BufferGetReply]]:
+        """One batch (Miles's coalescing): the complete leases of the first adapters ready, then
+        of any other adapter whose lease completes within --multi-lora-max-coalesce-wait-s of the
+        last one, until the batch holds --global-batch-size samples. A lease is always one whole
+        step of its adapter (its rollout_batch_size groups), so no adapter overshoots its budget
+        and every adapter in the batch steps. With nothing ready for
+        --multi-lora-max-empty-wait-s it warns, naming what each adapter waits for, and goes on."""
+        c = self.config
+        batch = await self._ready(active, GET_WAIT_S * 2)
+        now = time.monotonic()
+        if not batch:
+            self.empty_since = self.empty_since or now
+            if now - self.empty_since >= c.multi_lora_max_empty_wait_s:
+                log.warning("no adapter's batch ready for %.0f s; still waiting for %s", now - self.empty_since,
+                            ", ".join(f"{t.run.name} step {t.step}" for t in active))  # fmt: skip
+                self.empty_since = now
+            return batch
+        self.empty_since = 0.0
+        deadline = now + c.multi_lora_max_coalesce_wait_s
+        while not self.svc.stopping and _batch_samples(batch) < self.global_batch_size:
+            others = [t for t in active if all(t is not b for b, _ in batch)]
+            if not others or (left := deadline - time.monotonic()) <= 0:
+                break
+            if more := await self._ready(others, min(left, GET_WAIT_S * 2)):
+                batch += more
+                deadline = time.monotonic() + c.multi_lora_max_coalesce_wait_s  # progress: wait afresh
+        return batch
 
     async def _follow(self, run: AdapterRun) -> None:
         """Bring one registration's slot in line with its state. What cannot be set up (its data
@@ -284,7 +328,7 @@ class MultiLoraTrainer:
             raise MultiLoraError(f"buffer refused get(step={t.step}) of adapter {t.run.name}: {reply.error}")
         return reply if reply.complete else None
 
-    async def _train(self, t: Track, reply: BufferGetReply) -> None:
+    async def _train(self, t: Track, reply: BufferGetReply, batch: dict[str, float]) -> None:
         t0 = time.perf_counter()
         groups = assemble_batch([await self.svc._load_group(ref) for ref in reply.refs], t.run.spec.n_samples_per_prompt)
         self.svc._exclude_invalid(groups, max_version=t.step, n=t.run.spec.n_samples_per_prompt)
@@ -298,7 +342,7 @@ class MultiLoraTrainer:
         # records first (a restart drops those after its committed step), then the registry (the
         # buffer bounds the versions groups and gets may name by it), then the version, the commit
         self._append_trained(t, step, groups)
-        record = self._record(t, step, groups, stats, reply, time.perf_counter() - t0)
+        record = self._record(t, step, groups, stats, reply, time.perf_counter() - t0, batch)
         await self._emit(t, record)
         t.run = await self._control("stepped", t.run, step=t.step)
         await self._publish(t)
@@ -339,7 +383,8 @@ class MultiLoraTrainer:
             tmp.write_text("".join(x + "\n" for x in keep))
             tmp.replace(path)  # a kill meanwhile leaves the old records, never none
 
-    def _record(self, t: Track, step: int, groups, stats: dict, reply: BufferGetReply, step_s: float) -> dict:
+    def _record(self, t: Track, step: int, groups, stats: dict, reply: BufferGetReply, step_s: float,
+                batch: dict[str, float]) -> dict:
         n = t.run.name
         samples = [s for g in groups for s in flatten_group(g)]
         rollout = rollout_metrics(samples, self.config.reward_key, groups)  # the single-model step's, per adapter
@@ -349,9 +394,9 @@ class MultiLoraTrainer:
             **{f"{n}/response_len_{k.rsplit('/', 1)[1]}": v for k, v in rollout.items()
                if k.startswith("rollout/response_len/")},
             f"{n}/rollout/failed_ratio": rollout["rollout/failed_ratio"],
+            f"{n}/rollout/num_samples": rollout["rollout/num_samples"], "time": time.time(),
             f"{n}/perf/step_time_s": step_s,
-            "perf/fully_async/batch_n_adapters": 1, "perf/fully_async/batch_n_groups": len(groups),
-            "perf/fully_async/batch_n_samples": len(samples), "perf/fully_async/batch_n_adapters_to_step": 1,
+            **batch,
             "perf/fully_async/stale_dropped": reply.metrics.get("rollout/fully_async/stale_groups_filtered", 0.0),
             "perf/fully_async/queue_length": reply.metrics.get("rollout/fully_async/queue_size", 0.0),
             "perf/fully_async/batch_wait_time": t.waited,
@@ -376,6 +421,18 @@ class MultiLoraTrainer:
         await self.bus.publish_durably([(self.bus.subjects.progress, done, None)], "the final progress record")
         log.info("multi-LoRA training finished: every adapter is completed (%d adapter steps)", self.steps_total)
         self.svc.stop()
+
+
+def _batch_samples(batch: list[tuple[Track, BufferGetReply]]) -> int:
+    return sum(len(reply.refs) * t.run.spec.n_samples_per_prompt for t, reply in batch)
+
+
+def _batch_info(batch: list[tuple[Track, BufferGetReply]]) -> dict[str, float]:
+    """The batch's figures, recorded with each of its adapters' steps: every adapter in it steps
+    (its lease is one whole step)."""
+    return {"perf/fully_async/batch_n_adapters": len(batch), "perf/fully_async/batch_n_adapters_to_step": len(batch),
+            "perf/fully_async/batch_n_groups": sum(len(r.refs) for _, r in batch),
+            "perf/fully_async/batch_n_samples": _batch_samples(batch)}  # fmt: skip
 
 
 def _complete(path: Path) -> bool:

@@ -27,11 +27,11 @@ LEARN_STEPS = 100
 LEARN_LR = "5e-3"
 
 
-def adapter_yaml(tmp: Path, name: str, task, num_step: int, batch: int = 4) -> Path:
+def adapter_yaml(tmp: Path, name: str, task, num_step: int, batch: int = 4, n: int = 4) -> Path:
     data = tmp / f"{name}.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in task.make_rows(400, seed=3)))
     path = tmp / f"{name}.yaml"
-    path.write_text(f"data: {data}\nrank: 8\nalpha: 16\nrollout_batch_size: {batch}\nn_samples_per_prompt: 4\n"
+    path.write_text(f"data: {data}\nrank: 8\nalpha: 16\nrollout_batch_size: {batch}\nn_samples_per_prompt: {n}\n"
                     f"save: {tmp / ('save_' + name)}\nrm_type: {task.NAME}\nnum_step: {num_step}\n")  # fmt: skip
     return path
 
@@ -47,11 +47,15 @@ def records(run_dir: Path) -> list[dict]:
 
 
 def test_two_adapters_train_at_once_each_in_its_own_partition(tmp_path, tiny_model_dir):
+    """Two adapters of different tasks and group sizes (4 and 2 samples per prompt), their
+    batches coalesced: copy's waits for rev's (--multi-lora-max-coalesce-wait-s) up to the
+    run's 16 samples."""
     rev = adapter_yaml(tmp_path, "rev", reverse_digits, num_step=4)
-    copy = adapter_yaml(tmp_path, "copy", copy_digits, num_step=4)
+    copy = adapter_yaml(tmp_path, "copy", copy_digits, num_step=4, n=2)
     run_dir = tmp_path / "run"
     r = cli("train-async", *SMALL, "--multi-lora-n-adapters", "2", "--multi-lora-adapter", "rev", str(rev),
-            "--multi-lora-adapter", "copy", str(copy), "--run-dir", str(run_dir), cwd=tmp_path)  # fmt: skip
+            "--multi-lora-adapter", "copy", str(copy), "--multi-lora-max-coalesce-wait-s", "60",
+            "--run-dir", str(run_dir), cwd=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     recs = records(run_dir)
     for name in ("rev", "copy"):  # each on its own step axis, to its budget
@@ -59,6 +63,13 @@ def test_two_adapters_train_at_once_each_in_its_own_partition(tmp_path, tiny_mod
         assert steps == [0, 1, 2, 3], steps
         assert all(rec[f"{name}/raw_reward_mean"] == rec[f"{name}/raw_reward_mean"] for rec in recs if rec.get("adapter") == name)
         assert (tmp_path / f"save_{name}" / "step_4" / "adapter_config.json").exists()
+    copies = [rec for rec in recs if rec.get("adapter") == "copy"]
+    # rev's 16 samples fill a batch alone; copy's 8 wait for rev's next lease (rev has steps left
+    # then: the producers draw the two adapters' prompts in turn)
+    first = copies[0]
+    assert (first["perf/fully_async/batch_n_adapters"], first["perf/fully_async/batch_n_samples"]) == (2, 24), first
+    assert all(rec["perf/fully_async/batch_n_samples"] in (8, 24) for rec in copies)
+    assert all(rec["perf/fully_async/batch_n_groups"] in (4, 8) for rec in recs if "adapter" in rec)
     audit = json.loads((run_dir / "audit.json").read_text())
     assert audit["balanced"] and len(audit["adapters"]) == 2
     for part in audit["adapters"].values():
@@ -72,6 +83,23 @@ def test_two_adapters_train_at_once_each_in_its_own_partition(tmp_path, tiny_mod
             "--json", str(out), cwd=tmp_path)  # fmt: skip
     assert e.returncode == 0, e.stderr
     assert json.loads(out.read_text())["results"][0]["samples"] == 16
+
+
+def test_an_adapter_trains_on_the_megatron_backend(tmp_path):
+    """--train-backend megatron: the adapter's factors on Megatron's fused linears, trained to its
+    budget and saved as the same PEFT directory the engines load."""
+    pytest.importorskip("megatron.core")
+    from services.model.lora import load_adapter
+
+    rev = adapter_yaml(tmp_path, "rev", reverse_digits, num_step=2)
+    run_dir = tmp_path / "run"
+    r = cli("train-async", *SMALL, "--train-backend", "megatron", "--multi-lora-n-adapters", "1",
+            "--multi-lora-adapter", "rev", str(rev), "--run-dir", str(run_dir), cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert [rec["rev/step"] for rec in records(run_dir) if rec.get("adapter") == "rev"] == [0, 1]
+    spec, tensors = load_adapter(tmp_path / "save_rev" / "step_2")
+    assert spec.rank == 8 and any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in tensors.items())
+    assert json.loads((run_dir / "audit.json").read_text())["balanced"]
 
 
 def test_an_adapter_retired_over_http_frees_its_slot_and_a_killed_trainer_resumes_the_next(tmp_path):

@@ -114,7 +114,7 @@ async def test_register_over_http_and_drive_the_lifecycle_over_nats(server, file
             r = await http.post("/adapter_runs", json=body(files, "t3", data=str(files / "missing.jsonl")))
             assert r.status_code == 400 and "does not exist" in r.json()["error"]["message"]
             r = await http.post("/adapter_runs", json=body(files, "t3", n_samples_per_prompt=3))
-            assert r.status_code == 400 and "differs from the run's --n-samples-per-prompt 2" in r.json()["error"]["message"]
+            assert r.status_code == 400 and "above the run's --n-samples-per-prompt 2" in r.json()["error"]["message"]
             r = await http.post("/adapter_runs", json=body(files, "t3", rank=64))
             assert r.status_code == 400 and "above the engines' --multi-lora-max-rank 16" in r.json()["error"]["message"]
             assert (await http.post("/adapter_runs", content=b"not json")).status_code == 400

@@ -1,6 +1,7 @@
 """Multi-LoRA buffer partitions on a real broker: each registration's ledger is one subject of
 the run's LEDGER stream, written by one writer and replayed alone; a closed partition's stored
-groups are recorded retired and its late groups foreign, and the audit balances it."""
+groups (stored, or leased to a step never committed) are recorded retired and its late groups
+foreign, and the audit balances it."""
 
 from __future__ import annotations
 
@@ -67,15 +68,19 @@ def test_a_closed_partition_drops_its_stored_groups_as_retired_and_late_ones_as_
     m = BufferMachine(cfg, make_prompt_source(cfg), limits_from_model_dir(cfg.hf_checkpoint, 1, None),
                       published=lambda: 0, metrics=lambda: {}, observed=True, plugin_path="default")  # fmt: skip
     events = m.on_released(m._releasing(m._plan(3))).events
-    stored = RolloutGroup(group_id=group_id(0, 0), group_index=0,
-                          samples=[Sample(index=0, group_index=0, tokens=[1, 2], response_length=1, reward=1.0,
-                                          status="completed", weight_versions=[0])])  # fmt: skip
-    raw = encode(stored)
-    out = m.on_group(None, 5, stored, None, raw)
-    assert out.settle == "put"
-    m.on_decision("stored", stored.samples, None)
-    events += out.events + m.on_put_returned().events
-    events += m.on_closed().events  # g0 was stored: retired
+    for gi, seq in ((0, 4), (2, 5)):
+        stored = RolloutGroup(group_id=group_id(gi, 0), group_index=gi,
+                              samples=[Sample(index=gi, group_index=gi, tokens=[1, 2], response_length=1, reward=1.0,
+                                              status="completed", weight_versions=[0])])  # fmt: skip
+        out = m.on_group(None, seq, stored, None, encode(stored))
+        assert out.settle == "put"
+        m.on_decision("stored", stored.samples, None)
+        events += out.events + m.on_put_returned().events
+    events += m.on_handed(0, stored.samples, 0).events  # g2 leased to step 0, which is never committed
+    closed = m.on_closed().events  # g0 was stored, g2 leased: both retired
+    assert [(e.kind, e.group_id) for e in closed] == [("retired", group_id(0, 0)), ("retired", group_id(2, 0))]
+    events += closed
+    assert not m.state.leases and not m.state.stored
     late = encode(RolloutGroup(group_id=group_id(1, 0), group_index=1, samples=[]))
     out = m.on_foreign(None, 6, late)  # g1 was outstanding: foreign
     assert out.settle == "ack"
@@ -88,5 +93,5 @@ def test_a_closed_partition_drops_its_stored_groups_as_retired_and_late_ones_as_
     events += garbage.events
     report = audit(events)
     assert report["balanced"], report["problems"]
-    assert (report["retired_dropped"], report["foreign_dropped"], report["released_prompts"]) == (1, 1, 3)
-    assert report["in_flight_at_end"]["outstanding"] == 1  # g2 never came back
+    assert (report["retired_dropped"], report["foreign_dropped"], report["released_prompts"]) == (2, 1, 3)
+    assert not any(report["in_flight_at_end"].values()), report["in_flight_at_end"]  # nothing left leased

@@ -358,7 +358,7 @@ def test_multi_lora_adapter_takes_name_yaml_pairs_repeatably():
     assert args["rollout_stop_token_ids"] == [2]  # other list flags are not repeatable: the last one wins
     c = resolve_config(args, environ={})
     assert c.multi_lora_adapter_pairs == [("a", "a.yaml"), ("b", "b.yaml")]
-    assert (c.multi_lora_max_coalesce_wait_s, c.multi_lora_max_empty_wait_s, c.multi_lora_idle_poll_s) == (5, 30, 2)
+    assert (c.multi_lora_max_coalesce_wait_s, c.multi_lora_max_empty_wait_s, c.multi_lora_idle_poll_s) == (0, 30, 2)
     assert not c.multi_lora_service_mode and RunConfig().multi_lora_n_adapters == 0
     env = resolve_config({"multi_lora_n_adapters": 1}, environ={"ASYNCRL_MULTI_LORA_ADAPTER": "a a.yaml"})
     assert env.multi_lora_adapter_pairs == [("a", "a.yaml")]

@@ -41,6 +41,22 @@ def test_credits_are_conserved_on_failure():
         c.group_done(0)  # returning twice is a bug
 
 
+@pytest.mark.parametrize("granularity", ["sample", "group"])
+def test_a_smaller_group_gives_its_spare_credits_back_at_once(granularity):
+    """A multi-LoRA adapter's group of 2 under a run's unit of 4: 2 credits come back when its
+    prompt is read, the rest as usual; the total is conserved either way."""
+    c = Credits(cap_groups=1, n=4, granularity=granularity)
+    c.take_group()
+    c.give_back(2)
+    given = 2
+    assert c.free == 2 and c.free_groups == 0
+    given += c.trajectory_done() + c.trajectory_done()
+    c.group_done(given_back_already=given)
+    assert c.free == c.total
+    with pytest.raises(ValueError):
+        c.give_back(5)
+
+
 def test_apply_response_reads_sglang_shapes():
     s = Sample()
     resp = {
