@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 from learning import ROOT, add_common, load_record, run_all, seeds_of, summarize  # bench/ is the script's folder
@@ -27,6 +28,10 @@ CORRECTIONS = {
     "none": ["--no-use-rollout-logprobs", "--no-use-tis"],
     "tis": ["--use-rollout-logprobs", "--use-tis"],
     "decoupled": ["--use-decoupled-ppo"],
+    # not in the default sweep: 4 optimizer steps per rollout (AReaL's minibatches), where the
+    # proximal policy differs from the policy being trained from the second step on
+    "tis-4mb": ["--use-rollout-logprobs", "--use-tis", "--num-steps-per-rollout", "4"],
+    "decoupled-4mb": ["--use-decoupled-ppo", "--num-steps-per-rollout", "4"],
 }
 
 
@@ -38,7 +43,7 @@ def cell_args(staleness: int, correction: str) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--staleness", default="0,2,8")
-    p.add_argument("--corrections", default="none,tis,decoupled")
+    p.add_argument("--corrections", default="none,tis,decoupled", help=f"of {', '.join(CORRECTIONS)}")
     p.add_argument("--record", default="docs/bench/staleness_runs.jsonl")
     p.add_argument("--out", default="docs/bench/staleness")
     add_common(p)
@@ -62,12 +67,13 @@ def main() -> None:
                     and r["extra"] == cell_args(k, c)]  # fmt: skip
             if mine:
                 rows[(k, c)] = summarize(mine, a.threshold, a.stall_gain)
+                rows[(k, c)]["pg_clipfrac_mean"] = clipfrac(mine)
     print(f"\n{'max staleness':>13} {'correction':<10} {'n':>2} {'final reward (95% CI)':>26} {'stalls':>7} "
-          f"{'staleness mean (max)':>21}")  # fmt: skip
+          f"{'staleness mean (max)':>21} {'clip fraction':>13}")  # fmt: skip
     for (k, c), s in rows.items():
         ci = f"{s['final_mean']:.3f} [{s['final_ci95'][0]:.3f}, {s['final_ci95'][1]:.3f}]"
         print(f"{k:>13} {c:<10} {s['n']:>2} {ci:>26} {s['stall_rate']:>6.0%} "
-              f"{s['staleness_mean']:>14.2f} ({s['staleness_max']})")  # fmt: skip
+              f"{s['staleness_mean']:>14.2f} ({s['staleness_max']}) {s['pg_clipfrac_mean']:>13.3f}")  # fmt: skip
     out = ROOT / a.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(
@@ -75,6 +81,14 @@ def main() -> None:
         indent=2) + "\n")  # fmt: skip
     if rows:
         plot(rows, levels, corrections, out.with_suffix(".png"))
+
+
+def clipfrac(runs: list[dict]) -> float:
+    """The mean over runs of each run's mean `train/pg_clipfrac` (its trace): how often the PPO clip
+    bound a token's update, the trust region each correction has or lacks."""
+    per_run = [statistics.mean(vals) for r in runs
+               if (vals := [p["train/pg_clipfrac"] for p in r.get("trace", []) if "train/pg_clipfrac" in p])]  # fmt: skip
+    return statistics.mean(per_run) if per_run else float("nan")
 
 
 def plot(rows: dict, levels: list[int], corrections: list[str], path: Path) -> None:
