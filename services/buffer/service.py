@@ -60,7 +60,31 @@ PURGE_INTERVAL_S = 1.0
 """Trained payloads are purged from ROLLOUTS at most this often (two broker round trips each)."""
 REGISTRY_POLL_S = 0.5
 """How often a multi-LoRA buffer reads the registry for registrations to open or close."""
+RETRY_MAX_S = 60.0
+"""The longest wait between two tries of a partition that failed to build for an unforeseen reason."""
 OPEN_STATES = (AdapterState.PENDING, AdapterState.ACTIVE, AdapterState.RETIRING, AdapterState.CLEANUP)
+
+
+class Backoff:
+    """Per key: after the k-th failure in a row, the next try is due `first * 2**k` seconds later
+    (at most `most`); a success forgets the key."""
+
+    def __init__(self, first: float, most: float):
+        self.first, self.most = first, most
+        self._at: dict[str, tuple[int, float]] = {}
+
+    def due(self, key: str, now: float) -> bool:
+        return key not in self._at or now >= self._at[key][1]
+
+    def failed(self, key: str, now: float) -> tuple[int, float]:
+        """Records a failure; returns (failures in a row, seconds until the next try)."""
+        failures = self._at.get(key, (0, 0.0))[0] + 1
+        delay = min(self.first * 2.0**failures, self.most)
+        self._at[key] = (failures, now + delay)
+        return failures, delay
+
+    def ok(self, key: str) -> None:
+        self._at.pop(key, None)
 
 
 def adapter_config(config, run: AdapterRun):
@@ -101,6 +125,8 @@ class BufferService(Service):
         self._registry_lock = asyncio.Lock()
         self.broken: dict[str, str] = {}
         """Registrations whose partition cannot be built, and why (said once)."""
+        self._retry = Backoff(REGISTRY_POLL_S, RETRY_MAX_S)
+        """Registrations whose partition failed to build for an unforeseen reason."""
         self._part_tasks: dict[str, list[asyncio.Task]] = {}
         self.published = VersionBound(bus)  # the newest weight version the trainer published
         if not self.partitioned:
@@ -178,6 +204,9 @@ class BufferService(Service):
             done = True
             for run in self.adapters.runs:
                 rid = run.registration_id
+                if not self._retry.due(rid, time.monotonic()):
+                    done = False  # backing off: tried again at a later read
+                    continue
                 try:
                     if run.state in OPEN_STATES and rid not in self.parts and rid not in self.broken:
                         part = self._partition(run)
@@ -194,9 +223,13 @@ class BufferService(Service):
                 except (ValueError, OSError) as e:  # DataError, a spec that does not fit: not a broker's
                     self.broken[rid] = str(e)
                     log.error("adapter %s (registration %s) has no buffer partition: %s", run.name, rid, e)
-                except Exception as e:
+                except Exception as e:  # unforeseen: tried again, less and less often (at most every minute)
                     done = False
-                    log.warning("partition of registration %s: %s; trying again at the next read", rid, e)
+                    failures, delay = self._retry.failed(rid, time.monotonic())
+                    log.warning("partition of registration %s: %s: %s (failure %d); trying again in %.0f s", rid,
+                                type(e).__name__, e, failures, delay)  # fmt: skip
+                else:
+                    self._retry.ok(rid)
             if done:
                 self._registry_revision = revision
 

@@ -148,6 +148,9 @@ def test_an_adapter_retired_over_http_frees_its_slot_and_a_killed_trainer_resume
     assert audit["balanced"], audit["problems"]
     parts = {k.split("@")[0]: v for k, v in audit["adapters"].items()}
     assert parts["first"]["state"] == parts["second"]["state"] == "completed"
+    # the first's groups in flight when it was retired: dropped, as retired (stored or leased) or
+    # foreign (back after its partition closed), never trained
+    assert parts["first"]["retired_dropped"] + parts["first"]["foreign_dropped"] > 0, parts["first"]
     assert parts["second"]["trained"] == 40 and parts["second"]["trained_twice"] == 0  # 10 steps x 4 groups, once each
     steps = [r["second/step"] for r in records(run_dir) if r.get("adapter") == "second"]
     assert sorted(set(steps)) == list(range(10))
