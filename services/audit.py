@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from asyncrl_proto.subjects import ADAPTERS_KV_KEY
 from asyncrl_proto.codec import MalformedMessage
 from services.buffer.state import LedgerError, audit, ledger_events
 from services.common.weightstore import WeightStore
+
+_REGISTRATION_ID = re.compile(r"[0-9a-f]{32}")
+"""A registration id (the registry's uuid4 hex): what a directory under RUN_DIR/adapters/<name>/ must be named."""
 
 
 async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None) -> dict:
@@ -39,17 +43,29 @@ async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None) -> dict
         raw = await bus.kv_get(ADAPTERS_KV_KEY)
         if raw is not None:  # multi-LoRA: every registration's partition balances on its own
             report["adapters"] = {}
-            for run in decode(raw, AdapterRegistryState).runs:
-                trained = run_dir / "adapters" / run.name / run.registration_id / "trained.jsonl"
-                part = await _collect_partition(bus, bus.subjects.of(run.registration_id), trained)
-                part["state"] = run.state.value
-                report["adapters"][f"{run.name}@{run.registration_id[:12]}"] = part
+            for name, rid, state in registrations(decode(raw, AdapterRegistryState), run_dir):
+                trained = run_dir / "adapters" / name / rid / "trained.jsonl"
+                part = await _collect_partition(bus, bus.subjects.of(rid), trained)
+                part["state"] = state
+                report["adapters"][f"{name}@{rid[:12]}"] = part
                 if not part["balanced"]:
                     report["problems"] += [f"adapter {run.name} ({run.registration_id[:12]}): {p}" for p in part["problems"]]
                     report["balanced"] = False
     finally:
         await bus.close()
     return report
+
+
+def registrations(registry: AdapterRegistryState, run_dir: Path) -> list[tuple[str, str, str]]:
+    """(name, registration id, state) of every registration to audit: those the registry holds,
+    and those it pruned (its oldest completed ones) that the trainer kept a directory for
+    (RUN_DIR/adapters/<name>/<registration>), as "completed (pruned from the registry)"."""
+    out = [(r.name, r.registration_id, r.state.value) for r in registry.runs]
+    known = {rid for _, rid, _ in out}
+    for d in sorted((run_dir / "adapters").glob("*/*")):
+        if d.is_dir() and _REGISTRATION_ID.fullmatch(d.name) and d.name not in known:
+            out.append((d.parent.name, d.name, "completed (pruned from the registry)"))
+    return out
 
 
 async def _collect_partition(bus, s, trained_path: Path) -> dict:

@@ -419,3 +419,17 @@ def test_a_spec_too_large_for_the_registry_is_refused():
     big = spec(metadata={"notes": "x" * MAX_SPEC_BYTES})
     assert any(f"at most {MAX_SPEC_BYTES}" in p for p in spec_problems(big))
     assert spec_problems(spec(metadata={"team": "a"})) == []
+
+
+def test_the_audit_covers_registrations_the_registry_pruned(tmp_path):
+    """A service-mode run's registry prunes its oldest completed registrations; their partitions
+    are still on the ledger, and the trainer's directory names them: the audit balances them too."""
+    from services.audit import registrations
+
+    r = registry()
+    live = r.register("a", spec())
+    pruned = "0123456789abcdef0123456789abcdef"
+    for d in (f"a/{live.registration_id}", f"old/{pruned}", "old/not-an-id", "x/../etc"):
+        (tmp_path / "adapters" / d).mkdir(parents=True, exist_ok=True)
+    assert registrations(r.state, tmp_path) == [
+        ("a", live.registration_id, "pending"), ("old", pruned, "completed (pruned from the registry)")]
