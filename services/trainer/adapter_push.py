@@ -25,6 +25,14 @@ async def publish_adapter(bus, lora: MultiLora, slot: int, run_dir: str | Path, 
     """Save the slot's adapter as version `version` and announce it; the announcement."""
     out = adapter_dir(run_dir, name, registration_id, version)
     await asyncio.to_thread(save_adapter, lora, slot, out, base_model)
+    return await announce_adapter(bus, run_dir, name, registration_id, version)
+
+
+async def announce_adapter(bus, run_dir: str | Path, name: str, registration_id: str, version: int) -> AdapterPublished:
+    """Announce a saved version (again: a restarted trainer re-announces the version it resumes
+    from, whose announcement a kill may have cut; weight-sync skips a version it has live, and
+    the message id dedupes a recent repeat)."""
+    out = adapter_dir(run_dir, name, registration_id, version)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     pub = AdapterPublished(name=name, registration_id=registration_id, version=version, uri=str(out),
                            num_bytes=size, created_at=time.time())  # fmt: skip

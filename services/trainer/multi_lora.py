@@ -49,7 +49,7 @@ from asyncrl_proto.subjects import ADAPTERS_KV_KEY
 from services.common.datasource import DataError, adapter_total_steps, load_rows
 from services.common.snapshot import COMPLETE_MARKER
 from services.model.lora import LoraError, LoraSpec, MultiLora, SlotAdamW, load_adapter, save_adapter
-from services.trainer.adapter_push import adapter_dir, publish_adapter
+from services.trainer.adapter_push import adapter_dir, announce_adapter, publish_adapter
 from services.trainer.adapters import train_adapter_step
 from services.trainer.core import assemble_batch, build_step_batches
 from services.trainer.rollout_stats import rollout_metrics
@@ -279,6 +279,7 @@ class MultiLoraTrainer:
         spec, tensors = await asyncio.to_thread(load_adapter, adapter_dir(self.run_dir, run.name, t.rid, t.step))
         self.lora.set_slot(run.slot, spec, tensors)
         self.optimizer.reset(run.slot)
+        await announce_adapter(self.bus, self.run_dir, run.name, t.rid, t.step)  # a kill may have cut its announcement
         log.info("adapter %s resumed at its step %d (its optimizer state is lost)", run.name, t.step)
 
     async def _retire(self, run: AdapterRun) -> None:
