@@ -125,6 +125,7 @@ class Partition:
     def release_memory(self) -> None:
         """A closed partition keeps its ledger (late groups are recorded in it) and nothing else."""
         self.buffer = None
+        self.core.source = None  # its adapter's prompt rows: nothing is released any more
         self.core.raw_of.clear()
         self.core.gid_of.clear()
 
