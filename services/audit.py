@@ -49,7 +49,7 @@ async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None) -> dict
                 part["state"] = state
                 report["adapters"][f"{name}@{rid[:12]}"] = part
                 if not part["balanced"]:
-                    report["problems"] += [f"adapter {run.name} ({run.registration_id[:12]}): {p}" for p in part["problems"]]
+                    report["problems"] += [f"adapter {name} ({rid[:12]}): {p}" for p in part["problems"]]
                     report["balanced"] = False
     finally:
         await bus.close()

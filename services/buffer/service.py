@@ -60,8 +60,9 @@ PURGE_INTERVAL_S = 1.0
 """Trained payloads are purged from ROLLOUTS at most this often (two broker round trips each)."""
 REGISTRY_POLL_S = 0.5
 """How often a multi-LoRA buffer reads the registry for registrations to open or close."""
-RETRY_MAX_S = 60.0
-"""The longest wait between two tries of a partition that failed to build for an unforeseen reason."""
+RETRY_MAX_S = 15.0
+"""The longest wait between two tries of a partition that failed to build for an unforeseen reason
+(well below --buffer-timeout-s, which a trainer waits for a partition before retiring its adapter)."""
 OPEN_STATES = (AdapterState.PENDING, AdapterState.ACTIVE, AdapterState.RETIRING, AdapterState.CLEANUP)
 
 

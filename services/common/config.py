@@ -644,8 +644,10 @@ class TrainerSection(Section):
                     f"{self.rollout_batch_size} * --n-samples-per-prompt {self.n_samples_per_prompt} // "
                     f"--num-steps-per-rollout {self.num_steps_per_rollout}: set one of them"
                 )
-        elif self.global_batch_size is not None and (
-            samples % self.global_batch_size or self.global_batch_size > samples
+        elif (
+            self.global_batch_size is not None
+            and not getattr(self, "multi_lora_n_adapters", 0)  # multi-LoRA: the target of a coalesced batch
+            and (samples % self.global_batch_size or self.global_batch_size > samples)
         ):
             errs.append(
                 f"--global-batch-size {self.global_batch_size} must divide the rollout's {samples} samples "
@@ -857,8 +859,9 @@ class MultiLoraSection(Section):
         description="Multi-LoRA: once one adapter's batch (a step's rollout_batch_size groups) is ready, keep "
         "collecting other adapters' batches into the same training batch while each arrives within this many "
         "seconds of the last, up to --global-batch-size samples (default: --rollout-batch-size x "
-        "--n-samples-per-prompt); only the adapters in the batch step. 0: train what is ready at once (the "
-        "trainer runs each adapter's forward on its own rows, so waiting buys no speed, only Miles's batch shape).",
+        "--n-samples-per-prompt); only the adapters in the batch step, and a registry change (a DELETE, a new "
+        "adapter) waits for the batch to ship. 0: train what is ready at once (the trainer runs each adapter's "
+        "forward on its own rows, so waiting buys no speed, only Miles's batch shape).",
     )
     multi_lora_max_empty_wait_s: float = Field(
         30.0,

@@ -64,6 +64,14 @@ class MultiLoraError(RuntimeError):
     pass
 
 
+class Unservable(MultiLoraError):
+    """An adapter that cannot be trained here (its buffer partition does not open): retired."""
+
+
+NO_PARTITION = "names no open buffer partition"
+"""The buffer's answer to a get of a registration whose partition is not open (services/buffer/service.py)."""
+
+
 @dataclass
 class Track:
     """One registration the trainer holds in a slot."""
@@ -77,6 +85,8 @@ class Track:
     asked_at: float = 0.0
     """When the get of its next step was first sent (batch_wait_time)."""
     waited: float = 0.0
+    no_partition_since: float = 0.0
+    """Since when the buffer has answered that its partition is not open (0: it is)."""
     records: list = field(default_factory=list)
 
     @property
@@ -159,14 +169,25 @@ class MultiLoraTrainer:
                 t.get = asyncio.ensure_future(self._get(t))
 
     async def _ready(self, tracks: list[Track], timeout: float) -> list[tuple[Track, BufferGetReply]]:
-        """The complete leases among `tracks`' gets within `timeout` (returns at the first)."""
+        """The complete leases among `tracks`' gets within `timeout` (returns at the first). An
+        adapter whose buffer partition does not open is retired with the reason."""
+        tracks = [t for t in tracks if t.run.state is AdapterState.ACTIVE]
+        if not tracks:
+            return []
         self._ask_next(tracks)
         done, _ = await asyncio.wait([t.get for t in tracks], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         ready = []
         for t in tracks:
             if t.get in done:
                 task, t.get = t.get, None
-                if (reply := task.result()) is not None:
+                try:
+                    reply = task.result()
+                except Unservable as e:
+                    log.error("adapter %s cannot be trained: %s; retiring it", t.run.name, e)
+                    with contextlib.suppress(MultiLoraError):  # retired meanwhile (DELETE): fine
+                        t.run = await self._control("retire", t.run, reason=f"cannot be trained: {str(e)[:300]}")
+                    continue
+                if reply is not None:
                     ready.append((t, reply))
         return ready
 
@@ -228,9 +249,12 @@ class MultiLoraTrainer:
     def _lora_spec(self, run: AdapterRun) -> LoraSpec:
         return LoraSpec(rank=run.spec.rank, alpha=run.spec.alpha, target_modules=tuple(run.spec.target_modules))
 
-    def _track(self, run: AdapterRun, step: int) -> Track:
-        rows = len(load_rows(run.spec.data, self.config.input_key, self.config.label_key, self.config.metadata_key))
-        t = Track(run=run, spec=self._lora_spec(run), total=adapter_total_steps(run, rows), step=step)
+    def _track(self, run: AdapterRun, step: int, total: int | None = None) -> Track:
+        """Its track; `total` (its budget) from its data unless given (one retiring needs none)."""
+        if total is None:
+            rows = len(load_rows(run.spec.data, self.config.input_key, self.config.label_key, self.config.metadata_key))
+            total = adapter_total_steps(run, rows)
+        t = Track(run=run, spec=self._lora_spec(run), total=total, step=step)
         self.tracks[run.registration_id] = t
         return t
 
@@ -254,20 +278,31 @@ class MultiLoraTrainer:
         await self._publish(t)
         t.run = await self._control("activate", run)
 
-    async def _resume(self, run: AdapterRun) -> None:
-        """After a trainer restart: from the version published after the partition's committed
-        step; a step trained, reported and published but not committed (killed in between) is
-        committed now rather than trained again, so no version number ever names two weights."""
+    async def _committed_step(self, run: AdapterRun) -> tuple[int | None, str]:
+        """Its partition's committed step, or None and why when the buffer cannot say within
+        --buffer-timeout-s (a partition the buffer is still opening answers an error: asked again)."""
         deadline = time.monotonic() + self.config.buffer_timeout_s
-        while True:  # a partition the buffer is still opening answers an error: ask again
+        while True:
             reply = await self._ask(run.registration_id, BufferGetRequest(step=0, count=run.spec.rollout_batch_size,
                                                                           wait_s=0.0), "question where to resume")  # fmt: skip
             if not reply.error or "already committed" in reply.error:
-                break
+                return reply.committed_step, ""
             if time.monotonic() > deadline:
-                raise RuntimeError(f"adapter {run.name}: the buffer cannot say where to resume: {reply.error}")
+                return None, reply.error
             await asyncio.sleep(1.0)
-        t = self._track(run, reply.committed_step + 1)
+
+    async def _resume(self, run: AdapterRun, total: int | None = None) -> bool:
+        """After a trainer restart: from the version published after the partition's committed
+        step; a step trained, reported and published but not committed (killed in between) is
+        committed now rather than trained again, so no version number ever names two weights, and
+        the records of the steps after it are dropped (trained again, or never if it retires).
+        False when its buffer partition does not say where (one retiring: `total` 0)."""
+        committed, why = await self._committed_step(run)
+        if committed is None:
+            if total is None:
+                raise RuntimeError(f"adapter {run.name}: the buffer cannot say where to resume: {why}")
+            return False
+        t = self._track(run, committed + 1, total)
         if run.step == t.step + 1 and _complete(adapter_dir(self.run_dir, run.name, t.rid, run.step)):
             t.step += 1  # that version is out: its step's records were written before it
             self._truncate(t)
@@ -281,13 +316,17 @@ class MultiLoraTrainer:
         self.optimizer.reset(run.slot)
         await announce_adapter(self.bus, self.run_dir, run.name, t.rid, t.step)  # a kill may have cut its announcement
         log.info("adapter %s resumed at its step %d (its optimizer state is lost)", run.name, t.step)
+        return True
 
     async def _retire(self, run: AdapterRun) -> None:
         t = self.tracks.get(run.registration_id)
-        if t is None:  # a restart found it retiring: its weights are its last published version
-            t = Track(run=run, spec=self._lora_spec(run), total=0)  # its data is not needed (nor maybe readable)
-            self.tracks[run.registration_id] = t
-            await self._resume_weights(t)
+        if t is None:  # a restart found it retiring: resumed as an active one (its data is not needed)
+            if await self._resume(run, total=0):
+                t = self.tracks[run.registration_id]
+            else:  # its partition never opened (its data unreadable): nothing was leased; its newest version
+                t = Track(run=run, spec=self._lora_spec(run), total=0)
+                self.tracks[run.registration_id] = t
+                await self._resume_weights(t)
         if t.get is not None:
             t.get.cancel()
             t.get = None
@@ -325,8 +364,16 @@ class MultiLoraTrainer:
         req = BufferGetRequest(step=t.step, count=t.run.spec.rollout_batch_size, current_version=t.step,
                                wait_s=GET_WAIT_S)  # fmt: skip
         reply = await self._ask(t.rid, req, f"lease of adapter {t.run.name} step {t.step}")
+        if reply.error and NO_PARTITION in reply.error:  # the buffer is (re)trying to open it: not ready yet
+            t.no_partition_since = t.no_partition_since or time.monotonic()
+            if time.monotonic() - t.no_partition_since < self.config.buffer_timeout_s:
+                await asyncio.sleep(GET_WAIT_S)
+                return None
+            raise Unservable(f"its buffer partition has not opened for {self.config.buffer_timeout_s:.0f} s: "
+                             f"{reply.error}")  # fmt: skip
         if reply.error:
             raise MultiLoraError(f"buffer refused get(step={t.step}) of adapter {t.run.name}: {reply.error}")
+        t.no_partition_since = 0.0
         return reply if reply.complete else None
 
     async def _train(self, t: Track, reply: BufferGetReply, batch: dict[str, float]) -> None:

@@ -104,7 +104,7 @@ def test_an_adapter_trains_on_the_megatron_backend(tmp_path):
 
 def test_an_adapter_retired_over_http_frees_its_slot_and_a_killed_trainer_resumes_the_next(tmp_path):
     first = adapter_yaml(tmp_path, "first", reverse_digits, num_step=500)
-    second = adapter_yaml(tmp_path, "second", copy_digits, num_step=10)
+    adapter_yaml(tmp_path, "second", copy_digits, num_step=10)  # its data file: registered over HTTP below
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "train-async", *SMALL, "--multi-lora-n-adapters",
                              "1", "--multi-lora-adapter", "first", str(first), "--run-dir", str(run_dir)],
