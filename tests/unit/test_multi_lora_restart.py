@@ -1,0 +1,108 @@
+"""The multi-LoRA trainer restarted while an adapter is retiring (a DELETE, or its budget, while
+it was down): it resumes that adapter from its partition's committed step before the last save,
+as it resumes an active one, so the trainer's records, its saved weights and the buffer's
+ledger (which records the leases of steps never committed `retired`) agree.
+
+The trainer runs against a stand-in for its service (the buffer's and the registry's answers),
+on a small real model and real PEFT directories."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+import torch
+
+from asyncrl_proto import AdapterControl, AdapterControlReply, BufferCommit, BufferCommitReply, BufferGetReply
+from asyncrl_proto.messages import AdapterRun, AdapterSpec, AdapterState
+from asyncrl_proto.subjects import Subjects
+from services.common.config import RunConfig
+from services.model.llama import CausalLM, ModelConfig
+from services.model.lora import ATTENTION, LoraSpec, MultiLora, load_adapter, save_adapter
+from services.trainer.adapter_push import adapter_dir
+from services.trainer.multi_lora import MultiLoraTrainer
+
+RID = "0123456789abcdef0123456789abcdef"
+
+
+class Service:
+    """What the trainer asks of its service: config, model, bus, and request/reply."""
+
+    def __init__(self, config, committed_step: int, run: AdapterRun):
+        self.config, self.committed_step, self.run = config, committed_step, run
+        self.model = CausalLM(ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16))  # fmt: skip
+        self.published: list = []
+        self.commits: list[int] = []
+        self.controls: list[str] = []
+
+        async def publish(subject, msg, msg_id=None):
+            self.published.append(msg)
+
+        self.bus = SimpleNamespace(subjects=Subjects(run_id="t"), publish=publish)
+
+    async def _request(self, subject, req, reply_type, what):
+        if isinstance(req, BufferCommit):
+            self.commits.append(req.step)
+            return BufferCommitReply(step=req.step)
+        if isinstance(req, AdapterControl):
+            self.controls.append(req.op)
+            state = {"cleanup": AdapterState.CLEANUP, "complete": AdapterState.COMPLETED}[req.op]
+            self.run = msgspec.structs.replace(self.run, state=state)
+            return AdapterControlReply(ok=True, run=self.run)
+        return BufferGetReply(step=req.step, error=f"step {req.step} is already committed",
+                              committed_step=self.committed_step)  # fmt: skip
+
+
+def setup_run(tmp_path, versions: list[int], complete: set[int], trained_steps: int, reported: int):
+    """An adapter retiring after a restart: versions v0.. of it on disk (B = the version number,
+    so a save tells which version it holds), its trained.jsonl with steps 0..trained_steps-1."""
+    cfg = RunConfig(run_dir=str(tmp_path / "run"), multi_lora_n_adapters=1, multi_lora_max_rank=4,
+                    hf_checkpoint=str(tmp_path))  # fmt: skip
+    spec = AdapterSpec(data=str(tmp_path / "gone.jsonl"), rank=2, alpha=2.0, rollout_batch_size=2,
+                       n_samples_per_prompt=2, save=str(tmp_path / "save"), rm_type="reverse-digits", num_step=9)  # fmt: skip
+    run = AdapterRun(name="rev", registration_id=RID, slot=0, state=AdapterState.RETIRING, spec=spec, step=reported)
+    svc = Service(cfg, committed_step=1, run=run)
+    lora = MultiLora(svc.model, n_slots=1, max_rank=4)
+    lora.init_slot(0, LoraSpec(rank=2, alpha=2.0, target_modules=ATTENTION), seed=0)
+    for v in versions:
+        with torch.no_grad():
+            for b in lora.B.values():
+                b[0].fill_(float(v))
+        out = save_adapter(lora, 0, adapter_dir(cfg.run_dir, "rev", RID, v))
+        if v not in complete:
+            (out / ".complete").unlink()
+    trained = adapter_dir(cfg.run_dir, "rev", RID, 0).parent / "trained.jsonl"
+    trained.write_text("".join(json.dumps({"step": k, "groups": [f"g{2 * k}-a0", f"g{2 * k + 1}-a0"]}) + "\n"
+                               for k in range(trained_steps)))  # fmt: skip
+    return svc, trained
+
+
+def saved_version(path) -> float:
+    _, tensors = load_adapter(path)
+    return next(v for k, v in tensors.items() if k.endswith("lora_B.weight"))[0, 0].item()
+
+
+def test_a_step_published_before_the_kill_is_committed_and_kept(tmp_path):
+    # step 2 was trained, reported (registry step 3) and published (v3), not committed
+    svc, trained = setup_run(tmp_path, [0, 1, 2, 3], {0, 1, 2, 3}, trained_steps=3, reported=3)
+    trainer = MultiLoraTrainer(svc)
+    asyncio.run(trainer._follow(svc.run))
+    assert svc.commits == [2] and svc.controls == ["cleanup", "complete"]
+    assert [json.loads(x)["step"] for x in trained.read_text().splitlines()] == [0, 1, 2]
+    assert saved_version(tmp_path / "save" / "step_3") == pytest.approx(3.0)  # the weights that step made
+    assert svc.published[-1].version == 3  # announced again: a kill may have cut it
+
+
+def test_a_step_trained_but_never_published_is_dropped(tmp_path):
+    # step 2 was trained and recorded, its version v3 never completed: the ledger will retire its
+    # groups, so the trainer's records and its last save drop it too
+    svc, trained = setup_run(tmp_path, [0, 1, 2, 3], {0, 1, 2}, trained_steps=3, reported=2)
+    trainer = MultiLoraTrainer(svc)
+    asyncio.run(trainer._follow(svc.run))
+    assert svc.commits == [] and svc.controls == ["cleanup", "complete"]
+    assert [json.loads(x)["step"] for x in trained.read_text().splitlines()] == [0, 1]
+    assert saved_version(tmp_path / "save" / "step_2") == pytest.approx(2.0)
