@@ -598,7 +598,8 @@ class TrainerSection(Section):
     load: str | None = Field(None, description="Resume from this checkpoint directory.")
     save_hf: str | None = Field(None, description="Directory for periodic HF snapshots.")
     keep_weight_snapshots: int = Field(
-        3, ge=1, description="Weight snapshots kept on disk for the engines (older ones are deleted)."
+        3, ge=1, description="Weight snapshots kept on disk for the engines (older ones are deleted, but those "
+        "the engines may still be loading); multi-LoRA: each adapter's versions likewise.",
     )
     custom_rollout_log_function_path: str | None = Field(
         None,

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from asyncrl_proto import (
     AdapterControl,
+    AdapterLive,
     AdapterControlReply,
     AdapterRegistryState,
     BufferCommit,
@@ -45,9 +46,9 @@ from asyncrl_proto import (
 )
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import AdapterRun, AdapterState, flatten_group
-from asyncrl_proto.subjects import ADAPTERS_KV_KEY
+from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX, ADAPTERS_KV_KEY
 from services.common.datasource import DataError, adapter_total_steps, load_rows
-from services.common.snapshot import COMPLETE_MARKER
+from services.common.snapshot import COMPLETE_MARKER, remove_snapshot, snapshots_to_remove
 from services.model.lora import LoraError, LoraSpec, MultiLora, SlotAdamW, load_adapter, save_adapter
 from services.trainer.adapter_push import adapter_dir, announce_adapter, publish_adapter
 from services.trainer.adapters import train_adapter_step
@@ -395,12 +396,30 @@ class MultiLoraTrainer:
         t.run = await self._control("stepped", t.run, step=t.step)
         await self._publish(t)
         await self._commit(t, step)
+        await self._retain(t)
         if t.step >= t.total:
             t.run = await self._control("retire", t.run, reason=f"its budget of {t.total} steps is reached")
 
     async def _publish(self, t: Track) -> None:
         await publish_adapter(self.bus, self.lora, t.run.slot, self.run_dir, t.run.name, t.rid, t.step,
                               self.config.hf_checkpoint)  # fmt: skip
+
+    async def _retain(self, t: Track) -> None:
+        """Its versions on disk, retained as the model's snapshots are (snapshots_to_remove): the
+        newest --keep-weight-snapshots, the one behind its committed step (a restart resumes from
+        it), and those newer than the engines' live version of it (weight-sync may be loading one)."""
+        d = self.run_dir / "adapters" / t.run.name / t.rid
+        keep = max(1, self.config.keep_weight_snapshots)
+        versions = sorted((p for p in d.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
+        if len(versions) <= keep:
+            return
+        live = -1  # unknown: every version among the newest few stays
+        with contextlib.suppress(Exception):  # a broker away, a value that does not decode
+            raw = await self.bus.kv_get(f"{ADAPTER_LIVE_KV_PREFIX}.{t.run.name}")
+            if raw is not None and (now := decode(raw, AdapterLive)).registration_id == t.rid:
+                live = now.version
+        for old in snapshots_to_remove(versions, keep, d / f"v{t.step}", live):
+            await asyncio.to_thread(remove_snapshot, old)
 
     async def _commit(self, t: Track, step: int) -> None:
         req = BufferCommit(step=step, version=t.step)

@@ -64,7 +64,7 @@ from services.common.plugins import load_object
 from services.common.promexport import LATENCY_BUCKETS_S
 from services.common.runtime import Service, wait_event
 from services.common.sinks import Sinks
-from services.common.snapshot import is_complete, remove_snapshot
+from services.common.snapshot import is_complete, remove_snapshot, snapshots_to_remove
 from services.common.validate import Limits, eval_result_problem, finite_metrics, sample_problem
 from services.common.weightstore import WeightStore, WeightStoreError
 from services.model.hf_io import load_weights_into, save_model
@@ -90,9 +90,6 @@ EVAL_WAIT_WARN_S = 60.0
 EVAL_DRAIN_TIMEOUT_S = 600.0
 FAILED_WINDOW_STEPS = 4
 """--max-failed-ratio is judged over this many recent steps."""
-SNAPSHOT_LAG_FACTOR = 4
-"""Snapshots newer than the engines' live version are kept up to this many times
---keep-weight-snapshots (then the oldest go, as before)."""
 NOT_EXPORTED = frozenset({"step", "rollout/step", "weight_version", "time", "rollout/fully_async/queue_size",
                           "rollout/fully_async/buffer_avg_staleness", "rollout/fully_async/buffer_max_staleness"})  # fmt: skip
 """Step record keys left out of the trainer's /metrics: the step and version are trainer/step and
@@ -819,14 +816,6 @@ class TrainerService(Service):
                "trainer/nonfinite_updates_skipped_total": self.num_nonfinite_skipped}  # fmt: skip
         out.update({k: v for k, v in self.last_record.items() if isinstance(v, (int, float)) and k not in NOT_EXPORTED})
         return out
-
-
-def snapshots_to_remove(snapshots: list[Path], keep: int, backing: Path | None, live: int) -> list[Path]:
-    """The snapshots (`v<k>` directories, oldest first) beyond the newest `keep`, but the one
-    behind the committed step and those newer than the engines' `live` version among the newest
-    SNAPSHOT_LAG_FACTOR x keep: weight-sync may be loading one of them."""
-    pending = {p for p in snapshots[-keep * SNAPSHOT_LAG_FACTOR :] if int(p.name[1:]) > live}
-    return [p for p in snapshots[:-keep] if p != backing and p not in pending]
 
 
 def master_address(config) -> str:

@@ -106,3 +106,33 @@ def test_a_step_trained_but_never_published_is_dropped(tmp_path):
     assert svc.commits == [] and svc.controls == ["cleanup", "complete"]
     assert [json.loads(x)["step"] for x in trained.read_text().splitlines()] == [0, 1]
     assert saved_version(tmp_path / "save" / "step_2") == pytest.approx(2.0)
+
+
+def test_old_adapter_versions_are_removed_but_those_the_engines_may_be_loading(tmp_path):
+    """A long adapter run does not fill the disk: after each commit its versions beyond the
+    newest --keep-weight-snapshots go, except those newer than the engines' live version of it
+    and the one behind the committed step."""
+    from asyncrl_proto import AdapterLive, encode
+
+    from services.trainer.multi_lora import Track
+
+    svc, _ = setup_run(tmp_path, list(range(10)), set(range(10)), trained_steps=9, reported=9)
+    live = {"version": 5}
+
+    async def kv_get(key):
+        assert key == "adapter_live.rev"
+        return encode(AdapterLive(name="rev", registration_id=RID, version=live["version"], engine_name="x"))
+
+    svc.bus.kv_get = kv_get
+    trainer = MultiLoraTrainer(svc)
+    t = Track(run=svc.run, spec=trainer._lora_spec(svc.run), total=9, step=9)
+    d = adapter_dir(svc.config.run_dir, "rev", RID, 0).parent
+
+    def left() -> list[int]:
+        return sorted(int(p.name[1:]) for p in d.glob("v*"))
+
+    asyncio.run(trainer._retain(t))
+    assert left() == [6, 7, 8, 9]  # keep 3, and v6: newer than the live v5, weight-sync may be loading it
+    live["version"] = 9
+    asyncio.run(trainer._retain(t))
+    assert left() == [7, 8, 9]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.trainer.service import SNAPSHOT_LAG_FACTOR, snapshots_to_remove
+from services.common.snapshot import SNAPSHOT_LAG_FACTOR, snapshots_to_remove
 
 
 def names(paths: list[Path]) -> list[int]:
