@@ -11,6 +11,10 @@ and the trainer read. Readers fetch meta and chunks by direct get (one message p
 consumer): a reader's credentials cannot create a consumer, write or delete.
 
 A snapshot's URI on weights.published is `nats-object://<bucket>/v<N>`.
+
+Multi-LoRA adapter versions live in the same bucket under `adapters/<name>/<registration>/v<N>/`
+(adapter_config.json, adapter_model.safetensors, the marker last), announced on weights.adapters
+as `nats-object://<bucket>/adapters/<name>/<registration>/v<N>`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -30,6 +35,9 @@ log = logging.getLogger(__name__)
 
 SCHEME = "nats-object://"
 DEFAULT_CHUNK = 128 * 1024
+MODEL_FILE = "model.safetensors"
+ADAPTER_FILE = "adapter_model.safetensors"
+_ADAPTER_KEY = re.compile(r"adapters/([A-Za-z0-9._-]{1,128})/([0-9a-f]{32})/v(\d{1,18})")
 
 
 class WeightStoreError(RuntimeError):
@@ -48,6 +56,27 @@ def parse_uri(uri: str) -> tuple[str, int] | None:
     if not bucket or not name.startswith("v") or not name[1:].isdigit() or len(name) > 20:
         return None
     return bucket, int(name[1:])
+
+
+def adapter_key(name: str, registration_id: str, version: int) -> str:
+    """Where an adapter version's objects live in the bucket (a "directory" of object names)."""
+    return f"adapters/{name}/{registration_id}/v{version}"
+
+
+def adapter_uri(bucket: str, name: str, registration_id: str, version: int) -> str:
+    return f"{SCHEME}{bucket}/{adapter_key(name, registration_id, version)}"
+
+
+def parse_adapter_uri(uri: str) -> tuple[str, str, str, int] | None:
+    """(bucket, name, registration, version) of a `nats-object://<bucket>/adapters/<name>/<registration>/v<N>`
+    URI; None for anything else (a name of `.` or `..` included)."""
+    if not uri.startswith(SCHEME):
+        return None
+    bucket, _, key = uri[len(SCHEME) :].partition("/")
+    m = _ADAPTER_KEY.fullmatch(key)
+    if not bucket or m is None or m.group(1) in (".", ".."):
+        return None
+    return bucket, m.group(1), m.group(2), int(m.group(3))
 
 
 def _b64(name: str) -> str:
@@ -72,25 +101,42 @@ class WeightStore:
     async def upload(self, version: int, snapshot_dir: str | Path) -> dict:
         """Put the complete local snapshot `snapshot_dir` as version `version`, its marker last.
         Returns the marker's content. Idempotent: a re-upload (after a crash) replaces each file."""
-        src = Path(snapshot_dir)
-        marker = json.loads((src / COMPLETE_MARKER).read_text())
-        await self.bus.object_delete(self.bucket, f"v{version}/{COMPLETE_MARKER}")  # a stale marker first
+        return await self._upload(f"v{version}", Path(snapshot_dir), MODEL_FILE)
+
+    async def upload_adapter(self, name: str, registration_id: str, version: int, adapter_dir: str | Path) -> dict:
+        """Put a complete local adapter directory (PEFT) as that adapter version, its marker last."""
+        return await self._upload(adapter_key(name, registration_id, version), Path(adapter_dir), ADAPTER_FILE)
+
+    async def _upload(self, key: str, src: Path, weights_file: str) -> dict:
+        try:  # a model snapshot's marker holds its weights file's digest; an adapter's is empty
+            sha = json.loads((src / COMPLETE_MARKER).read_text()).get("sha256", "")
+        except (ValueError, AttributeError):
+            sha = ""
+        if not sha:
+            sha = await asyncio.to_thread(lambda: hashlib.sha256((src / weights_file).read_bytes()).hexdigest())
+        await self.bus.object_delete(self.bucket, f"{key}/{COMPLETE_MARKER}")  # a stale marker first
         files = {}
         for f in sorted(p for p in src.iterdir() if p.is_file() and p.name != COMPLETE_MARKER):
             with f.open("rb") as fh:
-                await self.bus.object_put(self.bucket, f"v{version}/{f.name}", fh, self.chunk_size)
+                await self.bus.object_put(self.bucket, f"{key}/{f.name}", fh, self.chunk_size)
             files[f.name] = f.stat().st_size
-        manifest = {"sha256": marker.get("sha256", ""), "files": files}
-        await self.bus.object_put(self.bucket, f"v{version}/{COMPLETE_MARKER}", json.dumps(manifest).encode(),
+        manifest = {"sha256": sha, "files": files}
+        await self.bus.object_put(self.bucket, f"{key}/{COMPLETE_MARKER}", json.dumps(manifest).encode(),
                                   self.chunk_size)  # fmt: skip
         return manifest
 
     async def retire(self, version: int) -> None:
         """Delete a version: its marker first (a reader meanwhile finds it incomplete), then its files."""
-        manifest = await self.manifest(version)
-        await self.bus.object_delete(self.bucket, f"v{version}/{COMPLETE_MARKER}")
+        await self._retire(f"v{version}")
+
+    async def retire_adapter(self, name: str, registration_id: str, version: int) -> None:
+        await self._retire(adapter_key(name, registration_id, version))
+
+    async def _retire(self, key: str) -> None:
+        manifest = await self._manifest(key)
+        await self.bus.object_delete(self.bucket, f"{key}/{COMPLETE_MARKER}")
         for name in (manifest or {}).get("files", {}):
-            await self.bus.object_delete(self.bucket, f"v{version}/{name}")
+            await self.bus.object_delete(self.bucket, f"{key}/{name}")
 
     async def stored_versions(self) -> list[int]:
         """The complete versions in the bucket (listing needs the admin role: `asyncrl audit`)."""
@@ -111,7 +157,13 @@ class WeightStore:
 
     async def manifest(self, version: int) -> dict | None:
         """The marker of a complete version; None when the version is missing or incomplete."""
-        info = await self._info(f"v{version}/{COMPLETE_MARKER}")
+        return await self._manifest(f"v{version}")
+
+    async def adapter_manifest(self, name: str, registration_id: str, version: int) -> dict | None:
+        return await self._manifest(adapter_key(name, registration_id, version))
+
+    async def _manifest(self, key: str) -> dict | None:
+        info = await self._info(f"{key}/{COMPLETE_MARKER}")
         if info is None:
             return None
         try:
@@ -145,35 +197,43 @@ class WeightStore:
         """Download a complete version into the directory `dest` (replaced), with a local
         `.complete` marker last, so disk loaders take it as a complete snapshot. The weights
         file's SHA-256 must be the manifest's (and `expect_sha256`, when given)."""
-        manifest = await self.manifest(version)
+        return await self._fetch(f"v{version}", f"weights v{version}", MODEL_FILE, dest, expect_sha256)
+
+    async def fetch_adapter(self, name: str, registration_id: str, version: int, dest: str | Path) -> Path:
+        """Download a complete adapter version into `dest`, as fetch (its adapter_model.safetensors checked)."""
+        return await self._fetch(adapter_key(name, registration_id, version), f"adapter {name} v{version}",
+                                 ADAPTER_FILE, dest)  # fmt: skip
+
+    async def _fetch(self, key: str, what: str, weights_file: str, dest, expect_sha256: str | None = None) -> Path:
+        manifest = await self._manifest(key)
         if manifest is None:
-            raise WeightStoreError(f"weights v{version} are not in the object store (or incomplete)")
+            raise WeightStoreError(f"{what} is not in the object store (or incomplete)")
         if expect_sha256 is not None and manifest.get("sha256") != expect_sha256:
-            raise WeightStoreError(f"weights v{version}: the stored digest differs from the announced one")
+            raise WeightStoreError(f"{what}: the stored digest differs from the announced one")
         out = Path(dest)
         tmp = out.with_name(out.name + ".part")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            return await self._fetch_into(version, manifest, tmp, out)
+            return await self._fetch_into(key, what, weights_file, manifest, tmp, out)
         finally:  # a fetch cut off (the version retired meanwhile, a lost connection) leaves nothing
             shutil.rmtree(tmp, ignore_errors=True)
 
-    async def _fetch_into(self, version: int, manifest: dict, tmp: Path, out: Path) -> Path:
+    async def _fetch_into(self, key: str, what: str, weights_file: str, manifest: dict, tmp: Path, out: Path) -> Path:
         for name in manifest["files"]:
             if not isinstance(name, str) or name != Path(name).name or name in ("", ".", "..", COMPLETE_MARKER):
-                raise WeightStoreError(f"weights v{version}: the manifest names a file {name!r:.80}")
-            info = await self._info(f"v{version}/{name}")
+                raise WeightStoreError(f"{what}: the manifest names a file {name!r:.80}")
+            info = await self._info(f"{key}/{name}")
             if info is None:
-                raise WeightStoreError(f"weights v{version}: {name} is missing from the object store")
+                raise WeightStoreError(f"{what}: {name} is missing from the object store")
             with (tmp / name).open("wb") as fh:
                 await self._read_object(info, fh)
-        weights = tmp / "model.safetensors"
+        weights = tmp / weights_file
         if not weights.exists():
-            raise WeightStoreError(f"weights v{version}: the manifest has no model.safetensors")
+            raise WeightStoreError(f"{what}: the manifest has no {weights_file}")
         digest = await asyncio.to_thread(lambda: hashlib.sha256(weights.read_bytes()).hexdigest())
         if digest != manifest.get("sha256"):
-            raise WeightStoreError(f"weights v{version}: the weights file's digest differs from the manifest's")
+            raise WeightStoreError(f"{what}: the weights file's digest differs from the manifest's")
         (tmp / COMPLETE_MARKER).write_text(json.dumps({"sha256": digest}))
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)

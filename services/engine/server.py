@@ -348,6 +348,19 @@ class EngineServer:
             if self.loras is None:
                 return JSONResponse({"success": False, "error_message": "LoRA is not enabled on this engine: "
                                      "start it with --enable-lora", "loaded_adapters": {}}, status_code=400)  # fmt: skip
+            path = body.get("lora_path") if op == "load" else None
+            if isinstance(path, str) and path.startswith(SCHEME):  # an object-store version: fetched first
+                try:
+                    if self.weights is None:
+                        raise ValueError(f"{path!r:.120} is in a NATS object store, and this engine was started "
+                                         "without --nats-url and --run-id (start it with them to fetch it)")  # fmt: skip
+                    body = {**body, "lora_path": str(await self.weights.local_adapter(path))}
+                except (ValueError, WeightStoreError) as e:  # not one, or not (any more) in the bucket: never loads
+                    return JSONResponse({"success": False, "error_message": f"Failed to load LoRA adapter: {e}",
+                                         "loaded_adapters": self.loras.loaded()}, status_code=400)  # fmt: skip
+                except (OSError, TimeoutError) as e:  # the broker away: asked again
+                    return JSONResponse({"success": False, "error_message": f"could not fetch {path!r:.200}: {e}",
+                                         "loaded_adapters": self.loras.loaded()}, status_code=400)  # fmt: skip
             try:  # their own threads: an unload waiting for its requests never takes one from pause/continue
                 fn = self.loras.load if op == "load" else self.loras.unload
                 return await asyncio.get_running_loop().run_in_executor(self._lora_pool, fn, body)

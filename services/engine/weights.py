@@ -1,6 +1,8 @@
 """The built-in engine's fetcher of object-store weights (--update-weight-transfer-mode
 object-store): `nats-object://<bucket>/v<N>` snapshots of its own run, downloaded once into a local
-cache directory with the read-only `engine` NATS identity, digests checked, the newest few kept."""
+cache directory with the read-only `engine` NATS identity, digests checked, the newest few kept;
+and multi-LoRA adapter versions (`nats-object://<bucket>/adapters/<name>/<registration>/v<N>`,
+for /load_lora_adapter), the newest few of each registration kept."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from services.common.snapshot import is_complete
-from services.common.weightstore import WeightStore, parse_uri
+from services.common.weightstore import WeightStore, adapter_key, parse_adapter_uri, parse_uri
 
 log = logging.getLogger(__name__)
 
@@ -23,29 +25,51 @@ class ObjectWeights:
         self.bus = None
         self._lock = asyncio.Lock()
 
-    async def local_path(self, uri: str) -> Path:
-        """The local copy of a snapshot of this run's bucket (fetched unless already here)."""
+    async def _store(self) -> WeightStore:
         from services.common.bus import Bus
 
+        if self.bus is None:
+            self.bus = await Bus.connect(self.nats_url, self.run_id, "engine", connect_timeout_s=10)
+        return WeightStore(self.bus)
+
+    async def local_adapter(self, uri: str) -> Path:
+        """The local copy of an adapter version of this run's bucket (fetched unless already here)."""
+        parsed = parse_adapter_uri(uri)
+        if parsed is None:
+            raise ValueError(f"{uri!r:.120} is not a nats-object://<bucket>/adapters/<name>/<registration>/v<N> URI")
+        bucket, name, rid, version = parsed
+        async with self._lock:
+            store = await self._store()
+            if bucket != store.bucket:
+                raise ValueError(f"{uri!r:.120} is not in this run's weights bucket {store.bucket}")
+            dest = self.cache_dir / adapter_key(name, rid, version)
+            if not is_complete(dest):
+                await store.fetch_adapter(name, rid, version, dest)
+                log.info("fetched adapter %s v%d from the object store into %s", name, version, dest)
+            self._prune(keep_also=dest, under=dest.parent)
+            return dest
+
+    async def local_path(self, uri: str) -> Path:
+        """The local copy of a snapshot of this run's bucket (fetched unless already here)."""
         parsed = parse_uri(uri)
         if parsed is None:
             raise ValueError(f"{uri!r:.120} is not a nats-object://<bucket>/v<N> URI")
         bucket, version = parsed
         async with self._lock:
-            if self.bus is None:
-                self.bus = await Bus.connect(self.nats_url, self.run_id, "engine", connect_timeout_s=10)
-            store = WeightStore(self.bus)
+            store = await self._store()
             if bucket != store.bucket:
                 raise ValueError(f"{uri!r:.120} is not in this run's weights bucket {store.bucket}")
             dest = self.cache_dir / f"v{version}"
             if not is_complete(dest):
                 await store.fetch(version, dest)
                 log.info("fetched weights v%d from the object store into %s", version, dest)
-            self._prune(keep_also=dest)
+            self._prune(keep_also=dest, under=self.cache_dir)
             return dest
 
-    def _prune(self, keep_also: Path) -> None:
-        versions = sorted((p for p in self.cache_dir.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
+    def _prune(self, keep_also: Path, under: Path) -> None:
+        """The newest `keep` versions (`v<N>` directories) under `under`, and `keep_also`. An
+        adapter version's files are in memory once loaded: a pruned one loads again by fetching."""
+        versions = sorted((p for p in under.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
         for old in versions[: -self.keep]:
             if old != keep_also:
                 shutil.rmtree(old, ignore_errors=True)

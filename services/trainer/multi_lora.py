@@ -49,6 +49,7 @@ from asyncrl_proto.messages import AdapterRun, AdapterState, flatten_group
 from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX, ADAPTERS_KV_KEY
 from services.common.datasource import DataError, adapter_total_steps, load_rows
 from services.common.snapshot import COMPLETE_MARKER, remove_snapshot, snapshots_to_remove
+from services.common.weightstore import WeightStore
 from services.model.lora import LoraError, LoraSpec, MultiLora, SlotAdamW, load_adapter, save_adapter
 from services.trainer.adapter_push import adapter_dir, announce_adapter, publish_adapter
 from services.trainer.adapters import train_adapter_step
@@ -112,6 +113,14 @@ class MultiLoraTrainer:
         self.global_batch_size = c.global_batch_size or c.rollout_batch_size * c.n_samples_per_prompt
         """Samples a batch collects across adapters before it ships (the coalescing target)."""
         self.empty_since = 0.0
+        self._store: WeightStore | None = None
+
+    @property
+    def store(self) -> WeightStore | None:
+        """The run's weights bucket in object-store mode (adapter versions are uploaded there)."""
+        if self._store is None and self.config.update_weight_transfer_mode == "object-store":
+            self._store = WeightStore(self.bus, chunk_size=self.config.update_weight_buffer_size)
+        return self._store
 
     # ---- the registry ----------------------------------------------------------------------------
     async def _read_registry(self) -> AdapterRegistryState:
@@ -315,7 +324,7 @@ class MultiLoraTrainer:
         spec, tensors = await asyncio.to_thread(load_adapter, adapter_dir(self.run_dir, run.name, t.rid, t.step))
         self.lora.set_slot(run.slot, spec, tensors)
         self.optimizer.reset(run.slot)
-        await announce_adapter(self.bus, self.run_dir, run.name, t.rid, t.step)  # a kill may have cut its announcement
+        await announce_adapter(self.bus, self.run_dir, run.name, t.rid, t.step, self.store)  # a kill may have cut it
         log.info("adapter %s resumed at its step %d (its optimizer state is lost)", run.name, t.step)
         return True
 
@@ -402,7 +411,7 @@ class MultiLoraTrainer:
 
     async def _publish(self, t: Track) -> None:
         await publish_adapter(self.bus, self.lora, t.run.slot, self.run_dir, t.run.name, t.rid, t.step,
-                              self.config.hf_checkpoint)  # fmt: skip
+                              self.config.hf_checkpoint, self.store)  # fmt: skip
 
     async def _retain(self, t: Track) -> None:
         """Its versions on disk, retained as the model's snapshots are (snapshots_to_remove): the
@@ -419,6 +428,8 @@ class MultiLoraTrainer:
             if raw is not None and (now := decode(raw, AdapterLive)).registration_id == t.rid:
                 live = now.version
         for old in snapshots_to_remove(versions, keep, d / f"v{t.step}", live):
+            if self.store is not None:  # the bucket's copy first: a kill in between leaves the disk's, retried
+                await self.store.retire_adapter(t.run.name, t.rid, int(old.name[1:]))
             await asyncio.to_thread(remove_snapshot, old)
 
     async def _commit(self, t: Track, step: int) -> None:

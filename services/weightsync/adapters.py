@@ -11,7 +11,9 @@ version every engine serves, and the base model never pauses for an adapter.
 A version at or below the live one of the same registration is skipped (a redelivery, or one
 superseded); a new registration of the same name replaces the old one's live version. The
 directory must be the run's own (`<run_dir>/adapters/<name>/...`) and complete (its `.complete`
-marker). `converge()` loads the live versions on an engine that lacks them (restarted, or started
+marker); with --update-weight-transfer-mode object-store the version is in the run's weights
+bucket instead (`nats-object://<bucket>/adapters/<name>/<registration>/v<N>`, complete), and the
+engines fetch it (built-in engines only, as for the model's weights). `converge()` loads the live versions on an engine that lacks them (restarted, or started
 after them).
 """
 
@@ -29,6 +31,7 @@ from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX, ADAPTERS_KV_KEY
 from services.common.config import adapter_name_problem
 from services.common.sglang_client import EngineError, SGLangClient
 from services.common.snapshot import is_complete, resolved
+from services.common.weightstore import WeightStore, adapter_uri
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +42,11 @@ def live_key(name: str) -> str:
 
 class AdapterSync:
     def __init__(self, bus, client: SGLangClient, run_dir: str,
-                 spawn: Callable[[Awaitable, str], object] | None = None):  # fmt: skip
-        """spawn(coro, what): runs an unload in the background (the service's `background`)."""
+                 spawn: Callable[[Awaitable, str], object] | None = None, store: WeightStore | None = None):  # fmt: skip
+        """spawn(coro, what): runs an unload in the background (the service's `background`);
+        store: the run's weights bucket (object-store mode), where adapter versions are."""
         self.bus = bus
+        self.store = store
         self.client = client
         self.root = resolved(str(Path(run_dir) / "adapters"))
         self.live: dict[str, AdapterLive] = {}
@@ -49,12 +54,19 @@ class AdapterSync:
         self.num_loaded = 0
         self.num_skipped = 0
 
-    def problem(self, pub: AdapterPublished) -> str | None:
+    async def problem(self, pub: AdapterPublished) -> str | None:
         """Why a published adapter version must not reach an engine, or None."""
         if (why := adapter_name_problem(pub.name)) is not None:
             return why
         if pub.version < 0 or not pub.registration_id.isalnum():
             return f"adapter {pub.name}: version {pub.version} / registration {pub.registration_id!r:.40} is not one"
+        if self.store is not None:
+            want = adapter_uri(self.store.bucket, pub.name, pub.registration_id, pub.version)
+            if pub.uri != want:
+                return f"adapter {pub.name} v{pub.version}: {pub.uri!r:.200} is not the run's {want}"
+            if await self.store.adapter_manifest(pub.name, pub.registration_id, pub.version) is None:
+                return f"adapter {pub.name} v{pub.version}: the object store has no complete version of it"
+            return None
         path = resolved(pub.uri)
         if path is None or self.root is None or not path.is_relative_to(self.root / pub.name):
             return f"adapter {pub.name} v{pub.version}: {pub.uri!r:.200} is not under the run's adapters/{pub.name}/"
@@ -105,6 +117,8 @@ class AdapterSync:
         await self.bus.kv_put(live_key(pub.name), encode(new))
         self.live[pub.name] = new
         self.num_loaded += 1
+        log.info("adapter %s v%d is live on %d engine(s) from %s", pub.name, pub.version, len(self.client.urls),
+                 pub.uri)  # fmt: skip
         if old is not None and old.engine_name != engine_name:
             self._spawn(self._unload_everywhere(old.engine_name), f"unloading adapter {old.engine_name}")
         return True

@@ -83,7 +83,7 @@ class WeightSyncService(Service):
                                config.pause_generation_mode, on_pause=self._paused)
             if config.update_weight_transfer_mode == "distributed" else None
         )  # fmt: skip
-        self.adapters = (AdapterSync(bus, self.client, config.run_dir, self.background)
+        self.adapters = (AdapterSync(bus, self.client, config.run_dir, self.background, self.store)
                          if config.multi_lora_n_adapters > 0 else None)  # fmt: skip
         """Multi-LoRA: adapter versions onto the engines, without a pause (services/weightsync/adapters.py)."""
         self._asub = None
@@ -154,7 +154,7 @@ class WeightSyncService(Service):
             for m in await fetch_some(self._asub, 16, 1.0):
                 if (pub := await self.bus.decode_or_dead_letter(m, AdapterPublished, jetstream=True)) is None:
                     continue
-                if (problem := self.adapters.problem(pub)) is not None:
+                if (problem := await self.adapters.problem(pub)) is not None:
                     await self.bus.dead_letter_msg(m, problem)
                     continue
                 try:

@@ -85,21 +85,26 @@ def test_two_adapters_train_at_once_each_in_its_own_partition(tmp_path, tiny_mod
     assert json.loads(out.read_text())["results"][0]["samples"] == 16
 
 
-def test_an_adapter_trains_on_the_megatron_backend(tmp_path):
+def test_an_adapter_trains_on_megatron_and_travels_by_the_object_store(tmp_path):
     """--train-backend megatron: the adapter's factors on Megatron's fused linears, trained to its
-    budget and saved as the same PEFT directory the engines load."""
+    budget and saved as the same PEFT directory the engines load; --update-weight-transfer-mode
+    object-store: its versions reach the engine through the run's weights bucket, not the disk."""
     pytest.importorskip("megatron.core")
     from services.model.lora import load_adapter
 
     rev = adapter_yaml(tmp_path, "rev", reverse_digits, num_step=2)
     run_dir = tmp_path / "run"
-    r = cli("train-async", *SMALL, "--train-backend", "megatron", "--multi-lora-n-adapters", "1",
-            "--multi-lora-adapter", "rev", str(rev), "--run-dir", str(run_dir), cwd=tmp_path)  # fmt: skip
+    r = cli("train-async", *SMALL, "--train-backend", "megatron", "--update-weight-transfer-mode", "object-store",
+            "--multi-lora-n-adapters", "1", "--multi-lora-adapter", "rev", str(rev), "--run-dir", str(run_dir),
+            cwd=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert [rec["rev/step"] for rec in records(run_dir) if rec.get("adapter") == "rev"] == [0, 1]
     spec, tensors = load_adapter(tmp_path / "save_rev" / "step_2")
     assert spec.rank == 8 and any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in tensors.items())
     assert json.loads((run_dir / "audit.json").read_text())["balanced"]
+    sync_log = (run_dir / "logs" / "weight-sync.log").read_text()
+    for v in (0, 1):  # loaded by the engine from the bucket (it fetches a nats-object:// version itself)
+        assert f"adapter rev v{v} is live on 1 engine(s) from nats-object://" in sync_log, sync_log[-2000:]
 
 
 def test_an_adapter_retired_over_http_frees_its_slot_and_a_killed_trainer_resumes_the_next(tmp_path):

@@ -131,3 +131,68 @@ async def test_the_engine_stages_an_object_store_snapshot_and_swaps_it_in(server
     finally:
         for b in (admin, trainer):
             await b.close()
+
+
+async def test_an_adapter_version_travels_by_the_object_store_to_the_engine(server, tiny_model_dir, tmp_path,
+                                                                            monkeypatch):  # fmt: skip
+    """Multi-LoRA in object-store mode: the trainer uploads an adapter version, weight-sync's
+    check finds it complete, the built-in engine fetches it for /load_lora_adapter (digest checked)
+    and serves it; a retired version, a forged URI and another run's bucket never load."""
+    import torch
+
+    from asyncrl_proto import AdapterPublished
+    from services.common.weightstore import adapter_uri, parse_adapter_uri
+    from services.model.lora import ATTENTION, LoraSpec, MultiLora, save_adapter
+    from services.weightsync.adapters import AdapterSync
+
+    srv, run_id, pw = server
+    admin, trainer, sync = [await connect(server, r) for r in ("admin", "trainer", "weight-sync")]
+    try:
+        await admin.ensure_streams()
+        lora = MultiLora(load_model(tiny_model_dir), n_slots=1, max_rank=8)
+        lora.init_slot(0, LoraSpec(rank=8, alpha=16.0, target_modules=ATTENTION), seed=0)
+        with torch.no_grad():
+            for b in lora.B.values():
+                b[0].normal_(0, 0.5)
+        rid = "ab" * 16
+        local = save_adapter(lora, 0, tmp_path / "v3")
+        store = WeightStore(trainer)
+        await store.upload_adapter("rev", rid, 3, local)
+        uri = adapter_uri(store.bucket, "rev", rid, 3)
+        assert parse_adapter_uri(uri) == (store.bucket, "rev", rid, 3)
+        assert parse_adapter_uri(uri.replace("/rev/", "/../")) is None and parse_adapter_uri(uri + "/x") is None
+
+        checker = AdapterSync(sync, client=None, run_dir=str(tmp_path / "run"), store=WeightStore(sync))
+        pub = AdapterPublished(name="rev", registration_id=rid, version=3, uri=uri)
+        assert await checker.problem(pub) is None
+        assert "not the run's" in await checker.problem(AdapterPublished(name="rev", registration_id=rid, version=3,
+                                                                          uri=str(local)))  # fmt: skip
+        assert "no complete version" in await checker.problem(AdapterPublished(
+            name="rev", registration_id=rid, version=4, uri=adapter_uri(store.bucket, "rev", rid, 4)))  # fmt: skip
+
+        monkeypatch.setenv("ASYNCRL_NATS_USER", "engine")
+        monkeypatch.setenv("ASYNCRL_NATS_PASSWORD", pw["engine"])
+        weights = ObjectWeights(srv.url, run_id, tmp_path / "cache")
+        prompt = {"input_ids": [1, 5, 6, 7], "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+        with EngineThread(tiny_model_dir, weights=weights, max_loras=2) as eng:
+            async with httpx.AsyncClient(base_url=eng.url, timeout=60) as http:
+                base = (await http.post("/generate", json=prompt)).json()["output_ids"]
+                r = await http.post("/load_lora_adapter", json={"lora_name": "rev-v3", "lora_path": uri})
+                assert r.status_code == 200 and r.json()["success"], r.text
+                tuned = (await http.post("/generate", json={**prompt, "lora_path": "rev-v3"})).json()["output_ids"]
+                assert tuned != base  # the fetched adapter is the one in use
+                await store.retire_adapter("rev", rid, 3)
+                gone = await http.post("/load_lora_adapter", json={
+                    "lora_name": "rev-v5", "lora_path": adapter_uri(store.bucket, "rev", rid, 5)})  # fmt: skip
+                assert gone.status_code == 400 and "Failed to load LoRA adapter" in gone.text
+                other = await http.post("/load_lora_adapter", json={
+                    "lora_name": "x", "lora_path": adapter_uri("OTHER_run", "rev", rid, 3)})  # fmt: skip
+                assert other.status_code == 400 and "this run's weights bucket" in other.text
+        # what the engine served is the uploaded adapter: the same output as from the local directory
+        with EngineThread(tiny_model_dir, max_loras=2) as ref:
+            async with httpx.AsyncClient(base_url=ref.url, timeout=60) as http:
+                await http.post("/load_lora_adapter", json={"lora_name": "rev-v3", "lora_path": str(local)})
+                assert (await http.post("/generate", json={**prompt, "lora_path": "rev-v3"})).json()["output_ids"] == tuned
+    finally:
+        for b in (admin, trainer, sync):
+            await b.close()
