@@ -70,7 +70,7 @@ async def test_adapter_versions_reach_every_engine_without_a_pause(server, tiny_
             try:
                 await publish_adapter(trainer_bus, trained(tiny_model_dir, 1), 0, tmp_path, "tenant-a", reg, 1)
                 pub, msg = await next_message(sub)
-                assert sync.problem(pub) is None
+                assert await sync.problem(pub) is None
                 assert await sync.apply(pub) is True
                 await msg.ack()
                 v1 = adapter_engine_name("tenant-a", reg, 1)
@@ -121,12 +121,12 @@ async def test_adapter_versions_reach_every_engine_without_a_pause(server, tiny_
                 await client.close()
         # what weight-sync refuses: outside the run's adapters/, not complete, a bad name
         outside = AdapterPublished(name="tenant-a", registration_id=reg, version=3, uri=str(tmp_path.parent))
-        assert "not under the run's adapters/tenant-a/" in sync.problem(outside)
+        assert "not under the run's adapters/tenant-a/" in await sync.problem(outside)
         (tmp_path / "adapters" / "tenant-a" / reg / "v9").mkdir(parents=True)
         half = AdapterPublished(name="tenant-a", registration_id=reg, version=9,
                                 uri=str(tmp_path / "adapters" / "tenant-a" / reg / "v9"))  # fmt: skip
-        assert "not a complete adapter directory" in sync.problem(half)
-        assert "invalid" in sync.problem(AdapterPublished(name="../x", registration_id=reg, version=1, uri="/"))
+        assert "not a complete adapter directory" in await sync.problem(half)
+        assert "invalid" in await sync.problem(AdapterPublished(name="../x", registration_id=reg, version=1, uri="/"))
         # only the trainer may announce adapter versions
         with pytest.raises((nats.errors.Error, TimeoutError)):
             await producer.publish(producer.subjects.adapters_published, outside)
@@ -154,8 +154,10 @@ async def test_weight_sync_service_loads_announced_adapters_and_refuses_forged_o
             pub = await publish_adapter(bus, trained(tiny_model_dir, 3), 0, tmp_path, "tenant-b", reg, 1)
             name = adapter_engine_name("tenant-b", reg, 1)
             await wait_until(lambda: name in engine.loras.loaded(), what="the adapter loaded", timeout=20)
+            # recorded live once every engine has it (the KV write follows the loads)
+            await wait_until(lambda: svc.service.status()["adapters_live"] == {"tenant-b": name},
+                             what="the adapter recorded live", timeout=20)  # fmt: skip
             assert sum(svc.service.bus.dead_lettered.values()) == 1
-            assert svc.service.status()["adapters_live"] == {"tenant-b": name}
             assert decode(await bus.kv_get(live_key("tenant-b")), AdapterLive).uri == pub.uri
             await generate(engine.url, name)
         finally:
