@@ -4,7 +4,7 @@
 |---|---|---|---|
 | admin (launcher, init-run, audit) | everything | everything | creates the streams and the KV bucket |
 | buffer | prompts, ledger, KV buffer_snapshot (and `.<registration>` of each: multi-LoRA) | buffer.get, buffer.commit, weights.live, weights.published, heartbeat.rollout | consumer `buffer` on ROLLOUTS, purges ROLLOUTS, reads LEDGER, ROLLOUTS and the last WEIGHTS message |
-| trainer | buffer.get, buffer.commit, weights.published, KV published_version, progress, eval.requests, eval.results, adapters.control (requests) | eval.results, heartbeat.rollout, weights.transfer (answers it) | reads ROLLOUTS, the last WEIGHTS message; writes, reads and purges the weights object bucket |
+| trainer | buffer.get, buffer.commit, weights.published, KV published_version (reads KV adapter_live.*), progress, eval.requests, eval.results, adapters.control (requests) | eval.results, heartbeat.rollout, weights.transfer (answers it) | reads ROLLOUTS, the last WEIGHTS message; writes, reads and purges the weights object bucket |
 | rollout | rollouts | control | consumer `producers` on PROMPTS |
 | weight-sync | weights.live, KV live_version, weights.transfer (requests) | - | consumer `weight-sync` on WEIGHTS, reads WEIGHTS and the weights object bucket |
 | eval | eval.results, control | weights.live | consumer `eval` on EVAL, reads the last WEIGHTS message |
@@ -86,6 +86,7 @@ def role_permissions(run_id: str, role: str) -> dict:
         pub += [f"$O.{s.weights_bucket}.>", f"{JS}.STREAM.PURGE.{obj_stream}", f"{JS}.STREAM.INFO.{obj_stream}"]
         pub += _read(obj_stream)
         pub += [s.adapters_control, *kv_get(ADAPTERS_KV_KEY)]  # multi-LoRA: the registry's transitions and state
+        pub += kv_get(f"{ADAPTER_LIVE_KV_PREFIX}.>")  # multi-LoRA: the engines' version of an adapter (its retention)
         pub += [s.adapters_published]  # multi-LoRA: adapter versions for weight-sync
         sub += [s.eval_results, s.heartbeat("rollout"), s.weights_transfer]
         responses = {"max": 16, "expires": "5m"}  # a send's answer comes once its broadcast is done

@@ -58,6 +58,8 @@ from services.trainer.rollout_stats import rollout_metrics
 
 log = logging.getLogger(__name__)
 
+LIVE_READ_S = 2.0
+"""The longest an adapter's retention waits for the engines' version of it (then it keeps more)."""
 GET_WAIT_S = 1.0
 """How long one get waits for a lease before the loop looks at the registry again."""
 
@@ -424,7 +426,7 @@ class MultiLoraTrainer:
             return
         live = -1  # unknown: every version among the newest few stays
         with contextlib.suppress(Exception):  # a broker away, a value that does not decode
-            raw = await self.bus.kv_get(f"{ADAPTER_LIVE_KV_PREFIX}.{t.run.name}")
+            raw = await asyncio.wait_for(self.bus.kv_get(f"{ADAPTER_LIVE_KV_PREFIX}.{t.run.name}"), LIVE_READ_S)
             if raw is not None and (now := decode(raw, AdapterLive)).registration_id == t.rid:
                 live = now.version
         for old in snapshots_to_remove(versions, keep, d / f"v{t.step}", live):

@@ -5,6 +5,7 @@ first; and a built-in engine loads a nats-object:// snapshot, staged beside its 
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -158,6 +159,8 @@ async def test_an_adapter_version_travels_by_the_object_store_to_the_engine(serv
         local = save_adapter(lora, 0, tmp_path / "v3")
         store = WeightStore(trainer)
         await store.upload_adapter("rev", rid, 3, local)
+        # the trainer reads the engines' version of an adapter (what it retains): allowed, and prompt
+        assert await asyncio.wait_for(trainer.kv_get("adapter_live.rev"), 5) is None
         uri = adapter_uri(store.bucket, "rev", rid, 3)
         assert parse_adapter_uri(uri) == (store.bucket, "rev", rid, 3)
         assert parse_adapter_uri(uri.replace("/rev/", "/../")) is None and parse_adapter_uri(uri + "/x") is None
