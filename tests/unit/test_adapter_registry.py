@@ -433,3 +433,8 @@ def test_the_audit_covers_registrations_the_registry_pruned(tmp_path):
         (tmp_path / "adapters" / d).mkdir(parents=True, exist_ok=True)
     assert registrations(r.state, tmp_path) == [
         ("a", live.registration_id, "pending"), ("old", pruned, "completed (pruned from the registry)")]
+
+
+def test_multi_lora_refuses_several_trainer_ranks():
+    with pytest.raises(ConfigError, match="trains on one trainer rank"):
+        resolve_config({"multi_lora_n_adapters": 2, "trainer_num_ranks": 2}, environ={})
