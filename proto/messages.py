@@ -182,6 +182,11 @@ class BufferGetReply(msgspec.Struct, kw_only=True):
     """The last step the buffer has committed (a trainer that lost its place resumes after it)."""
 
 
+NO_PARTITION_ERROR = "names no open buffer partition"
+"""In a BufferGetReply's or BufferCommitReply's error: the subject names an adapter registration
+whose buffer partition is not open (multi-LoRA); the trainer takes it as "not ready yet"."""
+
+
 class BufferCommit(msgspec.Struct, kw_only=True):
     """Trainer -> buffer: every step <= `step` is trained and checkpointed; its groups are done."""
 

@@ -45,7 +45,7 @@ from asyncrl_proto import (
     encode,
 )
 from asyncrl_proto.codec import MalformedMessage
-from asyncrl_proto.messages import AdapterRun, AdapterState
+from asyncrl_proto.messages import NO_PARTITION_ERROR, AdapterRun, AdapterState
 from asyncrl_proto.subjects import ADAPTERS_KV_KEY
 from services.buffer.partition import Bound, Partition, QueueSub
 from services.common import crash
@@ -349,7 +349,7 @@ class BufferService(Service):
             self.background(self._purge_trained(), "purging trained groups")
 
     async def _no_partition(self, msg, reply) -> None:
-        error = f"{msg.subject} names no open buffer partition (an adapter registration the registry does not hold open)"
+        error = f"{msg.subject} {NO_PARTITION_ERROR} (an adapter registration the registry does not hold open)"
         if msg.reply:
             with contextlib.suppress(Exception):  # the requester may be gone
                 await msg.respond(encode(reply(step=-1, error=error)))

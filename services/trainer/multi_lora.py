@@ -45,7 +45,7 @@ from asyncrl_proto import (
     decode,
 )
 from asyncrl_proto.codec import MalformedMessage
-from asyncrl_proto.messages import AdapterRun, AdapterState, flatten_group
+from asyncrl_proto.messages import NO_PARTITION_ERROR, AdapterRun, AdapterState, flatten_group
 from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX, ADAPTERS_KV_KEY
 from services.common.datasource import DataError, adapter_total_steps, load_rows
 from services.common.snapshot import COMPLETE_MARKER, remove_snapshot, snapshots_to_remove
@@ -70,10 +70,6 @@ class MultiLoraError(RuntimeError):
 
 class Unservable(MultiLoraError):
     """An adapter that cannot be trained here (its buffer partition does not open): retired."""
-
-
-NO_PARTITION = "names no open buffer partition"
-"""The buffer's answer to a get of a registration whose partition is not open (services/buffer/service.py)."""
 
 
 @dataclass
@@ -354,13 +350,17 @@ class MultiLoraTrainer:
         t.run = await self._control("complete", run)
         log.info("adapter %s completed at its step %d: saved to %s, slot %d free", run.name, t.step, out, run.slot)
 
+    def _versions(self, t: Track) -> list[Path]:
+        """Its version directories on disk (`v<k>`), oldest first."""
+        d = adapter_dir(self.run_dir, t.run.name, t.rid, 0).parent
+        return sorted((p for p in d.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
+
     async def _resume_weights(self, t: Track) -> None:
-        d = self.run_dir / "adapters" / t.run.name / t.rid
-        versions = sorted((int(p.name[1:]) for p in d.glob("v*") if p.name[1:].isdigit()), reverse=True)
-        for v in versions:
-            if _complete(d / f"v{v}"):
+        for p in reversed(self._versions(t)):
+            v = int(p.name[1:])
+            if _complete(p):
                 try:
-                    spec, tensors = await asyncio.to_thread(load_adapter, d / f"v{v}")
+                    spec, tensors = await asyncio.to_thread(load_adapter, p)
                     self.lora.set_slot(t.run.slot, spec, tensors)
                 except LoraError as e:
                     log.error("adapter %s: its version %d does not load (%s); trying the one before", t.run.name, v, e)
@@ -376,7 +376,7 @@ class MultiLoraTrainer:
         req = BufferGetRequest(step=t.step, count=t.run.spec.rollout_batch_size, current_version=t.step,
                                wait_s=GET_WAIT_S)  # fmt: skip
         reply = await self._ask(t.rid, req, f"lease of adapter {t.run.name} step {t.step}")
-        if reply.error and NO_PARTITION in reply.error:  # the buffer is (re)trying to open it: not ready yet
+        if reply.error and NO_PARTITION_ERROR in reply.error:  # the buffer is (re)trying to open it: not ready yet
             t.no_partition_since = t.no_partition_since or time.monotonic()
             if time.monotonic() - t.no_partition_since < self.config.buffer_timeout_s:
                 await asyncio.sleep(GET_WAIT_S)
@@ -419,9 +419,8 @@ class MultiLoraTrainer:
         """Its versions on disk, retained as the model's snapshots are (snapshots_to_remove): the
         newest --keep-weight-snapshots, the one behind its committed step (a restart resumes from
         it), and those newer than the engines' live version of it (weight-sync may be loading one)."""
-        d = self.run_dir / "adapters" / t.run.name / t.rid
         keep = max(1, self.config.keep_weight_snapshots)
-        versions = sorted((p for p in d.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
+        versions = self._versions(t)
         if len(versions) <= keep:
             return
         live = -1  # unknown: every version among the newest few stays
@@ -429,7 +428,8 @@ class MultiLoraTrainer:
             raw = await asyncio.wait_for(self.bus.kv_get(f"{ADAPTER_LIVE_KV_PREFIX}.{t.run.name}"), LIVE_READ_S)
             if raw is not None and (now := decode(raw, AdapterLive)).registration_id == t.rid:
                 live = now.version
-        for old in snapshots_to_remove(versions, keep, d / f"v{t.step}", live):
+        backing = adapter_dir(self.run_dir, t.run.name, t.rid, t.step)
+        for old in snapshots_to_remove(versions, keep, backing, live):
             if self.store is not None:  # the bucket's copy first: a kill in between leaves the disk's, retried
                 await self.store.retire_adapter(t.run.name, t.rid, int(old.name[1:]))
             await asyncio.to_thread(remove_snapshot, old)
@@ -443,7 +443,7 @@ class MultiLoraTrainer:
 
     # ---- records ---------------------------------------------------------------------------------
     def _trained_path(self, t: Track) -> Path:
-        return self.run_dir / "adapters" / t.run.name / t.rid / "trained.jsonl"
+        return adapter_dir(self.run_dir, t.run.name, t.rid, 0).parent / "trained.jsonl"
 
     def _append_trained(self, t: Track, step: int, groups: list[list]) -> None:
         path = self._trained_path(t)
