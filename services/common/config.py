@@ -889,9 +889,6 @@ class MultiLoraSection(Section):
         if self.multi_lora_adapter and self.multi_lora_n_adapters == 0:
             errs.append("--multi-lora-adapter registers adapters for multi-LoRA, which is off: set "
                         "--multi-lora-n-adapters to the number of adapter slots")  # fmt: skip
-        if self.multi_lora_n_adapters > 0 and getattr(self, "trainer_num_ranks", 1) > 1:
-            errs.append("Multi-LoRA async (--multi-lora-n-adapters) trains on one trainer rank in this version: "
-                        "set --trainer-num-ranks 1")  # fmt: skip
         if self.multi_lora_n_adapters > 0 and self.eval_interval is not None:
             errs.append("Multi-LoRA async (--multi-lora-n-adapters) does not support in-loop evaluation: unset "
                         "--eval-interval (evaluate each adapter from its saves)")  # fmt: skip

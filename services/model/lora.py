@@ -249,6 +249,13 @@ class MultiLora(nn.Module):
             a = self.A[key]
             bound = 1.0 / math.sqrt(a.shape[-1])
             a[slot, : spec.rank] = (torch.rand(spec.rank, a.shape[-1], generator=gen) * 2 - 1) * bound
+        self.adopt_slot(slot, spec)
+
+    @torch.no_grad()
+    def adopt_slot(self, slot: int, spec: LoraSpec) -> None:
+        """The slot holds an adapter of `spec` whose factors are already in place (written by
+        init_slot, set_slot, or a broadcast from another trainer rank)."""
+        self._check_spec(spec)
         self.scale[slot] = spec.scale
         self.specs[slot] = spec
 
@@ -304,8 +311,7 @@ class MultiLora(nn.Module):
                 self.A[key][slot, : spec.rank] = t.to(self.A[key].dtype)
             else:
                 self.B[key][slot, :, : spec.rank] = t.to(self.B[key].dtype)
-        self.scale[slot] = spec.scale
-        self.specs[slot] = spec
+        self.adopt_slot(slot, spec)
 
 
 # ---- PEFT directories ------------------------------------------------------------------------------

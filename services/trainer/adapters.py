@@ -42,6 +42,36 @@ def clip_slot(lora: MultiLora, slot: int, norm: float, max_norm: float) -> None:
                     p.grad[slot].mul_(scale)
 
 
+def adapter_gradients(model: CausalLM, lora: MultiLora, slot: int, batches: list[TrainBatch], cfg: LossConfig,
+                      denom: float) -> list[tuple[dict[str, float], int]]:  # fmt: skip
+    """The gradient of one adapter's loss over `batches` (divided by the step's `denom`) in its
+    factors' `.grad`, other slots' rows zero; (stats, loss tokens) per micro-batch."""
+    model.train()
+    for p in (*lora.A.values(), *lora.B.values()):
+        p.grad = None
+    parts = []
+    for b in batches:
+        with lora.rows([slot] * b.num_samples):
+            parts += accumulate_gradients(model, [b], cfg, denom)
+    return parts
+
+
+def apply_adapter_update(lora: MultiLora, optimizer: SlotAdamW, slot: int, stats: dict[str, float],
+                         clip_grad: float) -> dict[str, float]:  # fmt: skip
+    """Clip the slot's gradient norm and step it, unless the loss or the norm is not finite (that
+    adapter's update is skipped); the step's stats with the norm."""
+    norm = slot_grad_norm(lora, slot) if math.isfinite(stats.get("train/loss", 0.0)) else float("nan")
+    if math.isfinite(norm):
+        clip_slot(lora, slot, norm, clip_grad)
+        optimizer.step([slot])
+    optimizer.zero_grad()
+    return finish_stats(stats, norm)
+
+
+SKIPPED = {"train/grad_norm": 0.0, "train/num_micro_batches": 0, "train/num_loss_tokens": 0, "train/skipped": 1.0}
+"""The stats of a step with no loss token (every group FAILED): no update."""
+
+
 def train_adapter_step(
     model: CausalLM,
     lora: MultiLora,
@@ -53,22 +83,11 @@ def train_adapter_step(
 ) -> dict[str, float]:
     """One optimizer step of one adapter over its micro-batches (the loss normalised by its
     whole step, as train_step); the base model's weights never change."""
-    model.train()
-    optimizer.zero_grad()
     denom = step_denominator(batches, cfg.aggregation)
     if denom == 0:
-        return {"train/grad_norm": 0.0, "train/num_micro_batches": 0, "train/num_loss_tokens": 0, "train/skipped": 1.0}
-    parts = []
-    for b in batches:
-        with lora.rows([slot] * b.num_samples):
-            parts += accumulate_gradients(model, [b], cfg, denom)
-    stats = merge_stats(parts)
-    norm = slot_grad_norm(lora, slot) if math.isfinite(stats.get("train/loss", 0.0)) else float("nan")
-    if math.isfinite(norm):
-        clip_slot(lora, slot, norm, clip_grad)
-        optimizer.step([slot])
-    optimizer.zero_grad()
-    stats = finish_stats(stats, norm)
+        return dict(SKIPPED)
+    parts = adapter_gradients(model, lora, slot, batches, cfg, denom)
+    stats = apply_adapter_update(lora, optimizer, slot, merge_stats(parts), clip_grad)
     stats["train/num_micro_batches"] = len(batches)
     stats["train/num_loss_tokens"] = sum(b.num_tokens for b in batches)
     return stats

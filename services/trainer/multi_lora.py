@@ -394,9 +394,13 @@ class MultiLoraTrainer:
         self.svc._exclude_invalid(groups, max_version=t.step, n=t.run.spec.n_samples_per_prompt)
         c = self.config
         std = bool(c.grpo_std_normalization and t.run.spec.n_samples_per_prompt > 1)
-        (batches,) = build_step_batches(groups, std, c.reward_key, self.svc.pad_id, None, 1)
-        stats = await asyncio.to_thread(train_adapter_step, self.model, self.lora, self.optimizer, t.run.slot,
-                                        batches, self.svc.loss_cfg, c.clip_grad)  # fmt: skip
+        if self.svc.dp is not None:  # --trainer-num-ranks: the samples split over the ranks
+            stats = await asyncio.to_thread(self.svc.dp.train_adapter, self.lora, self.optimizer, t.run.slot, groups,
+                                            self.svc.loss_cfg, std)  # fmt: skip
+        else:
+            (batches,) = build_step_batches(groups, std, c.reward_key, self.svc.pad_id, None, 1)
+            stats = await asyncio.to_thread(train_adapter_step, self.model, self.lora, self.optimizer, t.run.slot,
+                                            batches, self.svc.loss_cfg, c.clip_grad)  # fmt: skip
         step = t.step
         t.step += 1
         # records first (a restart drops those after its committed step), then the registry (the

@@ -8,6 +8,12 @@ its share of the samples (sorted by length, dealt round-robin), accumulates the 
 share with the loss normalised by the whole step's tokens, and the gradients are summed with
 all-reduce. Every rank then applies the same clipped update, so the replicas stay identical and
 the update equals the single-process one on the same batch (a test checks it).
+
+Multi-LoRA (--multi-lora-n-adapters) steps one adapter at a time on the frozen base: rank 0 holds
+the adapters and their optimizer (the registry's lifecycle happens there alone), so each adapter
+step sends that slot's factors to the ranks first, every rank takes its share of the samples as
+above, the slot's gradients are summed on rank 0, and rank 0 clips and steps. The ranks keep no
+adapter state between steps, so a slot set up, resumed or freed on rank 0 needs nothing from them.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import logging
 import torch
 import torch.distributed as dist
 
+from services.model.lora import LoraSpec
+from services.trainer.adapters import SKIPPED, adapter_gradients, apply_adapter_update
 from services.trainer.core import (
     LossConfig,
     accumulate_gradients,
@@ -75,6 +83,42 @@ def dp_train_step(model, optimizer, groups, cfg: LossConfig, clip_grad: float, *
     dist.all_gather_object(gathered, parts)
     every = [p for rank_parts in gathered for p in rank_parts]
     stats = finish_stats(merge_stats(every), norm)
+    stats["train/num_micro_batches"] = len(every)
+    stats["train/num_loss_tokens"] = sum(n for _, n in every)
+    stats["train/dp_world_size"] = world
+    return stats
+
+
+def dp_adapter_step(model, lora, optimizer, slot: int, spec: LoraSpec, groups, cfg: LossConfig, clip_grad: float, *,
+                    std_norm: bool, reward_key, pad_id: int, max_tokens: int | None) -> dict:  # fmt: skip
+    """One data-parallel step of the adapter in `slot`; call on every rank with the same groups.
+    `optimizer` is rank 0's SlotAdamW (None elsewhere); the stats are rank 0's ({} elsewhere)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    factors = [*lora.A.values(), *lora.B.values()]
+    for p in factors:  # rank 0's adapter, as it is now
+        dist.broadcast(p.data[slot], src=0)
+    if rank != 0:
+        lora.adopt_slot(slot, spec)
+    batches = shard_batches(groups, rank, world, std_norm, reward_key, pad_id, max_tokens)
+    denoms = step_denominators(batches)
+    if denoms[cfg.aggregation] == 0:  # every rank sees the same: no update
+        return {**SKIPPED, "train/dp_world_size": world} if rank == 0 else {}
+    parts = adapter_gradients(model, lora, slot, batches, cfg, denoms[cfg.aggregation])
+    for p in factors:
+        g = p.grad[slot].contiguous() if p.grad is not None else torch.zeros_like(p.data[slot])
+        dist.reduce(g, dst=0, op=dist.ReduceOp.SUM)
+        if rank == 0:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad[slot].copy_(g)
+        else:
+            p.grad = None
+    gathered: list = [None] * world if rank == 0 else None
+    dist.gather_object(parts, gathered, dst=0)
+    if rank != 0:
+        return {}
+    every = [p for rank_parts in gathered for p in rank_parts]
+    stats = apply_adapter_update(lora, optimizer, slot, merge_stats(every), clip_grad)
     stats["train/num_micro_batches"] = len(every)
     stats["train/num_loss_tokens"] = sum(n for _, n in every)
     stats["train/dp_world_size"] = world

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from services.trainer.core import LossConfig, std_normalization
-from services.trainer.parallel import backend_for, broadcast_state, dp_train_step, init_group
+from services.trainer.parallel import backend_for, broadcast_state, dp_adapter_step, dp_train_step, init_group
 from services.trainer.worker import NODE_IP_ENV, PLACEMENT_ENV
 
 log = logging.getLogger(__name__)
@@ -60,15 +60,20 @@ class DataParallel:
         broadcast_state(model, optimizer)
 
     def train(self, groups, cfg: LossConfig) -> dict:
-        from asyncrl_proto import RolloutGroup, encode
-
-        payload = [encode(RolloutGroup(group_id=f"dp-{i}", group_index=i, samples=g)) for i, g in enumerate(groups)]
-        dist.broadcast_object_list([("train", payload)], src=0)
+        dist.broadcast_object_list([("train", _encoded(groups))], src=0)
         c = self.config
         return dp_train_step(self.model, self.optimizer, groups, cfg, c.clip_grad, std_norm=std_normalization(c),
                              reward_key=c.reward_key, pad_id=self.pad_id,
                              max_tokens=c.max_tokens_per_gpu if c.use_dynamic_batch_size else None,
                              ref_model=self.ref_model)  # fmt: skip
+
+    def train_adapter(self, lora, optimizer, slot: int, groups, cfg: LossConfig, std_norm: bool) -> dict:
+        """One step of the adapter in `slot` over every rank (multi-LoRA); rank 0's stats."""
+        spec = lora.specs[slot]
+        dist.broadcast_object_list([("lora", (slot, spec, std_norm, _encoded(groups)))], src=0)
+        return dp_adapter_step(self.model, lora, optimizer, slot, spec, groups, cfg, self.config.clip_grad,
+                               std_norm=std_norm, reward_key=self.config.reward_key, pad_id=self.pad_id,
+                               max_tokens=None)  # fmt: skip
 
     def stop(self) -> None:
         from services.common import procs
@@ -86,6 +91,12 @@ class DataParallel:
             for a in self.actors:
                 ray.kill(a)
             ray.shutdown()  # our driver (and the local Ray cluster, if this trainer started one)
+
+
+def _encoded(groups) -> list[bytes]:
+    from asyncrl_proto import RolloutGroup, encode
+
+    return [encode(RolloutGroup(group_id=f"dp-{i}", group_index=i, samples=g)) for i, g in enumerate(groups)]
 
 
 def connect_ray(config) -> str:

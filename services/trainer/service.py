@@ -185,6 +185,7 @@ class TrainerService(Service):
         s = self.bus.subjects
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         if self.multi is not None:  # adapters only: the base never changes, nothing to resume here
+            await self._start_ranks()
             await self.bus.subscribe(s.heartbeat("rollout"), self._on_producer_heartbeat)
             return
         if self.config.update_weight_transfer_mode == "object-store":
@@ -194,16 +195,7 @@ class TrainerService(Service):
             self.stored = set(range(1, self.version + 1))
         if self.old_actor is not None:  # the engines converge to the resumed weights
             self.old_actor.load_state_dict(self.model.state_dict())
-        if self.config.trainer_num_ranks > 1:
-            cfg_file = self.run_dir / "trainer-config.json"
-            cfg_file.write_text(json.dumps(self.config.model_dump(mode="json")))
-            from services.trainer.ranks import DataParallel
-
-            self.dp = await asyncio.to_thread(
-                DataParallel, self.config, self.model, self.optimizer, self.ref_model, self.pad_id, cfg_file,
-                self.run_dir / "logs",
-            )  # fmt: skip
-            log.info("data parallel over %d ranks (%s)", self.config.trainer_num_ranks, self.dp.backend)
+        await self._start_ranks()
         await self.bus.subscribe(s.eval_results, self._on_eval_result)
         await self.bus.subscribe(s.heartbeat("rollout"), self._on_producer_heartbeat)
         if self.config.update_weight_transfer_mode == "distributed":
@@ -213,6 +205,20 @@ class TrainerService(Service):
             self.sender = WeightSender(self.model, self.weights_dir, master_address(self.config),
                                        backend_for(self.config.dist_backend))  # fmt: skip
             await self.bus.subscribe(s.weights_transfer, self.sender.on_request)
+
+    async def _start_ranks(self) -> None:
+        """--trainer-num-ranks K > 1: ranks 1..K-1 started and joined (services.trainer.ranks)."""
+        if self.config.trainer_num_ranks <= 1:
+            return
+        cfg_file = self.run_dir / "trainer-config.json"
+        cfg_file.write_text(json.dumps(self.config.model_dump(mode="json")))
+        from services.trainer.ranks import DataParallel
+
+        self.dp = await asyncio.to_thread(
+            DataParallel, self.config, self.model, self.optimizer, self.ref_model, self.pad_id, cfg_file,
+            self.run_dir / "logs",
+        )  # fmt: skip
+        log.info("data parallel over %d ranks (%s)", self.config.trainer_num_ranks, self.dp.backend)
 
     async def _resume(self) -> None:
         """Continue from the newest complete checkpoint unless the buffer's committed step is

@@ -2,7 +2,9 @@
 
 Started by rank 0 (the trainer service) as a process, or as a Ray actor with --use-ray. It
 holds a replica of the model and optimizer, receives each step's groups from rank 0, computes
-the gradient of its share and applies the same update as every other rank. It talks to no
+the gradient of its share and applies the same update as every other rank (in multi-LoRA: it
+holds the frozen base, gets the stepped adapter's factors from rank 0 and sends it the gradient
+of its share; services/trainer/parallel.py). It talks to no
 service: rank 0 owns the bus and HTTP. A Ray actor may be on another node: it gets the config's
 content (--config-json) and the initial checkpoint's files through Ray's object store, never a
 path of rank 0's disk, and it rendezvous on rank 0's node address.
@@ -45,7 +47,8 @@ def main(argv: list[str] | None = None, checkpoint_files: dict[str, bytes] | Non
     from services.common.config import RunConfig
     from services.common.procs import apply_cpu_affinity_from_env
     from services.trainer.core import std_normalization
-    from services.trainer.parallel import broadcast_state, dp_train_step, init_group
+    from services.model.lora import MultiLora
+    from services.trainer.parallel import broadcast_state, dp_adapter_step, dp_train_step, init_group
     from services.trainer.setup import build_model, build_optimizer, build_reference, loss_config
 
     apply_cpu_affinity_from_env()
@@ -62,6 +65,10 @@ def main(argv: list[str] | None = None, checkpoint_files: dict[str, bytes] | Non
     if checkpoint_files is not None:  # loaded: the model and the reference hold it now
         shutil.rmtree(config.hf_checkpoint, ignore_errors=True)
     pad_id = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
+    lora = None
+    if config.multi_lora_n_adapters > 0:  # adapters on the frozen base: rank 0 sends each step's slot
+        model.requires_grad_(False)
+        lora = MultiLora(model, config.multi_lora_n_adapters, config.multi_lora_max_rank)
     cfg = loss_config(config)
     init_group(a.rank, a.world_size, a.master_addr, a.master_port, a.backend)
     broadcast_state(model, optimizer)
@@ -76,6 +83,11 @@ def main(argv: list[str] | None = None, checkpoint_files: dict[str, bytes] | Non
                           reward_key=config.reward_key, pad_id=pad_id,
                           max_tokens=config.max_tokens_per_gpu if config.use_dynamic_batch_size else None,
                           ref_model=ref_model)  # fmt: skip
+        elif kind == "lora":
+            slot, spec, std_norm, groups = payload
+            dp_adapter_step(model, lora, None, slot, spec, [decode(b, RolloutGroup).samples for b in groups], cfg,
+                            config.clip_grad, std_norm=std_norm, reward_key=config.reward_key, pad_id=pad_id,
+                            max_tokens=None)  # fmt: skip
         elif kind == "stop":
             break
     dist.destroy_process_group()

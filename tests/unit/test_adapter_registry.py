@@ -435,6 +435,7 @@ def test_the_audit_covers_registrations_the_registry_pruned(tmp_path):
         ("a", live.registration_id, "pending"), ("old", pruned, "completed (pruned from the registry)")]
 
 
-def test_multi_lora_refuses_several_trainer_ranks():
-    with pytest.raises(ConfigError, match="trains on one trainer rank"):
-        resolve_config({"multi_lora_n_adapters": 2, "trainer_num_ranks": 2}, environ={})
+def test_multi_lora_with_several_trainer_ranks_needs_the_torch_backend():
+    assert resolve_config({"multi_lora_n_adapters": 2, "trainer_num_ranks": 2}, environ={}).trainer_num_ranks == 2
+    with pytest.raises(ConfigError, match="--train-backend torch for data parallelism"):
+        resolve_config({"multi_lora_n_adapters": 2, "trainer_num_ranks": 2, "train_backend": "megatron"}, environ={})

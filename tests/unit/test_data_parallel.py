@@ -69,3 +69,65 @@ def test_two_ranks_equal_one_rank(tmp_path):
     for k in ("train/loss", "train/pg_clipfrac", "train/kl_loss", "train/entropy", "train/grad_norm"):
         assert r0["stats"][k] == pytest.approx(single[k], abs=1e-5), k
     assert r0["stats"]["train/dp_world_size"] == 2
+
+
+# ---- multi-LoRA: one adapter's step over 2 ranks -------------------------------------------------------
+SPEC_KW = {"rank": 2, "alpha": 4.0, "target_modules": ("q_proj", "v_proj", "up_proj")}
+
+
+def adapter_setup(with_adapter: bool):
+    """The frozen tiny base with 3 slots; rank 0 (and the single-process run) puts an adapter with
+    non-zero B in slot 1, the other rank has none: the step's broadcast must bring it."""
+    from services.model.lora import LoraSpec, MultiLora, SlotAdamW
+
+    model = tiny_model(0).requires_grad_(False)
+    lora = MultiLora(model, n_slots=3, max_rank=4)
+    if with_adapter:
+        spec = LoraSpec(**SPEC_KW)
+        lora.init_slot(1, spec, seed=3)
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in lora.B.values():
+                p[1].copy_(torch.randn(p[1].shape, generator=g) * 0.3)
+    return model, lora, SlotAdamW(lora, lr=1e-2)
+
+
+def _adapter_rank(rank: int, world: int, port: int, out_dir: str):
+    torch.set_num_threads(1)
+    from services.model.lora import LoraSpec
+    from services.trainer.parallel import dp_adapter_step, init_group
+
+    init_group(rank, world, "127.0.0.1", port, "gloo")
+    model, lora, opt = adapter_setup(with_adapter=rank == 0)
+    stats = [dp_adapter_step(model, lora, opt if rank == 0 else None, 1, LoraSpec(**SPEC_KW), make_groups(),
+                             LossConfig(entropy_coef=0.01), 1.0, std_norm=True, reward_key=None, pad_id=0,
+                             max_tokens=None) for _ in range(2)]  # fmt: skip
+    torch.save({"slot": lora.slot_tensors(1), "stats": stats}, os.path.join(out_dir, f"rank{rank}.pt"))
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_two_ranks_step_an_adapter_as_one_rank(tmp_path):
+    from services.trainer.adapters import train_adapter_step
+    from services.trainer.core import build_step_batches
+
+    model, lora, opt = adapter_setup(with_adapter=True)
+    before = lora.slot_tensors(1)
+    single = []
+    for _ in range(2):  # two steps: the second starts from the first's update (and moments)
+        (batches,) = build_step_batches(make_groups(), True, None, 0, None, 1)
+        single.append(train_adapter_step(model, lora, opt, 1, batches, LossConfig(entropy_coef=0.01), 1.0))
+    mp.start_processes(_adapter_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    after = lora.slot_tensors(1)
+    assert any((after[k] - before[k]).abs().max() > 1e-4 for k in after), "the adapter did not move"
+    for k, v in after.items():
+        assert (r0["slot"][k] - v).abs().max().item() < 1e-6, k
+    for ours, theirs in zip(r0["stats"], single, strict=True):
+        for k in ("train/loss", "train/pg_clipfrac", "train/entropy", "train/grad_norm", "train/num_loss_tokens"):
+            assert ours[k] == pytest.approx(theirs[k], abs=1e-5), k
+        assert ours["train/dp_world_size"] == 2
+    assert r1["stats"] == [{}, {}]
+    assert r1["slot"].keys() == after.keys()  # it adopted rank 0's adapter (its factors before the last step)
