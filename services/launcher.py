@@ -164,7 +164,7 @@ class Launcher:
             host, port = self._address(f"engine-{i}", "rollout")
             flags = builtin_engine_flags(c, c.seed + i, f"engine-{i}") | ({"--host": host} if self.placement else {})
             role = None
-            if c.update_weight_transfer_mode == "object-store":  # it fetches weights with a read-only identity
+            if c.engines_read_bucket:  # it fetches weights or adapters with a read-only identity
                 flags |= {"--nats-url": self.nats_url, "--run-id": c.run_id,
                           "--weights-cache-dir": str(self.run_dir / "engine-cache" / f"engine-{i}")}  # fmt: skip
                 role = "engine"

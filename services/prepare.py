@@ -139,8 +139,8 @@ def role_credentials(config: RunConfig, roles: tuple[str, ...] = ROLES) -> dict[
             given = load_roles_file(config.nats_roles_file)
         except SecretError as e:
             raise LaunchError(str(e)) from None
-        # the engine's identity only matters when engines fetch weights from the object store
-        needed = [r for r in roles if r != "engine" or config.update_weight_transfer_mode == "object-store"]
+        # the engine's identity only matters when engines fetch weights or adapters from the object store
+        needed = [r for r in roles if r != "engine" or config.engines_read_bucket]
         missing = [r for r in needed if r not in given]
         if missing:
             raise LaunchError(f"--nats-roles-file {config.nats_roles_file} has no identity for {', '.join(missing)}")

@@ -397,7 +397,9 @@ class AsyncSection(Section):
         description="How weights reach the engines. disk: snapshots under <run_dir>/weights (a shared filesystem); "
         "object-store: the run's NATS Object Store bucket, fetched by each engine (no shared disk; built-in engines); "
         "distributed: SGLang's init_weights_update_group + update_weights_from_distributed, the trainer "
-        "broadcasting to every engine (gloo on CPU, NCCL on GPU; no disk or bucket on the way).",
+        "broadcasting to every engine (gloo on CPU, NCCL on GPU; no disk or bucket on the way). Multi-LoRA "
+        "adapter versions go through the bucket with object-store, and with distributed on built-in engines; by disk "
+        "otherwise.",
     )
     update_weight_master_address: str = Field(
         "",
@@ -889,6 +891,11 @@ class MultiLoraSection(Section):
         if self.multi_lora_adapter and self.multi_lora_n_adapters == 0:
             errs.append("--multi-lora-adapter registers adapters for multi-LoRA, which is off: set "
                         "--multi-lora-n-adapters to the number of adapter slots")  # fmt: skip
+        if self.multi_lora_n_adapters > 0 and getattr(self, "use_ray", False) and \
+                getattr(self, "adapter_transfer_mode", "object-store") == "disk":
+            errs.append("Multi-LoRA with --use-ray: adapter versions would reach these engines by disk, which Ray's "
+                        "nodes do not share (SGLang servers and external engines load adapters from a path): use the "
+                        "built-in engines, which fetch them from the run's object bucket")  # fmt: skip
         if self.multi_lora_n_adapters > 0 and self.eval_interval is not None:
             errs.append("Multi-LoRA async (--multi-lora-n-adapters) does not support in-loop evaluation: unset "
                         "--eval-interval (evaluate each adapter from its saves)")  # fmt: skip
@@ -905,6 +912,27 @@ class RunConfig(MultiLoraSection, EvalSection, TrainerSection, AsyncSection, Rol
         if self.driver == "sync":
             return "sync"
         return "fully_async" if self.fully_async else "one_step"
+
+    @property
+    def adapter_transfer_mode(self) -> Literal["disk", "object-store"]:
+        """How multi-LoRA adapter versions reach the engines: through the run's weights bucket with
+        --update-weight-transfer-mode object-store, and with distributed when the launcher starts
+        built-in engines (they fetch from the bucket, so no node needs the trainer's disk; the base
+        never changes in this mode, and LoRA over a broadcast group is not in upstream SGLang);
+        by disk otherwise (SGLang servers and external engines load a path they must see)."""
+        mode = self.update_weight_transfer_mode
+        if mode == "object-store" or (mode == "distributed" and self.engine == "builtin"
+                                      and not self.rollout_external_engine_addrs):  # fmt: skip
+            return "object-store"
+        return "disk"
+
+    @property
+    def engines_read_bucket(self) -> bool:
+        """The built-in engines fetch `nats-object://` weights or adapters (they get the run's NATS
+        URL and a read-only identity)."""
+        if self.update_weight_transfer_mode == "object-store":
+            return True
+        return self.multi_lora_n_adapters > 0 and self.adapter_transfer_mode == "object-store"
 
     @property
     def buffer_capacity(self) -> int:

@@ -115,8 +115,8 @@ class MultiLoraTrainer:
 
     @property
     def store(self) -> WeightStore | None:
-        """The run's weights bucket in object-store mode (adapter versions are uploaded there)."""
-        if self._store is None and self.config.update_weight_transfer_mode == "object-store":
+        """The run's weights bucket when adapters travel through it (config.adapter_transfer_mode)."""
+        if self._store is None and self.config.adapter_transfer_mode == "object-store":
             self._store = WeightStore(self.bus, chunk_size=self.config.update_weight_buffer_size)
         return self._store
 

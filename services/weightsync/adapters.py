@@ -15,6 +15,12 @@ marker); with --update-weight-transfer-mode object-store the version is in the r
 bucket instead (`nats-object://<bucket>/adapters/<name>/<registration>/v<N>`, complete), and the
 engines fetch it (built-in engines only, as for the model's weights). `converge()` loads the live versions on an engine that lacks them (restarted, or started
 after them).
+
+A registration that is COMPLETED (or pruned from the registry) frees its engine slots: its live
+version is unloaded from every engine (`release_completed`, before a new registration's first
+version loads and at every converge), and a late message for it is skipped. Otherwise its last
+version would hold one of the engines' `--max-loras-per-batch` slots for good, and the next
+adapter's versions would stop loading.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from asyncrl_proto import AdapterLive, AdapterPublished, AdapterRegistryState, MalformedMessage, decode, encode
-from asyncrl_proto.messages import adapter_engine_name
+from asyncrl_proto.messages import AdapterState, adapter_engine_name
 from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX, ADAPTERS_KV_KEY
 from services.common.config import adapter_name_problem
 from services.common.sglang_client import EngineError, SGLangClient
@@ -34,6 +40,10 @@ from services.common.snapshot import is_complete, resolved
 from services.common.weightstore import WeightStore, adapter_uri
 
 log = logging.getLogger(__name__)
+
+
+UNLOAD_WAIT_S = 60.0
+"""The longest a load waits for the unloads under way (each waits for its version's requests)."""
 
 
 def live_key(name: str) -> str:
@@ -50,6 +60,10 @@ class AdapterSync:
         self.client = client
         self.root = resolved(str(Path(run_dir) / "adapters"))
         self.live: dict[str, AdapterLive] = {}
+        self._unloads: dict[str, asyncio.Future] = {}
+        """Unloads under way, by engine name."""
+        self.done: set[str] = set()
+        """Registrations found COMPLETED (or pruned): never loaded again."""
         self._spawn = spawn or (lambda coro, what: asyncio.ensure_future(coro))
         self.num_loaded = 0
         self.num_skipped = 0
@@ -75,33 +89,68 @@ class AdapterSync:
         return None
 
     async def live_of(self, name: str) -> AdapterLive | None:
+        """The adapter's live version, unless its registration is done (then None: nothing of
+        that name is live)."""
         if name not in self.live:
             raw = await self.bus.kv_get(live_key(name))
             if raw is not None:
                 try:
-                    self.live[name] = decode(raw, AdapterLive)
+                    live = decode(raw, AdapterLive)
                 except MalformedMessage as e:
                     log.error("KV %s holds no AdapterLive (%s): taken as no live version", live_key(name), e)
+                else:
+                    if live.registration_id not in self.done:
+                        self.live[name] = live
         return self.live.get(name)
+
+    async def _registry(self) -> AdapterRegistryState | None:
+        raw = await self.bus.kv_get(ADAPTERS_KV_KEY)
+        if raw is None:
+            return None
+        try:
+            return decode(raw, AdapterRegistryState)
+        except MalformedMessage as e:
+            log.error("KV %s holds no adapter registry state (%s)", ADAPTERS_KV_KEY, e)
+            return None
 
     async def recover(self) -> None:
         """After a restart: the live versions of every adapter the registry knows (so that
-        `converge` can give them back to an engine that lost them)."""
-        raw = await self.bus.kv_get(ADAPTERS_KV_KEY)
-        if raw is None:
+        `converge` can give them back to an engine that lost them), less the completed ones."""
+        reg = await self._registry()
+        if reg is None:
             return
-        try:
-            names = {run.name for run in decode(raw, AdapterRegistryState).runs}
-        except MalformedMessage as e:
-            log.error("KV %s holds no adapter registry state (%s): no adapter recovered", ADAPTERS_KV_KEY, e)
-            return
-        for name in sorted(names):
+        for name in sorted({run.name for run in reg.runs}):
             await self.live_of(name)
+        await self.release_completed(reg)
+
+    async def release_completed(self, reg: AdapterRegistryState | None = None) -> None:
+        """Unload from every engine the live version of each registration that is COMPLETED or
+        that the registry no longer holds (in the background: each engine lets its requests
+        finish first), and forget it."""
+        reg = reg or await self._registry()
+        if reg is None:
+            return
+        going = {r.registration_id for r in reg.runs if r.state is not AdapterState.COMPLETED}
+        for name, live in list(self.live.items()):
+            if live.registration_id not in going:
+                self.done.add(live.registration_id)
+                del self.live[name]
+                log.info("adapter %s is completed: unloading its version %d from the engines", name, live.version)
+                self._unload_later(live.engine_name)
 
     async def apply(self, pub: AdapterPublished) -> bool:
         """Make `pub` the adapter's live version on every engine; False when it is not newer (of the
         same registration), or comes from an older registration of the name (a late message)."""
+        if pub.registration_id in self.done:  # a late message of a completed registration
+            self.num_skipped += 1
+            return False
         old = await self.live_of(pub.name)
+        if old is None or old.registration_id != pub.registration_id:  # a new registration: a slot was freed
+            await self.release_completed()
+            if pub.registration_id in self.done:
+                self.num_skipped += 1
+                return False
+            old = await self.live_of(pub.name)
         if old is not None and (
             (old.registration_id == pub.registration_id and pub.version <= old.version)
             or (old.registration_id != pub.registration_id and pub.created_at < old.created_at)
@@ -109,6 +158,7 @@ class AdapterSync:
             self.num_skipped += 1
             return False
         engine_name = adapter_engine_name(pub.name, pub.registration_id, pub.version)
+        await self._unloads_done()
         for url in self.client.urls:
             await self._load(url, engine_name, pub.uri)
         new = AdapterLive(name=pub.name, registration_id=pub.registration_id, version=pub.version,
@@ -120,7 +170,7 @@ class AdapterSync:
         log.info("adapter %s v%d is live on %d engine(s) from %s", pub.name, pub.version, len(self.client.urls),
                  pub.uri)  # fmt: skip
         if old is not None and old.engine_name != engine_name:
-            self._spawn(self._unload_everywhere(old.engine_name), f"unloading adapter {old.engine_name}")
+            self._unload_later(old.engine_name)
         return True
 
     async def _load(self, url: str, engine_name: str, path: str) -> None:
@@ -129,6 +179,25 @@ class AdapterSync:
         except EngineError as e:  # "already loaded": a redelivery after a crash between load and record
             if "already loaded" not in str(e) or engine_name not in await self.client.loaded_adapters(url):
                 raise
+
+    def _unload_later(self, engine_name: str) -> None:
+        """Unload in the background (each engine lets the version's requests finish first); a
+        name already being unloaded is not asked twice."""
+        task = self._unloads.get(engine_name)
+        if task is None or task.done():
+            task = self._spawn(self._unload_everywhere(engine_name), f"unloading adapter {engine_name}")
+            if isinstance(task, asyncio.Future):
+                self._unloads[engine_name] = task
+
+    async def _unloads_done(self) -> None:
+        """The unloads under way, finished (at most UNLOAD_WAIT_S): the engines hold 2 slots per
+        adapter (--max-loras-per-batch 2N), the live version and the next, so a version loaded
+        while its predecessor's predecessor still drains would find no slot."""
+        for name, task in list(self._unloads.items()):
+            if task.done():
+                del self._unloads[name]
+        if self._unloads:
+            await asyncio.wait(list(self._unloads.values()), timeout=UNLOAD_WAIT_S)
 
     async def _unload_everywhere(self, engine_name: str) -> None:
         for url in self.client.urls:
@@ -139,18 +208,23 @@ class AdapterSync:
 
     async def converge(self) -> None:
         """Every engine serves every live adapter version (an engine restarted lost them), and no
-        other version of those adapters (an unload that failed, or a registration replaced), so
-        the engines' slots never fill with versions nobody asks for."""
+        other version of those adapters (an unload that failed, or a registration replaced), nor any
+        version of a completed registration, so the engines' slots never fill with versions nobody
+        asks for."""
+        await self.release_completed()
+        done = {rid[:12] for rid in self.done}
         for url in self.client.urls:
             try:
                 loaded = await self.client.loaded_adapters(url)
             except EngineError as e:
                 log.info("engine %s did not list its adapters now (%s)", url, e)
                 continue
+            for name in sorted(n for n in loaded if n.partition("@")[2].split(".v")[0] in done):
+                self._unload_later(name)
             for live in list(self.live.values()):
                 stale = {n for n in loaded if n.startswith(f"{live.name}@") and n != live.engine_name}
                 for name in sorted(stale):
-                    self._spawn(self._unload_everywhere(name), f"unloading stale adapter {name}")
+                    self._unload_later(name)
                 if live.engine_name not in loaded:
                     log.warning("engine %s lacks adapter %s: loading it", url, live.engine_name)
                     try:

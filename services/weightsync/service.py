@@ -83,9 +83,11 @@ class WeightSyncService(Service):
                                config.pause_generation_mode, on_pause=self._paused)
             if config.update_weight_transfer_mode == "distributed" else None
         )  # fmt: skip
-        self.adapters = (AdapterSync(bus, self.client, config.run_dir, self.background, self.store)
-                         if config.multi_lora_n_adapters > 0 else None)  # fmt: skip
+        self.adapters = None
         """Multi-LoRA: adapter versions onto the engines, without a pause (services/weightsync/adapters.py)."""
+        if config.multi_lora_n_adapters > 0:
+            store = self.store or (WeightStore(bus) if config.adapter_transfer_mode == "object-store" else None)
+            self.adapters = AdapterSync(bus, self.client, config.run_dir, self.background, store)
         self._asub = None
         self.live_digest: str | None = None
         """distributed: the tensor digest of the version this process made live (a catch-up load checks it)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -109,11 +110,14 @@ def test_an_adapter_trains_on_megatron_and_travels_by_the_object_store(tmp_path)
 
 
 def test_an_adapter_retired_over_http_frees_its_slot_and_a_killed_trainer_resumes_the_next(tmp_path):
+    """With --update-weight-transfer-mode distributed, whose broadcast carries no adapters: the
+    built-in engines fetch every adapter version from the run's object bucket instead."""
     first = adapter_yaml(tmp_path, "first", reverse_digits, num_step=500)
     adapter_yaml(tmp_path, "second", copy_digits, num_step=10)  # its data file: registered over HTTP below
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "train-async", *SMALL, "--multi-lora-n-adapters",
-                             "1", "--multi-lora-adapter", "first", str(first), "--run-dir", str(run_dir)],
+                             "1", "--multi-lora-adapter", "first", str(first), "--update-weight-transfer-mode", "distributed",
+                             "--run-dir", str(run_dir)],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 180
@@ -161,6 +165,11 @@ def test_an_adapter_retired_over_http_frees_its_slot_and_a_killed_trainer_resume
     steps = [r["second/step"] for r in records(run_dir) if r.get("adapter") == "second"]
     assert sorted(set(steps)) == list(range(10))
     assert (tmp_path / "save_first").is_dir() and (tmp_path / "save_second" / "step_10").is_dir()
+    # the second's versions went live from the bucket once the first's completed registration
+    # gave its engine slot back (a version may be skipped, never the later ones)
+    sync_log = (run_dir / "logs" / "weight-sync.log").read_text()
+    live = [int(v) for v in re.findall(r"adapter second v(\d+) is live on 1 engine\(s\) from nats-object://", sync_log)]
+    assert live and max(live) >= 8, sync_log[-3000:]
 
 
 @pytest.mark.slow

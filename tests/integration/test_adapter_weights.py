@@ -111,12 +111,26 @@ async def test_adapter_versions_reach_every_engine_without_a_pause(server, tiny_
                 run = AdapterRun(name="tenant-a", registration_id=reg, slot=0, state=AdapterState.ACTIVE, spec=spec)
                 state = AdapterRegistryState(runs=[run])
                 await admin.kv_put("adapters", encode(state))
-                again = AdapterSync(sync_bus, client, str(tmp_path))
+                again = AdapterSync(sync_bus, client, str(tmp_path),
+                                    spawn=lambda c, _w: unloads.append(asyncio.ensure_future(c)))  # fmt: skip
                 await again.recover()
                 e2.loras.unload({"lora_name": v2})
                 await again.converge()
                 assert set(e2.loras.loaded()) == {v2}
                 await msg2.ack()
+                # a completed registration frees its engine slots: its live version is unloaded at the
+                # next converge (else it holds a slot for good and the next adapter's versions stop
+                # loading), never loaded again, and a late message of it is skipped
+                import msgspec
+
+                done = AdapterRegistryState(runs=[msgspec.structs.replace(run, state=AdapterState.COMPLETED)])
+                await admin.kv_put("adapters", encode(done))
+                await again.converge()
+                await asyncio.gather(*unloads)
+                assert set(e1.loras.loaded()) == set(e2.loras.loaded()) == set() and not again.live
+                await again.converge()
+                assert set(e1.loras.loaded()) == set(e2.loras.loaded()) == set()
+                assert await again.apply(pub2) is False
             finally:
                 await client.close()
         # what weight-sync refuses: outside the run's adapters/, not complete, a bad name

@@ -439,3 +439,22 @@ def test_multi_lora_with_several_trainer_ranks_needs_the_torch_backend():
     assert resolve_config({"multi_lora_n_adapters": 2, "trainer_num_ranks": 2}, environ={}).trainer_num_ranks == 2
     with pytest.raises(ConfigError, match="--train-backend torch for data parallelism"):
         resolve_config({"multi_lora_n_adapters": 2, "trainer_num_ranks": 2, "train_backend": "megatron"}, environ={})
+
+
+@pytest.mark.parametrize(("flags", "mode"), [
+    ({}, "disk"),
+    ({"update_weight_transfer_mode": "object-store"}, "object-store"),
+    ({"update_weight_transfer_mode": "distributed"}, "object-store"),  # built-in engines fetch from the bucket
+    ({"update_weight_transfer_mode": "distributed", "engine": "sglang"}, "disk"),
+    ({"update_weight_transfer_mode": "distributed", "rollout_external_engine_addrs": ["http://10.0.0.9:30000"]}, "disk"),
+])  # fmt: skip
+def test_how_adapter_versions_reach_the_engines(flags, mode):
+    c = resolve_config({"multi_lora_n_adapters": 2, **flags}, environ={})
+    assert c.adapter_transfer_mode == mode
+    assert c.engines_read_bucket == (mode == "object-store")
+
+
+def test_multi_lora_on_ray_refuses_adapters_by_disk():
+    with pytest.raises(ConfigError, match="Ray's nodes do not share"):
+        resolve_config({"multi_lora_n_adapters": 2, "use_ray": True, "engine": "sglang",
+                        "update_weight_transfer_mode": "distributed"}, environ={})  # fmt: skip
