@@ -41,6 +41,10 @@ from services.trainer.core import (
 log = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
+"""The longest one step's collective waits for the other ranks."""
+COMMAND_TIMEOUT = datetime.timedelta(days=365)
+"""The longest a rank waits for rank 0's next command: rank 0 may idle for long between steps (a
+multi-LoRA service waiting for adapters), and gloo ends a waiting broadcast at its group's timeout."""
 
 
 def shard_batches(groups, rank: int, world: int, std_norm: bool, reward_key, pad_id: int, max_tokens: int | None):
@@ -141,6 +145,21 @@ def backend_for(choice: str) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_group(rank: int, world: int, addr: str, port: int, backend: str) -> None:
+def init_group(rank: int, world: int, addr: str, port: int, backend: str):
+    """Join the ranks' process group (every step's collectives, COLLECTIVE_TIMEOUT); returns the
+    gloo group rank 0 sends its commands on (COMMAND_TIMEOUT: a rank waits there while rank 0 idles)."""
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
                             timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
+    return dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+
+
+def send_command(group, command) -> None:
+    """Rank 0: the next command to every rank, on the command group."""
+    dist.broadcast_object_list([command], src=0, group=group)
+
+
+def next_command(group):
+    """Ranks 1..K-1: wait for rank 0's next command on the command group."""
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]

@@ -20,7 +20,14 @@ import torch
 import torch.distributed as dist
 
 from services.trainer.core import LossConfig, std_normalization
-from services.trainer.parallel import backend_for, broadcast_state, dp_adapter_step, dp_train_step, init_group
+from services.trainer.parallel import (
+    backend_for,
+    broadcast_state,
+    dp_adapter_step,
+    dp_train_step,
+    init_group,
+    send_command,
+)
 from services.trainer.worker import NODE_IP_ENV, PLACEMENT_ENV
 
 log = logging.getLogger(__name__)
@@ -56,11 +63,11 @@ class DataParallel:
             "ranks": [p.pid for p in self.procs], "ray_actors": len(self.actors), "master_addr": self.master_addr,
             "master_port": self.port, "rank_nodes": [self.master_addr, *rank_nodes],
         }))  # fmt: skip
-        init_group(0, self.world, self.master_addr, self.port, self.backend)
+        self.commands = init_group(0, self.world, self.master_addr, self.port, self.backend)
         broadcast_state(model, optimizer)
 
     def train(self, groups, cfg: LossConfig) -> dict:
-        dist.broadcast_object_list([("train", _encoded(groups))], src=0)
+        send_command(self.commands, ("train", _encoded(groups)))
         c = self.config
         return dp_train_step(self.model, self.optimizer, groups, cfg, c.clip_grad, std_norm=std_normalization(c),
                              reward_key=c.reward_key, pad_id=self.pad_id,
@@ -70,7 +77,7 @@ class DataParallel:
     def train_adapter(self, lora, optimizer, slot: int, groups, cfg: LossConfig, std_norm: bool) -> dict:
         """One step of the adapter in `slot` over every rank (multi-LoRA); rank 0's stats."""
         spec = lora.specs[slot]
-        dist.broadcast_object_list([("lora", (slot, spec, std_norm, _encoded(groups)))], src=0)
+        send_command(self.commands, ("lora", (slot, spec, std_norm, _encoded(groups))))
         return dp_adapter_step(self.model, lora, optimizer, slot, spec, groups, cfg, self.config.clip_grad,
                                std_norm=std_norm, reward_key=self.config.reward_key, pad_id=self.pad_id,
                                max_tokens=None)  # fmt: skip
@@ -79,7 +86,7 @@ class DataParallel:
         from services.common import procs
 
         try:
-            dist.broadcast_object_list([("stop", None)], src=0)
+            send_command(self.commands, ("stop", None))
             dist.destroy_process_group()
         except Exception as e:  # the workers may already be gone; they die with us anyway
             log.warning("stopping the data-parallel group: %s", e)

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None, checkpoint_files: dict[str, bytes] | Non
     from services.common.procs import apply_cpu_affinity_from_env
     from services.trainer.core import std_normalization
     from services.model.lora import MultiLora
-    from services.trainer.parallel import broadcast_state, dp_adapter_step, dp_train_step, init_group
+    from services.trainer.parallel import broadcast_state, dp_adapter_step, dp_train_step, init_group, next_command
     from services.trainer.setup import build_model, build_optimizer, build_reference, loss_config
 
     apply_cpu_affinity_from_env()
@@ -70,13 +70,11 @@ def main(argv: list[str] | None = None, checkpoint_files: dict[str, bytes] | Non
         model.requires_grad_(False)
         lora = MultiLora(model, config.multi_lora_n_adapters, config.multi_lora_max_rank)
     cfg = loss_config(config)
-    init_group(a.rank, a.world_size, a.master_addr, a.master_port, a.backend)
+    commands = init_group(a.rank, a.world_size, a.master_addr, a.master_port, a.backend)
     broadcast_state(model, optimizer)
     logging.info("rank %d of %d ready (%s)", a.rank, a.world_size, a.backend)
     while True:
-        cmd = [None]
-        dist.broadcast_object_list(cmd, src=0)
-        kind, payload = cmd[0]
+        kind, payload = next_command(commands)
         if kind == "train":
             groups = [decode(b, RolloutGroup).samples for b in payload]
             dp_train_step(model, optimizer, groups, cfg, config.clip_grad, std_norm=std_normalization(config),

@@ -102,6 +102,7 @@ def _adapter_rank(rank: int, world: int, port: int, out_dir: str):
     stats = [dp_adapter_step(model, lora, opt if rank == 0 else None, 1, LoraSpec(**SPEC_KW), make_groups(),
                              LossConfig(entropy_coef=0.01), 1.0, std_norm=True, reward_key=None, pad_id=0,
                              max_tokens=None) for _ in range(2)]  # fmt: skip
+    # rank 1 keeps the factors rank 0 sent at the start of the second step: rank 0's after the first
     torch.save({"slot": lora.slot_tensors(1), "stats": stats}, os.path.join(out_dir, f"rank{rank}.pt"))
     import torch.distributed as dist
 
@@ -115,8 +116,9 @@ def test_two_ranks_step_an_adapter_as_one_rank(tmp_path):
 
     model, lora, opt = adapter_setup(with_adapter=True)
     before = lora.slot_tensors(1)
-    single = []
+    single, between = [], None
     for _ in range(2):  # two steps: the second starts from the first's update (and moments)
+        between = lora.slot_tensors(1)
         (batches,) = build_step_batches(make_groups(), True, None, 0, None, 1)
         single.append(train_adapter_step(model, lora, opt, 1, batches, LossConfig(entropy_coef=0.01), 1.0))
     mp.start_processes(_adapter_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
@@ -130,4 +132,32 @@ def test_two_ranks_step_an_adapter_as_one_rank(tmp_path):
             assert ours[k] == pytest.approx(theirs[k], abs=1e-5), k
         assert ours["train/dp_world_size"] == 2
     assert r1["stats"] == [{}, {}]
-    assert r1["slot"].keys() == after.keys()  # it adopted rank 0's adapter (its factors before the last step)
+    for k, v in between.items():  # it adopted rank 0's adapter as sent for the second step
+        assert (r1["slot"][k] - v).abs().max().item() < 1e-6, k
+    assert any((between[k] - after[k]).abs().max() > 1e-4 for k in after)
+
+
+def _idle_rank(rank: int, world: int, port: int, out_dir: str):
+    import datetime
+    import time
+
+    from services.trainer import parallel
+
+    parallel.COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=2)  # a step's collectives: short here
+    commands = parallel.init_group(rank, world, "127.0.0.1", port, "gloo")
+    if rank == 0:
+        time.sleep(5)  # rank 0 idles past the step timeout (a multi-LoRA service waiting for adapters)
+        parallel.send_command(commands, ("train", [b"x"]))
+    else:
+        torch.save(parallel.next_command(commands), os.path.join(out_dir, "command.pt"))
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_rank_waits_for_the_next_command_while_rank_0_idles(tmp_path):
+    """gloo ends a waiting broadcast at its group's timeout: commands go on a group of their own
+    with a long one, so the ranks outlive a trainer that has nothing to train for a while."""
+    mp.start_processes(_idle_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    assert torch.load(tmp_path / "command.pt") == ("train", [b"x"])
