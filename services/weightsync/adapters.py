@@ -16,9 +16,10 @@ bucket instead (`nats-object://<bucket>/adapters/<name>/<registration>/v<N>`, co
 engines fetch it (built-in engines only, as for the model's weights). `converge()` loads the live versions on an engine that lacks them (restarted, or started
 after them).
 
-A registration that is COMPLETED (or pruned from the registry) frees its engine slots: its live
-version is unloaded from every engine (`release_completed`, before a new registration's first
-version loads and at every converge), and a late message for it is skipped. Otherwise its last
+A registration the registry holds COMPLETED frees its engine slots: its live version is unloaded
+from every engine (`release_completed`, before a new registration's first version loads and at
+every converge), and a late message for it is skipped (one missing from a registry read is not
+taken as completed: a read may lag). Otherwise its last
 version would hold one of the engines' `--max-loras-per-batch` slots for good, and the next
 adapter's versions would stop loading.
 """
@@ -63,7 +64,7 @@ class AdapterSync:
         self._unloads: dict[str, asyncio.Future] = {}
         """Unloads under way, by engine name."""
         self.done: set[str] = set()
-        """Registrations found COMPLETED (or pruned): never loaded again."""
+        """Registrations found COMPLETED: never loaded again."""
         self._spawn = spawn or (lambda coro, what: asyncio.ensure_future(coro))
         self.num_loaded = 0
         self.num_skipped = 0
@@ -124,16 +125,15 @@ class AdapterSync:
         await self.release_completed(reg)
 
     async def release_completed(self, reg: AdapterRegistryState | None = None) -> None:
-        """Unload from every engine the live version of each registration that is COMPLETED or
-        that the registry no longer holds (in the background: each engine lets its requests
-        finish first), and forget it."""
+        """Note the registrations the registry holds COMPLETED; unload from every engine the live
+        version of each (in the background: each engine lets its requests finish first), and
+        forget it."""
         reg = reg or await self._registry()
         if reg is None:
             return
-        going = {r.registration_id for r in reg.runs if r.state is not AdapterState.COMPLETED}
+        self.done |= {r.registration_id for r in reg.runs if r.state is AdapterState.COMPLETED}
         for name, live in list(self.live.items()):
-            if live.registration_id not in going:
-                self.done.add(live.registration_id)
+            if live.registration_id in self.done:
                 del self.live[name]
                 log.info("adapter %s is completed: unloading its version %d from the engines", name, live.version)
                 self._unload_later(live.engine_name)
@@ -158,7 +158,7 @@ class AdapterSync:
             self.num_skipped += 1
             return False
         engine_name = adapter_engine_name(pub.name, pub.registration_id, pub.version)
-        await self._unloads_done()
+        await self._unloads_done(pub.name)
         for url in self.client.urls:
             await self._load(url, engine_name, pub.uri)
         new = AdapterLive(name=pub.name, registration_id=pub.registration_id, version=pub.version,
@@ -189,22 +189,27 @@ class AdapterSync:
             if isinstance(task, asyncio.Future):
                 self._unloads[engine_name] = task
 
-    async def _unloads_done(self) -> None:
-        """The unloads under way, finished (at most UNLOAD_WAIT_S): the engines hold 2 slots per
-        adapter (--max-loras-per-batch 2N), the live version and the next, so a version loaded
-        while its predecessor's predecessor still drains would find no slot."""
-        for name, task in list(self._unloads.items()):
+    async def _unloads_done(self, name: str) -> None:
+        """The unloads under way of this adapter's versions and of completed registrations',
+        finished (at most UNLOAD_WAIT_S): the engines hold 2 slots per adapter
+        (--max-loras-per-batch 2N), its live version and the next, so a version loaded while its
+        predecessor's predecessor still drains would find no slot."""
+        for engine_name, task in list(self._unloads.items()):
             if task.done():
-                del self._unloads[name]
-        if self._unloads:
-            await asyncio.wait(list(self._unloads.values()), timeout=UNLOAD_WAIT_S)
+                del self._unloads[engine_name]
+        done = {rid[:12] for rid in self.done}
+        mine = [t for n, t in self._unloads.items() if n.startswith(f"{name}@") or _registration_of(n) in done]
+        if mine:
+            await asyncio.wait(mine, timeout=UNLOAD_WAIT_S)
 
     async def _unload_everywhere(self, engine_name: str) -> None:
-        for url in self.client.urls:
+        async def unload(url: str) -> None:
             try:
                 await self.client.unload_lora_adapter(url, engine_name)
             except EngineError as e:  # gone with a restart, or unloaded before: nothing to free
                 log.info("unloading adapter %s from %s: %s", engine_name, url, e)
+
+        await asyncio.gather(*(unload(url) for url in self.client.urls))
 
     async def converge(self) -> None:
         """Every engine serves every live adapter version (an engine restarted lost them), and no
@@ -219,7 +224,7 @@ class AdapterSync:
             except EngineError as e:
                 log.info("engine %s did not list its adapters now (%s)", url, e)
                 continue
-            for name in sorted(n for n in loaded if n.partition("@")[2].split(".v")[0] in done):
+            for name in sorted(n for n in loaded if _registration_of(n) in done):
                 self._unload_later(name)
             for live in list(self.live.values()):
                 stale = {n for n in loaded if n.startswith(f"{live.name}@") and n != live.engine_name}
@@ -231,3 +236,8 @@ class AdapterSync:
                         await self._load(url, live.engine_name, live.uri)
                     except EngineError as e:
                         log.info("engine %s did not take adapter %s now (%s)", url, live.engine_name, e)
+
+
+def _registration_of(engine_name: str) -> str:
+    """The registration prefix in an engine name (`adapter_engine_name`: `<name>@<registration[:12]>.v<k>`)."""
+    return engine_name.partition("@")[2].rsplit(".v", 1)[0]

@@ -64,9 +64,12 @@ async def test_adapter_versions_reach_every_engine_without_a_pause(server, tiny_
                 EngineThread(tiny_model_dir, max_loras=2, max_lora_rank=4) as e2:  # fmt: skip
             client = SGLangClient([e1.url, e2.url])
             unloads: list[asyncio.Future] = []
-            sync = AdapterSync(
-                sync_bus, client, str(tmp_path), spawn=lambda c, _w: unloads.append(asyncio.ensure_future(c))
-            )
+
+            def spawn(coro, _what):
+                unloads.append(asyncio.ensure_future(coro))
+                return unloads[-1]
+
+            sync = AdapterSync(sync_bus, client, str(tmp_path), spawn=spawn)
             try:
                 await publish_adapter(trainer_bus, trained(tiny_model_dir, 1), 0, tmp_path, "tenant-a", reg, 1)
                 pub, msg = await next_message(sub)
@@ -80,11 +83,14 @@ async def test_adapter_versions_reach_every_engine_without_a_pause(server, tiny_
                 assert out1[0]["output_ids"] == out1[1]["output_ids"]
                 assert e1.scheduler.stats.num_retracted_requests_total == 0 and not e1.scheduler.paused_mode
 
-                # version 2: loaded everywhere, recorded live, then version 1 unloaded
+                # version 2: loaded everywhere, recorded live, then version 1 unloaded (in the
+                # background; a version after it would wait for that unload before loading)
                 await publish_adapter(trainer_bus, trained(tiny_model_dir, 2), 0, tmp_path, "tenant-a", reg, 2)
                 pub2, msg2 = await next_message(sub)
                 assert await sync.apply(pub2) is True
-                await asyncio.gather(*unloads)
+                assert len(unloads) == 1
+                await sync._unloads_done("tenant-a")
+                assert unloads[0].done()
                 v2 = adapter_engine_name("tenant-a", reg, 2)
                 for e in (e1, e2):
                     assert set(e.loras.loaded()) == {v2}
@@ -111,8 +117,7 @@ async def test_adapter_versions_reach_every_engine_without_a_pause(server, tiny_
                 run = AdapterRun(name="tenant-a", registration_id=reg, slot=0, state=AdapterState.ACTIVE, spec=spec)
                 state = AdapterRegistryState(runs=[run])
                 await admin.kv_put("adapters", encode(state))
-                again = AdapterSync(sync_bus, client, str(tmp_path),
-                                    spawn=lambda c, _w: unloads.append(asyncio.ensure_future(c)))  # fmt: skip
+                again = AdapterSync(sync_bus, client, str(tmp_path), spawn=spawn)
                 await again.recover()
                 e2.loras.unload({"lora_name": v2})
                 await again.converge()
