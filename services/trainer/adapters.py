@@ -7,7 +7,9 @@ step, and for each adapter: zeroes the factors' gradients, runs its micro-batche
 `lora.rows` (every row that adapter), normalises the loss by that adapter's own tokens (or
 sequences), clips the gradient norm of that slot alone, and steps that slot with SlotAdamW. Other
 slots' factors and optimizer moments are untouched; a non-finite loss or gradient skips that
-adapter's update only. Stats are per adapter.
+adapter's update only. Stats are per adapter. With --kl-coef the KL reference is the frozen base
+itself (the same model with no adapter rows: `BaseReference`), which a fresh adapter starts as,
+so no second copy of the model is held.
 """
 
 from __future__ import annotations
@@ -42,6 +44,17 @@ def clip_slot(lora: MultiLora, slot: int, norm: float, max_norm: float) -> None:
                     p.grad[slot].mul_(scale)
 
 
+class BaseReference:
+    """The KL reference of an adapter: the base model's forward with no adapter rows."""
+
+    def __init__(self, model: CausalLM, lora: MultiLora):
+        self.model, self.lora = model, lora
+
+    def __call__(self, *args, **kwargs):
+        with self.lora.rows(None):
+            return self.model(*args, **kwargs)
+
+
 def adapter_gradients(model: CausalLM, lora: MultiLora, slot: int, batches: list[TrainBatch], cfg: LossConfig,
                       denom: float) -> list[tuple[dict[str, float], int]]:  # fmt: skip
     """The gradient of one adapter's loss over `batches` (divided by the step's `denom`) in its
@@ -49,10 +62,11 @@ def adapter_gradients(model: CausalLM, lora: MultiLora, slot: int, batches: list
     model.train()
     for p in (*lora.A.values(), *lora.B.values()):
         p.grad = None
+    ref = BaseReference(model, lora) if cfg.kl_coef else None
     parts = []
     for b in batches:
         with lora.rows([slot] * b.num_samples):
-            parts += accumulate_gradients(model, [b], cfg, denom)
+            parts += accumulate_gradients(model, [b], cfg, denom, ref)
     return parts
 
 

@@ -32,8 +32,11 @@ def build_optimizer(config, model) -> torch.optim.Optimizer:
 
 
 def build_reference(config):
-    """The KL reference: the initial policy, frozen (None without --kl-coef)."""
-    return load_model(config.hf_checkpoint).eval().requires_grad_(False) if config.kl_coef else None
+    """The KL reference: the initial policy, frozen (None without --kl-coef, and in multi-LoRA,
+    whose reference is the frozen base the adapters hang on: services/trainer/adapters.py)."""
+    if not config.kl_coef or config.multi_lora_n_adapters > 0:
+        return None
+    return load_model(config.hf_checkpoint).eval().requires_grad_(False)
 
 
 def loss_config(config) -> LossConfig:

@@ -100,3 +100,23 @@ def test_the_base_model_must_be_frozen():
     with pytest.raises(ValueError, match="frozen base model"):
         train_adapters(model, lora, SlotAdamW(lora, lr=1e-2), {0: [batch(1)]}, LossConfig(), clip_grad=0.0)
     assert slot_grad_norm(lora, 0) == 0.0
+
+
+def test_the_kl_reference_of_an_adapter_is_the_frozen_base():
+    """--kl-coef in multi-LoRA: KL(adapter || base). Zero for an adapter that is still the base
+    (B = 0); positive once it differs, and it changes the loss."""
+    cfg = LossConfig(kl_coef=0.5)
+    model = base_model()
+    fresh = MultiLora(model, n_slots=2, max_rank=8)
+    fresh.init_slot(1, SPEC_A, seed=1)
+    stats = train_adapters(model, fresh, SlotAdamW(fresh, lr=1e-2), {1: [batch(10)]}, cfg, clip_grad=1.0)
+    assert stats[1]["train/kl_loss"] == pytest.approx(0.0, abs=1e-7)
+    results = {}
+    for name, loss_cfg in (("kl", cfg), ("none", LossConfig())):
+        model = base_model()
+        lora = with_adapters(model, 2, {1: (SPEC_A, 1)})  # the same adapter, B != 0, in both
+        results[name] = train_adapters(model, lora, SlotAdamW(lora, lr=1e-2), {1: [batch(10)]}, loss_cfg,
+                                       clip_grad=0.0)[1]  # fmt: skip
+    assert results["kl"]["train/kl_loss"] > 1e-6
+    assert results["kl"]["train/loss"] == pytest.approx(results["none"]["train/loss"] + 0.5 * results["kl"]["train/kl_loss"],
+                                                        rel=1e-5)  # fmt: skip
