@@ -54,6 +54,7 @@ from services.model.lora import LoraError, LoraSpec, MultiLora, SlotAdamW, load_
 from services.trainer.adapter_push import adapter_dir, announce_adapter, publish_adapter
 from services.trainer.adapters import train_adapter_step
 from services.trainer.core import assemble_batch, build_step_batches
+from services.trainer.parallel import max_tokens_of
 from services.trainer.rollout_stats import rollout_metrics
 
 log = logging.getLogger(__name__)
@@ -398,7 +399,7 @@ class MultiLoraTrainer:
             stats = await asyncio.to_thread(self.svc.dp.train_adapter, self.lora, self.optimizer, t.run.slot, groups,
                                             self.svc.loss_cfg, std)  # fmt: skip
         else:
-            (batches,) = build_step_batches(groups, std, c.reward_key, self.svc.pad_id, None, 1)
+            (batches,) = build_step_batches(groups, std, c.reward_key, self.svc.pad_id, max_tokens_of(c), 1)
             stats = await asyncio.to_thread(train_adapter_step, self.model, self.lora, self.optimizer, t.run.slot,
                                             batches, self.svc.loss_cfg, c.clip_grad)  # fmt: skip
         step = t.step

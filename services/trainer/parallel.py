@@ -47,6 +47,11 @@ COMMAND_TIMEOUT = datetime.timedelta(days=365)
 multi-LoRA service waiting for adapters), and gloo ends a waiting broadcast at its group's timeout."""
 
 
+def max_tokens_of(config) -> int | None:
+    """Tokens per micro-batch (--use-dynamic-batch-size --max-tokens-per-gpu), or None: one batch."""
+    return config.max_tokens_per_gpu if config.use_dynamic_batch_size else None
+
+
 def shard_batches(groups, rank: int, world: int, std_norm: bool, reward_key, pad_id: int, max_tokens: int | None):
     """This rank's micro-batches: the samples sorted by length and dealt round-robin."""
     items = samples_with_advantages(groups, std_norm, reward_key)

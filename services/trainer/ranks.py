@@ -26,6 +26,7 @@ from services.trainer.parallel import (
     dp_adapter_step,
     dp_train_step,
     init_group,
+    max_tokens_of,
     send_command,
 )
 from services.trainer.worker import NODE_IP_ENV, PLACEMENT_ENV
@@ -71,8 +72,7 @@ class DataParallel:
         c = self.config
         return dp_train_step(self.model, self.optimizer, groups, cfg, c.clip_grad, std_norm=std_normalization(c),
                              reward_key=c.reward_key, pad_id=self.pad_id,
-                             max_tokens=c.max_tokens_per_gpu if c.use_dynamic_batch_size else None,
-                             ref_model=self.ref_model)  # fmt: skip
+                             max_tokens=max_tokens_of(c), ref_model=self.ref_model)  # fmt: skip
 
     def train_adapter(self, lora, optimizer, slot: int, groups, cfg: LossConfig, std_norm: bool) -> dict:
         """One step of the adapter in `slot` over every rank (multi-LoRA); rank 0's stats."""
@@ -80,7 +80,7 @@ class DataParallel:
         send_command(self.commands, ("lora", (slot, spec, std_norm, _encoded(groups))))
         return dp_adapter_step(self.model, lora, optimizer, slot, spec, groups, cfg, self.config.clip_grad,
                                std_norm=std_norm, reward_key=self.config.reward_key, pad_id=self.pad_id,
-                               max_tokens=None)  # fmt: skip
+                               max_tokens=max_tokens_of(self.config))  # fmt: skip
 
     def stop(self) -> None:
         from services.common import procs

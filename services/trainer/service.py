@@ -77,6 +77,7 @@ from services.trainer.core import (
     std_normalization,
     train_rollout,
 )
+from services.trainer.parallel import max_tokens_of
 from services.trainer.rollout_stats import rollout_metrics
 from services.trainer.setup import TrainerError, build_model, build_optimizer, build_reference, loss_config
 
@@ -461,7 +462,7 @@ class TrainerService(Service):
         if self.dp is not None:
             stats = await asyncio.to_thread(self.dp.train, groups, self.loss_cfg)
             return stats, time.perf_counter() - t0
-        max_tokens = c.max_tokens_per_gpu if c.use_dynamic_batch_size else None
+        max_tokens = max_tokens_of(c)
         steps = build_step_batches(groups, std_normalization(c), c.reward_key, self.pad_id, max_tokens,
                                    c.optimizer_steps_per_rollout)  # fmt: skip
         stats = await asyncio.to_thread(

@@ -46,9 +46,16 @@ def main(argv: list[str] | None = None, checkpoint_files: dict[str, bytes] | Non
     from asyncrl_proto import RolloutGroup, decode
     from services.common.config import RunConfig
     from services.common.procs import apply_cpu_affinity_from_env
-    from services.trainer.core import std_normalization
     from services.model.lora import MultiLora
-    from services.trainer.parallel import broadcast_state, dp_adapter_step, dp_train_step, init_group, next_command
+    from services.trainer.core import std_normalization
+    from services.trainer.parallel import (
+        broadcast_state,
+        dp_adapter_step,
+        dp_train_step,
+        init_group,
+        max_tokens_of,
+        next_command,
+    )
     from services.trainer.setup import build_model, build_optimizer, build_reference, loss_config
 
     apply_cpu_affinity_from_env()
@@ -79,13 +86,12 @@ def main(argv: list[str] | None = None, checkpoint_files: dict[str, bytes] | Non
             groups = [decode(b, RolloutGroup).samples for b in payload]
             dp_train_step(model, optimizer, groups, cfg, config.clip_grad, std_norm=std_normalization(config),
                           reward_key=config.reward_key, pad_id=pad_id,
-                          max_tokens=config.max_tokens_per_gpu if config.use_dynamic_batch_size else None,
-                          ref_model=ref_model)  # fmt: skip
+                          max_tokens=max_tokens_of(config), ref_model=ref_model)  # fmt: skip
         elif kind == "lora":
             slot, spec, std_norm, groups = payload
             dp_adapter_step(model, lora, None, slot, spec, [decode(b, RolloutGroup).samples for b in groups], cfg,
                             config.clip_grad, std_norm=std_norm, reward_key=config.reward_key, pad_id=pad_id,
-                            max_tokens=None)  # fmt: skip
+                            max_tokens=max_tokens_of(config))  # fmt: skip
         elif kind == "stop":
             break
     dist.destroy_process_group()

@@ -50,19 +50,23 @@ def records(run_dir: Path) -> list[dict]:
 def test_two_adapters_train_at_once_each_in_its_own_partition(tmp_path, tiny_model_dir):
     """Two adapters of different tasks and group sizes (4 and 2 samples per prompt), their
     batches coalesced: copy's waits for rev's (--multi-lora-max-coalesce-wait-s) up to the
-    run's 16 samples; each adapter step split over two data-parallel trainer ranks."""
+    run's 16 samples; each adapter step split over two data-parallel trainer ranks, in
+    micro-batches of --max-tokens-per-gpu."""
     rev = adapter_yaml(tmp_path, "rev", reverse_digits, num_step=4)
     copy = adapter_yaml(tmp_path, "copy", copy_digits, num_step=4, n=2)
     run_dir = tmp_path / "run"
     r = cli("train-async", *SMALL, "--multi-lora-n-adapters", "2", "--multi-lora-adapter", "rev", str(rev),
             "--multi-lora-adapter", "copy", str(copy), "--multi-lora-max-coalesce-wait-s", "60",
-            "--trainer-num-ranks", "2", "--run-dir", str(run_dir), cwd=tmp_path)  # fmt: skip
+            "--trainer-num-ranks", "2", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "32",
+            "--run-dir", str(run_dir), cwd=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     recs = records(run_dir)
     for name in ("rev", "copy"):  # each on its own step axis, to its budget
         steps = [rec[f"{name}/step"] for rec in recs if rec.get("adapter") == name]
         assert steps == [0, 1, 2, 3], steps
         assert all(rec[f"{name}/train/dp_world_size"] == 2 for rec in recs if rec.get("adapter") == name)
+        # each rank's share cut into micro-batches of at most 32 tokens (one per rank without)
+        assert all(rec[f"{name}/train/num_micro_batches"] > 2 for rec in recs if rec.get("adapter") == name)
         assert all(rec[f"{name}/raw_reward_mean"] == rec[f"{name}/raw_reward_mean"] for rec in recs if rec.get("adapter") == name)
         assert (tmp_path / f"save_{name}" / "step_4" / "adapter_config.json").exists()
     copies = [rec for rec in recs if rec.get("adapter") == "copy"]
