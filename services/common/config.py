@@ -899,7 +899,29 @@ class MultiLoraSection(Section):
         if self.multi_lora_n_adapters > 0 and self.eval_interval is not None:
             errs.append("Multi-LoRA async (--multi-lora-n-adapters) does not support in-loop evaluation: unset "
                         "--eval-interval (evaluate each adapter from its saves)")  # fmt: skip
+        if self.multi_lora_n_adapters > 0:
+            errs += [f"Multi-LoRA async (--multi-lora-n-adapters) {why}: {fix}"
+                     for flag, why, fix in MULTI_LORA_IGNORES if getattr(self, flag, None)]  # fmt: skip
+            if getattr(self, "update_weights_interval", 1) > 1:
+                errs.append("Multi-LoRA async (--multi-lora-n-adapters) pushes every adapter version it trains (its "
+                            "staleness is counted in its own steps): drop --update-weights-interval")  # fmt: skip
         return errs
+
+
+MULTI_LORA_IGNORES = [
+    ("num_steps_per_rollout", "takes one optimizer step per adapter batch",
+     "drop --num-steps-per-rollout (--global-batch-size sets how many samples a batch coalesces)"),
+    ("keep_old_actor", "trains adapters on a frozen base, with no old actor to keep", "drop --keep-old-actor"),
+    ("save_interval", "saves each adapter in its own `save` directory (its YAML) when it retires; the base never "
+     "changes", "drop --save-interval"),
+    ("save_hf", "saves adapters as PEFT directories in their `save` directories", "drop --save-hf"),
+    ("save_trigger_sentinel", "saves each adapter when it retires (DELETE /adapter_runs/{name} retires one now)",
+     "drop --save-trigger-sentinel"),
+    ("load", "resumes each adapter from the newest save in its `save` directory", "drop --load"),
+    ("custom_rollout_log_function_path", "records each adapter's steps on its own axis and does not call a "
+     "rollout log function", "drop --custom-rollout-log-function-path"),
+]
+"""Flags of the single-model run that multi-LoRA would silently ignore: (field, why, what to do)."""
 
 
 class RunConfig(MultiLoraSection, EvalSection, TrainerSection, AsyncSection, RolloutSection, DataSection, InfraSection):

@@ -458,3 +458,19 @@ def test_multi_lora_on_ray_refuses_adapters_by_disk():
     with pytest.raises(ConfigError, match="Ray's nodes do not share"):
         resolve_config({"multi_lora_n_adapters": 2, "use_ray": True, "engine": "sglang",
                         "update_weight_transfer_mode": "distributed"}, environ={})  # fmt: skip
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    ({"num_steps_per_rollout": 2}, "--num-steps-per-rollout"),
+    ({"keep_old_actor": True}, "--keep-old-actor"),
+    ({"save": "/tmp/x", "save_interval": 5}, "--save-interval"),
+    ({"save_hf": "/tmp/hf"}, "--save-hf"),
+    ({"save": "/tmp/x", "save_trigger_sentinel": "/tmp/now"}, "--save-trigger-sentinel"),
+    ({"load": "/tmp/ckpt"}, "--load"),
+    ({"custom_rollout_log_function_path": "m.f"}, "--custom-rollout-log-function-path"),
+    ({"update_weights_interval": 2}, "--update-weights-interval"),
+])  # fmt: skip
+def test_multi_lora_refuses_the_flags_it_would_ignore(flags, says):
+    with pytest.raises(ConfigError, match=f"Multi-LoRA async .*drop {says}"):
+        resolve_config({"multi_lora_n_adapters": 2, **flags}, environ={})
+    resolve_config(flags, environ={})  # the single-model run takes them
