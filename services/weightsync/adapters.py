@@ -19,9 +19,10 @@ after them).
 A registration the registry holds COMPLETED frees its engine slots: its live version is unloaded
 from every engine (`release_completed`, before a new registration's first version loads and at
 every converge), and a late message for it is skipped (one missing from a registry read is not
-taken as completed: a read may lag). Otherwise its last
-version would hold one of the engines' `--max-loras-per-batch` slots for good, and the next
-adapter's versions would stop loading.
+taken as completed: a read may lag). Otherwise its last version would hold one of the engines'
+`--max-loras-per-batch` slots for good, and the next adapter's versions would stop loading. A
+load waits for the unloads under way of its adapter and of completed registrations: the engines
+hold two slots per adapter (2N), its live version and the next.
 """
 
 from __future__ import annotations
