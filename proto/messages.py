@@ -412,6 +412,9 @@ class RolloutGroupView(msgspec.Struct, kw_only=True):
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections an adapter may wrap."""
 DEFAULT_LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MAX_LORA_SCALE = 1000.0
+"""The largest alpha / rank an adapter may have: beyond it the delta overflows the model's dtype
+(a scale of 1e300 does not fit a float) or drowns the base in NaN logits."""
 """An adapter's target modules when its spec names none: every attention projection."""
 
 

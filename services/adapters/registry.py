@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from asyncrl_proto import AdapterControl, AdapterRegistryState, AdapterRun, AdapterSpec, AdapterState, decode, encode
-from asyncrl_proto.messages import LORA_TARGET_MODULES
+from asyncrl_proto.messages import LORA_TARGET_MODULES, MAX_LORA_SCALE
 from services.common.config import adapter_name_problem
 
 PENDING, ACTIVE, RETIRING, CLEANUP, COMPLETED = (AdapterState.PENDING, AdapterState.ACTIVE, AdapterState.RETIRING,
@@ -90,6 +90,9 @@ def spec_problems(spec: AdapterSpec) -> list[str]:
             errs.append(f"{field} must be an integer >= 1 (got {value})")
     if not (math.isfinite(spec.alpha) and spec.alpha > 0):
         errs.append(f"alpha must be a number > 0 (got {spec.alpha})")
+    elif spec.rank >= 1 and spec.alpha / spec.rank > MAX_LORA_SCALE:
+        errs.append(f"alpha / rank is {spec.alpha / spec.rank:g}, above {MAX_LORA_SCALE:g}: the adapter's delta "
+                    "would overflow the model")  # fmt: skip
     if not spec.target_modules:
         errs.append(f"target_modules is empty: name modules among {', '.join(LORA_TARGET_MODULES)}")
     for module in spec.target_modules:
@@ -119,9 +122,8 @@ def spec_problems(spec: AdapterSpec) -> list[str]:
 
 
 def _same_dir(a: str, b: str) -> bool:
-    return os.path.normpath(os.path.abspath(os.path.expanduser(a))) == os.path.normpath(
-        os.path.abspath(os.path.expanduser(b))
-    )
+    """The same directory once resolved (`~`, `..`, doubled slashes, symlinks)."""
+    return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
 
 
 class AdapterRegistry:
@@ -202,7 +204,9 @@ class AdapterRegistry:
                 f"adapter {name!r} is still cleaning up (its final save is running): register it again once "
                 f"GET /adapter_runs/{name} says completed"
             )
-        for other in self.holding():
+        # a save directory belongs to one name: a registration of another name would resume from its
+        # saves and overwrite them (the name's own later registrations resume from it on purpose)
+        for other in [*self.holding(), *(r for r in self.state.runs if r.name != name)]:
             if _same_dir(other.spec.save, spec.save):
                 raise RegistryError(
                     f"save directory {spec.save!r} is used by adapter {other.name!r} ({other.state.value}): give "

@@ -188,9 +188,25 @@ class AdapterService(Service):
                 log.info("could not answer an adapters.control request: %s", e)
 
     # ---- HTTP ---------------------------------------------------------------------------------
-    def _fits(self, spec: AdapterSpec) -> AdapterSpec:
-        """What this run can serve: the engines' largest rank, and the producers' largest group."""
+    def _fits(self, spec: AdapterSpec, over_http: bool = False) -> AdapterSpec:
+        """What this run can serve: the engines' largest rank, the producers' largest group, the
+        run's batch, a prompt file of a bounded size; over HTTP, only an allowed custom reward."""
         c = self.config
+        if over_http and spec.custom_rm_path is not None and spec.custom_rm_path not in c.multi_lora_custom_rm_paths:
+            allowed = ", ".join(c.multi_lora_custom_rm_paths) or "none"
+            raise SpecError(f"custom_rm_path {spec.custom_rm_path!r} is not one the run allows over HTTP (allowed: "
+                            f"{allowed}; the operator lists them with --multi-lora-custom-rm-paths): use an rm_type "
+                            "or an allowed function")  # fmt: skip
+        if spec.rollout_batch_size > c.rollout_batch_size:
+            raise SpecError(f"rollout_batch_size {spec.rollout_batch_size} is above the run's --rollout-batch-size "
+                            f"{c.rollout_batch_size} (the largest step the run is sized for): use at most that")  # fmt: skip
+        try:
+            size = os.path.getsize(spec.data)
+        except OSError as e:
+            raise SpecError(f"data {spec.data}: {e}") from None
+        if size > c.multi_lora_max_data_mb * 2**20:
+            raise SpecError(f"data {spec.data} is {size / 2**20:.0f} MiB, above the run's --multi-lora-max-data-mb "
+                            f"{c.multi_lora_max_data_mb:g}")  # fmt: skip
         if spec.rank > c.multi_lora_max_rank:
             raise SpecError(f"rank {spec.rank} is above the engines' --multi-lora-max-rank {c.multi_lora_max_rank}")
         if spec.n_samples_per_prompt > c.n_samples_per_prompt:
@@ -245,7 +261,8 @@ class AdapterService(Service):
 
             async def work():
                 name, raw = self._split_body(body)
-                spec = await asyncio.to_thread(lambda: self._fits(parse_spec(raw, file_exists=os.path.isfile)))
+                spec = await asyncio.to_thread(lambda: self._fits(parse_spec(raw, file_exists=os.path.isfile),
+                                                                  over_http=True))  # fmt: skip
                 run = await self.register(name, spec)
                 log.info("registered adapter %s in slot %d over HTTP", name, run.slot)
                 return run

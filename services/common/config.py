@@ -880,6 +880,19 @@ class MultiLoraSection(Section):
         description="Multi-LoRA: run as a service: when no adapter is left, wait for new registrations "
         "indefinitely instead of ending the run.",
     )
+    multi_lora_custom_rm_paths: list[str] = Field(
+        default_factory=list,
+        json_schema_extra={"repeatable": True},
+        description="Multi-LoRA: the reward functions (module.fn) an adapter registered over HTTP may name as "
+        "custom_rm_path; any other is refused (importing it would run a tenant's choice of code in the producers). "
+        "Adapters from --multi-lora-adapter YAML files may name any.",
+    )
+    multi_lora_max_data_mb: float = Field(
+        256.0,
+        gt=0,
+        description="Multi-LoRA: the largest prompt file an adapter may name (its rows are held by the buffer and "
+        "read by the trainer and producers).",
+    )
 
     @property
     def multi_lora_adapter_pairs(self) -> list[tuple[str, str]]:

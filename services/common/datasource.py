@@ -35,31 +35,34 @@ def load_rows(path: str | Path, input_key: str, label_key: str | None, metadata_
     if not path.exists():
         raise DataError(f"--prompt-data {path}: no such file")
     rows: list[dict] = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{path}:{lineno}: a row must be a JSON object")
-            if input_key not in obj:
-                raise DataError(f"{path}:{lineno}: row has no {input_key!r} key (set --input-key)")
-            meta = obj.get(metadata_key) if metadata_key else None
-            if meta is not None and not isinstance(meta, dict):
-                raise DataError(f"{path}:{lineno}: {metadata_key!r} must be a JSON object")
-            rows.append(
-                {
-                    "prompt": obj[input_key],
-                    "label": obj.get(label_key) if label_key else None,
-                    "metadata": meta or {},
-                }
-            )
+    lineno = 0
+    try:
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    rows.append(_row(path, lineno, line, input_key, label_key, metadata_key))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}:{lineno + 1}: not UTF-8 text ({e.reason})") from None
     if not rows:
         raise DataError(f"{path}: no prompts")
     return rows
+
+
+def _row(path: Path, lineno: int, line: str, input_key: str, label_key: str | None, metadata_key: str | None) -> dict:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+    except (ValueError, RecursionError) as e:  # a number too long to convert, nesting too deep
+        raise DataError(f"{path}:{lineno}: not a usable JSON row ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{path}:{lineno}: a row must be a JSON object")
+    if input_key not in obj:
+        raise DataError(f"{path}:{lineno}: row has no {input_key!r} key (set --input-key)")
+    meta = obj.get(metadata_key) if metadata_key else None
+    if meta is not None and not isinstance(meta, dict):
+        raise DataError(f"{path}:{lineno}: {metadata_key!r} must be a JSON object")
+    return {"prompt": obj[input_key], "label": obj.get(label_key) if label_key else None, "metadata": meta or {}}
 
 
 class DataSource(abc.ABC):

@@ -16,6 +16,8 @@ def load_object(path: str, what: str) -> Any:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ValueError(f"{what} {path!r}: cannot import module {module_name!r}: {e}") from e
+    except SystemExit as e:  # a module that runs a program on import must not end the process importing it
+        raise ValueError(f"{what} {path!r}: importing {module_name!r} exited ({e.code!r})") from None
     try:
         return getattr(module, attr)
     except AttributeError:

@@ -41,6 +41,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from asyncrl_proto.messages import MAX_LORA_SCALE
 from services.common.snapshot import COMPLETE_MARKER
 from services.model.llama import CausalLM
 
@@ -64,6 +65,8 @@ class LoraSpec:
             raise LoraError(f"rank must be at least 1, got {self.rank}")
         if not (self.alpha > 0 and math.isfinite(self.alpha)):
             raise LoraError(f"alpha must be positive, got {self.alpha}")
+        if self.alpha / self.rank > MAX_LORA_SCALE:
+            raise LoraError(f"alpha / rank is {self.alpha / self.rank:g}, above {MAX_LORA_SCALE:g}")
         unknown = sorted(set(self.target_modules) - set(TARGETS))
         if unknown or not self.target_modules:
             raise LoraError(f"target_modules must be among {', '.join(TARGETS)}, got {list(self.target_modules)}")

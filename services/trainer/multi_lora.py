@@ -243,7 +243,7 @@ class MultiLoraTrainer:
                 await self._retire(run)
         except (TimeoutError, ConnectionError):
             raise  # the broker, not the adapter: the trainer fails and is restarted
-        except (MultiLoraError, LoraError, DataError, OSError) as e:
+        except (MultiLoraError, DataError, OSError, ValueError, RuntimeError) as e:  # LoraError: a ValueError
             if run.state not in (AdapterState.PENDING, AdapterState.ACTIVE):
                 raise
             log.error("adapter %s cannot be trained: %s; retiring it", run.name, e)
@@ -308,8 +308,8 @@ class MultiLoraTrainer:
         False when its buffer partition does not say where (one retiring: `total` 0)."""
         committed, why = await self._committed_step(run)
         if committed is None:
-            if total is None:
-                raise RuntimeError(f"adapter {run.name}: the buffer cannot say where to resume: {why}")
+            if total is None:  # its partition does not open (its data gone or unreadable): retired by _follow
+                raise MultiLoraError(f"adapter {run.name}: the buffer cannot say where to resume: {why}")
             return False
         t = self._track(run, committed + 1, total)
         if run.step == t.step + 1 and _complete(adapter_dir(self.run_dir, run.name, t.rid, run.step)):
@@ -340,10 +340,16 @@ class MultiLoraTrainer:
             t.get.cancel()
             t.get = None
         out = Path(run.spec.save) / f"step_{t.step}"
-        if self.lora.specs[run.slot] is not None:  # one retired before it was set up has nothing to save
-            await asyncio.to_thread(save_adapter, self.lora, run.slot, out, self.config.hf_checkpoint)
-        else:
+        if self.lora.specs[run.slot] is None:  # one retired before it was set up has nothing to save
             out = "nothing (it never trained)"
+        else:
+            try:
+                await asyncio.to_thread(save_adapter, self.lora, run.slot, out, self.config.hf_checkpoint)
+            except (OSError, LoraError) as e:  # a save directory it cannot write: the slot is freed all the same
+                newest = adapter_dir(self.run_dir, run.name, t.rid, t.step)
+                log.error("adapter %s: its final save to %s failed (%s); its newest version stays in %s", run.name,
+                          out, e, newest)  # fmt: skip
+                out = f"nothing (the save failed; its newest version is {newest})"
         if run.state is AdapterState.RETIRING:
             run = await self._control("cleanup", run)
         self.lora.clear_slot(run.slot)

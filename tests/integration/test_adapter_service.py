@@ -117,6 +117,8 @@ async def test_register_over_http_and_drive_the_lifecycle_over_nats(server, file
             assert r.status_code == 400 and "above the run's --n-samples-per-prompt 2" in r.json()["error"]["message"]
             r = await http.post("/adapter_runs", json=body(files, "t3", rank=64))
             assert r.status_code == 400 and "above the engines' --multi-lora-max-rank 16" in r.json()["error"]["message"]
+            r = await http.post("/adapter_runs", json=body(files, "t3", rm_type=None, custom_rm_path="os.system"))
+            assert r.status_code == 400 and "not one the run allows over HTTP" in r.json()["error"]["message"]
             assert (await http.post("/adapter_runs", content=b"not json")).status_code == 400
             assert (await http.get("/adapter_runs/nobody")).status_code == 404
             assert (await http.delete("/adapter_runs/nobody")).status_code == 404

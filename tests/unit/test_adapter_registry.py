@@ -169,15 +169,23 @@ def test_a_name_still_cleaning_up_cannot_be_registered_again():
     assert "adapter 'a' is still cleaning up (its final save is running)" in msg
 
 
-def test_a_save_directory_in_use_is_refused_and_free_again_once_completed():
+def test_a_save_directory_belongs_to_one_name(tmp_path):
+    """Another name may never use it (it would resume from those saves and overwrite them), however
+    the path is spelled; the same name's next registration resumes from it."""
     r = registry(3)
-    r.register("a", spec("out/a"))
-    msg = refused(r.register, "b", spec("out/./a/"))
-    assert "save directory 'out/./a/' is used by adapter 'a' (pending)" in msg
+    a = str(tmp_path / "a")
+    r.register("a", spec(a))
+    msg = refused(r.register, "b", spec(f"{tmp_path}/./a/"))
+    assert f"save directory '{tmp_path}/./a/' is used by adapter 'a' (pending)" in msg
+    assert "is used by adapter 'a'" in refused(r.register, "b", spec("/" + a))  # //tmp/...: the same directory
+    (tmp_path / "a").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    assert "is used by adapter 'a'" in refused(r.register, "b", spec(str(tmp_path / "link")))
     r.retire("a")  # cleaning up: its final save writes there
-    assert "is used by adapter 'a' (cleanup)" in refused(r.register, "b", spec("out/a"))
+    assert "is used by adapter 'a' (cleanup)" in refused(r.register, "b", spec(a))
     r.complete("a")
-    assert r.register("b", spec("out/a")).slot == 0
+    assert "is used by adapter 'a' (completed)" in refused(r.register, "b", spec(a))
+    assert r.register("a", spec(a)).slot == 0
 
 
 def test_no_free_slot_is_refused_with_what_to_do():
@@ -266,7 +274,7 @@ def test_history_keeps_the_newest_completed_registrations(monkeypatch):
     monkeypatch.setattr(regmod, "MAX_HISTORY", 2)
     r = registry(1)
     for i in range(4):
-        r.register(f"a{i}", spec())
+        r.register(f"a{i}", spec(f"out/a{i}"))
         r.retire(f"a{i}")
         r.complete(f"a{i}")
     assert [x.name for x in r.state.runs] == ["a2", "a3"]
@@ -474,3 +482,58 @@ def test_multi_lora_refuses_the_flags_it_would_ignore(flags, says):
     with pytest.raises(ConfigError, match=f"Multi-LoRA async .*drop {says}"):
         resolve_config({"multi_lora_n_adapters": 2, **flags}, environ={})
     resolve_config(flags, environ={})  # the single-model run takes them
+
+
+def test_a_scale_that_would_overflow_the_model_is_refused():
+    assert "alpha / rank is 1e+300, above 1000" in refused(registry().register, "a", spec(rank=1, alpha=1e300),
+                                                           status=400)  # fmt: skip
+    from services.model.lora import LoraError, LoraSpec
+
+    with pytest.raises(LoraError, match="above 1000"):  # a saved adapter_config.json is held to it too
+        LoraSpec(rank=1, alpha=2000.0)
+
+
+def test_what_the_run_can_serve(tmp_path):
+    """The registry service's checks past the spec's own: the run's batch, a bounded prompt file,
+    and over HTTP only the custom rewards the operator allows."""
+    from types import SimpleNamespace
+
+    from services.adapters.service import AdapterService
+
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "12=", "label": "21"}\n' * 100)
+    cfg = RunConfig(rollout_batch_size=8, n_samples_per_prompt=2, multi_lora_n_adapters=2,
+                    multi_lora_max_data_mb=0.001, multi_lora_custom_rm_paths=["pkg.rewards.ok"])  # fmt: skip
+    svc = SimpleNamespace(config=cfg)
+
+    def fits(over_http=False, **kw):
+        return AdapterService._fits(svc, spec(data=str(data), **kw), over_http=over_http)
+
+    with pytest.raises(SpecError, match="rollout_batch_size 9 is above the run's --rollout-batch-size 8"):
+        fits(rollout_batch_size=9)
+    with pytest.raises(SpecError, match="above the run's --multi-lora-max-data-mb 0.001"):
+        fits()
+    cfg.multi_lora_max_data_mb = 1.0
+    assert fits().rollout_batch_size == 4
+    with pytest.raises(SpecError, match="'os.system' is not one the run allows over HTTP"):
+        fits(over_http=True, rm_type=None, custom_rm_path="os.system")
+    assert fits(over_http=True, rm_type=None, custom_rm_path="pkg.rewards.ok").custom_rm_path == "pkg.rewards.ok"
+    assert fits(rm_type=None, custom_rm_path="os.system")  # an operator's YAML at start may name any
+
+
+def test_prompt_files_that_do_not_parse_are_data_errors(tmp_path):
+    from services.common.datasource import DataError, load_rows
+
+    for name, content in (("latin1", b'{"prompt": "caf\xe9"}\n'), ("longint", b'{"prompt": 1' + b"1" * 5000 + b"}\n"),
+                          ("deep", b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}\n")):  # fmt: skip
+        path = tmp_path / f"{name}.jsonl"
+        path.write_bytes(content)
+        with pytest.raises(DataError, match=f"{path}:1: "):
+            load_rows(path, "prompt", None, None)
+
+
+def test_an_import_that_exits_is_an_error_not_the_end_of_the_process():
+    from services.common.plugins import load_object
+
+    with pytest.raises(ValueError, match="exited"):
+        load_object("unittest.__main__.x", "custom_rm_path")

@@ -136,3 +136,17 @@ def test_old_adapter_versions_are_removed_but_those_the_engines_may_be_loading(t
     live["version"] = 9
     asyncio.run(trainer._retain(t))
     assert left() == [7, 8, 9]
+
+
+def test_a_final_save_that_fails_still_frees_the_slot(tmp_path):
+    """A save directory the trainer cannot write (a tenant named a file, or the disk is full): the
+    adapter completes all the same, its newest version named in the log; the trainer does not
+    fail on it again at every restart."""
+    svc, _ = setup_run(tmp_path, [0, 1, 2], {0, 1, 2}, trained_steps=2, reported=2)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    svc.run = msgspec.structs.replace(svc.run, spec=msgspec.structs.replace(svc.run.spec, save=str(blocker)))
+    trainer = MultiLoraTrainer(svc)
+    asyncio.run(trainer._follow(svc.run))
+    assert svc.controls == ["cleanup", "complete"] and svc.run.state is AdapterState.COMPLETED
+    assert blocker.read_text() == "not a directory"
