@@ -38,6 +38,9 @@ MAX_SPEC_BYTES = 4096
 """An adapter spec's encoded size at most: with MAX_HISTORY runs kept the registry stays one KV value."""
 MAX_HISTORY = 500
 """COMPLETED registrations kept (the oldest go first): the whole state is one KV value."""
+MAX_STATE_BYTES = 768 * 1024
+"""The most the state may take encoded (older completed registrations go first): the KV value must
+fit a message of a NATS server left at its default max_payload of 1 MiB (the embedded one allows 8)."""
 SPEC_FIELDS = tuple(AdapterSpec.__struct_fields__)
 OPS = ("activate", "stepped", "retire", "cleanup", "complete")
 RESERVED_NAMES = frozenset({"state"})
@@ -319,9 +322,19 @@ class AdapterRegistry:
         return run
 
     def _prune(self) -> None:
+        """The oldest COMPLETED registrations go past MAX_HISTORY of them, or while the state is
+        above MAX_STATE_BYTES encoded."""
         done = [r for r in self.state.runs if r.state is COMPLETED]
-        if len(done) > MAX_HISTORY:
-            drop = {id(r) for r in done[: len(done) - MAX_HISTORY]}
+        old = {id(r) for r in done[: max(0, len(done) - MAX_HISTORY)]}
+        self.state.runs = [r for r in self.state.runs if id(r) not in old]
+        size = len(encode(self.state))
+        drop = set()
+        for r in done[len(old):]:
+            if size <= MAX_STATE_BYTES:
+                break
+            drop.add(id(r))
+            size -= len(encode(r))
+        if drop:
             self.state.runs = [r for r in self.state.runs if id(r) not in drop]
 
     def _changed(self, now: float) -> None:

@@ -280,6 +280,21 @@ def test_history_keeps_the_newest_completed_registrations(monkeypatch):
     assert [x.name for x in r.state.runs] == ["a2", "a3"]
 
 
+def test_history_fits_a_default_nats_message():
+    """500 completed registrations of 4 KB specs would be 2 MB, above a NATS server's default
+    max_payload of 1 MiB: the oldest go first, the live ones always stay."""
+    r = registry(2)
+    big = {"tenant": "x" * 3500}
+    r.register("live", spec("out/live", metadata=big))
+    for i in range(300):
+        r.register(f"a{i}", spec(f"out/a{i}", metadata=big))
+        r.retire(f"a{i}")
+        r.complete(f"a{i}")
+        assert len(encode(r.state)) <= regmod.MAX_STATE_BYTES
+    names = [x.name for x in r.state.runs]
+    assert names[0] == "live" and names[-1] == "a299" and 150 < len(names) < 300
+
+
 # ---- specs ----------------------------------------------------------------------------------------
 
 
