@@ -38,8 +38,9 @@ SNAPSHOT_LAG_FACTOR = 4
 
 def snapshots_to_remove(snapshots: list[Path], keep: int, backing: Path | None, live: int) -> list[Path]:
     """The snapshots (`v<k>` directories, oldest first) beyond the newest `keep`, but the one
-    behind the committed step and those newer than the engines' `live` version among the newest
-    SNAPSHOT_LAG_FACTOR x keep: weight-sync may be loading one of them. The model's snapshots
-    and each multi-LoRA adapter's versions are retained by it."""
-    pending = {p for p in snapshots[-keep * SNAPSHOT_LAG_FACTOR :] if int(p.name[1:]) > live}
+    behind the committed step, and the engines' `live` version and those newer among the newest
+    SNAPSHOT_LAG_FACTOR x keep: weight-sync may be loading one of them, and an engine restarted
+    gets the live one back from its snapshot. The model's snapshots and each multi-LoRA adapter's
+    versions are retained by it."""
+    pending = {p for p in snapshots[-keep * SNAPSHOT_LAG_FACTOR :] if int(p.name[1:]) >= live}
     return [p for p in snapshots[:-keep] if p != backing and p not in pending]

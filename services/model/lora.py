@@ -330,7 +330,10 @@ def save_adapter(lora: MultiLora, slot: int, out_dir: str | Path, base_model: st
     if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
         raise LoraError(f"refusing to write {out}: the adapter holds non-finite values")
     tmp = out / "adapter_model.safetensors.tmp"
-    save_file(tensors, str(tmp))
+    try:
+        save_file(tensors, str(tmp))
+    except SafetensorError as e:  # a full disk, a path that is a directory: what OSError means to callers
+        raise OSError(f"cannot write {tmp}: {e}") from e
     tmp.replace(out / "adapter_model.safetensors")
     (out / "adapter_config.json").write_text(json.dumps(spec.peft_config(base_model), indent=2))
     (out / COMPLETE_MARKER).write_text("")

@@ -56,6 +56,7 @@ from services.trainer.adapters import train_adapter_step
 from services.trainer.core import assemble_batch, build_step_batches
 from services.trainer.parallel import max_tokens_of
 from services.trainer.rollout_stats import rollout_metrics
+from services.trainer.setup import TrainerError
 
 log = logging.getLogger(__name__)
 
@@ -241,8 +242,8 @@ class MultiLoraTrainer:
                 await self._resume(run)
             elif run.state in (AdapterState.RETIRING, AdapterState.CLEANUP):
                 await self._retire(run)
-        except (TimeoutError, ConnectionError):
-            raise  # the broker, not the adapter: the trainer fails and is restarted
+        except (TimeoutError, ConnectionError, TrainerError):
+            raise  # the broker or the buffer, not the adapter: the trainer fails and is restarted
         except (MultiLoraError, DataError, OSError, ValueError, RuntimeError) as e:  # LoraError: a ValueError
             if run.state not in (AdapterState.PENDING, AdapterState.ACTIVE):
                 raise

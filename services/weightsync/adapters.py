@@ -159,7 +159,7 @@ class AdapterSync:
             self.num_skipped += 1
             return False
         engine_name = adapter_engine_name(pub.name, pub.registration_id, pub.version)
-        await self._unloads_done(pub.name)
+        await self._unloads_done(pub.name, new_registration=old is None or old.registration_id != pub.registration_id)
         for url in self.client.urls:
             await self._load(url, engine_name, pub.uri)
         new = AdapterLive(name=pub.name, registration_id=pub.registration_id, version=pub.version,
@@ -190,15 +190,16 @@ class AdapterSync:
             if isinstance(task, asyncio.Future):
                 self._unloads[engine_name] = task
 
-    async def _unloads_done(self, name: str) -> None:
-        """The unloads under way of this adapter's versions and of completed registrations',
-        finished (at most UNLOAD_WAIT_S): the engines hold 2 slots per adapter
-        (--max-loras-per-batch 2N), its live version and the next, so a version loaded while its
-        predecessor's predecessor still drains would find no slot."""
+    async def _unloads_done(self, name: str, new_registration: bool) -> None:
+        """The unloads under way of this adapter's versions (and, for a new registration's first
+        version, of completed registrations': the slot it takes), finished (at most
+        UNLOAD_WAIT_S): the engines hold 2 slots per adapter (--max-loras-per-batch 2N), its live
+        version and the next, so a version loaded while its predecessor's predecessor still
+        drains would find no slot. Other adapters' drains hold no load up."""
         for engine_name, task in list(self._unloads.items()):
             if task.done():
                 del self._unloads[engine_name]
-        done = {rid[:12] for rid in self.done}
+        done = {rid[:12] for rid in self.done} if new_registration else set()
         mine = [t for n, t in self._unloads.items() if n.startswith(f"{name}@") or _registration_of(n) in done]
         if mine:
             await asyncio.wait(mine, timeout=UNLOAD_WAIT_S)

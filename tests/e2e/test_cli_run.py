@@ -363,7 +363,9 @@ def test_object_store_weights_reach_the_engines_without_the_trainers_disk(tmp_pa
     sync_log = (run_dir / "logs" / "weight-sync.log").read_text()
     assert "engines now at weight version 6" in sync_log
     audit = json.loads((run_dir / "audit.json").read_text())
-    assert audit["balanced"] and audit["weights_stored"] == [5, 6]  # retired down to --keep-weight-snapshots
+    # retired down to --keep-weight-snapshots and the engines' live version at the last push (an
+    # engine restarted gets the live version back from it)
+    assert audit["balanced"] and audit["weights_stored"][-2:] == [5, 6] and len(audit["weights_stored"]) <= 3
     assert_nothing_left(run_dir)
 
 

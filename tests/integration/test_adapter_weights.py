@@ -89,7 +89,7 @@ async def test_adapter_versions_reach_every_engine_without_a_pause(server, tiny_
                 pub2, msg2 = await next_message(sub)
                 assert await sync.apply(pub2) is True
                 assert len(unloads) == 1
-                await sync._unloads_done("tenant-a")
+                await sync._unloads_done("tenant-a", new_registration=False)
                 assert unloads[0].done()
                 v2 = adapter_engine_name("tenant-a", reg, 2)
                 for e in (e1, e2):

@@ -110,8 +110,8 @@ def test_a_step_trained_but_never_published_is_dropped(tmp_path):
 
 def test_old_adapter_versions_are_removed_but_those_the_engines_may_be_loading(tmp_path):
     """A long adapter run does not fill the disk: after each commit its versions beyond the
-    newest --keep-weight-snapshots go, except those newer than the engines' live version of it
-    and the one behind the committed step."""
+    newest --keep-weight-snapshots go, except the engines' live version of it (a restarted engine
+    reloads it), those newer, and the one behind the committed step."""
     from asyncrl_proto import AdapterLive, encode
 
     from services.trainer.multi_lora import Track
@@ -132,7 +132,7 @@ def test_old_adapter_versions_are_removed_but_those_the_engines_may_be_loading(t
         return sorted(int(p.name[1:]) for p in d.glob("v*"))
 
     asyncio.run(trainer._retain(t))
-    assert left() == [6, 7, 8, 9]  # keep 3, and v6: newer than the live v5, weight-sync may be loading it
+    assert left() == [5, 6, 7, 8, 9]  # keep 3; v6, newer than the live v5 (weight-sync may be loading it); v5
     live["version"] = 9
     asyncio.run(trainer._retain(t))
     assert left() == [7, 8, 9]
@@ -150,3 +150,22 @@ def test_a_final_save_that_fails_still_frees_the_slot(tmp_path):
     asyncio.run(trainer._follow(svc.run))
     assert svc.controls == ["cleanup", "complete"] and svc.run.state is AdapterState.COMPLETED
     assert blocker.read_text() == "not a directory"
+
+
+def test_buffer_trouble_restarts_the_trainer_and_never_retires_an_adapter(tmp_path):
+    """The buffer away past --buffer-timeout-s is the trainer's trouble, not the adapter's: it
+    fails (and is restarted) with the adapter still active."""
+    from services.trainer.setup import TrainerError
+
+    svc, _ = setup_run(tmp_path, [0, 1], {0, 1}, trained_steps=1, reported=1)
+    svc.run = msgspec.structs.replace(svc.run, state=AdapterState.ACTIVE)
+
+    async def away(subject, req, reply_type, what):
+        if isinstance(req, AdapterControl):
+            svc.controls.append(req.op)
+        raise TrainerError(f"buffer did not answer {what}")
+
+    svc._request = away
+    with pytest.raises(TrainerError):
+        asyncio.run(MultiLoraTrainer(svc)._follow(svc.run))
+    assert svc.controls == []
