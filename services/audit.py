@@ -201,7 +201,7 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     try:
         report = audit_run(a.run_dir)
-    except (FileNotFoundError, RuntimeError, ValueError) as e:  # BusError, SecretError
+    except (OSError, RuntimeError, ValueError) as e:  # no run dir, a store's server not healthy in time, BusError, SecretError
         print(f"asyncrl audit: {e}", file=sys.stderr)
         return 2
     if a.json:

@@ -37,6 +37,7 @@ def audited(run_dir: Path, trained_samples: int) -> dict:
     twice, exactly `trained_samples` trained. The report."""
     audit = subprocess.run([sys.executable, "-m", "services.cli", "audit", str(run_dir), "--json"],
                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert audit.returncode in (0, 1), f"the audit failed (exit {audit.returncode}): {audit.stderr[-3000:]}"
     report = json.loads(audit.stdout)
     assert audit.returncode == 0 and report["balanced"], report["problems"]
     assert report["lost"] == 0 and report["trained_twice"] == 0
