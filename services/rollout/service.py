@@ -46,11 +46,19 @@ MAX_GROUP_DELIVERIES = 5
 MAX_NOT_YET_DELIVERIES = 240
 """Multi-LoRA: a prompt whose adapter is not on the engines after this many deliveries (0.5 s
 apart: two minutes) settles as a FAILED group rather than coming back forever."""
+ADAPTER_RETRY_MAX_S = 2.0
+"""The longest a prompt waits before it is tried again while its engine lacks the live adapter."""
+ADAPTER_WARN_EVERY = 20
+"""A warning each time such a prompt has come back this many more times."""
 RETRY_BACKOFF_S = 1.0
 """A failed group's prompt is redelivered after RETRY_BACKOFF_S * 2^(delivery - 1), at most 30 s."""
 
 log = logging.getLogger(__name__)
 
+
+def rid_of(msg) -> str:
+    """The adapter registration of a multi-LoRA prompt: the last token of its subject (prompts.<registration>)."""
+    return msg.subject.rsplit(".", 1)[-1]
 
 class PromptError(ValueError):
     """A released prompt that cannot be generated from (its group is published as FAILED)."""
@@ -132,6 +140,7 @@ class RolloutService(Service):
             "reward_failures": 0,
             "group_failures": 0,
             "bad_prompts": 0,
+            "adapter_not_loaded_requeued": 0,
         }
         self._psub = None
 
@@ -241,7 +250,7 @@ class RolloutService(Service):
             except Exception as e:
                 if ctx.adapter_version is not None and "no LoRA adapter" in str(e):
                     # its version was replaced on the engines meanwhile: again, on the live one
-                    await settle(msg, "nak", delay=0.1)
+                    await self._adapter_not_loaded(msg, rid_of(msg), e)
                     return
                 await self._group_failed(msg, prompt, started, e)
                 return
@@ -262,11 +271,24 @@ class RolloutService(Service):
             self.groups_in_flight.pop(id(msg), None)
             self.credits.group_done(given_back[0])
 
+    async def _adapter_not_loaded(self, msg, rid: str, e: Exception) -> None:
+        """The engine lacks the adapter version KV `adapter_live` names (replaced meanwhile, or an
+        engine restarted and not reloaded yet): the prompt goes back to the queue, later each time
+        it comes back (up to ADAPTER_RETRY_MAX_S), with a warning every ADAPTER_WARN_EVERY deliveries
+        so an engine that never gets it is seen, not a silent loop."""
+        n = msg.metadata.num_delivered
+        self.counters["adapter_not_loaded_requeued"] += 1
+        if n % ADAPTER_WARN_EVERY == 0:
+            log.warning("a prompt of adapter registration %s came back %d times: its engine lacks the live "
+                        "adapter (%s); is weight-sync running? (see /status adapter_not_loaded_requeued)",
+                        rid[:64], n, str(e)[:200])  # fmt: skip
+        await settle(msg, "nak", delay=min(ADAPTER_RETRY_MAX_S, 0.1 * n))
+
     def _destination(self, msg, gid: str) -> tuple[str, str]:
         """The subject and message id of a prompt's group: its partition's (multi-LoRA)."""
         if not self.partitioned:
             return self.bus.subjects.rollouts, gid
-        rid = msg.subject.rsplit(".", 1)[-1]
+        rid = rid_of(msg)
         return self.bus.subjects.of(rid).rollouts, f"{rid}-{gid}"
 
     async def _context(self, msg, prompt: PromptMsg, started: float) -> GroupContext | None:
@@ -275,7 +297,7 @@ class RolloutService(Service):
         its partition records as foreign)."""
         if not self.partitioned:
             return GroupContext(self.engine, self.reward_fn)
-        rid = msg.subject.rsplit(".", 1)[-1]
+        rid = rid_of(msg)
         try:
             run = await self.adapters.run(rid)
             live = await self.adapters.live(run)
