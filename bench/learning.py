@@ -235,23 +235,39 @@ def eval_noise(a, held: Path) -> dict:
         procs.wait_for_port("127.0.0.1", port, 120, proc)
         tok = Tokenizer(model)
 
-        async def twice() -> list[float]:
+        async def repeated() -> list[float]:
             client = SGLangClient([f"http://127.0.0.1:{port}"])
             try:
                 out = []
-                for _ in range(2):
+                for i in range(a.eval_noise_repeats):
                     m = await evaluate_dataset(client, tok, reward_fn, config, EVAL_NAME, rows, ds.sampling_params(),
                                                a.eval_samples)  # fmt: skip
                     out.append(m[f"eval/{EVAL_NAME}"])
+                    print(f"  eval noise: evaluation {i + 1} of {a.eval_noise_repeats}: {out[-1]:.4f}", flush=True)
                 return out
             finally:
                 await client.close()
 
-        first, second = asyncio.run(twice())
+        values = asyncio.run(repeated())
     finally:
         procs.stop(proc)
-    return {"kind": "eval_noise", "eval_prompts": a.eval_prompts, "eval_samples": a.eval_samples,
-            "first": first, "second": second, "abs_diff": abs(first - second)}  # fmt: skip
+    diffs = [abs(x - y) for i, x in enumerate(values) for y in values[i + 1 :]]
+    sd = statistics.stdev(values)
+    return {"kind": "eval_noise", "eval_prompts": a.eval_prompts, "eval_samples": a.eval_samples, "values": values,
+            "first": values[0], "second": values[1], "abs_diff": diffs[0], "sd": sd,
+            "pair_diff_mean": statistics.fmean(diffs), "pair_diff_max": max(diffs),
+            "pair_diff_95": 1.96 * 2**0.5 * sd}  # fmt: skip
+
+
+def eval_noise_line(n: dict) -> str:
+    """What the record says of the held-out figure's own noise."""
+    if "values" not in n:  # an older record: one pair
+        return (f"eval noise: the same weights evaluated twice on {n['eval_prompts']} prompts x {n['eval_samples']} "
+                f"samples: {n['first']:.4f} and {n['second']:.4f} (differ by {n['abs_diff']:.4f})")  # fmt: skip
+    return (f"eval noise: the same weights evaluated {len(n['values'])} times on {n['eval_prompts']} prompts x "
+            f"{n['eval_samples']} samples: SD {n['sd']:.4f}; two evaluations differ by {n['pair_diff_mean']:.4f} on "
+            f"average (largest of the {len(n['values']) * (len(n['values']) - 1) // 2} pairs {n['pair_diff_max']:.4f}; "
+            f"95% of pairs by less than {n['pair_diff_95']:.4f}, from the SD)")  # fmt: skip
 
 
 # ---- main --------------------------------------------------------------------------------------
@@ -279,6 +295,9 @@ def main() -> None:
     p.add_argument("--record", default="docs/bench/learning_runs.jsonl")
     p.add_argument("--out", default="docs/bench/learning.json")
     p.add_argument("--skip-eval-noise", action="store_true")
+    p.add_argument("--eval-noise-repeats", type=int, default=6,
+                   help="evaluations of the same weights that measure the held-out figure's noise")
+    p.add_argument("--eval-noise-only", action="store_true", help="measure the eval noise (if not recorded), run nothing else")
     add_common(p)
     a, extra = p.parse_known_args()
     extra = [x for x in extra if x != "--"]
@@ -287,14 +306,17 @@ def main() -> None:
     if unknown := set(arms) - set(ARMS):
         raise SystemExit(f"unknown arms {sorted(unknown)}: use {', '.join(ARMS)}")
     if not a.report_only:
-        if not a.skip_eval_noise and not any(r.get("kind") == "eval_noise" and r["eval_prompts"] == a.eval_prompts
-                                             and r["eval_samples"] == a.eval_samples for r in load_record(record)):  # fmt: skip
+        if not a.skip_eval_noise and not any(
+            r.get("kind") == "eval_noise" and r["eval_prompts"] == a.eval_prompts and r["eval_samples"] == a.eval_samples
+            and len(r.get("values", [0, 0])) >= a.eval_noise_repeats for r in load_record(record)
+        ):  # fmt: skip
             _, held = write_data(Path(tempfile.gettempdir()) / "asyncrl-learning-data", a.eval_prompts)
             noise = eval_noise(a, held)
             with record.open("a") as f:
                 f.write(json.dumps(noise) + "\n")
-        seeds = seeds_of(a.seeds)
-        run_all([(arm, seed, extra) for seed in seeds for arm in arms], a, record)  # seed-major: arms side by side
+        if not a.eval_noise_only:
+            seeds = seeds_of(a.seeds)
+            run_all([(arm, seed, extra) for seed in seeds for arm in arms], a, record)  # seed-major: arms side by side
     runs = [r for r in load_record(record) if r.get("arm") in arms and r["steps"] == a.steps and r["extra"] == extra]
     rows = {arm: summarize([r for r in runs if r["arm"] == arm], a.threshold, a.stall_gain)
             for arm in arms if any(r["arm"] == arm for r in runs)}  # fmt: skip
@@ -302,8 +324,7 @@ def main() -> None:
     if evidence := stall_evidence(runs, a.stall_gain):
         print("\nwhat tells a stall apart (every arm's runs):\n" + evidence)
     for n in (r for r in load_record(record) if r.get("kind") == "eval_noise"):
-        print(f"eval noise: the same weights evaluated twice on {n['eval_prompts']} prompts x {n['eval_samples']} "
-              f"samples: {n['first']:.4f} and {n['second']:.4f} (differ by {n['abs_diff']:.4f})")  # fmt: skip
+        print(eval_noise_line(n))
     out = ROOT / a.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"steps": a.steps, "extra": extra, "arms": rows}, indent=2) + "\n")
