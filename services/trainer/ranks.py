@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -33,6 +34,8 @@ from services.trainer.worker import NODE_IP_ENV, PLACEMENT_ENV
 
 log = logging.getLogger(__name__)
 RAY_READY_TIMEOUT_S = 120.0
+RANK_WATCH_S = 0.2
+"""How often rank 0 looks at the ranks it started while their group forms."""
 
 
 class DataParallel:
@@ -64,8 +67,38 @@ class DataParallel:
             "ranks": [p.pid for p in self.procs], "ray_actors": len(self.actors), "master_addr": self.master_addr,
             "master_port": self.port, "rank_nodes": [self.master_addr, *rank_nodes],
         }))  # fmt: skip
-        self.commands = init_group(0, self.world, self.master_addr, self.port, self.backend)
+        try:
+            self.commands = self._join(log_dir)
+        except BaseException:
+            for p in self.procs:
+                procs.stop(p)
+            raise
         broadcast_state(model, optimizer)
+
+    def _join(self, log_dir: Path):
+        """Rank 0 joins the group (init_group) while watching the ranks it started: one that
+        exits before the group forms is an error at once, naming its log, rather than the whole
+        rendezvous timeout later. (Ray actors are not watched here: their errors surface at the
+        timeout.)"""
+        box: dict = {}
+
+        def join() -> None:
+            try:
+                box["group"] = init_group(0, self.world, self.master_addr, self.port, self.backend)
+            except BaseException as e:  # handed to the caller
+                box["error"] = e
+
+        t = threading.Thread(target=join, name="dp-rendezvous", daemon=True)  # daemon: never holds the exit
+        t.start()
+        while t.is_alive():
+            t.join(RANK_WATCH_S)
+            for rank, p in enumerate(self.procs, 1):
+                if p.poll() is not None and t.is_alive():
+                    raise RuntimeError(f"trainer rank {rank} exited (code {p.returncode}) before the data-parallel "
+                                       f"group formed: see {log_dir / f'trainer-rank{rank}.log'}")  # fmt: skip
+        if "error" in box:
+            raise box["error"]
+        return box["group"]
 
     def train(self, groups, cfg: LossConfig) -> dict:
         send_command(self.commands, ("train", _encoded(groups)))

@@ -161,3 +161,35 @@ def test_a_rank_waits_for_the_next_command_while_rank_0_idles(tmp_path):
     with a long one, so the ranks outlive a trainer that has nothing to train for a while."""
     mp.start_processes(_idle_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     assert torch.load(tmp_path / "command.pt") == ("train", [b"x"])
+
+
+def test_a_rank_that_dies_before_the_group_forms_fails_rank_0_at_once(tmp_path):
+    """Rank 1 exits at start (here: its config file does not parse). Rank 0 says so, naming its
+    log, within seconds: not after the 300 s rendezvous timeout. Run in a child process, whose
+    rendezvous thread may stay blocked until that timeout."""
+    import subprocess
+    import sys
+    import time
+
+    script = f"""
+import torch
+from pathlib import Path
+from services.common.config import RunConfig
+from services.trainer.ranks import DataParallel
+from tests.unit.test_trainer_core import tiny_model
+model = tiny_model()
+bad = Path({str(tmp_path)!r}) / "trainer-config.json"
+bad.write_text("not json")
+(Path({str(tmp_path)!r}) / "logs").mkdir()
+try:
+    DataParallel(RunConfig(trainer_num_ranks=2), model, torch.optim.AdamW(model.parameters()), None, 0, bad,
+                 Path({str(tmp_path)!r}) / "logs")
+except RuntimeError as e:
+    print("ERROR:", e)
+"""
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))  # fmt: skip
+    assert "ERROR: trainer rank 1 exited (code 1) before the data-parallel group formed" in out.stdout, out.stderr[-2000:]
+    assert "trainer-rank1.log" in out.stdout
+    assert time.monotonic() - t0 < 60
