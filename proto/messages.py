@@ -511,6 +511,8 @@ class AdapterControlReply(msgspec.Struct, kw_only=True):
     run: AdapterRun | None = None
     revision: int = 0
     """The registry's revision after the request."""
+    retry: bool = False
+    """Not refused: the registry could not store its state (its broker away). Ask again."""
 
 
 class AdapterPublished(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse
 from asyncrl_proto import AdapterControl, AdapterControlReply, AdapterRun, AdapterSpec, encode
 from services.adapters.registry import LIVE, AdapterRegistry, RegistryError, SpecError, parse_spec
 from services.adapters.store import RegistryStore
+from services.common import crash
 from services.common.bus import BusError, SequenceConflict, TransportError
 from services.common.config import ConfigError, DataSection, MultiLoraSection, RolloutSection
 from services.common.datasource import DataError, load_rows
@@ -173,6 +174,7 @@ class AdapterService(Service):
         else:
             try:
                 run = await self.control(req)
+                crash.point("adapters", "stored_before_reply")
                 reply = AdapterControlReply(ok=True, run=run, revision=self.adapters.revision)
             except RegistryError as e:
                 self.num_rejected += 1
@@ -180,7 +182,7 @@ class AdapterService(Service):
             except (BusError, TransportError, TimeoutError, OSError) as e:
                 log.warning("adapters.control %s %s: the state could not be stored: %s", req.op, req.name, e)
                 reply = AdapterControlReply(ok=False, error=f"the registry could not store its state ({e}); try again",
-                                            revision=self.adapters.revision)  # fmt: skip
+                                            revision=self.adapters.revision, retry=True)  # fmt: skip
         if msg.reply:
             try:
                 await msg.respond(encode(reply))

@@ -1,9 +1,10 @@
 """Named crash points: the places where a crash could tear a service's state.
 
 `ASYNCRL_CRASH_AT=service:point:nth` makes the process of `service` SIGKILL itself the nth time
-it passes `point` (nth defaults to 1). Every point a service passes is declared in POINTS, and
-the crash suite (tests/crash) runs a short job killed at each of them: a point added here is
-covered there automatically (a unit test checks that the code passes exactly the declared ones).
+it passes `point` (nth defaults to 1). Every point a service passes is declared in POINTS (or
+MULTI_LORA_POINTS, passed only in multi-LoRA runs), and the crash suite (tests/crash) runs a
+short job (a multi-LoRA one for those) killed at each of them: a point added here is covered
+there automatically (a unit test checks that the code passes exactly the declared ones).
 The launcher gives a restarted child no crash point: the injection fires once per run.
 """
 
@@ -45,6 +46,19 @@ POINTS: dict[str, tuple[str, ...]] = {
     "engine": ("mid_step",),  # between a forward pass and its results
     "eval": ("mid_point",),  # an eval point half evaluated
 }
+"""The points a single-model run passes."""
+
+MULTI_LORA_POINTS: dict[str, tuple[str, ...]] = {
+    "trainer": (
+        "adapter_stepped_before_records",  # an adapter's factors stepped, nothing of the step recorded
+        "adapter_reported_before_publish",  # the registry has the step (its slot version), no version saved
+        "adapter_published_before_commit",  # the version announced, the partition's step not committed
+        "adapter_saved_before_complete",  # the final save written, the registry not told
+    ),
+    "weight-sync": ("adapter_loaded_before_live",),  # a version on every engine, KV adapter_live not written
+    "adapters": ("stored_before_reply",),  # the registry stored a trainer's request, not answered
+}
+"""The points only a multi-LoRA run passes (the crash suite runs those in a multi-LoRA job)."""
 
 log = logging.getLogger(__name__)
 _counts: dict[str, int] = {}
@@ -56,7 +70,7 @@ def _armed() -> tuple[str, str, int] | None:
         return None
     service, _, rest = spec.partition(":")
     point, _, nth = rest.partition(":")
-    if point not in POINTS.get(service, ()):
+    if point not in POINTS.get(service, ()) + MULTI_LORA_POINTS.get(service, ()):
         raise ValueError(f"${ENV}={spec!r}: no crash point {point!r} in {service!r} (see services.common.crash.POINTS)")
     return service, point, int(nth or 1)
 

@@ -47,6 +47,7 @@ from asyncrl_proto import (
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import NO_PARTITION_ERROR, AdapterRun, AdapterState, flatten_group
 from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX, ADAPTERS_KV_KEY
+from services.common import crash
 from services.common.datasource import DataError, adapter_total_steps, load_rows
 from services.common.snapshot import COMPLETE_MARKER, remove_snapshot, snapshots_to_remove
 from services.common.weightstore import WeightStore
@@ -64,6 +65,8 @@ LIVE_READ_S = 2.0
 """The longest an adapter's retention waits for the engines' version of it (then it keeps more)."""
 GET_WAIT_S = 1.0
 """How long one get waits for a lease before the loop looks at the registry again."""
+CONTROL_RETRY_S = 1.0
+"""How long the trainer waits before asking the registry again for a request it could not store."""
 
 
 class MultiLoraError(RuntimeError):
@@ -108,7 +111,8 @@ class MultiLoraTrainer:
                                    weight_decay=c.weight_decay)  # fmt: skip
         self.tracks: dict[str, Track] = {}
         self.registry = AdapterRegistryState()
-        self.steps_total = 0
+        self.steps_total = _next_record_step(svc.metrics_path)
+        """The records' own axis (`step`): every adapter step, one after another, across restarts."""
         self.run_dir = Path(c.run_dir)
         self.global_batch_size = c.global_batch_size or c.rollout_batch_size * c.n_samples_per_prompt
         """Samples a batch collects across adapters before it ships (the coalescing target)."""
@@ -133,9 +137,20 @@ class MultiLoraTrainer:
         return self.registry
 
     async def _control(self, op: str, run: AdapterRun, step: int = 0, reason: str = "") -> AdapterRun:
+        """The registry's answer to one request. One it could not store (`retry`) is asked again
+        for up to --buffer-timeout-s, then fails the trainer (restarted), never the adapter."""
         req = AdapterControl(op=op, name=run.name, registration_id=run.registration_id, step=step, reason=reason)
-        reply = await self.svc._request(self.bus.subjects.adapters_control, req, AdapterControlReply,
-                                        f"{op} of adapter {run.name}")  # fmt: skip
+        start = time.monotonic()
+        while True:
+            reply = await self.svc._request(self.bus.subjects.adapters_control, req, AdapterControlReply,
+                                            f"{op} of adapter {run.name}")  # fmt: skip
+            if not reply.retry:
+                break
+            if time.monotonic() - start > self.config.buffer_timeout_s:
+                raise TrainerError(f"the registry could not store {op} of adapter {run.name!r} for "
+                                   f"{self.config.buffer_timeout_s:.0f}s: {reply.error}")  # fmt: skip
+            log.warning("the registry could not store %s of adapter %s (%s); asking again", op, run.name, reply.error)
+            await asyncio.sleep(CONTROL_RETRY_S)
         if not reply.ok or reply.run is None:
             raise MultiLoraError(f"the registry refused {op} of adapter {run.name!r}: {reply.error}")
         return reply.run
@@ -351,6 +366,7 @@ class MultiLoraTrainer:
                 log.error("adapter %s: its final save to %s failed (%s); its newest version stays in %s", run.name,
                           out, e, newest)  # fmt: skip
                 out = f"nothing (the save failed; its newest version is {newest})"
+        crash.point("trainer", "adapter_saved_before_complete")
         if run.state is AdapterState.RETIRING:
             run = await self._control("cleanup", run)
         self.lora.clear_slot(run.slot)
@@ -409,6 +425,7 @@ class MultiLoraTrainer:
             (batches,) = build_step_batches(groups, std, c.reward_key, self.svc.pad_id, max_tokens_of(c), 1)
             stats = await asyncio.to_thread(train_adapter_step, self.model, self.lora, self.optimizer, t.run.slot,
                                             batches, self.svc.loss_cfg, c.clip_grad)  # fmt: skip
+        crash.point("trainer", "adapter_stepped_before_records")
         step = t.step
         t.step += 1
         # records first (a restart drops those after its committed step), then the registry (the
@@ -417,7 +434,9 @@ class MultiLoraTrainer:
         record = self._record(t, step, groups, stats, reply, time.perf_counter() - t0, batch)
         await self._emit(t, record)
         t.run = await self._control("stepped", t.run, step=t.step)
+        crash.point("trainer", "adapter_reported_before_publish")
         await self._publish(t)
+        crash.point("trainer", "adapter_published_before_commit")
         await self._commit(t, step)
         await self._retain(t)
         if t.step >= t.total:
@@ -463,17 +482,12 @@ class MultiLoraTrainer:
         self.svc._append_trained(step, groups, path)
 
     def _truncate(self, t: Track) -> None:
-        """The steps after the committed one are trained again: drop their records."""
-        path = self._trained_path(t)
-        if path.exists():
-            keep = []
-            for x in path.read_text().splitlines():
-                with contextlib.suppress(ValueError, KeyError, TypeError):  # a torn last line of a killed trainer
-                    if json.loads(x)["step"] < t.step:
-                        keep.append(x)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(x + "\n" for x in keep))
-            tmp.replace(path)  # a kill meanwhile leaves the old records, never none
+        """The steps after the committed one are trained again: drop their records, in its
+        trained.jsonl and in the run's metrics.jsonl (this registration's lines only)."""
+        _keep_lines(self._trained_path(t), lambda rec: rec["step"] < t.step)
+        name = t.run.name
+        _keep_lines(self.svc.metrics_path,
+                    lambda rec: rec.get("registration") != t.rid or rec[f"{name}/step"] < t.step)  # fmt: skip
 
     def _record(self, t: Track, step: int, groups, stats: dict, reply: BufferGetReply, step_s: float,
                 batch: dict[str, float]) -> dict:
@@ -481,7 +495,7 @@ class MultiLoraTrainer:
         samples = [s for g in groups for s in flatten_group(g)]
         rollout = rollout_metrics(samples, self.config.reward_key, groups)  # the single-model step's, per adapter
         record = {
-            "step": self.steps_total, f"{n}/step": step, "adapter": n,
+            "step": self.steps_total, f"{n}/step": step, "adapter": n, "registration": t.rid,
             **{f"{n}/raw_reward_{k}": rollout[f"rollout/reward/{k}"] for k in ("mean", "std", "min", "max")},
             **{f"{n}/response_len_{k.rsplit('/', 1)[1]}": v for k, v in rollout.items()
                if k.startswith("rollout/response_len/")},
@@ -525,6 +539,32 @@ def _batch_info(batch: list[tuple[Track, BufferGetReply]]) -> dict[str, float]:
     return {"perf/fully_async/batch_n_adapters": len(batch), "perf/fully_async/batch_n_adapters_to_step": len(batch),
             "perf/fully_async/batch_n_groups": sum(len(r.refs) for _, r in batch),
             "perf/fully_async/batch_n_samples": _batch_samples(batch)}  # fmt: skip
+
+
+def _keep_lines(path: Path, keep) -> None:
+    """Rewrite a JSON-lines file with the records `keep` accepts (a torn last line of a killed
+    trainer is dropped); a kill meanwhile leaves the old file, never none."""
+    if not path.exists():
+        return
+    kept = []
+    for x in path.read_text().splitlines():
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            if keep(json.loads(x)):
+                kept.append(x)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(x + "\n" for x in kept))
+    tmp.replace(path)
+
+
+def _next_record_step(path: Path) -> int:
+    """The `step` the next record takes: one past the newest in metrics.jsonl (a restarted
+    trainer continues the records' axis; the steps it drops leave gaps, never repeats)."""
+    last = -1
+    if path.exists():
+        for x in path.read_text().splitlines():
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                last = max(last, int(json.loads(x)["step"]))
+    return last + 1
 
 
 def _complete(path: Path) -> bool:

@@ -36,6 +36,7 @@ from pathlib import Path
 from asyncrl_proto import AdapterLive, AdapterPublished, AdapterRegistryState, MalformedMessage, decode, encode
 from asyncrl_proto.messages import AdapterState, adapter_engine_name
 from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX, ADAPTERS_KV_KEY
+from services.common import crash
 from services.common.config import adapter_name_problem
 from services.common.sglang_client import EngineError, SGLangClient
 from services.common.snapshot import is_complete, resolved
@@ -162,6 +163,7 @@ class AdapterSync:
         await self._unloads_done(pub.name, new_registration=old is None or old.registration_id != pub.registration_id)
         for url in self.client.urls:
             await self._load(url, engine_name, pub.uri)
+        crash.point("weight-sync", "adapter_loaded_before_live")
         new = AdapterLive(name=pub.name, registration_id=pub.registration_id, version=pub.version,
                           engine_name=engine_name, uri=pub.uri, engines=list(self.client.urls),
                           created_at=pub.created_at, updated_at=time.time())  # fmt: skip

@@ -5,6 +5,9 @@ launcher restarts it, and the run must finish with the ledger balanced (0 lost, 
 never go back, no engine left paused, and the final evaluation done. A point declared later is
 covered here without a change.
 
+The points only a multi-LoRA run passes (MULTI_LORA_POINTS) crash a two-adapter job instead,
+which must end with every adapter completed and its partition balanced.
+
 Marked `crash` (make test-crash; .ci/run runs it). All points share one prepared model.
 """
 
@@ -17,7 +20,7 @@ import sys
 
 import pytest
 
-from services.common.crash import ENV, POINTS
+from services.common.crash import ENV, MULTI_LORA_POINTS, POINTS
 
 pytestmark = pytest.mark.crash
 
@@ -73,3 +76,49 @@ def test_a_crash_at_every_point_loses_nothing(tmp_path, model_dir, service, poin
     result = json.loads((run_dir / "result.json").read_text())
     assert result["heldout_reward_final"] is not None  # the final evaluation ran
     assert result["engines_paused_at_end"] == []
+
+
+ML_NTH = {"adapter_saved_before_complete": 1}
+"""Which pass of a multi-LoRA point crashes (default 3: mid-run; the final save happens once per adapter)."""
+ML_CASES = [(service, point) for service, points in MULTI_LORA_POINTS.items() for point in points]
+ML_STEPS = 4
+
+
+@pytest.mark.parametrize(("service", "point"), ML_CASES, ids=[f"{s}:{p}" for s, p in ML_CASES])
+def test_a_crash_at_every_multi_lora_point_loses_nothing(tmp_path, model_dir, service, point):
+    """Two adapters (different tasks) trained at once, a service SIGKILLed at the point: the
+    launcher restarts it, and each adapter still completes its budget, every step trained and
+    recorded once on its own axis, its final save written, its partition's ledger balanced."""
+    from services.tasks import copy_digits, reverse_digits
+    from tests.e2e.test_multi_lora_run import SMALL, adapter_yaml
+
+    nth = ML_NTH.get(point, 3)
+    run_dir = tmp_path / "run"
+    names = {"rev": reverse_digits, "copy": copy_digits}
+    adapters = [x for name, task in names.items()
+                for x in ("--multi-lora-adapter", name, str(adapter_yaml(tmp_path, name, task, ML_STEPS)))]  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "services.cli", "train-async", *SMALL, "--multi-lora-n-adapters", "2", *adapters,
+         "--prompt-ack-wait-s", "3", "--hf-checkpoint", str(model_dir), "--run-dir", str(run_dir)],
+        cwd=tmp_path, env={**os.environ, ENV: f"{service}:{point}:{nth}"}, capture_output=True, text=True,
+        timeout=400,
+    )  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    logs = "\n".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log"))
+    assert f"crash point {service}:{point}:{nth} reached" in logs, "the point was never reached"
+    assert "restarting" in out
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    audit = json.loads((run_dir / "audit.json").read_text())
+    assert audit["balanced"], audit["problems"]
+    assert sorted(k.split("@")[0] for k in audit["adapters"]) == sorted(names)
+    for part in audit["adapters"].values():
+        assert part["balanced"] and part["state"] == "completed", part
+        assert part["lost"] == 0 and part["trained_twice"] == 0 and part["failed"] == 0
+        assert part["trained"] == ML_STEPS * 4  # its steps x --rollout-batch-size groups, each once
+    axis = [x["step"] for x in records]
+    assert axis == sorted(set(axis)), axis  # the records' own axis never repeats a step, across the restart
+    for name in names:
+        steps = [x[f"{name}/step"] for x in records if x.get("adapter") == name]
+        assert steps == list(range(ML_STEPS)), (name, steps)  # every step recorded once, in order
+        assert (tmp_path / f"save_{name}" / f"step_{ML_STEPS}" / "adapter_config.json").exists()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.crash import POINTS
+from services.common.crash import MULTI_LORA_POINTS, POINTS
 
 
 def test_every_declared_point_is_in_the_code_and_every_point_in_the_code_is_declared():
@@ -17,7 +17,8 @@ def test_every_declared_point_is_in_the_code_and_every_point_in_the_code_is_decl
     used = set()
     for path in root.rglob("*.py"):
         used |= set(re.findall(r'crash\.point\("([\w-]+)", "(\w+)"\)', path.read_text()))
-    assert used == {(s, p) for s, ps in POINTS.items() for p in ps}
+    declared = [(s, p) for points in (POINTS, MULTI_LORA_POINTS) for s, ps in points.items() for p in ps]
+    assert used == set(declared) and len(declared) == len(set(declared))
 
 
 def test_an_unknown_point_is_refused(monkeypatch):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import msgspec
@@ -33,6 +34,7 @@ class Service:
 
     def __init__(self, config, committed_step: int, run: AdapterRun):
         self.config, self.committed_step, self.run = config, committed_step, run
+        self.metrics_path = Path(config.run_dir) / "metrics.jsonl"
         self.model = CausalLM(ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16))  # fmt: skip
         self.published: list = []
@@ -169,3 +171,36 @@ def test_buffer_trouble_restarts_the_trainer_and_never_retires_an_adapter(tmp_pa
     with pytest.raises(TrainerError):
         asyncio.run(MultiLoraTrainer(svc)._follow(svc.run))
     assert svc.controls == []
+
+
+def test_a_request_the_registry_could_not_store_is_asked_again_never_retiring_the_adapter(tmp_path, monkeypatch):
+    """The registry answers `retry` (its KV write failed: the broker away). The trainer asks
+    again; past --buffer-timeout-s it fails (and is restarted), the adapter never retired."""
+    from services.trainer import multi_lora
+    from services.trainer.setup import TrainerError
+
+    monkeypatch.setattr(multi_lora, "CONTROL_RETRY_S", 0.0)
+    svc, _ = setup_run(tmp_path, [0, 1], {0, 1}, trained_steps=1, reported=1)
+    svc.run = msgspec.structs.replace(svc.run, state=AdapterState.ACTIVE)
+    answers = [AdapterControlReply(ok=False, error="the registry could not store its state", retry=True)] * 2
+
+    async def request(subject, req, reply_type, what):
+        svc.controls.append(req.op)
+        return answers.pop(0) if answers else AdapterControlReply(ok=True, run=svc.run)
+
+    svc._request = request
+    trainer = MultiLoraTrainer(svc)
+    assert asyncio.run(trainer._control("stepped", svc.run, step=2)) == svc.run  # the third answer
+    assert svc.controls == ["stepped"] * 3
+
+    svc.config = svc.config.model_copy(update={"buffer_timeout_s": 0.0})
+    trainer = MultiLoraTrainer(svc)
+    answers[:] = [AdapterControlReply(ok=False, error="the registry could not store its state", retry=True)] * 100
+    with pytest.raises(TrainerError, match="could not store stepped of adapter 'rev'"):
+        asyncio.run(trainer._control("stepped", svc.run, step=2))
+    # a refusal is not asked again: the adapter's own trouble
+    answers[:] = [AdapterControlReply(ok=False, error="only an active adapter takes steps")]
+    svc.controls.clear()
+    with pytest.raises(multi_lora.MultiLoraError, match="refused stepped"):
+        asyncio.run(trainer._control("stepped", svc.run, step=2))
+    assert svc.controls == ["stepped"]
