@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -37,6 +38,19 @@ broadcast points: distributed weights)."""
 CASES = [(service, point) for service, points in POINTS.items() for point in points]
 
 
+def crashed_run(tmp_path, at: str, args: list[str]) -> None:
+    """`asyncrl train-async ARGS` with the crash point `at` (service:point:nth) armed: it must
+    reach the point, have the service restarted, and finish with exit code 0."""
+    r = subprocess.run([sys.executable, "-m", "services.cli", "train-async", *args], cwd=tmp_path,
+                       env={**os.environ, ENV: at}, capture_output=True, text=True, timeout=400)  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    run_dir = Path(args[args.index("--run-dir") + 1])
+    logs = "\n".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log"))
+    assert f"crash point {at} reached" in logs, "the point was never reached"
+    assert "restarting" in out
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from services.tasks import reverse_digits
@@ -50,19 +64,11 @@ def model_dir(tmp_path_factory):
 def test_a_crash_at_every_point_loses_nothing(tmp_path, model_dir, service, point):
     steps, nth = STEPS.get(point, 10), NTH.get(point, 3)
     run_dir = tmp_path / "run"
-    env = {**os.environ, ENV: f"{service}:{point}:{nth}"}
-    r = subprocess.run(
-        [sys.executable, "-m", "services.cli", "train-async", "--fully-async", "--rollout-batch-size", "4",
-         "--n-samples-per-prompt", "4", "--async-data-buffer-capacity-factor", "1", "--num-rollout", str(steps),
-         "--eval-interval", "5", "--prompt-ack-wait-s", "3", "--hf-checkpoint", str(model_dir),
-         "--run-dir", str(run_dir), *EXTRA.get(point, [])],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-4000:]
-    logs = "\n".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log"))
-    assert f"crash point {service}:{point}:{nth} reached" in logs, "the point was never reached"
-    assert "restarting" in out
+    crashed_run(tmp_path, f"{service}:{point}:{nth}",
+                ["--fully-async", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+                 "--async-data-buffer-capacity-factor", "1", "--num-rollout", str(steps), "--eval-interval", "5",
+                 "--prompt-ack-wait-s", "3", "--hf-checkpoint", str(model_dir), "--run-dir", str(run_dir),
+                 *EXTRA.get(point, [])])  # fmt: skip
     audit = json.loads((run_dir / "audit.json").read_text())
     assert audit["balanced"], audit["problems"]
     assert audit["lost"] == 0 and audit["trained_twice"] == 0 and audit["failed"] == 0
@@ -97,17 +103,9 @@ def test_a_crash_at_every_multi_lora_point_loses_nothing(tmp_path, model_dir, se
     names = {"rev": reverse_digits, "copy": copy_digits}
     adapters = [x for name, task in names.items()
                 for x in ("--multi-lora-adapter", name, str(adapter_yaml(tmp_path, name, task, ML_STEPS)))]  # fmt: skip
-    r = subprocess.run(
-        [sys.executable, "-m", "services.cli", "train-async", *SMALL, "--multi-lora-n-adapters", "2", *adapters,
-         "--prompt-ack-wait-s", "3", "--hf-checkpoint", str(model_dir), "--run-dir", str(run_dir)],
-        cwd=tmp_path, env={**os.environ, ENV: f"{service}:{point}:{nth}"}, capture_output=True, text=True,
-        timeout=400,
-    )  # fmt: skip
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-4000:]
-    logs = "\n".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log"))
-    assert f"crash point {service}:{point}:{nth} reached" in logs, "the point was never reached"
-    assert "restarting" in out
+    crashed_run(tmp_path, f"{service}:{point}:{nth}",
+                [*SMALL, "--multi-lora-n-adapters", "2", *adapters, "--prompt-ack-wait-s", "3",
+                 "--hf-checkpoint", str(model_dir), "--run-dir", str(run_dir)])  # fmt: skip
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     audit = json.loads((run_dir / "audit.json").read_text())
     assert audit["balanced"], audit["problems"]
