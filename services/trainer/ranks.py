@@ -47,6 +47,7 @@ class DataParallel:
         self.world = config.trainer_num_ranks
         self.procs = []
         self.actors = []
+        self.runs = []  # Ray: each actor's run
         from services.common import procs
 
         self.master_addr = connect_ray(config) if config.use_ray else "127.0.0.1"
@@ -56,8 +57,9 @@ class DataParallel:
                 "--backend", self.backend]  # fmt: skip
         rank_nodes = []
         if config.use_ray:
-            self.actors, rank_nodes = start_ray_workers(self.world, [*args, "--config-json", config_file.read_text()],
-                                                        checkpoint_files(config.hf_checkpoint))  # fmt: skip
+            self.actors, rank_nodes, self.runs = start_ray_workers(
+                self.world, [*args, "--config-json", config_file.read_text()], checkpoint_files(config.hf_checkpoint)
+            )
         else:
             for rank in range(1, self.world):
                 cmd = [sys.executable, "-m", "services.trainer.worker", "--rank", str(rank), *args,
@@ -70,16 +72,14 @@ class DataParallel:
         try:
             self.commands = self._join(log_dir)
         except BaseException:
-            for p in self.procs:
-                procs.stop(p)
+            self._stop_ranks()
             raise
         broadcast_state(model, optimizer)
 
     def _join(self, log_dir: Path):
         """Rank 0 joins the group (init_group) while watching the ranks it started: one that
-        exits before the group forms is an error at once, naming its log, rather than the whole
-        rendezvous timeout later. (Ray actors are not watched here: their errors surface at the
-        timeout.)"""
+        exits before the group forms (a process, or a Ray actor's run) is an error at once, naming
+        its log or its error, rather than the whole rendezvous timeout later."""
         box: dict = {}
 
         def join() -> None:
@@ -96,6 +96,19 @@ class DataParallel:
                 if p.poll() is not None and t.is_alive():
                     raise RuntimeError(f"trainer rank {rank} exited (code {p.returncode}) before the data-parallel "
                                        f"group formed: see {log_dir / f'trainer-rank{rank}.log'}")  # fmt: skip
+            if self.runs and t.is_alive():
+                import ray
+
+                ended, _ = ray.wait(self.runs, num_returns=1, timeout=0)
+                if ended and t.is_alive():
+                    rank = self.runs.index(ended[0]) + 1
+                    try:
+                        ray.get(ended[0])
+                        why = "returned"
+                    except Exception as e:  # the actor's error, or its death
+                        why = f"failed: {str(e)[-1500:]}"
+                    raise RuntimeError(f"trainer rank {rank} (a Ray actor) ended before the data-parallel group "
+                                       f"formed: it {why}")  # fmt: skip
         if "error" in box:
             raise box["error"]
         return box["group"]
@@ -116,13 +129,16 @@ class DataParallel:
                                max_tokens=max_tokens_of(self.config))  # fmt: skip
 
     def stop(self) -> None:
-        from services.common import procs
-
         try:
             send_command(self.commands, ("stop", None))
             dist.destroy_process_group()
         except Exception as e:  # the workers may already be gone; they die with us anyway
             log.warning("stopping the data-parallel group: %s", e)
+        self._stop_ranks()
+
+    def _stop_ranks(self) -> None:
+        from services.common import procs
+
         for p in self.procs:
             procs.stop(p)
         if self.actors:
@@ -164,7 +180,8 @@ def checkpoint_files(path: str | None) -> dict[str, bytes] | None:
 
 def start_ray_workers(world: int, args: list[str], files: dict[str, bytes] | None):
     """Ranks 1..K-1 as Ray actors: in the bundle the launcher placed this trainer in, or in a
-    placement group of their own (one bundle per rank). The actors and their nodes' IPs."""
+    placement group of their own (one bundle per rank). The actors, their nodes' IPs, and the
+    references of their runs (one ready early means that rank ended)."""
     import ray
     from ray.util.placement_group import get_placement_group, placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -201,6 +218,5 @@ def start_ray_workers(world: int, args: list[str], files: dict[str, bytes] | Non
         actor = Rank.options(scheduling_strategy=strategy, num_cpus=1, num_gpus=gpus).remote()
         actors.append(actor)
     nodes = ray.get([a.node_ip.remote() for a in actors], timeout=RAY_READY_TIMEOUT_S)
-    for rank, actor in enumerate(actors, start=1):
-        actor.run.remote(["--rank", str(rank), *args], files_ref)
-    return actors, nodes
+    runs = [actor.run.remote(["--rank", str(rank), *args], files_ref) for rank, actor in enumerate(actors, start=1)]
+    return actors, nodes, runs

@@ -149,3 +149,35 @@ def test_a_run_placed_over_two_ray_nodes(tmp_path, mode):
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(STEPS)) and all(r["train/dp_world_size"] == 2 for r in records)
     audited(run_dir, STEPS * B)
+
+
+@pytest.mark.ray
+def test_a_ray_rank_that_fails_before_the_group_forms_fails_rank_0_at_once(tmp_path):
+    """A data-parallel rank as a Ray actor (a local Ray) fails at start (its config does not
+    parse): rank 0 says so with the actor's error within seconds, not after the 300 s
+    rendezvous timeout. In a child process, whose rendezvous thread may stay blocked."""
+    script = f"""
+import torch
+from pathlib import Path
+from services.common.config import RunConfig
+from services.trainer.ranks import DataParallel
+from tests.unit.test_trainer_core import tiny_model
+model = tiny_model()
+bad = Path({str(tmp_path)!r}) / "trainer-config.json"
+bad.write_text("not json")
+(Path({str(tmp_path)!r}) / "logs").mkdir()
+try:
+    DataParallel(RunConfig(trainer_num_ranks=2, use_ray=True), model, torch.optim.AdamW(model.parameters()), None,
+                 0, bad, Path({str(tmp_path)!r}) / "logs")
+except RuntimeError as e:
+    print("ERROR:", e)
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, env=env,
+                         cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    assert "ERROR: trainer rank 1 (a Ray actor) ended before the data-parallel group formed: it failed" in out.stdout, (
+        out.stdout[-2000:] + out.stderr[-3000:]
+    )
+    assert "JSONDecodeError" in out.stdout or "Expecting value" in out.stdout  # the actor's own error
+    assert time.monotonic() - t0 < 150
