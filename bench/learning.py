@@ -300,6 +300,8 @@ def main() -> None:
     p.add_argument("--eval-noise-only", action="store_true", help="measure the eval noise (if not recorded), run nothing else")
     add_common(p)
     a, extra = p.parse_known_args()
+    if a.eval_noise_repeats < 2:
+        p.error("--eval-noise-repeats must be at least 2 (a difference needs two evaluations)")
     extra = [x for x in extra if x != "--"]
     record = ROOT / a.record
     arms = a.arms.split(",")

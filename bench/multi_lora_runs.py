@@ -95,7 +95,7 @@ def run_arm(arm: str, a, model_dir: Path, rows: int) -> dict:
         recs = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
         recs = [r for r in recs if "step" in r]
         steps = {axis: sum(1 for r in recs if (r.get("adapter") or "") == axis) for axis in want}
-        if steps != want or len(recs) != sum(want.values()):
+        if steps != want or len(recs) != sum(want.values()) or [r["step"] for r in recs] != list(range(len(recs))):
             fail(f"steps recorded {steps} (of {len(recs)} records), expected {want} (a trainer restart?)")
         if len(recs) < 2:
             fail("fewer than 2 trained steps: no window to measure")

@@ -49,7 +49,7 @@ RESERVED_NAMES = frozenset({"state"})
 
 class RegistryError(ValueError):
     """A request the registry refuses. `status`: 400 the request is wrong, 404 no such adapter,
-    409 it conflicts with the registry's state."""
+    409 it conflicts with the registry's state, 503 its state could not be written (ask again)."""
 
     def __init__(self, message: str, status: int = 409):
         super().__init__(message)

@@ -176,9 +176,10 @@ class AdapterService(Service):
                 run = await self.control(req)
                 crash.point("adapters", "stored_before_reply")
                 reply = AdapterControlReply(ok=True, run=run, revision=self.adapters.revision)
-            except RegistryError as e:
+            except RegistryError as e:  # a refusal, or (503) a state it could not write: asked again
                 self.num_rejected += 1
-                reply = AdapterControlReply(ok=False, error=str(e), revision=self.adapters.revision)
+                reply = AdapterControlReply(ok=False, error=str(e), revision=self.adapters.revision,
+                                            retry=e.status == 503)  # fmt: skip
             except (BusError, TransportError, TimeoutError, OSError) as e:
                 log.warning("adapters.control %s %s: the state could not be stored: %s", req.op, req.name, e)
                 reply = AdapterControlReply(ok=False, error=f"the registry could not store its state ({e}); try again",

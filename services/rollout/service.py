@@ -60,6 +60,7 @@ def rid_of(msg) -> str:
     """The adapter registration of a multi-LoRA prompt: the last token of its subject (prompts.<registration>)."""
     return msg.subject.rsplit(".", 1)[-1]
 
+
 class PromptError(ValueError):
     """A released prompt that cannot be generated from (its group is published as FAILED)."""
 

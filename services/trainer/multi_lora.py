@@ -140,13 +140,13 @@ class MultiLoraTrainer:
         """The registry's answer to one request. One it could not store (`retry`) is asked again
         for up to --buffer-timeout-s, then fails the trainer (restarted), never the adapter."""
         req = AdapterControl(op=op, name=run.name, registration_id=run.registration_id, step=step, reason=reason)
-        start = time.monotonic()
+        deadline = time.monotonic() + self.config.buffer_timeout_s
         while True:
             reply = await self.svc._request(self.bus.subjects.adapters_control, req, AdapterControlReply,
                                             f"{op} of adapter {run.name}")  # fmt: skip
             if not reply.retry:
                 break
-            if time.monotonic() - start > self.config.buffer_timeout_s:
+            if time.monotonic() > deadline or self.svc.stopping:
                 raise TrainerError(f"the registry could not store {op} of adapter {run.name!r} for "
                                    f"{self.config.buffer_timeout_s:.0f}s: {reply.error}")  # fmt: skip
             log.warning("the registry could not store %s of adapter %s (%s); asking again", op, run.name, reply.error)
@@ -330,12 +330,10 @@ class MultiLoraTrainer:
         t = self._track(run, committed + 1, total)
         if run.step == t.step + 1 and _complete(adapter_dir(self.run_dir, run.name, t.rid, run.step)):
             t.step += 1  # that version is out: its step's records were written before it
-            self._truncate(t)
             await self._commit(t, t.step - 1)
-        else:
-            self._truncate(t)
         while t.step > 0 and not _complete(adapter_dir(self.run_dir, run.name, t.rid, t.step)):
             t.step -= 1  # never written: from the version before it (the steps after are trained again)
+        self._truncate(t)
         spec, tensors = await asyncio.to_thread(load_adapter, adapter_dir(self.run_dir, run.name, t.rid, t.step))
         self.lora.set_slot(run.slot, spec, tensors)
         self.optimizer.reset(run.slot)

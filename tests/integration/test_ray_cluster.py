@@ -170,7 +170,7 @@ try:
     DataParallel(RunConfig(trainer_num_ranks=2, use_ray=True), model, torch.optim.AdamW(model.parameters()), None,
                  0, bad, Path({str(tmp_path)!r}) / "logs")
 except RuntimeError as e:
-    print("ERROR:", e)
+    print("ERROR:", e, flush=True)
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     t0 = time.monotonic()

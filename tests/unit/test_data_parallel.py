@@ -185,7 +185,7 @@ try:
     DataParallel(RunConfig(trainer_num_ranks=2), model, torch.optim.AdamW(model.parameters()), None, 0, bad,
                  Path({str(tmp_path)!r}) / "logs")
 except RuntimeError as e:
-    print("ERROR:", e)
+    print("ERROR:", e, flush=True)
 """
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,

@@ -35,6 +35,7 @@ class Service:
     def __init__(self, config, committed_step: int, run: AdapterRun):
         self.config, self.committed_step, self.run = config, committed_step, run
         self.metrics_path = Path(config.run_dir) / "metrics.jsonl"
+        self.stopping = False
         self.model = CausalLM(ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16))  # fmt: skip
         self.published: list = []
