@@ -86,6 +86,9 @@ class Track:
     total: int
     step: int = 0
     """Its next step (= its version: version k is the adapter after k steps)."""
+    base: int = 0
+    """The steps of the save it started from (a name registered again): its saves are named
+    `step_<base + step>`, so the newest save of a name is always the one with the most steps."""
     get: asyncio.Task | None = None
     asked_at: float = 0.0
     """When the get of its next step was first sent (batch_wait_time)."""
@@ -271,6 +274,16 @@ class MultiLoraTrainer:
         if t is not None and t.run.state is AdapterState.ACTIVE and t.step >= t.total:  # its budget, reached before a restart
             t.run = await self._control("retire", t.run, reason=f"its budget of {t.total} steps is reached")
 
+    def _base_path(self, run: AdapterRun) -> Path:
+        return adapter_dir(self.run_dir, run.name, run.registration_id, 0).parent / "base_step"
+
+    def _base_step(self, run: AdapterRun) -> int:
+        """The steps of the save the registration started from (0: fresh, or none recorded)."""
+        try:
+            return int(self._base_path(run).read_text())
+        except (OSError, ValueError):
+            return 0
+
     def _lora_spec(self, run: AdapterRun) -> LoraSpec:
         return LoraSpec(rank=run.spec.rank, alpha=run.spec.alpha, target_modules=tuple(run.spec.target_modules))
 
@@ -279,7 +292,7 @@ class MultiLoraTrainer:
         if total is None:
             rows = len(load_rows(run.spec.data, self.config.input_key, self.config.label_key, self.config.metadata_key))
             total = adapter_total_steps(run, rows)
-        t = Track(run=run, spec=self._lora_spec(run), total=total, step=step)
+        t = Track(run=run, spec=self._lora_spec(run), total=total, step=step, base=self._base_step(run))
         self.tracks[run.registration_id] = t
         return t
 
@@ -298,6 +311,11 @@ class MultiLoraTrainer:
                 raise MultiLoraError(f"adapter {run.name}: its save {latest} does not fit: {e}") from e
         else:
             self.lora.init_slot(run.slot, spec, seed=self.config.seed + run.slot)
+        base = self._base_path(run)
+        base.parent.mkdir(parents=True, exist_ok=True)
+        tmp = base.with_suffix(".tmp")
+        tmp.write_text(f"{_save_step(latest) if latest is not None else 0}\n")
+        tmp.replace(base)  # before version 0 is out: a restart finds it wherever it resumes
         t = self._track(run, step=0)
         t.spec = spec
         await self._publish(t)
@@ -353,7 +371,7 @@ class MultiLoraTrainer:
         if t.get is not None:
             t.get.cancel()
             t.get = None
-        out = Path(run.spec.save) / f"step_{t.step}"
+        out = Path(run.spec.save) / f"step_{t.base + t.step}"
         if self.lora.specs[run.slot] is None:  # one retired before it was set up has nothing to save
             out = "nothing (it never trained)"
         else:
@@ -569,7 +587,12 @@ def _complete(path: Path) -> bool:
     return (path / COMPLETE_MARKER).exists()
 
 
+def _save_step(path: Path) -> int:
+    return int(path.name[5:])
+
+
 def _latest_save(save: Path) -> Path | None:
-    """The newest `step_<k>` PEFT directory of an adapter's save directory."""
-    steps = [(int(p.name[5:]), p) for p in save.glob("step_*") if p.name[5:].isdigit() and _complete(p)]
+    """The newest `step_<k>` PEFT directory of an adapter's save directory: the most steps (a
+    name registered again continues the count of the save it started from)."""
+    steps = [(_save_step(p), p) for p in save.glob("step_*") if p.name[5:].isdigit() and _complete(p)]
     return max(steps)[1] if steps else None

@@ -53,7 +53,8 @@ class Service:
             return BufferCommitReply(step=req.step)
         if isinstance(req, AdapterControl):
             self.controls.append(req.op)
-            state = {"cleanup": AdapterState.CLEANUP, "complete": AdapterState.COMPLETED}[req.op]
+            state = {"activate": AdapterState.ACTIVE, "cleanup": AdapterState.CLEANUP,
+                     "complete": AdapterState.COMPLETED}[req.op]  # fmt: skip
             self.run = msgspec.structs.replace(self.run, state=state)
             return AdapterControlReply(ok=True, run=self.run)
         return BufferGetReply(step=req.step, error=f"step {req.step} is already committed",
@@ -79,6 +80,7 @@ def setup_run(tmp_path, versions: list[int], complete: set[int], trained_steps: 
         if v not in complete:
             (out / ".complete").unlink()
     trained = adapter_dir(cfg.run_dir, "rev", RID, 0).parent / "trained.jsonl"
+    trained.parent.mkdir(parents=True, exist_ok=True)
     trained.write_text("".join(json.dumps({"step": k, "groups": [f"g{2 * k}-a0", f"g{2 * k + 1}-a0"]}) + "\n"
                                for k in range(trained_steps)))  # fmt: skip
     return svc, trained
@@ -205,3 +207,30 @@ def test_a_request_the_registry_could_not_store_is_asked_again_never_retiring_th
     with pytest.raises(multi_lora.MultiLoraError, match="refused stepped"):
         asyncio.run(trainer._control("stepped", svc.run, step=2))
     assert svc.controls == ["stepped"]
+
+
+def test_a_name_registered_again_continues_the_step_count_of_the_save_it_starts_from(tmp_path):
+    """An earlier registration of the name saved step_5. The new one starts from it, trains 2
+    steps and saves step_7: its newest save is the one with the most steps even when it trains
+    fewer steps than the earlier one did (a save named step_2 would have lost to step_5)."""
+    from services.trainer.multi_lora import _latest_save
+
+    svc, _ = setup_run(tmp_path, [], set(), trained_steps=0, reported=0)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"p{i}", "label": "x"}) + "\n" for i in range(8)))
+    spec = msgspec.structs.replace(svc.run.spec, data=str(data))
+    svc.run = msgspec.structs.replace(svc.run, state=AdapterState.PENDING, spec=spec, step=0)
+    earlier = MultiLora(svc.model, n_slots=1, max_rank=4)
+    earlier.init_slot(0, LoraSpec(rank=2, alpha=2.0, target_modules=ATTENTION), seed=0)
+    save_adapter(earlier, 0, tmp_path / "save" / "step_5")
+
+    trainer = MultiLoraTrainer(svc)
+    asyncio.run(trainer._activate(svc.run))
+    t = trainer.tracks[RID]
+    assert (t.base, t.step, svc.controls) == (5, 0, ["activate"])
+    assert MultiLoraTrainer(svc)._track(svc.run, 0).base == 5  # a restarted trainer finds it again
+    t.step = 2
+    svc.run = msgspec.structs.replace(svc.run, state=AdapterState.RETIRING)
+    asyncio.run(trainer._retire(svc.run))
+    assert _latest_save(tmp_path / "save") == tmp_path / "save" / "step_7"
+    assert svc.run.state is AdapterState.COMPLETED
