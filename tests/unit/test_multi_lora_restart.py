@@ -234,3 +234,34 @@ def test_a_name_registered_again_continues_the_step_count_of_the_save_it_starts_
     asyncio.run(trainer._retire(svc.run))
     assert _latest_save(tmp_path / "save") == tmp_path / "save" / "step_7"
     assert svc.run.state is AdapterState.COMPLETED
+
+
+@pytest.mark.parametrize("service_mode", [True, False])
+def test_every_adapter_completed_ends_the_run_unless_in_service_mode(tmp_path, service_mode):
+    """--multi-lora-service-mode: with every adapter completed the trainer keeps polling the
+    registry (--multi-lora-idle-poll-s) for the next one; without it, the run ends."""
+    from asyncrl_proto import AdapterRegistryState
+
+    svc, _ = setup_run(tmp_path, [], set(), trained_steps=0, reported=0)
+    svc.config = svc.config.model_copy(update={"multi_lora_service_mode": service_mode, "multi_lora_idle_poll_s": 7.0})
+    trainer = MultiLoraTrainer(svc)
+    done = msgspec.structs.replace(svc.run, state=AdapterState.COMPLETED)
+    reads, waits, finished = [], [], []
+
+    async def read_registry():
+        reads.append(1)
+        svc.stopping = len(reads) >= 3
+        return AdapterRegistryState(runs=[done])
+
+    async def wait_stopped(s):
+        waits.append(s)
+
+    async def finish():
+        finished.append(1)
+
+    trainer._read_registry, svc.wait_stopped, trainer._finish = read_registry, wait_stopped, finish
+    asyncio.run(trainer._loop())
+    if service_mode:
+        assert (len(reads), waits, finished) == (3, [7.0] * 3, [])
+    else:
+        assert (len(reads), waits, finished) == (1, [], [1])
