@@ -66,6 +66,15 @@ RETRY_MAX_S = 15.0
 OPEN_STATES = (AdapterState.PENDING, AdapterState.ACTIVE, AdapterState.RETIRING, AdapterState.CLEANUP)
 
 
+def cap_shares(cap: int, states: dict[str, AdapterState | None]) -> dict[str, int]:
+    """The producers' in-flight cap (groups) shared by the partitions whose adapter trains
+    (ACTIVE): `ceil(cap / active)` each. A pending one gets its share once it is active (its
+    prompts would only wait for its first version), a retiring or cleaning-up one none (its
+    adapter takes no more steps: what it generated would be dropped)."""
+    active = [rid for rid, state in states.items() if state is AdapterState.ACTIVE]
+    return {rid: math.ceil(cap / len(active)) if rid in active else 0 for rid in states}
+
+
 class Backoff:
     """Per key: after the k-th failure in a row, the next try is due `first * 2**k` seconds later
     (at most `most`); a success forgets the key."""
@@ -386,9 +395,10 @@ class BufferService(Service):
             await self.bus.dead_letter(msg.subject, msg.data, f"inflight_groups {cap!r:.40} is not a count in "
                                        f"[0, {self.config.inflight_groups}]")  # fmt: skip
             return
-        parts = list(self.parts.values())
-        for part in parts:  # the producers' cap, shared by the open partitions
-            share = min(part.config.inflight_groups, math.ceil(cap / len(parts)))
+        states = {r.registration_id: r.state for r in self.adapters.runs}
+        for rid, share in cap_shares(cap, {rid: states.get(rid) for rid in self.parts}).items():
+            part = self.parts[rid]
+            share = min(part.config.inflight_groups, share)
             await part.on_heartbeat(msg, msgspec.structs.replace(hb, info={**hb.info, "inflight_groups": share}))
 
     # ---- observability -------------------------------------------------------------------------
