@@ -156,22 +156,9 @@ def test_a_ray_rank_that_fails_before_the_group_forms_fails_rank_0_at_once(tmp_p
     """A data-parallel rank as a Ray actor (a local Ray) fails at start (its config does not
     parse): rank 0 says so with the actor's error within seconds, not after the 300 s
     rendezvous timeout. In a child process, whose rendezvous thread may stay blocked."""
-    script = f"""
-import torch
-from pathlib import Path
-from services.common.config import RunConfig
-from services.trainer.ranks import DataParallel
-from tests.unit.test_trainer_core import tiny_model
-model = tiny_model()
-bad = Path({str(tmp_path)!r}) / "trainer-config.json"
-bad.write_text("not json")
-(Path({str(tmp_path)!r}) / "logs").mkdir()
-try:
-    DataParallel(RunConfig(trainer_num_ranks=2, use_ray=True), model, torch.optim.AdamW(model.parameters()), None,
-                 0, bad, Path({str(tmp_path)!r}) / "logs")
-except RuntimeError as e:
-    print("ERROR:", e, flush=True)
-"""
+    from tests.unit.test_data_parallel import rank_dies_script
+
+    script = rank_dies_script(tmp_path, "use_ray=True")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, env=env,

@@ -171,7 +171,19 @@ def test_a_rank_that_dies_before_the_group_forms_fails_rank_0_at_once(tmp_path):
     import sys
     import time
 
-    script = f"""
+    script = rank_dies_script(tmp_path, "")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))  # fmt: skip
+    assert "ERROR: trainer rank 1 exited (code 1) before the data-parallel group formed" in out.stdout, out.stderr[-2000:]
+    assert "trainer-rank1.log" in out.stdout
+    assert time.monotonic() - t0 < 60
+
+
+def rank_dies_script(tmp_path, config_kw: str) -> str:
+    """A child process's script: rank 0 (DataParallel, RunConfig(trainer_num_ranks=2, <config_kw>))
+    whose rank 1 fails at start (its config file does not parse); it prints "ERROR: <the error>"."""
+    return f"""
 import torch
 from pathlib import Path
 from services.common.config import RunConfig
@@ -182,14 +194,8 @@ bad = Path({str(tmp_path)!r}) / "trainer-config.json"
 bad.write_text("not json")
 (Path({str(tmp_path)!r}) / "logs").mkdir()
 try:
-    DataParallel(RunConfig(trainer_num_ranks=2), model, torch.optim.AdamW(model.parameters()), None, 0, bad,
-                 Path({str(tmp_path)!r}) / "logs")
+    DataParallel(RunConfig(trainer_num_ranks=2, {config_kw}), model, torch.optim.AdamW(model.parameters()), None, 0,
+                 bad, Path({str(tmp_path)!r}) / "logs")
 except RuntimeError as e:
     print("ERROR:", e, flush=True)
 """
-    t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))  # fmt: skip
-    assert "ERROR: trainer rank 1 exited (code 1) before the data-parallel group formed" in out.stdout, out.stderr[-2000:]
-    assert "trainer-rank1.log" in out.stdout
-    assert time.monotonic() - t0 < 60
