@@ -201,11 +201,14 @@ def main(argv: list[str] | None = None) -> int:
         from services.common.entry import SERVICES, service_main
 
         if not rest or rest[0] not in SERVICES:
+            asked = bool(rest) and rest[0] in ("-h", "--help")
             print(
-                f"usage: asyncrl service {{{','.join(SERVICES)}}} --nats-url URL --run-id ID",
-                file=sys.stderr,
+                f"usage: asyncrl service {{{','.join(SERVICES)}}} --nats-url URL --run-id ID\n\n"
+                "Runs one service alone against a NATS server (docker compose, Kubernetes). "
+                "`asyncrl service NAME --help` lists its flags.",
+                file=sys.stdout if asked else sys.stderr,
             )
-            return 2
+            return 0 if asked else 2
         service_main(rest[0], rest[1:])
         return 0
     if cmd == "engine":

@@ -1158,23 +1158,41 @@ def split_passthrough(argv: list[str]) -> tuple[list[str], dict[str, list[str]]]
     return rest, found
 
 
+SECTIONS: tuple[type[Section], ...] = (
+    InfraSection, DataSection, RolloutSection, AsyncSection, TrainerSection, EvalSection, MultiLoraSection
+)  # fmt: skip
+"""The configuration's sections, in the order --help shows them."""
+
+
+def section_of(field: str) -> type[Section]:
+    """The section that declares a RunConfig field."""
+    return next(s for s in SECTIONS if field in s.model_fields)
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One argument per RunConfig field, in Miles's kebab-case names. Defaults are suppressed so
-    that only flags the user gave override the file and the environment."""
+    """One argument per RunConfig field, in Miles's kebab-case names, under one help heading per
+    configuration section. Defaults are suppressed so that only flags the user gave override the
+    file and the environment. Descriptions are shown as written (argparse would read a `%` in
+    them as a format directive)."""
+    groups = {}
+    for section in SECTIONS:
+        title = section.__name__.removesuffix("Section").lower().replace("multilora", "multi-LoRA")
+        groups[section] = parser.add_argument_group(f"{title} flags", (section.__doc__ or "").strip())
     for name, info in RunConfig.model_fields.items():
         if name in skip:
             continue
+        group = groups[section_of(name)]
         kind, choices = _field_kind(info.annotation)
-        kw: dict = {"dest": name, "default": argparse.SUPPRESS, "help": info.description}
+        kw: dict = {"dest": name, "default": argparse.SUPPRESS, "help": (info.description or "").replace("%", "%%")}
         if kind == "bool":
-            parser.add_argument(flag_name(name), action=argparse.BooleanOptionalAction, **kw)
+            group.add_argument(flag_name(name), action=argparse.BooleanOptionalAction, **kw)
         elif kind.startswith("list"):
             elem = int if kind == "list_int" else str
             extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
             action = "extend" if extra.get("repeatable") else "store"  # repeatable: every use adds its values
-            parser.add_argument(flag_name(name), nargs="*", type=elem, metavar="X", action=action, **kw)
+            group.add_argument(flag_name(name), nargs="*", type=elem, metavar="X", action=action, **kw)
         else:
-            parser.add_argument(
+            group.add_argument(
                 flag_name(name),
                 type=lambda t, k=kind: _parse_scalar(k, t),
                 choices=choices,
