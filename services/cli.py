@@ -97,7 +97,11 @@ def _cmd_train(argv: list[str], sync: bool) -> int:
               f"{r1:.3f} ({r1 - r0:+.3f})")  # fmt: skip
     elif r1 is None:
         print("no held-out evaluation (set --eval-interval N to evaluate every N steps and at the end)")
-    print(json.dumps({k: v for k, v in result.items() if k != "evals"}))
+    # the last line is the run's result.json (written after the audit), so the two never differ
+    from pathlib import Path
+
+    saved = json.loads((Path(result["run_dir"]) / "result.json").read_text())
+    print(json.dumps({k: v for k, v in saved.items() if k != "evals"}))
     return 0
 
 

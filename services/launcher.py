@@ -407,6 +407,7 @@ class Launcher:
         r1 = last.metrics.get(key) if last and key else None
         result = {
             "run_id": self.config.run_id,
+            "run_dir": str(self.run_dir),
             "mode": self.config.mode,
             "steps": self.config.total_steps,
             "wall_s": time.time() - self.t0,
@@ -472,12 +473,27 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def ledger_counts(r: dict) -> dict:
+    """An audit report's counts, as result.json and the console show them."""
+    return {
+        "released": r["released_prompts"],
+        "trained": r["trained"],
+        "failed": r["failed"],
+        "filtered": sum(r["filtered"].values()),
+        "dropped": r["aborted_dropped"] + r["stale_dropped"] + r.get("foreign_dropped", 0) + r.get("retired_dropped", 0),
+        "rejected": r["rejected"],
+        "in_flight_at_end": sum(r["in_flight_at_end"].values()),
+        "lost": r["lost"],
+        "trained_twice": r["trained_twice"],
+    }
+
+
 def ledger_line(r: dict) -> str:
+    c = ledger_counts(r)
     return (
-        f"{r['released_prompts']} prompts released, {r['trained']} trained once, {r['failed']} failed, "
-        f"{sum(r['filtered'].values())} filtered, {r['aborted_dropped'] + r['stale_dropped'] + r.get('foreign_dropped', 0) + r.get('retired_dropped', 0)} dropped, "
-        f"{r['rejected']} rejected, {sum(r['in_flight_at_end'].values())} in flight at the end, "
-        f"{r['lost']} lost, {r['trained_twice']} trained twice"
+        f"{c['released']} prompts released, {c['trained']} trained once, {c['failed']} failed, "
+        f"{c['filtered']} filtered, {c['dropped']} dropped, {c['rejected']} rejected, "
+        f"{c['in_flight_at_end']} in flight at the end, {c['lost']} lost, {c['trained_twice']} trained twice"
     )
 
 
@@ -500,7 +516,14 @@ def launch(config: RunConfig, out=print) -> dict:
             collect(launcher.nats_url, launcher.config.run_id, launcher.run_dir, launcher.creds["admin"])
         )
         (launcher.run_dir / "audit.json").write_text(json.dumps(report, indent=2))
+        # result.json again, now with the audit's answer: scripts read the same verdict the console shows
         result["ledger_balanced"] = report["balanced"]
+        if "adapters" in report:
+            result["ledger"] = {name: ledger_counts(part) | {"balanced": part["balanced"]}
+                                for name, part in report["adapters"].items()}  # fmt: skip
+        else:
+            result["ledger"] = ledger_counts(report)
+        (launcher.run_dir / "result.json").write_text(json.dumps(result, indent=2))
         if "adapters" in report:  # multi-LoRA: the ledger of every adapter registration
             for name, part in report["adapters"].items():
                 out(f"ledger of adapter {name}: {ledger_line(part)} ({'balanced' if part['balanced'] else 'NOT balanced'})")

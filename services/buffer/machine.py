@@ -216,7 +216,13 @@ class BufferMachine:
                 need += self.config.rollout_batch_size - (len(lease.refs) if lease else 0)
         accounted = (s.counters.get("trained", 0) + s.counters.get("failed", 0) + len(s.stored) + len(s.outstanding)
                      + len(self.releasing) + sum(len(lease.refs) for lease in s.leases.values()))  # fmt: skip
+        budget = self.config.max_weight_staleness
+        head_room = None
+        if (self.config.mode == "fully_async" and budget is not None and self.live_version is not None
+                and not self.config.multi_lora_n_adapters):  # an adapter's versions are its own clock
+            head_room = (self.live_version + budget + 2) * self.config.rollout_batch_size - accounted
         return ReleaseState(
+            head_room=head_room,
             groups_left=self.config.total_steps * self.config.rollout_batch_size - accounted,
             mode=self.config.mode, batch_size=self.config.rollout_batch_size, capacity=self.config.buffer_capacity,
             inflight_cap=sum(caps) if caps else self.config.inflight_groups, want_step=self.want_step,

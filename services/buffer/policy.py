@@ -6,7 +6,13 @@ policies"). Pure functions of counters, unit-tested without I/O.
 - one_step: the same, one step ahead (`lookahead` 1): step r+1's batch is generated while step
   r trains.
 - fully_async: keep `capacity` stored groups plus every producer's in-flight cap released; a
-  full buffer leaves nothing to release, which holds the producers back.
+  full buffer leaves nothing to release, which holds the producers back. With
+  --max-weight-staleness S, admission also keeps generation within that budget (AReaL's max
+  head off-policyness): a prompt is released only while the groups released so far stay below
+  (live version + S + 2) x B, so that a group generated on the engines' live version v is
+  leased for a step whose gets carry a version at most v + S. Generation waits only when it
+  runs ahead of the trainer by more than the budget, and the staleness filter then has almost
+  nothing to drop.
 Nothing is released before the trainer's first get (the producer starts with the first step),
 and nothing beyond what the run's --num-rollout steps can train.
 """
@@ -36,6 +42,9 @@ class ReleaseState:
     groups_left: int | None = None
     """Groups the run still needs: --num-rollout x B less those trained, leased, stored or in
     flight (None: no limit). Nothing is released beyond it, in any mode."""
+    head_room: int | None = None
+    """fully_async with --max-weight-staleness: groups that may still be released before
+    generation runs ahead of the staleness budget (None: no budget)."""
     over_sampling: int | None = None
     """--over-sampling-batch-size (sync modes): prompts are released in multiples of it, as
     Miles's rollout fetches them whenever fewer than B groups are done or in flight."""
@@ -46,6 +55,8 @@ def release_allowance(s: ReleaseState) -> int:
         return 0
     if s.mode == "fully_async":
         k = s.capacity + s.inflight_cap - s.stored - s.outstanding
+        if s.head_room is not None:
+            k = min(k, s.head_room)
     elif s.min_version is not None and (s.live_version is None or s.live_version < s.min_version):
         return 0
     else:

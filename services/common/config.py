@@ -392,6 +392,13 @@ class AsyncSection(Section):
     pause_generation_mode: Literal["retract", "in_place", "abort"] = Field(
         "retract", description="How engines pause for a weight update."
     )
+    flush_cache_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="A paused engine that refuses /flush_cache is asked again every second for this long (Miles: "
+        "60 s); then its weight update is abandoned and it resumes on its old weights (never new weights over an "
+        "old cache).",
+    )
     update_weight_transfer_mode: Literal["disk", "object-store", "distributed"] = Field(
         "disk",
         description="How weights reach the engines. disk: snapshots under <run_dir>/weights (a shared filesystem); "

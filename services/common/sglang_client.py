@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -27,6 +28,11 @@ class EngineError(RuntimeError):
     def __init__(self, message: str, client_error: bool = False):
         super().__init__(message)
         self.client_error = client_error
+
+
+class FlushRefused(EngineError):
+    """An engine kept refusing /flush_cache while paused: its weight update is abandoned (it
+    resumes on its old weights, whose cache matches them), never loaded over a stale cache."""
 
 
 class _EngineDown(Exception):
@@ -295,6 +301,23 @@ class SGLangClient:
         except EngineError:
             return False
         return True
+
+    async def flush_cache_within(self, url: str, timeout_s: float, every_s: float = 1.0) -> None:
+        """Flush a paused engine's prefix cache, asking again every `every_s` (an SGLang server
+        refuses while requests are still resident) for up to `timeout_s`, as Miles does; then
+        FlushRefused. Weights must never load over KV computed with the old ones."""
+        deadline = time.monotonic() + timeout_s
+        attempts = 0
+        while True:
+            attempts += 1
+            if await self.flush_cache(url):
+                if attempts > 1:
+                    log.info("%s flushed its cache at attempt %d", url, attempts)
+                return
+            if time.monotonic() + every_s > deadline:
+                raise FlushRefused(f"engine {url} refused /flush_cache {attempts} times in {timeout_s:.0f}s "
+                                   "(--flush-cache-timeout-s) while paused")  # fmt: skip
+            await asyncio.sleep(every_s)
 
     async def load_lora_adapter(self, url: str, name: str, path: str) -> dict:
         """SGLang's /load_lora_adapter: {success, error_message, loaded_adapters}; EngineError on a 400."""

@@ -55,9 +55,10 @@ class Generation:
             for seq in seqs:
                 self.loras.resolve(seq.lora)
 
-    def submit(self, seqs: list[Sequence], queue: asyncio.Queue) -> list[Tracked]:
+    def submit(self, seqs: list[Sequence], queue: asyncio.Queue, tokens: bool = True) -> list[Tracked]:
         """Queue every sequence; progress arrives on `queue` as (index, tokens so far) and
-        (index, None) when the request is finished."""
+        (index, None) when the request is finished. tokens False: only the ends arrive (a caller
+        that waits for the whole answer wakes once per request, not once per token)."""
         loop = asyncio.get_running_loop()
         tracked = []
         for i, seq in enumerate(seqs):
@@ -71,7 +72,7 @@ class Generation:
                     loop.call_soon_threadsafe(queue.put_nowait, (i, n))
 
             req = EngineRequest(rid=seq.rid or self.scheduler.new_rid(), input_ids=seq.input_ids, params=seq.params,
-                                on_done=post, on_token=post, logprob_start=seq.logprob_start,
+                                on_done=post, on_token=post if tokens else None, logprob_start=seq.logprob_start,
                                 top_logprobs_num=seq.top_logprobs_num,
                                 stop_check=view.stop_check if view.checks_text else None)  # fmt: skip
             tracked.append(Tracked(i, seq, req, view))
@@ -114,7 +115,7 @@ class Generation:
     async def run(self, seqs: list[Sequence]) -> list[Tracked]:
         """Submit and wait until every sequence is finished."""
         queue: asyncio.Queue = asyncio.Queue()
-        tracked = self.submit(seqs, queue)
+        tracked = self.submit(seqs, queue, tokens=False)
         async for _ in self.progress(tracked, queue):
             pass
         return tracked

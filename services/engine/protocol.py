@@ -162,8 +162,8 @@ def _boolean(raw: dict, key: str, default: bool, where: str) -> bool:
 
 
 def _unimplemented(raw: dict, table: dict, where: str) -> None:
-    for key, neutral in table.items():
-        v = raw.get(key)
+    for key in table.keys() & raw.keys():
+        v, neutral = raw[key], table[key]
         if v is not None and not any(v == n and type(v) is type(n) for n in neutral):
             raise BadRequest(f"{where}{key} is not implemented by the built-in engine (got {v!r:.80})")
 

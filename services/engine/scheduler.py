@@ -54,6 +54,10 @@ from services.model.llama import CausalLM, KVCache
 log = logging.getLogger(__name__)
 
 
+CHUNK_MIN_S = 0.005
+"""Long work (call_chunked) runs at least this long between two steps."""
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
@@ -226,6 +230,8 @@ class Scheduler:
         """Torch work from other threads, run on the scheduler's thread before the next step."""
         self._chunked: collections.deque[tuple[Generator, concurrent.futures.Future]] = collections.deque()
         """Long torch work run one chunk per step (between steps), so generation goes on."""
+        self._last_step_s = 0.0
+        """How long the last step's forward passes took (the time long work may take after it)."""
         self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
         self._rid_counter = itertools.count()
 
@@ -288,16 +294,22 @@ class Scheduler:
                 self._settle(fut, fn, *args)
                 continue
             if plan:
+                t_step = time.perf_counter()
                 with self._model_lock:
                     version, epoch = self._version_int(), self.kv_epoch
                     outputs = [self._forward(p) for p in plan]
+                self._last_step_s = time.perf_counter() - t_step
                 crash.point("engine", "mid_step")
                 with self._work:
                     for p, out in zip(plan, outputs, strict=True):
                         self._apply(p, out, version, epoch)
                     self.last_progress = time.monotonic()
                     self._work.notify_all()
-            if self._chunked:  # one chunk of long work between two steps
+            # long work between two steps, for as long as the step took (at least CHUNK_MIN_S):
+            # generation goes at least half speed meanwhile, and the work takes at most about
+            # twice its own time, however many chunks it has (one per tensor for a weight load)
+            budget_end = time.perf_counter() + max(self._last_step_s if plan else 0.0, CHUNK_MIN_S)
+            while self._chunked:
                 gen, fut = self._chunked[0]
                 try:
                     next(gen)
@@ -309,6 +321,8 @@ class Scheduler:
                     fut.set_exception(e)
                     if not isinstance(e, Exception):
                         raise
+                if time.perf_counter() >= budget_end:
+                    break
 
     # ---- torch work from other threads ------------------------------------------------------
     def call(self, fn: Callable, *args):

@@ -63,8 +63,10 @@ class VersionGone(Exception):
 
 
 class DistributedUpdater:
-    def __init__(self, bus, client, run_id: str, buffer_size: int, pause_mode: str, on_pause=None):
+    def __init__(self, bus, client, run_id: str, buffer_size: int, pause_mode: str, on_pause=None,
+                 flush_timeout_s: float = 60.0):  # fmt: skip
         self.bus, self.client = bus, client
+        self.flush_timeout_s = flush_timeout_s
         self.run_id = run_id
         self.group_name = ""
         """The formed group's name: a fresh random one each time, sent only over NATS and the
@@ -165,10 +167,9 @@ class DistributedUpdater:
                 await self.client.pause(u, self.pause_mode)
                 pause_t0[u] = time.perf_counter()
             crash.point("weight-sync", "transfer_paused")
-            if self.pause_mode != "in_place":
+            if self.pause_mode != "in_place":  # one refusing engine abandons the broadcast (FlushRefused)
                 for u in urls:
-                    if not await self.client.flush_cache(u):
-                        log.warning("%s refused to flush its cache while paused", u)
+                    await self.client.flush_cache_within(u, self.flush_timeout_s)
             if not staged:
                 mixed = [u for u in urls if not builtin[u]]
                 for u in mixed:

@@ -33,7 +33,7 @@ from services.common.bus import VersionBound, fetch_some, keep_alive, settle
 from services.common.config import AsyncSection, MultiLoraSection, RolloutSection
 from services.common.promexport import LATENCY_BUCKETS_S
 from services.common.runtime import Service
-from services.common.sglang_client import EngineError, SGLangClient
+from services.common.sglang_client import EngineError, FlushRefused, SGLangClient
 from services.common.snapshot import COMPLETE_MARKER, is_complete, resolved
 from services.common.weightstore import WeightStore, WeightStoreError
 from services.weightsync.adapters import AdapterSync
@@ -78,9 +78,12 @@ class WeightSyncService(Service):
         self.pauses: collections.deque[float] = collections.deque(maxlen=1000)
         """Seconds each engine spent paused per update (pause call to continue answered), newest last."""
         self.last_pause_s = 0.0
+        self.last_phases: dict[str, dict[str, float]] = {}
+        """Per engine: seconds of each phase of its last update (stage, pause, flush, load, continue, verify)."""
         self.distributed = (
             DistributedUpdater(bus, self.client, config.run_id, config.update_weight_buffer_size,
-                               config.pause_generation_mode, on_pause=self._paused)
+                               config.pause_generation_mode, on_pause=self._paused,
+                               flush_timeout_s=config.flush_cache_timeout_s)
             if config.update_weight_transfer_mode == "distributed" else None
         )  # fmt: skip
         self.adapters = None
@@ -323,8 +326,11 @@ class WeightSyncService(Service):
 
     async def _update_each(self, pub: WeightsPublished, mode: str) -> bool:
         """Disk and object-store: each engine loads the snapshot on its own; an engine that fails
-        loads again (one restarting), until the deadline. False when the snapshot is gone."""
+        loads again (one restarting), until the deadline. An engine that keeps refusing to flush
+        its cache is left on its old version (FlushRefused). False when the snapshot is gone, or
+        when no engine took it."""
         pending = list(self.client.urls)
+        abandoned: set[str] = set()
         deadline, delay = time.monotonic() + UPDATE_DEADLINE_S, 1.0
         while True:
             results = await asyncio.gather(
@@ -334,8 +340,14 @@ class WeightSyncService(Service):
             for _, r in failed:
                 if not isinstance(r, (EngineError, OSError)):
                     raise r
+            for url, r in failed:
+                if isinstance(r, FlushRefused):  # abandoned there: it runs its old version, convergence retries
+                    log.error("weights v%d abandoned on %s: %s; it resumes on its old version, and is brought to "
+                              "the live version by a later update", pub.version, url, r)  # fmt: skip
+                    abandoned.add(url)
+            failed = [(url, r) for url, r in failed if not isinstance(r, FlushRefused)]
             if not failed:
-                return True
+                return len(abandoned) < len(self.client.urls)  # live only where an engine runs it
             if await self._snapshot_problem(pub) is not None:
                 log.warning("weights v%d: the snapshot is gone before %s took it; a newer version is next",
                             pub.version, [url for url, _ in failed])  # fmt: skip
@@ -373,19 +385,34 @@ class WeightSyncService(Service):
         sequence: pause; flush the prefix cache unless requests stay resident (in_place), so no
         new request reuses KV computed with the old weights; load with flush_cache false (SGLang
         asserts a flush that finds resident requests) - a staged engine only swaps; continue."""
+        phases: dict[str, float] = {}
+        t = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            phases[name], t = now - t, now
+
         await self.client.stage_weights(url, uri, str(version))
-        t0 = time.perf_counter()
+        lap("stage")
+        t0 = t
         await self.client.pause(url, mode)
+        lap("pause")
         crash.point("weight-sync", "paused")
         try:
-            if mode != "in_place" and not await self.client.flush_cache(url):
-                log.warning("%s refused to flush its cache while paused (SGLang < 0.5.23 with retracted requests)", url)
+            if mode != "in_place":  # in_place keeps requests resident: their cache stays theirs
+                await self.client.flush_cache_within(url, self.config.flush_cache_timeout_s)
+            lap("flush")
             await self.client.update_weights_from_disk(url, uri, str(version), flush_cache=False)
+            lap("load")
             crash.point("weight-sync", "loaded_before_continue")
         finally:
             await self.client.continue_generation(url)
+            lap("continue")
             self._paused(time.perf_counter() - t0)
         got = (await self.client.model_info(url)).get("weight_version")
+        lap("verify")
+        self.last_phases[url] = {k: round(v, 4) for k, v in phases.items()}
         if str(got) != str(version):
             raise EngineError(f"{url} reports weight_version {got!r} after loading v{version}")
 
@@ -411,6 +438,7 @@ class WeightSyncService(Service):
             "last_update_s": self.last_update_s,
             "transfer_mode": self.config.update_weight_transfer_mode,
             "last_pause_s": self.last_pause_s,
+            "last_update_phases_s": self.last_phases,
             "pauses_s": list(self.pauses)[-100:],
             "num_updates": self.num_updates,
             "num_skipped_versions": self.num_skipped,

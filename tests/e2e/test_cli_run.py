@@ -118,6 +118,12 @@ def test_fully_async_run_end_to_end(tmp_path):
     assert result["final_weight_version"] == 8 and result["heldout_reward_final"] is not None
     # keyed by the steps trained before each point; named on Miles's axis by the step just trained
     assert {k: m["eval/step"] for k, m in result["evals"].items()} == {"0": 0, "4": 3, "8": 7}
+    # result.json is written after the audit: the ledger's verdict and counts, as the console shows them
+    assert result["ledger_balanced"] is True
+    assert result["ledger"] == {"released": 32, "trained": 32, "failed": 0, "filtered": 0, "dropped": 0,
+                                "rejected": 0, "in_flight_at_end": 0, "lost": 0, "trained_twice": 0}  # fmt: skip
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last == {k: v for k, v in result.items() if k != "evals"}
     assert_nothing_left(run_dir)
 
 

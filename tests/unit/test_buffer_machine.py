@@ -360,3 +360,24 @@ def test_a_partition_that_fails_to_build_is_tried_again_less_and_less_often():
     assert (failures, delay) == (12, 15.0)
     b.ok("r")
     assert b.due("r", 0.0) and b.failed("r", 0.0) == (1, 1.0)
+
+
+def test_fully_async_admission_keeps_generation_within_the_staleness_budget():
+    """With --max-weight-staleness S, prompts go out only while the groups released stay below
+    (live version + S + 2) x B: a group generated on the live version v is leased for a step
+    whose gets carry at most v + S. Without it, capacity and in-flight caps alone decide."""
+    free = Run(async_data_buffer_capacity_factor=4.0)  # B = 2: capacity 8, in flight 2
+    free.get(0, wait_s=0)
+    free.m.on_version(object(), 0)
+    assert len(free.m.plan_release(now=0.0)) == 10
+    r = Run(async_data_buffer_capacity_factor=4.0, max_weight_staleness=1)
+    r.get(0, wait_s=0)
+    assert not r.m.on_version(object(), 0).dead_letters
+    prompts, _ = r.release()
+    assert len(prompts) == (0 + 1 + 2) * 2  # the budget, not the 10 the buffer has room for
+    assert r.m.plan_release(now=0.0) == []  # generation waits: it is ahead of the budget
+    r.published = 1
+    r.m.on_version(object(), 1)  # the engines move on: two more groups may start
+    more, _ = r.release()
+    assert len(more) == 2
+    r.check_fold()
