@@ -358,12 +358,10 @@ class TrainerService(Service):
                               "(weights and optimizer unchanged)", step)  # fmt: skip
                 update_due = c.update_due(step)
                 next_batch = None
-                if update_due and prefetch is not None:
-                    # no weight update while a batch is being leased: step r+1's groups are all judged
-                    # against the version of the gets that lease them, never half against the next
-                    t0 = time.monotonic()
-                    next_batch = dataclasses.replace(await prefetch, wait_s=time.monotonic() - t0)
-                    prefetch = None
+                # fully async pushes at once, while step r+1's lease may still be filling (Miles's
+                # driver waits for that rollout first; here that held every update back by the
+                # slowest group and kept the engines a version behind). The lease's gets all carry
+                # the version they started with, so its groups are judged against one clock.
                 if update_due and c.mode == "one_step" and step + 1 < total:
                     # the in-flight batch completes before the push, and nothing newer starts on old weights
                     next_batch = await self._fetch(step + 1, lookahead=0)
