@@ -479,6 +479,8 @@ class Bus:
         kv = 0
         with contextlib.suppress(ValueError, TypeError):
             kv = int((await self.kv_get(PUBLISHED_VERSION_KEY) or b"0").decode())
+        if at_least > 0 and kv >= at_least:
+            return kv  # what the caller needs to know: one read, not a scan of WEIGHTS at every version
         return max(kv, await self._newest_on_weights(max(at_least, kv + 1), scan))
 
     async def _newest_on_weights(self, at_least: int, scan: int) -> int:
