@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.engine.generate import Tracked, sse
-from services.engine.protocol import MAX_SEQUENCES, BadRequest, Sequence, sampling_params, token_ids
+from services.engine.protocol import MAX_SEQUENCES, BadRequest, Sequence, raise_if_failed, sampling_params, token_ids
 
 MAX_LOGPROBS = 20
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
@@ -288,6 +288,8 @@ class OpenAIRoutes:
             body = await request.json()
         except ValueError as e:
             return _error(OpenAIError(f"invalid JSON: {e}"))
+        except RecursionError:  # the parser's depth limit
+            return _error(OpenAIError("invalid JSON: nested too deeply"))
         try:
             seqs, prompts, meta = self.chat_seqs(body) if chat else self.completion_seqs(body)
             stream, include_usage = self._stream_flag(body)
@@ -300,6 +302,7 @@ class OpenAIRoutes:
             return StreamingResponse(self.stream(seqs, prompts, meta, chat, include_usage),
                                      media_type="text/event-stream")  # fmt: skip
         tracked = await self.generation.run(seqs)
+        raise_if_failed(t.req for t in tracked)  # a 400 or 500 for a request the scheduler failed alone
         return (self.chat_body if chat else self.completion_body)(tracked, prompts, meta)
 
     def _adapter(self, model: str | None) -> str | None:

@@ -24,8 +24,29 @@ MAX_SEQUENCES = 1024
 MAX_RID_CHARS = 256
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest finite float32: sampling inputs are checked in the dtype they are computed in."""
+
+
 class BadRequest(ValueError):
     pass
+
+
+class RequestFailed(RuntimeError):
+    """A request the scheduler could not carry out (it failed alone): answered with `status`."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+def raise_if_failed(requests) -> None:
+    """RequestFailed for the first request the scheduler failed on its own (a 400 or 500 in its
+    finish reason); aborts and normal ends pass."""
+    for r in requests:
+        reason = r.finish_reason or {}
+        if reason.get("type") == "abort" and reason.get("status_code") in (400, 500):
+            raise RequestFailed(str(reason.get("message")), reason["status_code"])
 
 
 # SGLang 0.5.23 fields this engine does not implement, with the values that ask for nothing
@@ -279,8 +300,9 @@ def _logit_bias(v: Any, limits: Limits, where: str) -> dict[int, float]:
             raise BadRequest(f"{where}logit_bias has key {key!r:.40}, not a token id") from None
         if not 0 <= tid < limits.vocab_size:
             raise BadRequest(f"{where}logit_bias has token id {tid}, outside the vocabulary [0, {limits.vocab_size})")
-        if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias):
-            raise BadRequest(f"{where}logit_bias[{key}] must be a finite number")
+        if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not abs(bias) <= FLOAT32_MAX:
+            raise BadRequest(f"{where}logit_bias[{key}] must be a number finite in float32 (|bias| <= 3.4e38), "
+                             f"the dtype it is added in")  # fmt: skip
         out[tid] = float(bias)
     return out
 

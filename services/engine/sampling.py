@@ -31,6 +31,9 @@ class StepOutput:
     """The k most likely tokens per row (top_logprobs_num > 0), as (logprob, token id)."""
     prompt: list[tuple[list[float | None], list | None] | None]
     """Prompt log-probabilities of a row that asked for them: (values, top per position)."""
+    errors: list[tuple[int, str] | None] | None = None
+    """Per row: (HTTP status, why) when its request cannot go on (its processed logits hold NaN
+    or +inf, or rule out every token: 400), else None. Such a row fails alone."""
 
 
 def _penalize(logits_nv: torch.Tensor, params: list[SamplingParams], history: list[tuple[list[int], list[int]]]):
@@ -81,6 +84,14 @@ def sample(
         _penalize(logits_nv, params, history)
     temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params])
     scaled = logits_nv / temps[:, None]
+    # checked in the dtype they are computed in: a bias or a temperature that is finite as a
+    # Python float can still overflow float32 here; that row fails alone, never the step
+    bad = torch.isnan(scaled).any(-1) | torch.isposinf(scaled).any(-1) | ~torch.isfinite(scaled).any(-1)
+    errors: list[str | None] | None = None
+    if bool(bad.any()):
+        why = "sampling produced non-finite logits (NaN or inf in float32): lower logit_bias or raise temperature"
+        errors = [(400, why) if b else None for b in bad.tolist()]
+        scaled = torch.where(bad[:, None], torch.zeros_like(scaled), scaled)
     logprobs_nv = torch.log_softmax(scaled, dim=-1)
     probs = torch.softmax(_restrict(scaled, params), dim=-1)
     sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
@@ -92,7 +103,7 @@ def sample(
     tokens = torch.where(greedy, scaled.argmax(-1), sampled)
     chosen = logprobs_nv.gather(-1, tokens[:, None]).squeeze(1)
     top = [top_k(logprobs_nv[i], k) if k > 0 else None for i, k in enumerate(top_logprobs_num)]
-    return StepOutput(tokens.tolist(), chosen.tolist(), top, [None] * len(params))
+    return StepOutput(tokens.tolist(), chosen.tolist(), top, [None] * len(params), errors)
 
 
 def top_k(logprobs_v: torch.Tensor, k: int) -> list[tuple[float, int]]:

@@ -297,7 +297,7 @@ class Scheduler:
                 t_step = time.perf_counter()
                 with self._model_lock:
                     version, epoch = self._version_int(), self.kv_epoch
-                    outputs = [self._forward(p) for p in plan]
+                    outputs = [self._forward_each(p) for p in plan]
                 self._last_step_s = time.perf_counter() - t_step
                 crash.point("engine", "mid_step")
                 with self._work:
@@ -614,12 +614,35 @@ class Scheduler:
                 out.prompt[i] = prompt_logprobs(logits_ntv[i], r.input_ids, r.logprob_start, r.top_logprobs_num)
         return out
 
+    def _forward_each(self, p: _Planned) -> StepOutput:
+        """The batch's forward pass; if it raises, each request again on its own, and one that
+        still raises fails alone (500), so that no request can take the step or the thread down."""
+        try:
+            return self._forward(p)
+        except Exception as e:
+            if len(p.reqs) == 1:
+                log.warning("request %s failed inside the scheduler: %r", p.reqs[0].rid, e)
+                return StepOutput([0], [0.0], [None], [None], [(500, f"the engine failed on this request: {e!r:.300}")])
+        parts = [self._forward_each(_Planned([r], [f], [slot])) for r, f, slot in zip(p.reqs, p.feeds, p.slots)]
+        return StepOutput(
+            tokens=[t for o in parts for t in o.tokens], logprobs=[x for o in parts for x in o.logprobs],
+            top=[x for o in parts for x in o.top], prompt=[x for o in parts for x in o.prompt],
+            errors=[(o.errors or [None])[0] for o in parts],
+        )  # fmt: skip
+
     def _apply(self, p: _Planned, out: StepOutput, version: int, epoch: int) -> None:
         running = set(map(id, self.running))
         generated = 0
         for i, (r, f, slot) in enumerate(zip(p.reqs, p.feeds, p.slots, strict=True)):
             if id(r) not in running or r.slot != slot:
                 continue  # retracted or aborted while this step ran: its result is void
+            if out.errors is not None and out.errors[i] is not None:
+                status, why = out.errors[i]
+                self.running.remove(r)
+                self._release_slot(r)
+                self._finish(r, {"type": "abort", "message": why, "status_code": status,
+                                 "err_type": "BadRequestError" if status == 400 else "InternalServerError"})  # fmt: skip
+                continue
             r.kv_len += len(f)
             if len(f) > 1 and r.kv_len >= len(r.input_ids):
                 self.slot_prompt[slot] = r.prefix_key  # now a prefix source

@@ -41,7 +41,7 @@ from services.common.weightstore import SCHEME, WeightStoreError
 from services.engine.distributed import DistributedReceiver
 from services.engine.generate import Generation
 from services.engine.openai import add_openai_routes
-from services.engine.protocol import BadRequest, Limits, parse_generate, typed
+from services.engine.protocol import BadRequest, Limits, RequestFailed, parse_generate, raise_if_failed, typed
 from services.engine.scheduler import Scheduler
 
 SGLANG_COMPAT_VERSION = "0.5.16"
@@ -91,7 +91,9 @@ class EngineServer:
     async def generate(self, body: Any) -> Any:
         """A non-streaming /generate: the response object, or a list of them for a batch."""
         seqs, is_batch = parse_generate(body, self.limits, self.tokenizer)
-        outs = [self.generation.output(t) for t in await self.generation.run(seqs)]
+        tracked = await self.generation.run(seqs)
+        raise_if_failed(t.req for t in tracked)
+        outs = [self.generation.output(t) for t in tracked]
         return outs if is_batch else outs[0]
 
     # ---- info --------------------------------------------------------------------------------
@@ -158,6 +160,10 @@ class EngineServer:
         if self.api_key:
             require_token(app, lambda: self.api_key, OPEN_ROUTES)
 
+        @app.exception_handler(RequestFailed)
+        async def request_failed(request: Request, e: RequestFailed):
+            return _error(str(e), e.status)
+
         @app.exception_handler(BadRequest)
         async def bad_request(request: Request, e: BadRequest):
             return _error(str(e))
@@ -170,6 +176,8 @@ class EngineServer:
                 data = json.loads(raw)
             except ValueError as e:
                 raise BadRequest(f"invalid JSON: {e}") from None
+            except RecursionError:  # the parser's depth limit: nested deeper than any request needs
+                raise BadRequest("invalid JSON: nested too deeply") from None
             if not isinstance(data, dict):
                 raise BadRequest("the request body must be a JSON object")
             return data
