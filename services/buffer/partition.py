@@ -87,7 +87,8 @@ class Partition:
         self.published = published
         self.core = BufferMachine(
             config, make_prompt_source(config),
-            limits_from_model_dir(config.hf_checkpoint, config.n_samples_per_prompt, config.reward_key),
+            limits_from_model_dir(config.hf_checkpoint, config.n_samples_per_prompt, config.reward_key,
+                                  config.max_abs_reward),
             published=lambda: self.published.value, metrics=self._metrics,
             observed=isinstance(self.buffer, DefaultDataBuffer), plugin_path=self.plugin_path,
         )  # fmt: skip

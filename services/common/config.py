@@ -288,6 +288,13 @@ class RolloutSection(Section):
     )
     rm_type: str | None = Field(None, description="Built-in reward; default: the task's reward (reverse-digits).")
     reward_key: str | None = Field(None, description="Key to read when a reward is a dict.")
+    max_abs_reward: float = Field(
+        1e6,
+        gt=0,
+        le=1e30,
+        description="Rewards must lie in [-this, this]: a sample whose reward is outside fails (producer) or is "
+        "rejected (buffer), so no accepted reward overflows the advantages or the loss.",
+    )
     custom_rm_path: str | None = Field(
         None, description="module.fn: async fn(config, sample) -> float (group fn with --group-rm)."
     )

@@ -111,6 +111,13 @@ class WandbSink:
         self.run.finish()
 
 
+def finite_record(record: dict) -> tuple[dict, list[str]]:
+    """The record with every non-finite number (NaN, inf) replaced by None, and their keys:
+    metrics never record a non-finite value (JSON has none, and a curve would hide it)."""
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    return ({**record, **dict.fromkeys(bad)} if bad else record), bad
+
+
 class Sinks:
     """The sinks the config asks for; `log(record, axis)` writes a record's numbers at the
     record's own value of `axis`."""

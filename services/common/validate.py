@@ -34,42 +34,50 @@ class Limits:
     max_version: int | None = None
     """The newest weight version published; None when unknown (versions are not checked)."""
     reward_key: str | None = None
+    max_abs_reward: float = 1e6
+    """--max-abs-reward: rewards outside [-this, this] are refused where they enter."""
 
 
-def limits_from_model_dir(path: str, n: int, reward_key: str | None) -> Limits:
+def limits_from_model_dir(path: str, n: int, reward_key: str | None, max_abs_reward: float = 1e6) -> Limits:
     """The limits of the run's model (its config.json: vocab_size, max_position_embeddings)."""
     import json
     from pathlib import Path
 
     cfg = json.loads((Path(path) / "config.json").read_text())
     return Limits(n=n, vocab_size=int(cfg["vocab_size"]), context_length=int(cfg["max_position_embeddings"]),
-                  reward_key=reward_key)  # fmt: skip
+                  reward_key=reward_key, max_abs_reward=max_abs_reward)  # fmt: skip
 
 
 def finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def reward_problem(reward: Any, reward_key: str | None) -> str | None:
-    """A reward must be a finite number, or a dict of finite numbers (holding --reward-key)."""
+def reward_problem(reward: Any, reward_key: str | None, max_abs: float = 1e6) -> str | None:
+    """A reward must be a number in [-max_abs, max_abs] (--max-abs-reward), or a dict of them
+    (holding --reward-key): then no accepted group can overflow its advantages or the loss."""
     if isinstance(reward, dict):
         if not reward:
             return "reward is an empty dict"
         bad = next((k for k, v in reward.items() if not isinstance(k, str) or not finite(v)), None)
         if bad is not None:
             return f"reward[{bad!r}] is {reward[bad]!r}, not a finite number"
+        big = next((k for k, v in reward.items() if abs(v) > max_abs), None)
+        if big is not None:
+            return f"reward[{big!r}] is {reward[big]!r:.30}, outside [-{max_abs:g}, {max_abs:g}] (--max-abs-reward)"
         if reward_key is not None and reward_key not in reward:
             return f"reward has no {reward_key!r} entry (--reward-key)"
         return None
     if not finite(reward):
         return f"reward is {reward!r:.60} ({type(reward).__name__}), not a finite number"
+    if abs(reward) > max_abs:
+        return f"reward is {reward!r:.30}, outside [-{max_abs:g}, {max_abs:g}] (--max-abs-reward)"
     return None
 
 
 def sample_problem(s: Any, limits: Limits) -> str | None:
     """The first reason this sample cannot be trained on, or None."""
     if s.status == SampleStatus.FAILED:
-        if s.reward is not None and (p := reward_problem(s.reward, limits.reward_key)):
+        if s.reward is not None and (p := reward_problem(s.reward, limits.reward_key, limits.max_abs_reward)):
             return p
         return None
     if s.status == SampleStatus.PENDING:
@@ -89,7 +97,7 @@ def sample_problem(s: Any, limits: Limits) -> str | None:
         return "a rollout log-prob is not finite or above 0"
     if s.loss_mask is not None and (len(s.loss_mask) != s.response_length or not set(s.loss_mask) <= {0, 1}):
         return f"loss_mask must hold {s.response_length} values of 0 or 1"
-    if s.status != SampleStatus.ABORTED and (p := reward_problem(s.reward, limits.reward_key)):
+    if s.status != SampleStatus.ABORTED and (p := reward_problem(s.reward, limits.reward_key, limits.max_abs_reward)):
         return p
     for v in s.weight_versions:
         if v < 0 or (limits.max_version is not None and v > limits.max_version):

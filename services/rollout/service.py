@@ -114,7 +114,8 @@ class RolloutService(Service):
         self.n = config.n_samples_per_prompt
         self.credits = Credits(config.inflight_groups, self.n, config.submission_granularity)
         self.tokenizer = Tokenizer(config.hf_checkpoint)
-        self.limits = limits_from_model_dir(config.hf_checkpoint, config.n_samples_per_prompt, config.reward_key)
+        self.limits = limits_from_model_dir(config.hf_checkpoint, config.n_samples_per_prompt, config.reward_key,
+                                            config.max_abs_reward)
         self.reward_fn = resolve_reward(config)
         self.generate_fn = (
             load_object(config.custom_generate_function_path, "--custom-generate-function-path")

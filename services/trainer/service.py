@@ -63,7 +63,7 @@ from services.common.config import (
 from services.common.plugins import load_object
 from services.common.promexport import LATENCY_BUCKETS_S
 from services.common.runtime import Service, wait_event
-from services.common.sinks import Sinks
+from services.common.sinks import Sinks, finite_record
 from services.common.snapshot import is_complete, remove_snapshot, snapshots_to_remove
 from services.common.validate import Limits, eval_result_problem, finite_metrics, sample_problem
 from services.common.weightstore import WeightStore, WeightStoreError
@@ -149,7 +149,8 @@ class TrainerService(Service):
         )
         self.pad_id = self.model.cfg.pad_token_id if self.model.cfg.pad_token_id is not None else 0
         self.limits = Limits(n=config.n_samples_per_prompt, vocab_size=self.model.cfg.vocab_size,
-                             context_length=self.model.cfg.max_position_embeddings, reward_key=config.reward_key)  # fmt: skip
+                             context_length=self.model.cfg.max_position_embeddings, reward_key=config.reward_key,
+                             max_abs_reward=config.max_abs_reward)  # fmt: skip
         self.num_invalid_samples = 0
         self.num_nonfinite_skipped = 0
         self.recent_failures: collections.deque[tuple[int, int, str]] = collections.deque(maxlen=FAILED_WINDOW_STEPS)
@@ -800,6 +801,9 @@ class TrainerService(Service):
             return False
 
     async def _emit(self, step: int, record: dict) -> None:
+        record, bad = finite_record(record)
+        if bad:
+            log.error("step %d: %s were not finite; recorded as null", step, ", ".join(bad[:10]))
         self.last_record = record
         self.observe("trainer/step_seconds", record["perf/step_time_s"])
         self.observe("trainer/rollout_wait_seconds", record["perf/rollout_wait_s"])

@@ -99,3 +99,24 @@ def test_the_auth_block_names_every_role_and_its_password():
     assert all(f'user: "{r}", password: "pw-{r}"' in conf for r in ROLES)
     deploy = server_auth_conf("r")
     assert "password: $ASYNCRL_NATS_PASSWORD_WEIGHT_SYNC" in deploy
+
+
+def test_a_huge_finite_reward_is_refused_where_it_enters_and_cannot_overflow_advantages():
+    """A group whose rewards are all 1e308 used to pass: its advantages overflowed to NaN, the
+    step's update was skipped, and metrics.jsonl recorded Infinity."""
+    import math
+
+    from services.common.sinks import finite_record
+    from services.trainer.core import group_advantages
+
+    assert "--max-abs-reward" in reward_problem(1e308, None)
+    assert "--max-abs-reward" in reward_problem({"acc": -1e7}, "acc")
+    assert reward_problem(1e6, None) is None and reward_problem(-5.0, None, max_abs=5.0) is None
+    assert "outside [-5, 5]" in reward_problem(5.5, None, max_abs=5.0)
+    # every reward the bound admits gives finite advantages, with or without std normalisation
+    for rewards in ([1e6] * 8, [1e6, -1e6] * 4, [1e6] * 7 + [-1e6]):
+        for std in (True, False):
+            assert all(math.isfinite(a) for a in group_advantages(rewards, std))
+    record, bad = finite_record({"rollout/reward/mean": float("inf"), "train/loss": float("nan"), "step": 3})
+    assert bad == ["rollout/reward/mean", "train/loss"]
+    assert record == {"rollout/reward/mean": None, "train/loss": None, "step": 3}
