@@ -34,7 +34,7 @@ import httpx
 from asyncrl_proto import EvalResult, ProgressRecord, WeightsLive, decode
 from asyncrl_proto.codec import MalformedMessage
 from services.common import procs
-from services.common.bus import STORE_DIR_ENV, Bus
+from services.common.bus import STORE_DIR_ENV, Bus, VersionBound
 from services.common.config import RunConfig
 from services.common.engine_commands import builtin_engine_command, builtin_engine_flags, sglang_server_command
 from services.common.natsauth import ROLES, server_auth_conf
@@ -83,6 +83,7 @@ class Launcher:
                                 headers={"Authorization": f"Bearer {self.run_token}"}, secrets=[self.run_token],
                                 restart_window_s=config.restart_window_s, before_restart=self._restart_command)  # fmt: skip
         self.live_version = 0  # the engines' version (weights.live): a restarted engine starts on it
+        self.published: VersionBound | None = None  # the newest version the trainer published (set with the bus)
         self.nats_restarts: dict[int, list[float]] = {}  # per node: a rolling restart is one restart each
         self.router_url: str | None = None
         self.services: dict[str, str] = {}
@@ -277,6 +278,7 @@ class Launcher:
             await bus.kv_put("config", json.dumps(c.model_dump(mode="json")).encode())
             await asyncio.to_thread(self.wait_ready)  # engines first: every service talks to them
             await bus.subscribe(bus.subjects.progress, self._on_progress)
+            self.published = VersionBound(bus)
             await bus.subscribe(bus.subjects.weights_live, self._on_live)
             await bus.subscribe(bus.subjects.eval_results, self._on_eval)
             for name in ("buffer", "weight-sync", "eval") + (("adapters",) if c.multi_lora_n_adapters > 0 else ()):
@@ -340,8 +342,12 @@ class Launcher:
             await asyncio.sleep(0.2)
 
     async def _on_live(self, msg) -> None:
+        """The engines' version, for restarts: only a version the trainer published (a forged
+        `weights.live` would otherwise make a restarted engine look for weights that never were)."""
         with contextlib.suppress(MalformedMessage):
-            self.live_version = max(self.live_version, decode(msg.data, WeightsLive).version)
+            version = decode(msg.data, WeightsLive).version
+            if version > self.live_version and await self.published.allows(version):
+                self.live_version = version
 
     def _restart_command(self, child) -> list[str]:
         """An engine restarts on the newest weights the trainer pushed (the live ones or newer,

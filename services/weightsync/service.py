@@ -27,7 +27,7 @@ import logging
 import time
 from pathlib import Path
 
-from asyncrl_proto import AdapterPublished, WeightsLive, WeightsPublished, decode, encode
+from asyncrl_proto import AdapterPublished, MalformedMessage, WeightsLive, WeightsPublished, decode, encode
 from services.common import crash
 from services.common.bus import VersionBound, fetch_some, keep_alive, settle
 from services.common.config import AsyncSection, MultiLoraSection, RolloutSection
@@ -98,8 +98,16 @@ class WeightSyncService(Service):
     async def setup(self) -> None:
         s = self.bus.subjects
         raw = await self.bus.kv_get("live_version")
-        if raw is not None:
-            live = decode(raw, WeightsLive)
+        live = None
+        with contextlib.suppress(MalformedMessage):
+            live = decode(raw, WeightsLive) if raw is not None else None
+        if live is not None and not await self.published.allows(live.version):
+            # derived state is checked like a message: a live version nobody published (a forged
+            # or corrupt KV value) would make every real version look applied already
+            log.error("KV live_version names v%d, which the trainer never published (newest v%d): ignored",
+                      live.version, self.published.value)  # fmt: skip
+            live = None
+        if live is not None:
             self.live_version, self.live_digest = live.version, live.tensor_sha256 or None
         else:
             self.live_version = await self._engine_version()

@@ -279,3 +279,28 @@ async def test_stray_messages_on_weights_cannot_hide_the_newest_version(nats_ser
         await trainer.close()
         if fresh is not None:
             await fresh.close()
+
+
+async def test_weight_sync_ignores_a_live_version_in_kv_that_was_never_published(nats_server, run_id, task_data,
+                                                                                tiny_model_dir, tmp_path):  # fmt: skip
+    """Derived state is checked like messages: a KV `live_version` of 10**9 (forged, or left by a
+    bug) used to make a restarted weight-sync skip every real version as applied already and
+    leave the run frozen with every health check green."""
+    from asyncrl_proto import encode
+
+    with EngineThread(tiny_model_dir) as engine:
+        cfg = config(task_data, tiny_model_dir, run_dir=str(tmp_path), rollout_engine_urls=[engine.url])
+        bus = await Bus.connect(nats_server.url, run_id, "test")
+        await bus.ensure_streams()
+        await bus.kv_put("live_version", encode(WeightsLive(version=10**9, engines=[], updated_at=0.0)))
+        svc = await start_service(WeightSyncService, cfg, nats_server.url, run_id)
+        try:
+            assert svc.service.live_version == 0  # the engines' own version, not the forged one
+            info = save_model(load_model(tiny_model_dir), tmp_path / "weights" / "v1", tiny_model_dir)
+            await bus.publish_weights(WeightsPublished(version=1, step=0, uri=str(tmp_path / "weights" / "v1"),
+                                                       sha256=info["sha256"]))  # fmt: skip
+            await wait_until(lambda: svc.service.live_version == 1, what="v1 live", timeout=20)
+            assert engine.scheduler.weight_version == "1"
+        finally:
+            await svc.stop()
+            await bus.close()
