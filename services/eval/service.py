@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import inspect
 import json
 import logging
@@ -32,7 +33,7 @@ import shutil
 import time
 from pathlib import Path
 
-from asyncrl_proto import ControlMsg, EvalRequest, EvalResult, Sample, SampleStatus, WeightsLive, decode
+from asyncrl_proto import ControlMsg, EvalRequest, EvalResult, MalformedMessage, Sample, SampleStatus, WeightsLive, decode
 from asyncrl_proto.messages import scalar_reward
 from services.common import crash, procs
 from services.common.bus import VersionBound, fetch_some, keep_alive, settle
@@ -111,10 +112,20 @@ class EvalService(Service):
         await self.bus.subscribe(s.weights_live, self._on_live)  # before the KV read: no gap
         raw = await self.bus.kv_get("live_version")
         if raw is not None and self.live_version is None:
-            self.live_version = decode(raw, WeightsLive).version
+            await self._kv_live(raw)
         if self.backend == "fleet":
             await self._start_fleet()
         self._psub = await self.bus.consume(s.consumers(self.config.prompt_ack_wait_s)["eval"])
+
+    async def _kv_live(self, raw: bytes) -> None:
+        """KV live_version, checked like a message: only a version the trainer published counts
+        (a forged 10**9 would have every point evaluated at once on weights not yet live)."""
+        with contextlib.suppress(MalformedMessage):
+            version = decode(raw, WeightsLive).version
+            if await self.published.allows(version):
+                self.live_version = max(self.live_version or 0, version)
+            else:
+                log.error("KV live_version names v%d, never published: ignored", version)
 
     async def _start_fleet(self) -> None:
         urls = list(self.config.eval_engine_urls)
@@ -256,7 +267,7 @@ class EvalService(Service):
             if not await wait_event(self._live_changed, 10.0):
                 raw = await self.bus.kv_get("live_version")
                 if raw is not None:
-                    self.live_version = max(self.live_version or 0, decode(raw, WeightsLive).version)
+                    await self._kv_live(raw)
                 await settle(msg, "in_progress")
         token = f"eval-{req.step}"  # the same for a redelivered point: it resumes what a killed one paused
         await self._control("pause_submission", token)

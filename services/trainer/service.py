@@ -621,7 +621,8 @@ class TrainerService(Service):
         """The engines' version (KV live_version); the newest pushed when it cannot be read."""
         try:
             raw = await self.bus.kv_get("live_version")
-            return decode(raw, WeightsLive).version if raw is not None else 0
+            # never beyond what this trainer pushed (a forged value would let it delete the live snapshot)
+            return min(decode(raw, WeightsLive).version, self.version) if raw is not None else 0
         except Exception:  # a broker away, a value that does not decode: retain as before
             return self.version
 
