@@ -6,6 +6,8 @@ HTTP protocol (the routes weight-sync calls), told how often to refuse, and a re
 
 from __future__ import annotations
 
+import contextlib
+
 from aiohttp import web
 
 from asyncrl_proto import WeightsPublished
@@ -82,44 +84,43 @@ class RefusingEngine:
                                   "num_paused_requests": 0})  # fmt: skip
 
 
-async def _publish_v1(bus: Bus, tiny_model_dir, tmp_path) -> None:
-    info = save_model(load_model(tiny_model_dir), tmp_path / "weights" / "v1", tiny_model_dir)
-    await bus.publish_weights(
-        WeightsPublished(version=1, step=0, uri=str(tmp_path / "weights" / "v1"), sha256=info["sha256"])
-    )
-
-
-async def test_a_refused_flush_is_asked_again_and_the_weights_load_only_after_it(nats_server, run_id, task_data,
-                                                                                tiny_model_dir, tmp_path):  # fmt: skip
-    engine = RefusingEngine(refusals=2)
+@contextlib.asynccontextmanager
+async def weight_sync_publishing_v1(refusals: int, flush_timeout_s: float, nats_server, run_id, task_data,
+                                    tiny_model_dir, tmp_path):  # fmt: skip
+    """A stand-in engine refusing `refusals` flushes, weight-sync in front of it, and v1 published."""
+    engine = RefusingEngine(refusals)
     await engine.start()
     cfg = config(task_data, tiny_model_dir, run_dir=str(tmp_path), rollout_engine_urls=[engine.url],
-                 flush_cache_timeout_s=30.0)  # fmt: skip
+                 flush_cache_timeout_s=flush_timeout_s)  # fmt: skip
     svc = await start_service(WeightSyncService, cfg, nats_server.url, run_id)
     bus = await Bus.connect(nats_server.url, run_id, "test")
     try:
-        await _publish_v1(bus, tiny_model_dir, tmp_path)
-        await wait_until(lambda: svc.service.live_version == 1, what="v1 live", timeout=30)
-        assert engine.version == "1" and not engine.paused
-        assert engine.loads_over_stale_cache == 0
-        update = engine.calls[engine.calls.index("pause"):]
-        assert update == ["pause", "flush", "flush", "flush", "load", "continue"], update
+        info = save_model(load_model(tiny_model_dir), tmp_path / "weights" / "v1", tiny_model_dir)
+        await bus.publish_weights(
+            WeightsPublished(version=1, step=0, uri=str(tmp_path / "weights" / "v1"), sha256=info["sha256"])
+        )
+        yield engine, svc
     finally:
         await svc.stop()
         await bus.close()
         await engine.stop()
 
 
+async def test_a_refused_flush_is_asked_again_and_the_weights_load_only_after_it(nats_server, run_id, task_data,
+                                                                                tiny_model_dir, tmp_path):  # fmt: skip
+    async with weight_sync_publishing_v1(2, 30.0, nats_server, run_id, task_data, tiny_model_dir,
+                                         tmp_path) as (engine, svc):  # fmt: skip
+        await wait_until(lambda: svc.service.live_version == 1, what="v1 live", timeout=30)
+        assert engine.version == "1" and not engine.paused
+        assert engine.loads_over_stale_cache == 0
+        update = engine.calls[engine.calls.index("pause"):]
+        assert update == ["pause", "flush", "flush", "flush", "load", "continue"], update
+
+
 async def test_a_flush_refused_past_the_timeout_abandons_the_update_on_that_engine(nats_server, run_id, task_data,
                                                                                   tiny_model_dir, tmp_path):  # fmt: skip
-    engine = RefusingEngine(refusals=10**6)
-    await engine.start()
-    cfg = config(task_data, tiny_model_dir, run_dir=str(tmp_path), rollout_engine_urls=[engine.url],
-                 flush_cache_timeout_s=2.0)  # fmt: skip
-    svc = await start_service(WeightSyncService, cfg, nats_server.url, run_id)
-    bus = await Bus.connect(nats_server.url, run_id, "test")
-    try:
-        await _publish_v1(bus, tiny_model_dir, tmp_path)
+    async with weight_sync_publishing_v1(10**6, 2.0, nats_server, run_id, task_data, tiny_model_dir,
+                                         tmp_path) as (engine, svc):  # fmt: skip
         # asked again for the timeout, then given up on: the engine continues on its old version
         await wait_until(lambda: engine.calls.count("flush") >= 2 and engine.calls[-1] == "continue",
                          what="the update abandoned", timeout=20)  # fmt: skip
@@ -129,7 +130,3 @@ async def test_a_flush_refused_past_the_timeout_abandons_the_update_on_that_engi
         assert update[-1] == "continue" and set(update[1:-1]) == {"flush"}, update
         await wait_until(lambda: svc.service.num_updates == 0 and svc.service.live_version == 0, what="v0 live")
         assert not svc.task.done()  # weight-sync serves on: a later update (or its convergence) retries
-    finally:
-        await svc.stop()
-        await bus.close()
-        await engine.stop()
