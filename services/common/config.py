@@ -438,6 +438,12 @@ class AsyncSection(Section):
         description="Miles's resumption of aborted samples. Not supported (an aborted group is regenerated "
         "whole, --async-unused-samples-handler retry): rejected with a message.",
     )
+    submission_pause_max_s: float = Field(
+        600.0,
+        gt=0,
+        description="A pause of submission sent over NATS (an eval point on the shared engines) ends at most this "
+        "long after it began, however often it is renewed; production then resumes while the eval goes on.",
+    )
     rollout_health_check_interval: float = Field(
         30.0, ge=0, description="Producers poll every engine's /health_generate this often (0 = never)."
     )

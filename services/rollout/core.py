@@ -10,6 +10,8 @@ included, is done. Every path (finish, failure, cancellation) returns exactly th
 from __future__ import annotations
 
 import asyncio
+import math
+import re
 
 
 class Credits:
@@ -64,3 +66,54 @@ class Credits:
         except TimeoutError:
             pass
         self._changed.clear()
+
+
+EVAL_PAUSE = re.compile(r"eval-(\d{1,12})")
+"""The tokens a pause of submission sent over NATS may carry: an eval point's (its step)."""
+
+
+class Pauses:
+    """Who holds submission paused, and until when. A pause sent over NATS (the eval role) lapses
+    `ttl_s` after it was last renewed, and ends at most `max_s` after it first began however often
+    it is renewed; a token that has ended cannot pause again, and only `eval-<step>` tokens for
+    a step of the run are taken. So one role's messages hold production for a bounded time, not
+    for as long as they keep coming. A pause through the admin's HTTP route holds until resumed."""
+
+    def __init__(self, ttl_s: float, max_s: float, total_steps: int):
+        self.ttl_s, self.max_s, self.total_steps = ttl_s, max_s, total_steps
+        self.until: dict[str, float] = {}
+        self.began: dict[str, float] = {}
+        self.ended: set[str] = set()
+
+    @property
+    def paused(self) -> bool:
+        return bool(self.until)
+
+    def pause_over_nats(self, token: str, now: float) -> str | None:
+        """Pause (or renew) under `token`; the reason it is refused, or None."""
+        m = EVAL_PAUSE.fullmatch(token)
+        if m is None or int(m.group(1)) > self.total_steps:
+            return f"a pause of submission names {token!r:.60}, not an eval point of this run (eval-<step>)"
+        if token in self.ended:
+            return f"the pause {token} has ended: it cannot begin again"
+        began = self.began.setdefault(token, now)
+        end = began + self.max_s
+        if now >= end:
+            self.resume(token)
+            return f"the pause {token} began {now - began:.0f}s ago: it is held for at most {self.max_s:.0f}s"
+        self.until[token] = min(now + self.ttl_s, end)
+        return None
+
+    def pause_by_admin(self, token: str) -> None:
+        self.until[token] = math.inf
+
+    def resume(self, token: str) -> None:
+        if self.until.pop(token, None) is not None and token in self.began:
+            self.ended.add(token)
+
+    def lapse(self, now: float) -> list[str]:
+        """End the pauses whose time is up; their tokens."""
+        gone = [t for t, until in self.until.items() if until <= now]
+        for t in gone:
+            self.resume(t)
+        return gone

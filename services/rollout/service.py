@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 import uuid
 
@@ -37,7 +36,7 @@ from services.common.sglang_client import SGLangClient
 from services.common.validate import MAX_ATTEMPT, limits_from_model_dir, sample_problem
 from services.model.tokenizer import Tokenizer
 from services.rollout.adapters import AdapterRoutes, Closed, NotYet
-from services.rollout.core import Credits
+from services.rollout.core import Credits, Pauses
 
 PAUSE_TTL_S = 60.0
 """A pause of submission sent over NATS lapses this long after it was last sent."""
@@ -133,7 +132,7 @@ class RolloutService(Service):
         self.adapters = AdapterRoutes(bus, config) if self.partitioned else None
         self.submission_open = asyncio.Event()
         self.submission_open.set()
-        self.pause_tokens: dict[str, float] = {}  # token -> when it lapses (monotonic; inf for HTTP)
+        self.pauses = Pauses(PAUSE_TTL_S, config.submission_pause_max_s, config.total_steps)
         self.groups_in_flight: dict[int, tuple[object, float]] = {}
         self.failures: dict[str, int] = {}  # group id -> generation failures seen here
         self.counters = {
@@ -464,30 +463,40 @@ class RolloutService(Service):
         if ctl.command not in ("pause_submission", "resume_submission") or len(token) > 200:
             await self.bus.dead_letter(msg.subject, msg.data, f"unknown control command {ctl.command!r:.60}")
             return
-        self.apply_control(ctl.command, token, PAUSE_TTL_S)
-
-    def apply_control(self, command: str, token: str = "", ttl_s: float = math.inf) -> None:
-        """Pause or resume submission under a token; submission resumes once no token holds. A
-        pause sent over NATS lapses after PAUSE_TTL_S unless renewed (the eval service renews
-        its pause while it evaluates), so a dead pauser never stops production for good."""
-        if command == "pause_submission":
-            if token not in self.pause_tokens:
+        if ctl.command == "pause_submission":
+            was = self.pauses.paused
+            if (refused := self.pauses.pause_over_nats(token, time.monotonic())) is not None:
+                log.warning("refused: %s", refused)
+                await self.bus.dead_letter(msg.subject, msg.data, refused)
+            elif not was:
                 log.info("submission paused (%s)", token)
-            self.pause_tokens[token] = time.monotonic() + ttl_s
-            self.submission_open.clear()
+        else:
+            self.pauses.resume(token)
+        self._gate()
+
+    def apply_control(self, command: str, token: str = "http") -> None:
+        """The admin's HTTP routes: a pause that holds until resumed."""
+        if command == "pause_submission":
+            self.pauses.pause_by_admin(token)
         elif command == "resume_submission":
-            self.pause_tokens.pop(token, None)
-            if not self.pause_tokens and not self.submission_open.is_set():
-                self.submission_open.set()
-                log.info("submission resumed")
+            self.pauses.resume(token)
+        self._gate()
+
+    def _gate(self) -> None:
+        """Submission is open exactly while no pause holds."""
+        if self.pauses.paused:
+            self.submission_open.clear()
+        elif not self.submission_open.is_set():
+            self.submission_open.set()
+            log.info("submission resumed")
 
     async def _lapse_pauses(self) -> None:
         while True:
             await asyncio.sleep(1.0)
-            now = time.monotonic()
-            for token in [t for t, until in self.pause_tokens.items() if until <= now]:
-                log.warning("the pause %r was not renewed for %.0fs: it lapses", token, PAUSE_TTL_S)
-                self.apply_control("resume_submission", token)
+            for token in self.pauses.lapse(time.monotonic()):
+                log.warning("the pause %r lapsed (not renewed for %.0fs, or held for its longest, %.0fs)", token,
+                            PAUSE_TTL_S, self.pauses.max_s)  # fmt: skip
+            self._gate()
 
     def add_routes(self, app: FastAPI) -> None:
         @app.post("/control/pause_submission")

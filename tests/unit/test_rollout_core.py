@@ -123,3 +123,27 @@ async def test_a_prompt_whose_engine_lacks_the_live_adapter_comes_back_later_eac
     assert me.counters["adapter_not_loaded_requeued"] == 4
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "abc123" in warned[0] and "is weight-sync running" in warned[0]
+
+
+def test_a_pause_over_nats_is_bounded_in_total_however_often_it_is_renewed():
+    """One renewal every 30 s used to hold production at zero for as long as they kept coming."""
+    from services.rollout.core import Pauses
+
+    p = Pauses(ttl_s=60.0, max_s=300.0, total_steps=600)
+    assert p.pause_over_nats("eval-50", now=0.0) is None and p.paused
+    for t in range(30, 300, 30):  # renewed every 30 s: it holds, but never past 300 s after it began
+        assert p.pause_over_nats("eval-50", now=float(t)) is None
+        assert p.lapse(now=float(t)) == [] and p.paused
+    assert p.lapse(now=300.0) == ["eval-50"] and not p.paused
+    assert "cannot begin again" in p.pause_over_nats("eval-50", now=301.0) and not p.paused
+    # not renewed: it lapses after the TTL
+    assert p.pause_over_nats("eval-100", now=400.0) is None
+    assert p.lapse(now=459.0) == [] and p.lapse(now=460.0) == ["eval-100"]
+    # only an eval point of the run may pause it over NATS; the admin's HTTP pause holds until resumed
+    assert "not an eval point" in p.pause_over_nats("zzz", now=500.0)
+    assert "not an eval point" in p.pause_over_nats("eval-601", now=500.0)
+    assert not p.paused
+    p.pause_by_admin("http")
+    assert p.lapse(now=10**9) == [] and p.paused
+    p.resume("http")
+    assert not p.paused
