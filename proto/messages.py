@@ -338,7 +338,8 @@ class LedgerEvent(msgspec.Struct, kw_only=True):
     write-ahead log (its state is the fold of these events) and the audit ledger of the run.
 
     kinds: released (prompt), put (outcome stored|filtered|aborted|duplicate|accepted|rejected|foreign),
-    leased (group -> step), stale (rejected at get), retired (stored, or leased to a step never
+    leased (group -> step), stale (rejected at get), expired (released, then neither answered nor
+    in work within --prompt-deadline-s: its prompt goes back as a new attempt), retired (stored, or leased to a step never
     committed, when its multi-LoRA adapter registration completed: dropped), lease_complete (step, metrics), committed (step).
     `recycled` marks an aborted/stale group whose prompt went back to the data source."""
 

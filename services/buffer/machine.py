@@ -160,6 +160,8 @@ class BufferMachine:
         """group_index -> id of its group in the DataBuffer (one attempt of a prompt at a time:
         a new attempt is released only once the last one's fate is recorded)."""
         self.raw_of: dict[str, bytes] = {}  # group id -> encoded group, for small groups
+        self.seen_at: dict[str, float] = {}
+        """Outstanding group id -> when it was released or last named in work by a producer."""
 
     # ---- states ------------------------------------------------------------------------------
     def group_state(self, gid: str) -> GroupState:
@@ -200,6 +202,8 @@ class BufferMachine:
         """The recovered state and the payloads of its stored groups; returns the groups to put
         back into the DataBuffer (they were decided before: no event)."""
         self.state = state
+        now = time.time()
+        self.seen_at = dict.fromkeys(state.outstanding, now)  # a restart gives each a full deadline again
         for gid, rg in zip(state.stored, stored, strict=True):
             self.gid_of[rg.group_index] = gid
         return [rg.samples for rg in stored]
@@ -276,6 +280,24 @@ class BufferMachine:
             self.releasing.discard(gid)
             self._record("released", group_id=gid, group_index=prompt.group_index, attempt=prompt.attempt,
                          prompt=prompt, source=cur)  # fmt: skip
+            self.seen_at[gid] = time.time()
+        return self._out()
+
+    def expire_unanswered(self, now: float) -> Out:
+        """Prompts released longer than --prompt-deadline-s ago that no live producer names in
+        work and nobody answered: each goes back to the data source as a new attempt (recorded
+        `expired`). A producer that acknowledged a prompt and died, or never meant to answer,
+        cannot hang the run; its late answer is a duplicate."""
+        deadline = self.config.prompt_deadline_s
+        for gone in set(self.seen_at) - set(self.state.outstanding):
+            del self.seen_at[gone]
+        for gid, p in list(self.state.outstanding.items()):
+            if gid in self.releasing or (self.putting is not None and self.putting.group_id == gid):
+                continue
+            if now - self.seen_at.setdefault(gid, now) > deadline:
+                self.seen_at.pop(gid, None)
+                self._record("expired", group_id=gid, group_index=p.group_index, attempt=p.attempt,
+                             reason=f"neither answered nor in work for {deadline:.0f}s", recycled=True)  # fmt: skip
         return self._out()
 
     # ---- put ---------------------------------------------------------------------------------
@@ -545,6 +567,12 @@ class BufferMachine:
             self.producers.pop(hb.instance_id, None)
         else:
             self.producers[hb.instance_id] = (now, cap)
+        in_work = hb.info.get("in_work", [])
+        if isinstance(in_work, list):  # group indexes the producer is generating: their prompts are alive
+            by_index = {p.group_index: gid for gid, p in self.state.outstanding.items()}
+            for gi in in_work[: 4 * limit + 64]:
+                if isinstance(gi, int) and (gid := by_index.get(gi)) is not None:
+                    self.seen_at[gid] = time.time()
         return Out()
 
     # ---- observability -----------------------------------------------------------------------

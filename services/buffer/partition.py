@@ -227,6 +227,10 @@ class Partition:
         while True:
             await wait_event(self._wake_release, 1.0)
             self._wake_release.clear()
+            if (expired := self.core.expire_unanswered(time.time())).events:
+                log.warning("%d released prompts were neither answered nor in work for %.0fs: released again",
+                            len(expired.events), self.config.prompt_deadline_s)  # fmt: skip
+                await self.apply(expired, durable=True)
             if self.reads_live and self.core.live_version is None and time.monotonic() >= self._next_live_read:
                 self._next_live_read = time.monotonic() + 1.0  # a broker round trip: once a second at most
                 await self.read_live_version()  # weight-sync may have announced before we listened

@@ -140,6 +140,12 @@ def apply(state: BufferState, ev: LedgerEvent) -> None:
                 _recycle(state, p)
         else:
             raise StateError(f"unknown put outcome {ev.outcome!r}")
+    elif kind == "expired":  # released, then neither answered nor in work within --prompt-deadline-s
+        p = state.outstanding.pop(ev.group_id, None)
+        if p is None:
+            raise StateError(f"expiry of {ev.group_id}, which is not outstanding")
+        state.count("expired")
+        _recycle(state, p)
     elif kind == "stale":
         ref = state.stored.pop(ev.group_id, None)
         if ref is None:

@@ -455,6 +455,13 @@ class AsyncSection(Section):
         gt=0,
         description="A producer that holds a prompt this long without a heartbeat loses it to another.",
     )
+    prompt_deadline_s: float = Field(
+        900.0,
+        gt=0,
+        description="A released prompt neither answered nor named in work by a live producer's heartbeat for this "
+        "long goes back to the prompts (a new attempt, on the ledger): a producer that took it and died or forgot it "
+        "cannot hang the run.",
+    )
     producer_timeout_s: float = Field(
         60.0,
         gt=0,

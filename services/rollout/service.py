@@ -134,6 +134,7 @@ class RolloutService(Service):
         self.submission_open.set()
         self.pauses = Pauses(PAUSE_TTL_S, config.submission_pause_max_s, config.total_steps)
         self.groups_in_flight: dict[int, tuple[object, float]] = {}
+        self.in_work: dict[int, int] = {}  # id(msg) -> the group index it generates (named in heartbeats)
         self.failures: dict[str, int] = {}  # group id -> generation failures seen here
         self.counters = {
             "groups_published": 0,
@@ -235,6 +236,7 @@ class RolloutService(Service):
             self.credits.group_done(0)
             return
         self.groups_in_flight[id(msg)] = (msg, started)
+        self.in_work[id(msg)] = prompt.group_index
         given_back = [0]  # credits this group already returned, trajectory by trajectory
         if (spare := self.n - self._group_n(prompt)) > 0:  # an adapter's smaller group: its spare credits now
             self.credits.give_back(spare)
@@ -270,6 +272,7 @@ class RolloutService(Service):
             self.counters["samples_generated"] += len(rg.samples)
         finally:
             self.groups_in_flight.pop(id(msg), None)
+            self.in_work.pop(id(msg), None)
             self.credits.group_done(given_back[0])
 
     async def _adapter_not_loaded(self, msg, rid: str, e: Exception) -> None:
@@ -510,7 +513,8 @@ class RolloutService(Service):
             return {"paused": not self.submission_open.is_set()}
 
     def heartbeat_info(self) -> dict:
-        return {"inflight_groups": self.config.inflight_groups}
+        """The cap, and the groups this producer is generating (their prompts are in work)."""
+        return {"inflight_groups": self.config.inflight_groups, "in_work": sorted(self.in_work.values())}
 
     def status(self) -> dict:
         return {

@@ -25,6 +25,7 @@ from asyncrl_proto import (
 )
 from services.api import RunConfig
 from services.buffer.service import BufferService
+from services.audit import collect
 from services.buffer.state import ledger_events
 from services.common.bus import Bus, fetch_some
 from tests.conftest import AUTH, start_service, wait_until
@@ -331,3 +332,34 @@ async def test_a_release_whose_record_a_crash_lost_is_recorded_when_its_group_co
             await again.stop()
     finally:
         await h.bus.close()
+
+
+async def test_a_prompt_taken_and_never_answered_is_released_again(nats_server, run_id, task_data, tiny_model_dir,
+                                                                  tmp_path):  # fmt: skip
+    """A consumer on `producers` that acknowledges prompts and publishes nothing used to leave the
+    trainer waiting forever with every health check green (the audit then reported them lost).
+    Past --prompt-deadline-s such a prompt goes back as a new attempt, recorded `expired` on the
+    ledger; the run completes, and the old attempt's late answer is a duplicate, not trained."""
+    cfg = config(task_data, tiny_model_dir, prompt_deadline_s=1.0, run_dir=str(tmp_path))
+    svc, h = await _setup(nats_server, run_id, cfg)
+    try:
+        await h.get(0, wait_s=0.1)
+        taken = await h.prompts(2)  # acknowledged, never answered
+        assert all(p.attempt == 0 for p in taken)
+        await wait_until(lambda: svc.service.state.counters.get("expired", 0) >= 2, what="2 expired", timeout=15)
+        again = [p for p in await h.prompts(4) if p.attempt == 1]
+        assert sorted(p.group_index for p in again) == sorted(p.group_index for p in taken)
+        for p in again:
+            await h.publish_group(p)
+        reply = await h.get(0)
+        assert reply.complete and sorted(r.group_index for r in reply.refs) == sorted(p.group_index for p in taken)
+        await h.publish_group(taken[0])  # the first attempt answers after all: a duplicate
+        await wait_until(lambda: svc.service.state.counters.get("duplicate_groups", 0) == 1, what="a duplicate")
+        done = await h.bus.request(h.s.buffer_commit, BufferCommit(step=0), BufferCommitReply, timeout=5)
+        assert done.num_groups_committed == 2
+    finally:
+        await svc.stop()
+        await h.bus.close()
+    report = await collect(nats_server.url, run_id, tmp_path)
+    assert report["lost"] == 0 and report["trained_twice"] == 0 and report["trained"] == 2, report["problems"]
+    assert report["recycled"] >= 2
