@@ -148,6 +148,7 @@ class EngineStats:
         self.weight_stage_duration_s = 0.0
         """The last staging's time (generation going on)."""
         self.num_staged_swaps_total = 0
+        self.num_forgotten_pauses_ended_total = 0
         self.latency = RequestLatency()
         """SGLang's time-to-first-token, end-to-end and queue time histograms, per finished request."""
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
@@ -222,6 +223,9 @@ class Scheduler:
         """When the loop last started work or finished a step (for /health_generate)."""
         self.stall_timeout_s = 20.0
         """Holding work with no step for this long reads as stuck."""
+        self.pause_max_s = 300.0
+        """A pause held this long with no weight load under way is ended (a pauser that died)."""
+        self.paused_at = 0.0
         self._shutdown = False
         self.lora = None
         """The model's MultiLora when LoRA is enabled (services/engine/loras.py sets it)."""
@@ -282,10 +286,11 @@ class Scheduler:
                     if self._shutdown:
                         return
                     self._drain_inbox()
+                    self._end_a_forgotten_pause()
                     steppable = not self.paused_mode and (self.waiting or self.running)
                     if steppable or self._jobs or self._chunked:
                         break
-                    self._work.wait()
+                    self._work.wait(timeout=1.0 if self.paused_mode else None)
                     self.last_progress = time.monotonic()  # woken: idle time is not a stall
                 job = self._jobs.popleft() if self._jobs else None
                 plan = self._plan() if job is None and steppable else []
@@ -429,7 +434,19 @@ class Scheduler:
                     self.waiting.appendleft(r)
                 self.running = []
             self.paused_mode = mode
+            self.paused_at = time.monotonic()
             self._work.notify_all()
+
+    def _end_a_forgotten_pause(self) -> None:
+        """Under `_work`: a pause held longer than pause_max_s with no weight load under way (its
+        pauser died, or never meant to continue) ends, loudly: a paused engine still answers its
+        health checks, so nothing else would notice a run that stopped generating."""
+        if not self.paused_mode or time.monotonic() - self.paused_at <= self.pause_max_s or self._model_lock.locked():
+            return
+        log.warning("paused (%s) for %.0fs with no weight update under way: continuing generation",
+                    self.paused_mode, time.monotonic() - self.paused_at)  # fmt: skip
+        self.stats.num_forgotten_pauses_ended_total += 1
+        self.paused_mode = None
 
     def resume(self) -> None:
         with self._work:

@@ -420,6 +420,7 @@ class EngineServer:
                 "weight_load_seconds": sched.stats.weight_load_duration_s,
                 "weight_stage_seconds": sched.stats.weight_stage_duration_s,
                 "num_staged_weight_swaps": sched.stats.num_staged_swaps_total,
+                "num_forgotten_pauses_ended": sched.stats.num_forgotten_pauses_ended_total,
                 **self.receiver.status(),
             }
 

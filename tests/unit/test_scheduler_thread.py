@@ -34,23 +34,48 @@ def test_call_runs_on_the_scheduler_thread_and_returns_or_raises(sched):
     assert sched.call(lambda: "still serving") == "still serving"
 
 
-def test_long_work_runs_one_chunk_per_step_while_requests_generate(sched, tiny_model_dir):
+def test_long_work_runs_between_steps_for_a_steps_time_while_requests_generate(sched):
+    """Long work (a staged weight load, one chunk per tensor) runs between two steps for as long
+    as a step took: cheap chunks all go at once however many there are (a load does not stretch
+    with its tensor count), and costly ones leave generation going between them."""
     done = threading.Event()
-    req = Request(rid="long", input_ids=[1, 5, 6, 7], params=SamplingParams(max_new_tokens=40, ignore_eos=True),
+    req = Request(rid="long", input_ids=[1, 5, 6, 7], params=SamplingParams(max_new_tokens=60, ignore_eos=True),
                   on_done=lambda r: done.set())  # fmt: skip
     seen: list[int] = []
 
-    def chunks():
-        for _ in range(10):
+    def chunks(n: int, cost_s: float):
+        for _ in range(n):
             seen.append(len(req.output_ids))
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < cost_s:  # a chunk's own work
+                pass
             yield
         return "staged"
 
     sched.add_request(req)
-    assert sched.call_chunked(chunks) == "staged"
-    assert done.wait(30)
+    assert sched.call_chunked(chunks, 200, 0.0) == "staged"
+    assert seen[-1] - seen[0] <= 2, f"200 cheap chunks took {seen[-1] - seen[0]} steps"
+    seen.clear()
+    assert sched.call_chunked(chunks, 10, 0.03) == "staged"
     progress = [b - a for a, b in zip(seen, seen[1:], strict=False)]
-    assert all(p == 1 for p in progress[:5]), f"one token per chunk while generating, saw {seen}"
+    assert all(p <= 1 for p in progress) and sum(progress) >= 5, f"generation between costly chunks, saw {seen}"
+    assert done.wait(30)
+
+
+def test_a_pause_nobody_ends_is_ended_after_its_bound(sched):
+    """A paused engine still answers its health checks: a pause left by a pauser that died (or
+    never meant to continue) ends after pause_max_s, counted, and generation goes on."""
+    sched.pause_max_s = 0.3
+    sched.pause("retract")
+    deadline = time.monotonic() + 10
+    while sched.paused_mode is not None:
+        assert time.monotonic() < deadline, "the pause was never ended"
+        time.sleep(0.05)
+    assert sched.stats.num_forgotten_pauses_ended_total == 1
+    done = threading.Event()
+    req = Request(rid="after", input_ids=[1, 5, 6], params=SamplingParams(max_new_tokens=3), on_done=lambda r: done.set())
+    sched.add_request(req)
+    assert done.wait(10)  # generating again
 
 
 def test_staging_a_snapshot_chunk_by_chunk_matches_a_whole_read(sched, tiny_model_dir, tmp_path):
