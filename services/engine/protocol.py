@@ -301,8 +301,8 @@ def _logit_bias(v: Any, limits: Limits, where: str) -> dict[int, float]:
         if not 0 <= tid < limits.vocab_size:
             raise BadRequest(f"{where}logit_bias has token id {tid}, outside the vocabulary [0, {limits.vocab_size})")
         if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not abs(bias) <= FLOAT32_MAX:
-            raise BadRequest(f"{where}logit_bias[{key}] must be a number finite in float32 (|bias| <= 3.4e38), "
-                             f"the dtype it is added in")  # fmt: skip
+            raise BadRequest(f"{where}logit_bias[{key}] must be a finite number (in float32, the dtype it is added "
+                             "in: |bias| <= 3.4e38)")  # fmt: skip
         out[tid] = float(bias)
     return out
 

@@ -633,11 +633,14 @@ class Scheduler:
 
     def _forward_each(self, p: _Planned) -> StepOutput:
         """The batch's forward pass; if it raises, each request again on its own, and one that
-        still raises fails alone (500), so that no request can take the step or the thread down."""
+        still raises fails alone (500), so that no request can take the step or the thread down.
+        Unless the engine itself fails: then a one-token probe in that request's slot fails too,
+        and the error stands (the thread dies, the process exits and is restarted)."""
         try:
             return self._forward(p)
         except Exception as e:
             if len(p.reqs) == 1:
+                self._probe(p.slots[0], e)
                 log.warning("request %s failed inside the scheduler: %r", p.reqs[0].rid, e)
                 return StepOutput([0], [0.0], [None], [None], [(500, f"the engine failed on this request: {e!r:.300}")])
         parts = [self._forward_each(_Planned([r], [f], [slot])) for r, f, slot in zip(p.reqs, p.feeds, p.slots)]
@@ -646,6 +649,17 @@ class Scheduler:
             top=[x for o in parts for x in o.top], prompt=[x for o in parts for x in o.prompt],
             errors=[(o.errors or [None])[0] for o in parts],
         )  # fmt: skip
+
+    def _probe(self, slot: int, error: Exception) -> None:
+        """Raise `error` unless a one-token forward pass in `slot` (the failing request's: it is
+        released with it) works: the request is at fault, not the engine."""
+        self.slot_prompt.pop(slot, None)  # the probe overwrites the slot's first position
+        bos = self.model.cfg.bos_token_id if self.model.cfg.bos_token_id is not None else 0
+        probe = Request(rid="probe", input_ids=[bos], params=SamplingParams(max_new_tokens=1), on_done=lambda r: None)
+        try:
+            self._forward(_Planned([probe], [[bos]], [slot]))
+        except Exception:
+            raise error from None
 
     def _apply(self, p: _Planned, out: StepOutput, version: int, epoch: int) -> None:
         running = set(map(id, self.running))
