@@ -255,8 +255,11 @@ class Subjects(Struct, frozen=True):
                 "subjects": [self._s("deadletter.>")],
                 "retention": "limits",
                 "storage": "file",
-                # the oldest go first; each keeps at most 64 KB of its message, so a flood of dead
-                # letters holds at most ~650 MB (max_bytes would reserve that much store up front)
+                # the oldest go first; a dead letter keeps at most 64 KB of its message, and the
+                # server refuses anything larger than 96 KiB here (one published straight to the
+                # subject, past the services' truncation), so a flood holds at most ~1 GB
+                # (max_bytes would reserve that much store up front)
                 "max_msgs": 10_000,
+                "max_msg_size": 96 * 1024,
             },
         ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgpack
+import pytest
 
 from asyncrl_proto import DeadLetter, PromptMsg, decode
 from services.common.bus import Bus, fetch_some
@@ -53,5 +54,22 @@ async def test_dead_letter_keeps_subject_and_payload(nats_server, run_id):
         assert dl.original_subject == s.rollouts and dl.data == b"\x00garbage" and dl.service == "test"
         assert msgpack.unpackb(msg.data)["reason"] == "undecodable"
         assert msg.subject == f"asyncrl.{run_id}.deadletter.rollouts"
+    finally:
+        await bus.close()
+
+
+async def test_a_dead_letter_is_bounded_in_size_however_it_is_published(nats_server, run_id):
+    """Any role may dead-letter, and an 8 MB message published straight to a dead-letter subject
+    used to be stored (10,000 of them: about 80 GB). The server now refuses one over 96 KiB; the
+    services' own dead letters (64 KB of the message at most) still fit."""
+    bus = await Bus.connect(nats_server.url, run_id, "test")
+    try:
+        await bus.ensure_streams()
+        s = bus.subjects
+        await bus.dead_letter(s.rollouts, b"x" * 1_000_000, "too big to keep whole")  # truncated: stored
+        with pytest.raises(Exception, match="(?i)maximum|size"):
+            await bus.js.publish(s.deadletter(s.rollouts), b"y" * 500_000)
+        st = (await bus.js.stream_info(s.deadletter_stream)).state
+        assert st.messages == 1 and st.bytes < 96 * 1024
     finally:
         await bus.close()
