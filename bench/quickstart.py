@@ -99,8 +99,8 @@ class EnginePoller:
 
     def tokens_per_s(self) -> float:
         """The rate over the time the counter rose (from its first rise to its last)."""
-        rising = [(t, n) for (t, n), (_, prev) in zip(self.samples[1:], self.samples) if n > prev]
-        first = next(((t, n) for (t, n), (_, nxt) in zip(self.samples, self.samples[1:]) if nxt > n), None)
+        rising = [(t, n) for (t, n), (_, prev) in zip(self.samples[1:], self.samples, strict=False) if n > prev]
+        first = next(((t, n) for (t, n), (_, nxt) in zip(self.samples, self.samples[1:], strict=False) if nxt > n), None)
         if first is None or not rising or rising[-1][0] <= first[0]:
             return float("nan")
         return (rising[-1][1] - first[1]) / (rising[-1][0] - first[0])
@@ -133,6 +133,7 @@ def weight_timeline(run_dir: Path, run_id: str) -> dict:
 
 async def _read_weights(url: str, run_id: str) -> dict:
     import nats
+
     from asyncrl_proto import WeightsLive, WeightsPublished, decode
 
     deadline = time.monotonic() + 30

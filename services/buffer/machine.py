@@ -572,7 +572,7 @@ class BufferMachine:
             by_index = {p.group_index: gid for gid, p in self.state.outstanding.items()}
             for gi in in_work[: 4 * limit + 64]:
                 if isinstance(gi, int) and (gid := by_index.get(gi)) is not None:
-                    self.seen_at[gid] = time.time()
+                    self.seen_at[gid] = now
         return Out()
 
     # ---- observability -----------------------------------------------------------------------

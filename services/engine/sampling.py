@@ -86,8 +86,9 @@ def sample(
     scaled = logits_nv / temps[:, None]
     # checked in the dtype they are computed in: a bias or a temperature that is finite as a
     # Python float can still overflow float32 here; that row fails alone, never the step
-    bad = torch.isnan(scaled).any(-1) | torch.isposinf(scaled).any(-1) | ~torch.isfinite(scaled).any(-1)
-    errors: list[str | None] | None = None
+    # (a row's max is not finite when it holds NaN or +inf, or rules out every token: one pass)
+    bad = ~torch.isfinite(scaled.amax(-1))
+    errors: list[tuple[int, str] | None] | None = None
     if bool(bad.any()):
         why = "sampling produced non-finite logits (NaN or inf in float32): lower logit_bias or raise temperature"
         errors = [(400, why) if b else None for b in bad.tolist()]

@@ -643,7 +643,7 @@ class Scheduler:
                 self._probe(p.slots[0], e)
                 log.warning("request %s failed inside the scheduler: %r", p.reqs[0].rid, e)
                 return StepOutput([0], [0.0], [None], [None], [(500, f"the engine failed on this request: {e!r:.300}")])
-        parts = [self._forward_each(_Planned([r], [f], [slot])) for r, f, slot in zip(p.reqs, p.feeds, p.slots)]
+        parts = [self._forward_each(_Planned([r], [f], [slot])) for r, f, slot in zip(p.reqs, p.feeds, p.slots, strict=True)]
         return StepOutput(
             tokens=[t for o in parts for t in o.tokens], logprobs=[x for o in parts for x in o.logprobs],
             top=[x for o in parts for x in o.top], prompt=[x for o in parts for x in o.prompt],

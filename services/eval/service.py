@@ -33,7 +33,16 @@ import shutil
 import time
 from pathlib import Path
 
-from asyncrl_proto import ControlMsg, EvalRequest, EvalResult, MalformedMessage, Sample, SampleStatus, WeightsLive, decode
+from asyncrl_proto import (
+    ControlMsg,
+    EvalRequest,
+    EvalResult,
+    MalformedMessage,
+    Sample,
+    SampleStatus,
+    WeightsLive,
+    decode,
+)
 from asyncrl_proto.messages import scalar_reward
 from services.common import crash, procs
 from services.common.bus import VersionBound, fetch_some, keep_alive, settle

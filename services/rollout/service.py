@@ -133,8 +133,8 @@ class RolloutService(Service):
         self.submission_open = asyncio.Event()
         self.submission_open.set()
         self.pauses = Pauses(PAUSE_TTL_S, config.submission_pause_max_s, config.total_steps)
-        self.groups_in_flight: dict[int, tuple[object, float]] = {}
-        self.in_work: dict[int, int] = {}  # id(msg) -> the group index it generates (named in heartbeats)
+        self.groups_in_flight: dict[int, tuple[object, float, int]] = {}
+        """id(msg) -> (msg, when it started, the group index it generates: named in heartbeats)."""
         self.failures: dict[str, int] = {}  # group id -> generation failures seen here
         self.counters = {
             "groups_published": 0,
@@ -235,8 +235,7 @@ class RolloutService(Service):
         if (ctx := await self._context(msg, prompt, started)) is None:
             self.credits.group_done(0)
             return
-        self.groups_in_flight[id(msg)] = (msg, started)
-        self.in_work[id(msg)] = prompt.group_index
+        self.groups_in_flight[id(msg)] = (msg, started, prompt.group_index)
         given_back = [0]  # credits this group already returned, trajectory by trajectory
         if (spare := self.n - self._group_n(prompt)) > 0:  # an adapter's smaller group: its spare credits now
             self.credits.give_back(spare)
@@ -272,7 +271,6 @@ class RolloutService(Service):
             self.counters["samples_generated"] += len(rg.samples)
         finally:
             self.groups_in_flight.pop(id(msg), None)
-            self.in_work.pop(id(msg), None)
             self.credits.group_done(given_back[0])
 
     async def _adapter_not_loaded(self, msg, rid: str, e: Exception) -> None:
@@ -455,7 +453,7 @@ class RolloutService(Service):
         interval = max(0.5, self.config.prompt_ack_wait_s / 3)
         while True:
             await asyncio.sleep(interval)
-            for msg, _ in list(self.groups_in_flight.values()):
+            for msg, _, _ in list(self.groups_in_flight.values()):
                 await settle(msg, "in_progress")
 
     # ---- control ---------------------------------------------------------------------------------
@@ -514,7 +512,8 @@ class RolloutService(Service):
 
     def heartbeat_info(self) -> dict:
         """The cap, and the groups this producer is generating (their prompts are in work)."""
-        return {"inflight_groups": self.config.inflight_groups, "in_work": sorted(self.in_work.values())}
+        in_work = sorted(gi for _, _, gi in self.groups_in_flight.values())
+        return {"inflight_groups": self.config.inflight_groups, "in_work": in_work}
 
     def status(self) -> dict:
         return {

@@ -24,8 +24,8 @@ from asyncrl_proto import (
     group_id,
 )
 from services.api import RunConfig
-from services.buffer.service import BufferService
 from services.audit import collect
+from services.buffer.service import BufferService
 from services.buffer.state import ledger_events
 from services.common.bus import Bus, fetch_some
 from tests.conftest import AUTH, start_service, wait_until
