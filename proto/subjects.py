@@ -11,8 +11,11 @@ from msgspec import Struct
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _PARTITION = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
-MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
+KIB, MIB = 1024, 1024 * 1024
+MAX_PAYLOAD_BYTES = 8 * MIB
 """The server's max_payload that the embedded nats-server is started with (DESIGN.md)."""
+ROLLOUTS_MAX_MSGS = 4096
+"""ROLLOUTS' message cap when the run's own is not given (rollouts_max_msgs in the run's config)."""
 
 
 def check_run_id(run_id: str) -> str:
@@ -207,59 +210,50 @@ class Subjects(Struct, frozen=True):
         }  # fmt: skip
 
     # stream specs: StreamConfig fields, applied by services.common.bus
-    def stream_specs(self) -> list[dict]:
+    def stream_specs(self, partitioned: bool = False, rollouts_max_msgs: int = ROLLOUTS_MAX_MSGS) -> list[dict]:
+        """Every stream of the run, each bounded in message size and count (docs/trust.md, "What
+        one role can store"): no byte limit (JetStream reserves a stream's max_bytes out of the
+        server's store up front), so a stream holds at most max_msgs x max_msg_size. A stream that
+        must not lose what it holds refuses new messages when full (discard "new"); one that is
+        read for its latest messages drops its oldest. Only subjects that something consumes are
+        stored: a single-model run's prompts, rollouts and ledger, a partitioned (multi-LoRA) run's
+        `.<registration>` ones."""
+        own = (lambda tail: [self._s(f"{tail}.*")]) if partitioned else (lambda tail: [self._s(tail)])
         return [
-            {
-                "name": self.prompts_stream,
-                "subjects": [self._s("prompts"), self._s("prompts.*")],
-                "retention": "workqueue",
-                "storage": "file",
+            {  # written by the buffer only, within its release allowance; producers take them
+                "name": self.prompts_stream, "subjects": own("prompts"), "retention": "workqueue",
+                "storage": "file", "max_msg_size": 4 * MIB, "max_msgs": 65_536, "discard": "new",
+                "duplicate_window": 3600.0,  # a restarted buffer publishes the outstanding ones again
             },
-            {
-                "name": self.rollouts_stream,
-                "subjects": [self._s("rollouts"), self._s("rollouts.*")],
-                "retention": "limits",
-                "storage": "file",
-                "duplicate_window": 600.0,
-                "allow_direct": True,
+            {  # producers' groups; purged once trained (a flood of rejected ones at the next commit)
+                "name": self.rollouts_stream, "subjects": own("rollouts"), "retention": "limits",
+                "storage": "file", "duplicate_window": 600.0, "allow_direct": True,
+                "max_msg_size": MAX_PAYLOAD_BYTES, "max_msgs": rollouts_max_msgs, "discard": "new",
             },
-            {
-                "name": self.weights_stream,
+            {  # announcements: the newest matter
+                "name": self.weights_stream, "retention": "limits", "storage": "file",
                 "subjects": [self.weights_published, self.weights_live, self.adapters_published],
-                "retention": "limits",
-                "storage": "file",
+                "max_msg_size": 64 * KIB, "max_msgs": 100_000, "discard": "old",
             },
             {
-                "name": self.eval_stream,
-                "subjects": [self.eval_requests, self.eval_results],
-                "retention": "limits",
-                "storage": "file",
-                "duplicate_window": 600.0,
+                "name": self.eval_stream, "subjects": [self.eval_requests, self.eval_results],
+                "retention": "limits", "storage": "file", "duplicate_window": 600.0,
+                "max_msg_size": 256 * KIB, "max_msgs": 10_000, "discard": "old",
             },
             {
-                "name": self.progress_stream,
-                "subjects": [self.progress],
-                "retention": "limits",
-                "storage": "file",
+                "name": self.progress_stream, "subjects": [self.progress], "retention": "limits",
+                "storage": "file", "max_msg_size": MIB, "max_msgs": 100_000, "discard": "old",
             },
-            {
-                "name": self.ledger_stream,
-                "subjects": [self._s("ledger"), self._s("ledger.*")],
-                "retention": "limits",
-                "storage": "file",
-                "duplicate_window": 600.0,
-                "allow_direct": True,
+            {  # the durable record: written by the buffer only, never dropped (a full one stops the run)
+                "name": self.ledger_stream, "subjects": own("ledger"), "retention": "limits",
+                "storage": "file", "duplicate_window": 600.0, "allow_direct": True,
+                "max_msg_size": MAX_PAYLOAD_BYTES, "max_msgs": 10_000_000, "discard": "new",
             },
-            {
-                "name": self.deadletter_stream,
-                "subjects": [self._s("deadletter.>")],
-                "retention": "limits",
-                "storage": "file",
-                # the oldest go first; a dead letter keeps at most 64 KB of its message, and the
-                # server refuses anything larger than 96 KiB here (one published straight to the
-                # subject, past the services' truncation), so a flood holds at most ~1 GB
-                # (max_bytes would reserve that much store up front)
-                "max_msgs": 10_000,
-                "max_msg_size": 96 * 1024,
+            {  # every role writes here: a dead letter keeps at most 64 KB of its message, and the
+               # server refuses anything larger than 96 KiB (published straight to the subject, past
+               # the services' truncation); the oldest go first
+                "name": self.deadletter_stream, "subjects": [self._s("deadletter.>")],
+                "retention": "limits", "storage": "file", "max_msg_size": 96 * KIB, "max_msgs": 10_000,
+                "discard": "old",
             },
-        ]
+        ]  # fmt: skip

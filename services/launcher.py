@@ -273,7 +273,7 @@ class Launcher:
         (self.run_dir / "config.json").write_text(json.dumps(c.model_dump(mode="json"), indent=2))
         bus = await Bus.connect(self.nats_url, c.run_id, "launcher", creds=self.creds["admin"])
         try:
-            await bus.ensure_streams(c.stream_replicas)
+            await bus.ensure_streams(c.stream_replicas, c.multi_lora_n_adapters > 0, c.rollouts_max_msgs)
             await bus.ensure_consumers(c.prompt_ack_wait_s, c.multi_lora_n_adapters > 0)
             await bus.kv_put("config", json.dumps(c.model_dump(mode="json")).encode())
             await asyncio.to_thread(self.wait_ready)  # engines first: every service talks to them

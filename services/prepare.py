@@ -177,7 +177,7 @@ async def publish_run_config(config: RunConfig) -> None:
     creds = role_credentials(config, ("admin",))["admin"]
     bus = await Bus.connect(config.nats_url, config.run_id, "init-run", connect_timeout_s=120, creds=creds)
     try:
-        await bus.ensure_streams(config.stream_replicas)
+        await bus.ensure_streams(config.stream_replicas, config.multi_lora_n_adapters > 0, config.rollouts_max_msgs)
         await bus.ensure_consumers(config.prompt_ack_wait_s, config.multi_lora_n_adapters > 0)
         await bus.kv_put("config", json.dumps(config.model_dump(mode="json")).encode())
     finally:

@@ -9,9 +9,11 @@ those events; what is held here besides it (the requested steps, the staleness c
 producers' caps, waiting requests) is rebuilt by the trainer's and producers' next messages.
 
     on_restart   the state recovered from the ledger, and the stored groups' payloads
-    on_released  prompts published on PROMPTS (planned by plan_release): recorded
-    on_group     a RolloutGroup from ROLLOUTS: rejected, duplicate, handed to the DataBuffer, or
-                 first its release re-recorded (a crash lost the record of a published prompt)
+    on_released  prompts planned by plan_release: recorded, before they are published on PROMPTS
+                 (a restart publishes the outstanding ones again: same ids, deduplicated)
+    on_group     a RolloutGroup from ROLLOUTS: rejected (also one for a prompt never recorded
+                 released: a group never makes the buffer release anything), duplicate, or
+                 handed to the DataBuffer
     on_decision  the DefaultDataBuffer's decision on a group (stored, filtered, aborted, stale)
     on_recycled  a custom DataBuffer gives a group back (its decisions are not observable)
     on_put_returned  the DataBuffer's put() returned
@@ -63,8 +65,7 @@ log = logging.getLogger(__name__)
 
 PRODUCER_TIMEOUT_S = 10.0
 MAX_PRODUCERS = 1024
-"""Producers whose in-flight caps count towards the fully-async release (each at most the
-configured cap): what heartbeats can make the buffer release is bounded."""
+"""Producers whose heartbeats are tracked (each cap at most the configured one)."""
 MAX_RELEASE = 256
 """Prompts released at once at most (the release loop comes back for the rest)."""
 INLINE_MAX_BYTES = 64 * 1024
@@ -78,7 +79,7 @@ class BufferPluginError(RuntimeError):
 
 
 class GroupState(enum.Enum):
-    RELEASING = "releasing"  # its prompt is published, its release not yet recorded
+    RELEASING = "releasing"  # planned, its release not yet recorded (nor its prompt published)
     OUTSTANDING = "outstanding"  # released: queued, generating, or its group not yet read
     PUTTING = "putting"  # in the DataBuffer's put()
     STORED = "stored"
@@ -120,10 +121,8 @@ class Out:
     dead_letters: list[tuple[Any, str]] = dataclasses.field(default_factory=list)
     """(message handle, reason)."""
     settle: str | None = None
-    """For a ROLLOUTS message: "ack", "term" (rejected), "put" (call the DataBuffer's put, then
-    on_put_returned), "wait" (a release is being recorded: call on_group again after it), or
-    "release" (publish `release`, call on_released, then on_group again)."""
-    release: list[tuple[PromptMsg, dict]] = dataclasses.field(default_factory=list)
+    """For a ROLLOUTS message: "ack", "term" (rejected), or "put" (call the DataBuffer's put,
+    then on_put_returned)."""
     waiting: bool = False
     """on_get: the request waits for its step's lease (answered by a later Out, or on_get_timeout)."""
     purge: bool = False
@@ -153,6 +152,9 @@ class BufferMachine:
         self.want_step: int | None = None
         self.lookahead = 0
         self.producers: dict[str, tuple[float, int]] = {}
+        """Producer id -> (its last heartbeat, the in-flight cap it asked for)."""
+        self.answered: set[str] = set()
+        """Producers that answered a prompt this buffer released: only their caps count."""
         self.waiting: dict[int, list[Any]] = {}  # step -> get requests waiting for its lease
         self.releasing: set[str] = set()
         self.putting: Put | None = None
@@ -211,7 +213,10 @@ class BufferMachine:
     # ---- release -----------------------------------------------------------------------------
     def release_state(self, now: float) -> ReleaseState:
         self.producers = {k: v for k, v in self.producers.items() if now - v[0] < PRODUCER_TIMEOUT_S}
-        caps = [cap for _, cap in self.producers.values()]
+        self.answered &= self.producers.keys()
+        # the in-flight budget: one producer's cap, and the caps of the live producers that have
+        # answered a released prompt (a heartbeat alone, under any id, adds nothing)
+        caps = [cap for pid, (_, cap) in self.producers.items() if pid in self.answered]
         s = self.state
         need = 0
         if self.want_step is not None:
@@ -236,9 +241,9 @@ class BufferMachine:
         )  # fmt: skip
 
     def plan_release(self, now: float) -> list[tuple[PromptMsg, dict]]:
-        """The prompts to publish now (at most MAX_RELEASE; recycled ones first), each with the
-        data-source cursor after it. Their groups wait (GroupState.RELEASING) until on_released;
-        nothing more is planned meanwhile."""
+        """The prompts to release now (at most MAX_RELEASE; recycled ones first), each with the
+        data-source cursor after it; on_released records them (nothing more is planned meanwhile),
+        and only then are they published."""
         if self.releasing:
             return []
         return self._releasing(self._plan(min(release_allowance(self.release_state(now)), MAX_RELEASE)))
@@ -260,19 +265,6 @@ class BufferMachine:
     def _releasing(self, planned: list[tuple[PromptMsg, dict]]) -> list[tuple[PromptMsg, dict]]:
         self.releasing.update(group_id(p.group_index, p.attempt) for p, _ in planned)
         return planned
-
-    def _lost_release(self, rg: RolloutGroup) -> list[tuple[PromptMsg, dict]]:
-        """The releases up to this group's, if it is one of the next the data source would
-        release: its prompt was published and its record lost (the buffer crashed in between,
-        and the producer answered before the restarted buffer released again). They are
-        published again (same ids: deduplicated) and recorded before the group is judged."""
-        s = self.state
-        if rg.group_index < s.next_group_index and all(p.group_index != rg.group_index for p in s.recycled):
-            return []
-        ahead = self._plan(MAX_RELEASE)
-        ids = [group_id(p.group_index, p.attempt) for p, _ in ahead]
-        gid = group_id(rg.group_index, rg.attempt)
-        return ahead[: ids.index(gid) + 1] if gid in ids else []
 
     def on_released(self, planned: list[tuple[PromptMsg, dict]]) -> Out:
         for prompt, cur in planned:
@@ -314,12 +306,6 @@ class BufferMachine:
         """A group read from ROLLOUTS (`rg` None when not even its identity decodes)."""
         gid = group_id(rg.group_index, rg.attempt) if rg is not None else ""
         state = self.group_state(gid)
-        if state is GroupState.RELEASING:
-            return Out(settle="wait")
-        if undecodable is None and state is GroupState.SETTLED and (lost := self._lost_release(rg)):
-            if self.releasing:  # one release at a time: judge it after the one in flight
-                return Out(settle="wait")
-            return Out(settle="release", release=self._releasing(lost))
         if (problem := undecodable or self.group_problem(rg)) is not None:
             self._record("put", outcome="rejected", reason=problem[:500], group_id=gid,
                          group_index=rg.group_index if rg is not None else -1,
@@ -330,6 +316,8 @@ class BufferMachine:
             self._record("put", outcome="duplicate", stream_seq=stream_seq, **common)
             return self._out(settle="ack")
         self.gid_of[rg.group_index] = gid
+        if rg.producer_id in self.producers:
+            self.answered.add(rg.producer_id)
         if len(raw) <= INLINE_MAX_BYTES:
             self.raw_of[gid] = raw
         samples = flatten_group(rg.samples)
@@ -558,7 +546,12 @@ class BufferMachine:
         if not isinstance(cap, int) or isinstance(cap, bool) or not 0 <= cap <= limit:
             problem = f"inflight_groups {cap!r:.40} is not a count in [0, {limit}]"
         elif hb.instance_id not in self.producers and len(self.producers) >= MAX_PRODUCERS:
-            problem = f"{len(self.producers)} producers are alive already (at most {MAX_PRODUCERS} are counted)"
+            # make room by forgetting the quietest producer that never answered: heartbeats under
+            # made-up ids cannot crowd out the ones that work
+            unproven = [(t, pid) for pid, (t, _) in self.producers.items() if pid not in self.answered]
+            problem = None if unproven else f"{len(self.producers)} producers answer already (at most {MAX_PRODUCERS})"
+            if unproven:
+                del self.producers[min(unproven)[1]]
         else:
             problem = None
         if problem is not None:

@@ -6,8 +6,8 @@ budget (services.buffer.service hosts them).
 
 Every decision is the machine's (services.buffer.machine, no I/O); this module decodes, calls
 it, appends what it recorded, then sends what it answered: a ROLLOUTS message is acknowledged, a
-lease handed out, only once the ledger holds the decision. A prompt is published (deterministic
-Nats-Msg-Id) before its release is recorded.
+lease handed out, only once the ledger holds the decision. A prompt's release is recorded before
+it is published (deterministic Nats-Msg-Id), so no group can answer a prompt the ledger lacks.
 """
 
 from __future__ import annotations
@@ -18,7 +18,17 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from asyncrl_proto import BufferCommit, BufferGetRequest, Heartbeat, RolloutGroup, WeightsLive, decode, encode, group_id
+from asyncrl_proto import (
+    BufferCommit,
+    BufferGetRequest,
+    Heartbeat,
+    PromptMsg,
+    RolloutGroup,
+    WeightsLive,
+    decode,
+    encode,
+    group_id,
+)
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import flatten_group
 from asyncrl_proto.subjects import Subjects
@@ -101,7 +111,6 @@ class Partition:
         self.rollouts = rollouts
         self.ack_wait_s = ack_wait_s
         self._wake_release, self._wake_pump = asyncio.Event(), asyncio.Event()
-        self._release_recorded = asyncio.Event()  # replaced by a fresh one after each release is recorded
         self._answered: dict[int, asyncio.Event] = {}  # id(request message) -> set once answered
         self._next_live_read = 0.0
         self.reads_live = not subjects.partition
@@ -119,6 +128,10 @@ class Partition:
         stored = [decode(await self.bus.get_payload(self.s.rollouts_stream, ref.stream_seq), RolloutGroup)
                   for ref in self.ledger.state.stored.values()]  # fmt: skip
         await self._plugin(self.buffer.restore(self.core.on_restart(self.ledger.state, stored)), "restore")
+        if outstanding := list(self.ledger.state.outstanding.values()):
+            # a crash between a release's record and its publish left them unpublished; those
+            # that were published dedupe (a producer may hold them)
+            await self._publish_prompts(outstanding)
         if self.ledger.snapshot_seq or replayed:
             log.info("recovered %s: snapshot at event %d, %d events replayed, %d groups restored",
                      self.name, self.ledger.snapshot_seq, replayed, len(stored))  # fmt: skip
@@ -198,11 +211,7 @@ class Partition:
         if undecodable is None:  # a version newer than the bound: re-read it before judging
             await self.published.allows(max((v for s in flatten_group(rg.samples) for v in s.weight_versions), default=0))  # fmt: skip
         seq = msg.metadata.sequence.stream
-        while (out := self.core.on_group(msg, seq, rg, undecodable, msg.data)).settle in ("wait", "release"):
-            if out.settle == "release":  # its release was published, its record lost in a crash
-                await self._release(out.release)
-            else:
-                await self._release_recorded.wait()  # a release is being recorded
+        out = self.core.on_group(msg, seq, rg, undecodable, msg.data)
         self.ledger.add(out.events)
         for m, reason in out.dead_letters:
             await self.bus.dead_letter(m.subject, m.data, reason)
@@ -241,13 +250,17 @@ class Partition:
         return f"prompt-{self.s.partition}-{gid}" if self.s.partition else f"prompt-{gid}"
 
     async def _release(self, planned: list) -> None:
-        """Publish prompts (deterministic ids: a re-release after a crash dedupes), then record them."""
-        items = [(self.s.prompts, p, self.prompt_msg_id(group_id(p.group_index, p.attempt))) for p, _ in planned]
-        await self.bus.publish_durably(items, f"{len(planned)} prompts")
-        out = self.core.on_released(planned)
-        recorded, self._release_recorded = self._release_recorded, asyncio.Event()
-        recorded.set()  # the puts waiting for it run once this appends (in order) and yields
-        await self.apply(out, durable=True)
+        """Record the release, then publish the prompts: a group can only ever answer a prompt the
+        ledger holds. A crash in between leaves them recorded and unpublished; recover() publishes
+        every outstanding prompt again."""
+        await self.apply(self.core.on_released(planned), durable=True)
+        await self._publish_prompts([p for p, _ in planned])
+
+    async def _publish_prompts(self, prompts: list[PromptMsg]) -> None:
+        """Deterministic message ids: a prompt published twice within PROMPTS' duplicate window is
+        stored once."""
+        items = [(self.s.prompts, p, self.prompt_msg_id(group_id(p.group_index, p.attempt))) for p in prompts]
+        await self.bus.publish_durably(items, f"{len(prompts)} prompts")
 
     # ---- get path ----------------------------------------------------------------------------
     async def handle_get(self, msg) -> None:

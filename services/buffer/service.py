@@ -150,7 +150,6 @@ class BufferService(Service):
     live_version = property(lambda self: self.part.core.live_version)
     producers = property(lambda self: self.part.core.producers)
     ledger_problems = property(lambda self: [p for part in self.parts.values() for p in part.ledger.problems])
-    _release_recorded = property(lambda self: self.part._release_recorded)
 
     async def setup(self) -> None:
         s = self.bus.subjects

@@ -26,7 +26,7 @@ from nats.js import api
 
 from asyncrl_proto import DeadLetter, WeightsPublished, decode, encode
 from asyncrl_proto.codec import MalformedMessage
-from asyncrl_proto.subjects import ConsumerSpec, Subjects, inbox_prefix
+from asyncrl_proto.subjects import ROLLOUTS_MAX_MSGS, ConsumerSpec, Subjects, inbox_prefix
 from services.common.natsauth import SERVICE_ROLES
 from services.common.secrets import NatsCredentials, url_credentials
 
@@ -39,6 +39,7 @@ _RETENTION = {
     "interest": api.RetentionPolicy.INTEREST,
 }
 _STORAGE = {"file": api.StorageType.FILE, "memory": api.StorageType.MEMORY}
+_DISCARD = {"old": api.DiscardPolicy.OLD, "new": api.DiscardPolicy.NEW}
 
 
 PUBLISHED_VERSION_KEY = "published_version"
@@ -229,15 +230,17 @@ class Bus:
             await self.nc.close()
 
     # ---- setup -----------------------------------------------------------------------------
-    async def ensure_streams(self, replicas: int = 1) -> None:
+    async def ensure_streams(self, replicas: int = 1, partitioned: bool = False,
+                             rollouts_max_msgs: int = ROLLOUTS_MAX_MSGS) -> None:  # fmt: skip
         """Create (or update) every stream of the run, its KV bucket and its weights object bucket, each with `replicas`
         copies on a JetStream cluster (--nats-replicas; the run's consumers inherit it).
         Idempotent; needs the admin role (the launcher, `asyncrl init-run`): services only use
         what exists."""
-        for spec in self.subjects.stream_specs():
+        for spec in self.subjects.stream_specs(partitioned, rollouts_max_msgs):
             spec = dict(spec)
             spec["retention"] = _RETENTION[spec["retention"]]
             spec["storage"] = _STORAGE[spec["storage"]]
+            spec["discard"] = _DISCARD[spec["discard"]]
             cfg = api.StreamConfig(**spec, num_replicas=replicas)
             await self._through_outage(lambda cfg=cfg: self._add_or_update_stream(cfg), cfg.name, 120.0, "create")
         bucket = self.subjects.kv_bucket

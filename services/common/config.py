@@ -1001,6 +1001,14 @@ class RunConfig(MultiLoraSection, EvalSection, TrainerSection, AsyncSection, Rol
         return math.floor(self.async_data_buffer_capacity_factor * self.rollout_batch_size)
 
     @property
+    def rollouts_max_msgs(self) -> int:
+        """ROLLOUTS' message cap: four times what a run holds there at once (stored, in flight
+        on every producer the launcher starts, and two steps' leases), per adapter, plus 1024.
+        Past it a producer's publish is refused until the buffer's next purge."""
+        held = self.buffer_capacity + self.inflight_groups * max(1, self.rollout_num_producers) + 2 * self.rollout_batch_size
+        return 4 * held * max(1, self.multi_lora_n_adapters) + 1024
+
+    @property
     def inflight_groups(self) -> int:
         """In-flight cap of one producer, in groups (SPEC.md section 4)."""
         if self.async_max_concurrent_samples is not None:

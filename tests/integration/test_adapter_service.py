@@ -56,7 +56,7 @@ def config(files, slots: int = 2) -> RunConfig:
 async def fresh_run(server):
     """The run's streams and KV bucket (the launcher's part), with no registry state in it."""
     admin = await connect_role(server, "admin")
-    await admin.ensure_streams()
+    await admin.ensure_streams(partitioned=True)
     kv = await admin.kv()
     await kv.purge(ADAPTERS_KV_KEY)
     return admin

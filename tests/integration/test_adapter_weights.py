@@ -57,7 +57,7 @@ async def test_adapter_versions_reach_every_engine_without_a_pause(server, tiny_
     ]
     reg = uuid.uuid4().hex
     try:
-        await admin.ensure_streams()
+        await admin.ensure_streams(partitioned=True)
         await admin.ensure_consumers(60.0)
         sub = await sync_bus.consume(sync_bus.subjects.consumers(60.0)["weight-sync-adapters"])
         with EngineThread(tiny_model_dir, max_loras=2, max_lora_rank=4) as e1, \

@@ -28,7 +28,7 @@ def _released(state, gi: int) -> LedgerEvent:
 
 async def test_partition_ledgers_share_a_stream_and_replay_apart(nats_server, run_id):
     bus = await Bus.connect(nats_server.url, run_id, "test")
-    await bus.ensure_streams()
+    await bus.ensure_streams(partitioned=True)
     failures = []
     try:
         a, b = bus.subjects.of("aaaa"), bus.subjects.of("bbbb")

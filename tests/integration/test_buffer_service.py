@@ -243,45 +243,6 @@ async def test_a_stale_group_never_leaves_a_get_holding_a_group_for_a_finished_s
         await h.bus.close()
 
 
-async def test_a_group_that_comes_before_its_release_is_recorded_is_not_a_duplicate(
-    nats_server, run_id, task_data, tiny_model_dir
-):
-    """A prompt is published, then its release recorded: a fast producer can answer it in
-    between. Its group must wait for the record, not be taken for a duplicate (and dropped)."""
-    svc, h = await _setup(nats_server, run_id, config(task_data, tiny_model_dir))
-    service = svc.service
-    gate = asyncio.Event()
-    publish_durably = service.bus.publish_durably
-
-    async def slow_release(items, what, **kw):
-        acks = await publish_durably(items, what, **kw)
-        if items and items[0][0] == h.s.prompts:
-            await gate.wait()  # the prompts are out, their release not yet recorded
-        return acks
-
-    service.bus.publish_durably = slow_release
-    try:
-        await h.get(0, wait_s=0.1)
-        prompts = await h.prompts(2)
-        for p in prompts:
-            await h.publish_group(p)
-        gid = group_id(prompts[0].group_index, prompts[0].attempt)
-
-        def decided_or_waiting():  # the put of the first group has been reached
-            waiting = gid in service.core.releasing and service._release_recorded._waiters
-            return service.state.counters.get("duplicate_groups") or waiting
-
-        await wait_until(decided_or_waiting, what="the first group's put")
-        gate.set()
-        reply = await h.get(0)
-        assert reply.complete and sorted(r.group_index for r in reply.refs) == [0, 1]
-        assert not service.state.counters.get("duplicate_groups")
-    finally:
-        gate.set()
-        await svc.stop()
-        await h.bus.close()
-
-
 async def test_sync_mode_releases_one_batch_on_the_right_weights(nats_server, run_id, task_data, tiny_model_dir):
     svc, h = await _setup(nats_server, run_id, config(task_data, tiny_model_dir, fully_async=False, driver="sync"))
     try:
@@ -297,37 +258,40 @@ async def test_sync_mode_releases_one_batch_on_the_right_weights(nats_server, ru
         await h.bus.close()
 
 
-async def test_a_release_whose_record_a_crash_lost_is_recorded_when_its_group_comes_first(
+async def test_a_release_recorded_but_never_published_is_published_by_the_restarted_buffer(
     nats_server, run_id, task_data, tiny_model_dir
 ):
-    """A prompt is published, then its release recorded: a buffer that dies in between leaves a
-    prompt out whose release nobody recorded. A producer answers it before the restarted buffer
-    releases again (it waits for the trainer's next get): its group must bring the record back,
-    not be rejected as never released (its prompt would then be lost)."""
+    """A release is recorded, then its prompts published: a buffer that dies in between leaves
+    prompts the ledger holds and no producer can see. The restarted buffer publishes every
+    outstanding prompt again (same ids: one that was out already is not stored twice), and the
+    step completes with nothing rejected. A group for a prompt never recorded released (one 200
+    ahead) is rejected and releases nothing."""
     cfg = config(task_data, tiny_model_dir)
     svc = await start_service(BufferService, cfg, nats_server.url, run_id)
     h = Harness(await Bus.connect(nats_server.url, run_id, "test"))
 
-    def crash_before_recording(planned):
-        raise RuntimeError("killed after publishing the prompts, before recording them")
+    async def crash_before_publishing(prompts):
+        raise RuntimeError("killed after recording the release, before publishing its prompts")
 
-    svc.service.core.on_released = crash_before_recording
+    svc.service.part._publish_prompts = crash_before_publishing
     try:
         await h.get(0, wait_s=0.1)
         await wait_until(lambda: svc.task.done(), what="the buffer to die")
-        prompts = await h.prompts(4)  # the producers answer while no buffer runs
-        for p in prompts[:2]:
-            await h.publish_group(p)
         again = await start_service(BufferService, cfg, nats_server.url, run_id)
         try:
+            recorded = dict(again.service.state.outstanding)
+            assert len(recorded) >= 2
+            prompts = await h.prompts(len(recorded))
+            assert {group_id(p.group_index, p.attempt) for p in prompts} == set(recorded)
+            ghost = prompts[0]
+            ghost.group_index = again.service.state.next_group_index + 200
+            await h.publish_group(ghost)
+            for p in prompts[1:3]:
+                await h.publish_group(p)
             reply = await h.get(0)
-            assert reply.complete and sorted(r.group_index for r in reply.refs) == [0, 1]
-            assert not again.service.state.counters.get("rejected")
-            # the other two prompts' release is recorded again too: by the release the get sets
-            # off, which may come after the answer (g0 and g1 were stored before the get arrived)
-            others = {group_id(p.group_index, 0) for p in prompts[2:]}
-            await wait_until(lambda: others <= set(again.service.state.outstanding), what="g2 and g3 recorded released")
-            assert not again.service.state.counters.get("rejected")
+            assert reply.complete and sorted(r.group_index for r in reply.refs) == sorted(p.group_index for p in prompts[1:3])
+            await wait_until(lambda: again.service.state.counters.get("rejected") == 1, what="the ghost rejected")
+            assert again.service.state.next_group_index < ghost.group_index  # the ghost released nothing
         finally:
             await again.stop()
     finally:

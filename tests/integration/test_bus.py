@@ -73,3 +73,30 @@ async def test_a_dead_letter_is_bounded_in_size_however_it_is_published(nats_ser
         assert st.messages == 1 and st.bytes < 96 * 1024
     finally:
         await bus.close()
+
+
+async def test_every_stream_is_bounded_and_stores_only_what_something_consumes(nats_server, run_id):
+    """Each stream has a message-size and a message-count limit (at most max_msgs x max_msg_size;
+    docs/trust.md lists them), and a single-model run stores only its own subjects: a group on
+    `rollouts.zzz` used to be stored though nothing reads it. A partitioned run stores the
+    `.<registration>` subjects instead."""
+    bus = await Bus.connect(nats_server.url, run_id, "test")
+    try:
+        await bus.ensure_streams(rollouts_max_msgs=1234)
+        s = bus.subjects
+        for spec in s.stream_specs():
+            cfg = (await bus.js.stream_info(spec["name"])).config
+            assert 0 < cfg.max_msg_size <= 8 * 1024 * 1024 and cfg.max_msgs > 0, spec["name"]
+        assert (await bus.js.stream_info(s.rollouts_stream)).config.max_msgs == 1234
+        await bus.js.publish(s.rollouts, b"ok")
+        with pytest.raises(Exception, match="(?i)no response|no responders|no stream"):
+            await bus.js.publish(s.rollouts + ".zzz", b"stored for no one", timeout=1)
+        with pytest.raises(Exception, match="(?i)maximum|size"):  # an announcement is small
+            await bus.js.publish(s.weights_live, b"w" * 100_000)
+        assert (await bus.js.stream_info(s.rollouts_stream)).state.messages == 1
+        await bus.ensure_streams(partitioned=True)  # the same run's streams, updated in place
+        await bus.js.publish(s.of("a1").rollouts, b"a partition's group")
+        with pytest.raises(Exception, match="(?i)no response|no responders|no stream"):
+            await bus.js.publish(s.rollouts, b"no partition", timeout=1)
+    finally:
+        await bus.close()

@@ -177,7 +177,7 @@ def test_groups_rejected_duplicated_or_early_are_decided_before_any_put():
     planned = r.m.plan_release(now=0.0)
     (p0, _), (p1, _) = planned[:2]
     assert r.m.group_state(group_id(p0.group_index, 0)) is GroupState.RELEASING
-    assert r.m.on_group(object(), 1, r.group(p0), None, b"").settle == "wait"  # its release is being recorded
+    assert r.do(r.m.on_group(object(), 1, r.group(p0), None, b"")).settle == "term"  # not recorded: never released
     r.do(r.m.on_released(planned))
     bad = r.do(r.m.on_group(msg := object(), 2, r.group(p1, vocab_ok=False), None, b""))
     assert bad.settle == "term" and bad.dead_letters[0][0] is msg and "vocab" in bad.dead_letters[0][1]
@@ -229,21 +229,32 @@ def test_sync_release_waits_for_the_engines_and_releases_one_batch():
     r.check_fold()
 
 
-def test_fully_async_release_counts_live_producers_caps():
-    r = Run()
+def test_fully_async_release_counts_the_caps_of_live_producers_that_answered():
+    """The in-flight budget comes from what was released and what came back: a heartbeat adds a
+    producer's cap only once that producer has answered a released prompt, so 1024 heartbeats
+    under made-up ids release nothing beyond one producer's cap."""
+    r = Run(rows=64)
     r.get(0, wait_s=0)
-    for pid in ("a", "b"):
-        assert not r.m.on_heartbeat(
-            object(), Heartbeat(instance_id=pid, service="rollout", info={"inflight_groups": 2}), 0.0
-        ).dead_letters
-    bad = r.m.on_heartbeat(
-        object(), Heartbeat(instance_id="c", service="rollout", info={"inflight_groups": 10**6}), 0.0
-    )
+
+    def beat(pid, cap=2, now=0.0):
+        return r.m.on_heartbeat(object(), Heartbeat(instance_id=pid, service="rollout", info={"inflight_groups": cap}), now)
+
+    for i in range(1024):
+        assert not beat(f"forged-{i}").dead_letters
+    bad = beat("c", cap=10**6)
     assert "not a count" in bad.dead_letters[0][1]
-    assert len(r.m.plan_release(now=1.0)) == 2 + 2 + 2  # capacity + two producers' caps
-    assert r.m.plan_release(now=1.0) == []  # the releasing ones count as outstanding
-    r.m.releasing.clear()
-    assert r.m.release_state(now=100.0).inflight_cap == 2  # both forgotten: the configured cap
+    first = [p for p, _ in r.m.plan_release(now=1.0)]
+    assert len(first) == 2 + 2  # capacity + the configured cap of one producer: heartbeats add nothing
+    r.do(r.m.on_released([(p, {"epoch": 0, "cursor": p.group_index + 1, "next_group_index": p.group_index + 1})
+                          for p in first]))  # fmt: skip
+    for pid, p in zip(("a", "b"), first, strict=False):
+        beat(pid, now=1.0)
+        rg = r.group(p)
+        rg.producer_id = pid
+        r.put(rg, seq=p.group_index + 1)
+    assert r.m.release_state(now=2.0).inflight_cap == 2 + 2  # a and b answered: their caps count
+    assert r.m.release_state(now=100.0).inflight_cap == 2  # both gone quiet: the configured cap
+    r.check_fold()
 
 
 def test_a_restart_takes_the_folded_state_and_puts_the_stored_groups_back():
@@ -265,28 +276,21 @@ def test_a_restart_takes_the_folded_state_and_puts_the_stored_groups_back():
     again.check_fold()
 
 
-def test_a_group_whose_release_record_was_lost_has_it_recorded_not_rejected():
-    """Prompts published, their records lost in a crash; a producer answers before the restarted
-    buffer releases again: the group brings its release (and those before it) back."""
-    r = Run(async_unused_samples_handler="retry")
+def test_a_group_never_makes_the_buffer_release_prompts():
+    """A release is recorded before its prompts are published, so a group for any prompt the
+    ledger does not hold (the next one, or one 255 ahead) is rejected, and releases nothing."""
+    r = Run(rows=512)
     r.get(0)
     planned = r.m.plan_release(now=0.0)
-    lost = [p for p, _ in planned]  # published, never recorded: a restart forgets them
-    r.m.releasing.clear()
-    out = r.m.on_group(object(), 1, r.group(lost[2]), None, b"")
-    assert out.settle == "release" and [p.group_index for p, _ in out.release] == [0, 1, 2]
-    assert r.m.plan_release(now=0.0) == []  # one release at a time
-    assert r.m.on_group(object(), 2, r.group(lost[3]), None, b"").settle == "wait"
-    r.do(r.m.on_released(out.release))
-    assert r.put(r.group(lost[2]), seq=1) == "ack" and r.m.state.counters["stored"] == 1
-    # a recycled prompt's re-release record lost: attempt 1 is the head of the recycled queue
-    r.put(r.group(lost[0], status=SampleStatus.ABORTED), seq=3, decision="aborted")
-    again = r.m.state.recycled[0]
-    assert again.attempt == 1
-    out = r.m.on_group(object(), 4, r.group(again), None, b"")
-    assert out.settle == "release" and [(p.group_index, p.attempt) for p, _ in out.release] == [(0, 1)]
-    r.do(r.m.on_released(out.release))
-    assert r.put(r.group(again), seq=4) == "ack" and r.m.state.counters["stored"] == 2
+    head = max(p.group_index for p, _ in planned)
+    for ahead in (head, head + 1, head + 255):  # planned but unrecorded, and beyond
+        ghost = r.group(r.m.source.next_release(0, ahead, ahead, [])[0])
+        out = r.do(r.m.on_group(object(), 1, ghost, None, b""))
+        assert out.settle == "term" and "never released" in out.dead_letters[0][1]
+    assert r.m.state.next_group_index == 0 and not r.m.state.outstanding
+    r.do(r.m.on_released(planned))  # the recorded release: now its groups are taken
+    assert r.put(r.group(planned[0][0]), seq=2) == "ack" and r.m.state.counters["stored"] == 1
+    assert r.m.plan_release(now=0.0) == []  # nothing more: capacity and cap are taken
     r.check_fold()
 
 
