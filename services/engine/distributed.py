@@ -81,6 +81,7 @@ class DistributedReceiver:
             raise BadRequest(f"backend must be gloo or nccl, got {backend!r:.40}")
         if backend == "nccl" and not torch.cuda.is_available():
             raise BadRequest("backend nccl needs a GPU and this engine runs on the CPU: use gloo")
+        reach_master(address, port)
         with self._lock:
             for old in self.groups.values():  # one group at a time: a new one replaces any left over
                 old.close()
@@ -204,3 +205,18 @@ class DistributedReceiver:
 
     def status(self) -> dict:
         return {"groups": sorted(self.groups), "num_distributed_updates": self.num_updates}
+
+
+MASTER_CONNECT_TIMEOUT_S = 5.0
+
+
+def reach_master(address: str, port: int) -> None:
+    """Rank 0 listens before the engines are asked to join: a master that refuses or does not
+    answer within MASTER_CONNECT_TIMEOUT_S is a 400 now, not a store that retries for the group's
+    whole timeout."""
+    import socket
+
+    try:
+        socket.create_connection((address, port), timeout=MASTER_CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise BadRequest(f"cannot reach the group's master {address}:{port} within {MASTER_CONNECT_TIMEOUT_S:.0f}s: {e}") from None

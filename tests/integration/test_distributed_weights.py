@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import httpx
 import nats.errors
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from asyncrl_proto import TransferReply, TransferRequest
+from services.common.procs import free_port
 from services.common.sglang_client import EngineError, SGLangClient
 from services.model.hf_io import hf_state, save_model
 from services.model.transfer import TransferGroup, digest, manifest, open_store
@@ -69,6 +71,12 @@ async def test_the_engine_receives_a_whole_checked_version_by_broadcast(tiny_mod
                         "group_name": "g", "backend": "gloo", **bad}  # fmt: skip
                 r = await http.post("/init_weights_update_group", json=body)
                 assert r.status_code == 400 and why in r.text, r.text
+            t0 = time.monotonic()  # a dead master: refused at once (it used to take 40 s to answer)
+            r = await http.post("/init_weights_update_group", json={
+                "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
+                "group_name": "g", "backend": "gloo"})  # fmt: skip
+            assert r.status_code == 400 and "cannot reach the group's master" in r.text, r.text
+            assert time.monotonic() - t0 < 6
             rank0 = Rank0(world=2)
             r = await http.post("/init_weights_update_group", json={
                 "master_address": "127.0.0.1", "master_port": rank0.port, "rank_offset": 1, "world_size": 2,
