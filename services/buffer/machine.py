@@ -162,6 +162,8 @@ class BufferMachine:
         """group_index -> id of its group in the DataBuffer (one attempt of a prompt at a time:
         a new attempt is released only once the last one's fate is recorded)."""
         self.raw_of: dict[str, bytes] = {}  # group id -> encoded group, for small groups
+        self.progress_at = time.time()
+        """When a step last made progress (a group leased, a lease completed, a commit)."""
         self.seen_at: dict[str, float] = {}
         """Outstanding group id -> when it was released or last named in work by a producer."""
 
@@ -206,6 +208,7 @@ class BufferMachine:
         self.state = state
         now = time.time()
         self.seen_at = dict.fromkeys(state.outstanding, now)  # a restart gives each a full deadline again
+        self.progress_at = now
         for gid, rg in zip(state.stored, stored, strict=True):
             self.gid_of[rg.group_index] = gid
         return [rg.samples for rg in stored]
@@ -281,6 +284,8 @@ class BufferMachine:
         `expired`). A producer that acknowledged a prompt and died, or never meant to answer,
         cannot hang the run; its late answer is a duplicate."""
         deadline = self.config.prompt_deadline_s
+        if self.producers and self.stall(now) is not None:  # nobody works on them and the run waits
+            deadline = min(deadline, self.config.stall_report_s)
         for gone in set(self.seen_at) - set(self.state.outstanding):
             del self.seen_at[gone]
         for gid, p in list(self.state.outstanding.items()):
@@ -420,6 +425,7 @@ class BufferMachine:
                                     "a DataBuffer must return the groups it was given")  # fmt: skip
         if self.putting is not None and self.putting.group_id == gid and not self.putting.recorded:
             self._record_put("accepted")  # handed out before its put() returned
+        self.progress_at = time.time()
         self._record("leased", group_id=gid, group_index=gi, step=step, staleness=staleness(version, group))
         return self._complete_if_full(step)
 
@@ -516,6 +522,7 @@ class BufferMachine:
         for r in done:
             self.raw_of.pop(r.group_id, None)
         if req.step > self.state.committed_step:
+            self.progress_at = time.time()
             self._record("committed", step=req.step)
         replies = [(msg, BufferCommitReply(step=req.step, num_groups_committed=len(done)))]
         for step in [s for s in self.requested if s <= req.step]:
@@ -569,6 +576,40 @@ class BufferMachine:
         return Out()
 
     # ---- observability -----------------------------------------------------------------------
+    def stall(self, now: float) -> dict | None:
+        """Why no step has made progress for --stall-report-s while the trainer waits, or None."""
+        s, c = self.state, self.config
+        idle = now - self.progress_at
+        if self.want_step is None or idle < c.stall_report_s:
+            return None
+        short = [step for step in range(s.committed_step + 1, self.want_step + 1)
+                 if self.lease_state(step) is not LeaseState.COMPLETE]  # fmt: skip
+        rs = self.release_state(now)
+        unseen = [gid for gid in s.outstanding if now - self.seen_at.get(gid, now) >= c.stall_report_s]
+        if not short:
+            cause = (f"every lease up to step {self.want_step} is complete and none was committed: the trainer is "
+                     "slow or stuck (see its /status)")  # fmt: skip
+        elif not self.producers:
+            cause = f"no producer is alive (none sent a heartbeat for {PRODUCER_TIMEOUT_S:.0f} s): start one"
+        elif rs.outstanding:
+            cause = (f"{rs.outstanding} released prompts are unanswered, {len(unseen)} of them named in work by no "
+                     f"live producer for {c.stall_report_s:.0f} s (those go back now); producers alive: "
+                     f"{len(self.producers)}; see their /status and the engines'")  # fmt: skip
+        elif release_allowance(rs) > 0:
+            cause = "prompts may be released and none are: the buffer's release loop is behind (see its log)"
+        elif rs.min_version is not None and (rs.live_version is None or rs.live_version < rs.min_version):
+            cause = (f"the release waits for the engines to run version {rs.min_version} (live: {rs.live_version}): "
+                     "see weight-sync's /status")  # fmt: skip
+        elif rs.head_room is not None and rs.head_room <= 0:
+            cause = (f"generation is at its staleness budget (live version {rs.live_version}, --max-weight-staleness "
+                     f"{c.max_weight_staleness}): the engines' version must advance; see weight-sync's /status")  # fmt: skip
+        elif rs.stored >= rs.capacity:
+            cause = (f"the buffer is full ({rs.stored}/{rs.capacity} groups) and step {short[0]}'s lease is short: "
+                     "the DataBuffer hands out none of them")  # fmt: skip
+        else:
+            cause = "the run needs no more groups, and its leases are short"
+        return {"step": short[0] if short else self.want_step, "for_s": round(idle, 1), "cause": cause}
+
     def status(self, now: float) -> dict:
         rs, s = self.release_state(now), self.state
         return {
@@ -577,7 +618,7 @@ class BufferMachine:
             "outstanding_prompts": rs.outstanding, "producers": len(self.producers),
             "data_source": {"epoch": s.epoch, "cursor": s.cursor, "next_group_index": s.next_group_index,
                             "recycled_waiting": len(s.recycled)},
-            "ledger": {**s.counters, "events": s.seq},
+            "ledger": {**s.counters, "events": s.seq}, "stalled": self.stall(now),
         }  # fmt: skip
 
     def metric_values(self, now: float) -> dict[str, float]:
@@ -590,6 +631,7 @@ class BufferMachine:
             "buffer/live_version": self.live_version if self.live_version is not None else -1,
             "buffer/committed_step": s.committed_step,
             "buffer/ledger_events": s.seq,
+            "buffer/stalled_s": (now - self.progress_at) if self.stall(now) else 0.0,
         }
         out.update({f"buffer/ledger/{k}_total": v for k, v in s.counters.items()})
         return out

@@ -111,6 +111,7 @@ class Partition:
         self.rollouts = rollouts
         self.ack_wait_s = ack_wait_s
         self._wake_release, self._wake_pump = asyncio.Event(), asyncio.Event()
+        self._stall_said: str | None = None
         self._answered: dict[int, asyncio.Event] = {}  # id(request message) -> set once answered
         self._next_live_read = 0.0
         self.reads_live = not subjects.partition
@@ -245,6 +246,11 @@ class Partition:
                 await self.read_live_version()  # weight-sync may have announced before we listened
             if planned := self.core.plan_release(time.time()):
                 await self._release(planned)
+            stall = self.core.stall(time.time())
+            if stall is not None and stall["cause"] != self._stall_said:
+                log.warning("%sno step progress for %.0f s (step %d): %s", f"{self.name}: " if self.s.partition else "",
+                            stall["for_s"], stall["step"], stall["cause"])  # fmt: skip
+            self._stall_said = stall and stall["cause"]
 
     def prompt_msg_id(self, gid: str) -> str:
         return f"prompt-{self.s.partition}-{gid}" if self.s.partition else f"prompt-{gid}"

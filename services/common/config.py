@@ -462,6 +462,12 @@ class AsyncSection(Section):
         "long goes back to the prompts (a new attempt, on the ledger): a producer that took it and died or forgot it "
         "cannot hang the run.",
     )
+    stall_report_s: float = Field(
+        300.0,
+        gt=0,
+        description="No step progress for this long while the trainer waits: the buffer names the cause in its log "
+        "and /status (`stalled`), and sends back early the released prompts no live producer names in work.",
+    )
     producer_timeout_s: float = Field(
         60.0,
         gt=0,

@@ -385,3 +385,32 @@ def test_fully_async_admission_keeps_generation_within_the_staleness_budget():
     more, _ = r.release()
     assert len(more) == 2
     r.check_fold()
+
+
+def test_a_run_without_step_progress_is_diagnosed_and_unworked_prompts_go_back_early():
+    """No step progress for --stall-report-s while the trainer waits: the cause is named (in the
+    log and /status), and released prompts that no live producer names in work go back then,
+    not at the 900 s prompt deadline."""
+    import time
+
+    r = Run(stall_report_s=60.0)
+    t = time.time()
+    assert r.m.stall(t + 1000) is None  # the trainer asked for nothing: no one waits
+    r.get(0)
+    assert r.m.stall(t + 10) is None  # not yet
+    assert "no producer is alive" in r.m.stall(t + 61)["cause"]
+    r.m.on_heartbeat(object(), Heartbeat(instance_id="p", service="rollout", info={"inflight_groups": 2}), t + 61)
+    prompts, _ = r.release()
+    for gid in r.m.seen_at:
+        r.m.seen_at[gid] = t
+    r.m.on_heartbeat(object(), Heartbeat(instance_id="p", service="rollout",
+                                         info={"inflight_groups": 2, "in_work": [prompts[0].group_index]}), t + 65)  # fmt: skip
+    stall = r.m.stall(t + 65)
+    assert stall["step"] == 0 and f"{len(prompts)} released prompts are unanswered" in stall["cause"]
+    assert r.m.status(t + 65)["stalled"] == stall
+    expired = r.do(r.m.expire_unanswered(t + 65))
+    assert sorted(e.group_index for e in expired.events) == sorted(p.group_index for p in prompts[1:])  # one in work
+    r.put(r.group(prompts[0]), seq=1)  # the one in work is answered and leased: progress
+    r.do(r.m.on_handed(0, r.group(prompts[0]).samples, version=0))
+    assert r.m.stall(r.m.progress_at + 59) is None
+    r.check_fold()
