@@ -85,7 +85,7 @@ class EngineThread:
 
     def __init__(self, model_dir, weight_version: str = "0", max_running_requests: int = 64, seed: int = 0,
                  api_key: str | None = None, on_death=None, weights=None, staged_loading: bool = True,
-                 max_loras: int = 0, max_lora_rank: int = 8):  # fmt: skip
+                 max_loras: int = 0, max_lora_rank: int = 8, keys=None):  # fmt: skip
         import uvicorn
 
         from services.engine.scheduler import Scheduler
@@ -109,7 +109,7 @@ class EngineThread:
         self.port = procs.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = EngineServer(self.scheduler, str(model_dir), Tokenizer(model_dir), port=self.port,
-                                   api_key=api_key, weights=weights, staged_loading=staged_loading,
+                                   api_key=api_key, keys=keys, weights=weights, staged_loading=staged_loading,
                                    loras=self.loras)  # fmt: skip
         self._uv = uvicorn.Server(
             uvicorn.Config(

@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from asyncrl_proto import Heartbeat
 from services.common.bus import Bus
 from services.common.config import RunConfig
-from services.common.httpauth import OPEN_PATHS, require_token
+from services.common.httpauth import OPEN_PATHS, Keys, engine_token_from_env, keys_from_env, require_token
 from services.common.promexport import LabelledProcessCollector, ServiceCollector
 from services.common.secrets import install_log_redaction, run_token_from_env
 
@@ -99,10 +99,19 @@ class Service:
         http_port: int = 0,
         http_token: str | None = None,
     ):
-        """http_token: the run token every protected HTTP route asks for (default: from the
-        environment, services.common.secrets); without one those routes refuse everyone."""
+        """http_token: the run token (default: from the environment, services.common.secrets).
+        This service's routes answer the admin only (services.common.httpauth); it calls the
+        engines with its role's token (`engine_token`). Without a run token, or the keys and
+        token the launcher gives, its protected routes refuse everyone."""
         self.config = config
-        self.http_token = http_token if http_token is not None else run_token_from_env()
+        if http_token is not None:
+            self.http_keys: Keys | None = Keys.of_run(http_token)
+        else:
+            http_token = run_token_from_env()
+            self.http_keys = keys_from_env(http_token)
+        single_key = config.engine == "sglang" or bool(config.rollout_external_engine_addrs)
+        self.engine_token = engine_token_from_env(self.name, http_token, single_key)
+        """What this service sends to the engines (None: they ask for nothing)."""
         self.bus = bus
         self.instance_id = instance_id or f"{self.name}-{uuid.uuid4().hex[:6]}"
         self.http_host = http_host
@@ -254,7 +263,7 @@ class Service:
     def _build_app(self) -> FastAPI:
         app = FastAPI(title=f"asyncrl {self.name}", docs_url=None, redoc_url=None, openapi_url=None)
         open_paths = () if self.config.http_auth_probes else OPEN_PATHS
-        require_token(app, lambda: self.http_token, open_paths)
+        require_token(app, lambda: self.http_keys, open_paths)
 
         @app.get("/healthz")
         async def healthz() -> Response:

@@ -42,7 +42,7 @@ NATS_ENV = {
     "tls_cert": "ASYNCRL_NATS_TLS_CERT",
     "tls_key": "ASYNCRL_NATS_TLS_KEY",
 }
-SECRET_ENV = (RUN_TOKEN_ENV, NATS_ENV["password"], NATS_ENV["token"])
+SECRET_ENV = (RUN_TOKEN_ENV, "ASYNCRL_HTTP_TOKEN", NATS_ENV["password"], NATS_ENV["token"])
 REDACTED = "***"
 
 

@@ -116,7 +116,10 @@ def main(argv=None) -> None:
         except ValueError as e:  # BadRequest: a bad adapter given at start is a bad command line
             sched.shutdown()
             raise SystemExit(f"error: --lora-paths: {e}") from None
-    api_key = args.api_key or run_token_from_env()
+    from services.common.httpauth import Keys, keys_from_env
+
+    # --api-key: SGLang's one key for everything; else the run's per-role keys from the environment
+    keys = Keys.single(args.api_key) if args.api_key else keys_from_env(run_token_from_env())
     weights, temp_cache = None, None
     if args.nats_url:
         import tempfile
@@ -125,8 +128,8 @@ def main(argv=None) -> None:
 
         cache = args.weights_cache_dir or (temp_cache := tempfile.mkdtemp(prefix="asyncrl-engine-weights-"))
         weights = ObjectWeights(args.nats_url, args.run_id, cache)
-    server = EngineServer(sched, args.model_path, tokenizer, args.served_model_name, args.host, args.port, api_key,
-                          weights=weights, staged_loading=not args.disable_staged_weight_loading, loras=loras)  # fmt: skip
+    server = EngineServer(sched, args.model_path, tokenizer, args.served_model_name, args.host, args.port,
+                          keys=keys, weights=weights, staged_loading=not args.disable_staged_weight_loading, loras=loras)  # fmt: skip
     engine_metrics(server, run=args.run_id, instance=args.instance_id)  # the run and instance labels
     try:
         uvicorn.run(

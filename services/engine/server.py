@@ -19,8 +19,10 @@ in, so the pause around it does not grow with the model. A model_path `nats-obje
 (--nats-url, --run-id, and the read-only `engine` NATS identity): no shared disk.
 
 Trust: every request is validated before anything is queued (services.engine.protocol: a 400
-that names the field, never a 500); with an API key (--api-key or $ASYNCRL_RUN_TOKEN), every
-route but /health, /health_generate and /metrics needs `Authorization: Bearer <key>`, as SGLang.
+that names the field, never a 500); with an API key (--api-key, as SGLang) or the run's keys
+($ASYNCRL_HTTP_KEYS or $ASYNCRL_RUN_TOKEN), every route but /health, /health_generate and
+/metrics needs `Authorization: Bearer <token>`, and a role's token opens only its routes
+(services.common.httpauth: producers generate, weight-sync loads weights, the admin does all).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from services.common.httpauth import require_token
+from services.common.httpauth import ENGINE_SCOPES, Keys, require_token
 from services.common.weightstore import SCHEME, WeightStoreError
 from services.engine.distributed import DistributedReceiver
 from services.engine.generate import Generation
@@ -63,6 +65,7 @@ class EngineServer:
         host: str = "127.0.0.1",
         port: int = 0,
         api_key: str | None = None,
+        keys: Keys | None = None,
         weights=None,
         staged_loading: bool = True,
         loras=None,
@@ -76,7 +79,9 @@ class EngineServer:
         self.receiver = DistributedReceiver(scheduler, staged_loading)
         self.weights = weights
         self.staged_loading = staged_loading
-        self.api_key = api_key
+        self.keys = Keys.single(api_key) if api_key else keys
+        """Who may call the protected routes (services.common.httpauth): one key for everything
+        (api_key, SGLang's --api-key), or the run's roles, each within ENGINE_SCOPES."""
         cfg = scheduler.model.cfg
         self.limits = Limits(vocab_size=cfg.vocab_size, context_length=scheduler.context_length)
         self.model_path = model_path
@@ -157,8 +162,8 @@ class EngineServer:
         app = FastAPI(title="asyncrl built-in engine", docs_url=None, redoc_url=None, openapi_url=None,
                       lifespan=lifespan)  # fmt: skip
         sched = self.scheduler
-        if self.api_key:
-            require_token(app, lambda: self.api_key, OPEN_ROUTES)
+        if self.keys is not None:
+            require_token(app, lambda: self.keys, OPEN_ROUTES, ENGINE_SCOPES)
 
         @app.exception_handler(RequestFailed)
         async def request_failed(request: Request, e: RequestFailed):

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from services.common import procs
 from services.common.engine_commands import builtin_engine_command, builtin_engine_flags, sglang_server_command
-from services.common.secrets import run_token_from_env, without_nats_identity
+from services.common.httpauth import HTTP_TOKEN_ENV, Keys
+from services.common.secrets import RUN_TOKEN_ENV, RUN_TOKEN_FILE_ENV, without_nats_identity
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,13 @@ def fleet_server_args(rollout_args: list[str], overrides: list[str], rollout_tp:
 BUILTIN_FLAGS = ("--max-running-requests", "--context-length", "--random-seed", "--torch-num-threads")
 
 
-def launch_fleet(config, log_dir: Path) -> tuple[list[subprocess.Popen], list[str]]:
-    """Start the fleet's engines (children of the eval service: they die with it)."""
+def launch_fleet(config, log_dir: Path, token: str | None) -> tuple[list[subprocess.Popen], list[str]]:
+    """Start the fleet's engines (children of the eval service: they die with it). `token`, the
+    eval's own, is the fleet engines' only key: the eval loads weights on them and serves
+    generation from them; no other role reaches them."""
+    env = {k: v for k, v in without_nats_identity().items() if k not in (RUN_TOKEN_ENV, RUN_TOKEN_FILE_ENV, HTTP_TOKEN_ENV)}
+    if token:
+        env.update(Keys.single(token).env())
     n = config.eval_num_gpus // max(config.eval_num_gpus_per_engine, 1)
     children, urls = [], []
     for i in range(n):
@@ -82,12 +88,12 @@ def launch_fleet(config, log_dir: Path) -> tuple[list[subprocess.Popen], list[st
             args = fleet_server_args(list(config.sglang_server_args), list(config.eval_sglang_args),
                                      config.rollout_num_gpus_per_engine, config.eval_num_gpus_per_engine)  # fmt: skip
             cmd = sglang_server_command(config.hf_checkpoint, port, config.seed + 100 + i, args)
-            if token := run_token_from_env():
+            if token:
                 cmd += ["--api-key", token]  # SGLang takes its key on its command line only
         else:
             flags = builtin_engine_flags(config, config.seed + 100 + i, f"eval-engine-{i}")
             flags.update({k: v for k, v in parse_flags(list(config.eval_sglang_args)).items() if k in BUILTIN_FLAGS})
             cmd = builtin_engine_command(config.hf_checkpoint, port, flags)
-        children.append(procs.spawn(cmd, log_path=log_dir / f"eval-engine-{i}.log", env=without_nats_identity()))
+        children.append(procs.spawn(cmd, log_path=log_dir / f"eval-engine-{i}.log", env=env))
         urls.append(f"http://127.0.0.1:{port}")
     return children, urls

@@ -94,7 +94,7 @@ class EvalService(Service):
             for name, (ds, _) in self.sets.items()
         }
         rollout_urls = [config.rollout_router_url] if config.rollout_router_url else config.rollout_engine_urls
-        self.client = SGLangClient(rollout_urls, api_key=self.http_token)  # the shared backend's engines
+        self.client = SGLangClient(rollout_urls, api_key=self.engine_token)  # the shared backend's engines
         self.fleet_client: SGLangClient | None = None
         self.fleet_children = []
         self.evaluator: CheckpointEvalFn | None = None
@@ -139,8 +139,8 @@ class EvalService(Service):
     async def _start_fleet(self) -> None:
         urls = list(self.config.eval_engine_urls)
         if not urls:
-            self.fleet_children, urls = launch_fleet(self.config, Path(self.config.run_dir) / "logs")
-        self.fleet_client = SGLangClient(urls, api_key=self.http_token)
+            self.fleet_children, urls = launch_fleet(self.config, Path(self.config.run_dir) / "logs", self.engine_token)
+        self.fleet_client = SGLangClient(urls, api_key=self.engine_token)
         deadline = time.monotonic() + FLEET_START_TIMEOUT_S
         for url in urls:
             while not await self.fleet_client.health_generate(url, timeout=5.0):

@@ -124,7 +124,7 @@ class RolloutService(Service):
         routed = bool(config.rollout_router_url)  # a router spreads over every engine: their slots together
         self.client = SGLangClient(
             [config.rollout_router_url] if routed else config.rollout_engine_urls,
-            api_key=self.http_token,
+            api_key=self.engine_token,
             max_concurrency=config.sglang_server_concurrency * (max(1, config.rollout_num_engines) if routed else 1),
         )
         self.engine = EngineHandle(self.client, self.tokenizer)

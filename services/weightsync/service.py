@@ -67,7 +67,7 @@ class WeightSyncService(Service):
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
-        self.client = SGLangClient(config.rollout_engine_urls, api_key=self.http_token)
+        self.client = SGLangClient(config.rollout_engine_urls, api_key=self.engine_token)
         self.live_version: int | None = None
         self.last_update_s = 0.0
         self.num_updates = 0

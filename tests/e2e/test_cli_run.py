@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from services.common.httpauth import role_token
 from services.common.procs import pid_alive
 from tests.conftest import run_auth
 
@@ -99,6 +100,15 @@ def test_fully_async_run_end_to_end(tmp_path):
                 token = run_auth(run_dir)["Authorization"].split()[1]
                 passwords = json.loads((run_dir / "secrets" / "nats.json").read_text())
                 assert token not in config and not any(p["password"] in config for p in passwords.values())
+                # least privilege: no child holds the run token; a producer's token opens no service route
+                pid = http.get(url + "/status", headers=run_auth(run_dir)).json()["pid"]
+                assert token.encode() not in Path(f"/proc/{pid}/environ").read_bytes(), name
+                producer = {"Authorization": f"Bearer {role_token(token, 'rollout')}"}
+                assert http.get(url + "/status", headers=producer).status_code == 403
+            engine = services["engine-0"]
+            producer = {"Authorization": f"Bearer {role_token(token, 'rollout')}"}
+            assert http.post(engine + "/pause_generation", json={}, headers=producer).status_code == 403
+            assert http.get(engine + "/model_info", headers=producer).status_code == 200
         out, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:

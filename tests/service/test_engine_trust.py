@@ -145,6 +145,42 @@ async def test_the_api_key_guards_every_route_but_health_and_metrics(tiny_model_
             assert ok.status_code == 200
 
 
+async def test_each_role_token_opens_only_its_routes(tiny_model_dir):
+    """Least privilege over HTTP: one run token used to open every route to every role. Now a
+    producer's token generates and cannot pause or load weights; weight-sync's pauses and loads
+    and cannot generate; eval's generates; the run token (admin) does everything. The engine
+    holds only the tokens' SHA-256, never a token."""
+    from services.common.httpauth import Keys, role_token
+
+    run = "the-run-token"
+    keys = Keys.of_run(run)
+    assert run not in str(keys.hashes) and all(len(h) == 64 for h in keys.hashes.values())
+    allowed = {"rollout": {"/generate", "/v1/models", "/model_info", "/abort_request"},
+               "eval": {"/generate", "/v1/models", "/model_info", "/abort_request"},
+               "weight-sync": {"/pause_generation", "/continue_generation", "/flush_cache", "/update_weight_version",
+                               "/server_info", "/model_info", "/init_weights_update_group"}}  # fmt: skip
+    routes = [("POST", "/generate"), ("GET", "/v1/models"), ("GET", "/model_info"), ("POST", "/abort_request"),
+              ("POST", "/pause_generation"), ("POST", "/continue_generation"), ("POST", "/flush_cache"),
+              ("POST", "/update_weight_version"), ("GET", "/server_info"), ("POST", "/init_weights_update_group"),
+              ("POST", "/release_memory_occupation"), ("GET", "/status")]  # fmt: skip
+    with EngineThread(tiny_model_dir, keys=keys) as e:
+        async with httpx.AsyncClient(base_url=e.url, timeout=30) as c:
+            for role, ok in allowed.items():
+                auth = {"Authorization": f"Bearer {role_token(run, role)}"}
+                for method, path in routes:
+                    payload = body() if path == "/generate" else {}
+                    r = await c.request(method, path, json=payload, headers=auth)
+                    if path in ok:
+                        assert r.status_code not in (401, 403), (role, path, r.status_code, r.text)
+                    else:
+                        assert r.status_code == 403 and f"the {role} credential may not call" in r.text, (role, path)
+            admin = {"Authorization": f"Bearer {run}"}
+            assert (await c.get("/status", headers=admin)).status_code == 200
+            assert (await c.post("/generate", json=body(), headers=admin)).status_code == 200
+            forged = {"Authorization": f"Bearer {role_token('another-run', 'weight-sync')}"}
+            assert (await c.post("/pause_generation", json={}, headers=forged)).status_code == 401
+
+
 async def test_a_dead_scheduler_answers_what_it_held_and_says_so(tiny_model_dir):
     deaths = []
     with EngineThread(tiny_model_dir, on_death=deaths.append) as e:
