@@ -51,6 +51,7 @@ from asyncrl_proto import (
     WeightsLive,
     WeightsPublished,
     encode,
+    group_id,
 )
 
 EXAMPLES = 40
@@ -109,12 +110,12 @@ JETSTREAM = {"rollouts", "prompts", "weights.published", "eval.requests", "eval.
 class Bus:
     """An admin connection on an event loop of its own thread (hypothesis tests are synchronous)."""
 
-    def __init__(self, url: str, run_id: str, creds):
+    def __init__(self, url: str, run_id: str, creds, role: str = "fuzz"):
         from services.common.bus import Bus as _Bus
 
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.bus = self.run(_Bus.connect(url, run_id, "fuzz", creds=creds))
+        self.bus = self.run(_Bus.connect(url, run_id, role, creds=creds))  # replies on the role's own inbox
 
     def run(self, coro, timeout: float = 60):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -260,6 +261,58 @@ def test_every_http_route_answers_4xx_never_5xx_never_hangs(run, kind):
             assert r.status_code == 401, (path, r.status_code)
 
     fuzz()
+    run.healthy()
+
+
+# ---- each role's own abuse, within its permissions ----------------------------------------------------
+def test_each_role_abuses_only_what_its_own_credentials_allow(run):
+    """docs/trust.md's role probes, with each role's own NATS identity and HTTP token: a producer
+    forges 1024 heartbeats, answers a prompt 200 ahead and publishes where nothing reads; weight-sync
+    announces version 10**9; every role calls HTTP routes outside its scope. Backpressure holds,
+    nothing is released early, nothing is stored for no one, and every route outside a scope is 403."""
+    from services.common.httpauth import role_token
+    from services.common.secrets import NatsCredentials, load_roles_file
+
+    roles = load_roles_file(run.dir / "secrets" / "nats.json")
+    buses = {role: Bus(run.config["nats_url"], run.config["run_id"], NatsCredentials(**roles[role]), role)
+             for role in ("rollout", "weight-sync")}  # fmt: skip
+    buffer = run.services["buffer"]
+    try:
+        producer = buses["rollout"].bus
+        s = producer.subjects
+        for i in range(1024):
+            hb = Heartbeat(service="rollout", instance_id=f"forged-{i}", info={"inflight_groups": 4})
+            buses["rollout"].run(producer.publish_core(s.heartbeat("rollout"), hb))
+        status = run.http.get(buffer + "/status").json()
+        ghost_index = status["data_source"]["next_group_index"] + 200
+        ghost = RolloutGroup(group_id=group_id(ghost_index, 0), group_index=ghost_index, samples=[])
+        buses["rollout"].run(producer.publish(s.rollouts, ghost, msg_id=ghost.group_id))
+        with pytest.raises(Exception, match="(?i)no response|no responders|no stream"):
+            buses["rollout"].run(producer.js.publish(s.rollouts + ".zzz", b"stored for no one", timeout=1))
+        sync = buses["weight-sync"].bus
+        buses["weight-sync"].run(sync.publish(s.weights_live, WeightsLive(version=10**9)))
+        cap = run.config["rollout_batch_size"]  # capacity factor 1 and one producer's cap, in groups
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline:  # released and unanswered or stored: never beyond the budget
+            status = run.http.get(buffer + "/status").json()
+            assert status["outstanding_prompts"] + status["stored_groups"] <= 2 * cap + cap, status
+            assert status["data_source"]["next_group_index"] < ghost_index, "a group released prompts"
+            assert status["live_version"] is None or status["live_version"] < 10**9
+            time.sleep(0.3)
+    finally:
+        for b in buses.values():
+            b.close()
+    engine = run.services["engine-0"]
+    outside = {"rollout": [("POST", engine + "/pause_generation"), ("POST", engine + "/update_weights_from_disk"),
+                           ("POST", buffer + "/control/pause_submission"), ("GET", buffer + "/status")],
+               "eval": [("POST", engine + "/update_weights_from_disk"), ("POST", engine + "/flush_cache")],
+               "weight-sync": [("POST", engine + "/generate"), ("GET", run.services["trainer"] + "/status")]}  # fmt: skip
+    for role, calls in outside.items():
+        auth = {"Authorization": f"Bearer {role_token(run.token, role)}"}
+        for method, url in calls:
+            r = run.http.request(method, url, json={}, headers=auth)
+            COUNTS[f"http {role} credential outside its scope"] += 1
+            assert r.status_code == 403, (role, url, r.status_code, r.text[:200])
     run.healthy()
 
 
