@@ -87,6 +87,14 @@ class GroupState(enum.Enum):
     SETTLED = "settled"  # trained, dropped, filtered, rejected, recycled as a new attempt, or unknown
 
 
+class Verdict(str, enum.Enum):
+    """The machine's word on a ROLLOUTS message; the partition maps it to the bus (one place)."""
+
+    ACK = "ack"  # decided (stored elsewhere, a duplicate, foreign): acknowledge it
+    TERM = "term"  # rejected: never redelivered
+    PUT = "put"  # call the DataBuffer's put, then on_put_returned; then acknowledge
+
+
 class LeaseState(enum.Enum):
     OPEN = "open"  # asked for or being filled, short of B groups or not yet recorded complete
     COMPLETE = "complete"  # B groups, durable before any get is answered with it
@@ -120,9 +128,8 @@ class Out:
     """(request handle, reply struct)."""
     dead_letters: list[tuple[Any, str]] = dataclasses.field(default_factory=list)
     """(message handle, reason)."""
-    settle: str | None = None
-    """For a ROLLOUTS message: "ack", "term" (rejected), or "put" (call the DataBuffer's put,
-    then on_put_returned)."""
+    settle: Verdict | None = None
+    """For a ROLLOUTS message: what becomes of it (Verdict)."""
     waiting: bool = False
     """on_get: the request waits for its step's lease (answered by a later Out, or on_get_timeout)."""
     purge: bool = False
@@ -315,11 +322,11 @@ class BufferMachine:
             self._record("put", outcome="rejected", reason=problem[:500], group_id=gid,
                          group_index=rg.group_index if rg is not None else -1,
                          attempt=rg.attempt if rg is not None else 0, stream_seq=stream_seq)  # fmt: skip
-            return self._out(settle="term", dead_letters=[(msg, problem)])
+            return self._out(settle=Verdict.TERM, dead_letters=[(msg, problem)])
         common = {"group_id": gid, "group_index": rg.group_index, "attempt": rg.attempt}
         if state is not GroupState.OUTSTANDING:
             self._record("put", outcome="duplicate", stream_seq=stream_seq, **common)
-            return self._out(settle="ack")
+            return self._out(settle=Verdict.ACK)
         self.gid_of[rg.group_index] = gid
         if rg.producer_id in self.producers:
             self.answered.add(rg.producer_id)
@@ -328,7 +335,7 @@ class BufferMachine:
         samples = flatten_group(rg.samples)
         self.putting = Put(**common, stream_seq=stream_seq, oldest_version=oldest_weight_version(rg.samples),
                            failed=all(s.status == SampleStatus.FAILED for s in samples))  # fmt: skip
-        return self._out(settle="put")
+        return self._out(settle=Verdict.PUT)
 
     def on_closed(self) -> Out:
         """The partition's adapter registration completed: its stored groups, and those leased to
@@ -355,13 +362,13 @@ class BufferMachine:
                   "attempt": ident.attempt if ident else 0, "stream_seq": stream_seq}  # fmt: skip
         if ident is not None and gid in self.state.outstanding:
             self._record("put", outcome="foreign", reason="its adapter registration is closed", **common)
-            return self._out(settle="ack")
+            return self._out(settle=Verdict.ACK)
         if ident is not None:
             self._record("put", outcome="duplicate", **common)
-            return self._out(settle="ack")
+            return self._out(settle=Verdict.ACK)
         problem = "undecodable RolloutGroup for a closed adapter registration"
         self._record("put", outcome="rejected", reason=problem, **common)
-        return self._out(settle="term", dead_letters=[(msg, problem)])
+        return self._out(settle=Verdict.TERM, dead_letters=[(msg, problem)])
 
     def _record_put(self, outcome: str, reason: str = "", recycled: bool = False) -> None:
         cur = self.putting

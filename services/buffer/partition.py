@@ -34,15 +34,19 @@ from asyncrl_proto.messages import flatten_group
 from asyncrl_proto.subjects import Subjects
 from services.buffer.core import DefaultDataBuffer, make_buffer
 from services.buffer.ledger import Ledger
-from services.buffer.machine import BufferMachine, BufferPluginError, Out, group_identity
+from services.buffer.machine import BufferMachine, BufferPluginError, Out, Verdict, group_identity
 from services.common import crash
-from services.common.bus import next_batch, settle
+from services.common.bus import Settle, next_batch, settle
 from services.common.datasource import make_prompt_source
 from services.common.plugins import load_object
 from services.common.runtime import wait_event
 from services.common.validate import limits_from_model_dir
 
 log = logging.getLogger(__name__)
+
+
+SETTLE_OF = {Verdict.ACK: Settle.ACK, Verdict.TERM: Settle.TERM}
+"""How a ROLLOUTS message is settled on the machine's word (a PUT is acknowledged once put)."""
 
 
 class Bound:
@@ -203,7 +207,7 @@ class Partition:
             for msg, how in done:
                 await settle(msg, how)
 
-    async def _put_one(self, msg, pending: list) -> str:
+    async def _put_one(self, msg, pending: list) -> Settle:
         """Returns how to settle the message once what was decided on it is durable."""
         try:
             rg, undecodable = decode(msg.data, RolloutGroup), None
@@ -216,21 +220,21 @@ class Partition:
         self.ledger.add(out.events)
         for m, reason in out.dead_letters:
             await self.bus.dead_letter(m.subject, m.data, reason)
-        if out.settle != "put":
-            return out.settle
+        if out.settle is not Verdict.PUT:
+            return SETTLE_OF[out.settle]
         put = asyncio.ensure_future(self._plugin(self.buffer.put(rg.samples), "put"))
         try:
             await asyncio.wait({put}, timeout=0.05)
             while not put.done():  # a full buffer holds the producers back
                 await self.ledger.flush()  # what is decided becomes durable meanwhile
                 for m in pending:
-                    await settle(m, "in_progress")  # and the waiting messages stay ours
+                    await settle(m, Settle.IN_PROGRESS)  # and the waiting messages stay ours
                 await asyncio.wait({put}, timeout=self.ack_wait_s / 3)
         finally:
             put.cancel()  # stopping (or a closed partition): nothing is decided after it
         put.result()
         await self.apply(self.core.on_put_returned())
-        return "ack"
+        return Settle.ACK
 
     # ---- release -----------------------------------------------------------------------------
     async def release_prompts(self) -> None:

@@ -47,9 +47,10 @@ from asyncrl_proto import (
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import NO_PARTITION_ERROR, AdapterRun, AdapterState
 from asyncrl_proto.subjects import ADAPTERS_KV_KEY
-from services.buffer.partition import Bound, Partition, QueueSub
+from services.buffer.machine import Verdict
+from services.buffer.partition import SETTLE_OF, Bound, Partition, QueueSub
 from services.common import crash
-from services.common.bus import VersionBound, next_batch, settle
+from services.common.bus import Settle, VersionBound, next_batch, settle
 from services.common.config import AsyncSection, DataSection, MultiLoraSection, RolloutSection, TrainerSection
 from services.common.promexport import LATENCY_BUCKETS_S
 from services.common.runtime import Service
@@ -312,7 +313,7 @@ class BufferService(Service):
                     await self._foreign(rid, msg)
                 except Exception as e:  # a broker away: the message comes back
                     log.warning("group for registration %s: %s; it is delivered again", rid[:64], e)
-                    await settle(msg, "nak", delay=1.0)
+                    await settle(msg, Settle.NAK, delay=1.0)
 
     async def _foreign(self, rid: str, msg) -> None:
         """A group of a closed registration is recorded `foreign` in its ledger and dropped; one
@@ -321,17 +322,17 @@ class BufferService(Service):
         if run is None or (rid in self.broken and rid not in self.closed):
             why = self.broken.get(rid) or "no such registration in this run"
             await self.bus.dead_letter(msg.subject, msg.data, f"adapter registration {rid[:64]!r}: {why}")
-            await settle(msg, "term")
+            await settle(msg, Settle.TERM)
             return
         if run.state is not AdapterState.COMPLETED:  # open, its partition not built yet: later
-            await settle(msg, "nak", delay=1.0)
+            await settle(msg, Settle.NAK, delay=1.0)
             return
         if (part := self.closed.get(rid)) is None:
             part = await self._closed_partition(run)
         out = part.core.on_foreign(msg, msg.metadata.sequence.stream, msg.data)
         await part.apply(out, durable=True)
         crash.point("buffer", "appended_before_ack")
-        await settle(msg, out.settle or "ack")
+        await settle(msg, SETTLE_OF[out.settle or Verdict.ACK])
 
     # ---- requests ------------------------------------------------------------------------------
     async def _part_of(self, subject: str, base: str) -> Partition | None:

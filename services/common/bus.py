@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import enum
 import hashlib
 import logging
 import os
@@ -656,7 +657,7 @@ class Bus:
     async def dead_letter_msg(self, msg, reason: str) -> None:
         """Dead-letter a JetStream message and terminate it (never redelivered)."""
         await self.dead_letter(msg.subject, msg.data, reason)
-        await settle(msg, "term")
+        await settle(msg, Settle.TERM)
 
     async def decode_or_dead_letter(self, msg, tp: type[T], *, jetstream: bool = False) -> T | None:
         """`msg` decoded as `tp`, or None once it is dead-lettered as undecodable (a JetStream
@@ -760,7 +761,7 @@ async def keep_alive(msg, every_s: float = 3.0):
     async def tick() -> None:
         while True:
             await asyncio.sleep(every_s)
-            await settle(msg, "in_progress")
+            await settle(msg, Settle.IN_PROGRESS)
 
     task = asyncio.ensure_future(tick())
     try:
@@ -769,10 +770,23 @@ async def keep_alive(msg, every_s: float = 3.0):
         task.cancel()
 
 
-async def settle(msg, how: str = "ack", **kw) -> None:
-    """ack / nak / in_progress that never fails the caller: a lost acknowledgement only means
+class Settle(str, enum.Enum):
+    """How a consumed JetStream message is settled."""
+
+    ACK = "ack"  # done: never redelivered
+    NAK = "nak"  # redeliver (after `delay`)
+    TERM = "term"  # refused: never redelivered
+    IN_PROGRESS = "in_progress"  # still ours: its ack wait starts again
+
+
+_SETTLE = {Settle.ACK: lambda m, **kw: m.ack(), Settle.NAK: lambda m, **kw: m.nak(**kw),
+           Settle.TERM: lambda m, **kw: m.term(), Settle.IN_PROGRESS: lambda m, **kw: m.in_progress()}  # fmt: skip
+
+
+async def settle(msg, how: Settle = Settle.ACK, **kw) -> None:
+    """Settle a message in a way that never fails the caller: a lost acknowledgement only means
     a redelivery, which every consumer recognises."""
     try:
-        await getattr(msg, how)(**kw)
+        await _SETTLE[how](msg, **kw)
     except (TimeoutError, nats.errors.Error, nats.js.errors.Error, OSError) as e:
-        log.warning("%s failed (%s); the message will be redelivered", how, type(e).__name__)
+        log.warning("%s failed (%s); the message will be redelivered", how.value, type(e).__name__)

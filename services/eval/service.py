@@ -45,7 +45,7 @@ from asyncrl_proto import (
 )
 from asyncrl_proto.messages import scalar_reward
 from services.common import crash, procs
-from services.common.bus import VersionBound, fetch_some, keep_alive, settle
+from services.common.bus import Settle, VersionBound, fetch_some, keep_alive, settle
 from services.common.config import AsyncSection, DataSection, EvalSection, RolloutSection, TrainerSection, eval_backend
 from services.common.plugins import load_object
 from services.common.responses import apply_response
@@ -277,7 +277,7 @@ class EvalService(Service):
                 raw = await self.bus.kv_get("live_version")
                 if raw is not None:
                     await self._kv_live(raw)
-                await settle(msg, "in_progress")
+                await settle(msg, Settle.IN_PROGRESS)
         token = f"eval-{req.step}"  # the same for a redelivered point: it resumes what a killed one paused
         await self._control("pause_submission", token)
         renew = asyncio.ensure_future(self._renew_pause(token))

@@ -26,7 +26,7 @@ from fastapi import FastAPI
 from asyncrl_proto import ControlMsg, PromptMsg, RolloutGroup, Sample, group_id
 from asyncrl_proto.messages import SampleStatus, flatten_group
 from services.common import crash
-from services.common.bus import fetch_some, settle
+from services.common.bus import Settle, fetch_some, settle
 from services.common.config import AsyncSection, DataSection, MultiLoraSection, RolloutSection
 from services.common.plugins import load_object
 from services.common.responses import apply_response
@@ -207,7 +207,7 @@ class RolloutService(Service):
                 # a fetch can also return late messages of an earlier, expired fetch: never go
                 # over the cap, and never hold a prompt while submission is paused
                 if not self.submission_open.is_set() or self.credits.free_groups == 0:
-                    await settle(msg, "nak")
+                    await settle(msg, Settle.NAK)
                     continue
                 self.credits.take_group()
                 t = asyncio.create_task(self._run_group(msg))
@@ -247,7 +247,7 @@ class RolloutService(Service):
                 # stopping: the prompt goes back to the queue now rather than after ack_wait
                 # (a nak is one buffered publish, sent at the latest when the connection closes)
                 with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(settle(msg, "nak"), 2.0)
+                    await asyncio.wait_for(settle(msg, Settle.NAK), 2.0)
                 raise
             except Exception as e:
                 if ctx.adapter_version is not None and "no LoRA adapter" in str(e):
@@ -263,7 +263,7 @@ class RolloutService(Service):
                 await self.bus.publish(subject, rg, msg_id=msg_id)
             except Exception as e:  # the broker is away: the finished work is not a failure
                 log.warning("publishing group %s failed (%s); its prompt goes back to the queue", rg.group_id, e)
-                await settle(msg, "nak", delay=1.0)
+                await settle(msg, Settle.NAK, delay=1.0)
                 return
             crash.point("rollout", "published_before_ack")
             await settle(msg)
@@ -284,7 +284,7 @@ class RolloutService(Service):
             log.warning("a prompt of adapter registration %s came back %d times: its engine lacks the live "
                         "adapter (%s); is weight-sync running? (see /status adapter_not_loaded_requeued)",
                         rid[:64], n, str(e)[:200])  # fmt: skip
-        await settle(msg, "nak", delay=min(ADAPTER_RETRY_MAX_S, 0.1 * n))
+        await settle(msg, Settle.NAK, delay=min(ADAPTER_RETRY_MAX_S, 0.1 * n))
 
     def _destination(self, msg, gid: str) -> tuple[str, str]:
         """The subject and message id of a prompt's group: its partition's (multi-LoRA)."""
@@ -308,7 +308,7 @@ class RolloutService(Service):
             reward = self.adapters.reward(run)
         except NotYet as e:
             if msg.metadata.num_delivered < MAX_NOT_YET_DELIVERIES:
-                await settle(msg, "nak", delay=0.5)
+                await settle(msg, Settle.NAK, delay=0.5)
                 return None
             await self._publish_failed(msg, prompt, started, f"{e} after {msg.metadata.num_delivered} deliveries")
             return None
@@ -317,7 +317,7 @@ class RolloutService(Service):
             return None
         except Exception as e:  # the broker away, a reward module that fails to import: later
             log.warning("prompt of adapter registration %s: %s; it goes back to the queue", rid[:64], e)
-            await settle(msg, "nak", delay=1.0)
+            await settle(msg, Settle.NAK, delay=1.0)
             return None
         return GroupContext(EngineHandle(self.client, self.tokenizer, lora_path=live.engine_name), reward, live.version)
 
@@ -353,7 +353,7 @@ class RolloutService(Service):
             delay = min(RETRY_BACKOFF_S * 2.0 ** (failures - 1), 30.0)
             log.error("group %s failed (%d of %d), its prompt goes back to the queue in %.1fs: %s",
                       gid, failures, MAX_GROUP_DELIVERIES, delay, error)  # fmt: skip
-            await settle(msg, "nak", delay=delay)
+            await settle(msg, Settle.NAK, delay=delay)
             return
         # settled as a FAILED group: the buffer and the ledger account for it (zero loss, it
         # trains nothing), and a prompt that can never succeed does not loop forever
@@ -369,7 +369,7 @@ class RolloutService(Service):
             await self.bus.publish(subject, rg, msg_id=msg_id)
         except Exception as e:  # the broker is away: the prompt comes back and fails once more
             log.error("publishing failed group %s: %s", rg.group_id, e)
-            await settle(msg, "nak", delay=1.0)
+            await settle(msg, Settle.NAK, delay=1.0)
             return
         self.failures.pop(rg.group_id, None)
         await settle(msg)
@@ -454,7 +454,7 @@ class RolloutService(Service):
         while True:
             await asyncio.sleep(interval)
             for msg, _, _ in list(self.groups_in_flight.values()):
-                await settle(msg, "in_progress")
+                await settle(msg, Settle.IN_PROGRESS)
 
     # ---- control ---------------------------------------------------------------------------------
     async def _on_control(self, msg) -> None:
