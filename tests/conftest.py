@@ -215,3 +215,14 @@ async def wait_until(pred, timeout: float = 10.0, what: str = "condition"):
         if loop.time() > end:
             raise TimeoutError(f"{what} not reached within {timeout}s")
         await asyncio.sleep(0.01)
+
+
+async def pull(bus, stream: str, subject: str, durable: str, ack_wait_s: float = 30.0, max_deliver: int = -1,
+               max_ack_pending: int = 1000, deliver_policy=None):  # fmt: skip
+    """A durable pull consumer a test reads a stream with (the services bind to the run's own)."""
+    from nats.js import api
+
+    cfg = api.ConsumerConfig(durable_name=durable, ack_policy=api.AckPolicy.EXPLICIT, ack_wait=ack_wait_s,
+                             max_deliver=max_deliver, max_ack_pending=max_ack_pending,
+                             deliver_policy=deliver_policy or api.DeliverPolicy.ALL, filter_subject=subject)  # fmt: skip
+    return await bus.js.pull_subscribe(subject, durable=durable, stream=stream, config=cfg)

@@ -443,27 +443,6 @@ class Bus:
         resp = await self.nc.request(subject, encode(msg), timeout=timeout)
         return decode(resp.data, reply_type)
 
-    async def pull(
-        self,
-        stream: str,
-        subject: str,
-        durable: str,
-        ack_wait_s: float = 30.0,
-        max_deliver: int = -1,
-        max_ack_pending: int = 1000,
-        deliver_policy: api.DeliverPolicy = api.DeliverPolicy.ALL,
-    ):
-        cfg = api.ConsumerConfig(
-            durable_name=durable,
-            ack_policy=api.AckPolicy.EXPLICIT,
-            ack_wait=ack_wait_s,
-            max_deliver=max_deliver,
-            max_ack_pending=max_ack_pending,
-            deliver_policy=deliver_policy,
-            filter_subject=subject,
-        )
-        return await self.js.pull_subscribe(subject, durable=durable, stream=stream, config=cfg)
-
     async def publish_weights(self, pub: WeightsPublished) -> None:
         """The trainer's push of a weight version: first the KV key `published_version` (so that
         no message can name the version before a reader's bound allows it), then WEIGHTS."""

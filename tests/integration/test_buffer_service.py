@@ -28,7 +28,7 @@ from services.audit import collect
 from services.buffer.service import BufferService
 from services.buffer.state import ledger_events
 from services.common.bus import Bus, fetch_some
-from tests.conftest import AUTH, start_service, wait_until
+from tests.conftest import AUTH, pull, start_service, wait_until
 
 
 def config(task_data, model_dir, **kw) -> RunConfig:
@@ -46,7 +46,7 @@ class Harness:
 
     async def prompts(self, k: int, timeout: float = 5.0) -> list[PromptMsg]:
         if self.psub is None:
-            self.psub = await self.bus.pull(self.s.prompts_stream, self.s.prompts, durable="producers")
+            self.psub = await pull(self.bus, self.s.prompts_stream, self.s.prompts, durable="producers")
         out = []
         while len(out) < k:
             msgs = await fetch_some(self.psub, k - len(out), timeout)

@@ -7,6 +7,7 @@ import pytest
 
 from asyncrl_proto import DeadLetter, PromptMsg, decode
 from services.common.bus import Bus, fetch_some
+from tests.conftest import pull
 
 
 async def test_streams_are_idempotent_and_publishes_dedupe(nats_server, run_id):
@@ -31,10 +32,10 @@ async def test_work_queue_redelivers_unacked_prompts(nats_server, run_id):
         await bus.ensure_streams()
         s = bus.subjects
         await bus.publish(s.prompts, PromptMsg(group_index=0, prompt="a"))
-        one = await bus.pull(s.prompts_stream, s.prompts, durable="producers", ack_wait_s=0.5)
+        one = await pull(bus, s.prompts_stream, s.prompts, durable="producers", ack_wait_s=0.5)
         got = await fetch_some(one, 1, 2.0)
         assert len(got) == 1  # taken, never acknowledged: the producer "died"
-        other = await bus.pull(s.prompts_stream, s.prompts, durable="producers", ack_wait_s=0.5)
+        other = await pull(bus, s.prompts_stream, s.prompts, durable="producers", ack_wait_s=0.5)
         again = await fetch_some(other, 1, 5.0)
         assert len(again) == 1 and decode(again[0].data, PromptMsg).group_index == 0
         await again[0].ack()
@@ -48,7 +49,7 @@ async def test_dead_letter_keeps_subject_and_payload(nats_server, run_id):
         await bus.ensure_streams()
         s = bus.subjects
         await bus.dead_letter(s.rollouts, b"\x00garbage", "undecodable")
-        sub = await bus.pull(s.deadletter_stream, s.deadletter(s.rollouts), durable="t")
+        sub = await pull(bus, s.deadletter_stream, s.deadletter(s.rollouts), durable="t")
         [msg] = await fetch_some(sub, 1, 2.0)
         dl = decode(msg.data, DeadLetter)
         assert dl.original_subject == s.rollouts and dl.data == b"\x00garbage" and dl.service == "test"

@@ -10,7 +10,7 @@ import pytest
 from services.api import DataBuffer, RunConfig
 from services.buffer.service import BufferService
 from services.common.bus import Bus, fetch_some
-from tests.conftest import start_service, wait_until
+from tests.conftest import pull, start_service, wait_until
 from tests.integration.test_buffer_service import Harness, config
 
 
@@ -173,7 +173,7 @@ async def test_a_prompt_that_always_fails_ends_as_a_failed_group(nats_server, ru
                     rollout_engine_urls=[f"http://127.0.0.1:{port}"])  # fmt: skip
     bus = await Bus.connect(nats_server.url, run_id, "test")
     await bus.ensure_streams()
-    rollouts = await bus.pull(bus.subjects.rollouts_stream, bus.subjects.rollouts, durable="test")
+    rollouts = await pull(bus, bus.subjects.rollouts_stream, bus.subjects.rollouts, durable="test")
     producer = await start_service(rollout_service.RolloutService, cfg, nats_server.url, run_id)
     try:
         await bus.publish(bus.subjects.prompts, PromptMsg(group_index=7, prompt="12345", label="54321", n_samples=2))

@@ -28,13 +28,12 @@ from services.buffer.service import BufferService
 from services.common.bus import Bus, VersionBound, fetch_some
 from services.model.hf_io import load_model, save_model
 from services.weightsync.service import WeightSyncService
-from tests.conftest import EngineThread, start_service, wait_until
+from tests.conftest import EngineThread, pull, start_service, wait_until
 from tests.integration.test_buffer_service import Harness, config
 
 
 async def dead_letters(bus: Bus) -> list[DeadLetter]:
-    sub = await bus.pull(
-        bus.subjects.deadletter_stream, bus.subjects.deadletter(">"), durable="t" + bus.subjects.run_id
+    sub = await pull(bus, bus.subjects.deadletter_stream, bus.subjects.deadletter(">"), durable="t" + bus.subjects.run_id
     )
     out = []
     while msgs := await fetch_some(sub, 100, 0.5):
