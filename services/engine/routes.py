@@ -1,0 +1,299 @@
+"""The built-in engine's routes, one router per protocol (services.engine.server assembles them,
+with OpenAI's from services.engine.openai): SGLang's native generation and information routes, its
+control and weight routes, and its LoRA routes. Each handler validates, hands the work to the
+scheduler thread and waits; the roles that may call each route are in
+services.common.httpauth.ENGINE_SCOPES."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from services.common.weightstore import SCHEME, WeightStoreError
+from services.engine.protocol import BadRequest, parse_generate, typed
+
+
+async def body_of(request: Request) -> dict:
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise BadRequest(f"invalid JSON: {e}") from None
+    except RecursionError:  # the parser's depth limit: nested deeper than any request needs
+        raise BadRequest("invalid JSON: nested too deeply") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return data
+
+
+def native_routes(server) -> APIRouter:
+    """Generation, load, health, information and asyncrl's service routes."""
+    r, sched = APIRouter(), server.scheduler
+
+    @r.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request):
+        body = await body_of(request)
+        if body.get("stream") is True:
+            seqs, is_batch = parse_generate(body, server.limits, server.tokenizer)
+            server.generation.check_loras(seqs)
+            return StreamingResponse(server.generation.stream(seqs, is_batch), media_type="text/event-stream")
+        return JSONResponse(await server.generate(body))
+
+    @r.get("/get_load")
+    async def get_load():
+        snap = sched.snapshot()
+        return [{"dp_rank": 0, "num_reqs": snap["num_running_reqs"] + snap["num_queue_reqs"],
+                 "num_waiting_reqs": snap["num_queue_reqs"], "num_tokens": snap["num_used_tokens"]}]  # fmt: skip
+
+    @r.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": sched.weight_version}
+
+    @r.get("/health")
+    @r.get("/health_generate")
+    async def health():
+        if not sched.alive:
+            return Response(status_code=503)
+        if sched.paused_mode or sched.running or sched.waiting:
+            # alive and holding work: healthy while steps keep finishing
+            return Response(status_code=503 if sched.stalled else 200)
+        try:
+            await asyncio.wait_for(
+                server.generate(
+                    {
+                        "input_ids": [0],
+                        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                    }
+                ),
+                20,
+            )
+        except (TimeoutError, ValueError):
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @r.get("/model_info")
+    @r.get("/get_model_info")
+    async def model_info():
+        return server.model_info()
+
+    @r.get("/server_info")
+    @r.get("/get_server_info")
+    async def server_info():
+        return server.server_info()
+
+    @r.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(server.metrics_text(), media_type="text/plain; version=0.0.4")
+
+    @r.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    @r.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def memory_occupation():
+        return JSONResponse(None)  # nothing to release on the built-in engine
+
+    @r.get("/healthz")
+    async def healthz():
+        return PlainTextResponse(
+            "ok\n" if sched.alive else "scheduler thread died\n",
+            status_code=200 if sched.alive else 503,
+        )
+
+    @r.get("/readyz")
+    async def readyz():
+        return PlainTextResponse("ready\n" if sched.alive else "not ready\n", status_code=200 if sched.alive else 503)
+
+    @r.get("/status")
+    async def status():
+        return {
+            "service": "engine",
+            "model_path": server.model_path,
+            "uptime_s": time.time() - server.started_at,
+            **sched.snapshot(),
+            "cache_hit_rate": sched.stats.cache_hit_rate,
+            "gen_throughput": sched.stats.gen_throughput,
+            "weight_load_seconds": sched.stats.weight_load_duration_s,
+            "weight_stage_seconds": sched.stats.weight_stage_duration_s,
+            "num_staged_weight_swaps": sched.stats.num_staged_swaps_total,
+            "num_forgotten_pauses_ended": sched.stats.num_forgotten_pauses_ended_total,
+            **server.receiver.status(),
+        }
+
+    return r
+
+
+def control_routes(server) -> APIRouter:
+    """Flush, abort, pause and continue."""
+    r, sched = APIRouter(), server.scheduler
+
+    @r.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        ok = await asyncio.to_thread(sched.flush_cache)
+        if ok:
+            return PlainTextResponse(
+                "Cache flushed.\nPlease check backend logs for more details. (When there are "
+                "running or waiting requests, the operation will not be performed.)\n"
+            )
+        return PlainTextResponse("Flush cache failed.\n", status_code=400)
+
+    @r.post("/abort_request")
+    async def abort_request(request: Request):
+        body = await body_of(request)
+        rid, abort_all = typed(body, "rid", str, ""), typed(body, "abort_all", bool, False)
+        await asyncio.to_thread(sched.abort, rid, abort_all)
+        return Response(status_code=200)
+
+    @r.post("/pause_generation")
+    async def pause_generation(request: Request):
+        mode = typed(await body_of(request), "mode", str) or "abort"
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest(f"mode must be abort, retract or in_place, got {mode!r:.40}")
+        await asyncio.to_thread(sched.pause, mode)
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @r.post("/continue_generation")
+    async def continue_generation():
+        await asyncio.to_thread(sched.resume)
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    return r
+
+
+def weight_routes(server) -> APIRouter:
+    """Staging and loading weights (disk, object store, distributed broadcast) and naming the
+    weight version."""
+    r, sched = APIRouter(), server.scheduler
+
+    async def local_snapshot(path: str, version) -> str:
+        """The directory to load: `path`, or a `nats-object://` snapshot fetched to local disk."""
+        if not path.startswith(SCHEME):
+            return path
+        if server.weights is None:
+            raise ValueError(f"{path!r:.120} is in a NATS object store, and this engine was started without "
+                             "--nats-url and --run-id (start it with them to fetch object-store weights)")  # fmt: skip
+        return str(await server.weights.local_path(path))
+
+    @r.post("/stage_weights")
+    async def stage_weights(request: Request):
+        if not server.staged_loading:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        body = await body_of(request)
+        path = typed(body, "model_path", str)
+        if not path:
+            return JSONResponse({"success": False, "message": "model_path is required"}, status_code=400)
+        version = typed(body, "weight_version", (str, int))
+        try:
+            local = await local_snapshot(path, version)
+            seconds = await asyncio.to_thread(sched.stage_weights, local, version)
+        except (OSError, ValueError, WeightStoreError) as e:
+            return JSONResponse({"success": False, "message": f"Failed to stage weights: {e}"}, status_code=400)
+        return {"success": True, "message": f"Staged {path} in {seconds:.3f}s.", "stage_seconds": seconds}
+
+    @r.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+        body = await body_of(request)
+        path = typed(body, "model_path", str)
+        if not path:
+            return JSONResponse({"success": False, "message": "model_path is required"}, status_code=400)
+        version = typed(body, "weight_version", (str, int))
+        typed(body, "flush_cache", bool)
+        try:
+            local = await local_snapshot(path, version)
+            if typed(body, "abort_all_requests", bool):
+                await asyncio.to_thread(sched.abort, "", True)
+            res = await asyncio.to_thread(sched.update_weights_from_disk, local, version)
+        except (OSError, ValueError, TimeoutError, WeightStoreError) as e:
+            return JSONResponse({"success": False, "message": f"Failed to update weights: {e}"}, status_code=400)
+        server.model_path = path
+        msg = "Succeeded to update model weights."
+        if version is not None:
+            msg += f" Weight version updated to {version}."
+        return {
+            "success": True,
+            "message": msg,
+            "num_paused_requests": res["num_paused_requests"],
+            "staged": res["staged"],
+        }
+
+    @r.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request):
+        body = await body_of(request)
+        try:
+            return await asyncio.to_thread(server.receiver.init_group, body)
+        except (RuntimeError, ValueError, OSError) as e:  # the others never joined, or a bad address
+            return JSONResponse({"success": False, "message": f"Failed to init group: {e}"}, status_code=400)
+
+    @r.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request):
+        res = await asyncio.to_thread(server.receiver.destroy_group, await body_of(request))
+        return JSONResponse(res, status_code=200 if res["success"] else 400)
+
+    @r.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        body = await body_of(request)
+        try:
+            return await asyncio.to_thread(server.receiver.update, body)
+        except (ValueError, TimeoutError) as e:
+            return JSONResponse({"success": False, "message": f"Failed to update weights: {e}"}, status_code=400)
+
+    @r.post("/update_weight_version")
+    async def update_weight_version(request: Request):
+        body = await body_of(request)
+        if typed(body, "new_version", (str, int)) is None:
+            return JSONResponse({"success": False, "message": "new_version is required"}, status_code=400)
+        if typed(body, "abort_all_requests", bool, True):
+            await asyncio.to_thread(sched.abort, "", True)
+        v = str(body["new_version"])
+        try:  # a version staged by broadcast (stage: true) is swapped in; otherwise only the name changes
+            swapped = await asyncio.to_thread(server.receiver.set_version, v)
+        except TimeoutError as e:
+            return JSONResponse({"success": False, "message": f"Failed to update weights: {e}"}, status_code=400)
+        if not swapped:
+            await asyncio.to_thread(sched.set_weight_version, v)
+        return {"success": True, "message": f"Weight version updated to {v}", "new_version": v, "staged": swapped}
+
+    return r
+
+
+def lora_routes(server) -> APIRouter:
+    """SGLang's /load_lora_adapter and /unload_lora_adapter (services.engine.loras)."""
+    r = APIRouter()
+
+    @r.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        return await lora_call("load", await body_of(request))
+
+    @r.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        return await lora_call("unload", await body_of(request))
+
+    async def lora_call(op: str, body: dict):
+        """SGLang's LoRA answer: {success, error_message, loaded_adapters}, a 400 on failure."""
+        if server.loras is None:
+            return JSONResponse({"success": False, "error_message": "LoRA is not enabled on this engine: "
+                                 "start it with --enable-lora", "loaded_adapters": {}}, status_code=400)  # fmt: skip
+        path = body.get("lora_path") if op == "load" else None
+        if isinstance(path, str) and path.startswith(SCHEME):  # an object-store version: fetched first
+            try:
+                if server.weights is None:
+                    raise ValueError(f"{path!r:.120} is in a NATS object store, and this engine was started "
+                                     "without --nats-url and --run-id (start it with them to fetch it)")  # fmt: skip
+                body = {**body, "lora_path": str(await server.weights.local_adapter(path))}
+            except (ValueError, WeightStoreError) as e:  # not one, or not (any more) in the bucket: never loads
+                return JSONResponse({"success": False, "error_message": f"Failed to load LoRA adapter: {e}",
+                                     "loaded_adapters": server.loras.loaded()}, status_code=400)  # fmt: skip
+            except (OSError, TimeoutError) as e:  # the broker away: asked again
+                return JSONResponse({"success": False, "error_message": f"could not fetch {path!r:.200}: {e}",
+                                     "loaded_adapters": server.loras.loaded()}, status_code=400)  # fmt: skip
+        try:  # their own threads: an unload waiting for its requests never takes one from pause/continue
+            fn = server.loras.load if op == "load" else server.loras.unload
+            return await asyncio.get_running_loop().run_in_executor(server.lora_pool, fn, body)
+        except (BadRequest, TimeoutError) as e:
+            return JSONResponse({"success": False, "error_message": str(e),
+                                 "loaded_adapters": server.loras.loaded()}, status_code=400)  # fmt: skip
+
+    return r
