@@ -268,8 +268,10 @@ def test_every_http_route_answers_4xx_never_5xx_never_hangs(run, kind):
 def test_each_role_abuses_only_what_its_own_credentials_allow(run):
     """docs/trust.md's role probes, with each role's own NATS identity and HTTP token: a producer
     forges 1024 heartbeats, answers a prompt 200 ahead and publishes where nothing reads; weight-sync
-    announces version 10**9; every role calls HTTP routes outside its scope. Backpressure holds,
-    nothing is released early, nothing is stored for no one, and every route outside a scope is 403."""
+    announces version 10**9 (refused unless published: here the admin's fuzz may have published
+    absurd versions, so tests/integration/test_validation.py checks that one); every role calls
+    HTTP routes outside its scope. Backpressure holds, nothing is released early, nothing is stored
+    for no one, and every route outside a scope is 403."""
     from services.common.httpauth import role_token
     from services.common.secrets import NatsCredentials, load_roles_file
 
@@ -277,27 +279,37 @@ def test_each_role_abuses_only_what_its_own_credentials_allow(run):
     buses = {role: Bus(run.config["nats_url"], run.config["run_id"], NatsCredentials(**roles[role]), role)
              for role in ("rollout", "weight-sync")}  # fmt: skip
     buffer = run.services["buffer"]
+
+    def ask(method: str, url: str, **kw) -> httpx.Response:
+        for _ in range(10):  # the ledger fuzz restarts the buffer now and then: wait it out
+            try:
+                return run.http.request(method, url, **kw)
+            except httpx.TransportError:
+                run.healthy()
+        raise AssertionError(f"{url} never answered")
+
+    def status() -> dict:
+        return ask("GET", buffer + "/status").json()
+
     try:
         producer = buses["rollout"].bus
         s = producer.subjects
         for i in range(1024):
             hb = Heartbeat(service="rollout", instance_id=f"forged-{i}", info={"inflight_groups": 4})
             buses["rollout"].run(producer.publish_core(s.heartbeat("rollout"), hb))
-        status = run.http.get(buffer + "/status").json()
-        ghost_index = status["data_source"]["next_group_index"] + 200
+        ghost_index = status()["data_source"]["next_group_index"] + 200
         ghost = RolloutGroup(group_id=group_id(ghost_index, 0), group_index=ghost_index, samples=[])
         buses["rollout"].run(producer.publish(s.rollouts, ghost, msg_id=ghost.group_id))
-        with pytest.raises(Exception, match="(?i)no response|no responders|no stream"):
+        with pytest.raises(Exception, match="(?i)no response|no responders|no stream|timeout"):
             buses["rollout"].run(producer.js.publish(s.rollouts + ".zzz", b"stored for no one", timeout=1))
         sync = buses["weight-sync"].bus
         buses["weight-sync"].run(sync.publish(s.weights_live, WeightsLive(version=10**9)))
         cap = run.config["rollout_batch_size"]  # capacity factor 1 and one producer's cap, in groups
         deadline = time.monotonic() + 6
         while time.monotonic() < deadline:  # released and unanswered or stored: never beyond the budget
-            status = run.http.get(buffer + "/status").json()
-            assert status["outstanding_prompts"] + status["stored_groups"] <= 2 * cap + cap, status
-            assert status["data_source"]["next_group_index"] < ghost_index, "a group released prompts"
-            assert status["live_version"] is None or status["live_version"] < 10**9
+            now = status()
+            assert now["outstanding_prompts"] + now["stored_groups"] <= 2 * cap + cap, now
+            assert now["data_source"]["next_group_index"] < ghost_index, "a group released prompts"
             time.sleep(0.3)
     finally:
         for b in buses.values():
@@ -310,7 +322,7 @@ def test_each_role_abuses_only_what_its_own_credentials_allow(run):
     for role, calls in outside.items():
         auth = {"Authorization": f"Bearer {role_token(run.token, role)}"}
         for method, url in calls:
-            r = run.http.request(method, url, json={}, headers=auth)
+            r = ask(method, url, json={}, headers=auth)
             COUNTS[f"http {role} credential outside its scope"] += 1
             assert r.status_code == 403, (role, url, r.status_code, r.text[:200])
     run.healthy()
@@ -346,7 +358,10 @@ def test_the_run_survived_and_its_ledger_balances(run):
     # every group the buffer rejected is dead-lettered, and on the ledger as `rejected`
     letters, rejected = asyncio.run(_dead_letters_and_rejections(run))
     from_rollouts = [d for d in letters if d.original_subject.endswith(".rollouts")]
-    assert len(from_rollouts) == rejected and rejected >= COUNTS["nats rollouts"] // 2
+    # (a buffer restarted by the ledger fuzz between a dead letter and its record judges the
+    # redelivered message again: a second dead letter, one record)
+    assert len({d.sha256 for d in from_rollouts}) <= rejected <= len(from_rollouts)
+    assert rejected >= COUNTS["nats rollouts"] // 2
     # the weights stayed finite
     from services.model.hf_io import load_state_dict
 
