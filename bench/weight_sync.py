@@ -54,6 +54,7 @@ from services.common.natsauth import ROLES, server_auth_conf
 from services.common.natsserver import EmbeddedNats
 from services.common.secrets import NatsCredentials, new_secret
 from services.common.sglang_client import SGLangClient
+from services.common.versions import publish_weights
 from services.common.weightstore import WeightStore
 
 ARMS = ("disk, unstaged", "disk", "object-store", "distributed, unstaged", "distributed")
@@ -169,7 +170,7 @@ async def cell(arm: str, size: str, model: Path, a, tmp: Path) -> dict:
                 tensor_sha = await asyncio.to_thread(sender.hold, v)
                 uploads.append(time.perf_counter() - t0)
             t_pub = time.perf_counter()
-            await trainer.publish_weights(WeightsPublished(version=v, step=v - 1, uri=uri, sha256=info["sha256"],
+            await publish_weights(trainer, WeightsPublished(version=v, step=v - 1, uri=uri, sha256=info["sha256"],
                                                            num_bytes=info["num_bytes"], created_at=time.time(),
                                                            tensor_sha256=tensor_sha))  # fmt: skip
             while True:

@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 from asyncrl_proto import AdapterRegistryState, PromptMsg, RolloutGroupView, decode, group_id
-from asyncrl_proto.subjects import ADAPTERS_KV_KEY
 from asyncrl_proto.codec import MalformedMessage
+from asyncrl_proto.subjects import ADAPTERS_KV_KEY
 from services.buffer.state import LedgerError, audit, ledger_events
 from services.common.weightstore import WeightStore
 

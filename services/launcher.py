@@ -34,7 +34,7 @@ import httpx
 from asyncrl_proto import EvalResult, ProgressRecord, WeightsLive, decode
 from asyncrl_proto.codec import MalformedMessage
 from services.common import procs
-from services.common.bus import STORE_DIR_ENV, Bus, VersionBound
+from services.common.bus import STORE_DIR_ENV, Bus
 from services.common.config import RunConfig
 from services.common.engine_commands import builtin_engine_command, builtin_engine_flags, sglang_server_command
 from services.common.httpauth import HTTP_KEYS_ENV, HTTP_ROLES, HTTP_TOKEN_ENV, Keys, role_token
@@ -43,6 +43,7 @@ from services.common.natsserver import EmbeddedNats, NatsCluster, local_nats
 from services.common.secrets import RUN_TOKEN_ENV, NatsCredentials, without_nats_identity
 from services.common.snapshot import COMPLETE_MARKER, is_complete
 from services.common.validate import eval_result_problem, finite_metrics
+from services.common.versions import VersionBound
 from services.prepare import prepare_run, role_credentials, role_passwords, run_token
 from services.raycluster import Placement, with_ray_defaults
 from services.supervisor import LaunchError, Supervisor

@@ -15,9 +15,9 @@ import logging
 from collections.abc import Callable
 
 from asyncrl_proto import LedgerBatch, LedgerEvent, encode
+from asyncrl_proto.subjects import Subjects
 from services.buffer.state import BufferState, LedgerError, StateError, apply, decode_state, encode_state, ledger_events
 from services.common import crash
-from asyncrl_proto.subjects import Subjects
 from services.common.bus import Bus, SequenceConflict
 
 log = logging.getLogger(__name__)

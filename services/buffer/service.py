@@ -50,10 +50,11 @@ from asyncrl_proto.subjects import ADAPTERS_KV_KEY
 from services.buffer.machine import Verdict
 from services.buffer.partition import SETTLE_OF, Bound, Partition, QueueSub
 from services.common import crash
-from services.common.bus import Settle, VersionBound, next_batch, settle
+from services.common.bus import Settle, next_batch, settle
 from services.common.config import AsyncSection, DataSection, MultiLoraSection, RolloutSection, TrainerSection
 from services.common.promexport import LATENCY_BUCKETS_S
 from services.common.runtime import Service
+from services.common.versions import VersionBound
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import nats.errors
 import nats.js.errors
 from nats.js import api
 
-from asyncrl_proto import DeadLetter, WeightsPublished, decode, encode
+from asyncrl_proto import DeadLetter, decode, encode
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.subjects import ROLLOUTS_MAX_MSGS, ConsumerSpec, Subjects, inbox_prefix
 from services.common.natsauth import SERVICE_ROLES
@@ -41,10 +41,6 @@ _RETENTION = {
 }
 _STORAGE = {"file": api.StorageType.FILE, "memory": api.StorageType.MEMORY}
 _DISCARD = {"old": api.DiscardPolicy.OLD, "new": api.DiscardPolicy.NEW}
-
-
-PUBLISHED_VERSION_KEY = "published_version"
-"""KV key: the newest weight version the trainer pushed (it alone may write it)."""
 
 
 class BusError(RuntimeError):
@@ -243,7 +239,7 @@ class Bus:
             spec["storage"] = _STORAGE[spec["storage"]]
             spec["discard"] = _DISCARD[spec["discard"]]
             cfg = api.StreamConfig(**spec, num_replicas=replicas)
-            await self._through_outage(lambda cfg=cfg: self._add_or_update_stream(cfg), cfg.name, 120.0, "create")
+            await self.through_outage(lambda cfg=cfg: self._add_or_update_stream(cfg), cfg.name, 120.0, "create")
         bucket = self.subjects.kv_bucket
         try:
             self._kv = await self.js.key_value(bucket)
@@ -412,13 +408,13 @@ class Bus:
     ) -> list[api.PubAck]:
         """publish_batch, retried through a broker outage (msg ids make retries idempotent);
         gives up loudly after deadline_s."""
-        return await self._through_outage(
+        return await self.through_outage(
             lambda: self.publish_batch(items, expected_last_seq=expected_last_seq,
                                        expected_last_subject_seq=expected_last_subject_seq), what, deadline_s
         )  # fmt: skip
 
     @staticmethod
-    async def _through_outage(op, what: str, deadline_s: float, verb: str = "publish"):
+    async def through_outage(op, what: str, deadline_s: float, verb: str = "publish"):
         """`await op()`, retried with backoff while the broker is away (or, on a cluster, while a
         stream elects its leader); a full store or another writer's message is final; gives up
         loudly after deadline_s."""
@@ -442,46 +438,6 @@ class Bus:
     async def request(self, subject: str, msg: Any, reply_type: type[T], timeout: float) -> T:
         resp = await self.nc.request(subject, encode(msg), timeout=timeout)
         return decode(resp.data, reply_type)
-
-    async def publish_weights(self, pub: WeightsPublished) -> None:
-        """The trainer's push of a weight version: first the KV key `published_version` (so that
-        no message can name the version before a reader's bound allows it), then WEIGHTS."""
-        value = str(pub.version).encode()
-        await self._through_outage(
-            lambda: self.kv_put(PUBLISHED_VERSION_KEY, value), f"the published version {pub.version}", 180.0
-        )
-        subject = self.subjects.weights_published
-        await self.publish_durably([(subject, pub, f"weights-v{pub.version}")], f"weights v{pub.version}")
-
-    async def last_published_version(self, at_least: int = 0, scan: int = 64) -> int:
-        """The newest weight version the trainer published, 0 before the first push: the KV key
-        the trainer writes before each push (stray messages on WEIGHTS cannot hide it), or what
-        WEIGHTS says if that is newer (a publisher that writes no KV key). On WEIGHTS the last
-        message normally says it; when that one does not decode or names less than `at_least`
-        (a stray message, dead-lettered by weight-sync), the newest of the last `scan` counts."""
-        kv = 0
-        with contextlib.suppress(ValueError, TypeError):
-            kv = int((await self.kv_get(PUBLISHED_VERSION_KEY) or b"0").decode())
-        if at_least > 0 and kv >= at_least:
-            return kv  # what the caller needs to know: one read, not a scan of WEIGHTS at every version
-        return max(kv, await self._newest_on_weights(max(at_least, kv + 1), scan))
-
-    async def _newest_on_weights(self, at_least: int, scan: int) -> int:
-        s = self.subjects
-        if (raw := await self.get_last(s.weights_stream, s.weights_published)) is None:
-            return 0
-        newest, seq = 0, raw.seq
-        for _ in range(scan):
-            if raw is not None and raw.subject == s.weights_published:
-                with contextlib.suppress(MalformedMessage):
-                    newest = max(newest, decode(raw.data or b"", WeightsPublished).version)
-                if newest >= max(at_least, 1):
-                    break
-            seq -= 1
-            if seq < 1:
-                break
-            raw = await self.get_msg(s.weights_stream, seq)
-        return newest
 
     # ---- the rest of what services need of NATS: nothing outside this module touches nats-py ----
     async def subscribe(self, subject: str, cb) -> None:
@@ -563,7 +519,7 @@ class Bus:
             return [i.name for i in infos if not i.deleted]
 
         # rides out a cluster whose streams are still electing leaders (an audit just started it)
-        return await self._through_outage(names, bucket, 30.0, "list")
+        return await self.through_outage(names, bucket, 30.0, "list")
 
     async def read_stream(self, stream: str, subject: str | None = None, deadline_s: float = 60.0,
                           only: str | None = None) -> list[bytes]:  # fmt: skip
@@ -571,7 +527,7 @@ class Bus:
         batches; without (a work-queue stream admits one consumer per subject), message by message,
         those on subject `only` when given. Read again from the start while the broker is away or
         the stream has no leader yet (a cluster just started), for up to deadline_s."""
-        return await self._through_outage(lambda: self._read_stream(stream, subject, only), stream, deadline_s, "read")
+        return await self.through_outage(lambda: self._read_stream(stream, subject, only), stream, deadline_s, "read")
 
     async def _read_stream(self, stream: str, subject: str | None, only: str | None = None) -> list[bytes]:
         bounds = await self.stream_bounds(stream)
@@ -692,29 +648,6 @@ async def fetch_some(psub, batch: int, timeout_s: float) -> list:
         except (nats.errors.Error, nats.js.errors.Error, OSError):
             pass
     return msgs
-
-
-class VersionBound:
-    """The newest weight version the trainer has published, as far as this service knows:
-    re-read from WEIGHTS when a message names a newer one (its announcement may still be on the
-    way). A version is plausible when 0 <= version <= the bound. A broker that does not answer
-    leaves the bound where it was (the check then errs on the side of refusing)."""
-
-    def __init__(self, bus: Bus):
-        self.bus = bus
-        self.value = 0
-
-    async def refresh(self) -> int:
-        try:
-            self.value = max(self.value, await self.bus.last_published_version(at_least=self.value + 1))
-        except (TimeoutError, TransportError, OSError) as e:
-            log.warning("could not read the newest published weight version (%s)", type(e).__name__)
-        return self.value
-
-    async def allows(self, version: int) -> bool:
-        if version > self.value:
-            await self.refresh()
-        return 0 <= version <= self.value
 
 
 async def next_batch(sub, batch: int, timeout_s: float) -> list:

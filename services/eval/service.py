@@ -45,7 +45,7 @@ from asyncrl_proto import (
 )
 from asyncrl_proto.messages import scalar_reward
 from services.common import crash, procs
-from services.common.bus import Settle, VersionBound, fetch_some, keep_alive, settle
+from services.common.bus import Settle, fetch_some, keep_alive, settle
 from services.common.config import AsyncSection, DataSection, EvalSection, RolloutSection, TrainerSection, eval_backend
 from services.common.plugins import load_object
 from services.common.responses import apply_response
@@ -55,6 +55,7 @@ from services.common.sglang_client import SGLangClient
 from services.common.sinks import statistics_of
 from services.common.snapshot import is_complete, resolved
 from services.common.validate import finite, finite_metrics
+from services.common.versions import VersionBound
 from services.eval.contract import CheckpointEvalFn, EvalSkip
 from services.eval.datasets import load_eval_sets
 from services.eval.fleet import launch_fleet

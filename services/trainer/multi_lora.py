@@ -34,8 +34,8 @@ from pathlib import Path
 
 from asyncrl_proto import (
     AdapterControl,
-    AdapterLive,
     AdapterControlReply,
+    AdapterLive,
     AdapterRegistryState,
     BufferCommit,
     BufferCommitReply,

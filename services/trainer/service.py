@@ -66,6 +66,7 @@ from services.common.runtime import Service, wait_event
 from services.common.sinks import Sinks, finite_record
 from services.common.snapshot import is_complete, remove_snapshot, snapshots_to_remove
 from services.common.validate import Limits, eval_result_problem, finite_metrics, sample_problem
+from services.common.versions import last_published_version, publish_weights
 from services.common.weightstore import WeightStore, WeightStoreError
 from services.model.hf_io import load_weights_into, save_model
 from services.trainer.checkpoint import ckpt_step, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -228,7 +229,7 @@ class TrainerService(Service):
         committed step, from the weight snapshot pushed after it (that snapshot is the checkpoint,
         less the optimizer state). The weight version continues from the newest version ever
         published, so a version number never names two weights."""
-        published = await self.bus.last_published_version()
+        published = await last_published_version(self.bus)
         ckpt = latest_checkpoint(self.config.load or self.config.save)
         committed = await self._committed_step()
         if ckpt is None or ckpt_step(ckpt) < committed:
@@ -590,7 +591,7 @@ class TrainerService(Service):
             version=self.version, step=step, uri=uri, sha256=info["sha256"],
             num_bytes=info["num_bytes"], created_at=time.time(), tensor_sha256=tensor_sha,
         )  # fmt: skip
-        await self.bus.publish_weights(pub)
+        await publish_weights(self.bus, pub)
         if path not in self.snapshots:  # re-pushed under the same number after a crash
             self.snapshots.append(path)
         await self._retain_snapshots()

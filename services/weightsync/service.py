@@ -29,12 +29,13 @@ from pathlib import Path
 
 from asyncrl_proto import AdapterPublished, MalformedMessage, WeightsLive, WeightsPublished, decode, encode
 from services.common import crash
-from services.common.bus import VersionBound, fetch_some, keep_alive, settle
+from services.common.bus import fetch_some, keep_alive, settle
 from services.common.config import AsyncSection, MultiLoraSection, RolloutSection
 from services.common.promexport import LATENCY_BUCKETS_S
 from services.common.runtime import Service
 from services.common.sglang_client import EngineError, FlushRefused, SGLangClient
 from services.common.snapshot import COMPLETE_MARKER, is_complete, resolved
+from services.common.versions import VersionBound
 from services.common.weightstore import WeightStore, WeightStoreError
 from services.weightsync.adapters import AdapterSync
 from services.weightsync.distributed import DistributedUpdater, TransferFailed, VersionGone

@@ -11,6 +11,7 @@ from asyncrl_proto import EvalRequest, EvalResult, WeightsPublished, decode
 from services.api import CheckpointEvalFn, EvalSkip, RunConfig
 from services.common.bus import Bus, fetch_some
 from services.common.snapshot import COMPLETE_MARKER
+from services.common.versions import last_published_version
 from services.eval.service import EvalService
 from services.model.hf_io import load_model, save_model
 from tests.conftest import EngineThread, pull, start_service, wait_until
@@ -54,7 +55,7 @@ async def running(cfg: RunConfig, nats_server, run_id: str):
 async def ask(bus: Bus, req: EvalRequest) -> EvalResult:
     s = bus.subjects
     sub = await pull(bus, s.eval_stream, s.eval_results, durable=f"t{req.step}-{id(req)}")
-    if req.version > await bus.last_published_version():  # as the trainer: it pushed the version it evaluates
+    if req.version > await last_published_version(bus):  # as the trainer: it pushed the version it evaluates
         await bus.publish(s.weights_published, WeightsPublished(version=req.version, step=req.step, uri="/w"))
     await bus.publish(s.eval_requests, req)
     for _ in range(60):

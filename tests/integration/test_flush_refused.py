@@ -12,6 +12,7 @@ from aiohttp import web
 
 from asyncrl_proto import WeightsPublished
 from services.common.bus import Bus
+from services.common.versions import publish_weights
 from services.model.hf_io import load_model, save_model
 from services.weightsync.service import WeightSyncService
 from tests.conftest import start_service, wait_until
@@ -96,7 +97,7 @@ async def weight_sync_publishing_v1(refusals: int, flush_timeout_s: float, nats_
     bus = await Bus.connect(nats_server.url, run_id, "test")
     try:
         info = save_model(load_model(tiny_model_dir), tmp_path / "weights" / "v1", tiny_model_dir)
-        await bus.publish_weights(
+        await publish_weights(bus,
             WeightsPublished(version=1, step=0, uri=str(tmp_path / "weights" / "v1"), sha256=info["sha256"])
         )
         yield engine, svc

@@ -25,7 +25,8 @@ from asyncrl_proto import (
 )
 from services.audit import collect
 from services.buffer.service import BufferService
-from services.common.bus import Bus, VersionBound, fetch_some
+from services.common.bus import Bus, fetch_some
+from services.common.versions import VersionBound, last_published_version, publish_weights
 from services.model.hf_io import load_model, save_model
 from services.weightsync.service import WeightSyncService
 from tests.conftest import EngineThread, pull, start_service, wait_until
@@ -263,7 +264,7 @@ async def test_stray_messages_on_weights_cannot_hide_the_newest_version(nats_ser
     try:
         await trainer.ensure_streams()
         for v in (1, 2, 3):
-            await trainer.publish_weights(WeightsPublished(version=v, step=v - 1, uri=f"/weights/v{v}"))
+            await publish_weights(trainer, WeightsPublished(version=v, step=v - 1, uri=f"/weights/v{v}"))
         s = trainer.subjects
         older = WeightsPublished(version=2, step=1, uri="/weights/v2")
         for i in range(150):
@@ -273,7 +274,7 @@ async def test_stray_messages_on_weights_cannot_hide_the_newest_version(nats_ser
         bound = VersionBound(fresh)
         assert await bound.allows(3)
         assert not await bound.allows(4)
-        assert await fresh.last_published_version() == 3
+        assert await last_published_version(fresh) == 3
     finally:
         await trainer.close()
         if fresh is not None:
@@ -296,7 +297,7 @@ async def test_weight_sync_ignores_a_live_version_in_kv_that_was_never_published
         try:
             assert svc.service.live_version == 0  # the engines' own version, not the forged one
             info = save_model(load_model(tiny_model_dir), tmp_path / "weights" / "v1", tiny_model_dir)
-            await bus.publish_weights(WeightsPublished(version=1, step=0, uri=str(tmp_path / "weights" / "v1"),
+            await publish_weights(bus, WeightsPublished(version=1, step=0, uri=str(tmp_path / "weights" / "v1"),
                                                        sha256=info["sha256"]))  # fmt: skip
             await wait_until(lambda: svc.service.live_version == 1, what="v1 live", timeout=20)
             assert engine.scheduler.weight_version == "1"

@@ -118,7 +118,6 @@ def test_old_adapter_versions_are_removed_but_those_the_engines_may_be_loading(t
     newest --keep-weight-snapshots go, except the engines' live version of it (a restarted engine
     reloads it), those newer, and the one behind the committed step."""
     from asyncrl_proto import AdapterLive, encode
-
     from services.trainer.multi_lora import Track
 
     svc, _ = setup_run(tmp_path, list(range(10)), set(range(10)), trained_steps=9, reported=9)
