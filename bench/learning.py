@@ -212,7 +212,7 @@ def eval_noise(a, held: Path) -> dict:
     """The same weights (the warm-started initial model) evaluated twice by the eval service's own
     code on a built-in engine: the held-out figure's noise, to compare with the gaps measured."""
     from services.common import procs
-    from services.common.config import resolve_config
+    from services.common.config_load import resolve_config
     from services.common.rewards import resolve_reward
     from services.common.sglang_client import SGLangClient
     from services.eval.datasets import load_eval_sets

@@ -24,7 +24,7 @@ import sys
 
 
 def _train_parser(prog: str, sync: bool) -> argparse.ArgumentParser:
-    from services.common.config import add_config_arguments
+    from services.common.config_load import add_config_arguments
 
     desc = (
         "Synchronous RL: generate B groups on the current weights, train, push weights, repeat."
@@ -39,7 +39,8 @@ def _train_parser(prog: str, sync: bool) -> argparse.ArgumentParser:
 
 def _resolve(prog: str, argv: list[str], sync: bool):
     """Parse and validate a training command line; returns a RunConfig or exits with 2."""
-    from services.common.config import ConfigError, resolve_config, split_passthrough
+    from services.common.config import ConfigError
+    from services.common.config_load import resolve_config, split_passthrough
 
     argv, passthrough = split_passthrough(argv)
     args = vars(_train_parser(prog, sync).parse_args(argv))

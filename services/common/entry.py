@@ -63,7 +63,8 @@ def service_parser(name: str | None = None) -> argparse.ArgumentParser:
 
 async def _load_config(bus, args):
     from services.common.bus import BusError
-    from services.common.config import RunConfig, read_config_file
+    from services.common.config import RunConfig
+    from services.common.config_load import read_config_file
 
     if args.config_file:
         return RunConfig(**read_config_file(args.config_file))

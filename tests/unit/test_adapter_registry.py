@@ -12,7 +12,8 @@ import pytest
 from asyncrl_proto import AdapterControl, AdapterRegistryState, AdapterSpec, AdapterState, decode, encode
 from services.adapters import registry as regmod
 from services.adapters.registry import AdapterRegistry, RegistryError, SpecError, parse_spec
-from services.common.config import ConfigError, RunConfig, adapter_pairs, add_config_arguments, resolve_config
+from services.common.config import ConfigError, RunConfig, adapter_pairs
+from services.common.config_load import add_config_arguments, resolve_config
 
 PENDING, ACTIVE, RETIRING, CLEANUP, COMPLETED = (AdapterState.PENDING, AdapterState.ACTIVE, AdapterState.RETIRING,
                                                  AdapterState.CLEANUP, AdapterState.COMPLETED)  # fmt: skip

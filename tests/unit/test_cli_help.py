@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from services.common.config import SECTIONS, RunConfig, flag_name, section_of
+from services.common.config import SECTIONS, RunConfig, section_of
+from services.common.config_load import flag_name
 from services.common.entry import SERVICES
 
 COMMANDS = [

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from services.api import RunConfig
-from services.common.config import ConfigError, add_config_arguments, resolve_config
+from services.common.config import ConfigError
+from services.common.config_load import add_config_arguments, resolve_config
 
 
 def parse(argv: list[str]) -> dict:

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from services.cli import check_argv
-from services.common.config import read_config_file, resolve_config
+from services.common.config_load import read_config_file, resolve_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from services.cli import _resolve
-from services.common.config import ConfigError, eval_backend, resolve_config
+from services.common.config import ConfigError, eval_backend
+from services.common.config_load import resolve_config
 from services.eval.fleet import fleet_server_args
 
 RULES = [

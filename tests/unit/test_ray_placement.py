@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.config import ConfigError, resolve_config
+from services.common.config import ConfigError
+from services.common.config_load import resolve_config
 from services.raycluster import with_ray_defaults
 
 

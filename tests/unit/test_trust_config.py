@@ -10,7 +10,8 @@ import math
 
 import pytest
 
-from services.common.config import ConfigError, RunConfig, resolve_config
+from services.common.config import ConfigError, RunConfig
+from services.common.config_load import resolve_config
 from services.common.secrets import (
     NatsCredentials,
     RedactingFilter,

@@ -1,0 +1,195 @@
+"""Loading the run configuration: defaults < config file (YAML/JSON/TOML) < environment
+(`ASYNCRL_<NAME>`) < command line, into a validated RunConfig (services.common.config), and the
+argparse flags, one group per section."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import types
+import typing
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from services.common.config import SECTIONS, ConfigError, RunConfig, section_of
+
+ENV_PREFIX = "ASYNCRL_"
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _field_kind(annotation) -> tuple[str, tuple | None]:
+    """Classify a field annotation as bool / int / float / str / list_int / list_str, plus the
+    Literal choices if any."""
+    args = typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        non_none = [a for a in args if a is not type(None)]
+        return _field_kind(non_none[0])
+    if origin is typing.Literal:
+        return "str", tuple(args)
+    if origin is list:
+        return ("list_int" if args and args[0] is int else "list_str"), None
+    return {bool: "bool", int: "int", float: "float"}.get(annotation, "str"), None
+
+
+def _parse_scalar(kind: str, text: str):
+    if text.lower() in ("none", "null") and kind != "str":
+        return None
+    if kind == "int":
+        return int(text)
+    if kind == "float":
+        return float(text)
+    if kind == "bool":
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"not a boolean: {text!r}")
+    return text
+
+
+PASSTHROUGH = {"--eval-sglang-": "eval_sglang_args", "--no-eval-sglang-": "eval_sglang_args",
+               "--sglang-": "sglang_server_args", "--router-": "sglang_router_args"}  # fmt: skip
+
+
+def split_passthrough(argv: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """Take every --sglang-<flag> / --router-<flag> (and its value, if any) that is not one of
+    our own flags out of argv, renamed to the flag the SGLang server / router knows."""
+    own = {flag_name(f) for f in RunConfig.model_fields}
+    rest: list[str] = []
+    found: dict[str, list[str]] = {field: [] for field in PASSTHROUGH.values()}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        flag = arg.split("=", 1)[0]
+        prefix = next((p for p in PASSTHROUGH if flag.startswith(p)), None)
+        if prefix is None or flag in own or flag.replace("--no-", "--") in own:
+            rest.append(arg)
+            i += 1
+            continue
+        target = found[PASSTHROUGH[prefix]]
+        if prefix.startswith("--no-"):  # a boolean turned off: recorded as --no-<flag>, no value
+            target.append("--no-" + arg[len(prefix) :])
+            i += 1
+            continue
+        target.append("--" + arg[len(prefix) :])
+        if "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            target.append(argv[i + 1])
+            i += 1
+        i += 1
+    return rest, found
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One argument per RunConfig field, in Miles's kebab-case names, under one help heading per
+    configuration section. Defaults are suppressed so that only flags the user gave override the
+    file and the environment. Descriptions are shown as written (argparse would read a `%` in
+    them as a format directive)."""
+    groups = {}
+    for section in SECTIONS:
+        title = section.__name__.removesuffix("Section").lower().replace("multilora", "multi-LoRA")
+        groups[section] = parser.add_argument_group(f"{title} flags", (section.__doc__ or "").strip())
+    for name, info in RunConfig.model_fields.items():
+        if name in skip:
+            continue
+        group = groups[section_of(name)]
+        kind, choices = _field_kind(info.annotation)
+        kw: dict = {"dest": name, "default": argparse.SUPPRESS, "help": (info.description or "").replace("%", "%%")}
+        if kind == "bool":
+            group.add_argument(flag_name(name), action=argparse.BooleanOptionalAction, **kw)
+        elif kind.startswith("list"):
+            elem = int if kind == "list_int" else str
+            extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+            action = "extend" if extra.get("repeatable") else "store"  # repeatable: every use adds its values
+            group.add_argument(flag_name(name), nargs="*", type=elem, metavar="X", action=action, **kw)
+        else:
+            group.add_argument(
+                flag_name(name),
+                type=lambda t, k=kind: _parse_scalar(k, t),
+                choices=choices,
+                metavar=("{" + ",".join(choices) + "}") if choices else kind.upper(),
+                **kw,
+            )
+
+
+def read_config_file(path: str | Path) -> dict:
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    elif path.suffix == ".toml":
+        import tomllib
+
+        data = tomllib.loads(text)
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a config file must hold a mapping of flag names to values")
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def env_overrides(environ: dict[str, str]) -> dict:
+    out = {}
+    for name, info in RunConfig.model_fields.items():
+        key = ENV_PREFIX + name.upper()
+        if key not in environ:
+            continue
+        kind, _ = _field_kind(info.annotation)
+        raw = environ[key]
+        if kind.startswith("list"):
+            elem = "int" if kind == "list_int" else "str"
+            out[name] = [_parse_scalar(elem, t) for t in raw.split()]
+        else:
+            out[name] = _parse_scalar(kind, raw)
+    return out
+
+
+def resolve_config(cli: dict, config_file: str | None = None, environ: dict[str, str] | None = None) -> RunConfig:
+    """Merge the sources in precedence order and validate once."""
+    merged: dict = {}
+    if config_file:
+        merged.update(read_config_file(config_file))
+    merged.update(env_overrides(environ if environ is not None else dict(os.environ)))
+    merged.update(cli)
+    unknown = sorted(set(merged) - set(RunConfig.model_fields))
+    if unknown:
+        raise ConfigError(
+            "unknown settings: "
+            + ", ".join(flag_name(u) for u in unknown)
+            + " (see `asyncrl train-async --help` for the flags)"
+        )
+    try:
+        return RunConfig(**merged)
+    except ValidationError as e:
+        raise ConfigError(_pretty(e)) from None
+
+
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+
+
+def _pretty(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        flag = flag_name(loc) if loc else ""
+        got = err.get("input")
+        if err["type"] in _BOUNDS:
+            bound = next(iter(err["ctx"].values()))
+            msg = f"must be {_BOUNDS[err['type']]} {bound} (got {got})"
+            field = RunConfig.model_fields.get(loc)
+            if field is not None and isinstance(field.json_schema_extra, dict) and "hint" in field.json_schema_extra:
+                msg += f"; {field.json_schema_extra['hint']}"
+        elif err["type"] == "finite_number":
+            msg = f"must be a finite number (got {got})"
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{flag} {msg}" if flag and err["type"] in (*_BOUNDS, "finite_number") else
+                     f"{flag}: {msg}" if flag else msg)  # fmt: skip
+    return "\n".join(lines)
