@@ -42,9 +42,10 @@ test-crash: $(BIN)/.test-installed
 test-cluster: $(BIN)/.test-installed
 	$(BIN)/python -m pytest -q -m cluster tests/integration/test_nats_cluster.py
 
-# A whole run placed with --use-ray over a 2-node Ray cluster on 127.0.0.2 and 127.0.0.3; CI runs it too.
+# A whole run placed with --use-ray over a 2-node Ray cluster on 127.0.0.2 and 127.0.0.3, and a
+# data-parallel trainer placed with --use-ray on a local one; CI runs it too.
 test-ray: $(BIN)/.test-installed
-	$(BIN)/python -m pytest -q -m ray tests/integration/test_ray_cluster.py
+	$(BIN)/python -m pytest -q -m ray tests/integration/test_ray_cluster.py tests/e2e/test_cli_run.py
 
 # docker-compose.yml run for real on loopback (tests/docker): builds the image, runs a short job to
 # its end with three producers and audits it; skips, saying why, when no Docker daemon can start.

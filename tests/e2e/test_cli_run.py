@@ -210,7 +210,7 @@ def test_multiturn_example_trains_end_to_end(tmp_path):
     assert_nothing_left(run_dir)
 
 
-@pytest.mark.parametrize("placement", ["processes", "ray"])
+@pytest.mark.parametrize("placement", ["processes", pytest.param("ray", marks=pytest.mark.ray)])  # ray: make test-ray
 def test_data_parallel_trainer(tmp_path, placement):
     if placement == "ray":
         pytest.importorskip("ray")

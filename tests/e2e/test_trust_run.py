@@ -150,7 +150,7 @@ def test_a_full_store_is_a_clear_error_and_the_audit_still_reads_it(tmp_path):
 
 def test_a_hung_producer_is_restarted_and_a_ledger_that_does_not_balance_fails_the_run(tmp_path):
     run_dir = tmp_path / "run"
-    proc = launch(*SMALL, "--num-rollout", "40", "--health-restart-s", "3", "--prompt-ack-wait-s", "3", "--run-dir",
+    proc = launch(*SMALL, "--num-rollout", "20", "--health-restart-s", "3", "--prompt-ack-wait-s", "3", "--run-dir",
                   str(run_dir), cwd=tmp_path)  # fmt: skip
     stopped = None
     try:

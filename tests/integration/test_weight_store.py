@@ -51,14 +51,16 @@ async def test_the_trainer_stores_the_engine_fetches_and_cannot_write(server, ti
             await reader.fetch(7, tmp_path / "none")
 
         # the engine's identity reads, nothing more: no put, no delete, no consumer on the bucket
+        # (a refused call is never answered: each waits out a short timeout)
+        js = engine.nc.jetstream(timeout=1.0)
         for subject in (f"$O.{store.bucket}.C.forged", f"$O.{store.bucket}.M.{_b64('v1/.complete')}"):
             with pytest.raises((nats.errors.Error, nats.js.errors.Error, TimeoutError)):
-                await engine.js.publish(subject, b"forged", timeout=2)
+                await js.publish(subject, b"forged", timeout=1)
         with pytest.raises((nats.errors.Error, nats.js.errors.Error, TimeoutError)):
-            await engine.js.purge_stream(store.stream)
+            await js.purge_stream(store.stream)
         assert (await reader.manifest(1))["sha256"] == info["sha256"]
         with pytest.raises((nats.errors.Error, nats.js.errors.Error, TimeoutError)):
-            await engine.js.add_consumer(store.stream, durable_name="spy")
+            await js.add_consumer(store.stream, durable_name="spy")
 
         await store.upload(2, snap)
         await store.retire(1)
