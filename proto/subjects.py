@@ -222,7 +222,7 @@ class Subjects(Struct, frozen=True):
         return [
             {  # written by the buffer only, within its release allowance; producers take them
                 "name": self.prompts_stream, "subjects": own("prompts"), "retention": "workqueue",
-                "storage": "file", "max_msg_size": 4 * MIB, "max_msgs": 65_536, "discard": "new",
+                "storage": "file", "max_msg_size": MAX_PAYLOAD_BYTES, "max_msgs": 65_536, "discard": "new",
                 "duplicate_window": 3600.0,  # a restarted buffer publishes the outstanding ones again
             },
             {  # producers' groups; purged once trained (a flood of rejected ones at the next commit)

@@ -160,6 +160,8 @@ class BufferMachine:
         self.lookahead = 0
         self.producers: dict[str, tuple[float, int]] = {}
         """Producer id -> (its last heartbeat, the in-flight cap it asked for)."""
+        self.in_work_of: dict[str, int] = {}
+        """Producer id -> how many groups its last heartbeat named in work."""
         self.answered: set[str] = set()
         """Producers that answered a prompt this buffer released: only their caps count."""
         self.waiting: dict[int, list[Any]] = {}  # step -> get requests waiting for its lease
@@ -224,6 +226,7 @@ class BufferMachine:
     def release_state(self, now: float) -> ReleaseState:
         self.producers = {k: v for k, v in self.producers.items() if now - v[0] < PRODUCER_TIMEOUT_S}
         self.answered &= self.producers.keys()
+        self.in_work_of = {k: v for k, v in self.in_work_of.items() if k in self.producers}
         # the in-flight budget: one producer's cap, and the caps of the live producers that have
         # answered a released prompt (a heartbeat alone, under any id, adds nothing)
         caps = [cap for pid, (_, cap) in self.producers.items() if pid in self.answered]
@@ -291,7 +294,11 @@ class BufferMachine:
         `expired`). A producer that acknowledged a prompt and died, or never meant to answer,
         cannot hang the run; its late answer is a duplicate."""
         deadline = self.config.prompt_deadline_s
-        if self.producers and self.stall(now) is not None:  # nobody works on them and the run waits
+        stall = self.stall(now)
+        spare = any(self.in_work_of.get(pid, 0) < cap for pid, (_, cap) in self.producers.items())
+        if stall is not None and stall["kind"] == "unanswered" and spare:
+            # the run waits for them, and a live producer has room to take them: nobody works on
+            # those no heartbeat names (a prompt still queued behind busy producers is left alone)
             deadline = min(deadline, self.config.stall_report_s)
         for gone in set(self.seen_at) - set(self.state.outstanding):
             del self.seen_at[gone]
@@ -576,6 +583,7 @@ class BufferMachine:
             self.producers[hb.instance_id] = (now, cap)
         in_work = hb.info.get("in_work", [])
         if isinstance(in_work, list):  # group indexes the producer is generating: their prompts are alive
+            self.in_work_of[hb.instance_id] = len(in_work)
             by_index = {p.group_index: gid for gid, p in self.state.outstanding.items()}
             for gi in in_work[: 4 * limit + 64]:
                 if isinstance(gi, int) and (gid := by_index.get(gi)) is not None:
@@ -594,28 +602,28 @@ class BufferMachine:
         rs = self.release_state(now)
         unseen = [gid for gid in s.outstanding if now - self.seen_at.get(gid, now) >= c.stall_report_s]
         if not short:
-            cause = (f"every lease up to step {self.want_step} is complete and none was committed: the trainer is "
+            kind, cause = "trainer", (f"every lease up to step {self.want_step} is complete and none was committed: the trainer is "
                      "slow or stuck (see its /status)")  # fmt: skip
         elif not self.producers:
-            cause = f"no producer is alive (none sent a heartbeat for {PRODUCER_TIMEOUT_S:.0f} s): start one"
+            kind, cause = "no_producer", f"no producer is alive (none sent a heartbeat for {PRODUCER_TIMEOUT_S:.0f} s): start one"
         elif rs.outstanding:
-            cause = (f"{rs.outstanding} released prompts are unanswered, {len(unseen)} of them named in work by no "
-                     f"live producer for {c.stall_report_s:.0f} s (those go back now); producers alive: "
+            kind, cause = "unanswered", (f"{rs.outstanding} released prompts are unanswered, {len(unseen)} of them named in work by no "
+                     f"live producer for {c.stall_report_s:.0f} s (those go back now if a producer has room); producers alive: "
                      f"{len(self.producers)}; see their /status and the engines'")  # fmt: skip
         elif release_allowance(rs) > 0:
-            cause = "prompts may be released and none are: the buffer's release loop is behind (see its log)"
+            kind, cause = "release", "prompts may be released and none are: the buffer's release loop is behind (see its log)"
         elif rs.min_version is not None and (rs.live_version is None or rs.live_version < rs.min_version):
-            cause = (f"the release waits for the engines to run version {rs.min_version} (live: {rs.live_version}): "
+            kind, cause = "engines_behind", (f"the release waits for the engines to run version {rs.min_version} (live: {rs.live_version}): "
                      "see weight-sync's /status")  # fmt: skip
         elif rs.head_room is not None and rs.head_room <= 0:
-            cause = (f"generation is at its staleness budget (live version {rs.live_version}, --max-weight-staleness "
+            kind, cause = "staleness_budget", (f"generation is at its staleness budget (live version {rs.live_version}, --max-weight-staleness "
                      f"{c.max_weight_staleness}): the engines' version must advance; see weight-sync's /status")  # fmt: skip
         elif rs.stored >= rs.capacity:
-            cause = (f"the buffer is full ({rs.stored}/{rs.capacity} groups) and step {short[0]}'s lease is short: "
+            kind, cause = "buffer_full", (f"the buffer is full ({rs.stored}/{rs.capacity} groups) and step {short[0]}'s lease is short: "
                      "the DataBuffer hands out none of them")  # fmt: skip
         else:
-            cause = "the run needs no more groups, and its leases are short"
-        return {"step": short[0] if short else self.want_step, "for_s": round(idle, 1), "cause": cause}
+            kind, cause = "done", "the run needs no more groups, and its leases are short"
+        return {"step": short[0] if short else self.want_step, "for_s": round(idle, 1), "kind": kind, "cause": cause}
 
     def status(self, now: float) -> dict:
         rs, s = self.release_state(now), self.state

@@ -460,7 +460,8 @@ class AsyncSection(Section):
         300.0,
         gt=0,
         description="No step progress for this long while the trainer waits: the buffer names the cause in its log "
-        "and /status (`stalled`), and sends back early the released prompts no live producer names in work.",
+        "and /status (`stalled`); when prompts are unanswered and a producer has room, those no live producer names in "
+        "work go back then.",
     )
     producer_timeout_s: float = Field(
         60.0,

@@ -9,7 +9,7 @@ route answers it only within the role's scope (`ENGINE_SCOPES`):
 |---|---|
 | rollout (producers) | generation: /generate, /abort_request, the OpenAI routes, model and load info |
 | eval | the same (its pause of submission goes over NATS, under its own eval tokens) |
-| weight-sync | pause, continue, flush, weight and adapter loading, weight version, model and server info |
+| weight-sync | pause, continue, flush, weight and adapter loading, weight version, model and server info, /v1/models (the adapters loaded) |
 | admin (run token) | every route, every service's and every engine's |
 
 A service's own routes (/status, /config, control) are the admin's only. A process is given its
@@ -50,7 +50,7 @@ _GENERATION = ("/generate", "/abort_request", "/v1/completions", "/v1/chat/compl
                "/model_info", "/get_model_info", "/get_load", "/get_weight_version")  # fmt: skip
 _WEIGHTS = ("/pause_generation", "/continue_generation", "/flush_cache", "/stage_weights", "/update_weights_from_disk",
             "/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_distributed",
-            "/update_weight_version", "/load_lora_adapter", "/unload_lora_adapter", "/model_info",
+            "/update_weight_version", "/load_lora_adapter", "/unload_lora_adapter", "/v1/models", "/model_info",
             "/get_model_info", "/server_info", "/get_server_info", "/get_weight_version")  # fmt: skip
 ENGINE_SCOPES: dict[str, frozenset[str]] = {}
 """Built-in engine route -> the roles besides the admin that may call it."""

@@ -158,7 +158,7 @@ async def test_each_role_token_opens_only_its_routes(tiny_model_dir):
     allowed = {"rollout": {"/generate", "/v1/models", "/model_info", "/abort_request"},
                "eval": {"/generate", "/v1/models", "/model_info", "/abort_request"},
                "weight-sync": {"/pause_generation", "/continue_generation", "/flush_cache", "/update_weight_version",
-                               "/server_info", "/model_info", "/init_weights_update_group"}}  # fmt: skip
+                               "/server_info", "/model_info", "/init_weights_update_group", "/v1/models"}}  # fmt: skip
     routes = [("POST", "/generate"), ("GET", "/v1/models"), ("GET", "/model_info"), ("POST", "/abort_request"),
               ("POST", "/pause_generation"), ("POST", "/continue_generation"), ("POST", "/flush_cache"),
               ("POST", "/update_weight_version"), ("GET", "/server_info"), ("POST", "/init_weights_update_group"),

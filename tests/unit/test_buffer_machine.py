@@ -390,7 +390,8 @@ def test_fully_async_admission_keeps_generation_within_the_staleness_budget():
 def test_a_run_without_step_progress_is_diagnosed_and_unworked_prompts_go_back_early():
     """No step progress for --stall-report-s while the trainer waits: the cause is named (in the
     log and /status), and released prompts that no live producer names in work go back then,
-    not at the 900 s prompt deadline."""
+    not at the 900 s prompt deadline, once a producer has room to take them (one queued behind
+    producers at their caps is left alone)."""
     import time
 
     r = Run(stall_report_s=60.0)
@@ -407,7 +408,14 @@ def test_a_run_without_step_progress_is_diagnosed_and_unworked_prompts_go_back_e
                                          info={"inflight_groups": 2, "in_work": [prompts[0].group_index]}), t + 65)  # fmt: skip
     stall = r.m.stall(t + 65)
     assert stall["step"] == 0 and f"{len(prompts)} released prompts are unanswered" in stall["cause"]
-    assert r.m.status(t + 65)["stalled"] == stall
+    assert r.m.status(t + 65)["stalled"] == stall and stall["kind"] == "unanswered"
+    busy = [p.group_index for p in prompts[:2]]  # the producer at its cap: the rest may only be queued
+    r.m.on_heartbeat(object(), Heartbeat(instance_id="p", service="rollout",
+                                         info={"inflight_groups": 2, "in_work": busy}), t + 65)  # fmt: skip
+    assert not r.m.expire_unanswered(t + 65).events
+    r.m.seen_at[group_id(prompts[1].group_index, 0)] = t  # it finished that one
+    r.m.on_heartbeat(object(), Heartbeat(instance_id="p", service="rollout",
+                                         info={"inflight_groups": 2, "in_work": busy[:1]}), t + 65)  # fmt: skip
     expired = r.do(r.m.expire_unanswered(t + 65))
     assert sorted(e.group_index for e in expired.events) == sorted(p.group_index for p in prompts[1:])  # one in work
     r.put(r.group(prompts[0]), seq=1)  # the one in work is answered and leased: progress
