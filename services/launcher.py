@@ -37,10 +37,10 @@ from services.common import procs
 from services.common.bus import STORE_DIR_ENV, Bus
 from services.common.config import RunConfig
 from services.common.engine_commands import builtin_engine_command, builtin_engine_flags, sglang_server_command
-from services.common.httpauth import HTTP_KEYS_ENV, HTTP_ROLES, HTTP_TOKEN_ENV, Keys, role_token
+from services.common.httpauth import HTTP_ROLES, HTTP_TOKEN_ENV, Keys, engine_token
 from services.common.natsauth import ROLES, server_auth_conf
 from services.common.natsserver import EmbeddedNats, NatsCluster, local_nats
-from services.common.secrets import RUN_TOKEN_ENV, NatsCredentials, without_nats_identity
+from services.common.secrets import NatsCredentials, without_identity
 from services.common.snapshot import COMPLETE_MARKER, is_complete
 from services.common.validate import eval_result_problem, finite_metrics
 from services.common.versions import VersionBound
@@ -105,15 +105,12 @@ class Launcher:
         """A child's environment: ours without any NATS identity or token of our own, plus the
         run's HTTP keys (hashes: who may call it) and, for a service, its role's NATS identity and
         HTTP token (never on its command line). No child gets the run token."""
-        env = {k: v for k, v in without_nats_identity().items()
-               if not k.startswith((RUN_TOKEN_ENV, HTTP_TOKEN_ENV, HTTP_KEYS_ENV))}  # fmt: skip
+        env = without_identity()
         env["PYTHONUNBUFFERED"] = "1"
         env.setdefault("OMP_NUM_THREADS", str(self.config.torch_num_threads))
         env.update(Keys.of_run(self.run_token).env())
         if role in HTTP_ROLES:  # the roles that call the engines
-            c = self.config
-            single_key = c.engine == "sglang" or bool(c.rollout_external_engine_addrs)  # SGLang: one --api-key
-            env[HTTP_TOKEN_ENV] = self.run_token if single_key else role_token(self.run_token, role)
+            env[HTTP_TOKEN_ENV] = engine_token(self.run_token, role, self.config.engines_take_one_key)
         if role is not None:
             env.update(self.creds[role].env())
             if self.nats is not None:

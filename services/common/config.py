@@ -1002,6 +1002,12 @@ class RunConfig(MultiLoraSection, EvalSection, TrainerSection, AsyncSection, Rol
         return math.floor(self.async_data_buffer_capacity_factor * self.rollout_batch_size)
 
     @property
+    def engines_take_one_key(self) -> bool:
+        """SGLang servers (launched or external) take one --api-key for every route: the roles
+        that call them send the run token, not their own (services.common.httpauth)."""
+        return self.engine == "sglang" or bool(self.rollout_external_engine_addrs)
+
+    @property
     def rollouts_max_msgs(self) -> int:
         """ROLLOUTS' message cap: four times what a run holds there at once (stored, in flight
         on every producer the launcher starts, and two steps' leases), per adapter, plus 1024.

@@ -52,14 +52,11 @@ _WEIGHTS = ("/pause_generation", "/continue_generation", "/flush_cache", "/stage
             "/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_distributed",
             "/update_weight_version", "/load_lora_adapter", "/unload_lora_adapter", "/v1/models", "/model_info",
             "/get_model_info", "/server_info", "/get_server_info", "/get_weight_version")  # fmt: skip
-ENGINE_SCOPES: dict[str, frozenset[str]] = {}
+ENGINE_SCOPES: dict[str, frozenset[str]] = {
+    path: frozenset(({"rollout", "eval"} if path in _GENERATION else set()) | ({"weight-sync"} if path in _WEIGHTS else set()))
+    for path in {*_GENERATION, *_WEIGHTS}
+}  # fmt: skip
 """Built-in engine route -> the roles besides the admin that may call it."""
-for _path in _GENERATION:
-    ENGINE_SCOPES.setdefault(_path, frozenset())
-    ENGINE_SCOPES[_path] |= {"rollout", "eval"}
-for _path in _WEIGHTS:
-    ENGINE_SCOPES.setdefault(_path, frozenset())
-    ENGINE_SCOPES[_path] |= {"weight-sync"}
 
 
 def role_token(run_token: str, role: str) -> str:
@@ -121,8 +118,12 @@ def engine_token_from_env(role: str, run_token: str | None, single_key_engines: 
     env = os.environ if environ is None else environ
     if token := env.get(HTTP_TOKEN_ENV):
         return token
-    if not run_token:
-        return None
+    return engine_token(run_token, role, single_key_engines) if run_token else None
+
+
+def engine_token(run_token: str, role: str, single_key_engines: bool) -> str:
+    """What a role sends to the engines: its own token, or the run token to engines that take
+    one key for everything (SGLang's --api-key)."""
     return run_token if single_key_engines else role_token(run_token, role)
 
 

@@ -109,8 +109,7 @@ class Service:
         else:
             http_token = run_token_from_env()
             self.http_keys = keys_from_env(http_token)
-        single_key = config.engine == "sglang" or bool(config.rollout_external_engine_addrs)
-        self.engine_token = engine_token_from_env(self.name, http_token, single_key)
+        self.engine_token = engine_token_from_env(self.name, http_token, config.engines_take_one_key)
         """What this service sends to the engines (None: they ask for nothing)."""
         self.bus = bus
         self.instance_id = instance_id or f"{self.name}-{uuid.uuid4().hex[:6]}"

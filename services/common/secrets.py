@@ -263,6 +263,13 @@ class RedactingFilter(logging.Filter):
         return True
 
 
+def without_identity(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Ours without any credential: no NATS identity, no run token, no HTTP token or keys (a
+    child is given its own by whoever starts it)."""
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items() if not k.startswith(("ASYNCRL_NATS_", RUN_TOKEN_ENV, "ASYNCRL_HTTP_"))}
+
+
 def without_nats_identity(environ: dict[str, str] | None = None) -> dict[str, str]:
     """An environment for a child that talks to no NATS server (an engine): ours without the
     NATS identity (it keeps the run token, its API key)."""

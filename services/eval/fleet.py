@@ -17,8 +17,8 @@ from pathlib import Path
 
 from services.common import procs
 from services.common.engine_commands import builtin_engine_command, builtin_engine_flags, sglang_server_command
-from services.common.httpauth import HTTP_KEYS_ENV, HTTP_TOKEN_ENV, Keys
-from services.common.secrets import RUN_TOKEN_ENV, RUN_TOKEN_FILE_ENV, without_nats_identity
+from services.common.httpauth import Keys
+from services.common.secrets import without_identity
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +77,7 @@ def launch_fleet(config, log_dir: Path, token: str | None) -> tuple[list[subproc
     """Start the fleet's engines (children of the eval service: they die with it). `token`, the
     eval's own, is the fleet engines' only key: the eval loads weights on them and serves
     generation from them; no other role reaches them."""
-    env = {k: v for k, v in without_nats_identity().items()
-           if k not in (RUN_TOKEN_ENV, RUN_TOKEN_FILE_ENV, HTTP_TOKEN_ENV, HTTP_KEYS_ENV)}  # fmt: skip
+    env = without_identity()
     if token:
         env.update(Keys.single(token).env())
     n = config.eval_num_gpus // max(config.eval_num_gpus_per_engine, 1)
