@@ -104,7 +104,10 @@ def keys_from_env(run_token: str | None, environ: Mapping[str, str] | None = Non
     else None (its protected routes refuse everyone)."""
     env = os.environ if environ is None else environ
     if raw := env.get(HTTP_KEYS_ENV):
-        hashes = json.loads(raw)
+        try:
+            hashes = json.loads(raw)
+        except ValueError:
+            hashes = None
         if not isinstance(hashes, dict) or not all(isinstance(v, str) for v in hashes.values()):
             raise ValueError(f"${HTTP_KEYS_ENV} must be a JSON object of role -> SHA-256 hex")
         return Keys(hashes)

@@ -153,3 +153,16 @@ def test_a_full_disk_is_fatal_and_names_the_path(tmp_path, monkeypatch):
     assert "no space left on the device writing" in fatal_reason(wrapped) and "model.safetensors.tmp" in fatal_reason(
         wrapped
     )
+
+
+def test_http_keys_from_the_environment_are_checked():
+    """$ASYNCRL_HTTP_KEYS is what a process checks tokens with: anything but a JSON object of
+    role -> hex digest is refused by name (no process starts with keys it cannot read)."""
+    from services.common.httpauth import HTTP_KEYS_ENV, Keys, keys_from_env, role_token
+
+    for raw in ("not json", "[1]", '{"admin": 3}'):
+        with pytest.raises(ValueError, match=HTTP_KEYS_ENV):
+            keys_from_env(None, {HTTP_KEYS_ENV: raw})
+    keys = keys_from_env("ignored", Keys.of_run("tok").env())
+    assert keys.role_of(role_token("tok", "eval").encode()) == "eval" and keys.role_of(b"tok") == "admin"
+    assert keys_from_env(None, {}) is None
