@@ -9,6 +9,12 @@ both, the after/before ratio, and the spread of the "before" runs among themselv
 ratio must beat).
 
     python bench/versions.py --before 96768dc --rounds 2 -- bench/pipeline.py --steps 40
+
+--hide MODULE (repeatable) makes the "before" runs see MODULE as not installed (importing it
+raises ImportError, in every process the runs start): what an optional dependency is worth,
+measured side by side, e.g. uvicorn's C HTTP parser:
+
+    python bench/versions.py --before HEAD --hide httptools -- bench/quickstart.py --steps 600
 """
 
 from __future__ import annotations
@@ -35,11 +41,14 @@ def flatten(obj, prefix: str = "") -> dict[str, float]:
     return out
 
 
-def run(tree: Path, script: list[str], out: Path) -> dict[str, float]:
+def run(tree: Path, script: list[str], out: Path, hide: list[str] = ()) -> dict[str, float]:
     shim = out.parent / f"shim-{tree.name}"  # asyncrl_proto is the tree's proto/ (pyproject's package-dir)
     if not shim.exists():
         shim.mkdir()
         (shim / "asyncrl_proto").symlink_to(tree / "proto")
+        for module in hide:  # found before site-packages: as if it were not installed
+            (shim / module).mkdir()
+            (shim / module / "__init__.py").write_text(f"raise ImportError('{module} is hidden by bench/versions.py')\n")
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{shim}"}
     argv = [sys.executable, str(ROOT / script[0]), *script[1:], "--out", str(out)]
     r = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True)
@@ -54,6 +63,8 @@ def main() -> None:
     p.add_argument("--after", default=None, help="git ref to measure instead of this checkout as it is")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=None, help="also write every round's figures as JSON here")
+    p.add_argument("--hide", action="append", default=[], metavar="MODULE",
+                   help="the before runs see this module as not installed (repeatable)")
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- bench/X.py [its arguments]")
     a = p.parse_args()
     script = [s for s in a.script if s != "--"]
@@ -69,14 +80,17 @@ def main() -> None:
                 order = [("before", before), ("after", after)] if i % 2 == 0 else [("after", after), ("before", before)]
                 for name, tree in order:
                     print(f"round {i + 1}/{a.rounds}: {name} ...", flush=True)
-                    results[name].append(run(tree, script, Path(tmp) / f"{name}-{i}.json"))
+                    hide = a.hide if name == "before" else []
+                    results[name].append(run(tree, script, Path(tmp) / f"{name}-{i}.json", hide))
         finally:
             for tree in {before, after} - {ROOT}:
                 subprocess.run(
                     ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True
                 )
     keys = [k for k in results["before"][0] if all(k in r for rs in results.values() for r in rs)]
-    print(f"\n{' '.join(script)}: {a.before} vs {a.after or 'this checkout'}, {a.rounds} alternating rounds (medians)")
+    hidden = f" without {', '.join(a.hide)}" if a.hide else ""
+    print(f"\n{' '.join(script)}: {a.before}{hidden} vs {a.after or 'this checkout'}, {a.rounds} alternating rounds "
+          "(medians)")
     print(f"{'figure':58}{'before':>10}{'after':>10}{'after/before':>14}{'before spread':>15}")
     for k in keys:
         b = statistics.median(r[k] for r in results["before"])

@@ -11,17 +11,33 @@ judges staleness by.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 
-from asyncrl_proto import AdapterLive, AdapterRegistryState, decode
+from asyncrl_proto import AdapterLive, AdapterRegistryState, PromptMsg, decode
 from asyncrl_proto.codec import MalformedMessage
-from asyncrl_proto.messages import AdapterRun, AdapterState
+from asyncrl_proto.messages import AdapterRun, AdapterState, flatten_group
 from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX, ADAPTERS_KV_KEY
 from services.common.rewards import resolve_reward
+from services.rollout.modes import GroupContext, PromptError, Refuse, Requeue
+
+log = logging.getLogger(__name__)
 
 REREAD_S = 0.5
 """A registration not known yet is read again at most this often."""
+MAX_NOT_YET_DELIVERIES = 240
+"""A prompt whose adapter is not on the engines after this many deliveries (0.5 s apart: two
+minutes) settles as a FAILED group rather than coming back forever."""
+ADAPTER_RETRY_MAX_S = 2.0
+"""The longest a prompt waits before it is tried again while its engine lacks the live adapter."""
+ADAPTER_WARN_EVERY = 20
+"""A warning each time such a prompt has come back this many more times."""
+
+
+def rid_of(msg) -> str:
+    """The adapter registration of a multi-LoRA prompt: the last token of its subject (prompts.<registration>)."""
+    return msg.subject.rsplit(".", 1)[-1]
 
 
 class NotYet(Exception):
@@ -77,3 +93,77 @@ class AdapterRoutes:
                                                  "group_rm": False})  # fmt: skip
             self._rewards[rid] = resolve_reward(cfg)
         return self._rewards[rid]
+
+
+class AdapterContext(GroupContext):
+    """A group of one adapter: generated through its live version, every sample stamped with it."""
+
+    def __init__(self, engine, reward_fn: Callable, version: int):
+        super().__init__(engine, reward_fn)
+        self.version = version
+
+    def finish(self, group: list) -> None:
+        for s in flatten_group(group):  # generated under that adapter version, whatever the base's
+            s.weight_versions = [self.version]
+
+
+class AdapterMode:
+    """Multi-LoRA: a prompt on `prompts.<registration>` is generated with that adapter's live
+    version and reward, in a group of its adapter's size (which the buffer writes into the
+    prompt, at most the run's --n-samples-per-prompt: the producers' credit unit), and published
+    to `rollouts.<registration>`."""
+
+    partitioned = True
+
+    def __init__(self, config, bus, engine, counters: dict[str, int]):
+        self.n = config.n_samples_per_prompt
+        self.subjects = bus.subjects
+        self.engine = engine
+        self.routes = AdapterRoutes(bus, config)
+        self.counters = counters
+
+    def group_size(self, prompt: PromptMsg) -> int:
+        return prompt.n_samples if 1 <= prompt.n_samples <= self.n else self.n
+
+    def check(self, prompt: PromptMsg) -> None:
+        if not 1 <= prompt.n_samples <= self.n:
+            raise PromptError(f"n_samples {prompt.n_samples} is outside 1..{self.n} (--n-samples-per-prompt, "
+                              "the largest adapter group of this run)")  # fmt: skip
+
+    async def context(self, msg, prompt: PromptMsg) -> GroupContext:
+        rid = rid_of(msg)
+        try:
+            run = await self.routes.run(rid)
+            live = await self.routes.live(run)
+            if prompt.n_samples != run.spec.n_samples_per_prompt:
+                raise Closed(f"n_samples {prompt.n_samples} differs from the adapter's {run.spec.n_samples_per_prompt}")
+            reward = self.routes.reward(run)
+        except NotYet as e:
+            if msg.metadata.num_delivered < MAX_NOT_YET_DELIVERIES:
+                raise Requeue(str(e), 0.5) from None
+            raise Refuse(f"{e} after {msg.metadata.num_delivered} deliveries") from None
+        except (Closed, ValueError) as e:  # ValueError: a reward that does not resolve
+            raise Refuse(str(e)) from None
+        except Exception as e:  # the broker away, a reward module that fails to import: later
+            log.warning("prompt of adapter registration %s: %s; it goes back to the queue", rid[:64], e)
+            raise Requeue(str(e), 1.0) from None
+        return AdapterContext(self.engine.with_fields(lora_path=live.engine_name), reward, live.version)
+
+    def destination(self, msg, gid: str) -> tuple[str, str]:
+        rid = rid_of(msg)
+        return self.subjects.of(rid).rollouts, f"{rid}-{gid}"
+
+    async def requeue_after(self, msg, error: Exception) -> float | None:
+        """The engine lacks the adapter version KV `adapter_live` names (replaced meanwhile, or an
+        engine restarted and not reloaded yet): the prompt goes back to the queue, later each time
+        it comes back (up to ADAPTER_RETRY_MAX_S), with a warning every ADAPTER_WARN_EVERY
+        deliveries so an engine that never gets it is seen, not a silent loop."""
+        if "no LoRA adapter" not in str(error):
+            return None
+        n = msg.metadata.num_delivered
+        self.counters["adapter_not_loaded_requeued"] += 1
+        if n % ADAPTER_WARN_EVERY == 0:
+            log.warning("a prompt of adapter registration %s came back %d times: its engine lacks the live "
+                        "adapter (%s); is weight-sync running? (see /status adapter_not_loaded_requeued)",
+                        rid_of(msg)[:64], n, str(error)[:200])  # fmt: skip
+        return min(ADAPTER_RETRY_MAX_S, 0.1 * n)

@@ -35,65 +35,42 @@ from services.common.runtime import Service
 from services.common.sglang_client import SGLangClient
 from services.common.validate import MAX_ATTEMPT, limits_from_model_dir, sample_problem
 from services.model.tokenizer import Tokenizer
-from services.rollout.adapters import AdapterRoutes, Closed, NotYet
+from services.rollout.adapters import AdapterMode
 from services.rollout.core import Credits, Pauses
+from services.rollout.modes import GroupContext, PromptError, Refuse, Requeue, SingleModel
 
 PAUSE_TTL_S = 60.0
 """A pause of submission sent over NATS lapses this long after it was last sent."""
 MAX_GROUP_DELIVERIES = 5
 """A group whose generation fails this many times on one producer is published as FAILED."""
-MAX_NOT_YET_DELIVERIES = 240
-"""Multi-LoRA: a prompt whose adapter is not on the engines after this many deliveries (0.5 s
-apart: two minutes) settles as a FAILED group rather than coming back forever."""
-ADAPTER_RETRY_MAX_S = 2.0
-"""The longest a prompt waits before it is tried again while its engine lacks the live adapter."""
-ADAPTER_WARN_EVERY = 20
-"""A warning each time such a prompt has come back this many more times."""
 RETRY_BACKOFF_S = 1.0
 """A failed group's prompt is redelivered after RETRY_BACKOFF_S * 2^(delivery - 1), at most 30 s."""
 
 log = logging.getLogger(__name__)
 
 
-def rid_of(msg) -> str:
-    """The adapter registration of a multi-LoRA prompt: the last token of its subject (prompts.<registration>)."""
-    return msg.subject.rsplit(".", 1)[-1]
-
-
-class PromptError(ValueError):
-    """A released prompt that cannot be generated from (its group is published as FAILED)."""
-
-
 class EngineHandle:
-    """What a custom generate function receives as `engine`. `lora_path` (multi-LoRA): the
-    adapter version every request through this handle is generated with."""
+    """What a custom generate function receives as `engine`. `fields`: request fields every
+    request through this handle carries (multi-LoRA: the adapter version's `lora_path`)."""
 
-    def __init__(self, client: SGLangClient, tokenizer: Tokenizer, lora_path: str | None = None):
+    def __init__(self, client: SGLangClient, tokenizer: Tokenizer, **fields):
         self.client = client
         self.tokenizer = tokenizer
-        self.lora_path = lora_path
+        self.fields = fields
+
+    def with_fields(self, **fields) -> EngineHandle:
+        return EngineHandle(self.client, self.tokenizer, **self.fields, **fields)
 
     async def generate(self, input_ids: list[int], sampling_params: dict, **extra) -> dict:
-        if self.lora_path is not None:
-            extra["lora_path"] = self.lora_path
         return await self.client.generate(
             {
                 "input_ids": input_ids,
                 "sampling_params": sampling_params,
                 "return_logprob": True,
                 **extra,
+                **self.fields,
             }
         )
-
-
-class GroupContext:
-    """What one group is generated with: the engine handle, the reward, and (multi-LoRA) the
-    adapter version every sample is stamped with."""
-
-    def __init__(self, engine: EngineHandle, reward_fn, adapter_version: int | None = None):
-        self.engine = engine
-        self.reward_fn = reward_fn
-        self.adapter_version = adapter_version
 
 
 async def default_generate(config, sample: Sample, engine: EngineHandle, sampling_params: dict) -> Sample:
@@ -128,8 +105,6 @@ class RolloutService(Service):
             max_concurrency=config.sglang_server_concurrency * (max(1, config.rollout_num_engines) if routed else 1),
         )
         self.engine = EngineHandle(self.client, self.tokenizer)
-        self.partitioned = config.multi_lora_n_adapters > 0
-        self.adapters = AdapterRoutes(bus, config) if self.partitioned else None
         self.submission_open = asyncio.Event()
         self.submission_open.set()
         self.pauses = Pauses(PAUSE_TTL_S, config.submission_pause_max_s, config.total_steps)
@@ -144,6 +119,8 @@ class RolloutService(Service):
             "bad_prompts": 0,
             "adapter_not_loaded_requeued": 0,
         }
+        self.mode = (AdapterMode(config, bus, self.engine, self.counters) if config.multi_lora_n_adapters > 0
+                     else SingleModel(config, bus.subjects, self.engine, self.reward_fn))  # fmt: skip
         self._psub = None
 
     def sampling_params(self) -> dict:
@@ -161,7 +138,7 @@ class RolloutService(Service):
 
     async def setup(self) -> None:
         s = self.bus.subjects
-        self._psub = await self.bus.consume(s.consumers(self.config.prompt_ack_wait_s, self.partitioned)["producers"])
+        self._psub = await self.bus.consume(s.consumers(self.config.prompt_ack_wait_s, self.mode.partitioned)["producers"])
         await self.bus.subscribe(s.control, self._on_control)
         log.info(
             "producer %s ready: %d groups in flight max, %s granularity, engines %s",
@@ -232,12 +209,19 @@ class RolloutService(Service):
                 await self._publish_failed(msg, prompt, time.time(), f"invalid prompt: {e}")
             return
         started = time.time()
-        if (ctx := await self._context(msg, prompt, started)) is None:
+        try:
+            ctx = await self.mode.context(msg, prompt)
+        except Requeue as e:
             self.credits.group_done(0)
+            await settle(msg, Settle.NAK, delay=e.delay)
+            return
+        except Refuse as e:
+            self.credits.group_done(0)
+            await self._publish_failed(msg, prompt, started, str(e))
             return
         self.groups_in_flight[id(msg)] = (msg, started, prompt.group_index)
         given_back = [0]  # credits this group already returned, trajectory by trajectory
-        if (spare := self.n - self._group_n(prompt)) > 0:  # an adapter's smaller group: its spare credits now
+        if (spare := self.n - self.mode.group_size(prompt)) > 0:  # a smaller group: its spare credits now
             self.credits.give_back(spare)
             given_back[0] = spare
         try:
@@ -250,16 +234,15 @@ class RolloutService(Service):
                     await asyncio.wait_for(settle(msg, Settle.NAK), 2.0)
                 raise
             except Exception as e:
-                if ctx.adapter_version is not None and "no LoRA adapter" in str(e):
-                    # its version was replaced on the engines meanwhile: again, on the live one
-                    await self._adapter_not_loaded(msg, rid_of(msg), e)
+                if (delay := await self.mode.requeue_after(msg, e)) is not None:
+                    await settle(msg, Settle.NAK, delay=delay)
                     return
                 await self._group_failed(msg, prompt, started, e)
                 return
             self.failures.pop(rg.group_id, None)
             crash.point("rollout", "generated_before_publish")
             try:
-                subject, msg_id = self._destination(msg, rg.group_id)
+                subject, msg_id = self.mode.destination(msg, rg.group_id)
                 await self.bus.publish(subject, rg, msg_id=msg_id)
             except Exception as e:  # the broker is away: the finished work is not a failure
                 log.warning("publishing group %s failed (%s); its prompt goes back to the queue", rg.group_id, e)
@@ -273,58 +256,10 @@ class RolloutService(Service):
             self.groups_in_flight.pop(id(msg), None)
             self.credits.group_done(given_back[0])
 
-    async def _adapter_not_loaded(self, msg, rid: str, e: Exception) -> None:
-        """The engine lacks the adapter version KV `adapter_live` names (replaced meanwhile, or an
-        engine restarted and not reloaded yet): the prompt goes back to the queue, later each time
-        it comes back (up to ADAPTER_RETRY_MAX_S), with a warning every ADAPTER_WARN_EVERY deliveries
-        so an engine that never gets it is seen, not a silent loop."""
-        n = msg.metadata.num_delivered
-        self.counters["adapter_not_loaded_requeued"] += 1
-        if n % ADAPTER_WARN_EVERY == 0:
-            log.warning("a prompt of adapter registration %s came back %d times: its engine lacks the live "
-                        "adapter (%s); is weight-sync running? (see /status adapter_not_loaded_requeued)",
-                        rid[:64], n, str(e)[:200])  # fmt: skip
-        await settle(msg, Settle.NAK, delay=min(ADAPTER_RETRY_MAX_S, 0.1 * n))
-
-    def _destination(self, msg, gid: str) -> tuple[str, str]:
-        """The subject and message id of a prompt's group: its partition's (multi-LoRA)."""
-        if not self.partitioned:
-            return self.bus.subjects.rollouts, gid
-        rid = rid_of(msg)
-        return self.bus.subjects.of(rid).rollouts, f"{rid}-{gid}"
-
-    async def _context(self, msg, prompt: PromptMsg, started: float) -> GroupContext | None:
-        """What the group is generated with; None when its prompt was settled here instead (an
-        adapter not on the engines yet: back to the queue; a closed registration: FAILED, which
-        its partition records as foreign)."""
-        if not self.partitioned:
-            return GroupContext(self.engine, self.reward_fn)
-        rid = rid_of(msg)
-        try:
-            run = await self.adapters.run(rid)
-            live = await self.adapters.live(run)
-            if prompt.n_samples != run.spec.n_samples_per_prompt:
-                raise Closed(f"n_samples {prompt.n_samples} differs from the adapter's {run.spec.n_samples_per_prompt}")
-            reward = self.adapters.reward(run)
-        except NotYet as e:
-            if msg.metadata.num_delivered < MAX_NOT_YET_DELIVERIES:
-                await settle(msg, Settle.NAK, delay=0.5)
-                return None
-            await self._publish_failed(msg, prompt, started, f"{e} after {msg.metadata.num_delivered} deliveries")
-            return None
-        except (Closed, ValueError) as e:  # ValueError: a reward that does not resolve
-            await self._publish_failed(msg, prompt, started, str(e))
-            return None
-        except Exception as e:  # the broker away, a reward module that fails to import: later
-            log.warning("prompt of adapter registration %s: %s; it goes back to the queue", rid[:64], e)
-            await settle(msg, Settle.NAK, delay=1.0)
-            return None
-        return GroupContext(EngineHandle(self.client, self.tokenizer, lora_path=live.engine_name), reward, live.version)
-
     async def _generate_group(
         self, prompt: PromptMsg, input_ids: list[int], started: float, given_back: list[int], ctx: GroupContext
     ) -> RolloutGroup:
-        samples = [self._new_sample(prompt, i, _input_ids=input_ids) for i in range(self._group_n(prompt))]
+        samples = [self._new_sample(prompt, i, _input_ids=input_ids) for i in range(self.mode.group_size(prompt))]
         tasks = [asyncio.create_task(self._run_trajectory(s, given_back, ctx)) for s in samples]
         try:
             results = await asyncio.gather(*tasks)
@@ -334,10 +269,8 @@ class RolloutService(Service):
             await asyncio.gather(*tasks, return_exceptions=True)  # all settle before the group fails
             raise
         group = list(results)
-        if ctx.adapter_version is not None:  # generated under that adapter version, whatever the base's
-            for s in flatten_group(group):
-                s.weight_versions = [ctx.adapter_version]
-        if self.config.group_rm and self.config.custom_rm_path and not self.partitioned:
+        ctx.finish(group)
+        if ctx.group_rm:
             if not await score_group(ctx.reward_fn, self.config, group):
                 self.counters["reward_failures"] += len(group)
         self._check_samples(group)
@@ -362,10 +295,10 @@ class RolloutService(Service):
 
     async def _publish_failed(self, msg, prompt: PromptMsg, started: float, reason: str) -> None:
         samples = [self._new_sample(prompt, i, SampleStatus.FAILED, error=reason[:1000])
-                   for i in range(self._group_n(prompt))]  # fmt: skip
+                   for i in range(self.mode.group_size(prompt))]  # fmt: skip
         rg = self._group(prompt, samples, started)
         try:
-            subject, msg_id = self._destination(msg, rg.group_id)
+            subject, msg_id = self.mode.destination(msg, rg.group_id)
             await self.bus.publish(subject, rg, msg_id=msg_id)
         except Exception as e:  # the broker is away: the prompt comes back and fails once more
             log.error("publishing failed group %s: %s", rg.group_id, e)
@@ -374,20 +307,11 @@ class RolloutService(Service):
         self.failures.pop(rg.group_id, None)
         await settle(msg)
 
-    def _group_n(self, prompt: PromptMsg) -> int:
-        """The prompt's group size: --n-samples-per-prompt, or in multi-LoRA its adapter's (which
-        the buffer writes into the prompt, at most the run's: the producers' credit unit)."""
-        return prompt.n_samples if self.partitioned and 1 <= prompt.n_samples <= self.n else self.n
-
     def _prompt_ids(self, prompt: PromptMsg) -> list[int]:
         """The token ids to generate from; PromptError when a released prompt cannot be used."""
         if prompt.group_index < 0 or not 0 <= prompt.attempt <= MAX_ATTEMPT:
             raise PromptError(f"group_index {prompt.group_index} / attempt {prompt.attempt} out of range")
-        if self.partitioned and not 1 <= prompt.n_samples <= self.n:
-            raise PromptError(f"n_samples {prompt.n_samples} is outside 1..{self.n} (--n-samples-per-prompt, "
-                              "the largest adapter group of this run)")  # fmt: skip
-        if not self.partitioned and prompt.n_samples != self.n:
-            raise PromptError(f"n_samples {prompt.n_samples} differs from --n-samples-per-prompt {self.n}")
+        self.mode.check(prompt)
         try:
             ids = self.tokenizer.prompt_ids(prompt.prompt, self.config.apply_chat_template)
         except Exception as e:  # a prompt of the wrong shape, a template that fails on it
@@ -429,7 +353,7 @@ class RolloutService(Service):
     def _new_sample(self, prompt: PromptMsg, i: int, status=SampleStatus.PENDING, **metadata) -> Sample:
         """Trajectory i of the prompt's group: its prompt, label and metadata, plus `metadata`."""
         return Sample(
-            index=prompt.group_index * self._group_n(prompt) + i,
+            index=prompt.group_index * self.mode.group_size(prompt) + i,
             group_index=prompt.group_index,
             prompt=prompt.prompt,
             label=prompt.label,
@@ -441,7 +365,7 @@ class RolloutService(Service):
         out = await self.generate_fn(self.config, sample, ctx.engine, self.sampling_params())
         sample.metadata.pop("_input_ids", None)
         trajectory = out if isinstance(out, list) else [out]
-        if not (self.config.group_rm and self.config.custom_rm_path) or self.partitioned:
+        if not ctx.group_rm:
             for s in trajectory:
                 if s.status != SampleStatus.ABORTED and not await score_sample(ctx.reward_fn, self.config, s):
                     self.counters["reward_failures"] += 1

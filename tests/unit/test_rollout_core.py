@@ -99,7 +99,7 @@ async def test_a_prompt_whose_engine_lacks_the_live_adapter_comes_back_later_eac
     counted, and warned about every ADAPTER_WARN_EVERY deliveries: never a silent 0.1 s loop."""
     from types import SimpleNamespace
 
-    from services.rollout import service as rollout
+    from services.rollout import adapters as rollout
 
     naks = []
 
@@ -109,18 +109,15 @@ async def test_a_prompt_whose_engine_lacks_the_live_adapter_comes_back_later_eac
         def __init__(self, delivered):
             self.metadata = SimpleNamespace(num_delivered=delivered)
 
-        async def nak(self, delay=None):
-            naks.append(delay)
-
     me = SimpleNamespace(counters={"adapter_not_loaded_requeued": 0})
     error = RuntimeError("lora_path: no LoRA adapter 'a@v3' is loaded")
     with caplog.at_level("WARNING", logger=rollout.log.name):
         for delivered in (1, 5, rollout.ADAPTER_WARN_EVERY, 399):
-            msg = Msg(delivered)
-            await rollout.RolloutService._adapter_not_loaded(me, msg, rollout.rid_of(msg), error)
+            naks.append(await rollout.AdapterMode.requeue_after(me, Msg(delivered), error))
     assert naks == pytest.approx([0.1, 0.5, min(rollout.ADAPTER_RETRY_MAX_S, 0.1 * rollout.ADAPTER_WARN_EVERY),
                                   rollout.ADAPTER_RETRY_MAX_S])  # fmt: skip
     assert me.counters["adapter_not_loaded_requeued"] == 4
+    assert await rollout.AdapterMode.requeue_after(me, Msg(1), RuntimeError("engine away")) is None
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "abc123" in warned[0] and "is weight-sync running" in warned[0]
 
