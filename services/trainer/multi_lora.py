@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -37,11 +36,8 @@ from asyncrl_proto import (
     AdapterControlReply,
     AdapterLive,
     AdapterRegistryState,
-    BufferCommit,
-    BufferCommitReply,
     BufferGetReply,
     BufferGetRequest,
-    ProgressRecord,
     decode,
 )
 from asyncrl_proto.codec import MalformedMessage
@@ -54,10 +50,11 @@ from services.common.weightstore import WeightStore
 from services.model.lora import LoraError, LoraSpec, MultiLora, SlotAdamW, load_adapter, save_adapter
 from services.trainer.adapter_push import adapter_dir, announce_adapter, publish_adapter
 from services.trainer.adapters import train_adapter_step
-from services.trainer.core import assemble_batch, build_step_batches
+from services.trainer.core import LossConfig, assemble_batch, build_step_batches
 from services.trainer.parallel import max_tokens_of
 from services.trainer.rollout_stats import rollout_metrics
 from services.trainer.setup import TrainerError
+from services.trainer.steps import BufferLink, Records, SampleCheck, append_trained, keep_lines
 
 log = logging.getLogger(__name__)
 
@@ -103,18 +100,30 @@ class Track:
 
 
 class MultiLoraTrainer:
-    def __init__(self, svc):
-        self.svc = svc
-        self.config = c = svc.config
-        self.bus = svc.bus
-        self.model = svc.model
+    """Built from what it uses: the run's config and bus, the frozen base model, the buffer link,
+    the records and sample check it shares with the model's loop (services.trainer.steps), the
+    loss settings, and `lifecycle` (`stopping`, `wait_stopped`, `stop`: the service it runs in).
+    `dp`: the data-parallel ranks (--trainer-num-ranks), set once they have joined."""
+
+    def __init__(self, config, bus, model, link: BufferLink, records: Records, check: SampleCheck,
+                 loss_cfg: LossConfig, pad_id: int, lifecycle):  # fmt: skip
+        self.config = c = config
+        self.bus = bus
+        self.model = model
+        self.link = link
+        self.records = records
+        self.check = check
+        self.loss_cfg = loss_cfg
+        self.pad_id = pad_id
+        self.lifecycle = lifecycle
+        self.dp = None
         self.model.requires_grad_(False)
         self.lora = MultiLora(self.model, c.multi_lora_n_adapters, c.multi_lora_max_rank)
         self.optimizer = SlotAdamW(self.lora, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2),
                                    weight_decay=c.weight_decay)  # fmt: skip
         self.tracks: dict[str, Track] = {}
         self.registry = AdapterRegistryState()
-        self.steps_total = _next_record_step(svc.metrics_path)
+        self.steps_total = records.next_step()
         """The records' own axis (`step`): every adapter step, one after another, across restarts."""
         self.run_dir = Path(c.run_dir)
         self.global_batch_size = c.global_batch_size or c.rollout_batch_size * c.n_samples_per_prompt
@@ -145,11 +154,11 @@ class MultiLoraTrainer:
         req = AdapterControl(op=op, name=run.name, registration_id=run.registration_id, step=step, reason=reason)
         deadline = time.monotonic() + self.config.buffer_timeout_s
         while True:
-            reply = await self.svc._request(self.bus.subjects.adapters_control, req, AdapterControlReply,
+            reply = await self.link.request(self.bus.subjects.adapters_control, req, AdapterControlReply,
                                             f"{op} of adapter {run.name}")  # fmt: skip
             if not reply.retry:
                 break
-            if time.monotonic() > deadline or self.svc.stopping:
+            if time.monotonic() > deadline or self.lifecycle.stopping:
                 raise TrainerError(f"the registry could not store {op} of adapter {run.name!r} for "
                                    f"{self.config.buffer_timeout_s:.0f}s: {reply.error}")  # fmt: skip
             log.warning("the registry could not store %s of adapter %s (%s); asking again", op, run.name, reply.error)
@@ -169,7 +178,7 @@ class MultiLoraTrainer:
 
     async def _loop(self) -> None:
         c = self.config
-        while not self.svc.stopping:
+        while not self.lifecycle.stopping:
             reg = await self._read_registry()
             for run in reg.runs:
                 await self._follow(run)
@@ -181,7 +190,7 @@ class MultiLoraTrainer:
             active = [t for t in self.tracks.values() if t.run.state is AdapterState.ACTIVE]
             if not active:
                 self.empty_since = 0.0  # idle, not waiting: nothing to warn about
-                await self.svc.wait_stopped(c.multi_lora_idle_poll_s)
+                await self.lifecycle.wait_stopped(c.multi_lora_idle_poll_s)
                 continue
             batch = await self._collect(active)
             for t, reply in batch:
@@ -238,7 +247,7 @@ class MultiLoraTrainer:
             return batch
         self.empty_since = 0.0
         deadline = now + c.multi_lora_max_coalesce_wait_s
-        while not self.svc.stopping and _batch_samples(batch) < self.global_batch_size:
+        while not self.lifecycle.stopping and _batch_samples(batch) < self.global_batch_size:
             others = [t for t in active if all(t is not b for b, _ in batch)]
             if not others or (left := deadline - time.monotonic()) <= 0:
                 break
@@ -410,7 +419,7 @@ class MultiLoraTrainer:
 
     # ---- one adapter step ------------------------------------------------------------------------
     async def _ask(self, rid: str, req: BufferGetRequest, what: str) -> BufferGetReply:
-        return await self.svc._request(self.bus.subjects.of(rid).buffer_get, req, BufferGetReply, what)
+        return await self.link.request(self.bus.subjects.of(rid).buffer_get, req, BufferGetReply, what)
 
     async def _get(self, t: Track) -> BufferGetReply | None:
         req = BufferGetRequest(step=t.step, count=t.run.spec.rollout_batch_size, current_version=t.step,
@@ -430,17 +439,17 @@ class MultiLoraTrainer:
 
     async def _train(self, t: Track, reply: BufferGetReply, batch: dict[str, float]) -> None:
         t0 = time.perf_counter()
-        groups = assemble_batch([await self.svc._load_group(ref) for ref in reply.refs], t.run.spec.n_samples_per_prompt)
-        self.svc._exclude_invalid(groups, max_version=t.step, n=t.run.spec.n_samples_per_prompt)
+        groups = assemble_batch([await self.link.load_group(ref) for ref in reply.refs], t.run.spec.n_samples_per_prompt)
+        self.check.exclude_invalid(groups, max_version=t.step, n=t.run.spec.n_samples_per_prompt)
         c = self.config
         std = bool(c.grpo_std_normalization and t.run.spec.n_samples_per_prompt > 1)
-        if self.svc.dp is not None:  # --trainer-num-ranks: the samples split over the ranks
-            stats = await asyncio.to_thread(self.svc.dp.train_adapter, self.lora, self.optimizer, t.run.slot, groups,
-                                            self.svc.loss_cfg, std)  # fmt: skip
+        if self.dp is not None:  # --trainer-num-ranks: the samples split over the ranks
+            stats = await asyncio.to_thread(self.dp.train_adapter, self.lora, self.optimizer, t.run.slot, groups,
+                                            self.loss_cfg, std)  # fmt: skip
         else:
-            (batches,) = build_step_batches(groups, std, c.reward_key, self.svc.pad_id, max_tokens_of(c), 1)
+            (batches,) = build_step_batches(groups, std, c.reward_key, self.pad_id, max_tokens_of(c), 1)
             stats = await asyncio.to_thread(train_adapter_step, self.model, self.lora, self.optimizer, t.run.slot,
-                                            batches, self.svc.loss_cfg, c.clip_grad)  # fmt: skip
+                                            batches, self.loss_cfg, c.clip_grad)  # fmt: skip
         crash.point("trainer", "adapter_stepped_before_records")
         step = t.step
         t.step += 1
@@ -482,11 +491,9 @@ class MultiLoraTrainer:
             await asyncio.to_thread(remove_snapshot, old)
 
     async def _commit(self, t: Track, step: int) -> None:
-        req = BufferCommit(step=step, version=t.step)
-        reply = await self.svc._request(self.bus.subjects.of(t.rid).buffer_commit, req, BufferCommitReply,
-                                        f"commit of adapter {t.run.name} step {step}")  # fmt: skip
-        if reply.error:
-            raise MultiLoraError(f"buffer refused commit of adapter {t.run.name} step {step}: {reply.error}")
+        if error := await self.link.commit(self.bus.subjects.of(t.rid).buffer_commit, step, t.step,
+                                           f"commit of adapter {t.run.name} step {step}"):  # fmt: skip
+            raise MultiLoraError(f"buffer refused commit of adapter {t.run.name} step {step}: {error}")
 
     # ---- records ---------------------------------------------------------------------------------
     def _trained_path(self, t: Track) -> Path:
@@ -495,14 +502,14 @@ class MultiLoraTrainer:
     def _append_trained(self, t: Track, step: int, groups: list[list]) -> None:
         path = self._trained_path(t)
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.svc._append_trained(step, groups, path)
+        append_trained(path, step, groups)
 
     def _truncate(self, t: Track) -> None:
         """The steps after the committed one are trained again: drop their records, in its
         trained.jsonl and in the run's metrics.jsonl (this registration's lines only)."""
-        _keep_lines(self._trained_path(t), lambda rec: rec["step"] < t.step)
+        keep_lines(self._trained_path(t), lambda rec: rec["step"] < t.step)
         name = t.run.name
-        _keep_lines(self.svc.metrics_path,
+        keep_lines(self.records.path,
                     lambda rec: rec.get("registration") != t.rid or rec[f"{name}/step"] < t.step)  # fmt: skip
 
     def _record(self, t: Track, step: int, groups, stats: dict, reply: BufferGetReply, step_s: float,
@@ -531,18 +538,12 @@ class MultiLoraTrainer:
         return record
 
     async def _emit(self, t: Track, record: dict) -> None:
-        self.svc.last_record = record
-        with self.svc.metrics_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        self.svc.sinks.log(record, f"{t.run.name}/step")
-        await self.bus.publish_durably([(self.bus.subjects.progress, ProgressRecord(step=record["step"], record=record),
-                                         None)], "progress")  # fmt: skip
+        await self.records.emit(record["step"], record, f"{t.run.name}/step")
 
     async def _finish(self) -> None:
-        done = ProgressRecord(step=self.steps_total, done=True, record=self.svc.last_record)
-        await self.bus.publish_durably([(self.bus.subjects.progress, done, None)], "the final progress record")
+        await self.records.finish(self.steps_total)
         log.info("multi-LoRA training finished: every adapter is completed (%d adapter steps)", self.steps_total)
-        self.svc.stop()
+        self.lifecycle.stop()
 
 
 def _batch_samples(batch: list[tuple[Track, BufferGetReply]]) -> int:
@@ -555,32 +556,6 @@ def _batch_info(batch: list[tuple[Track, BufferGetReply]]) -> dict[str, float]:
     return {"perf/fully_async/batch_n_adapters": len(batch), "perf/fully_async/batch_n_adapters_to_step": len(batch),
             "perf/fully_async/batch_n_groups": sum(len(r.refs) for _, r in batch),
             "perf/fully_async/batch_n_samples": _batch_samples(batch)}  # fmt: skip
-
-
-def _keep_lines(path: Path, keep) -> None:
-    """Rewrite a JSON-lines file with the records `keep` accepts (a torn last line of a killed
-    trainer is dropped); a kill meanwhile leaves the old file, never none."""
-    if not path.exists():
-        return
-    kept = []
-    for x in path.read_text().splitlines():
-        with contextlib.suppress(ValueError, KeyError, TypeError):
-            if keep(json.loads(x)):
-                kept.append(x)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(x + "\n" for x in kept))
-    tmp.replace(path)
-
-
-def _next_record_step(path: Path) -> int:
-    """The `step` the next record takes: one past the newest in metrics.jsonl (a restarted
-    trainer continues the records' axis; the steps it drops leave gaps, never repeats)."""
-    last = -1
-    if path.exists():
-        for x in path.read_text().splitlines():
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                last = max(last, int(json.loads(x)["step"]))
-    return last + 1
 
 
 def _complete(path: Path) -> bool:

@@ -135,9 +135,12 @@ def dp_adapter_step(model, lora, optimizer, slot: int, spec: LoraSpec, groups, c
 
 
 def broadcast_state(model, optimizer) -> None:
-    """Rank 0's parameters and optimizer state to every rank (at start and after a resume)."""
+    """Rank 0's parameters and optimizer state to every rank (at start and after a resume); no
+    optimizer (multi-LoRA: the base is frozen, the adapters' slots are sent with each step) on any rank."""
     for p in model.parameters():
         dist.broadcast(p.data, src=0)
+    if optimizer is None:
+        return
     state = [optimizer.state_dict() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(state, src=0)
     if dist.get_rank() != 0:

@@ -34,15 +34,11 @@ from pathlib import Path
 import torch
 
 from asyncrl_proto import (
-    BufferCommit,
-    BufferCommitReply,
     BufferGetReply,
     BufferGetRequest,
     EvalRequest,
     EvalResult,
     Heartbeat,
-    ProgressRecord,
-    RolloutGroup,
     WeightsLive,
     WeightsPublished,
     decode,
@@ -65,7 +61,7 @@ from services.common.promexport import LATENCY_BUCKETS_S
 from services.common.runtime import Service, wait_event
 from services.common.sinks import Sinks, finite_record
 from services.common.snapshot import is_complete, remove_snapshot, snapshots_to_remove
-from services.common.validate import Limits, eval_result_problem, finite_metrics, sample_problem
+from services.common.validate import Limits, eval_result_problem, finite_metrics
 from services.common.versions import last_published_version, publish_weights
 from services.common.weightstore import WeightStore, WeightStoreError
 from services.model.hf_io import load_weights_into, save_model
@@ -74,13 +70,13 @@ from services.trainer.core import (
     apply_sample_filter,
     assemble_batch,
     build_step_batches,
-    missing_logprobs,
     std_normalization,
     train_rollout,
 )
 from services.trainer.parallel import max_tokens_of
 from services.trainer.rollout_stats import rollout_metrics
 from services.trainer.setup import TrainerError, build_model, build_optimizer, build_reference, loss_config
+from services.trainer.steps import BufferLink, Records, SampleCheck, append_trained, keep_lines
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +128,6 @@ class TrainerService(Service):
         self.weights_dir = self.run_dir / "weights"
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.model = build_model(config)
-        self.optimizer = build_optimizer(config, self.model)
         self.loss_cfg = loss_config(config)
         self.ref_model = build_reference(config)
         self.old_actor = copy.deepcopy(self.model).eval() if config.keep_old_actor else None
@@ -143,23 +138,24 @@ class TrainerService(Service):
             else None
         )
         self.sinks = Sinks(config, self.run_dir)
+        self.records = Records(self.metrics_path, self.sinks, bus)
+        self.link = BufferLink(bus, config.buffer_timeout_s)
         self.sample_filter = (
             load_object(config.rollout_sample_filter_path, "--rollout-sample-filter-path")
             if config.rollout_sample_filter_path
             else None
         )
         self.pad_id = self.model.cfg.pad_token_id if self.model.cfg.pad_token_id is not None else 0
-        self.limits = Limits(n=config.n_samples_per_prompt, vocab_size=self.model.cfg.vocab_size,
-                             context_length=self.model.cfg.max_position_embeddings, reward_key=config.reward_key,
-                             max_abs_reward=config.max_abs_reward)  # fmt: skip
-        self.num_invalid_samples = 0
+        self.check = SampleCheck(Limits(n=config.n_samples_per_prompt, vocab_size=self.model.cfg.vocab_size,
+                                        context_length=self.model.cfg.max_position_embeddings,
+                                        reward_key=config.reward_key, max_abs_reward=config.max_abs_reward),
+                                 self.loss_cfg)  # fmt: skip
         self.num_nonfinite_skipped = 0
         self.recent_failures: collections.deque[tuple[int, int, str]] = collections.deque(maxlen=FAILED_WINDOW_STEPS)
         self.version = 0
         self.committed_version: int | None = None
         """The weight version of the last commit: the snapshot a restart without --save resumes from."""
         self.step = 0
-        self.last_record: dict = {}
         self.pending_eval: list[dict] = []
         self.last_producer_seen = time.monotonic()
         self.snapshots: list[Path] = sorted(
@@ -178,17 +174,23 @@ class TrainerService(Service):
         self.sender = None
         """--update-weight-transfer-mode distributed: rank 0 of the weight transfer group."""
         self.multi = None
-        """--multi-lora-n-adapters: the adapters' loop (services.trainer.multi_lora) instead of the model's."""
+        """--multi-lora-n-adapters: the adapters' loop (services.trainer.multi_lora) instead of the
+        model's, with its own optimizer over the adapters' slots (the base's is never built)."""
+        self.optimizer = None
         if config.multi_lora_n_adapters > 0:
             from services.trainer.multi_lora import MultiLoraTrainer
 
-            self.multi = MultiLoraTrainer(self)
+            self.multi = MultiLoraTrainer(config, bus, self.model, self.link, self.records, self.check,
+                                          self.loss_cfg, self.pad_id, lifecycle=self)  # fmt: skip
+        else:
+            self.optimizer = build_optimizer(config, self.model)
 
     async def setup(self) -> None:
         s = self.bus.subjects
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         if self.multi is not None:  # adapters only: the base never changes, nothing to resume here
             await self._start_ranks()
+            self.multi.dp = self.dp
             await self.bus.subscribe(s.heartbeat("rollout"), self._on_producer_heartbeat)
             return
         if self.config.update_weight_transfer_mode == "object-store":
@@ -245,7 +247,7 @@ class TrainerService(Service):
 
     async def _committed_step(self) -> int:
         req = self._get_request(0, lookahead=0, wait_s=0.0)
-        reply = await self._request(self.bus.subjects.buffer_get, req, BufferGetReply, "question where to resume")
+        reply = await self.link.request(self.bus.subjects.buffer_get, req, BufferGetReply, "question where to resume")
         return reply.committed_step
 
     async def _resume_from_snapshot(self, committed: int) -> None:
@@ -298,9 +300,7 @@ class TrainerService(Service):
     def _truncate_records(self, last_step: int) -> None:
         """Steps after the checkpoint are trained again: drop their records."""
         for path in (self.metrics_path, self.trained_path):
-            if path.exists():
-                keep = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
-                path.write_text("".join(line + "\n" for line in keep))
+            keep_lines(path, lambda rec: rec["step"] <= last_step)
 
     def loops(self):
         return {"train": self._train_loop if self.multi is None else self.multi.run}
@@ -373,7 +373,7 @@ class TrainerService(Service):
                 # the step's records come before its checkpoint and its commit: a trainer killed in
                 # between resumes from the checkpoint, drops the records after it and trains those
                 # steps again, so a committed step always has its records (the audit checks it)
-                self._append_trained(step, groups)
+                append_trained(self.trained_path, step, groups)
                 record = await self._record(step, batch, train_stats, train_s, push_s, time.perf_counter() - t_step)
                 await self._emit(step, record)
                 crash.point("trainer", "records_before_checkpoint")
@@ -416,8 +416,7 @@ class TrainerService(Service):
         total = self.config.total_steps
         if self.sender is not None and error is None:
             await self._wait_final_broadcast()
-        done = ProgressRecord(step=total, done=True, record=self.last_record, error=error, last_eval=self.last_eval)
-        await self.bus.publish_durably([(self.bus.subjects.progress, done, None)], "the final progress record")
+        await self.records.finish(total, error=error, last_eval=self.last_eval)
         if error:
             log.error("the run failed at step %d: %s", self.step, error)
         else:
@@ -491,15 +490,15 @@ class TrainerService(Service):
     async def _release_ahead(self, step: int) -> None:
         """Ask again for an already complete step, with lookahead: starts the next batch."""
         req = self._get_request(step, lookahead=1, wait_s=0.0)
-        await self._request(self.bus.subjects.buffer_get, req, BufferGetReply, "release of the next batch")
+        await self.link.request(self.bus.subjects.buffer_get, req, BufferGetReply, "release of the next batch")
 
     async def _fetch(self, step: int, lookahead: int | None = None) -> Batch:
         """Wait for the step's B groups (a durable lease), with the buffer's metrics."""
         t0 = time.monotonic()
         reply = await self._lease(step, lookahead)
-        groups = [await self._load_group(ref) for ref in reply.refs]
+        groups = [await self.link.load_group(ref) for ref in reply.refs]
         groups = assemble_batch(groups, self.config.n_samples_per_prompt)
-        self._exclude_invalid(groups)
+        self.check.exclude_invalid(groups, max_version=self.version)
         if self.sample_filter is not None:
             self._apply_sample_filter(groups)
         elapsed = time.monotonic() - t0
@@ -539,31 +538,6 @@ class TrainerService(Service):
                     f"no rollout producer has been alive for {self.config.producer_timeout_s:.0f}s while step {step} "
                     f"waits for groups ({len(reply.refs)}/{req.count}): start producers (asyncrl service rollout)"
                 )
-
-    def _exclude_invalid(self, groups: list[list], max_version: int | None = None, n: int | None = None) -> None:
-        """Defence in depth (the buffer validated these groups): a sample that cannot be trained
-        on (ids outside the vocabulary, a non-finite log-prob or reward, ...) is marked FAILED,
-        which leaves it out of the loss, and said loudly; it never reaches the model. (A
-        multi-LoRA adapter's versions and group size are its own.)"""
-        limits = dataclasses.replace(self.limits, max_version=self.version if max_version is None else max_version,
-                                     n=self.limits.n if n is None else n)  # fmt: skip
-        for s in (s for g in groups for s in flatten_group(g)):
-            if s.status == SampleStatus.FAILED:
-                continue
-            if (problem := sample_problem(s, limits) or missing_logprobs(s, self.loss_cfg)) is not None:
-                self.num_invalid_samples += 1
-                log.error("sample %s of group %s cannot be trained on (%s): left out of the loss",
-                          s.index, s.group_index, problem)  # fmt: skip
-                s.status, s.reward = SampleStatus.FAILED, None
-                s.metadata["error"] = f"invalid at the trainer: {problem}"
-
-    async def _load_group(self, ref) -> list:
-        data = (
-            ref.payload
-            if ref.payload is not None
-            else await self.bus.get_payload(self.bus.subjects.rollouts_stream, ref.stream_seq)
-        )
-        return decode(data, RolloutGroup).samples
 
     def _apply_sample_filter(self, groups: list[list]) -> None:
         try:
@@ -655,33 +629,9 @@ class TrainerService(Service):
         await self._commit(step)
 
     async def _commit(self, step: int) -> None:
-        req = BufferCommit(step=step, version=self.version)
-        reply = await self._request(self.bus.subjects.buffer_commit, req, BufferCommitReply, f"commit of step {step}")
-        if reply.error:
-            raise TrainerError(f"buffer refused commit of step {step}: {reply.error}")
+        if error := await self.link.commit(self.bus.subjects.buffer_commit, step, self.version, f"commit of step {step}"):
+            raise TrainerError(f"buffer refused commit of step {step}: {error}")
         self.committed_version = self.version
-
-    def _append_trained(self, step: int, groups: list[list], path: Path | None = None) -> None:
-        """trained.jsonl (or a multi-LoRA adapter's `path`): the prompts each step trained on
-        (the audit holds it against the ledger)."""
-        with (path or self.trained_path).open("a") as f:
-            f.write(
-                json.dumps({"step": step, "groups": sorted(flatten_group(g)[0].group_index for g in groups)}) + "\n"
-            )
-
-    async def _request(self, subject: str, msg, reply_type, what: str):
-        """Request/reply that rides out a restarting buffer or broker, up to a deadline."""
-        start = time.monotonic()
-        while True:
-            try:
-                return await self.bus.request(subject, msg, reply_type, timeout=10)
-            except (TimeoutError, TransportError) as e:
-                if time.monotonic() - start > self.config.buffer_timeout_s:
-                    raise TrainerError(
-                        f"the buffer service has not answered the {what} for {self.config.buffer_timeout_s:.0f}s "
-                        f"({type(e).__name__}): is it running?"
-                    ) from e
-                await asyncio.sleep(0.5)
 
     async def _request_eval(self, step: int, rollout_id: int, start: bool = False) -> None:
         """Dispatch the eval point of the weights after `step` steps, named `rollout_id` on
@@ -806,26 +756,20 @@ class TrainerService(Service):
         record, bad = finite_record(record)
         if bad:
             log.error("step %d: %s were not finite; recorded as null", step, ", ".join(bad[:10]))
-        self.last_record = record
         self.observe("trainer/step_seconds", record["perf/step_time_s"])
         self.observe("trainer/rollout_wait_seconds", record["perf/rollout_wait_s"])
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        self.sinks.log(record, "rollout/step")
-        await self.bus.publish_durably(
-            [(self.bus.subjects.progress, ProgressRecord(step=step, record=record), None)], "progress"
-        )
+        await self.records.emit(step, record, "rollout/step")
 
     def status(self) -> dict:
         return {"step": self.step, "total_steps": self.config.total_steps, "weight_version": self.version,
-                "mode": self.config.mode, "last_record": self.last_record,
+                "mode": self.config.mode, "last_record": self.records.last,
                 "weight_transfer": self.sender.status() if self.sender is not None else None}  # fmt: skip
 
     def metric_values(self) -> dict[str, float]:
         out = {"trainer/step": self.step, "trainer/weight_version": self.version,
-               "trainer/invalid_samples_total": self.num_invalid_samples,
+               "trainer/invalid_samples_total": self.check.num_invalid,
                "trainer/nonfinite_updates_skipped_total": self.num_nonfinite_skipped}  # fmt: skip
-        out.update({k: v for k, v in self.last_record.items() if isinstance(v, (int, float)) and k not in NOT_EXPORTED})
+        out.update({k: v for k, v in self.records.last.items() if isinstance(v, (int, float)) and k not in NOT_EXPORTED})
         return out
 
 

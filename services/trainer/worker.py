@@ -67,15 +67,16 @@ def main(argv: list[str] | None = None, checkpoint_files: dict[str, bytes] | Non
         config = config.model_copy(update={"hf_checkpoint": str(local)})
     torch.set_num_threads(config.torch_num_threads)
     model = build_model(config)
-    optimizer = build_optimizer(config, model)
     ref_model = build_reference(config)
     if checkpoint_files is not None:  # loaded: the model and the reference hold it now
         shutil.rmtree(config.hf_checkpoint, ignore_errors=True)
     pad_id = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
-    lora = None
+    lora = optimizer = None
     if config.multi_lora_n_adapters > 0:  # adapters on the frozen base: rank 0 sends each step's slot
         model.requires_grad_(False)
         lora = MultiLora(model, config.multi_lora_n_adapters, config.multi_lora_max_rank)
+    else:
+        optimizer = build_optimizer(config, model)
     cfg = loss_config(config)
     commands = init_group(a.rank, a.world_size, a.master_addr, a.master_port, a.backend)
     broadcast_state(model, optimizer)

@@ -24,7 +24,10 @@ from services.common.config import RunConfig
 from services.model.llama import CausalLM, ModelConfig
 from services.model.lora import ATTENTION, LoraSpec, MultiLora, load_adapter, save_adapter
 from services.trainer.adapter_push import adapter_dir
+from services.common.validate import Limits
 from services.trainer.multi_lora import MultiLoraTrainer
+from services.trainer.setup import loss_config
+from services.trainer.steps import BufferLink, Records, SampleCheck
 
 RID = "0123456789abcdef0123456789abcdef"
 
@@ -61,6 +64,22 @@ class Service:
                               committed_step=self.committed_step)  # fmt: skip
 
 
+class Link(BufferLink):
+    """The buffer's and the registry's answers: the stand-in service's."""
+
+    def __init__(self, svc):
+        self.svc = svc
+
+    async def request(self, subject, msg, reply_type, what):
+        return await self.svc._request(subject, msg, reply_type, what)
+
+
+def trainer_of(svc) -> MultiLoraTrainer:
+    return MultiLoraTrainer(svc.config, svc.bus, svc.model, Link(svc), Records(svc.metrics_path, None, svc.bus),
+                            SampleCheck(Limits(n=2, vocab_size=16, context_length=16), loss_config(svc.config)),
+                            loss_config(svc.config), pad_id=0, lifecycle=svc)  # fmt: skip
+
+
 def setup_run(tmp_path, versions: list[int], complete: set[int], trained_steps: int, reported: int):
     """An adapter retiring after a restart: versions v0.. of it on disk (B = the version number,
     so a save tells which version it holds), its trained.jsonl with steps 0..trained_steps-1."""
@@ -94,7 +113,7 @@ def saved_version(path) -> float:
 def test_a_step_published_before_the_kill_is_committed_and_kept(tmp_path):
     # step 2 was trained, reported (registry step 3) and published (v3), not committed
     svc, trained = setup_run(tmp_path, [0, 1, 2, 3], {0, 1, 2, 3}, trained_steps=3, reported=3)
-    trainer = MultiLoraTrainer(svc)
+    trainer = trainer_of(svc)
     asyncio.run(trainer._follow(svc.run))
     assert svc.commits == [2] and svc.controls == ["cleanup", "complete"]
     assert [json.loads(x)["step"] for x in trained.read_text().splitlines()] == [0, 1, 2]
@@ -106,7 +125,7 @@ def test_a_step_trained_but_never_published_is_dropped(tmp_path):
     # step 2 was trained and recorded, its version v3 never completed: the ledger will retire its
     # groups, so the trainer's records and its last save drop it too
     svc, trained = setup_run(tmp_path, [0, 1, 2, 3], {0, 1, 2}, trained_steps=3, reported=2)
-    trainer = MultiLoraTrainer(svc)
+    trainer = trainer_of(svc)
     asyncio.run(trainer._follow(svc.run))
     assert svc.commits == [] and svc.controls == ["cleanup", "complete"]
     assert [json.loads(x)["step"] for x in trained.read_text().splitlines()] == [0, 1]
@@ -128,7 +147,7 @@ def test_old_adapter_versions_are_removed_but_those_the_engines_may_be_loading(t
         return encode(AdapterLive(name="rev", registration_id=RID, version=live["version"], engine_name="x"))
 
     svc.bus.kv_get = kv_get
-    trainer = MultiLoraTrainer(svc)
+    trainer = trainer_of(svc)
     t = Track(run=svc.run, spec=trainer._lora_spec(svc.run), total=9, step=9)
     d = adapter_dir(svc.config.run_dir, "rev", RID, 0).parent
 
@@ -150,7 +169,7 @@ def test_a_final_save_that_fails_still_frees_the_slot(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     svc.run = msgspec.structs.replace(svc.run, spec=msgspec.structs.replace(svc.run.spec, save=str(blocker)))
-    trainer = MultiLoraTrainer(svc)
+    trainer = trainer_of(svc)
     asyncio.run(trainer._follow(svc.run))
     assert svc.controls == ["cleanup", "complete"] and svc.run.state is AdapterState.COMPLETED
     assert blocker.read_text() == "not a directory"
@@ -171,7 +190,7 @@ def test_buffer_trouble_restarts_the_trainer_and_never_retires_an_adapter(tmp_pa
 
     svc._request = away
     with pytest.raises(TrainerError):
-        asyncio.run(MultiLoraTrainer(svc)._follow(svc.run))
+        asyncio.run(trainer_of(svc)._follow(svc.run))
     assert svc.controls == []
 
 
@@ -191,12 +210,12 @@ def test_a_request_the_registry_could_not_store_is_asked_again_never_retiring_th
         return answers.pop(0) if answers else AdapterControlReply(ok=True, run=svc.run)
 
     svc._request = request
-    trainer = MultiLoraTrainer(svc)
+    trainer = trainer_of(svc)
     assert asyncio.run(trainer._control("stepped", svc.run, step=2)) == svc.run  # the third answer
     assert svc.controls == ["stepped"] * 3
 
     svc.config = svc.config.model_copy(update={"buffer_timeout_s": 0.0})
-    trainer = MultiLoraTrainer(svc)
+    trainer = trainer_of(svc)
     answers[:] = [AdapterControlReply(ok=False, error="the registry could not store its state", retry=True)] * 100
     with pytest.raises(TrainerError, match="could not store stepped of adapter 'rev'"):
         asyncio.run(trainer._control("stepped", svc.run, step=2))
@@ -223,11 +242,11 @@ def test_a_name_registered_again_continues_the_step_count_of_the_save_it_starts_
     earlier.init_slot(0, LoraSpec(rank=2, alpha=2.0, target_modules=ATTENTION), seed=0)
     save_adapter(earlier, 0, tmp_path / "save" / "step_5")
 
-    trainer = MultiLoraTrainer(svc)
+    trainer = trainer_of(svc)
     asyncio.run(trainer._activate(svc.run))
     t = trainer.tracks[RID]
     assert (t.base, t.step, svc.controls) == (5, 0, ["activate"])
-    assert MultiLoraTrainer(svc)._track(svc.run, 0).base == 5  # a restarted trainer finds it again
+    assert trainer_of(svc)._track(svc.run, 0).base == 5  # a restarted trainer finds it again
     t.step = 2
     svc.run = msgspec.structs.replace(svc.run, state=AdapterState.RETIRING)
     asyncio.run(trainer._retire(svc.run))
@@ -243,7 +262,7 @@ def test_every_adapter_completed_ends_the_run_unless_in_service_mode(tmp_path, s
 
     svc, _ = setup_run(tmp_path, [], set(), trained_steps=0, reported=0)
     svc.config = svc.config.model_copy(update={"multi_lora_service_mode": service_mode, "multi_lora_idle_poll_s": 7.0})
-    trainer = MultiLoraTrainer(svc)
+    trainer = trainer_of(svc)
     done = msgspec.structs.replace(svc.run, state=AdapterState.COMPLETED)
     reads, waits, finished = [], [], []
 

@@ -1,0 +1,144 @@
+"""The step bookkeeping both training loops share: the model's (services.trainer.service) and
+the adapters' (services.trainer.multi_lora).
+
+- `BufferLink`: request/reply to the buffer that rides out a restarting buffer or broker, a
+  lease's payloads, and commits;
+- `Records`: metrics.jsonl and the metric sinks (`emit`), and where the records' axis resumes;
+- `append_trained` / `keep_lines`: trained.jsonl (the audit holds it against the ledger) and the
+  records a restart drops (the steps after the committed one are trained again);
+- `SampleCheck`: the samples a loop must not train on, left out of the loss and counted.
+
+Snapshot retention is shared one level down (services.common.snapshot.snapshots_to_remove).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+from asyncrl_proto import BufferCommit, BufferCommitReply, ProgressRecord, RolloutGroup, decode
+from asyncrl_proto.messages import SampleStatus, flatten_group
+from services.common.bus import TransportError
+from services.common.validate import Limits, sample_problem
+from services.trainer.core import LossConfig, missing_logprobs
+from services.trainer.setup import TrainerError
+
+log = logging.getLogger(__name__)
+
+
+class BufferLink:
+    """The trainer's side of the buffer's request/reply subjects."""
+
+    def __init__(self, bus, timeout_s: float):
+        self.bus = bus
+        self.timeout_s = timeout_s
+
+    async def request(self, subject: str, msg, reply_type, what: str):
+        """Request/reply that rides out a restarting buffer or broker, up to --buffer-timeout-s."""
+        start = time.monotonic()
+        while True:
+            try:
+                return await self.bus.request(subject, msg, reply_type, timeout=10)
+            except (TimeoutError, TransportError) as e:
+                if time.monotonic() - start > self.timeout_s:
+                    raise TrainerError(
+                        f"the buffer service has not answered the {what} for {self.timeout_s:.0f}s "
+                        f"({type(e).__name__}): is it running?"
+                    ) from e
+                await asyncio.sleep(0.5)
+
+    async def load_group(self, ref) -> list:
+        """A leased group's samples: inline in the lease, or read from ROLLOUTS by sequence."""
+        data = ref.payload if ref.payload is not None else await self.bus.get_payload(
+            self.bus.subjects.rollouts_stream, ref.stream_seq)  # fmt: skip
+        return decode(data, RolloutGroup).samples
+
+    async def commit(self, subject: str, step: int, version: int, what: str) -> str:
+        """Tell the buffer `step` is done (trained, and resumable at `version`); its refusal, if any."""
+        reply = await self.request(subject, BufferCommit(step=step, version=version), BufferCommitReply, what)
+        return reply.error
+
+
+class Records:
+    """metrics.jsonl, one JSON line per step, the metric sinks (--use-tensorboard, --use-wandb)
+    and the progress stream (the launcher's console and its end of the run)."""
+
+    def __init__(self, metrics_path: Path, sinks, bus):
+        self.path = metrics_path
+        self.sinks = sinks
+        self.bus = bus
+        self.last: dict = {}
+
+    async def emit(self, step: int, record: dict, axis: str) -> None:
+        self.last = record
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.sinks.log(record, axis)
+        await self.bus.publish_durably([(self.bus.subjects.progress, ProgressRecord(step=step, record=record), None)],
+                                       "progress")  # fmt: skip
+
+    async def finish(self, step: int, error: str | None = None, last_eval: int | None = None) -> None:
+        """The final progress record: the run is over (with its error, if it failed)."""
+        done = ProgressRecord(step=step, done=True, record=self.last, error=error, last_eval=last_eval)
+        await self.bus.publish_durably([(self.bus.subjects.progress, done, None)], "the final progress record")
+
+    def next_step(self) -> int:
+        """The `step` the next record takes: one past the newest in metrics.jsonl (a restarted
+        trainer continues the records' axis; the steps it drops leave gaps, never repeats)."""
+        last = -1
+        if self.path.exists():
+            for x in self.path.read_text().splitlines():
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    last = max(last, int(json.loads(x)["step"]))
+        return last + 1
+
+
+def append_trained(path: Path, step: int, groups: list[list]) -> None:
+    """trained.jsonl: the prompts (group indexes) each step trained on."""
+    with path.open("a") as f:
+        f.write(json.dumps({"step": step, "groups": sorted(flatten_group(g)[0].group_index for g in groups)}) + "\n")
+
+
+def keep_lines(path: Path, keep) -> None:
+    """Rewrite a JSON-lines file with the records `keep` accepts (a torn last line of a killed
+    trainer is dropped); a kill meanwhile leaves the old file, never none."""
+    if not path.exists():
+        return
+    kept = []
+    for x in path.read_text().splitlines():
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            if keep(json.loads(x)):
+                kept.append(x)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(x + "\n" for x in kept))
+    tmp.replace(path)
+
+
+class SampleCheck:
+    """Defence in depth (the buffer validated these groups): a sample that cannot be trained on
+    (ids outside the vocabulary, a non-finite log-prob or reward, a version from the future, ...)
+    is marked FAILED, which leaves it out of the loss, and said loudly; it never reaches the model."""
+
+    def __init__(self, limits: Limits, loss_cfg: LossConfig):
+        self.limits = limits
+        self.loss_cfg = loss_cfg
+        self.num_invalid = 0
+
+    def exclude_invalid(self, groups: list[list], max_version: int, n: int | None = None) -> None:
+        """`max_version`: the newest version a sample may name; `n`: the group size (a multi-LoRA
+        adapter's own)."""
+        limits = dataclasses.replace(self.limits, max_version=max_version, n=self.limits.n if n is None else n)
+        for s in (s for g in groups for s in flatten_group(g)):
+            if s.status == SampleStatus.FAILED:
+                continue
+            if (problem := sample_problem(s, limits) or missing_logprobs(s, self.loss_cfg)) is not None:
+                self.num_invalid += 1
+                log.error("sample %s of group %s cannot be trained on (%s): left out of the loss",
+                          s.index, s.group_index, problem)  # fmt: skip
+                s.status, s.reward = SampleStatus.FAILED, None
+                s.metadata["error"] = f"invalid at the trainer: {problem}"
