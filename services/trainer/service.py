@@ -27,7 +27,6 @@ import dataclasses
 import inspect
 import json
 import logging
-import shutil
 import time
 from pathlib import Path
 
@@ -36,8 +35,6 @@ import torch
 from asyncrl_proto import (
     BufferGetReply,
     BufferGetRequest,
-    EvalRequest,
-    EvalResult,
     Heartbeat,
     WeightsLive,
     WeightsPublished,
@@ -54,14 +51,13 @@ from services.common.config import (
     MultiLoraSection,
     RolloutSection,
     TrainerSection,
-    eval_backend,
 )
 from services.common.plugins import load_object
 from services.common.promexport import LATENCY_BUCKETS_S
-from services.common.runtime import Service, wait_event
+from services.common.runtime import Service
 from services.common.sinks import Sinks, finite_record
 from services.common.snapshot import is_complete, remove_snapshot, snapshots_to_remove
-from services.common.validate import Limits, eval_result_problem, finite_metrics
+from services.common.validate import Limits
 from services.common.versions import last_published_version, publish_weights
 from services.common.weightstore import WeightStore, WeightStoreError
 from services.model.hf_io import load_weights_into, save_model
@@ -73,6 +69,7 @@ from services.trainer.core import (
     std_normalization,
     train_rollout,
 )
+from services.trainer.evals import EvalDispatch
 from services.trainer.parallel import max_tokens_of
 from services.trainer.rollout_stats import rollout_metrics
 from services.trainer.setup import TrainerError, build_model, build_optimizer, build_reference, loss_config
@@ -84,8 +81,6 @@ FINAL_BROADCAST_TIMEOUT_S = 120.0
 """Distributed mode: how long a finished trainer waits for its last weights to go live."""
 
 
-EVAL_WAIT_WARN_S = 60.0
-EVAL_DRAIN_TIMEOUT_S = 600.0
 FAILED_WINDOW_STEPS = 4
 """--max-failed-ratio is judged over this many recent steps."""
 NOT_EXPORTED = frozenset({"step", "rollout/step", "weight_version", "time", "rollout/fully_async/queue_size",
@@ -156,7 +151,6 @@ class TrainerService(Service):
         self.committed_version: int | None = None
         """The weight version of the last commit: the snapshot a restart without --save resumes from."""
         self.step = 0
-        self.pending_eval: list[dict] = []
         self.last_producer_seen = time.monotonic()
         self.snapshots: list[Path] = sorted(
             (p for p in self.weights_dir.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:])
@@ -164,9 +158,7 @@ class TrainerService(Service):
         self.loop_started = time.perf_counter()
         self.trained_path = self.run_dir / "trained.jsonl"
         self.dp = None
-        self.eval_pending: set[int] = set()  # eval points requested and not yet answered
-        self.last_eval: int | None = None  # the last eval point dispatched (the launcher waits for it)
-        self._eval_done = asyncio.Event()
+        self.evals = EvalDispatch(config, bus, self.sinks, self.model, trainer_step=lambda: self.step)
         self.store: WeightStore | None = None
         """--update-weight-transfer-mode object-store: the run's weights bucket (pushes go there too)."""
         self.stored: set[int] = set()
@@ -201,7 +193,7 @@ class TrainerService(Service):
         if self.old_actor is not None:  # the engines converge to the resumed weights
             self.old_actor.load_state_dict(self.model.state_dict())
         await self._start_ranks()
-        await self.bus.subscribe(s.eval_results, self._on_eval_result)
+        await self.bus.subscribe(s.eval_results, self.evals.on_result)
         await self.bus.subscribe(s.heartbeat("rollout"), self._on_producer_heartbeat)
         if self.config.update_weight_transfer_mode == "distributed":
             from services.trainer.parallel import backend_for
@@ -340,7 +332,7 @@ class TrainerService(Service):
                         "saves them: set --save-interval to keep the final weights",
                         total % c.update_weights_interval, c.update_weights_interval)  # fmt: skip
         if c.baseline_eval_due(self.step):  # named by the step it precedes
-            await self._request_eval(self.step, rollout_id=self.step, start=True)
+            await self.evals.request(self.step, rollout_id=self.step, version=self.version, start=True)
         self.loop_started = time.perf_counter()
         batch = await self._fetch(self.step) if self.step < total else None  # resumed after the last step?
         prefetch: asyncio.Future | None = None
@@ -382,7 +374,7 @@ class TrainerService(Service):
                 self.step = step + 1
                 self._check_failures(groups)
                 if c.eval_due(step):  # named by the step just trained, on Miles's axis
-                    await self._request_eval(step + 1, rollout_id=step)
+                    await self.evals.request(step + 1, rollout_id=step, version=self.version)
                 if self.step < total:
                     if next_batch is not None:
                         batch = next_batch
@@ -395,28 +387,14 @@ class TrainerService(Service):
         finally:
             if prefetch is not None:
                 prefetch.cancel()
-        await self._drain_evals()
+        await self.evals.drain()
         await self._finish()
-
-    async def _drain_evals(self) -> None:
-        """As Miles's driver drains its eval dispatcher: the run ends once its eval points are
-        answered, so every result reaches the sinks on its eval/step (a dead eval fleet is
-        given up on after EVAL_DRAIN_TIMEOUT_S, loudly)."""
-        deadline = time.monotonic() + EVAL_DRAIN_TIMEOUT_S
-        while self.eval_pending and time.monotonic() < deadline:
-            self._eval_done.clear()
-            if not await wait_event(self._eval_done, EVAL_WAIT_WARN_S):
-                log.warning("waiting for eval points %s before finishing; is the eval service running?",
-                            sorted(self.eval_pending))  # fmt: skip
-        if self.eval_pending:
-            log.error("eval points %s were not answered within %.0fs: finishing without them",
-                      sorted(self.eval_pending), EVAL_DRAIN_TIMEOUT_S)  # fmt: skip
 
     async def _finish(self, error: str | None = None) -> None:
         total = self.config.total_steps
         if self.sender is not None and error is None:
             await self._wait_final_broadcast()
-        await self.records.finish(total, error=error, last_eval=self.last_eval)
+        await self.records.finish(total, error=error, last_eval=self.evals.last)
         if error:
             log.error("the run failed at step %d: %s", self.step, error)
         else:
@@ -633,80 +611,6 @@ class TrainerService(Service):
             raise TrainerError(f"buffer refused commit of step {step}: {error}")
         self.committed_version = self.version
 
-    async def _request_eval(self, step: int, rollout_id: int, start: bool = False) -> None:
-        """Dispatch the eval point of the weights after `step` steps, named `rollout_id` on
-        Miles's axis (eval/step: the step just trained, or the one a baseline point precedes)
-        (SPEC.md section 7): at most --eval-max-in-flight pending, then wait for the oldest
-        (backpressure) or skip as `busy` (never the last step's point); snapshot backends get
-        --hf-checkpoint itself before any training, else a fresh export in --eval-hf-dir or the
-        --save-hf checkpoint of the step."""
-        c = self.config
-        final = step == c.total_steps
-        self.last_eval = step
-        while len(self.eval_pending) >= c.eval_max_in_flight:
-            if c.eval_overflow_policy == "skip" and not final:
-                await self._publish_eval_skip(step, rollout_id, "busy")
-                return
-            self._eval_done.clear()
-            if not await wait_event(self._eval_done, EVAL_WAIT_WARN_S):
-                log.warning("eval backpressure: waiting for eval points %s (--eval-max-in-flight %d) before "
-                            "dispatching step %d; is the eval service running?", sorted(self.eval_pending),
-                            c.eval_max_in_flight, step)  # fmt: skip
-        uri, exported, export_s = "", False, 0.0
-        if eval_backend(c) != "shared":
-            if step == 0:
-                uri = c.hf_checkpoint  # the initial weights themselves: nothing to export
-            elif c.eval_hf_dir:
-                path = Path(c.eval_hf_dir) / f"step_{step}"
-                t0 = time.perf_counter()
-                try:
-                    await asyncio.to_thread(save_model, self.model, path, c.hf_checkpoint)
-                except Exception as e:
-                    log.error("exporting the eval snapshot of step %d to %s failed: %s", step, path, e)
-                    await asyncio.to_thread(shutil.rmtree, path, True)  # a failed export leaves nothing behind
-                    await self._publish_eval_skip(step, rollout_id, "export_failed")
-                    return
-                uri, exported, export_s = str(path), True, time.perf_counter() - t0  # paths are absolute (launcher)
-            else:
-                uri = str(Path(c.save_hf) / f"step_{step}")
-        req = EvalRequest(step=step, rollout_id=rollout_id, version=self.version, snapshot_uri=uri, final=final,
-                          requested_at=time.time(), exported=exported, export_time_s=export_s)  # fmt: skip
-        self.eval_pending.add(step)
-        # one request per eval point, even when a resumed trainer passes the point again; a
-        # duplicate was answered before the restart (or will be, and the answer clears it anyway;
-        # a retry whose first ack was lost also reads as one: the count is then one short until
-        # the next answer, which clears every point up to its own, since evals run in order)
-        # (a sync resume's baseline point evaluates the weights of the point before it again, as Miles)
-        msg_id = f"eval-{step}-start" if start and step > 0 else f"eval-{step}"
-        (ack,) = await self.bus.publish_durably(
-            [(self.bus.subjects.eval_requests, req, msg_id)], f"eval request {step}"
-        )
-        if ack.duplicate:
-            self.eval_pending.discard(step)
-
-    async def _publish_eval_skip(self, step: int, rollout_id: int, reason: str) -> None:
-        res = EvalResult(step=step, version=self.version, skipped_reason=reason,
-                         metrics={f"eval/skipped_{reason}": 1.0, "eval/step": rollout_id})  # fmt: skip
-        log.warning("eval point %d skipped: %s", step, reason)
-        await self.bus.publish_durably([(self.bus.subjects.eval_results, res, None)], f"eval skip {step}")
-
-    async def _on_eval_result(self, msg) -> None:
-        if (res := await self.bus.decode_or_dead_letter(msg, EvalResult)) is None:
-            return
-        if (problem := eval_result_problem(res.step, self.config.total_steps)) is not None:
-            await self.bus.dead_letter(msg.subject, msg.data, problem)
-            return
-        metrics, dropped = finite_metrics(res.metrics)  # the point is answered even if some are not
-        if dropped:
-            log.warning("eval result of step %d: metrics %s are not finite numbers; left out", res.step, dropped)
-        metrics["eval/lag_steps"] = self.step - res.step
-        self.pending_eval.append(metrics)
-        if "eval/step" in metrics:
-            self.sinks.log(metrics, "eval/step")
-        if res.step in self.eval_pending:  # the eval service answers its requests in order
-            self.eval_pending -= {s for s in self.eval_pending if s <= res.step}
-        self._eval_done.set()
-
     async def _on_producer_heartbeat(self, msg) -> None:
         with contextlib.suppress(MalformedMessage):
             if not decode(msg.data, Heartbeat).info.get("stopping"):  # a last word is no sign of life
@@ -737,8 +641,7 @@ class TrainerService(Service):
             rec["perf/rollout_time"] = batch.rollout_time
             rec["perf/tokens_per_s"] = tokens / step_s if step_s > 0 else 0.0
             rec.update(batch.metrics)
-        while self.pending_eval:
-            rec.update(self.pending_eval.pop(0))
+        rec.update(self.evals.take_answered())
         return rec
 
     async def _custom_rollout_log(self, step: int, samples: list, batch: Batch) -> bool:
