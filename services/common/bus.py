@@ -127,6 +127,25 @@ def fatal_connect_error(e: BaseException, url: str, creds: NatsCredentials, serv
     return None
 
 
+async def through_outage(op, what: str, deadline_s: float, verb: str = "publish"):
+    """`await op()`, retried with backoff while the broker is away (or, on a cluster, while a
+    stream elects its leader); a full store or another writer's message is final; gives up
+    loudly after deadline_s."""
+    end = time.monotonic() + deadline_s
+    delay = 0.2
+    while True:
+        try:
+            return await op()
+        except (StoreFull, SequenceConflict):
+            raise
+        except (TimeoutError, BusError, nats.errors.Error, OSError) as e:
+            if time.monotonic() > end:
+                raise BusError(f"could not {verb} {what} for {deadline_s:.0f}s: {e}") from e
+            log.warning("%s %s failed (%s: %.200s); retrying", verb, what, type(e).__name__, e)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
 class Bus:
     """One NATS connection of one service, bound to one run."""
 
@@ -239,7 +258,7 @@ class Bus:
             spec["storage"] = _STORAGE[spec["storage"]]
             spec["discard"] = _DISCARD[spec["discard"]]
             cfg = api.StreamConfig(**spec, num_replicas=replicas)
-            await self.through_outage(lambda cfg=cfg: self._add_or_update_stream(cfg), cfg.name, 120.0, "create")
+            await through_outage(lambda cfg=cfg: self._add_or_update_stream(cfg), cfg.name, 120.0, "create")
         bucket = self.subjects.kv_bucket
         try:
             self._kv = await self.js.key_value(bucket)
@@ -408,29 +427,10 @@ class Bus:
     ) -> list[api.PubAck]:
         """publish_batch, retried through a broker outage (msg ids make retries idempotent);
         gives up loudly after deadline_s."""
-        return await self.through_outage(
+        return await through_outage(
             lambda: self.publish_batch(items, expected_last_seq=expected_last_seq,
                                        expected_last_subject_seq=expected_last_subject_seq), what, deadline_s
         )  # fmt: skip
-
-    @staticmethod
-    async def through_outage(op, what: str, deadline_s: float, verb: str = "publish"):
-        """`await op()`, retried with backoff while the broker is away (or, on a cluster, while a
-        stream elects its leader); a full store or another writer's message is final; gives up
-        loudly after deadline_s."""
-        end = time.monotonic() + deadline_s
-        delay = 0.2
-        while True:
-            try:
-                return await op()
-            except (StoreFull, SequenceConflict):
-                raise
-            except (TimeoutError, BusError, nats.errors.Error, OSError) as e:
-                if time.monotonic() > end:
-                    raise BusError(f"could not {verb} {what} for {deadline_s:.0f}s: {e}") from e
-                log.warning("%s %s failed (%s: %.200s); retrying", verb, what, type(e).__name__, e)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
 
     async def publish_core(self, subject: str, msg: Any) -> None:
         await self.nc.publish(subject, encode(msg))
@@ -519,7 +519,7 @@ class Bus:
             return [i.name for i in infos if not i.deleted]
 
         # rides out a cluster whose streams are still electing leaders (an audit just started it)
-        return await self.through_outage(names, bucket, 30.0, "list")
+        return await through_outage(names, bucket, 30.0, "list")
 
     async def read_stream(self, stream: str, subject: str | None = None, deadline_s: float = 60.0,
                           only: str | None = None) -> list[bytes]:  # fmt: skip
@@ -527,7 +527,7 @@ class Bus:
         batches; without (a work-queue stream admits one consumer per subject), message by message,
         those on subject `only` when given. Read again from the start while the broker is away or
         the stream has no leader yet (a cluster just started), for up to deadline_s."""
-        return await self.through_outage(lambda: self._read_stream(stream, subject, only), stream, deadline_s, "read")
+        return await through_outage(lambda: self._read_stream(stream, subject, only), stream, deadline_s, "read")
 
     async def _read_stream(self, stream: str, subject: str | None, only: str | None = None) -> list[bytes]:
         bounds = await self.stream_bounds(stream)

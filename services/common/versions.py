@@ -10,7 +10,7 @@ import logging
 
 from asyncrl_proto import WeightsPublished, decode
 from asyncrl_proto.codec import MalformedMessage
-from services.common.bus import Bus, TransportError
+from services.common.bus import Bus, TransportError, through_outage
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ async def publish_weights(bus: Bus, pub: WeightsPublished) -> None:
     """The trainer's push of a weight version: first the KV key `published_version` (so that
     no message can name the version before a reader's bound allows it), then WEIGHTS."""
     value = str(pub.version).encode()
-    await bus.through_outage(
+    await through_outage(
         lambda: bus.kv_put(PUBLISHED_VERSION_KEY, value), f"the published version {pub.version}", 180.0
     )
     subject = bus.subjects.weights_published

@@ -36,7 +36,6 @@ from asyncrl_proto import (
     BufferGetReply,
     BufferGetRequest,
     Heartbeat,
-    WeightsLive,
     WeightsPublished,
     decode,
 )
@@ -56,10 +55,8 @@ from services.common.plugins import load_object
 from services.common.promexport import LATENCY_BUCKETS_S
 from services.common.runtime import Service
 from services.common.sinks import Sinks, finite_record
-from services.common.snapshot import is_complete, remove_snapshot, snapshots_to_remove
 from services.common.validate import Limits
-from services.common.versions import last_published_version, publish_weights
-from services.common.weightstore import WeightStore, WeightStoreError
+from services.common.versions import last_published_version
 from services.model.hf_io import load_weights_into, save_model
 from services.trainer.checkpoint import ckpt_step, latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.core import (
@@ -71,14 +68,13 @@ from services.trainer.core import (
 )
 from services.trainer.evals import EvalDispatch
 from services.trainer.parallel import max_tokens_of
+from services.trainer.publish import WeightPublisher
 from services.trainer.rollout_stats import rollout_metrics
 from services.trainer.setup import TrainerError, build_model, build_optimizer, build_reference, loss_config
 from services.trainer.steps import BufferLink, Records, SampleCheck, append_trained, keep_lines
 
 log = logging.getLogger(__name__)
 
-FINAL_BROADCAST_TIMEOUT_S = 120.0
-"""Distributed mode: how long a finished trainer waits for its last weights to go live."""
 
 
 FAILED_WINDOW_STEPS = 4
@@ -152,19 +148,12 @@ class TrainerService(Service):
         """The weight version of the last commit: the snapshot a restart without --save resumes from."""
         self.step = 0
         self.last_producer_seen = time.monotonic()
-        self.snapshots: list[Path] = sorted(
-            (p for p in self.weights_dir.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:])
-        )
         self.loop_started = time.perf_counter()
         self.trained_path = self.run_dir / "trained.jsonl"
         self.dp = None
         self.evals = EvalDispatch(config, bus, self.sinks, self.model, trainer_step=lambda: self.step)
-        self.store: WeightStore | None = None
-        """--update-weight-transfer-mode object-store: the run's weights bucket (pushes go there too)."""
-        self.stored: set[int] = set()
-        """Versions that may still be in the bucket (retired as their local snapshots are)."""
-        self.sender = None
-        """--update-weight-transfer-mode distributed: rank 0 of the weight transfer group."""
+        self.weights = WeightPublisher(config, bus, self.model, self.weights_dir)
+        """Weight versions: pushes, the bucket (object-store), the broadcast (distributed), retention."""
         self.multi = None
         """--multi-lora-n-adapters: the adapters' loop (services.trainer.multi_lora) instead of the
         model's, with its own optimizer over the adapters' slots (the base's is never built)."""
@@ -185,23 +174,16 @@ class TrainerService(Service):
             self.multi.dp = self.dp
             await self.bus.subscribe(s.heartbeat("rollout"), self._on_producer_heartbeat)
             return
-        if self.config.update_weight_transfer_mode == "object-store":
-            self.store = WeightStore(self.bus, chunk_size=self.config.update_weight_buffer_size)
         await self._resume()
-        if self.store is not None:  # a restart: any version so far may still be in the bucket
-            self.stored = set(range(1, self.version + 1))
+        if self.weights.store is not None:  # a restart: any version so far may still be in the bucket
+            self.weights.stored = set(range(1, self.version + 1))
         if self.old_actor is not None:  # the engines converge to the resumed weights
             self.old_actor.load_state_dict(self.model.state_dict())
         await self._start_ranks()
         await self.bus.subscribe(s.eval_results, self.evals.on_result)
         await self.bus.subscribe(s.heartbeat("rollout"), self._on_producer_heartbeat)
         if self.config.update_weight_transfer_mode == "distributed":
-            from services.trainer.parallel import backend_for
-            from services.trainer.transfer import WeightSender
-
-            self.sender = WeightSender(self.model, self.weights_dir, master_address(self.config),
-                                       backend_for(self.config.dist_backend))  # fmt: skip
-            await self.bus.subscribe(s.weights_transfer, self.sender.on_request)
+            await self.weights.start_sender(master_address(self.config))
 
     async def _start_ranks(self) -> None:
         """--trainer-num-ranks K > 1: ranks 1..K-1 started and joined (services.trainer.ranks)."""
@@ -269,25 +251,9 @@ class TrainerService(Service):
                 pub = decode(raw.data, WeightsPublished) if raw and raw.subject == s.weights_published else None
             except MalformedMessage:
                 continue
-            if pub is not None and pub.step <= step and await self._have_snapshot(pub):
+            if pub is not None and pub.step <= step and await self.weights.have_snapshot(pub):
                 return pub
         return None
-
-    async def _have_snapshot(self, pub: WeightsPublished) -> bool:
-        """The snapshot of `pub` is on local disk, or (object-store) fetched from the bucket now:
-        a trainer restarted on another host resumes from the newest stored version."""
-        local = self.weights_dir / f"v{pub.version}"
-        if is_complete(local):
-            return True
-        if self.store is None:
-            return False
-        try:
-            await self.store.fetch(pub.version, local, expect_sha256=pub.sha256)
-        except WeightStoreError as e:
-            log.info("weights v%d are not usable from the object store: %s", pub.version, e)
-            return False
-        log.info("fetched the weights v%d from the object store into %s", pub.version, local)
-        return True
 
     def _truncate_records(self, last_step: int) -> None:
         """Steps after the checkpoint are trained again: drop their records."""
@@ -299,8 +265,7 @@ class TrainerService(Service):
 
     async def teardown(self) -> None:
         self.sinks.close()
-        if self.sender is not None:
-            await self.sender.stop()
+        await self.weights.stop()
         if self.dp is not None:
             await asyncio.to_thread(self.dp.stop)
 
@@ -392,26 +357,14 @@ class TrainerService(Service):
 
     async def _finish(self, error: str | None = None) -> None:
         total = self.config.total_steps
-        if self.sender is not None and error is None:
-            await self._wait_final_broadcast()
+        if error is None:
+            await self.weights.wait_final_broadcast(self.version)
         await self.records.finish(total, error=error, last_eval=self.evals.last)
         if error:
             log.error("the run failed at step %d: %s", self.step, error)
         else:
             log.info("training finished: %d steps, weight version %d", total, self.version)
         self.stop()
-
-    async def _wait_final_broadcast(self) -> None:
-        """Distributed mode: only the trainer holds the newest weights, so it stays (answering
-        weight-sync's broadcasts) until they are live, or FINAL_BROADCAST_TIMEOUT_S has passed."""
-        deadline = time.monotonic() + FINAL_BROADCAST_TIMEOUT_S
-        while time.monotonic() < deadline:
-            raw = await self.bus.kv_get("live_version")
-            if raw is not None and decode(raw, WeightsLive).version >= self.version:
-                return
-            await asyncio.sleep(0.2)
-        log.error("weights v%d were not live within %.0fs of the last step: the engines keep an older version",
-                  self.version, FINAL_BROADCAST_TIMEOUT_S)  # fmt: skip
 
     def _check_failures(self, groups: list[list]) -> None:
         """RunFailed when more than --max-failed-ratio of the samples of the last steps FAILED,
@@ -527,57 +480,10 @@ class TrainerService(Service):
     async def _push_weights(self, step: int) -> float:
         t0 = time.perf_counter()
         self.version += 1
-        path = self.weights_dir / f"v{self.version}"
-        info = await asyncio.to_thread(save_model, self.model, path, self.config.hf_checkpoint)
+        await self.weights.push(self.version, step, self.committed_version)
         if self.old_actor is not None:
             self.old_actor.load_state_dict(self.model.state_dict())
-        uri = str(path.resolve())
-        if self.store is not None:  # every engine, on any host, fetches it from the bucket
-            await self.store.upload(self.version, path)
-            crash.point("trainer", "weights_stored")  # stored, not yet announced
-            uri = self.store.uri(self.version)
-            self.stored.add(self.version)
-        # distributed: weight-sync asks for these tensors by broadcast; the snapshot stays for a restart
-        tensor_sha = await asyncio.to_thread(self.sender.hold, self.version) if self.sender is not None else ""
-        pub = WeightsPublished(
-            version=self.version, step=step, uri=uri, sha256=info["sha256"],
-            num_bytes=info["num_bytes"], created_at=time.time(), tensor_sha256=tensor_sha,
-        )  # fmt: skip
-        await publish_weights(self.bus, pub)
-        if path not in self.snapshots:  # re-pushed under the same number after a crash
-            self.snapshots.append(path)
-        await self._retain_snapshots()
         return time.perf_counter() - t0
-
-    async def _retain_snapshots(self) -> None:
-        """Keep the newest --keep-weight-snapshots snapshots, and always the one behind the
-        committed step: without --save, a restarted trainer resumes from it. In object-store
-        mode the bucket keeps the same versions (after a restart, every older version is looked
-        up once and retired)."""
-        keep = max(1, self.config.keep_weight_snapshots)
-        backing = self.weights_dir / f"v{self.committed_version}" if self.committed_version is not None else None
-        # a version newer than the engines' live one may be loading right now: deleting it under
-        # weight-sync loses that whole update (the engines stay behind a cycle longer), so those
-        # stay too, up to SNAPSHOT_LAG_FACTOR x --keep-weight-snapshots (engines that are away)
-        live = await self._live_version()
-        for old in snapshots_to_remove(self.snapshots, keep, backing, live):
-            self.snapshots.remove(old)
-            remove_snapshot(old)
-        if self.store is not None:  # the same versions, by number
-            stored = [Path(f"v{v}") for v in sorted(self.stored)]
-            committed = Path(f"v{self.committed_version}") if self.committed_version is not None else None
-            for v in [int(p.name[1:]) for p in snapshots_to_remove(stored, keep, committed, live)]:
-                await self.store.retire(v)
-                self.stored.discard(v)
-
-    async def _live_version(self) -> int:
-        """The engines' version (KV live_version); the newest pushed when it cannot be read."""
-        try:
-            raw = await self.bus.kv_get("live_version")
-            # never beyond what this trainer pushed (a forged value would let it delete the live snapshot)
-            return min(decode(raw, WeightsLive).version, self.version) if raw is not None else 0
-        except Exception:  # a broker away, a value that does not decode: retain as before
-            return self.version
 
     async def _checkpoint_and_commit(self, step: int, pushed: bool) -> None:
         """Save after step r when due (RunConfig.save_due: --save-interval, epoch ends, the last
@@ -666,7 +572,7 @@ class TrainerService(Service):
     def status(self) -> dict:
         return {"step": self.step, "total_steps": self.config.total_steps, "weight_version": self.version,
                 "mode": self.config.mode, "last_record": self.records.last,
-                "weight_transfer": self.sender.status() if self.sender is not None else None}  # fmt: skip
+                "weight_transfer": self.weights.sender.status() if self.weights.sender is not None else None}  # fmt: skip
 
     def metric_values(self) -> dict[str, float]:
         out = {"trainer/step": self.step, "trainer/weight_version": self.version,

@@ -1,0 +1,138 @@
+"""The trainer's weight versions: each push is a snapshot `weights/v<N>` (in the run's bucket too
+with --update-weight-transfer-mode object-store; held for weight-sync's broadcast with
+`distributed`), announced on `weights.published`, and kept while anything may still need it:
+the newest --keep-weight-snapshots, the one behind the committed step (a restart without --save
+resumes from it), and those newer than the engines' live version (weight-sync may be loading one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from asyncrl_proto import WeightsLive, WeightsPublished, decode
+from services.common import crash
+from services.common.snapshot import is_complete, remove_snapshot, snapshots_to_remove
+from services.common.versions import publish_weights
+from services.common.weightstore import WeightStore, WeightStoreError
+from services.model.hf_io import save_model
+
+log = logging.getLogger(__name__)
+
+FINAL_BROADCAST_TIMEOUT_S = 120.0
+"""Distributed mode: how long the trainer stays after its last step for the engines to take the
+final weights by broadcast (only it holds them)."""
+
+
+class WeightPublisher:
+    """`store`: the run's weights bucket (object-store); `stored`: the versions that may still be
+    in it; `sender`: rank 0 of the weight transfer group (distributed)."""
+
+    def __init__(self, config, bus, model, weights_dir: Path):
+        self.config = config
+        self.bus = bus
+        self.model = model
+        self.weights_dir = weights_dir
+        self.snapshots: list[Path] = sorted(
+            (p for p in weights_dir.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:])
+        )
+        self.store: WeightStore | None = None
+        if config.update_weight_transfer_mode == "object-store":
+            self.store = WeightStore(bus, chunk_size=config.update_weight_buffer_size)
+        self.stored: set[int] = set()
+        self.sender = None
+
+    async def start_sender(self, master_address: str) -> None:
+        """--update-weight-transfer-mode distributed: weight-sync asks for each version by broadcast."""
+        from services.trainer.parallel import backend_for
+        from services.trainer.transfer import WeightSender
+
+        self.sender = WeightSender(self.model, self.weights_dir, master_address, backend_for(self.config.dist_backend))
+        await self.bus.subscribe(self.bus.subjects.weights_transfer, self.sender.on_request)
+
+    async def push(self, version: int, step: int, committed_version: int | None) -> None:
+        """Version `version`, the weights after `step`: exported, stored, announced, then retained."""
+        path = self.weights_dir / f"v{version}"
+        info = await asyncio.to_thread(save_model, self.model, path, self.config.hf_checkpoint)
+        uri = str(path.resolve())
+        if self.store is not None:  # every engine, on any host, fetches it from the bucket
+            await self.store.upload(version, path)
+            crash.point("trainer", "weights_stored")  # stored, not yet announced
+            uri = self.store.uri(version)
+            self.stored.add(version)
+        # distributed: weight-sync asks for these tensors by broadcast; the snapshot stays for a restart
+        tensor_sha = await asyncio.to_thread(self.sender.hold, version) if self.sender is not None else ""
+        pub = WeightsPublished(
+            version=version, step=step, uri=uri, sha256=info["sha256"],
+            num_bytes=info["num_bytes"], created_at=time.time(), tensor_sha256=tensor_sha,
+        )  # fmt: skip
+        await publish_weights(self.bus, pub)
+        if path not in self.snapshots:  # re-pushed under the same number after a crash
+            self.snapshots.append(path)
+        await self.retain(version, committed_version)
+
+    async def retain(self, version: int, committed_version: int | None) -> None:
+        """Keep the newest --keep-weight-snapshots snapshots, and always the one behind the
+        committed step: without --save, a restarted trainer resumes from it. In object-store
+        mode the bucket keeps the same versions (after a restart, every older version is looked
+        up once and retired)."""
+        keep = max(1, self.config.keep_weight_snapshots)
+        backing = self.weights_dir / f"v{committed_version}" if committed_version is not None else None
+        # a version newer than the engines' live one may be loading right now: deleting it under
+        # weight-sync loses that whole update (the engines stay behind a cycle longer), so those
+        # stay too, up to SNAPSHOT_LAG_FACTOR x --keep-weight-snapshots (engines that are away)
+        live = await self.live_version(version)
+        for old in snapshots_to_remove(self.snapshots, keep, backing, live):
+            self.snapshots.remove(old)
+            remove_snapshot(old)
+        if self.store is not None:  # the same versions, by number
+            stored = [Path(f"v{v}") for v in sorted(self.stored)]
+            committed = Path(f"v{committed_version}") if committed_version is not None else None
+            for v in [int(p.name[1:]) for p in snapshots_to_remove(stored, keep, committed, live)]:
+                await self.store.retire(v)
+                self.stored.discard(v)
+
+    async def live_version(self, newest: int) -> int:
+        """The engines' version (KV live_version); `newest` (the newest pushed) when it cannot be read."""
+        try:
+            raw = await self.bus.kv_get("live_version")
+            # never beyond what this trainer pushed (a forged value would let it delete the live snapshot)
+            return min(decode(raw, WeightsLive).version, newest) if raw is not None else 0
+        except Exception:  # a broker away, a value that does not decode: retain as before
+            return newest
+
+    async def have_snapshot(self, pub: WeightsPublished) -> bool:
+        """The snapshot of `pub` is on local disk, or (object-store) fetched from the bucket now:
+        a trainer restarted on another host resumes from the newest stored version."""
+        local = self.weights_dir / f"v{pub.version}"
+        if is_complete(local):
+            return True
+        if self.store is None:
+            return False
+        try:
+            await self.store.fetch(pub.version, local, expect_sha256=pub.sha256)
+        except WeightStoreError as e:
+            log.info("weights v%d are not usable from the object store: %s", pub.version, e)
+            return False
+        log.info("fetched the weights v%d from the object store into %s", pub.version, local)
+        return True
+
+    async def wait_final_broadcast(self, version: int) -> None:
+        """Distributed mode: only the trainer holds the newest weights, so it stays (answering
+        weight-sync's broadcasts) until they are live, or FINAL_BROADCAST_TIMEOUT_S has passed."""
+        if self.sender is None:
+            return
+        deadline = time.monotonic() + FINAL_BROADCAST_TIMEOUT_S
+        while time.monotonic() < deadline:
+            raw = await self.bus.kv_get("live_version")
+            if raw is not None and decode(raw, WeightsLive).version >= version:
+                return
+            await asyncio.sleep(0.2)
+        log.error("weights v%d were not live within %.0fs of the last step: the engines keep an older version",
+                  version, FINAL_BROADCAST_TIMEOUT_S)  # fmt: skip
+
+    async def stop(self) -> None:
+        if self.sender is not None:
+            await self.sender.stop()
