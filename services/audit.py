@@ -181,6 +181,8 @@ def format_report(r: dict) -> str:
            f"  dropped (retired)    {r['retired_dropped']}  (stored when their adapter registration ended)"]
           if "foreign_dropped" in r and r["foreign_dropped"] + r["retired_dropped"] else []),
         f"  in flight at the end {sum(r['in_flight_at_end'].values())}  {r['in_flight_at_end']}",
+        *([f"    of them unpublished {r['unpublished_at_end']}  (released, not yet on PROMPTS: a restarted buffer "
+           "publishes them from the ledger)"] if r.get("unpublished_at_end") else []),
         f"recycled (then one of the above) {r['recycled']}",
         f"duplicate groups ignored         {r['duplicates_ignored']}",
         f"lost {r['lost']}, trained twice {r['trained_twice']}  ({r['events']} ledger events)",

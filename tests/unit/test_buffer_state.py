@@ -129,6 +129,18 @@ def test_audit_catches_loss_and_double_training():
     assert audit(log.events, trained_by_trainer={0: [0]})["balanced"]
 
 
+def test_a_release_recorded_but_never_published_is_in_flight_not_lost():
+    """The buffer records a release before it publishes the prompt (the record holds it): a run
+    stopped in between (a full store) leaves the prompt on neither stream, and a restarted buffer
+    publishes it again from the ledger. The audit counts it as unpublished, and balances."""
+    log = Log()
+    log.release(0)
+    log.release(1)
+    report = audit(log.events, remaining_prompts={"g1-a0"}, remaining_rollouts=set())
+    assert report["balanced"], report["problems"]
+    assert report["in_flight_at_end"]["outstanding"] == 2 and report["unpublished_at_end"] == 1
+
+
 def test_the_trainer_records_a_step_before_its_commit():
     """A step the trainer recorded whose commit the run did not see is still leased (it will be
     trained again): consistent. A committed step the trainer has no record of is not."""
