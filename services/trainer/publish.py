@@ -44,6 +44,12 @@ class WeightPublisher:
         self.stored: set[int] = set()
         self.sender = None
 
+    def resumed(self, version: int) -> None:
+        """A trainer resumed at `version`: any version so far may still be in the bucket (each
+        older one is looked up once and retired as retention passes it)."""
+        if self.store is not None:
+            self.stored = set(range(1, version + 1))
+
     async def start_sender(self, master_address: str) -> None:
         """--update-weight-transfer-mode distributed: weight-sync asks for each version by broadcast."""
         from services.trainer.parallel import backend_for

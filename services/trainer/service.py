@@ -75,8 +75,6 @@ from services.trainer.steps import BufferLink, Records, SampleCheck, append_trai
 
 log = logging.getLogger(__name__)
 
-
-
 FAILED_WINDOW_STEPS = 4
 """--max-failed-ratio is judged over this many recent steps."""
 NOT_EXPORTED = frozenset({"step", "rollout/step", "weight_version", "time", "rollout/fully_async/queue_size",
@@ -175,8 +173,7 @@ class TrainerService(Service):
             await self.bus.subscribe(s.heartbeat("rollout"), self._on_producer_heartbeat)
             return
         await self._resume()
-        if self.weights.store is not None:  # a restart: any version so far may still be in the bucket
-            self.weights.stored = set(range(1, self.version + 1))
+        self.weights.resumed(self.version)
         if self.old_actor is not None:  # the engines converge to the resumed weights
             self.old_actor.load_state_dict(self.model.state_dict())
         await self._start_ranks()
