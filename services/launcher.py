@@ -62,13 +62,13 @@ FINAL_EVAL_TIMEOUT_S = 300.0
 def sglang_engine_commands(c: RunConfig, ports: list[int]) -> list[tuple[list[str], dict]]:
     """One `sglang.launch_server` command per engine: the checkpoint, a port, version 0,
     metrics on, its own slice of GPUs, then every --sglang-<flag> of the run."""
-    out, g = [], c.rollout_num_gpus_per_engine
-    extra = list(c.sglang_server_args)
+    out, g = [], c.infra.rollout_num_gpus_per_engine
+    extra = list(c.infra.sglang_server_args)
     for i, port in enumerate(ports):
         args = ["--weight-version", "0"]
         if not {"--tp-size", "--tp"} & {a.split("=")[0] for a in extra}:
             args += ["--tp-size", str(g)]
-        cmd = sglang_server_command(c.hf_checkpoint, port, c.seed + i, args + extra)
+        cmd = sglang_server_command(c.data.hf_checkpoint, port, c.data.seed + i, args + extra)
         out.append((cmd, {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in range(i * g, (i + 1) * g))}))
     return out
 
@@ -77,23 +77,24 @@ class Launcher:
     def __init__(self, config: RunConfig, out=print):
         self.config = config
         self.out = out
-        self.run_dir = Path(config.run_dir)
+        self.run_dir = Path(config.infra.run_dir)
         self.secrets_dir = self.run_dir / "secrets"
         self.run_token = run_token(config, self.secrets_dir)
         self.creds: dict[str, NatsCredentials] = {}
-        self.procs = Supervisor(self.run_dir, config.service_restarts, config.health_restart_s, out,
+        self.procs = Supervisor(self.run_dir, config.infra.service_restarts, config.infra.health_restart_s, out,
                                 headers={"Authorization": f"Bearer {self.run_token}"}, secrets=[self.run_token],
-                                restart_window_s=config.restart_window_s, before_restart=self._restart_command)  # fmt: skip
+                                restart_window_s=config.infra.restart_window_s,
+                                before_restart=self._restart_command)  # fmt: skip
         self.live_version = 0  # the engines' version (weights.live): a restarted engine starts on it
         self.published: VersionBound | None = None  # the newest version the trainer published (set with the bus)
         self.nats_restarts: dict[int, list[float]] = {}  # per node: a rolling restart is one restart each
         self.router_url: str | None = None
         self.services: dict[str, str] = {}
         self.nats: EmbeddedNats | NatsCluster | None = None
-        self.nats_url = config.nats_url
+        self.nats_url = config.infra.nats_url
         self.evals: dict[int, EvalResult] = {}
         self.done: ProgressRecord | None = None
-        self.multi_lora = config.multi_lora_n_adapters > 0
+        self.multi_lora = config.multi_lora.multi_lora_n_adapters > 0
         """Multi-LoRA: the run ends when the trainer says every adapter is completed."""
         self.engines_paused: list[str] = []
         self.placement: Placement | None = None
@@ -107,10 +108,10 @@ class Launcher:
         HTTP token (never on its command line). No child gets the run token."""
         env = without_identity()
         env["PYTHONUNBUFFERED"] = "1"
-        env.setdefault("OMP_NUM_THREADS", str(self.config.torch_num_threads))
+        env.setdefault("OMP_NUM_THREADS", str(self.config.infra.torch_num_threads))
         env.update(Keys.of_run(self.run_token).env())
         if role in HTTP_ROLES:  # the roles that call the engines
-            env[HTTP_TOKEN_ENV] = engine_token(self.run_token, role, self.config.engines_take_one_key)
+            env[HTTP_TOKEN_ENV] = engine_token(self.run_token, role, self.config.infra.engines_take_one_key)
         if role is not None:
             env.update(self.creds[role].env())
             if self.nats is not None:
@@ -133,19 +134,21 @@ class Launcher:
         return self.placement.wrap(name, cmd) if self.placement and name in self.placement.children else cmd
 
     def start_nats(self) -> None:
-        if self.nats_url and self.config.nats_cluster > 1:
+        if self.nats_url and self.config.infra.nats_cluster > 1:
             raise LaunchError("--nats-cluster starts an embedded cluster; with --nats-url the cluster is yours: "
                               "drop --nats-cluster and set --nats-replicas to its size")  # fmt: skip
         if self.nats_url:  # the registry's identity is needed only with multi-LoRA (older roles files lack it)
-            roles = tuple(r for r in ROLES if r != "adapters" or self.config.multi_lora_n_adapters > 0)
+            roles = tuple(r for r in ROLES if r != "adapters" or self.config.multi_lora.multi_lora_n_adapters > 0)
             self.creds = role_credentials(self.config, roles)
             return
         passwords = role_passwords(self.secrets_dir)
         self.creds = {r: NatsCredentials(user=r, password=p) for r, p in passwords.items()}
-        auth = server_auth_conf(self.config.run_id, passwords)
+        auth = server_auth_conf(self.config.infra.run_id, passwords)
         c = self.config
-        self.nats = local_nats(self.run_dir / "nats", self.run_dir / "logs", auth, nodes=c.nats_cluster, run_id=c.run_id,
-                               max_file_store=c.nats_max_file_store, sync_interval=c.nats_sync).start()  # fmt: skip
+        infra = c.infra
+        self.nats = local_nats(self.run_dir / "nats", self.run_dir / "logs", auth, nodes=infra.nats_cluster,
+                               run_id=infra.run_id, max_file_store=infra.nats_max_file_store,
+                               sync_interval=infra.nats_sync).start()  # fmt: skip
         self.nats_url = self.nats.url
         for i, node in enumerate(self.nats.nodes):
             self.procs.extra_pids[self.nats.pid_name(i)] = node.proc.pid
@@ -158,23 +161,24 @@ class Launcher:
         """The engines' URLs: attached (--rollout-external-engine-addrs), or launched here -
         built-in engines, or SGLang servers with every --sglang-<flag> passed through."""
         c = self.config
-        if c.rollout_external_engine_addrs:
+        if c.infra.rollout_external_engine_addrs:
             from services.common.sglang_client import normalize_url
 
-            return [normalize_url(a) for a in c.rollout_external_engine_addrs]
-        if c.engine == "sglang":
+            return [normalize_url(a) for a in c.infra.rollout_external_engine_addrs]
+        if c.infra.engine == "sglang":
             return self._start_sglang()
         urls = []
-        pins = procs.split_cpus(c.rollout_num_engines) if c.pin_cpus and not self.placement else None
-        for i in range(c.rollout_num_engines):
+        pins = procs.split_cpus(c.infra.rollout_num_engines) if c.infra.pin_cpus and not self.placement else None
+        for i in range(c.infra.rollout_num_engines):
             host, port = self._address(f"engine-{i}", "rollout")
-            flags = builtin_engine_flags(c, c.seed + i, f"engine-{i}") | ({"--host": host} if self.placement else {})
+            flags = builtin_engine_flags(c, c.data.seed + i, f"engine-{i}")
+            flags |= {"--host": host} if self.placement else {}
             role = None
             if c.engines_read_bucket:  # it fetches weights or adapters with a read-only identity
-                flags |= {"--nats-url": self.nats_url, "--run-id": c.run_id,
+                flags |= {"--nats-url": self.nats_url, "--run-id": c.infra.run_id,
                           "--weights-cache-dir": str(self.run_dir / "engine-cache" / f"engine-{i}")}  # fmt: skip
                 role = "engine"
-            cmd = self._placed(f"engine-{i}", builtin_engine_command(c.hf_checkpoint, port, flags))
+            cmd = self._placed(f"engine-{i}", builtin_engine_command(c.data.hf_checkpoint, port, flags))
             url = f"http://{host}:{port}"
             self._spawn(f"engine-{i}", cmd, role=role, extra_env={procs.CPU_ENV: pins[0][i]} if pins else None,
                         health=url + "/health_generate")  # fmt: skip
@@ -195,19 +199,19 @@ class Launcher:
         # SGLang takes its API key only on its command line (documented in the README)
         key = ["--api-key", self.run_token]
         for i, (cmd, env) in enumerate(
-            sglang_engine_commands(c, [procs.free_port() for _ in range(c.rollout_num_engines)])
+            sglang_engine_commands(c, [procs.free_port() for _ in range(c.infra.rollout_num_engines)])
         ):
             url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
             self._spawn(f"engine-{i}", cmd + key, extra_env=env, health=url + "/health")
             urls.append(url)
             self.services[f"engine-{i}"] = urls[-1]
-        if c.use_sglang_router:
+        if c.infra.use_sglang_router:
             if importlib.util.find_spec("sglang_router") is None:
                 raise LaunchError("--use-sglang-router needs the sglang-router package (pip install sglang-router)")
             port = procs.free_port()
             self.router_url = f"http://127.0.0.1:{port}"
             self._spawn("router", [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                                   "--port", str(port), "--worker-urls", *urls, *c.sglang_router_args, *key],
+                                   "--port", str(port), "--worker-urls", *urls, *c.infra.sglang_router_args, *key],
                         health=self.router_url + "/health")  # fmt: skip
             self.services["router"] = self.router_url
         return urls
@@ -216,17 +220,18 @@ class Launcher:
         label = instance or name
         placed = self.placement is not None and name in ("rollout", "trainer")  # the rest stay with the launcher
         host, port = self._address(label, name) if placed else ("127.0.0.1", procs.free_port())
-        pins = procs.split_cpus(self.config.rollout_num_engines) if self.config.pin_cpus and name == "trainer" else None
+        infra = self.config.infra
+        pins = procs.split_cpus(infra.rollout_num_engines) if infra.pin_cpus and name == "trainer" else None
         url = f"http://{host}:{port}"
         self._spawn(label, self._placed(label, [
             sys.executable, "-m", SERVICE_MODULES[name], "--nats-url", self.nats_url, "--run-id",
-            self.config.run_id, "--http-host", host, "--http-port", str(port), "--instance-id", label,
+            self.config.infra.run_id, "--http-host", host, "--http-port", str(port), "--instance-id", label,
         ]), role=name, extra_env={procs.CPU_ENV: pins[1]} if pins and not placed else None, health=url + "/healthz")  # fmt: skip
         self.services[label] = url
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         if timeout_s is None:  # an SGLang server loads and captures CUDA graphs: minutes, not seconds
-            timeout_s = 900.0 if self.config.engine == "sglang" else 180.0
+            timeout_s = 900.0 if self.config.infra.engine == "sglang" else 180.0
         deadline = time.monotonic() + timeout_s
         pending = dict(self.services)
         with httpx.Client(timeout=2.0, headers=self.procs.headers) as http:
@@ -257,7 +262,8 @@ class Launcher:
         name = self.nats.pid_name(i)
         if not self.procs.budget.take(self.nats_restarts.setdefault(i, [])):
             raise LaunchError(
-                f"{name} exited {self.config.service_restarts + 1} times in {self.config.restart_window_s:.0f}s; "
+                f"{name} exited {self.config.infra.service_restarts + 1} times in "
+                f"{self.config.infra.restart_window_s:.0f}s; "
                 f"see {node.log_path}"
             )
         self.out(f"  {name} exited with code {node.proc.returncode}; restarting on the same store")
@@ -269,26 +275,27 @@ class Launcher:
     async def run(self) -> dict:
         c = self.config
         self.start_nats()
-        if c.use_ray:
+        if c.trainer.use_ray:
             self.placement = Placement(c, self.run_dir)  # in the main thread: Ray's driver wants it
         urls = self.start_engines()
         self.config = c = c.model_copy(
             update={"rollout_engine_urls": urls, "nats_url": self.nats_url, "rollout_router_url": self.router_url}
         )
         (self.run_dir / "config.json").write_text(json.dumps(c.model_dump(mode="json"), indent=2))
-        bus = await Bus.connect(self.nats_url, c.run_id, "launcher", creds=self.creds["admin"])
+        bus = await Bus.connect(self.nats_url, c.infra.run_id, "launcher", creds=self.creds["admin"])
         try:
-            await bus.ensure_streams(c.stream_replicas, c.multi_lora_n_adapters > 0, c.rollouts_max_msgs)
-            await bus.ensure_consumers(c.prompt_ack_wait_s, c.multi_lora_n_adapters > 0)
+            lora = c.multi_lora.multi_lora_n_adapters > 0
+            await bus.ensure_streams(c.infra.stream_replicas, lora, c.rollouts_max_msgs)
+            await bus.ensure_consumers(c.async_.prompt_ack_wait_s, lora)
             await bus.kv_put("config", json.dumps(c.model_dump(mode="json")).encode())
             await asyncio.to_thread(self.wait_ready)  # engines first: every service talks to them
             await bus.subscribe(bus.subjects.progress, self._on_progress)
             self.published = VersionBound(bus)
             await bus.subscribe(bus.subjects.weights_live, self._on_live)
             await bus.subscribe(bus.subjects.eval_results, self._on_eval)
-            for name in ("buffer", "weight-sync", "eval") + (("adapters",) if c.multi_lora_n_adapters > 0 else ()):
+            for name in ("buffer", "weight-sync", "eval") + (("adapters",) if lora else ()):
                 self.start_service(name)
-            for i in range(c.rollout_num_producers):
+            for i in range(c.infra.rollout_num_producers):
                 self.start_service("rollout", f"rollout-{i}")
             self.start_service("trainer")
             await asyncio.to_thread(self.wait_ready)
@@ -302,7 +309,7 @@ class Launcher:
 
     def _paused_engines(self) -> list[str]:
         """Built-in engines that are paused now (none should be at the end of a run)."""
-        if self.config.engine != "builtin" or self.config.rollout_external_engine_addrs:
+        if self.config.infra.engine != "builtin" or self.config.infra.rollout_external_engine_addrs:
             return []
         paused = []
         with httpx.Client(timeout=5.0, headers=self.procs.headers) as http:
@@ -333,7 +340,7 @@ class Launcher:
         raw = await bus.get_last(bus.subjects.progress_stream, bus.subjects.progress)
         with contextlib.suppress(MalformedMessage):
             rec = decode(raw.data, ProgressRecord) if raw is not None else None
-            if rec is not None and rec.done and (rec.step == self.config.total_steps or self.multi_lora):
+            if rec is not None and rec.done and (rec.step == self.config.rollout.total_steps or self.multi_lora):
                 self.done = rec
 
     async def _wait_last_eval(self) -> None:
@@ -379,19 +386,19 @@ class Launcher:
     async def _on_progress(self, msg) -> None:
         with contextlib.suppress(MalformedMessage):
             rec = decode(msg.data, ProgressRecord)
-            if rec.done and (rec.step == self.config.total_steps or self.multi_lora):  # the trainer's final record says it
+            if rec.done and (rec.step == self.config.rollout.total_steps or self.multi_lora):  # its last record
                 self.done = rec
             elif not rec.done and self.multi_lora:  # adapter steps: each on its own axis
                 name = rec.record.get("adapter", "")
                 self.out(f"[{name} step {rec.record.get(f'{name}/step', '?')}] reward "
                          f"{rec.record.get(f'{name}/raw_reward_mean', float('nan')):.3f}")  # fmt: skip
-            elif not rec.done and 0 <= rec.step < self.config.total_steps:
-                self.out(format_progress(rec.step, self.config.total_steps, rec.record))
+            elif not rec.done and 0 <= rec.step < self.config.rollout.total_steps:
+                self.out(format_progress(rec.step, self.config.rollout.total_steps, rec.record))
 
     async def _on_eval(self, msg) -> None:
         with contextlib.suppress(MalformedMessage):
             res = decode(msg.data, EvalResult)
-            if eval_result_problem(res.step, self.config.total_steps) is not None:
+            if eval_result_problem(res.step, self.config.rollout.total_steps) is not None:
                 return  # not a point of this run (the eval service and the trainer never send one)
             res.metrics = finite_metrics(res.metrics)[0]
             self.evals[res.step] = res
@@ -403,7 +410,7 @@ class Launcher:
             )
 
     def _print_services(self) -> None:
-        self.out(f"run {self.config.run_id} in {self.run_dir}")
+        self.out(f"run {self.config.infra.run_id} in {self.run_dir}")
         self.out(f"  nats: {self.nats_url}")
         for label, url in self.services.items():
             pid = self.child(label).proc.pid
@@ -411,19 +418,19 @@ class Launcher:
         (self.run_dir / "services.json").write_text(json.dumps(self.services, indent=2))
 
     def summary(self) -> dict:
-        key = f"eval/{self.config.eval_prompt_data[0]}" if self.config.eval_prompt_data else None
+        key = f"eval/{self.config.eval.eval_prompt_data[0]}" if self.config.eval.eval_prompt_data else None
         first = self.evals.get(0)  # the baseline: no step trained
         last = self.evals[max(self.evals)] if self.evals else None  # the latest weights evaluated
         r0 = first.metrics.get(key) if first and key else None
         r1 = last.metrics.get(key) if last and key else None
         result = {
-            "run_id": self.config.run_id,
+            "run_id": self.config.infra.run_id,
             "run_dir": str(self.run_dir),
-            "mode": self.config.mode,
-            "steps": self.config.total_steps,
+            "mode": self.config.infra.mode,
+            "steps": self.config.rollout.total_steps,
             "wall_s": time.time() - self.t0,
             "final_weight_version": self._final_version(),
-            "heldout_dataset": self.config.eval_prompt_data[0] if self.config.eval_prompt_data else None,
+            "heldout_dataset": self.config.eval.eval_prompt_data[0] if self.config.eval.eval_prompt_data else None,
             "heldout_reward_step0": r0,
             "heldout_reward_final": r1,
             "heldout_reward_final_after_steps": max(self.evals) if self.evals else None,
@@ -524,7 +531,7 @@ def launch(config: RunConfig, out=print) -> dict:
         from services.audit import collect
 
         report = asyncio.run(
-            collect(launcher.nats_url, launcher.config.run_id, launcher.run_dir, launcher.creds["admin"])
+            collect(launcher.nats_url, launcher.config.infra.run_id, launcher.run_dir, launcher.creds["admin"])
         )
         (launcher.run_dir / "audit.json").write_text(json.dumps(report, indent=2))
         # result.json again, now with the audit's answer: scripts read the same verdict the console shows

@@ -33,55 +33,58 @@ def default_run_id() -> str:
 
 def prepare_run(config: RunConfig, log=print) -> RunConfig:
     """Resolve run id and directory, write the task's data and build its model when needed."""
-    run_id = check_run_id(config.run_id or default_run_id())
-    run_dir = Path(config.run_dir or Path("runs") / run_id).resolve()
+    run_id = check_run_id(config.infra.run_id or default_run_id())
+    run_dir = Path(config.infra.run_dir or Path("runs") / run_id).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
     updates: dict = {"run_id": run_id, "run_dir": str(run_dir)}
     for field in ("save", "save_hf", "load", "eval_hf_dir", "prompt_data"):  # services may run elsewhere
         if getattr(config, field):
             updates[field] = str(Path(getattr(config, field)).resolve())
-    if config.eval_config:  # inlined, with absolute paths: every service reads the same document
+    if config.eval.eval_config:  # inlined, with absolute paths: every service reads the same document
         updates.update(inline_eval_config(config))
-    given_eval = bool(config.eval_prompt_data or config.eval_config)
-    if config.task == "reverse-digits" and (config.prompt_data is None or not given_eval):
+    given_eval = bool(config.eval.eval_prompt_data or config.eval.eval_config)
+    if config.data.task == "reverse-digits" and (config.data.prompt_data is None or not given_eval):
         from services.tasks import reverse_digits
 
-        train, held_out = reverse_digits.write_datasets(run_dir / "data", seed=config.rollout_seed)
-        if config.prompt_data is None:
+        train, held_out = reverse_digits.write_datasets(run_dir / "data", seed=config.data.rollout_seed)
+        if config.data.prompt_data is None:
             updates["prompt_data"] = str(train)
         if not given_eval:
             updates["eval_prompt_data"] = [reverse_digits.NAME, str(held_out)]
     rows = check_datasets(config.model_copy(update=updates))
     check_sinks(config)
-    if config.num_rollout is None and config.data_source_path:
+    if config.rollout.num_rollout is None and config.rollout.data_source_path:
         raise LaunchError("--data-source-path needs --num-rollout: a custom data source has no epochs to count")
-    if config.num_rollout is None:
+    if config.rollout.num_rollout is None:
         updates["num_rollout"] = steps_of_epochs(config, rows)
-        updates["num_rollout_per_epoch"] = rows // config.rollout_batch_size
-        log(f"--num-epoch {config.num_epoch}: {rows} prompts per epoch -> {updates['num_rollout']} steps")
-    if config.hf_checkpoint is None:
+        updates["num_rollout_per_epoch"] = rows // config.rollout.rollout_batch_size
+        log(f"--num-epoch {config.rollout.num_epoch}: {rows} prompts per epoch -> {updates['num_rollout']} steps")
+    if config.data.hf_checkpoint is None:
         from services.tasks import reverse_digits
 
         model_dir = run_dir / "model" / "initial"
         if not (model_dir / ".complete").exists():
-            reverse_digits.build_model(model_dir, seed=config.seed, warmup_sft_steps=config.warmup_sft_steps, log=log)
+            reverse_digits.build_model(
+                model_dir, seed=config.data.seed, warmup_sft_steps=config.data.warmup_sft_steps, log=log
+            )
         updates["hf_checkpoint"] = str(model_dir)
     else:
-        updates["hf_checkpoint"] = str(Path(config.hf_checkpoint).resolve())
+        updates["hf_checkpoint"] = str(Path(config.data.hf_checkpoint).resolve())
     return config.model_copy(update=updates)
 
 
 def steps_of_epochs(config: RunConfig, rows: int) -> int:
     """Miles's step count for --num-epoch: (prompts // B) steps per epoch, times the epochs (a
     partial batch at an epoch's end is not a step). A run names its length: no default."""
-    if config.num_epoch is None:
+    if config.rollout.num_epoch is None:
         raise LaunchError("set the run's length: --num-rollout N (training steps) or --num-epoch E (passes over "
                           "--prompt-data, each of prompts // --rollout-batch-size steps)")  # fmt: skip
-    steps = rows // config.rollout_batch_size * config.num_epoch
+    steps = rows // config.rollout.rollout_batch_size * config.rollout.num_epoch
     if steps < 1:
-        raise LaunchError(f"--num-epoch {config.num_epoch}: {rows} prompts make no batch of --rollout-batch-size "
-                          f"{config.rollout_batch_size}; set --num-rollout or a smaller --rollout-batch-size")  # fmt: skip
+        raise LaunchError(f"--num-epoch {config.rollout.num_epoch}: {rows} prompts make no batch of "
+                          f"--rollout-batch-size {config.rollout.rollout_batch_size}; set --num-rollout or a smaller "
+                          "--rollout-batch-size")  # fmt: skip
     return steps
 
 
@@ -93,7 +96,7 @@ def inline_eval_config(config: RunConfig) -> dict:
     from services.eval.datasets import dataset_entries, read_document
 
     try:
-        doc = read_document(config.eval_config)
+        doc = read_document(config.eval.eval_config)
         entries, defaults = dataset_entries(doc)
     except ValueError as e:
         raise LaunchError(str(e)) from None
@@ -109,8 +112,8 @@ def check_sinks(config: RunConfig) -> None:
     """A metrics sink asked for whose package is missing fails the launch, not the trainer."""
     import importlib.util
 
-    for flag, wanted, package in (("--use-tensorboard", config.use_tensorboard, "tensorboard"),
-                                  ("--use-wandb", config.use_wandb, "wandb")):  # fmt: skip
+    for flag, wanted, package in (("--use-tensorboard", config.trainer.use_tensorboard, "tensorboard"),
+                                  ("--use-wandb", config.trainer.use_wandb, "wandb")):  # fmt: skip
         if wanted and importlib.util.find_spec(package) is None:
             raise LaunchError(f"{flag} needs the {package} package: pip install {package}")
 
@@ -122,7 +125,9 @@ def check_datasets(config: RunConfig) -> int:
     from services.eval.datasets import load_eval_sets
 
     try:
-        rows = load_rows(config.prompt_data, config.input_key, config.label_key, config.metadata_key)
+        rows = load_rows(
+            config.data.prompt_data, config.data.input_key, config.data.label_key, config.data.metadata_key
+        )
         load_eval_sets(config)
     except ValueError as e:
         raise LaunchError(str(e)) from None
@@ -133,24 +138,26 @@ def role_credentials(config: RunConfig, roles: tuple[str, ...] = ROLES) -> dict[
     """The NATS identity of each of `roles` on an external server: from --nats-roles-file, or the
     one identity the launcher was given (--nats-user/--nats-password, --nats-token, --nats-creds,
     --nats-nkey)."""
-    tls = (config.nats_tls_ca, config.nats_tls_cert, config.nats_tls_key)
-    if config.nats_roles_file:
+    tls = (config.infra.nats_tls_ca, config.infra.nats_tls_cert, config.infra.nats_tls_key)
+    if config.infra.nats_roles_file:
         try:
-            given = load_roles_file(config.nats_roles_file)
+            given = load_roles_file(config.infra.nats_roles_file)
         except SecretError as e:
             raise LaunchError(str(e)) from None
         # the engine's identity only matters when engines fetch weights or adapters from the object store
         needed = [r for r in roles if r != "engine" or config.engines_read_bucket]
         missing = [r for r in needed if r not in given]
         if missing:
-            raise LaunchError(f"--nats-roles-file {config.nats_roles_file} has no identity for {', '.join(missing)}")
+            raise LaunchError(
+                f"--nats-roles-file {config.infra.nats_roles_file} has no identity for {', '.join(missing)}"
+            )
         return {r: NatsCredentials(**given[r]).with_tls(*tls) for r in roles if r in given}
     one = NatsCredentials(
-        user=config.nats_user,
-        password=config.nats_password.get_secret_value() if config.nats_password else None,
-        token=config.nats_token.get_secret_value() if config.nats_token else None,
-        creds_file=config.nats_creds,
-        nkey_file=config.nats_nkey,
+        user=config.infra.nats_user,
+        password=config.infra.nats_password.get_secret_value() if config.infra.nats_password else None,
+        token=config.infra.nats_token.get_secret_value() if config.infra.nats_token else None,
+        creds_file=config.infra.nats_creds,
+        nkey_file=config.infra.nats_nkey,
     ).with_tls(*tls)
     return dict.fromkeys(roles, one)
 
@@ -159,7 +166,7 @@ def run_token(config: RunConfig, secrets_dir: Path) -> str:
     """The run token: given (--run-token, $ASYNCRL_RUN_TOKEN or $ASYNCRL_RUN_TOKEN_FILE), kept
     from an earlier start of the same run directory, or new; always in <run_dir>/secrets/run-token
     (0600) for the operator."""
-    given = config.run_token.get_secret_value() if config.run_token else run_token_from_env()
+    given = config.infra.run_token.get_secret_value() if config.infra.run_token else run_token_from_env()
     return keep_or_make_token(secrets_dir / "run-token", given)
 
 
@@ -175,30 +182,32 @@ async def publish_run_config(config: RunConfig) -> None:
     from services.common.bus import Bus
 
     creds = role_credentials(config, ("admin",))["admin"]
-    bus = await Bus.connect(config.nats_url, config.run_id, "init-run", connect_timeout_s=120, creds=creds)
+    bus = await Bus.connect(config.infra.nats_url, config.infra.run_id, "init-run", connect_timeout_s=120, creds=creds)
     try:
-        await bus.ensure_streams(config.stream_replicas, config.multi_lora_n_adapters > 0, config.rollouts_max_msgs)
-        await bus.ensure_consumers(config.prompt_ack_wait_s, config.multi_lora_n_adapters > 0)
+        await bus.ensure_streams(
+            config.infra.stream_replicas, config.multi_lora.multi_lora_n_adapters > 0, config.rollouts_max_msgs
+        )
+        await bus.ensure_consumers(config.async_.prompt_ack_wait_s, config.multi_lora.multi_lora_n_adapters > 0)
         await bus.kv_put("config", json.dumps(config.model_dump(mode="json")).encode())
     finally:
         await bus.close()
 
 
 def init_run(config: RunConfig, log=print) -> RunConfig:
-    if not config.nats_url:
+    if not config.infra.nats_url:
         raise LaunchError("init-run needs --nats-url: the services it prepares for read their config from NATS")
-    if not config.rollout_engine_urls and not config.rollout_external_engine_addrs:
+    if not config.infra.rollout_engine_urls and not config.infra.rollout_external_engine_addrs:
         raise LaunchError(
             "init-run needs --rollout-engine-urls (or --rollout-external-engine-addrs): where the engines listen"
         )
     config = prepare_run(config, log=log)
-    if not config.rollout_engine_urls:
+    if not config.infra.rollout_engine_urls:
         from services.common.sglang_client import normalize_url
 
         config = config.model_copy(
-            update={"rollout_engine_urls": [normalize_url(a) for a in config.rollout_external_engine_addrs]}
+            update={"rollout_engine_urls": [normalize_url(a) for a in config.infra.rollout_external_engine_addrs]}
         )
-    (Path(config.run_dir) / "config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
+    (Path(config.infra.run_dir) / "config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
     asyncio.run(publish_run_config(config))
-    log(f"run {config.run_id} prepared in {config.run_dir}; config published to {config.nats_url}")
+    log(f"run {config.infra.run_id} prepared in {config.infra.run_dir}; config published to {config.infra.nats_url}")
     return config

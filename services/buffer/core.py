@@ -77,11 +77,11 @@ class DataBuffer:
 
 def make_buffer(config: RunConfig, recycle: Recycle) -> DataBuffer:
     """The default buffer, or the --custom-async-data-buffer-path class."""
-    if not config.custom_async_data_buffer_path:
+    if not config.rollout.custom_async_data_buffer_path:
         return DefaultDataBuffer(config, recycle)
-    cls = load_object(config.custom_async_data_buffer_path, "--custom-async-data-buffer-path")
+    cls = load_object(config.rollout.custom_async_data_buffer_path, "--custom-async-data-buffer-path")
     if not (isinstance(cls, type) and issubclass(cls, DataBuffer)):
-        raise ValueError(f"--custom-async-data-buffer-path {config.custom_async_data_buffer_path} must name a "
+        raise ValueError(f"--custom-async-data-buffer-path {config.rollout.custom_async_data_buffer_path} must name a "
                          "subclass of services.api.DataBuffer")  # fmt: skip
     return cls(config, recycle)
 
@@ -93,14 +93,14 @@ class DefaultDataBuffer(DataBuffer):
     def __init__(self, config: RunConfig, recycle: Recycle):
         super().__init__(config, recycle)
         self.capacity = config.buffer_capacity
-        if config.async_data_buffer_capacity_factor <= 0 or self.capacity < 1:
+        if config.async_.async_data_buffer_capacity_factor <= 0 or self.capacity < 1:
             raise ValueError(
-                f"buffer capacity floor({config.async_data_buffer_capacity_factor} * "
-                f"{config.rollout_batch_size}) = {self.capacity}: it must hold at least one group"
+                f"buffer capacity floor({config.async_.async_data_buffer_capacity_factor} * "
+                f"{config.rollout.rollout_batch_size}) = {self.capacity}: it must hold at least one group"
             )
         self._filter = None
-        if config.dynamic_sampling_filter_path:
-            self._filter = load_object(config.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
+        if config.rollout.dynamic_sampling_filter_path:
+            self._filter = load_object(config.rollout.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
         self._groups: collections.deque[Group] = collections.deque()
         self._cond = asyncio.Condition()
         self._latest_version: int | None = None
@@ -149,7 +149,7 @@ class DefaultDataBuffer(DataBuffer):
             out = self._filter(self.config, group)
         except Exception as e:
             raise RuntimeError(
-                f"--dynamic-sampling-filter-path {self.config.dynamic_sampling_filter_path} raised "
+                f"--dynamic-sampling-filter-path {self.config.rollout.dynamic_sampling_filter_path} raised "
                 f"{type(e).__name__}: {e}"
             ) from e
         if isinstance(out, DynamicFilterOutput) or hasattr(out, "keep"):
@@ -175,7 +175,7 @@ class DefaultDataBuffer(DataBuffer):
     async def _consume(self, group: Group, current_version: int | None) -> bool:
         """Staleness at consumption: False (and the unused-samples handler) past the limit."""
         st = staleness(current_version, group)
-        limit = self.config.max_weight_staleness
+        limit = self.config.async_.max_weight_staleness
         if limit is not None and st is not None and st > limit:
             self._stale += 1
             self._emit("stale", group)
@@ -187,7 +187,7 @@ class DefaultDataBuffer(DataBuffer):
         return True
 
     async def _handle_unused(self, group: Group) -> None:
-        if self.config.async_unused_samples_handler == "retry":
+        if self.config.async_.async_unused_samples_handler == "retry":
             reset_group_for_retry(group)
             await self.recycle(group)
 
@@ -218,7 +218,7 @@ class DefaultDataBuffer(DataBuffer):
 
 def check_reward_nonzero_std(config: RunConfig, group: Group) -> DynamicFilterOutput:
     """Built-in dynamic-sampling filter: keep a group iff its rewards are not all equal."""
-    rewards = [scalar_reward(s, config.reward_key) for s in flatten_group(group)]
+    rewards = [scalar_reward(s, config.rollout.reward_key) for s in flatten_group(group)]
     mean = sum(rewards) / len(rewards)
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
     if std > 1e-8:

@@ -148,7 +148,7 @@ class BufferMachine:
         self._metrics = metrics
         self.observed = observed
         """The DataBuffer reports its decisions (on_decision); otherwise puts are `accepted`."""
-        self.retry = config.async_unused_samples_handler == "retry"
+        self.retry = config.async_.async_unused_samples_handler == "retry"
         """Aborted and stale groups go back to the data source (else they are dropped)."""
         self.state = BufferState()
         self._events: list[LedgerEvent] = []
@@ -235,22 +235,23 @@ class BufferMachine:
         if self.want_step is not None:
             for step in range(s.committed_step + 1, self.want_step + self.lookahead + 1):
                 lease = s.leases.get(step)
-                need += self.config.rollout_batch_size - (len(lease.refs) if lease else 0)
+                need += self.config.rollout.rollout_batch_size - (len(lease.refs) if lease else 0)
         accounted = (s.counters.get("trained", 0) + s.counters.get("failed", 0) + len(s.stored) + len(s.outstanding)
                      + len(self.releasing) + sum(len(lease.refs) for lease in s.leases.values()))  # fmt: skip
-        budget = self.config.max_weight_staleness
+        budget = self.config.async_.max_weight_staleness
         head_room = None
-        if (self.config.mode == "fully_async" and budget is not None and self.live_version is not None
-                and not self.config.multi_lora_n_adapters):  # an adapter's versions are its own clock
-            head_room = (self.live_version + budget + 2) * self.config.rollout_batch_size - accounted
+        if (self.config.infra.mode == "fully_async" and budget is not None and self.live_version is not None
+                and not self.config.multi_lora.multi_lora_n_adapters):  # an adapter's versions are its own clock
+            head_room = (self.live_version + budget + 2) * self.config.rollout.rollout_batch_size - accounted
         return ReleaseState(
             head_room=head_room,
-            groups_left=self.config.total_steps * self.config.rollout_batch_size - accounted,
-            mode=self.config.mode, batch_size=self.config.rollout_batch_size, capacity=self.config.buffer_capacity,
+            groups_left=self.config.rollout.total_steps * self.config.rollout.rollout_batch_size - accounted,
+            mode=self.config.infra.mode, batch_size=self.config.rollout.rollout_batch_size,
+            capacity=self.config.buffer_capacity,
             inflight_cap=sum(caps) if caps else self.config.inflight_groups, want_step=self.want_step,
             lookahead=self.lookahead, groups_still_needed=need, stored=len(s.stored),
             outstanding=len(s.outstanding) + len(self.releasing), live_version=self.live_version,
-            min_version=self.min_version, over_sampling=self.config.over_sampling_batch_size,
+            min_version=self.min_version, over_sampling=self.config.rollout.over_sampling_batch_size,
         )  # fmt: skip
 
     def plan_release(self, now: float) -> list[tuple[PromptMsg, dict]]:
@@ -293,13 +294,13 @@ class BufferMachine:
         work and nobody answered: each goes back to the data source as a new attempt (recorded
         `expired`). A producer that acknowledged a prompt and died, or never meant to answer,
         cannot hang the run; its late answer is a duplicate."""
-        deadline = self.config.prompt_deadline_s
+        deadline = self.config.async_.prompt_deadline_s
         stall = self.stall(now)
         spare = any(self.in_work_of.get(pid, 0) < cap for pid, (_, cap) in self.producers.items())
         if stall is not None and stall["kind"] == "unanswered" and spare:
             # the run waits for them, and a live producer has room to take them: nobody works on
             # those no heartbeat names (a prompt still queued behind busy producers is left alone)
-            deadline = min(deadline, self.config.stall_report_s)
+            deadline = min(deadline, self.config.async_.stall_report_s)
         for gone in set(self.seen_at) - set(self.state.outstanding):
             del self.seen_at[gone]
         for gid, p in list(self.state.outstanding.items()):
@@ -461,8 +462,8 @@ class BufferMachine:
         first = self.state.committed_step + 1
         if not first <= req.step < first + window:
             return f"get(step={req.step}) is outside the steps the trainer can ask for ({first}..{first + window - 1})"
-        if req.count != c.rollout_batch_size:
-            return f"get(count={req.count}) differs from --rollout-batch-size {c.rollout_batch_size}"
+        if req.count != c.rollout.rollout_batch_size:
+            return f"get(count={req.count}) differs from --rollout-batch-size {c.rollout.rollout_batch_size}"
         if req.lookahead_steps not in (0, 1):
             return f"get(lookahead_steps={req.lookahead_steps}): only 0 or 1"
         if not 0 <= req.wait_s <= 30:
@@ -595,12 +596,12 @@ class BufferMachine:
         """Why no step has made progress for --stall-report-s while the trainer waits, or None."""
         s, c = self.state, self.config
         idle = now - self.progress_at
-        if self.want_step is None or idle < c.stall_report_s:
+        if self.want_step is None or idle < c.async_.stall_report_s:
             return None
         short = [step for step in range(s.committed_step + 1, self.want_step + 1)
                  if self.lease_state(step) is not LeaseState.COMPLETE]  # fmt: skip
         rs = self.release_state(now)
-        unseen = [gid for gid in s.outstanding if now - self.seen_at.get(gid, now) >= c.stall_report_s]
+        unseen = [gid for gid in s.outstanding if now - self.seen_at.get(gid, now) >= c.async_.stall_report_s]
         if not short:
             kind, cause = "trainer", (f"every lease up to step {self.want_step} is complete and none was committed: the trainer is "
                      "slow or stuck (see its /status)")  # fmt: skip
@@ -608,8 +609,8 @@ class BufferMachine:
             kind, cause = "no_producer", f"no producer is alive (none sent a heartbeat for {PRODUCER_TIMEOUT_S:.0f} s): start one"
         elif rs.outstanding:
             kind, cause = "unanswered", (f"{rs.outstanding} released prompts are unanswered, {len(unseen)} of them named in work by no "
-                     f"live producer for {c.stall_report_s:.0f} s (those go back now if a producer has room); producers alive: "
-                     f"{len(self.producers)}; see their /status and the engines'")  # fmt: skip
+                     f"live producer for {c.async_.stall_report_s:.0f} s (those go back now if a producer has room); "
+                     f"producers alive: {len(self.producers)}; see their /status and the engines'")  # fmt: skip
         elif release_allowance(rs) > 0:
             kind, cause = "release", "prompts may be released and none are: the buffer's release loop is behind (see its log)"
         elif rs.min_version is not None and (rs.live_version is None or rs.live_version < rs.min_version):
@@ -617,7 +618,8 @@ class BufferMachine:
                      "see weight-sync's /status")  # fmt: skip
         elif rs.head_room is not None and rs.head_room <= 0:
             kind, cause = "staleness_budget", (f"generation is at its staleness budget (live version {rs.live_version}, --max-weight-staleness "
-                     f"{c.max_weight_staleness}): the engines' version must advance; see weight-sync's /status")  # fmt: skip
+                     f"{c.async_.max_weight_staleness}): the engines' version must advance; see "
+                     "weight-sync's /status")  # fmt: skip
         elif rs.stored >= rs.capacity:
             kind, cause = "buffer_full", (f"the buffer is full ({rs.stored}/{rs.capacity} groups) and step {short[0]}'s lease is short: "
                      "the DataBuffer hands out none of them")  # fmt: skip
@@ -629,7 +631,7 @@ class BufferMachine:
         rs, s = self.release_state(now), self.state
         return {
             "capacity": self.config.buffer_capacity, "stored_groups": rs.stored, "live_version": self.live_version,
-            "mode": self.config.mode, "want_step": self.want_step, "committed_step": s.committed_step,
+            "mode": self.config.infra.mode, "want_step": self.want_step, "committed_step": s.committed_step,
             "outstanding_prompts": rs.outstanding, "producers": len(self.producers),
             "data_source": {"epoch": s.epoch, "cursor": s.cursor, "next_group_index": s.next_group_index,
                             "recycled_waiting": len(s.recycled)},

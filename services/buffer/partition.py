@@ -97,18 +97,18 @@ class Partition:
         self.s = subjects
         self.name = subjects.partition or "buffer"
         self.buffer = make_buffer(config, self._recycle)
-        self.plugin_path = config.custom_async_data_buffer_path or "services.api.DefaultDataBuffer"
+        self.plugin_path = config.rollout.custom_async_data_buffer_path or "services.api.DefaultDataBuffer"
         self.published = published
         self.core = BufferMachine(
             config, make_prompt_source(config),
-            limits_from_model_dir(config.hf_checkpoint, config.n_samples_per_prompt, config.reward_key,
-                                  config.max_abs_reward),
+            limits_from_model_dir(config.data.hf_checkpoint, config.rollout.n_samples_per_prompt,
+                                  config.rollout.reward_key, config.rollout.max_abs_reward),
             published=lambda: self.published.value, metrics=self._metrics,
             observed=isinstance(self.buffer, DefaultDataBuffer), plugin_path=self.plugin_path,
         )  # fmt: skip
         if isinstance(self.buffer, DefaultDataBuffer):
             self.buffer.on_event = self._on_decision
-        path = config.rollout_all_samples_process_path
+        path = config.rollout.rollout_all_samples_process_path
         self.all_samples_fn = load_object(path, "--rollout-all-samples-process-path") if path else None
         self._step_groups: list[list] = []  # the groups of the step being leased, filtered ones included
         self.ledger = Ledger(self.bus, svc.fail, svc.background, subjects)
@@ -243,7 +243,7 @@ class Partition:
             self._wake_release.clear()
             if (expired := self.core.expire_unanswered(time.time())).events:
                 log.warning("%d released prompts were neither answered nor in work for %.0fs: released again",
-                            len(expired.events), self.config.prompt_deadline_s)  # fmt: skip
+                            len(expired.events), self.config.async_.prompt_deadline_s)  # fmt: skip
                 await self.apply(expired, durable=True)
             if self.reads_live and self.core.live_version is None and time.monotonic() >= self._next_live_read:
                 self._next_live_read = time.monotonic() + 1.0  # a broker round trip: once a second at most

@@ -105,7 +105,7 @@ def adapter_config(config, run: AdapterRun):
     from services.common.datasource import adapter_total_steps, load_rows
 
     spec = run.spec
-    rows = len(load_rows(spec.data, config.input_key, config.label_key, config.metadata_key))
+    rows = len(load_rows(spec.data, config.data.input_key, config.data.label_key, config.data.metadata_key))
     return config.model_copy(update={
         "prompt_data": spec.data, "data_source_path": None, "rollout_batch_size": spec.rollout_batch_size,
         "n_samples_per_prompt": spec.n_samples_per_prompt, "num_rollout": adapter_total_steps(run, rows),
@@ -123,8 +123,8 @@ class BufferService(Service):
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
-        self.partitioned = config.multi_lora_n_adapters > 0
-        self._consumer = bus.subjects.consumers(config.prompt_ack_wait_s, self.partitioned)["buffer"]
+        self.partitioned = config.multi_lora.multi_lora_n_adapters > 0
+        self._consumer = bus.subjects.consumers(config.async_.prompt_ack_wait_s, self.partitioned)["buffer"]
         self._rollouts = None
         self._next_purge = 0.0
         self._purged_upto = 0
@@ -176,7 +176,7 @@ class BufferService(Service):
             st = part.state
             log.info("buffer %s ready: capacity %d groups, %d prompts per epoch, mode %s, %d ledger events, "
                      "%d stored, %d outstanding, committed step %d", rid or "", part.config.buffer_capacity,
-                     part.core.source.epoch_size, part.config.mode, st.seq, len(st.stored), len(st.outstanding),
+                     part.core.source.epoch_size, part.config.infra.mode, st.seq, len(st.stored), len(st.outstanding),
                      st.committed_step)  # fmt: skip
 
     def loops(self):

@@ -94,10 +94,12 @@ class PromptSource:
     def __init__(self, config: RunConfig, rows: list[dict]):
         self.config = config
         self.rows = rows
-        self.n = config.n_samples_per_prompt
+        self.n = config.rollout.n_samples_per_prompt
         self._orders: dict[int, list[int]] = {}
         self.buffer_filter = (
-            load_object(config.buffer_filter_path, "--buffer-filter-path") if config.buffer_filter_path else None
+            load_object(config.rollout.buffer_filter_path, "--buffer-filter-path")
+            if config.rollout.buffer_filter_path
+            else None
         )
 
     @property
@@ -107,8 +109,8 @@ class PromptSource:
     def order(self, epoch: int) -> list[int]:
         if epoch not in self._orders:
             order = list(range(len(self.rows)))
-            if self.config.rollout_shuffle:
-                random.Random(self.config.rollout_seed + epoch).shuffle(order)
+            if self.config.data.rollout_shuffle:
+                random.Random(self.config.data.rollout_seed + epoch).shuffle(order)
             self._orders = {epoch: order}  # one epoch at a time is all we ever need
         return self._orders[epoch]
 
@@ -154,7 +156,7 @@ class PromptSource:
             return next(i for i, p in enumerate(recycled) if p.group_index == gi)
         except Exception as e:
             raise DataError(
-                f"--buffer-filter-path {self.config.buffer_filter_path} must return one of the groups it "
+                f"--buffer-filter-path {self.config.rollout.buffer_filter_path} must return one of the groups it "
                 f"is given ({type(e).__name__}: {e})"
             ) from e
 
@@ -173,7 +175,7 @@ class CustomPromptSource(PromptSource):
         return 0  # unknown: a custom source has no epochs
 
     def _row(self, epoch: int, cursor: int) -> tuple[int, int, int, dict]:
-        path = self.config.data_source_path
+        path = self.config.rollout.data_source_path
         while len(self.drawn) <= cursor:
             groups = self.source.get_samples(1)
             if not groups or not flatten_group(groups[0]):
@@ -188,15 +190,18 @@ class CustomPromptSource(PromptSource):
 
 
 def make_prompt_source(config: RunConfig) -> PromptSource:
-    if config.data_source_path:
-        cls = load_object(config.data_source_path, "--data-source-path")
+    if config.rollout.data_source_path:
+        cls = load_object(config.rollout.data_source_path, "--data-source-path")
         if not callable(getattr(cls, "get_samples", None)):
-            raise DataError(f"--data-source-path {config.data_source_path} must name a DataSource subclass "
+            raise DataError(f"--data-source-path {config.rollout.data_source_path} must name a DataSource subclass "
                             "(get_samples(num_samples) -> list[list[Sample]])")  # fmt: skip
         return CustomPromptSource(config, cls(config))
-    if not config.prompt_data:
+    if not config.data.prompt_data:
         raise DataError("the buffer needs --prompt-data (the launcher sets it to the task's data)")
-    return PromptSource(config, load_rows(config.prompt_data, config.input_key, config.label_key, config.metadata_key))
+    return PromptSource(
+        config,
+        load_rows(config.data.prompt_data, config.data.input_key, config.data.label_key, config.data.metadata_key),
+    )
 
 
 def adapter_total_steps(run, rows: int) -> int:

@@ -21,14 +21,14 @@ def builtin_engine_flags(config, seed: int, instance: str) -> dict[str, str | No
     eval-engine-0, ...) and the run id label its /metrics."""
     lora = {}
     if getattr(config, "multi_lora_n_adapters", 0) > 0:  # two versions of every adapter while one replaces the other
-        lora = {"--enable-lora": None, "--max-loras-per-batch": str(2 * config.multi_lora_n_adapters),
-                "--max-lora-rank": str(config.multi_lora_max_rank)}  # fmt: skip
+        lora = {"--enable-lora": None, "--max-loras-per-batch": str(2 * config.multi_lora.multi_lora_n_adapters),
+                "--max-lora-rank": str(config.multi_lora.multi_lora_max_rank)}  # fmt: skip
     return {
-        "--max-running-requests": str(config.engine_max_running_requests),
-        "--torch-num-threads": str(config.torch_num_threads),
+        "--max-running-requests": str(config.infra.engine_max_running_requests),
+        "--torch-num-threads": str(config.infra.torch_num_threads),
         "--random-seed": str(seed),
         "--instance-id": instance,
-    } | ({"--run-id": config.run_id} if config.run_id else {}) | lora
+    } | ({"--run-id": config.infra.run_id} if config.infra.run_id else {}) | lora
 
 
 def sglang_server_command(model_path: str, port: int, seed: int, args: list[str]) -> list[str]:

@@ -91,7 +91,7 @@ async def _run(name: str, args) -> None:
 
     bus = await Bus.connect(args.nats_url, args.run_id, name)
     config = await _load_config(bus, args)
-    setup_logging(config.log_level, name)
+    setup_logging(config.infra.log_level, name)
     module_name, cls_name = SERVICES[name].split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
     service = cls(

@@ -21,9 +21,9 @@ BUILTIN_RM = {
 
 
 def resolve_reward(config: RunConfig) -> Callable:
-    if config.custom_rm_path:
-        return load_object(config.custom_rm_path, "--custom-rm-path")
-    name = config.rm_type or config.task
+    if config.rollout.custom_rm_path:
+        return load_object(config.rollout.custom_rm_path, "--custom-rm-path")
+    name = config.rollout.rm_type or config.data.task
     if name not in BUILTIN_RM:
         raise ValueError(f"--rm-type {name!r} is unknown: choose one of {sorted(BUILTIN_RM)} or set --custom-rm-path")
     return load_object(BUILTIN_RM[name], "--rm-type")
@@ -49,7 +49,7 @@ async def score_sample(fn: Callable[..., Awaitable[float]], config: RunConfig, s
         mark_failed(sample, f"{type(e).__name__}: {e}")
         log.warning("reward function raised on sample %s: %s", sample.index, e)
         return False
-    if (problem := reward_problem(reward, config.reward_key, config.max_abs_reward)) is not None:
+    if (problem := reward_problem(reward, config.rollout.reward_key, config.rollout.max_abs_reward)) is not None:
         mark_failed(sample, f"the reward function returned an unusable value: {problem}")
         log.warning("reward function gave sample %s an unusable value: %s", sample.index, problem)
         return False
@@ -70,7 +70,7 @@ async def score_group(fn, config: RunConfig, group: list[Sample]) -> bool:
         return False
     ok = True
     for s, r in zip(group, rewards, strict=True):
-        if (problem := reward_problem(r, config.reward_key, config.max_abs_reward)) is not None:
+        if (problem := reward_problem(r, config.rollout.reward_key, config.rollout.max_abs_reward)) is not None:
             mark_failed(s, f"the group reward function returned an unusable value: {problem}")
             ok = False
         else:

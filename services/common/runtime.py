@@ -109,7 +109,7 @@ class Service:
         else:
             http_token = run_token_from_env()
             self.http_keys = keys_from_env(http_token)
-        self.engine_token = engine_token_from_env(self.name, http_token, config.engines_take_one_key)
+        self.engine_token = engine_token_from_env(self.name, http_token, config.infra.engines_take_one_key)
         """What this service sends to the engines (None: they ask for nothing)."""
         self.bus = bus
         self.instance_id = instance_id or f"{self.name}-{uuid.uuid4().hex[:6]}"
@@ -261,7 +261,7 @@ class Service:
     # ---- HTTP ------------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
         app = FastAPI(title=f"asyncrl {self.name}", docs_url=None, redoc_url=None, openapi_url=None)
-        open_paths = () if self.config.http_auth_probes else OPEN_PATHS
+        open_paths = () if self.config.infra.http_auth_probes else OPEN_PATHS
         require_token(app, lambda: self.http_keys, open_paths)
 
         @app.get("/healthz")

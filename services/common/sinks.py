@@ -59,7 +59,7 @@ class TensorBoardSink:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:
             raise SinkError(f"--use-tensorboard needs the tensorboard package: pip install tensorboard ({e})") from e
-        parts = [p for p in (config.tb_project_name, config.tb_experiment_name) if p]
+        parts = [p for p in (config.trainer.tb_project_name, config.trainer.tb_experiment_name) if p]
         self.dir = Path(os.environ.get("TENSORBOARD_DIR") or run_dir.joinpath("tensorboard", *parts))
         self.dir.mkdir(parents=True, exist_ok=True)
         self.writer = SummaryWriter(str(self.dir))
@@ -80,19 +80,19 @@ class WandbSink:
             import wandb
         except ImportError as e:
             raise SinkError(f"--use-wandb needs the wandb package: pip install wandb ({e})") from e
-        if config.wandb_host:
-            os.environ["WANDB_BASE_URL"] = config.wandb_host
+        if config.trainer.wandb_host:
+            os.environ["WANDB_BASE_URL"] = config.trainer.wandb_host
         self.wandb = wandb
-        directory = Path(config.wandb_dir or run_dir)
+        directory = Path(config.trainer.wandb_dir or run_dir)
         directory.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
-            project=config.wandb_project or "asyncrl",
-            group=config.wandb_group,
-            entity=config.wandb_team,
-            name=config.run_id,
-            id=config.wandb_run_id,
-            resume="allow" if config.wandb_run_id else None,
-            mode=config.wandb_mode,
+            project=config.trainer.wandb_project or "asyncrl",
+            group=config.trainer.wandb_group,
+            entity=config.trainer.wandb_team,
+            name=config.infra.run_id,
+            id=config.trainer.wandb_run_id,
+            resume="allow" if config.trainer.wandb_run_id else None,
+            mode=config.trainer.wandb_mode,
             dir=str(directory),
             config=config.model_dump(mode="json"),  # secrets are excluded from the dump
         )
@@ -102,7 +102,7 @@ class WandbSink:
             self.run.define_metric(prefix + "*", step_metric=axis)
         for prefix in ("rollout/*", "perf/*", "train/*"):
             self.run.define_metric(prefix, step_metric=DEFAULT_AXIS)
-        log.info("W&B run %s (%s mode) in %s", self.run.id, config.wandb_mode or "online", directory)
+        log.info("W&B run %s (%s mode) in %s", self.run.id, config.trainer.wandb_mode or "online", directory)
 
     def log(self, values: dict[str, float], axis: str, step: int) -> None:
         self.run.log({**values, axis: step})
@@ -124,9 +124,9 @@ class Sinks:
 
     def __init__(self, config, run_dir: Path):
         self.sinks = []
-        if config.use_tensorboard:
+        if config.trainer.use_tensorboard:
             self.sinks.append(TensorBoardSink(config, run_dir))
-        if config.use_wandb:
+        if config.trainer.use_wandb:
             self.sinks.append(WandbSink(config, run_dir))
 
     def log(self, record: dict, axis: str) -> None:

@@ -147,10 +147,10 @@ def load_prompts(config, max_prompts: int | None) -> list[dict]:
     from services.common.datasource import DataError, load_rows
 
     try:
-        rows = load_rows(config.prompt_data, config.input_key, config.label_key, None)
+        rows = load_rows(config.data.prompt_data, config.data.input_key, config.data.label_key, None)
     except (DataError, OSError, UnicodeDecodeError) as e:
         raise AdapterEvalError(
-            f"{e} (pass a JSONL file with one {{{config.input_key!r}: ...}} object a line)"
+            f"{e} (pass a JSONL file with one {{{config.data.input_key!r}: ...}} object a line)"
         ) from None
     return rows[:max_prompts] if max_prompts else rows
 
@@ -276,7 +276,7 @@ def score_model(model, lora, slot: int, tokenizer, rows: list[dict], ids: list[l
     from asyncrl_proto.messages import Sample, SampleStatus, scalar_reward
     from services.common.rewards import score_sample
 
-    n = config.n_samples_per_prompt
+    n = config.rollout.n_samples_per_prompt
     samples, prompts = [], []
     for p, row in enumerate(rows):
         for j in range(n):
@@ -285,7 +285,8 @@ def score_model(model, lora, slot: int, tokenizer, rows: list[dict], ids: list[l
             prompts.append(ids[p])
     eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     results = generate(model, lora, slot, prompts, [sample_seed(seed, s.index) for s in samples],
-                       max_new_tokens=config.rollout_max_response_len, temperature=config.rollout_temperature,
+                       max_new_tokens=config.rollout.rollout_max_response_len,
+                       temperature=config.rollout.rollout_temperature,
                        eos_ids=eos, context_length=model.cfg.max_position_embeddings)  # fmt: skip
     for s, p_ids, g in zip(samples, prompts, results, strict=True):
         text_ids = g.output_ids[:-1] if g.finish == "stop" else g.output_ids  # a stop token is not text (SGLang)
@@ -299,7 +300,7 @@ def score_model(model, lora, slot: int, tokenizer, rows: list[dict], ids: list[l
         return list(await asyncio.gather(*(score_sample(reward_fn, config, s) for s in samples)))
 
     scored = asyncio.run(score_all())
-    rewards = [scalar_reward(s, config.reward_key) for s in samples]
+    rewards = [scalar_reward(s, config.rollout.reward_key) for s in samples]
     return AdapterScore(adapter=adapter, prompts=len(rows), samples=len(samples),
                         mean_reward=sum(rewards) / len(rewards), failed=scored.count(False),
                         truncated=sum(s.status == SampleStatus.TRUNCATED for s in samples),
@@ -326,7 +327,7 @@ def evaluate(a: argparse.Namespace) -> list[AdapterScore]:
     except (OSError, ValueError, SafetensorError) as e:
         raise AdapterEvalError(f"--hf-checkpoint {a.hf_checkpoint}: cannot load the model ({e})") from None
     context = model.cfg.max_position_embeddings
-    ids = prompt_ids(tokenizer, rows, config.apply_chat_template, model.cfg.vocab_size, context)
+    ids = prompt_ids(tokenizer, rows, config.data.apply_chat_template, model.cfg.vocab_size, context)
     lora = None
     if adapters:
         lora = MultiLora(model, n_slots=1, max_rank=max(spec.rank for _, spec, _ in adapters), targets=TARGETS)

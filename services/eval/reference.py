@@ -29,7 +29,7 @@ class SGLangServerEval(CheckpointEvalFn):
         if not url:
             raise ValueError(f"{type(self).__name__} needs {SERVER_ENV}=http://host:port: the server to evaluate on")
         self.url = url
-        self.tokenizer = Tokenizer(config.hf_checkpoint)
+        self.tokenizer = Tokenizer(config.data.hf_checkpoint)
         self.reward_fn = resolve_reward(config)
 
     async def evaluate_checkpoint(self, checkpoint_dir: str, input: dict) -> dict[str, float]:  # noqa: A002

@@ -3,7 +3,7 @@
 Consumes: EvalRequest from EVAL (durable pull consumer "eval"), one point at a time, in order.
 Produces: EvalResult on `eval.results` (the trainer logs it with its next step, the launcher
   reports it) and a line in <run_dir>/eval.jsonl.
-Backends (SPEC.md section 7; services.common.config.eval_backend picks one):
+Backends (SPEC.md section 7; EvalSection.backend picks one):
   shared   (default) the rollout engines at the live version: producers stop submitting for the
            eval's duration (in-flight requests finish and are buffered; nothing is aborted).
   fleet    (--eval-num-gpus) engines owned by this service: every point pins them to the point's
@@ -46,7 +46,7 @@ from asyncrl_proto import (
 from asyncrl_proto.messages import scalar_reward
 from services.common import crash, procs
 from services.common.bus import Settle, fetch_some, keep_alive, settle
-from services.common.config import AsyncSection, DataSection, EvalSection, RolloutSection, TrainerSection, eval_backend
+from services.common.config import AsyncSection, DataSection, EvalSection, RolloutSection, TrainerSection
 from services.common.plugins import load_object
 from services.common.responses import apply_response
 from services.common.rewards import resolve_reward, score_sample
@@ -86,27 +86,29 @@ class EvalService(Service):
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
-        self.backend = eval_backend(config)
-        self.tokenizer = Tokenizer(config.hf_checkpoint)
+        self.backend = config.eval.backend
+        self.tokenizer = Tokenizer(config.data.hf_checkpoint)
         self.sets = {ds.name: (ds, rows) for ds, rows in load_eval_sets(config)}  # --eval-prompt-data / --eval-config
         self.datasets = {name: rows for name, (_, rows) in self.sets.items()}
         self.reward_fns = {
             name: resolve_reward(config.model_copy(update={"rm_type": ds.rm_type}) if ds.rm_type else config)
             for name, (ds, _) in self.sets.items()
         }
-        rollout_urls = [config.rollout_router_url] if config.rollout_router_url else config.rollout_engine_urls
+        rollout_urls = (
+            [config.infra.rollout_router_url] if config.infra.rollout_router_url else config.infra.rollout_engine_urls
+        )
         self.client = SGLangClient(rollout_urls, api_key=self.engine_token)  # the shared backend's engines
         self.fleet_client: SGLangClient | None = None
         self.fleet_children = []
         self.evaluator: CheckpointEvalFn | None = None
         if self.backend == "external":
-            cls = load_object(config.eval_function_path, "--eval-function-path")
+            cls = load_object(config.eval.eval_function_path, "--eval-function-path")
             if not (isinstance(cls, type) and issubclass(cls, CheckpointEvalFn)):
                 raise ValueError(
-                    f"--eval-function-path {config.eval_function_path} must name a CheckpointEvalFn subclass"
+                    f"--eval-function-path {config.eval.eval_function_path} must name a CheckpointEvalFn subclass"
                 )
             self.evaluator = cls(config)
-        path = config.custom_eval_rollout_log_function_path
+        path = config.eval.custom_eval_rollout_log_function_path
         self.eval_log_fn = load_object(path, "--custom-eval-rollout-log-function-path") if path else None
         self.live_version: int | None = None
         self._live_changed = asyncio.Event()
@@ -125,7 +127,7 @@ class EvalService(Service):
             await self._kv_live(raw)
         if self.backend == "fleet":
             await self._start_fleet()
-        self._psub = await self.bus.consume(s.consumers(self.config.prompt_ack_wait_s)["eval"])
+        self._psub = await self.bus.consume(s.consumers(self.config.async_.prompt_ack_wait_s)["eval"])
 
     async def _kv_live(self, raw: bytes) -> None:
         """KV live_version, checked like a message: only a version the trainer published counts
@@ -138,15 +140,19 @@ class EvalService(Service):
                 log.error("KV live_version names v%d, never published: ignored", version)
 
     async def _start_fleet(self) -> None:
-        urls = list(self.config.eval_engine_urls)
+        urls = list(self.config.eval.eval_engine_urls)
         if not urls:
-            self.fleet_children, urls = launch_fleet(self.config, Path(self.config.run_dir) / "logs", self.engine_token)
+            self.fleet_children, urls = launch_fleet(
+                self.config, Path(self.config.infra.run_dir) / "logs", self.engine_token
+            )
         self.fleet_client = SGLangClient(urls, api_key=self.engine_token)
         deadline = time.monotonic() + FLEET_START_TIMEOUT_S
         for url in urls:
             while not await self.fleet_client.health_generate(url, timeout=5.0):
                 if any(c.poll() is not None for c in self.fleet_children):
-                    raise RuntimeError(f"an eval fleet engine exited; see {self.config.run_dir}/logs/eval-engine-*.log")
+                    raise RuntimeError(
+                        f"an eval fleet engine exited; see {self.config.infra.run_dir}/logs/eval-engine-*.log"
+                    )
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"eval fleet engine {url} not healthy after {FLEET_START_TIMEOUT_S:.0f}s")
                 await asyncio.sleep(0.5)
@@ -159,7 +165,7 @@ class EvalService(Service):
                 if inspect.isawaitable(out):
                     await out
             except Exception as e:  # shutting down anyway: say so, go on
-                log.error("%s.dispose raised %s: %s", self.config.eval_function_path, type(e).__name__, e)
+                log.error("%s.dispose raised %s: %s", self.config.eval.eval_function_path, type(e).__name__, e)
         for client in (self.client, self.fleet_client):
             if client is not None:
                 await client.close()
@@ -191,7 +197,7 @@ class EvalService(Service):
                 async with keep_alive(msg):  # a point takes longer than the ack wait; a dead service's does not
                     result = await self._run_point(req, msg)
                 await self.bus.publish_durably([(self.bus.subjects.eval_results, result, None)], "an eval result")
-                with (Path(self.config.run_dir) / "eval.jsonl").open("a") as f:
+                with (Path(self.config.infra.run_dir) / "eval.jsonl").open("a") as f:
                     f.write(json.dumps({"step": result.step, "version": result.version, "final": result.final,
                                         "skipped": result.skipped_reason, **result.metrics}) + "\n")  # fmt: skip
                 self._retire(req)
@@ -202,8 +208,8 @@ class EvalService(Service):
         nobody published (the shared backend would wait for it forever), a snapshot outside the
         run's own directories."""
         c = self.config
-        if not 0 <= req.step <= c.total_steps:
-            return f"eval request for step {req.step}, outside the run's 0..{c.total_steps}"
+        if not 0 <= req.step <= c.rollout.total_steps:
+            return f"eval request for step {req.step}, outside the run's 0..{c.rollout.total_steps}"
         if req.rollout_id is not None and req.rollout_id not in (req.step, req.step - 1) or point_name(req) < 0:
             return f"eval request named rollout {req.rollout_id} for the weights after {req.step} steps"
         if not await self.published.allows(req.version):
@@ -217,9 +223,9 @@ class EvalService(Service):
     def _is_run_snapshot(self, uri: str) -> bool:
         c = self.config
         path = resolved(uri)
-        roots = [Path(p).resolve() for p in (c.run_dir, c.save_hf, c.eval_hf_dir) if p]
+        roots = [Path(p).resolve() for p in (c.infra.run_dir, c.trainer.save_hf, c.eval.eval_hf_dir) if p]
         return path is not None and (
-            path == Path(c.hf_checkpoint).resolve() or any(path.is_relative_to(r) for r in roots)
+            path == Path(c.data.hf_checkpoint).resolve() or any(path.is_relative_to(r) for r in roots)
         )
 
     async def _run_point(self, req: EvalRequest, msg) -> EvalResult:
@@ -267,7 +273,7 @@ class EvalService(Service):
         if not (req.exported and req.snapshot_uri):
             return
         self.exported.append(Path(req.snapshot_uri))
-        while len(self.exported) > self.config.eval_keep_snapshots:
+        while len(self.exported) > self.config.eval.eval_keep_snapshots:
             shutil.rmtree(self.exported.popleft(), ignore_errors=True)
 
     # ---- backends ------------------------------------------------------------------------------
@@ -300,7 +306,7 @@ class EvalService(Service):
         if path is None or not path.is_dir():
             raise SkipPoint("ckpt_missing")
         # the initial --hf-checkpoint was not written by this run, so it has no marker to wait for
-        if not is_complete(path) and path.resolve() != Path(self.config.hf_checkpoint).resolve():
+        if not is_complete(path) and path.resolve() != Path(self.config.data.hf_checkpoint).resolve():
             raise SkipPoint("ckpt_missing")
         return str(path)
 
@@ -322,7 +328,7 @@ class EvalService(Service):
             "weight_version": str(point_name(req)),
             "trainer_version": req.version,
             "datasets": self.datasets,
-            "n_samples_per_prompt": self.config.n_samples_per_eval_prompt,
+            "n_samples_per_prompt": self.config.eval.n_samples_per_eval_prompt,
             "sampling_params": next(iter(self.sets.values()))[0].sampling_params() if self.sets else {},
             "dataset_settings": {name: {"n_samples_per_eval_prompt": ds.n_samples_per_eval_prompt,
                                         "sampling_params": ds.sampling_params(), "rm_type": ds.rm_type}
@@ -394,7 +400,7 @@ async def generate_dataset(
     """n scored samples per held-out prompt on `client`'s engines."""
 
     async def one(row: dict) -> Sample:
-        ids = tokenizer.prompt_ids(row["prompt"], config.apply_chat_template)
+        ids = tokenizer.prompt_ids(row["prompt"], config.data.apply_chat_template)
         s = Sample(prompt=row["prompt"], label=row["label"], metadata=dict(row["metadata"]))
         resp = await client.generate({"input_ids": ids, "sampling_params": params, "return_logprob": True})
         apply_response(s, ids, resp)
@@ -406,7 +412,7 @@ async def generate_dataset(
 
 def dataset_metrics(config, name: str, samples: list[Sample]) -> dict[str, float]:
     """Mean reward and the facts of one held-out set, with Miles's names."""
-    rewards = [scalar_reward(s, config.reward_key) for s in samples]
+    rewards = [scalar_reward(s, config.rollout.reward_key) for s in samples]
     versions = [min(s.weight_versions) for s in samples if s.weight_versions]
     out = {
         f"eval/{name}": sum(rewards) / len(rewards),  # Miles's names: "<set>-<ratio>", "<set>/<facts>/<stat>"
@@ -425,6 +431,6 @@ def dataset_metrics(config, name: str, samples: list[Sample]) -> dict[str, float
 async def evaluate_dataset(
     client, tokenizer, reward_fn, config, name: str, rows: list[dict], params: dict, n: int | None = None
 ) -> dict:
-    n = n if n is not None else config.n_samples_per_eval_prompt
+    n = n if n is not None else config.eval.n_samples_per_eval_prompt
     samples = await generate_dataset(client, tokenizer, reward_fn, config, rows, params, n)
     return dataset_metrics(config, name, samples)

@@ -116,7 +116,7 @@ class AdapterMode:
     partitioned = True
 
     def __init__(self, config, bus, engine, counters: dict[str, int]):
-        self.n = config.n_samples_per_prompt
+        self.n = config.rollout.n_samples_per_prompt
         self.subjects = bus.subjects
         self.engine = engine
         self.routes = AdapterRoutes(bus, config)

@@ -53,9 +53,11 @@ class SingleModel:
     partitioned = False
 
     def __init__(self, config, subjects, engine, reward_fn: Callable):
-        self.n = config.n_samples_per_prompt
+        self.n = config.rollout.n_samples_per_prompt
         self.subjects = subjects
-        self._context = GroupContext(engine, reward_fn, group_rm=bool(config.group_rm and config.custom_rm_path))
+        self._context = GroupContext(
+            engine, reward_fn, group_rm=bool(config.rollout.group_rm and config.rollout.custom_rm_path)
+        )
 
     def group_size(self, prompt: PromptMsg) -> int:
         return self.n

@@ -87,27 +87,32 @@ class RolloutService(Service):
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
-        self.n = config.n_samples_per_prompt
+        self.n = config.rollout.n_samples_per_prompt
         self.credits = Credits(config.inflight_groups, self.n, config.submission_granularity)
-        self.tokenizer = Tokenizer(config.hf_checkpoint)
-        self.limits = limits_from_model_dir(config.hf_checkpoint, config.n_samples_per_prompt, config.reward_key,
-                                            config.max_abs_reward)
+        self.tokenizer = Tokenizer(config.data.hf_checkpoint)
+        self.limits = limits_from_model_dir(
+            config.data.hf_checkpoint,
+            config.rollout.n_samples_per_prompt,
+            config.rollout.reward_key,
+            config.rollout.max_abs_reward,
+        )
         self.reward_fn = resolve_reward(config)
         self.generate_fn = (
-            load_object(config.custom_generate_function_path, "--custom-generate-function-path")
-            if config.custom_generate_function_path
+            load_object(config.rollout.custom_generate_function_path, "--custom-generate-function-path")
+            if config.rollout.custom_generate_function_path
             else default_generate
         )
-        routed = bool(config.rollout_router_url)  # a router spreads over every engine: their slots together
+        routed = bool(config.infra.rollout_router_url)  # a router spreads over every engine: their slots together
         self.client = SGLangClient(
-            [config.rollout_router_url] if routed else config.rollout_engine_urls,
+            [config.infra.rollout_router_url] if routed else config.infra.rollout_engine_urls,
             api_key=self.engine_token,
-            max_concurrency=config.sglang_server_concurrency * (max(1, config.rollout_num_engines) if routed else 1),
+            max_concurrency=config.rollout.sglang_server_concurrency
+            * (max(1, config.infra.rollout_num_engines) if routed else 1),
         )
         self.engine = EngineHandle(self.client, self.tokenizer)
         self.submission_open = asyncio.Event()
         self.submission_open.set()
-        self.pauses = Pauses(PAUSE_TTL_S, config.submission_pause_max_s, config.total_steps)
+        self.pauses = Pauses(PAUSE_TTL_S, config.async_.submission_pause_max_s, config.rollout.total_steps)
         self.groups_in_flight: dict[int, tuple[object, float, int]] = {}
         """id(msg) -> (msg, when it started, the group index it generates: named in heartbeats)."""
         self.failures: dict[str, int] = {}  # group id -> generation failures seen here
@@ -119,18 +124,18 @@ class RolloutService(Service):
             "bad_prompts": 0,
             "adapter_not_loaded_requeued": 0,
         }
-        self.mode = (AdapterMode(config, bus, self.engine, self.counters) if config.multi_lora_n_adapters > 0
+        self.mode = (AdapterMode(config, bus, self.engine, self.counters) if config.multi_lora.multi_lora_n_adapters > 0
                      else SingleModel(config, bus.subjects, self.engine, self.reward_fn))  # fmt: skip
         self._psub = None
 
     def sampling_params(self) -> dict:
         c = self.config
-        stop = list(c.rollout_stop_token_ids)
+        stop = list(c.rollout.rollout_stop_token_ids)
         return {
-            "max_new_tokens": c.rollout_max_response_len,
-            "temperature": c.rollout_temperature,
-            "top_p": c.rollout_top_p,
-            "top_k": c.rollout_top_k,
+            "max_new_tokens": c.rollout.rollout_max_response_len,
+            "temperature": c.rollout.rollout_temperature,
+            "top_p": c.rollout.rollout_top_p,
+            "top_k": c.rollout.rollout_top_k,
             "stop_token_ids": stop,
             "no_stop_trim": True,
             "skip_special_tokens": True,
@@ -138,7 +143,9 @@ class RolloutService(Service):
 
     async def setup(self) -> None:
         s = self.bus.subjects
-        self._psub = await self.bus.consume(s.consumers(self.config.prompt_ack_wait_s, self.mode.partitioned)["producers"])
+        self._psub = await self.bus.consume(
+            s.consumers(self.config.async_.prompt_ack_wait_s, self.mode.partitioned)["producers"]
+        )
         await self.bus.subscribe(s.control, self._on_control)
         log.info(
             "producer %s ready: %d groups in flight max, %s granularity, engines %s",
@@ -153,13 +160,13 @@ class RolloutService(Service):
 
     def loops(self):
         loops = {"submit": self._submit_loop, "keep_prompts": self._keep_prompts_alive, "pauses": self._lapse_pauses}
-        if self.config.rollout_health_check_interval > 0:
+        if self.config.async_.rollout_health_check_interval > 0:
             loops["engine_health"] = self._engine_health
         return loops
 
     async def _engine_health(self) -> None:
         c = self.config
-        await self.client.monitor_health(c.rollout_health_check_interval, c.rollout_health_check_timeout)
+        await self.client.monitor_health(c.async_.rollout_health_check_interval, c.async_.rollout_health_check_timeout)
 
     # ---- submission --------------------------------------------------------------------------
     async def _submit_loop(self) -> None:
@@ -313,7 +320,7 @@ class RolloutService(Service):
             raise PromptError(f"group_index {prompt.group_index} / attempt {prompt.attempt} out of range")
         self.mode.check(prompt)
         try:
-            ids = self.tokenizer.prompt_ids(prompt.prompt, self.config.apply_chat_template)
+            ids = self.tokenizer.prompt_ids(prompt.prompt, self.config.data.apply_chat_template)
         except Exception as e:  # a prompt of the wrong shape, a template that fails on it
             raise PromptError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from None
         if not ids or min(ids) < 0 or max(ids) >= self.limits.vocab_size:
@@ -374,7 +381,7 @@ class RolloutService(Service):
 
     async def _keep_prompts_alive(self) -> None:
         """in_progress() on every prompt being generated, so ack_wait only expires for the dead."""
-        interval = max(0.5, self.config.prompt_ack_wait_s / 3)
+        interval = max(0.5, self.config.async_.prompt_ack_wait_s / 3)
         while True:
             await asyncio.sleep(interval)
             for msg, _, _ in list(self.groups_in_flight.values()):

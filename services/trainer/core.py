@@ -21,7 +21,7 @@ from services.model.llama import CausalLM, token_logprobs
 
 def std_normalization(config) -> bool:
     """--grpo-std-normalization, forced off when n == 1 (a group of one has no spread)."""
-    return bool(config.grpo_std_normalization and config.n_samples_per_prompt > 1)
+    return bool(config.trainer.grpo_std_normalization and config.rollout.n_samples_per_prompt > 1)
 
 
 def group_advantages(rewards: list[float], std_normalization: bool, eps: float = 1e-6) -> list[float]:

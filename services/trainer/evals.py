@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from asyncrl_proto import EvalRequest, EvalResult
-from services.common.config import eval_backend
 from services.common.runtime import wait_event
 from services.common.validate import eval_result_problem, finite_metrics
 from services.model.hf_io import save_model
@@ -49,26 +48,26 @@ class EvalDispatch:
         --hf-checkpoint itself before any training, else a fresh export in --eval-hf-dir or the
         --save-hf checkpoint of the step."""
         c = self.config
-        final = step == c.total_steps
+        final = step == c.rollout.total_steps
         self.last = step
-        while len(self.pending) >= c.eval_max_in_flight:
-            if c.eval_overflow_policy == "skip" and not final:
+        while len(self.pending) >= c.eval.eval_max_in_flight:
+            if c.eval.eval_overflow_policy == "skip" and not final:
                 await self._skip(step, rollout_id, version, "busy")
                 return
             self._done.clear()
             if not await wait_event(self._done, EVAL_WAIT_WARN_S):
                 log.warning("eval backpressure: waiting for eval points %s (--eval-max-in-flight %d) before "
                             "dispatching step %d; is the eval service running?", sorted(self.pending),
-                            c.eval_max_in_flight, step)  # fmt: skip
+                            c.eval.eval_max_in_flight, step)  # fmt: skip
         uri, exported, export_s = "", False, 0.0
-        if eval_backend(c) != "shared":
+        if c.eval.backend != "shared":
             if step == 0:
-                uri = c.hf_checkpoint  # the initial weights themselves: nothing to export
-            elif c.eval_hf_dir:
-                path = Path(c.eval_hf_dir) / f"step_{step}"
+                uri = c.data.hf_checkpoint  # the initial weights themselves: nothing to export
+            elif c.eval.eval_hf_dir:
+                path = Path(c.eval.eval_hf_dir) / f"step_{step}"
                 t0 = time.perf_counter()
                 try:
-                    await asyncio.to_thread(save_model, self.model, path, c.hf_checkpoint)
+                    await asyncio.to_thread(save_model, self.model, path, c.data.hf_checkpoint)
                 except Exception as e:
                     log.error("exporting the eval snapshot of step %d to %s failed: %s", step, path, e)
                     await asyncio.to_thread(shutil.rmtree, path, True)  # a failed export leaves nothing behind
@@ -76,7 +75,7 @@ class EvalDispatch:
                     return
                 uri, exported, export_s = str(path), True, time.perf_counter() - t0  # paths are absolute (launcher)
             else:
-                uri = str(Path(c.save_hf) / f"step_{step}")
+                uri = str(Path(c.trainer.save_hf) / f"step_{step}")
         req = EvalRequest(step=step, rollout_id=rollout_id, version=version, snapshot_uri=uri, final=final,
                           requested_at=time.time(), exported=exported, export_time_s=export_s)  # fmt: skip
         self.pending.add(step)
@@ -100,7 +99,7 @@ class EvalDispatch:
         """An eval result (or skip): logged on its eval/step now, and into the next step's record."""
         if (res := await self.bus.decode_or_dead_letter(msg, EvalResult)) is None:
             return
-        if (problem := eval_result_problem(res.step, self.config.total_steps)) is not None:
+        if (problem := eval_result_problem(res.step, self.config.rollout.total_steps)) is not None:
             await self.bus.dead_letter(msg.subject, msg.data, problem)
             return
         metrics, dropped = finite_metrics(res.metrics)  # the point is answered even if some are not

@@ -118,15 +118,16 @@ class MultiLoraTrainer:
         self.lifecycle = lifecycle
         self.dp = None
         self.model.requires_grad_(False)
-        self.lora = MultiLora(self.model, c.multi_lora_n_adapters, c.multi_lora_max_rank)
-        self.optimizer = SlotAdamW(self.lora, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2),
-                                   weight_decay=c.weight_decay)  # fmt: skip
+        self.lora = MultiLora(self.model, c.multi_lora.multi_lora_n_adapters, c.multi_lora.multi_lora_max_rank)
+        self.optimizer = SlotAdamW(self.lora, lr=c.trainer.lr, betas=(c.trainer.adam_beta1, c.trainer.adam_beta2),
+                                   weight_decay=c.trainer.weight_decay)  # fmt: skip
         self.tracks: dict[str, Track] = {}
         self.registry = AdapterRegistryState()
         self.steps_total = records.next_step()
         """The records' own axis (`step`): every adapter step, one after another, across restarts."""
-        self.run_dir = Path(c.run_dir)
-        self.global_batch_size = c.global_batch_size or c.rollout_batch_size * c.n_samples_per_prompt
+        self.run_dir = Path(c.infra.run_dir)
+        samples = c.rollout.rollout_batch_size * c.rollout.n_samples_per_prompt
+        self.global_batch_size = c.trainer.global_batch_size or samples
         """Samples a batch collects across adapters before it ships (the coalescing target)."""
         self.empty_since = 0.0
         self._store: WeightStore | None = None
@@ -135,7 +136,7 @@ class MultiLoraTrainer:
     def store(self) -> WeightStore | None:
         """The run's weights bucket when adapters travel through it (config.adapter_transfer_mode)."""
         if self._store is None and self.config.adapter_transfer_mode == "object-store":
-            self._store = WeightStore(self.bus, chunk_size=self.config.update_weight_buffer_size)
+            self._store = WeightStore(self.bus, chunk_size=self.config.async_.update_weight_buffer_size)
         return self._store
 
     # ---- the registry ----------------------------------------------------------------------------
@@ -152,7 +153,7 @@ class MultiLoraTrainer:
         """The registry's answer to one request. One it could not store (`retry`) is asked again
         for up to --buffer-timeout-s, then fails the trainer (restarted), never the adapter."""
         req = AdapterControl(op=op, name=run.name, registration_id=run.registration_id, step=step, reason=reason)
-        deadline = time.monotonic() + self.config.buffer_timeout_s
+        deadline = time.monotonic() + self.config.async_.buffer_timeout_s
         while True:
             reply = await self.link.request(self.bus.subjects.adapters_control, req, AdapterControlReply,
                                             f"{op} of adapter {run.name}")  # fmt: skip
@@ -160,7 +161,7 @@ class MultiLoraTrainer:
                 break
             if time.monotonic() > deadline or self.lifecycle.stopping:
                 raise TrainerError(f"the registry could not store {op} of adapter {run.name!r} for "
-                                   f"{self.config.buffer_timeout_s:.0f}s: {reply.error}")  # fmt: skip
+                                   f"{self.config.async_.buffer_timeout_s:.0f}s: {reply.error}")  # fmt: skip
             log.warning("the registry could not store %s of adapter %s (%s); asking again", op, run.name, reply.error)
             await asyncio.sleep(CONTROL_RETRY_S)
         if not reply.ok or reply.run is None:
@@ -184,13 +185,17 @@ class MultiLoraTrainer:
                 await self._follow(run)
             for rid in [rid for rid, t in self.tracks.items() if all(r.registration_id != rid for r in reg.runs)]:
                 self.tracks.pop(rid)  # pruned from the registry's history: nothing left to do
-            if reg.runs and all(r.state is AdapterState.COMPLETED for r in reg.runs) and not c.multi_lora_service_mode:
+            if (
+                reg.runs
+                and all(r.state is AdapterState.COMPLETED for r in reg.runs)
+                and not c.multi_lora.multi_lora_service_mode
+            ):
                 await self._finish()
                 return
             active = [t for t in self.tracks.values() if t.run.state is AdapterState.ACTIVE]
             if not active:
                 self.empty_since = 0.0  # idle, not waiting: nothing to warn about
-                await self.lifecycle.wait_stopped(c.multi_lora_idle_poll_s)
+                await self.lifecycle.wait_stopped(c.multi_lora.multi_lora_idle_poll_s)
                 continue
             batch = await self._collect(active)
             for t, reply in batch:
@@ -240,20 +245,20 @@ class MultiLoraTrainer:
         now = time.monotonic()
         if not batch:
             self.empty_since = self.empty_since or now
-            if now - self.empty_since >= c.multi_lora_max_empty_wait_s:
+            if now - self.empty_since >= c.multi_lora.multi_lora_max_empty_wait_s:
                 log.warning("no adapter's batch ready for %.0f s; still waiting for %s", now - self.empty_since,
                             ", ".join(f"{t.run.name} step {t.step}" for t in active))  # fmt: skip
                 self.empty_since = now
             return batch
         self.empty_since = 0.0
-        deadline = now + c.multi_lora_max_coalesce_wait_s
+        deadline = now + c.multi_lora.multi_lora_max_coalesce_wait_s
         while not self.lifecycle.stopping and _batch_samples(batch) < self.global_batch_size:
             others = [t for t in active if all(t is not b for b, _ in batch)]
             if not others or (left := deadline - time.monotonic()) <= 0:
                 break
             if more := await self._ready(others, min(left, GET_WAIT_S * 2)):
                 batch += more
-                deadline = time.monotonic() + c.multi_lora_max_coalesce_wait_s  # progress: wait afresh
+                deadline = time.monotonic() + c.multi_lora.multi_lora_max_coalesce_wait_s  # progress: wait afresh
         return batch
 
     async def _follow(self, run: AdapterRun) -> None:
@@ -280,7 +285,9 @@ class MultiLoraTrainer:
                 await self._control("retire", run, reason=f"cannot be trained: {str(e)[:300]}")
             return
         t = self.tracks.get(run.registration_id)
-        if t is not None and t.run.state is AdapterState.ACTIVE and t.step >= t.total:  # its budget, reached before a restart
+        if (
+            t is not None and t.run.state is AdapterState.ACTIVE and t.step >= t.total
+        ):  # its budget, reached before a restart
             t.run = await self._control("retire", t.run, reason=f"its budget of {t.total} steps is reached")
 
     def _base_path(self, run: AdapterRun) -> Path:
@@ -299,7 +306,11 @@ class MultiLoraTrainer:
     def _track(self, run: AdapterRun, step: int, total: int | None = None) -> Track:
         """Its track; `total` (its budget) from its data unless given (one retiring needs none)."""
         if total is None:
-            rows = len(load_rows(run.spec.data, self.config.input_key, self.config.label_key, self.config.metadata_key))
+            rows = len(
+                load_rows(
+                    run.spec.data, self.config.data.input_key, self.config.data.label_key, self.config.data.metadata_key
+                )
+            )
             total = adapter_total_steps(run, rows)
         t = Track(run=run, spec=self._lora_spec(run), total=total, step=step, base=self._base_step(run))
         self.tracks[run.registration_id] = t
@@ -319,7 +330,7 @@ class MultiLoraTrainer:
             except LoraError as e:
                 raise MultiLoraError(f"adapter {run.name}: its save {latest} does not fit: {e}") from e
         else:
-            self.lora.init_slot(run.slot, spec, seed=self.config.seed + run.slot)
+            self.lora.init_slot(run.slot, spec, seed=self.config.data.seed + run.slot)
         base = self._base_path(run)
         base.parent.mkdir(parents=True, exist_ok=True)
         tmp = base.with_suffix(".tmp")
@@ -333,7 +344,7 @@ class MultiLoraTrainer:
     async def _committed_step(self, run: AdapterRun) -> tuple[int | None, str]:
         """Its partition's committed step, or None and why when the buffer cannot say within
         --buffer-timeout-s (a partition the buffer is still opening answers an error: asked again)."""
-        deadline = time.monotonic() + self.config.buffer_timeout_s
+        deadline = time.monotonic() + self.config.async_.buffer_timeout_s
         while True:
             reply = await self._ask(run.registration_id, BufferGetRequest(step=0, count=run.spec.rollout_batch_size,
                                                                           wait_s=0.0), "question where to resume")  # fmt: skip
@@ -385,7 +396,7 @@ class MultiLoraTrainer:
             out = "nothing (it never trained)"
         else:
             try:
-                await asyncio.to_thread(save_adapter, self.lora, run.slot, out, self.config.hf_checkpoint)
+                await asyncio.to_thread(save_adapter, self.lora, run.slot, out, self.config.data.hf_checkpoint)
             except (OSError, LoraError) as e:  # a save directory it cannot write: the slot is freed all the same
                 newest = adapter_dir(self.run_dir, run.name, t.rid, t.step)
                 log.error("adapter %s: its final save to %s failed (%s); its newest version stays in %s", run.name,
@@ -427,10 +438,10 @@ class MultiLoraTrainer:
         reply = await self._ask(t.rid, req, f"lease of adapter {t.run.name} step {t.step}")
         if reply.error and NO_PARTITION_ERROR in reply.error:  # the buffer is (re)trying to open it: not ready yet
             t.no_partition_since = t.no_partition_since or time.monotonic()
-            if time.monotonic() - t.no_partition_since < self.config.buffer_timeout_s:
+            if time.monotonic() - t.no_partition_since < self.config.async_.buffer_timeout_s:
                 await asyncio.sleep(GET_WAIT_S)
                 return None
-            raise Unservable(f"its buffer partition has not opened for {self.config.buffer_timeout_s:.0f} s: "
+            raise Unservable(f"its buffer partition has not opened for {self.config.async_.buffer_timeout_s:.0f} s: "
                              f"{reply.error}")  # fmt: skip
         if reply.error:
             raise MultiLoraError(f"buffer refused get(step={t.step}) of adapter {t.run.name}: {reply.error}")
@@ -439,17 +450,19 @@ class MultiLoraTrainer:
 
     async def _train(self, t: Track, reply: BufferGetReply, batch: dict[str, float]) -> None:
         t0 = time.perf_counter()
-        groups = assemble_batch([await self.link.load_group(ref) for ref in reply.refs], t.run.spec.n_samples_per_prompt)
+        groups = assemble_batch(
+            [await self.link.load_group(ref) for ref in reply.refs], t.run.spec.n_samples_per_prompt
+        )
         self.check.exclude_invalid(groups, max_version=t.step, n=t.run.spec.n_samples_per_prompt)
         c = self.config
-        std = bool(c.grpo_std_normalization and t.run.spec.n_samples_per_prompt > 1)
+        std = bool(c.trainer.grpo_std_normalization and t.run.spec.n_samples_per_prompt > 1)
         if self.dp is not None:  # --trainer-num-ranks: the samples split over the ranks
             stats = await asyncio.to_thread(self.dp.train_adapter, self.lora, self.optimizer, t.run.slot, groups,
                                             self.loss_cfg, std)  # fmt: skip
         else:
-            (batches,) = build_step_batches(groups, std, c.reward_key, self.pad_id, max_tokens_of(c), 1)
+            (batches,) = build_step_batches(groups, std, c.rollout.reward_key, self.pad_id, max_tokens_of(c), 1)
             stats = await asyncio.to_thread(train_adapter_step, self.model, self.lora, self.optimizer, t.run.slot,
-                                            batches, self.loss_cfg, c.clip_grad)  # fmt: skip
+                                            batches, self.loss_cfg, c.trainer.clip_grad)  # fmt: skip
         crash.point("trainer", "adapter_stepped_before_records")
         step = t.step
         t.step += 1
@@ -469,13 +482,13 @@ class MultiLoraTrainer:
 
     async def _publish(self, t: Track) -> None:
         await publish_adapter(self.bus, self.lora, t.run.slot, self.run_dir, t.run.name, t.rid, t.step,
-                              self.config.hf_checkpoint, self.store)  # fmt: skip
+                              self.config.data.hf_checkpoint, self.store)  # fmt: skip
 
     async def _retain(self, t: Track) -> None:
         """Its versions on disk, retained as the model's snapshots are (snapshots_to_remove): the
         newest --keep-weight-snapshots, the one behind its committed step (a restart resumes from
         it), and those newer than the engines' live version of it (weight-sync may be loading one)."""
-        keep = max(1, self.config.keep_weight_snapshots)
+        keep = max(1, self.config.trainer.keep_weight_snapshots)
         versions = self._versions(t)
         if len(versions) <= keep:
             return
@@ -512,11 +525,14 @@ class MultiLoraTrainer:
         keep_lines(self.records.path,
                     lambda rec: rec.get("registration") != t.rid or rec[f"{name}/step"] < t.step)  # fmt: skip
 
-    def _record(self, t: Track, step: int, groups, stats: dict, reply: BufferGetReply, step_s: float,
-                batch: dict[str, float]) -> dict:
+    def _record(
+        self, t: Track, step: int, groups, stats: dict, reply: BufferGetReply, step_s: float, batch: dict[str, float]
+    ) -> dict:
         n = t.run.name
         samples = [s for g in groups for s in flatten_group(g)]
-        rollout = rollout_metrics(samples, self.config.reward_key, groups)  # the single-model step's, per adapter
+        rollout = rollout_metrics(
+            samples, self.config.rollout.reward_key, groups
+        )  # the single-model step's, per adapter
         record = {
             "step": self.steps_total, f"{n}/step": step, "adapter": n, "registration": t.rid,
             **{f"{n}/raw_reward_{k}": rollout[f"rollout/reward/{k}"] for k in ("mean", "std", "min", "max")},

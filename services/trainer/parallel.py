@@ -49,7 +49,7 @@ multi-LoRA service waiting for adapters), and gloo ends a waiting broadcast at i
 
 def max_tokens_of(config) -> int | None:
     """Tokens per micro-batch (--use-dynamic-batch-size --max-tokens-per-gpu), or None: one batch."""
-    return config.max_tokens_per_gpu if config.use_dynamic_batch_size else None
+    return config.trainer.max_tokens_per_gpu if config.trainer.use_dynamic_batch_size else None
 
 
 def shard_batches(groups, rank: int, world: int, std_norm: bool, reward_key, pad_id: int, max_tokens: int | None):

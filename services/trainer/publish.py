@@ -39,8 +39,8 @@ class WeightPublisher:
             (p for p in weights_dir.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:])
         )
         self.store: WeightStore | None = None
-        if config.update_weight_transfer_mode == "object-store":
-            self.store = WeightStore(bus, chunk_size=config.update_weight_buffer_size)
+        if config.async_.update_weight_transfer_mode == "object-store":
+            self.store = WeightStore(bus, chunk_size=config.async_.update_weight_buffer_size)
         self.stored: set[int] = set()
         self.sender = None
 
@@ -55,13 +55,15 @@ class WeightPublisher:
         from services.trainer.parallel import backend_for
         from services.trainer.transfer import WeightSender
 
-        self.sender = WeightSender(self.model, self.weights_dir, master_address, backend_for(self.config.dist_backend))
+        self.sender = WeightSender(
+            self.model, self.weights_dir, master_address, backend_for(self.config.trainer.dist_backend)
+        )
         await self.bus.subscribe(self.bus.subjects.weights_transfer, self.sender.on_request)
 
     async def push(self, version: int, step: int, committed_version: int | None) -> None:
         """Version `version`, the weights after `step`: exported, stored, announced, then retained."""
         path = self.weights_dir / f"v{version}"
-        info = await asyncio.to_thread(save_model, self.model, path, self.config.hf_checkpoint)
+        info = await asyncio.to_thread(save_model, self.model, path, self.config.data.hf_checkpoint)
         uri = str(path.resolve())
         if self.store is not None:  # every engine, on any host, fetches it from the bucket
             await self.store.upload(version, path)
@@ -84,7 +86,7 @@ class WeightPublisher:
         committed step: without --save, a restarted trainer resumes from it. In object-store
         mode the bucket keeps the same versions (after a restart, every older version is looked
         up once and retired)."""
-        keep = max(1, self.config.keep_weight_snapshots)
+        keep = max(1, self.config.trainer.keep_weight_snapshots)
         backing = self.weights_dir / f"v{committed_version}" if committed_version is not None else None
         # a version newer than the engines' live one may be loading right now: deleting it under
         # weight-sync loses that whole update (the engines stay behind a cycle longer), so those

@@ -44,21 +44,23 @@ class DataParallel:
     def __init__(self, config, model, optimizer, ref_model, pad_id: int, config_file: Path, log_dir: Path):
         self.config = config
         self.model, self.optimizer, self.ref_model, self.pad_id = model, optimizer, ref_model, pad_id
-        self.world = config.trainer_num_ranks
+        self.world = config.trainer.trainer_num_ranks
         self.procs = []
         self.actors = []
         self.runs = []  # Ray: each actor's run
         from services.common import procs
 
-        self.master_addr = connect_ray(config) if config.use_ray else "127.0.0.1"
+        self.master_addr = connect_ray(config) if config.trainer.use_ray else "127.0.0.1"
         self.port = procs.free_port(self.master_addr)
-        self.backend = backend_for(config.dist_backend)
+        self.backend = backend_for(config.trainer.dist_backend)
         args = ["--world-size", str(self.world), "--master-addr", self.master_addr, "--master-port", str(self.port),
                 "--backend", self.backend]  # fmt: skip
         rank_nodes = []
-        if config.use_ray:
+        if config.trainer.use_ray:
             self.actors, rank_nodes, self.runs = start_ray_workers(
-                self.world, [*args, "--config-json", config_file.read_text()], checkpoint_files(config.hf_checkpoint)
+                self.world,
+                [*args, "--config-json", config_file.read_text()],
+                checkpoint_files(config.data.hf_checkpoint),
             )
         else:
             for rank in range(1, self.world):
@@ -116,16 +118,17 @@ class DataParallel:
     def train(self, groups, cfg: LossConfig) -> dict:
         send_command(self.commands, ("train", _encoded(groups)))
         c = self.config
-        return dp_train_step(self.model, self.optimizer, groups, cfg, c.clip_grad, std_norm=std_normalization(c),
-                             reward_key=c.reward_key, pad_id=self.pad_id,
+        return dp_train_step(self.model, self.optimizer, groups, cfg, c.trainer.clip_grad,
+                             std_norm=std_normalization(c),
+                             reward_key=c.rollout.reward_key, pad_id=self.pad_id,
                              max_tokens=max_tokens_of(c), ref_model=self.ref_model)  # fmt: skip
 
     def train_adapter(self, lora, optimizer, slot: int, groups, cfg: LossConfig, std_norm: bool) -> dict:
         """One step of the adapter in `slot` over every rank (multi-LoRA); rank 0's stats."""
         spec = lora.specs[slot]
         send_command(self.commands, ("lora", (slot, spec, std_norm, _encoded(groups))))
-        return dp_adapter_step(self.model, lora, optimizer, slot, spec, groups, cfg, self.config.clip_grad,
-                               std_norm=std_norm, reward_key=self.config.reward_key, pad_id=self.pad_id,
+        return dp_adapter_step(self.model, lora, optimizer, slot, spec, groups, cfg, self.config.trainer.clip_grad,
+                               std_norm=std_norm, reward_key=self.config.rollout.reward_key, pad_id=self.pad_id,
                                max_tokens=max_tokens_of(self.config))  # fmt: skip
 
     def stop(self) -> None:
@@ -162,10 +165,10 @@ def connect_ray(config) -> str:
 
     node_ip = os.environ.get(NODE_IP_ENV) or None
     placed = os.environ.get(PLACEMENT_ENV)
-    namespace = placed.split("/")[0] if placed else f"asyncrl-{config.run_id}"
+    namespace = placed.split("/")[0] if placed else f"asyncrl-{config.infra.run_id}"
     address = os.environ.get("RAY_ADDRESS") or None
     if not ray.is_initialized():
-        local = {"include_dashboard": False, "num_cpus": config.trainer_num_ranks} if address is None else {}
+        local = {"include_dashboard": False, "num_cpus": config.trainer.trainer_num_ranks} if address is None else {}
         ray.init(address=address or "local", namespace=namespace, log_to_driver=False, logging_level=logging.WARNING,
                  **({"_node_ip_address": node_ip} if node_ip else {}), **local)  # fmt: skip
     return node_ip or ray.util.get_node_ip_address()

@@ -67,6 +67,7 @@ from services.trainer.core import (
     train_rollout,
 )
 from services.trainer.evals import EvalDispatch
+from services.trainer.policy import DriverPolicy
 from services.trainer.parallel import max_tokens_of
 from services.trainer.publish import WeightPublisher
 from services.trainer.rollout_stats import rollout_metrics
@@ -111,33 +112,35 @@ class TrainerService(Service):
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
-        torch.set_num_threads(config.torch_num_threads)
-        torch.manual_seed(config.seed)
-        self.run_dir = Path(config.run_dir)
+        torch.set_num_threads(config.infra.torch_num_threads)
+        torch.manual_seed(config.data.seed)
+        self.run_dir = Path(config.infra.run_dir)
         self.weights_dir = self.run_dir / "weights"
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.model = build_model(config)
         self.loss_cfg = loss_config(config)
+        self.policy = DriverPolicy(config)
         self.ref_model = build_reference(config)
-        self.old_actor = copy.deepcopy(self.model).eval() if config.keep_old_actor else None
+        self.old_actor = copy.deepcopy(self.model).eval() if config.trainer.keep_old_actor else None
         """--keep-old-actor: the weights the engines run (the last pushed), the PPO denominator."""
         self.rollout_log_fn = (
-            load_object(config.custom_rollout_log_function_path, "--custom-rollout-log-function-path")
-            if config.custom_rollout_log_function_path
+            load_object(config.trainer.custom_rollout_log_function_path, "--custom-rollout-log-function-path")
+            if config.trainer.custom_rollout_log_function_path
             else None
         )
         self.sinks = Sinks(config, self.run_dir)
         self.records = Records(self.metrics_path, self.sinks, bus)
-        self.link = BufferLink(bus, config.buffer_timeout_s)
+        self.link = BufferLink(bus, config.async_.buffer_timeout_s)
         self.sample_filter = (
-            load_object(config.rollout_sample_filter_path, "--rollout-sample-filter-path")
-            if config.rollout_sample_filter_path
+            load_object(config.rollout.rollout_sample_filter_path, "--rollout-sample-filter-path")
+            if config.rollout.rollout_sample_filter_path
             else None
         )
         self.pad_id = self.model.cfg.pad_token_id if self.model.cfg.pad_token_id is not None else 0
-        self.check = SampleCheck(Limits(n=config.n_samples_per_prompt, vocab_size=self.model.cfg.vocab_size,
+        self.check = SampleCheck(Limits(n=config.rollout.n_samples_per_prompt, vocab_size=self.model.cfg.vocab_size,
                                         context_length=self.model.cfg.max_position_embeddings,
-                                        reward_key=config.reward_key, max_abs_reward=config.max_abs_reward),
+                                        reward_key=config.rollout.reward_key,
+                                        max_abs_reward=config.rollout.max_abs_reward),
                                  self.loss_cfg)  # fmt: skip
         self.num_nonfinite_skipped = 0
         self.recent_failures: collections.deque[tuple[int, int, str]] = collections.deque(maxlen=FAILED_WINDOW_STEPS)
@@ -156,7 +159,7 @@ class TrainerService(Service):
         """--multi-lora-n-adapters: the adapters' loop (services.trainer.multi_lora) instead of the
         model's, with its own optimizer over the adapters' slots (the base's is never built)."""
         self.optimizer = None
-        if config.multi_lora_n_adapters > 0:
+        if config.multi_lora.multi_lora_n_adapters > 0:
             from services.trainer.multi_lora import MultiLoraTrainer
 
             self.multi = MultiLoraTrainer(config, bus, self.model, self.link, self.records, self.check,
@@ -179,12 +182,12 @@ class TrainerService(Service):
         await self._start_ranks()
         await self.bus.subscribe(s.eval_results, self.evals.on_result)
         await self.bus.subscribe(s.heartbeat("rollout"), self._on_producer_heartbeat)
-        if self.config.update_weight_transfer_mode == "distributed":
+        if self.config.async_.update_weight_transfer_mode == "distributed":
             await self.weights.start_sender(master_address(self.config))
 
     async def _start_ranks(self) -> None:
         """--trainer-num-ranks K > 1: ranks 1..K-1 started and joined (services.trainer.ranks)."""
-        if self.config.trainer_num_ranks <= 1:
+        if self.config.trainer.trainer_num_ranks <= 1:
             return
         cfg_file = self.run_dir / "trainer-config.json"
         cfg_file.write_text(json.dumps(self.config.model_dump(mode="json")))
@@ -194,7 +197,7 @@ class TrainerService(Service):
             DataParallel, self.config, self.model, self.optimizer, self.ref_model, self.pad_id, cfg_file,
             self.run_dir / "logs",
         )  # fmt: skip
-        log.info("data parallel over %d ranks (%s)", self.config.trainer_num_ranks, self.dp.backend)
+        log.info("data parallel over %d ranks (%s)", self.config.trainer.trainer_num_ranks, self.dp.backend)
 
     async def _resume(self) -> None:
         """Continue from the newest complete checkpoint unless the buffer's committed step is
@@ -203,7 +206,7 @@ class TrainerService(Service):
         less the optimizer state). The weight version continues from the newest version ever
         published, so a version number never names two weights."""
         published = await last_published_version(self.bus)
-        ckpt = latest_checkpoint(self.config.load or self.config.save)
+        ckpt = latest_checkpoint(self.config.trainer.load or self.config.trainer.save)
         committed = await self._committed_step()
         if ckpt is None or ckpt_step(ckpt) < committed:
             self.version = published
@@ -275,25 +278,29 @@ class TrainerService(Service):
 
     async def _train(self) -> None:
         c = self.config
-        total = c.total_steps
+        total = c.rollout.total_steps
         log.info(
             "training %d steps, mode %s, B=%d n=%d",
             total,
-            c.mode,
-            c.rollout_batch_size,
-            c.n_samples_per_prompt,
+            c.infra.mode,
+            c.rollout.rollout_batch_size,
+            c.rollout.n_samples_per_prompt,
         )
-        if c.mode == "sync" and c.update_weights_interval != 1:
+        if c.infra.mode == "sync" and c.async_.update_weights_interval != 1:
             log.warning("--update-weights-interval %d is ignored by the synchronous driver (train): it is on-policy, "
-                        "so it pushes the weights after every step", c.update_weights_interval)  # fmt: skip
-        if c.save and not c.save_interval:
+                        "so it pushes the weights after every step", c.async_.update_weights_interval)  # fmt: skip
+        if c.trainer.save and not c.trainer.save_interval:
             log.warning("--save without --save-interval saves no checkpoint (as in Miles; a restart resumes from the "
                         "last pushed weights, without the optimizer state): set --save-interval N")  # fmt: skip
-        if c.mode != "sync" and total % c.update_weights_interval and not (c.save_interval or c.save_trigger_sentinel):
+        if (
+            c.infra.mode != "sync"
+            and total % c.async_.update_weights_interval
+            and not (c.trainer.save_interval or c.trainer.save_trigger_sentinel)
+        ):
             log.warning("the last %d steps end after the last weight push (--update-weights-interval %d) and nothing "
                         "saves them: set --save-interval to keep the final weights",
-                        total % c.update_weights_interval, c.update_weights_interval)  # fmt: skip
-        if c.baseline_eval_due(self.step):  # named by the step it precedes
+                        total % c.async_.update_weights_interval, c.async_.update_weights_interval)  # fmt: skip
+        if self.policy.baseline_eval_due(self.step):  # named by the step it precedes
             await self.evals.request(self.step, rollout_id=self.step, version=self.version, start=True)
         self.loop_started = time.perf_counter()
         batch = await self._fetch(self.step) if self.step < total else None  # resumed after the last step?
@@ -303,7 +310,7 @@ class TrainerService(Service):
                 step = self.step
                 t_step = time.perf_counter()
                 groups = batch.groups
-                if c.mode == "fully_async" and step + 1 < total and prefetch is None:
+                if c.infra.mode == "fully_async" and step + 1 < total and prefetch is None:
                     # as Miles's async driver: the next batch is drained while this one trains
                     prefetch = asyncio.ensure_future(self._fetch(step + 1))
                 train_stats, train_s = await self._train_on(groups)
@@ -312,17 +319,17 @@ class TrainerService(Service):
                     self.num_nonfinite_skipped += 1
                     log.error("step %d: the loss or the gradient norm is not finite; the update was skipped "
                               "(weights and optimizer unchanged)", step)  # fmt: skip
-                update_due = c.update_due(step)
+                update_due = self.policy.update_due(step)
                 next_batch = None
                 # fully async pushes at once, while step r+1's lease may still be filling (Miles's
                 # driver waits for that rollout first; here that held every update back by the
                 # slowest group and kept the engines a version behind). The lease's gets all carry
                 # the version they started with, so its groups are judged against one clock.
-                if update_due and c.mode == "one_step" and step + 1 < total:
+                if update_due and c.infra.mode == "one_step" and step + 1 < total:
                     # the in-flight batch completes before the push, and nothing newer starts on old weights
                     next_batch = await self._fetch(step + 1, lookahead=0)
                 push_s = await self._push_weights(step) if update_due else 0.0
-                if next_batch is not None and c.mode == "one_step":
+                if next_batch is not None and c.infra.mode == "one_step":
                     await self._release_ahead(step + 1)  # step r+2 generates while r+1 trains, on the new weights
                 # the step's records come before its checkpoint and its commit: a trainer killed in
                 # between resumes from the checkpoint, drops the records after it and trains those
@@ -335,7 +342,7 @@ class TrainerService(Service):
                 crash.point("trainer", "commit_before_next_step")
                 self.step = step + 1
                 self._check_failures(groups)
-                if c.eval_due(step):  # named by the step just trained, on Miles's axis
+                if self.policy.eval_due(step):  # named by the step just trained, on Miles's axis
                     await self.evals.request(step + 1, rollout_id=step, version=self.version)
                 if self.step < total:
                     if next_batch is not None:
@@ -353,7 +360,7 @@ class TrainerService(Service):
         await self._finish()
 
     async def _finish(self, error: str | None = None) -> None:
-        total = self.config.total_steps
+        total = self.config.rollout.total_steps
         if error is None:
             await self.weights.wait_final_broadcast(self.version)
         await self.records.finish(total, error=error, last_eval=self.evals.last)
@@ -372,14 +379,17 @@ class TrainerService(Service):
         cause = next((str(s.metadata.get("reward_error") or s.metadata.get("error") or "") for s in failed), "")
         self.recent_failures.append((len(failed), len(samples), cause))
         c = self.config
-        judged = len(self.recent_failures) >= min(FAILED_WINDOW_STEPS, c.total_steps) or self.step >= c.total_steps
+        judged = (
+            len(self.recent_failures) >= min(FAILED_WINDOW_STEPS, c.rollout.total_steps)
+            or self.step >= c.rollout.total_steps
+        )
         num_failed = sum(f for f, _, _ in self.recent_failures)
         num = sum(n for _, n, _ in self.recent_failures)
-        if judged and c.max_failed_ratio < 1 and num and num_failed / num > c.max_failed_ratio:
+        if judged and c.infra.max_failed_ratio < 1 and num and num_failed / num > c.infra.max_failed_ratio:
             latest = next((why for _, _, why in reversed(self.recent_failures) if why), "no cause recorded")
             raise RunFailed(
                 f"{num_failed} of {num} samples of the last {len(self.recent_failures)} steps FAILED (more than "
-                f"--max-failed-ratio {c.max_failed_ratio}); the latest cause: {latest[:500]}"
+                f"--max-failed-ratio {c.infra.max_failed_ratio}); the latest cause: {latest[:500]}"
             )
 
     async def _train_on(self, groups: list[list]) -> tuple[dict, float]:
@@ -390,10 +400,17 @@ class TrainerService(Service):
             stats = await asyncio.to_thread(self.dp.train, groups, self.loss_cfg)
             return stats, time.perf_counter() - t0
         max_tokens = max_tokens_of(c)
-        steps = build_step_batches(groups, std_normalization(c), c.reward_key, self.pad_id, max_tokens,
+        steps = build_step_batches(groups, std_normalization(c), c.rollout.reward_key, self.pad_id, max_tokens,
                                    c.optimizer_steps_per_rollout)  # fmt: skip
         stats = await asyncio.to_thread(
-            train_rollout, self.model, self.optimizer, steps, self.loss_cfg, c.clip_grad, self.ref_model, self.old_actor
+            train_rollout,
+            self.model,
+            self.optimizer,
+            steps,
+            self.loss_cfg,
+            c.trainer.clip_grad,
+            self.ref_model,
+            self.old_actor,
         )
         return stats, time.perf_counter() - t0
 
@@ -401,17 +418,17 @@ class TrainerService(Service):
     def _get_request(self, step: int, lookahead: int | None = None, wait_s: float = 2.0) -> BufferGetRequest:
         c = self.config
         if lookahead is None:
-            lookahead = 1 if c.mode == "one_step" else 0
-        if step + 1 >= c.total_steps:
+            lookahead = 1 if c.infra.mode == "one_step" else 0
+        if step + 1 >= c.rollout.total_steps:
             lookahead = 0  # the last step releases nothing after it: it would never be trained
         return BufferGetRequest(
             step=step,
-            count=c.rollout_batch_size,
+            count=c.rollout.rollout_batch_size,
             # fully async: staleness is judged against the trainer's newest pushed version, the same
             # for every group of a lease (it completes before the next push), as Miles's get(current_version)
-            current_version=self.version if c.mode == "fully_async" else None,
+            current_version=self.version if c.infra.mode == "fully_async" else None,
             lookahead_steps=lookahead,
-            release_min_version=self.version if c.mode in ("sync", "one_step") else None,
+            release_min_version=self.version if c.infra.mode in ("sync", "one_step") else None,
             wait_s=wait_s,
         )
 
@@ -425,7 +442,7 @@ class TrainerService(Service):
         t0 = time.monotonic()
         reply = await self._lease(step, lookahead)
         groups = [await self.link.load_group(ref) for ref in reply.refs]
-        groups = assemble_batch(groups, self.config.n_samples_per_prompt)
+        groups = assemble_batch(groups, self.config.rollout.n_samples_per_prompt)
         self.check.exclude_invalid(groups, max_version=self.version)
         if self.sample_filter is not None:
             self._apply_sample_filter(groups)
@@ -437,7 +454,7 @@ class TrainerService(Service):
         missing, fail when the buffer or every producer is gone."""
         t0 = time.monotonic()
         last_progress, last_count, last_answer = t0, 0, t0
-        warn_every = self.config.rollout_wait_warn_s
+        warn_every = self.config.async_.rollout_wait_warn_s
         next_warn = t0 + warn_every
         req = self._get_request(step, lookahead)
         while True:
@@ -445,9 +462,10 @@ class TrainerService(Service):
                 reply = await self.bus.request(self.bus.subjects.buffer_get, req, BufferGetReply, req.wait_s + 5)
                 last_answer = time.monotonic()
             except (TimeoutError, TransportError) as e:
-                if time.monotonic() - last_answer > self.config.buffer_timeout_s:
+                if time.monotonic() - last_answer > self.config.async_.buffer_timeout_s:
                     raise TrainerError(
-                        f"the buffer service has not answered for {self.config.buffer_timeout_s:.0f}s ({type(e).__name__}): is it running?"
+                        f"the buffer service has not answered for {self.config.async_.buffer_timeout_s:.0f}s "
+                        f"({type(e).__name__}): is it running?"
                     ) from e
                 await asyncio.sleep(0.5)
                 continue
@@ -461,15 +479,16 @@ class TrainerService(Service):
             while now >= next_warn:  # "for 30.0s", then "for 60.0s", ... as Miles logs it
                 log.warning("No completed rollout groups for %.1fs", next_warn - last_progress)
                 next_warn += warn_every
-            if now - self.last_producer_seen > self.config.producer_timeout_s:
+            if now - self.last_producer_seen > self.config.async_.producer_timeout_s:
                 raise TrainerError(
-                    f"no rollout producer has been alive for {self.config.producer_timeout_s:.0f}s while step {step} "
+                    f"no rollout producer has been alive for {self.config.async_.producer_timeout_s:.0f}s "
+                    f"while step {step} "
                     f"waits for groups ({len(reply.refs)}/{req.count}): start producers (asyncrl service rollout)"
                 )
 
     def _apply_sample_filter(self, groups: list[list]) -> None:
         try:
-            apply_sample_filter(self.sample_filter, self.config, groups, self.config.rollout_sample_filter_path)
+            apply_sample_filter(self.sample_filter, self.config, groups, self.config.rollout.rollout_sample_filter_path)
         except ValueError as e:
             raise TrainerError(str(e)) from e
 
@@ -483,34 +502,36 @@ class TrainerService(Service):
         return time.perf_counter() - t0
 
     async def _checkpoint_and_commit(self, step: int, pushed: bool) -> None:
-        """Save after step r when due (RunConfig.save_due: --save-interval, epoch ends, the last
+        """Save after step r when due (DriverPolicy.save_due: --save-interval, epoch ends, the last
         step; never without --save-interval) or when the --save-trigger-sentinel file exists
         (then deleted): a --save checkpoint and a --save-hf snapshot `step_<r + 1>` (`.complete`
         last). The buffer learns a step is done (commit) only once it can be resumed from: with
         --save and --save-interval, its checkpoint; otherwise the weight snapshot pushed after it
-        (RunConfig.checkpoints_resume). A restarted trainer gets the later steps' groups again."""
+        (TrainerSection.checkpoints_resume). A restarted trainer gets the later steps' groups again."""
         c = self.config
-        sentinel = Path(c.save_trigger_sentinel) if c.save_trigger_sentinel else None
+        sentinel = Path(c.trainer.save_trigger_sentinel) if c.trainer.save_trigger_sentinel else None
         triggered = sentinel is not None and sentinel.exists()
-        saved = triggered or c.save_due(step)
-        if saved and c.save_hf:
-            path = Path(c.save_hf) / f"step_{step + 1}"
-            await asyncio.to_thread(save_model, self.model, path, c.hf_checkpoint)
-        if saved and c.save:
+        saved = triggered or self.policy.save_due(step)
+        if saved and c.trainer.save_hf:
+            path = Path(c.trainer.save_hf) / f"step_{step + 1}"
+            await asyncio.to_thread(save_model, self.model, path, c.data.hf_checkpoint)
+        if saved and c.trainer.save:
             await asyncio.to_thread(
-                save_checkpoint, c.save, step, self.model, self.optimizer, self.version, c.hf_checkpoint
+                save_checkpoint, c.trainer.save, step, self.model, self.optimizer, self.version, c.data.hf_checkpoint
             )
         if triggered:
             log.info("step %d saved on %s (--save-trigger-sentinel), which is now deleted", step, sentinel)
             sentinel.unlink(missing_ok=True)
-        resumable = bool(saved and c.save) if c.checkpoints_resume else pushed
-        if not (resumable or step + 1 == c.total_steps):
+        resumable = bool(saved and c.trainer.save) if c.trainer.checkpoints_resume else pushed
+        if not (resumable or step + 1 == c.rollout.total_steps):
             return
         crash.point("trainer", "checkpoint_before_commit")
         await self._commit(step)
 
     async def _commit(self, step: int) -> None:
-        if error := await self.link.commit(self.bus.subjects.buffer_commit, step, self.version, f"commit of step {step}"):
+        if error := await self.link.commit(
+            self.bus.subjects.buffer_commit, step, self.version, f"commit of step {step}"
+        ):
             raise TrainerError(f"buffer refused commit of step {step}: {error}")
         self.committed_version = self.version
 
@@ -540,7 +561,7 @@ class TrainerService(Service):
         }
         custom = self.rollout_log_fn is not None and await self._custom_rollout_log(step, samples, batch)
         if not custom:
-            rec.update(rollout_metrics(samples, self.config.reward_key, [g for g in batch.groups]))
+            rec.update(rollout_metrics(samples, self.config.rollout.reward_key, [g for g in batch.groups]))
             rec["perf/rollout_time"] = batch.rollout_time
             rec["perf/tokens_per_s"] = tokens / step_s if step_s > 0 else 0.0
             rec.update(batch.metrics)
@@ -567,15 +588,17 @@ class TrainerService(Service):
         await self.records.emit(step, record, "rollout/step")
 
     def status(self) -> dict:
-        return {"step": self.step, "total_steps": self.config.total_steps, "weight_version": self.version,
-                "mode": self.config.mode, "last_record": self.records.last,
+        return {"step": self.step, "total_steps": self.config.rollout.total_steps, "weight_version": self.version,
+                "mode": self.config.infra.mode, "last_record": self.records.last,
                 "weight_transfer": self.weights.sender.status() if self.weights.sender is not None else None}  # fmt: skip
 
     def metric_values(self) -> dict[str, float]:
         out = {"trainer/step": self.step, "trainer/weight_version": self.version,
                "trainer/invalid_samples_total": self.check.num_invalid,
                "trainer/nonfinite_updates_skipped_total": self.num_nonfinite_skipped}  # fmt: skip
-        out.update({k: v for k, v in self.records.last.items() if isinstance(v, (int, float)) and k not in NOT_EXPORTED})
+        out.update(
+            {k: v for k, v in self.records.last.items() if isinstance(v, (int, float)) and k not in NOT_EXPORTED}
+        )
         return out
 
 
@@ -589,11 +612,11 @@ def master_address(config) -> str:
     from services.model.transfer import local_address_towards
     from services.trainer.worker import NODE_IP_ENV
 
-    if config.update_weight_master_address:
-        return config.update_weight_master_address
+    if config.async_.update_weight_master_address:
+        return config.async_.update_weight_master_address
     if os.environ.get(NODE_IP_ENV):
         return os.environ[NODE_IP_ENV]
-    host = urlsplit((config.nats_url or "").split(",")[0].strip()).hostname or "127.0.0.1"
+    host = urlsplit((config.infra.nats_url or "").split(",")[0].strip()).hostname or "127.0.0.1"
     try:
         return local_address_towards(host)
     except OSError:

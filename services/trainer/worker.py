@@ -65,16 +65,16 @@ def main(argv: list[str] | None = None, checkpoint_files: dict[str, bytes] | Non
         for name, data in checkpoint_files.items():
             (local / name).write_bytes(data)
         config = config.model_copy(update={"hf_checkpoint": str(local)})
-    torch.set_num_threads(config.torch_num_threads)
+    torch.set_num_threads(config.infra.torch_num_threads)
     model = build_model(config)
     ref_model = build_reference(config)
     if checkpoint_files is not None:  # loaded: the model and the reference hold it now
-        shutil.rmtree(config.hf_checkpoint, ignore_errors=True)
+        shutil.rmtree(config.data.hf_checkpoint, ignore_errors=True)
     pad_id = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
     lora = optimizer = None
-    if config.multi_lora_n_adapters > 0:  # adapters on the frozen base: rank 0 sends each step's slot
+    if config.multi_lora.multi_lora_n_adapters > 0:  # adapters on the frozen base: rank 0 sends each step's slot
         model.requires_grad_(False)
-        lora = MultiLora(model, config.multi_lora_n_adapters, config.multi_lora_max_rank)
+        lora = MultiLora(model, config.multi_lora.multi_lora_n_adapters, config.multi_lora.multi_lora_max_rank)
     else:
         optimizer = build_optimizer(config, model)
     cfg = loss_config(config)
@@ -85,13 +85,14 @@ def main(argv: list[str] | None = None, checkpoint_files: dict[str, bytes] | Non
         kind, payload = next_command(commands)
         if kind == "train":
             groups = [decode(b, RolloutGroup).samples for b in payload]
-            dp_train_step(model, optimizer, groups, cfg, config.clip_grad, std_norm=std_normalization(config),
-                          reward_key=config.reward_key, pad_id=pad_id,
+            dp_train_step(model, optimizer, groups, cfg, config.trainer.clip_grad, std_norm=std_normalization(config),
+                          reward_key=config.rollout.reward_key, pad_id=pad_id,
                           max_tokens=max_tokens_of(config), ref_model=ref_model)  # fmt: skip
         elif kind == "lora":
             slot, spec, std_norm, groups = payload
             dp_adapter_step(model, lora, None, slot, spec, [decode(b, RolloutGroup).samples for b in groups], cfg,
-                            config.clip_grad, std_norm=std_norm, reward_key=config.reward_key, pad_id=pad_id,
+                            config.trainer.clip_grad, std_norm=std_norm, reward_key=config.rollout.reward_key,
+                            pad_id=pad_id,
                             max_tokens=max_tokens_of(config))  # fmt: skip
         elif kind == "stop":
             break

@@ -68,30 +68,30 @@ class WeightSyncService(Service):
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
-        self.client = SGLangClient(config.rollout_engine_urls, api_key=self.engine_token)
+        self.client = SGLangClient(config.infra.rollout_engine_urls, api_key=self.engine_token)
         self.live_version: int | None = None
         self.last_update_s = 0.0
         self.num_updates = 0
         self.num_skipped = 0
         self.published = VersionBound(bus)
         self._psub = None
-        self.store = WeightStore(bus) if config.update_weight_transfer_mode == "object-store" else None
+        self.store = WeightStore(bus) if config.async_.update_weight_transfer_mode == "object-store" else None
         self.pauses: collections.deque[float] = collections.deque(maxlen=1000)
         """Seconds each engine spent paused per update (pause call to continue answered), newest last."""
         self.last_pause_s = 0.0
         self.last_phases: dict[str, dict[str, float]] = {}
         """Per engine: seconds of each phase of its last update (stage, pause, flush, load, continue, verify)."""
         self.distributed = (
-            DistributedUpdater(bus, self.client, config.run_id, config.update_weight_buffer_size,
-                               config.pause_generation_mode, on_pause=self._paused,
-                               flush_timeout_s=config.flush_cache_timeout_s)
-            if config.update_weight_transfer_mode == "distributed" else None
+            DistributedUpdater(bus, self.client, config.infra.run_id, config.async_.update_weight_buffer_size,
+                               config.async_.pause_generation_mode, on_pause=self._paused,
+                               flush_timeout_s=config.async_.flush_cache_timeout_s)
+            if config.async_.update_weight_transfer_mode == "distributed" else None
         )  # fmt: skip
         self.adapters = None
         """Multi-LoRA: adapter versions onto the engines, without a pause (services/weightsync/adapters.py)."""
-        if config.multi_lora_n_adapters > 0:
+        if config.multi_lora.multi_lora_n_adapters > 0:
             store = self.store or (WeightStore(bus) if config.adapter_transfer_mode == "object-store" else None)
-            self.adapters = AdapterSync(bus, self.client, config.run_dir, self.background, store)
+            self.adapters = AdapterSync(bus, self.client, config.infra.run_dir, self.background, store)
         self._asub = None
         self.live_digest: str | None = None
         """distributed: the tensor digest of the version this process made live (a catch-up load checks it)."""
@@ -113,9 +113,11 @@ class WeightSyncService(Service):
         else:
             self.live_version = await self._engine_version()
             await self._announce(self.live_version, 0.0)
-        self._psub = await self.bus.consume(s.consumers(self.config.prompt_ack_wait_s)["weight-sync"])
+        self._psub = await self.bus.consume(s.consumers(self.config.async_.prompt_ack_wait_s)["weight-sync"])
         if self.adapters is not None:
-            self._asub = await self.bus.consume(s.consumers(self.config.prompt_ack_wait_s)["weight-sync-adapters"])
+            self._asub = await self.bus.consume(
+                s.consumers(self.config.async_.prompt_ack_wait_s)["weight-sync-adapters"]
+            )
             await self.adapters.recover()
         await self._converge()
         log.info("weight-sync ready: engines %s at version %s", self.client.urls, self.live_version)
@@ -205,7 +207,7 @@ class WeightSyncService(Service):
                     log.warning(
                         "engine %s runs weight version %s, behind the live v%d: loading %s", url, got, live, path
                     )
-                    await self._update_engine(url, path, live, self.config.pause_generation_mode)
+                    await self._update_engine(url, path, live, self.config.async_.pause_generation_mode)
                 else:
                     await self.client.continue_generation(url)
             except EngineError as e:
@@ -258,9 +260,9 @@ class WeightSyncService(Service):
                     self.num_skipped += 1  # a redelivery of a version already live (or superseded)
                     await settle(m)
                     continue
-                if not 0 <= pub.step < self.config.total_steps:
+                if not 0 <= pub.step < self.config.rollout.total_steps:
                     await self.bus.dead_letter_msg(m, f"weights v{pub.version} name step {pub.step}, outside the run's "
-                                          f"{self.config.total_steps} steps")  # fmt: skip
+                                          f"{self.config.rollout.total_steps} steps")  # fmt: skip
                     continue
                 fresh.append((pub, m))
             fresh.sort(key=lambda pm: pm[0].version)
@@ -278,7 +280,7 @@ class WeightSyncService(Service):
     def _snapshot_uri(self, version: int) -> str:
         if self.store is not None:
             return self.store.uri(version)
-        return str(Path(self.config.run_dir) / "weights" / f"v{version}")
+        return str(Path(self.config.infra.run_dir) / "weights" / f"v{version}")
 
     async def _snapshot_problem(self, pub: WeightsPublished) -> str | None:
         """The snapshot must be the run's own (<run_dir>/weights/v<N>, or v<N> of the run's
@@ -302,7 +304,7 @@ class WeightSyncService(Service):
                 return f"weights v{pub.version}: the snapshot's digest differs from the announced one"
             return None
         path = resolved(pub.uri)
-        expected = (Path(self.config.run_dir) / "weights" / f"v{pub.version}").resolve()
+        expected = (Path(self.config.infra.run_dir) / "weights" / f"v{pub.version}").resolve()
         if path is None or path != expected:
             return f"weights v{pub.version} point at {pub.uri!r:.200}, not the run's {expected}"
         if not is_complete(path):
@@ -320,7 +322,7 @@ class WeightSyncService(Service):
         was deleted before every engine had it (the trainer keeps its newest snapshots only: a
         newer version replaced it, and that one is applied next)."""
         t0 = time.perf_counter()
-        mode = self.config.pause_generation_mode
+        mode = self.config.async_.pause_generation_mode
         loaded = await (self._update_distributed(pub) if self.distributed is not None else self._update_each(pub, mode))
         if not loaded:
             return
@@ -410,7 +412,7 @@ class WeightSyncService(Service):
         crash.point("weight-sync", "paused")
         try:
             if mode != "in_place":  # in_place keeps requests resident: their cache stays theirs
-                await self.client.flush_cache_within(url, self.config.flush_cache_timeout_s)
+                await self.client.flush_cache_within(url, self.config.async_.flush_cache_timeout_s)
             lap("flush")
             await self.client.update_weights_from_disk(url, uri, str(version), flush_cache=False)
             lap("load")
@@ -431,7 +433,7 @@ class WeightSyncService(Service):
             version=version,
             engines=list(self.client.urls),
             updated_at=time.time(),
-            pause_mode=self.config.pause_generation_mode,
+            pause_mode=self.config.async_.pause_generation_mode,
             duration_s=duration_s,
             pause_s=pause_s,
             tensor_sha256=self.live_digest or "",
@@ -443,9 +445,9 @@ class WeightSyncService(Service):
         return {
             "live_version": self.live_version,
             "engines": self.client.urls,
-            "pause_mode": self.config.pause_generation_mode,
+            "pause_mode": self.config.async_.pause_generation_mode,
             "last_update_s": self.last_update_s,
-            "transfer_mode": self.config.update_weight_transfer_mode,
+            "transfer_mode": self.config.async_.update_weight_transfer_mode,
             "last_pause_s": self.last_pause_s,
             "last_update_phases_s": self.last_phases,
             "pauses_s": list(self.pauses)[-100:],

@@ -529,7 +529,7 @@ def test_what_the_run_can_serve(tmp_path):
         fits(rollout_batch_size=9)
     with pytest.raises(SpecError, match="above the run's --multi-lora-max-data-mb 0.001"):
         fits()
-    cfg.multi_lora_max_data_mb = 1.0
+    svc.config = cfg.model_copy(update={"multi_lora_max_data_mb": 1.0})
     assert fits().rollout_batch_size == 4
     with pytest.raises(SpecError, match="'os.system' is not one the run allows over HTTP"):
         fits(over_http=True, rm_type=None, custom_rm_path="os.system")

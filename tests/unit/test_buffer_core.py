@@ -185,8 +185,7 @@ async def test_metrics_keys_windows_and_presence():
 
 
 def test_capacity_validation():
-    cfg = RunConfig(rollout_batch_size=2)
-    cfg.async_data_buffer_capacity_factor = 0.1  # bypasses RunConfig validation on purpose
+    cfg = RunConfig(rollout_batch_size=2).model_copy(update={"async_data_buffer_capacity_factor": 0.1})  # unvalidated
     with pytest.raises(ValueError, match="at least one group"):
         DefaultDataBuffer(cfg, None)
 

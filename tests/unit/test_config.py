@@ -119,7 +119,7 @@ def test_periodic_actions_follow_miles():
     """should_run_periodic_action: never without an interval (no save at all without
     --save-interval, no eval without --eval-interval), the last step when told, every interval,
     every epoch's end."""
-    from services.common.config import periodic_due
+    from services.trainer.policy import periodic_due
 
     assert not any(periodic_due(r, None, 3, 10) for r in range(10))
     assert [r for r in range(10) if periodic_due(r, 4)] == [3, 7]
@@ -128,30 +128,45 @@ def test_periodic_actions_follow_miles():
 
 
 def test_driver_rules_for_pushes_saves_and_evals():
+    from services.trainer.policy import DriverPolicy
+
     one_step = RunConfig(driver="async", num_rollout=5, update_weights_interval=2, save="/s", save_interval=2,
                          eval_interval=2)  # fmt: skip
-    assert [r for r in range(5) if one_step.update_due(r)] == [1, 3]  # no forced push after the last step
-    assert [r for r in range(5) if one_step.save_due(r)] == [1, 3, 4]  # the last step saves
-    assert [r for r in range(5) if one_step.eval_due(r)] == [1, 3, 4]  # ... and evaluates, in the async drivers
+    assert [r for r in range(5) if DriverPolicy(one_step).update_due(r)] == [1, 3]  # no forced push after the last step
+    assert [r for r in range(5) if DriverPolicy(one_step).save_due(r)] == [1, 3, 4]  # the last step saves
+    assert [r for r in range(5) if DriverPolicy(one_step).eval_due(r)] == [
+        1,
+        3,
+        4,
+    ]  # ... and evaluates, in the async drivers
     sync = one_step.model_copy(update={"driver": "sync"})
-    assert [r for r in range(5) if sync.update_due(r)] == [0, 1, 2, 3, 4]  # on-policy: after every step
-    assert [r for r in range(5) if sync.eval_due(r)] == [1, 3]  # no forced eval after the last step in sync
+    assert [r for r in range(5) if DriverPolicy(sync).update_due(r)] == [0, 1, 2, 3, 4]  # on-policy: after every step
+    assert [r for r in range(5) if DriverPolicy(sync).eval_due(r)] == [
+        1,
+        3,
+    ]  # no forced eval after the last step in sync
     assert one_step.checkpoints_resume and one_step.commit_interval == 2
     no_interval = RunConfig(num_rollout=5, save="/s", update_weights_interval=3)
-    assert not any(no_interval.save_due(r) for r in range(5))  # --save alone saves nothing, as in Miles
+    assert not any(DriverPolicy(no_interval).save_due(r) for r in range(5))  # --save alone saves nothing, as in Miles
     assert not no_interval.checkpoints_resume and no_interval.commit_interval == 3  # commits follow the pushes
-    assert not any(no_interval.eval_due(r) for r in range(5))
+    assert not any(DriverPolicy(no_interval).eval_due(r) for r in range(5))
 
 
 def test_the_baseline_eval_point():
     """Before the run's first step; a synchronous run resumed at step 3 evaluates again before
     step 3 (Miles's train.py), the async drivers do not; never without --eval-interval."""
+    from services.trainer.policy import DriverPolicy
+
     sync = RunConfig(driver="sync", num_rollout=5, eval_interval=2)
-    assert sync.baseline_eval_due(0) and sync.baseline_eval_due(3) and not sync.baseline_eval_due(5)
+    assert (
+        DriverPolicy(sync).baseline_eval_due(0)
+        and DriverPolicy(sync).baseline_eval_due(3)
+        and not DriverPolicy(sync).baseline_eval_due(5)
+    )
     one_step = sync.model_copy(update={"driver": "async"})
-    assert one_step.baseline_eval_due(0) and not one_step.baseline_eval_due(3)
-    assert not sync.model_copy(update={"skip_eval_before_train": True}).baseline_eval_due(0)
-    assert not RunConfig(driver="sync", num_rollout=5).baseline_eval_due(0)
+    assert DriverPolicy(one_step).baseline_eval_due(0) and not DriverPolicy(one_step).baseline_eval_due(3)
+    assert not DriverPolicy(sync.model_copy(update={"skip_eval_before_train": True})).baseline_eval_due(0)
+    assert not DriverPolicy(RunConfig(driver="sync", num_rollout=5)).baseline_eval_due(0)
 
 
 def test_bare_command_line_defaults_are_miless(capsys, tmp_path):
@@ -172,6 +187,7 @@ def test_num_epoch_makes_every_epochs_end_a_save_and_eval_point(tmp_path):
     """--num-epoch: the launcher counts the steps (10 rows, B 3, 2 epochs: 6) and the steps per
     epoch (3), so the end of each epoch is a periodic point too, as in Miles."""
     from services.prepare import prepare_run
+    from services.trainer.policy import DriverPolicy
 
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}=", "label": str(i)}) + "\n" for i in range(10)))
@@ -181,8 +197,8 @@ def test_num_epoch_makes_every_epochs_end_a_save_and_eval_point(tmp_path):
                               hf_checkpoint=str(model), eval_interval=100, save="/s", save_interval=4,
                               run_dir=str(tmp_path / "run")), log=lambda *_: None)  # fmt: skip
     assert (c.num_rollout, c.num_rollout_per_epoch) == (6, 3)
-    assert [r for r in range(6) if c.eval_due(r)] == [2, 5]  # each epoch's end (the last step too)
-    assert [r for r in range(6) if c.save_due(r)] == [2, 3, 5]  # and every --save-interval
+    assert [r for r in range(6) if DriverPolicy(c).eval_due(r)] == [2, 5]  # each epoch's end (the last step too)
+    assert [r for r in range(6) if DriverPolicy(c).save_due(r)] == [2, 3, 5]  # and every --save-interval
     given = prepare_run(RunConfig(num_rollout=6, num_epoch=2, rollout_batch_size=3, prompt_data=str(data),
                                   eval_prompt_data=["h", str(data)], hf_checkpoint=str(model),
                                   run_dir=str(tmp_path / "run2")), log=lambda *_: None)  # fmt: skip

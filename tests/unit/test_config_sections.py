@@ -1,7 +1,9 @@
-"""Configuration sections: every flag belongs to one typed section with a description, and each
-service declares the sections it reads (`Service.reads`); this test reads every service
-package's code and fails when it reads a flag outside them (directly, or through a derived
-property such as `commit_interval`). The runtime reads InfraSection for every service."""
+"""Configuration sections: every flag belongs to one typed section with a description; each
+service declares the sections it reads (`Service.reads`) and reads its flags through them
+(`config.rollout.temperature`); this test reads every service package's code and fails when it
+reads a section it does not declare (directly, or through a value that joins sections such as
+`commit_interval`) or a flag around its section. The runtime reads InfraSection for every
+service. Values and rules that join sections name them (`@joins`), and are held to that too."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from services.common import config as cfgmod
-from services.common.config import InfraSection, RunConfig, Section
+from services.common.config import SECTION_NAMES, SECTIONS, InfraSection, RunConfig, Section
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = {
@@ -23,37 +25,46 @@ SERVICES = {
     "rollout": "services.rollout.service:RolloutService",
     "trainer": "services.trainer.service:TrainerService",
     "weightsync": "services.weightsync.service:WeightSyncService",
+    "adapters": "services.adapters.service:AdapterService",
 }
-RECEIVERS = {"config", "cfg", "c", "run_config"}
+RECEIVERS = {"config", "c", "run_config"}
+BY_NAME = {name: cls for cls, name in SECTION_NAMES.items()}
 
 
-def section_of(name: str) -> set[type]:
-    """The sections a RunConfig attribute reads: a field's own section; a derived property's,
-    the sections of the fields its body reads."""
-    for cls in RunConfig.__mro__:
-        if issubclass(cls, Section) and cls is not RunConfig and name in cls.__dict__.get("__annotations__", {}):
-            return {cls}
-    prop = RunConfig.__dict__.get(name)
-    if isinstance(prop, property):
-        body = ast.parse(textwrap.dedent(inspect.getsource(prop.fget)))
-        reads = {
-            n.attr for n in ast.walk(body) if isinstance(n, ast.Attribute) and getattr(n.value, "id", "") == "self"
-        }
-        return set().union(*(section_of(r) for r in reads if r != name))
-    return set()
+def joined(name: str) -> set[type] | None:
+    """The sections a RunConfig value or rule that joins sections declares (`@joins`), or None."""
+    member = RunConfig.__dict__.get(name)
+    fn = member.fget if isinstance(member, property) else member
+    return set(fn.joins) if hasattr(fn, "joins") else None
 
 
-def config_reads(package: str) -> set[str]:
-    names = set()
-    for f in (ROOT / "services" / package).rglob("*.py"):
-        for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.Attribute):
-                v = node.value
-                receiver = v.attr if isinstance(v, ast.Attribute) else getattr(v, "id", None)
-                if receiver in RECEIVERS and (node.attr in RunConfig.model_fields or isinstance(
-                        RunConfig.__dict__.get(node.attr), property)):  # fmt: skip
-                    names.add(node.attr)
-    return names
+def receiver(node: ast.expr) -> str | None:
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+
+
+def config_reads(tree: ast.AST, receivers: set[str]) -> tuple[set[type], list[str]]:
+    """The sections code reads through `<receiver>.<section>.<field>` and through joined values
+    (`<receiver>.buffer_capacity`), and its reads that bypass the sections (`<receiver>.<field>`)."""
+    sections, flat = set(), []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or receiver(node.value) not in receivers:
+            continue
+        if node.attr in BY_NAME:
+            sections.add(BY_NAME[node.attr])
+        elif (joins := joined(node.attr)) is not None:
+            sections |= joins
+        elif any(node.attr in s.model_fields or isinstance(s.__dict__.get(node.attr), property) for s in SECTIONS):
+            flat.append(f"{receiver(node.value)}.{node.attr} (line {node.lineno})")
+    return sections, flat
+
+
+def package_reads(package: str) -> tuple[set[type], list[str]]:
+    sections, flat = set(), []
+    for f in sorted((ROOT / "services" / package).rglob("*.py")):
+        s, bare = config_reads(ast.parse(f.read_text()), RECEIVERS)
+        sections |= s
+        flat += [f"{f.relative_to(ROOT)}: {b}" for b in bare]
+    return sections, flat
 
 
 def test_every_flag_is_in_exactly_one_section_and_described():
@@ -68,11 +79,35 @@ def test_each_service_reads_only_the_sections_it_declares(package):
     module, cls = SERVICES[package].split(":")
     service = getattr(importlib.import_module(module), cls)
     declared = {InfraSection, *service.reads}
-    outside = {n: sorted(c.__name__ for c in section_of(n) - declared) for n in config_reads(package)}
-    outside = {n: s for n, s in outside.items() if s}
-    assert not outside, f"{cls} reads flags of sections it does not declare in `reads`: {outside}"
-    unused = {s.__name__ for s in service.reads} - {c.__name__ for n in config_reads(package) for c in section_of(n)}
-    assert not unused, f"{cls} declares sections it never reads: {sorted(unused)}"
+    read, flat = package_reads(package)
+    assert not flat, f"{cls} reads flags around their sections (read config.<section>.<flag>): {flat}"
+    outside = sorted(c.__name__ for c in read - declared)
+    assert not outside, f"{cls} reads sections it does not declare in `reads`: {outside}"
+    unused = sorted(s.__name__ for s in set(service.reads) - read)
+    assert not unused, f"{cls} declares sections it never reads: {unused}"
+
+
+@pytest.mark.parametrize("name", [n for n, v in vars(RunConfig).items() if joined(n) is not None])
+def test_a_value_or_rule_that_joins_sections_reads_only_the_sections_it_names(name):
+    member = RunConfig.__dict__[name]
+    fn = member.fget if isinstance(member, property) else member
+    read, flat = config_reads(ast.parse(textwrap.dedent(inspect.getsource(fn))), {"self"})
+    assert not flat, f"RunConfig.{name} reads flags around their sections: {flat}"
+    assert read <= joined(name), f"RunConfig.{name} reads {sorted(c.__name__ for c in read - joined(name))} " \
+        "without naming them in @joins"
+
+
+def test_every_rule_that_joins_sections_runs():
+    rules = {n for n, v in vars(RunConfig).items() if callable(v) and hasattr(v, "joins")}
+    assert rules == set(RunConfig.JOINT_RULES)
+
+
+def test_a_section_rule_reads_its_own_section_only():
+    """Each section's problems() runs on that section alone: a rule that reaches into another
+    section fails here (AttributeError) rather than passing on the whole config."""
+    config = RunConfig()
+    for section in SECTIONS:
+        section.problems(getattr(config, SECTION_NAMES[section]))
 
 
 def test_the_sections_are_public():

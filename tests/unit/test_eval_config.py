@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.cli import _resolve
-from services.common.config import ConfigError, eval_backend
+from services.common.config import ConfigError
 from services.common.config_load import resolve_config
 from services.eval.fleet import fleet_server_args
 
@@ -35,14 +35,14 @@ def test_eval_validation(fields, message):
 
 
 def test_backend_selection():
-    assert eval_backend(resolve_config({}, environ={})) == "shared"
+    assert resolve_config({}, environ={}).eval.backend == "shared"
     assert (
-        eval_backend(resolve_config({"eval_num_gpus": 2, "eval_interval": 2, "eval_hf_dir": "/x"}, environ={}))
+        resolve_config({"eval_num_gpus": 2, "eval_interval": 2, "eval_hf_dir": "/x"}, environ={}).eval.backend
         == "fleet"
     )
     cfg = resolve_config({"eval_function_path": "m.C", "eval_interval": 4, "save_hf": "/h", "save": "/s", "save_interval": 2},
                          environ={})  # fmt: skip
-    assert eval_backend(cfg) == "external"
+    assert cfg.eval.backend == "external"
 
 
 def test_fleet_inherits_rollout_settings_with_overrides(caplog):

@@ -1,0 +1,24 @@
+"""The run configuration (services/common/config/run.py's RunConfig), one module per section;
+loading it from defaults, a file, the environment and the command line is config_load.py."""
+
+from services.common.config.async_ import AsyncSection
+from services.common.config.base import ConfigError, Section
+from services.common.config.data import DataSection
+from services.common.config.eval import EvalSection
+from services.common.config.infra import InfraSection
+from services.common.config.multi_lora import (
+    ADAPTER_NAME,
+    MULTI_LORA_IGNORES,
+    MultiLoraSection,
+    adapter_name_problem,
+    adapter_pairs,
+)
+from services.common.config.rollout import RolloutSection
+from services.common.config.run import SECTION_NAMES, SECTIONS, RunConfig, joins, section_of
+from services.common.config.trainer import TrainerSection
+
+__all__ = [
+    "ADAPTER_NAME", "MULTI_LORA_IGNORES", "SECTIONS", "SECTION_NAMES", "AsyncSection", "ConfigError",
+    "DataSection", "EvalSection", "InfraSection", "MultiLoraSection", "RolloutSection", "RunConfig", "Section",
+    "TrainerSection", "adapter_name_problem", "adapter_pairs", "joins", "section_of",
+]  # fmt: skip

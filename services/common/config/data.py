@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from services.common.config.base import Section
+
+
+class DataSection(Section):
+    """The model and the prompts (launcher, buffer, producers, trainer)."""
+
+    task: Literal["reverse-digits"] = Field(
+        "reverse-digits",
+        description="Bundled verifiable task: supplies prompts, held-out prompts and the reward "
+        "when --prompt-data / --rm-type are not given, and the tiny model when --hf-checkpoint is unset.",
+    )
+    hf_checkpoint: str | None = Field(
+        None,
+        description="Hugging Face model directory (config, safetensors, tokenizer). Unset: build the "
+        "task's tiny model locally, no download.",
+    )
+    warmup_sft_steps: int = Field(
+        20,
+        ge=0,
+        description="Supervised warm-start steps applied when the tiny model is built (0 = none); the "
+        "held-out reward after it is reported as step 0.",
+    )
+    prompt_data: str | None = Field(None, description="JSONL file of prompts.")
+    input_key: str = Field("prompt", description="JSONL key of the prompt.")
+    label_key: str | None = Field("label", description="JSONL key of the label.")
+    metadata_key: str | None = Field("metadata", description="JSONL key of per-prompt metadata.")
+    apply_chat_template: bool = Field(False, description="Format prompts with the tokenizer's chat template.")
+    rollout_shuffle: bool = Field(False, description="Shuffle prompts every epoch.")
+    rollout_seed: int = Field(42, ge=0, description="Seed for prompt shuffling and sampling.")
+    seed: int = Field(1234, ge=0, description="Seed for model init and the trainer.")
+

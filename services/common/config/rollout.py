@@ -1,0 +1,113 @@
+from __future__ import annotations
+
+from pydantic import Field
+
+from services.common.config.base import Section
+
+
+class RolloutSection(Section):
+    """Generation and rewards (producers; the buffer reads B and n)."""
+
+    rollout_batch_size: int = Field(
+        16,
+        ge=1,
+        description="B: prompt groups per training step. Required on the command line (or in --config), as in "
+        "Miles; the default only serves configs built in code.",
+    )
+    n_samples_per_prompt: int = Field(1, ge=1, description="n: trajectories per prompt group (GRPO wants several).")
+    rollout_max_response_len: int = Field(8, ge=1, description="max_new_tokens of every generation.")
+    rollout_temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
+    rollout_top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling p.")
+    rollout_top_k: int = Field(-1, description="Top-k sampling (-1: whole vocabulary).")
+    rollout_stop_token_ids: list[int] = Field(default_factory=list, description="Stop token ids in addition to EOS.")
+    num_rollout: int | None = Field(None, ge=1, description="Training steps to run (a run needs this or --num-epoch).")
+    num_epoch: int | None = Field(
+        None,
+        ge=1,
+        description="Epochs over --prompt-data when --num-rollout is unset: (prompts // B) x this steps.",
+    )
+    num_rollout_per_epoch: int | None = Field(
+        None,
+        ge=1,
+        description="Steps per epoch (prompts // B), set by the launcher when --num-epoch gives the run's length: "
+        "every epoch's last step is then also a save and eval point, as in Miles.",
+    )
+    rm_type: str | None = Field(None, description="Built-in reward; default: the task's reward (reverse-digits).")
+    reward_key: str | None = Field(None, description="Key to read when a reward is a dict.")
+    max_abs_reward: float = Field(
+        1e6,
+        gt=0,
+        le=1e30,
+        description="Rewards must lie in [-this, this]: a sample whose reward is outside fails (producer) or is "
+        "rejected (buffer), so no accepted reward overflows the advantages or the loss.",
+    )
+    custom_rm_path: str | None = Field(
+        None, description="module.fn: async fn(config, sample) -> float (group fn with --group-rm)."
+    )
+    group_rm: bool = Field(False, description="--custom-rm-path scores a whole group at once.")
+    custom_generate_function_path: str | None = Field(
+        None, description="module.fn: async fn(config, sample, engine, sampling_params)."
+    )
+    sglang_server_concurrency: int = Field(
+        512,
+        ge=1,
+        description="Generate requests a producer keeps in flight per engine at most (Miles's per-server "
+        "semaphore; through a router, this times --rollout-num-engines). Ours, never passed to SGLang.",
+    )
+    rollout_function_path: str | None = Field(
+        None,
+        description="Miles's custom rollout loop. Not supported: the producer owns the loop in every mode, so "
+        "it is rejected with what to use instead (--custom-generate-function-path, --custom-rm-path).",
+    )
+    dynamic_sampling_filter_path: str | None = Field(
+        None,
+        description="module.fn: fn(config, group) -> DynamicFilterOutput | bool, applied at put.",
+    )
+    rollout_sample_filter_path: str | None = Field(
+        None, description="module.fn: fn(config, batch) marking remove_sample, applied per step."
+    )
+    over_sampling_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Sync and one-step drivers: release prompts in multiples of this (>= B) whenever fewer than "
+        "the step's B groups are done or in flight, as Miles's rollout over-samples for dynamic filtering. "
+        "Leftover groups are trained by the next step (Miles discards them). Unset: exactly what is missing.",
+    )
+    data_source_path: str | None = Field(
+        None,
+        description="module.Class: a services.api.DataSource subclass (Miles's get_samples(num_samples)) that "
+        "replaces --prompt-data; it must give the same prompts in the same order from a fresh instance (needs "
+        "--num-rollout).",
+    )
+    buffer_filter_path: str | None = Field(
+        None,
+        description="module.fn: fn(config, rollout_id, buffer, num_samples) -> list[list[Sample]] picks which "
+        "recycled prompt group is released next (default: the oldest).",
+    )
+    rollout_all_samples_process_path: str | None = Field(
+        None,
+        description="module.fn: fn(config, all_samples, data_source) once per step with every group generated for "
+        "it, those the dynamic filter dropped included (train and one-step train-async; data_source is None).",
+    )
+    custom_async_data_buffer_path: str | None = Field(
+        None, description="module.Class: a DataBuffer subclass replacing the default buffer."
+    )
+
+    def problems(self) -> list[str]:
+        errs = []
+        if any(t < 0 for t in self.rollout_stop_token_ids):
+            errs.append(f"--rollout-stop-token-ids must be token ids >= 0 (got {self.rollout_stop_token_ids})")
+        if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < self.rollout_batch_size:
+            errs.append(
+                f"--over-sampling-batch-size ({self.over_sampling_batch_size}) must be >= --rollout-batch-size "
+                f"({self.rollout_batch_size})"
+            )
+        if self.rollout_top_k != -1 and self.rollout_top_k < 1:
+            errs.append(f"--rollout-top-k must be -1 or >= 1 (got {self.rollout_top_k})")
+        return errs
+
+    @property
+    def total_steps(self) -> int:
+        if self.num_rollout is not None:
+            return self.num_rollout
+        return 150  # only a config built in code: the launcher refuses a run that names neither

@@ -1,0 +1,378 @@
+"""The run configuration: every flag under its snake_case name, read by the services section by
+section (`config.rollout.temperature`), and the one place where sections meet: the values derived
+from several sections and the rules that join them, each naming the sections it joins.
+
+Flags use Miles's names in kebab case on the command line (`--rollout-batch-size`). Precedence:
+defaults < config file (YAML/JSON/TOML) < environment (`ASYNCRL_<NAME>`) < command line. The
+resolved config is stored in the run's KV bucket so that every service reads the same one.
+Users, plugins and the stored config see it flat (`config.temperature`); each section's own
+rules are its `problems()`. This package imports no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import ClassVar, Literal, TypeVar
+
+from pydantic import ConfigDict, PrivateAttr, field_validator, model_validator
+
+from asyncrl_proto.subjects import check_run_id
+from services.common.config.async_ import AsyncSection
+from services.common.config.base import ConfigError, Section
+from services.common.config.data import DataSection
+from services.common.config.eval import EvalSection
+from services.common.config.infra import InfraSection
+from services.common.config.multi_lora import MULTI_LORA_IGNORES, MultiLoraSection
+from services.common.config.rollout import RolloutSection
+from services.common.config.trainer import TrainerSection
+
+SECTIONS: tuple[type[Section], ...] = (
+    InfraSection, DataSection, RolloutSection, AsyncSection, TrainerSection, EvalSection, MultiLoraSection
+)  # fmt: skip
+"""The configuration's sections, in the order --help shows them."""
+
+SECTION_NAMES: dict[type[Section], str] = {
+    InfraSection: "infra", DataSection: "data", RolloutSection: "rollout", AsyncSection: "async_",
+    TrainerSection: "trainer", EvalSection: "eval", MultiLoraSection: "multi_lora",
+}  # fmt: skip
+"""Each section's attribute on RunConfig (`config.async_`: `async` is a Python keyword)."""
+
+F = TypeVar("F", bound=Callable)
+
+
+def joins(*sections: type[Section]) -> Callable[[F], F]:
+    """Marks a derived value or a rule as joining these sections (and only these: a test reads its
+    body and fails on a section it reads without naming it here)."""
+
+    def mark(fn: F) -> F:
+        fn.joins = sections
+        return fn
+
+    return mark
+
+
+def section_of(field: str) -> type[Section]:
+    """The section that declares a RunConfig field."""
+    return next(s for s in SECTIONS if field in s.model_fields)
+
+
+class RunConfig(MultiLoraSection, EvalSection, TrainerSection, AsyncSection, RolloutSection, DataSection, InfraSection):
+    """Every flag, flat as users write them; `config.<section>` is one section's part; below, the
+    values and rules that join sections."""
+
+    model_config = ConfigDict(frozen=True)  # read-only: model_copy(update=...) makes a changed one
+    _sections: dict = PrivateAttr(default_factory=dict)
+
+    def _section(self, cls: type[Section]) -> Section:
+        part = self._sections.get(cls)
+        if part is None:  # built once per config: model_copy below starts afresh
+            part = self._sections[cls] = cls.model_construct(**{n: getattr(self, n) for n in cls.model_fields})
+        return part
+
+    def model_copy(self, *, update: dict | None = None, deep: bool = False) -> RunConfig:
+        copy = super().model_copy(update=update, deep=deep)
+        copy._sections = {}
+        return copy
+
+    @property
+    def infra(self) -> InfraSection:
+        return self._section(InfraSection)
+
+    @property
+    def data(self) -> DataSection:
+        return self._section(DataSection)
+
+    @property
+    def rollout(self) -> RolloutSection:
+        return self._section(RolloutSection)
+
+    @property
+    def async_(self) -> AsyncSection:
+        return self._section(AsyncSection)
+
+    @property
+    def trainer(self) -> TrainerSection:
+        return self._section(TrainerSection)
+
+    @property
+    def eval(self) -> EvalSection:
+        return self._section(EvalSection)
+
+    @property
+    def multi_lora(self) -> MultiLoraSection:
+        return self._section(MultiLoraSection)
+
+    # Values derived from several sections.
+
+    @property
+    @joins(AsyncSection, InfraSection)
+    def adapter_transfer_mode(self) -> Literal["disk", "object-store"]:
+        """How multi-LoRA adapter versions reach the engines: through the run's weights bucket with
+        --update-weight-transfer-mode object-store, and with distributed when the launcher starts
+        built-in engines (they fetch from the bucket, so no node needs the trainer's disk; the base
+        never changes in this mode, and LoRA over a broadcast group is not in upstream SGLang);
+        by disk otherwise (SGLang servers and external engines load a path they must see)."""
+        mode = self.async_.update_weight_transfer_mode
+        if mode == "object-store" or (mode == "distributed" and self.infra.engine == "builtin"
+                                      and not self.infra.rollout_external_engine_addrs):  # fmt: skip
+            return "object-store"
+        return "disk"
+
+    @property
+    @joins(AsyncSection, InfraSection, MultiLoraSection)
+    def engines_read_bucket(self) -> bool:
+        """The built-in engines fetch `nats-object://` weights or adapters (they get the run's NATS
+        URL and a read-only identity)."""
+        if self.async_.update_weight_transfer_mode == "object-store":
+            return True
+        return self.multi_lora.multi_lora_n_adapters > 0 and self.adapter_transfer_mode == "object-store"
+
+    @property
+    @joins(AsyncSection, RolloutSection)
+    def buffer_capacity(self) -> int:
+        return math.floor(self.async_.async_data_buffer_capacity_factor * self.rollout.rollout_batch_size)
+
+    @property
+    @joins(AsyncSection, RolloutSection)
+    def inflight_groups(self) -> int:
+        """In-flight cap of one producer, in groups (SPEC.md section 4)."""
+        if self.async_.async_max_concurrent_samples is not None:
+            return max(1, self.async_.async_max_concurrent_samples // self.rollout.n_samples_per_prompt)
+        return self.rollout.rollout_batch_size
+
+    @property
+    @joins(AsyncSection, RolloutSection, InfraSection, MultiLoraSection)
+    def rollouts_max_msgs(self) -> int:
+        """ROLLOUTS' message cap: four times what a run holds there at once (stored, in flight
+        on every producer the launcher starts, and two steps' leases), per adapter, plus 1024.
+        Past it a producer's publish is refused until the buffer's next purge."""
+        producers = max(1, self.infra.rollout_num_producers)
+        held = self.buffer_capacity + self.inflight_groups * producers + 2 * self.rollout.rollout_batch_size
+        return 4 * held * max(1, self.multi_lora.multi_lora_n_adapters) + 1024
+
+    @property
+    @joins(AsyncSection, InfraSection)
+    def submission_granularity(self) -> Literal["sample", "group"]:
+        if self.async_.rollout_submission_granularity is not None:
+            return self.async_.rollout_submission_granularity
+        return "sample" if self.infra.mode == "fully_async" else "group"
+
+    @property
+    @joins(TrainerSection, RolloutSection)
+    def optimizer_steps_per_rollout(self) -> int:
+        t = self.trainer
+        if t.num_steps_per_rollout is not None:
+            return t.num_steps_per_rollout
+        if t.global_batch_size is not None:
+            return max(1, self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt // t.global_batch_size)
+        return 1
+
+    @property
+    @joins(TrainerSection, AsyncSection, InfraSection)
+    def commit_interval(self) -> int:
+        """The most steps between two commits (a save at an epoch's end or on the sentinel only
+        adds commits): the buffer's window of steps the trainer may ask for."""
+        if self.trainer.checkpoints_resume:
+            return self.trainer.save_interval
+        return 1 if self.infra.mode == "sync" else self.async_.update_weights_interval
+
+    # Rules that join sections; every one runs, and all their problems are reported at once.
+
+    @joins(InfraSection, RolloutSection, AsyncSection)
+    def _mode_problems(self) -> list[str]:
+        """What each mode cannot run with (SPEC.md section 1)."""
+        i, r, a, errs = self.infra, self.rollout, self.async_, []
+        if i.fully_async:
+            if r.rollout_all_samples_process_path is not None:
+                errs.append("--fully-async does not support --rollout-all-samples-process-path")
+            if r.over_sampling_batch_size is not None:
+                errs.append(
+                    "--over-sampling-batch-size applies to the train and one-step train-async drivers: under "
+                    "--fully-async the producers keep the buffer full instead; drop it"
+                )
+            if a.pause_generation_mode == "abort":
+                errs.append(
+                    "--fully-async cannot use --pause-generation-mode abort: generation is always in "
+                    "flight, so every weight update would kill it and force a full regeneration"
+                )
+            if a.colocate:
+                errs.append(
+                    "--fully-async cannot be combined with --colocate: training and rollout must run "
+                    "on separate devices so that generation never stops; drop --colocate"
+                )
+            if a.partial_rollout:
+                errs.append(
+                    "--fully-async cannot be combined with --partial-rollout: the fully-async producer "
+                    "recycles aborted groups itself; drop --partial-rollout"
+                )
+            if r.rollout_function_path:
+                errs.append(
+                    "--fully-async cannot be combined with a custom rollout function "
+                    "(--rollout-function-path): the fully-async producer owns the rollout loop; use "
+                    "--custom-generate-function-path to customise generation instead"
+                )
+        else:  # accepted by Miles outside fully async; asyncrl has neither, so it says so
+            if a.colocate:
+                errs.append(
+                    "--colocate is not supported: training and rollout run as separate processes on separate "
+                    "devices, with no offload between them; drop --colocate"
+                )
+            if a.partial_rollout:
+                errs.append(
+                    "--partial-rollout is not supported: an aborted group is regenerated whole (set "
+                    "--async-unused-samples-handler retry to retry it); drop --partial-rollout"
+                )
+            if r.rollout_function_path:
+                errs.append(
+                    "--rollout-function-path is not supported: the producer owns the rollout loop; customise "
+                    "generation with --custom-generate-function-path and rewards with --custom-rm-path"
+                )
+        return errs
+
+    @joins(AsyncSection, RolloutSection)
+    def _capacity_problems(self) -> list[str]:
+        errs = []
+        capacity = self.buffer_capacity
+        if capacity < 1:
+            errs.append(
+                f"buffer capacity floor({self.async_.async_data_buffer_capacity_factor} * "
+                f"{self.rollout.rollout_batch_size}) = {capacity} holds no group: raise "
+                "--async-data-buffer-capacity-factor or --rollout-batch-size so that it is at least 1"
+            )
+        cap, n = self.async_.async_max_concurrent_samples, self.rollout.n_samples_per_prompt
+        if cap is not None and cap < n:
+            errs.append(
+                f"--async-max-concurrent-samples ({cap}) must be >= --n-samples-per-prompt ({n}): whole prompt "
+                "groups are submitted, so a smaller cap could never submit one"
+            )
+        return errs
+
+    @joins(AsyncSection, InfraSection, TrainerSection)
+    def _transfer_problems(self) -> list[str]:
+        errs, mode = [], self.async_.update_weight_transfer_mode
+        if mode == "object-store" and self.infra.engine == "sglang":
+            errs.append(
+                "--update-weight-transfer-mode object-store needs the built-in engine, which fetches weights from the "
+                "bucket itself; an SGLang server loads from disk only: use --update-weight-transfer-mode disk"
+            )
+        if self.trainer.use_ray and "update_weight_transfer_mode" in self.model_fields_set and mode == "disk":
+            errs.append(
+                "--use-ray places engines on nodes that do not see the trainer's disk: use "
+                "--update-weight-transfer-mode object-store (the default with --use-ray) or distributed"
+            )
+        return errs
+
+    @joins(TrainerSection, RolloutSection, MultiLoraSection)
+    def _batch_problems(self) -> list[str]:
+        """How a rollout's samples split into optimizer steps."""
+        t, errs = self.trainer, []
+        samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+        if t.num_steps_per_rollout is not None and t.global_batch_size is not None:
+            if t.global_batch_size != samples // t.num_steps_per_rollout:
+                errs.append(
+                    f"--global-batch-size {t.global_batch_size} is not equal to --rollout-batch-size "
+                    f"{self.rollout.rollout_batch_size} * --n-samples-per-prompt {self.rollout.n_samples_per_prompt} "
+                    f"// --num-steps-per-rollout {t.num_steps_per_rollout}: set one of them"
+                )
+        elif (
+            t.global_batch_size is not None
+            and not self.multi_lora.multi_lora_n_adapters  # multi-LoRA: the target of a coalesced batch
+            and (samples % t.global_batch_size or t.global_batch_size > samples)
+        ):
+            errs.append(
+                f"--global-batch-size {t.global_batch_size} must divide the rollout's {samples} samples "
+                f"(--rollout-batch-size x --n-samples-per-prompt)"
+            )
+        elif t.num_steps_per_rollout is not None and t.num_steps_per_rollout > samples:
+            errs.append(f"--num-steps-per-rollout {t.num_steps_per_rollout} exceeds the rollout's {samples} samples")
+        if self.optimizer_steps_per_rollout > 1 and t.trainer_num_ranks > 1:
+            errs.append(
+                "several optimizer steps per rollout (--num-steps-per-rollout, --global-batch-size) run on one "
+                "trainer rank in this version: drop --trainer-num-ranks or train one step per rollout"
+            )
+        return errs
+
+    @joins(EvalSection, TrainerSection)
+    def _snapshot_eval_problems(self) -> list[str]:
+        """Where snapshot eval (a fleet or an external evaluator) gets its snapshots."""
+        e, t, errs = self.eval, self.trainer, []
+        if e.backend == "shared":
+            return errs
+        if e.eval_interval is None:
+            errs.append("Snapshot eval requires --eval-interval.")
+        if not e.eval_hf_dir and not t.save_hf:
+            errs.append(
+                "Snapshot eval requires a snapshot source: set --eval-hf-dir (staging exports) or --save-hf "
+                "(reuse periodic HF checkpoints)."
+            )
+        if not e.eval_hf_dir and t.save_hf and e.eval_interval and t.save_interval is None:
+            errs.append(
+                "Snapshot eval from --save-hf checkpoints needs --save-interval (without it nothing is saved): "
+                "set --save-interval, or --eval-hf-dir to export a snapshot per eval point"
+            )
+        elif not e.eval_hf_dir and t.save_hf and e.eval_interval:
+            save_every = t.save_interval
+            if e.eval_interval % save_every:
+                errs.append(
+                    f"Snapshot eval from --save-hf checkpoints needs --eval-interval ({e.eval_interval}) to be "
+                    f"a multiple of --save-interval ({save_every}): set --eval-interval "
+                    f"{save_every * max(1, e.eval_interval // save_every)} or --eval-hf-dir to export a "
+                    "snapshot per eval point"
+                )
+        return errs
+
+    @joins(MultiLoraSection, TrainerSection, EvalSection, AsyncSection, InfraSection)
+    def _multi_lora_problems(self) -> list[str]:
+        """What multi-LoRA async cannot run with, or would silently ignore."""
+        errs = []
+        if not self.multi_lora.multi_lora_n_adapters:
+            return errs
+        if self.trainer.use_ray and self.adapter_transfer_mode == "disk":
+            errs.append("Multi-LoRA with --use-ray: adapter versions would reach these engines by disk, which Ray's "
+                        "nodes do not share (SGLang servers and external engines load adapters from a path): use the "
+                        "built-in engines, which fetch them from the run's object bucket")  # fmt: skip
+        if self.eval.eval_interval is not None:
+            errs.append("Multi-LoRA async (--multi-lora-n-adapters) does not support in-loop evaluation: unset "
+                        "--eval-interval (evaluate each adapter from its saves)")  # fmt: skip
+        errs += [f"Multi-LoRA async (--multi-lora-n-adapters) {why}: {fix}"
+                 for flag, why, fix in MULTI_LORA_IGNORES if getattr(self.trainer, flag)]  # fmt: skip
+        if self.async_.update_weights_interval > 1:
+            errs.append("Multi-LoRA async (--multi-lora-n-adapters) pushes every adapter version it trains (its "
+                        "staleness is counted in its own steps): drop --update-weights-interval")  # fmt: skip
+        return errs
+
+    JOINT_RULES: ClassVar[tuple[str, ...]] = (
+        "_mode_problems", "_capacity_problems", "_transfer_problems", "_batch_problems", "_snapshot_eval_problems",
+        "_multi_lora_problems",
+    )  # fmt: skip
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id_pattern(cls, v: str | None) -> str | None:
+        return v if v is None else check_run_id(v)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _credentials_out_of_the_url(cls, data):
+        """nats://user:password@host -> nats_url nats://host, nats_user, nats_password (a lone
+        user part is a token): a secret in the URL would be stored and put on command lines."""
+        if isinstance(data, dict) and data.get("nats_url"):
+            from services.common.secrets import url_credentials
+
+            url, found = url_credentials(str(data["nats_url"]))
+            if found:
+                data = dict(data, nats_url=url)
+                for key, value in found.items():
+                    data.setdefault(f"nats_{key}", value)
+        return data
+
+    @model_validator(mode="after")
+    def _validate(self) -> RunConfig:
+        """Every section's own rules, on that section alone, then the rules that join sections;
+        all of them reported at once, with what to set instead."""
+        errs = [e for cls in SECTIONS for e in cls.problems(self._section(cls))]
+        errs += [e for rule in self.JOINT_RULES for e in getattr(self, rule)()]
+        if errs:
+            raise ConfigError("\n".join(errs))
+        return self

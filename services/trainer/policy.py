@@ -1,0 +1,52 @@
+"""The driver's policy: after which steps the trainer pushes weights, saves and evaluates, and
+whether it evaluates before it trains (Miles's order, SPEC.md section 1). It reads the run's
+mode, budget, async, trainer and eval settings, and imports no torch."""
+
+from __future__ import annotations
+
+
+def periodic_due(rollout_id: int, interval: int | None, per_epoch: int | None = None, total: int | None = None) -> bool:
+    """Miles's rule for a periodic action (save, eval) after step `rollout_id` (0-based): never
+    without an interval; after the last step when `total` is given; else when (r + 1) is a
+    multiple of the interval or ends an epoch."""
+    if interval is None:
+        return False
+    if total is not None and rollout_id == total - 1:
+        return True
+    done = rollout_id + 1
+    return done % interval == 0 or (per_epoch is not None and done % per_epoch == 0)
+
+
+class DriverPolicy:
+    """When the trainer does what, from the run's config (RunConfig)."""
+
+    def __init__(self, config) -> None:
+        self.mode = config.infra.mode
+        self.total = config.rollout.total_steps
+        self.per_epoch = config.rollout.num_rollout_per_epoch
+        self.update_interval = config.async_.update_weights_interval
+        self.save_interval = config.trainer.save_interval
+        self.eval_interval = config.eval.eval_interval
+        self.skip_baseline_eval = config.eval.skip_eval_before_train
+
+    def update_due(self, rollout_id: int) -> bool:
+        """The weights are pushed after step r: every step in sync (on-policy by definition),
+        else iff (r + 1) % --update-weights-interval == 0 (no forced push after the last step)."""
+        return self.mode == "sync" or (rollout_id + 1) % self.update_interval == 0
+
+    def save_due(self, rollout_id: int) -> bool:
+        """A periodic save after step r (the --save-trigger-sentinel adds more at run time)."""
+        return periodic_due(rollout_id, self.save_interval, self.per_epoch, self.total)
+
+    def eval_due(self, rollout_id: int) -> bool:
+        """An eval point after step r; the last step forces one in the async drivers only."""
+        last = self.total if self.mode != "sync" else None
+        return periodic_due(rollout_id, self.eval_interval, self.per_epoch, last)
+
+    def baseline_eval_due(self, start_step: int) -> bool:
+        """An eval point before training starts at `start_step` (named by it): before the run's
+        first step, and in the synchronous driver before the first step after a resume too, as in
+        Miles; never with --skip-eval-before-train or without --eval-interval."""
+        if self.eval_interval is None or self.skip_baseline_eval or start_step >= self.total:
+            return False
+        return start_step == 0 or self.mode == "sync"
