@@ -32,7 +32,6 @@ is complete are decided only in on_handed.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 import time
 from collections.abc import Callable
@@ -56,14 +55,14 @@ from asyncrl_proto import (
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import SampleStatus, flatten_group, oldest_weight_version
 from services.buffer.core import staleness
-from services.buffer.policy import ReleaseState, release_allowance
+from services.buffer.out import BufferPluginError, GroupState, LeaseState, Out, Put, Verdict
+from services.buffer.policy import PRODUCER_TIMEOUT_S, ReleaseState, release_allowance, stall_cause
 from services.buffer.state import BufferState, apply
 from services.common.datasource import PromptSource
 from services.common.validate import Limits, group_problem
 
 log = logging.getLogger(__name__)
 
-PRODUCER_TIMEOUT_S = 10.0
 MAX_PRODUCERS = 1024
 """Producers whose heartbeats are tracked (each cap at most the configured one)."""
 MAX_RELEASE = 256
@@ -72,68 +71,6 @@ INLINE_MAX_BYTES = 64 * 1024
 """Groups up to this size travel inline in the get reply (they are in memory anyway), which
 saves the trainer a round trip per group; larger ones are read from ROLLOUTS by sequence."""
 INLINE_REPLY_MAX_BYTES = 4 * 1024 * 1024
-
-
-class BufferPluginError(RuntimeError):
-    pass
-
-
-class GroupState(enum.Enum):
-    RELEASING = "releasing"  # planned, its release not yet recorded (nor its prompt published)
-    OUTSTANDING = "outstanding"  # released: queued, generating, or its group not yet read
-    PUTTING = "putting"  # in the DataBuffer's put()
-    STORED = "stored"
-    LEASED = "leased"  # in the lease of an uncommitted step
-    SETTLED = "settled"  # trained, dropped, filtered, rejected, recycled as a new attempt, or unknown
-
-
-class Verdict(str, enum.Enum):
-    """The machine's word on a ROLLOUTS message; the partition maps it to the bus (one place)."""
-
-    ACK = "ack"  # decided (stored elsewhere, a duplicate, foreign): acknowledge it
-    TERM = "term"  # rejected: never redelivered
-    PUT = "put"  # call the DataBuffer's put, then on_put_returned; then acknowledge
-
-
-class LeaseState(enum.Enum):
-    OPEN = "open"  # asked for or being filled, short of B groups or not yet recorded complete
-    COMPLETE = "complete"  # B groups, durable before any get is answered with it
-    COMMITTED = "committed"
-
-
-@dataclasses.dataclass
-class Put:
-    """The group in put(), and what is known of its fate."""
-
-    group_id: str
-    group_index: int
-    attempt: int
-    stream_seq: int
-    oldest_version: int | None
-    failed: bool
-    recorded: bool = False
-    handed_back: bool = False
-    """A custom DataBuffer gave it to its unused-samples handler during put() (aborted)."""
-
-    def event_fields(self) -> dict[str, Any]:
-        return {"group_id": self.group_id, "group_index": self.group_index, "attempt": self.attempt,
-                "stream_seq": self.stream_seq, "oldest_version": self.oldest_version, "failed": self.failed}  # fmt: skip
-
-
-@dataclasses.dataclass
-class Out:
-    events: list[LedgerEvent] = dataclasses.field(default_factory=list)
-    """Recorded and applied; the service appends them before anything below leaves."""
-    replies: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
-    """(request handle, reply struct)."""
-    dead_letters: list[tuple[Any, str]] = dataclasses.field(default_factory=list)
-    """(message handle, reason)."""
-    settle: Verdict | None = None
-    """For a ROLLOUTS message: what becomes of it (Verdict)."""
-    waiting: bool = False
-    """on_get: the request waits for its step's lease (answered by a later Out, or on_get_timeout)."""
-    purge: bool = False
-    """on_commit: trained payloads can be purged from ROLLOUTS."""
 
 
 class BufferMachine:
@@ -602,56 +539,9 @@ class BufferMachine:
                  if self.lease_state(step) is not LeaseState.COMPLETE]  # fmt: skip
         rs = self.release_state(now)
         unseen = [gid for gid in s.outstanding if now - self.seen_at.get(gid, now) >= c.async_.stall_report_s]
-        if not short:
-            kind, cause = "trainer", (f"every lease up to step {self.want_step} is complete and none was committed: the trainer is "
-                     "slow or stuck (see its /status)")  # fmt: skip
-        elif not self.producers:
-            kind, cause = "no_producer", f"no producer is alive (none sent a heartbeat for {PRODUCER_TIMEOUT_S:.0f} s): start one"
-        elif rs.outstanding:
-            kind, cause = "unanswered", (f"{rs.outstanding} released prompts are unanswered, {len(unseen)} of them named in work by no "
-                     f"live producer for {c.async_.stall_report_s:.0f} s (those go back now if a producer has room); "
-                     f"producers alive: {len(self.producers)}; see their /status and the engines'")  # fmt: skip
-        elif release_allowance(rs) > 0:
-            kind, cause = "release", "prompts may be released and none are: the buffer's release loop is behind (see its log)"
-        elif rs.min_version is not None and (rs.live_version is None or rs.live_version < rs.min_version):
-            kind, cause = "engines_behind", (f"the release waits for the engines to run version {rs.min_version} (live: {rs.live_version}): "
-                     "see weight-sync's /status")  # fmt: skip
-        elif rs.head_room is not None and rs.head_room <= 0:
-            kind, cause = "staleness_budget", (f"generation is at its staleness budget (live version {rs.live_version}, --max-weight-staleness "
-                     f"{c.async_.max_weight_staleness}): the engines' version must advance; see "
-                     "weight-sync's /status")  # fmt: skip
-        elif rs.stored >= rs.capacity:
-            kind, cause = "buffer_full", (f"the buffer is full ({rs.stored}/{rs.capacity} groups) and step {short[0]}'s lease is short: "
-                     "the DataBuffer hands out none of them")  # fmt: skip
-        else:
-            kind, cause = "done", "the run needs no more groups, and its leases are short"
+        kind, cause = stall_cause(rs, short[0] if short else None, self.want_step, len(self.producers), len(unseen),
+                                  c.async_.stall_report_s, c.async_.max_weight_staleness)  # fmt: skip
         return {"step": short[0] if short else self.want_step, "for_s": round(idle, 1), "kind": kind, "cause": cause}
-
-    def status(self, now: float) -> dict:
-        rs, s = self.release_state(now), self.state
-        return {
-            "capacity": self.config.buffer_capacity, "stored_groups": rs.stored, "live_version": self.live_version,
-            "mode": self.config.infra.mode, "want_step": self.want_step, "committed_step": s.committed_step,
-            "outstanding_prompts": rs.outstanding, "producers": len(self.producers),
-            "data_source": {"epoch": s.epoch, "cursor": s.cursor, "next_group_index": s.next_group_index,
-                            "recycled_waiting": len(s.recycled)},
-            "ledger": {**s.counters, "events": s.seq}, "stalled": self.stall(now),
-        }  # fmt: skip
-
-    def metric_values(self, now: float) -> dict[str, float]:
-        rs, s = self.release_state(now), self.state
-        out = {
-            "rollout/fully_async/queue_size": rs.stored,
-            "buffer/capacity": self.config.buffer_capacity,
-            "buffer/free_capacity": max(0, self.config.buffer_capacity - rs.stored),  # the producers' HPA metric
-            "buffer/outstanding_prompts": rs.outstanding,
-            "buffer/live_version": self.live_version if self.live_version is not None else -1,
-            "buffer/committed_step": s.committed_step,
-            "buffer/ledger_events": s.seq,
-            "buffer/stalled_s": (now - self.progress_at) if self.stall(now) else 0.0,
-        }
-        out.update({f"buffer/ledger/{k}_total": v for k, v in s.counters.items()})
-        return out
 
 
 class GroupIdentity(msgspec.Struct):

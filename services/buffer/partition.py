@@ -34,7 +34,8 @@ from asyncrl_proto.messages import flatten_group
 from asyncrl_proto.subjects import Subjects
 from services.buffer.core import DefaultDataBuffer, make_buffer
 from services.buffer.ledger import Ledger
-from services.buffer.machine import BufferMachine, BufferPluginError, Out, Verdict, group_identity
+from services.buffer.machine import BufferMachine, group_identity
+from services.buffer.out import BufferPluginError, Out, Verdict
 from services.common import crash
 from services.common.bus import Settle, next_batch, settle
 from services.common.datasource import make_prompt_source
@@ -345,11 +346,34 @@ class Partition:
 
     # ---- observability -------------------------------------------------------------------------
     def status(self) -> dict:
-        return {**self.core.status(time.time()), "ledger_problems": self.ledger.problems[-20:],
-                "buffer_class": self.plugin_path}  # fmt: skip
+        now = time.time()
+        m, s = self.core, self.core.state
+        rs = m.release_state(now)
+        return {
+            "capacity": m.config.buffer_capacity, "stored_groups": rs.stored, "live_version": m.live_version,
+            "mode": m.config.infra.mode, "want_step": m.want_step, "committed_step": s.committed_step,
+            "outstanding_prompts": rs.outstanding, "producers": len(m.producers),
+            "data_source": {"epoch": s.epoch, "cursor": s.cursor, "next_group_index": s.next_group_index,
+                            "recycled_waiting": len(s.recycled)},
+            "ledger": {**s.counters, "events": s.seq}, "stalled": m.stall(now),
+            "ledger_problems": self.ledger.problems[-20:], "buffer_class": self.plugin_path,
+        }  # fmt: skip
 
     def metric_values(self) -> dict[str, float]:
-        out = self.core.metric_values(time.time())
+        now = time.time()
+        m, s = self.core, self.core.state
+        rs = m.release_state(now)
+        out = {
+            "rollout/fully_async/queue_size": rs.stored,
+            "buffer/capacity": m.config.buffer_capacity,
+            "buffer/free_capacity": max(0, m.config.buffer_capacity - rs.stored),  # the producers' HPA metric
+            "buffer/outstanding_prompts": rs.outstanding,
+            "buffer/live_version": m.live_version if m.live_version is not None else -1,
+            "buffer/committed_step": s.committed_step,
+            "buffer/ledger_events": s.seq,
+            "buffer/stalled_s": (now - m.progress_at) if m.stall(now) else 0.0,
+        }
+        out.update({f"buffer/ledger/{k}_total": v for k, v in s.counters.items()})
         out["buffer/ledger/replay_skipped_total"] = len(self.ledger.problems)
         if isinstance(self.buffer, DefaultDataBuffer) and (stored := self.buffer.stored_staleness()):
             out["rollout/fully_async/buffer_avg_staleness"] = sum(stored) / len(stored)

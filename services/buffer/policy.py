@@ -21,6 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+PRODUCER_TIMEOUT_S = 10.0
+"""A producer is live while its heartbeats are at most this old."""
+
 
 @dataclass
 class ReleaseState:
@@ -64,3 +67,32 @@ def release_allowance(s: ReleaseState) -> int:
         if k > 0 and s.over_sampling:
             k = -(-k // s.over_sampling) * s.over_sampling
     return max(0, k if s.groups_left is None else min(k, s.groups_left))
+
+
+def stall_cause(rs: ReleaseState, short_step: int | None, want_step: int, producers: int, unseen: int, stall_s: float,
+                staleness_budget: int | None) -> tuple[str, str]:
+    """Why no step makes progress while the trainer waits for step `want_step`: (kind, cause),
+    from the release counters, the first step whose lease is short (None: all complete), the live
+    producers, and the released prompts no live producer has named in work for `stall_s`."""
+    if short_step is None:
+        return "trainer", (f"every lease up to step {want_step} is complete and none was committed: the trainer is "
+                           "slow or stuck (see its /status)")
+    if not producers:
+        return "no_producer", f"no producer is alive (none sent a heartbeat for {PRODUCER_TIMEOUT_S:.0f} s): start one"
+    if rs.outstanding:
+        return "unanswered", (f"{rs.outstanding} released prompts are unanswered, {unseen} of them named in work by no "
+                              f"live producer for {stall_s:.0f} s (those go back now if a producer has room); "
+                              f"producers alive: {producers}; see their /status and the engines'")
+    if release_allowance(rs) > 0:
+        return "release", "prompts may be released and none are: the buffer's release loop is behind (see its log)"
+    if rs.min_version is not None and (rs.live_version is None or rs.live_version < rs.min_version):
+        return "engines_behind", (f"the release waits for the engines to run version {rs.min_version} "
+                                  f"(live: {rs.live_version}): see weight-sync's /status")
+    if rs.head_room is not None and rs.head_room <= 0:
+        return "staleness_budget", (f"generation is at its staleness budget (live version {rs.live_version}, "
+                                    f"--max-weight-staleness {staleness_budget}): the engines' version must advance; "
+                                    "see weight-sync's /status")
+    if rs.stored >= rs.capacity:
+        return "buffer_full", (f"the buffer is full ({rs.stored}/{rs.capacity} groups) and step {short_step}'s lease "
+                               "is short: the DataBuffer hands out none of them")
+    return "done", "the run needs no more groups, and its leases are short"

@@ -47,7 +47,7 @@ from asyncrl_proto import (
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import NO_PARTITION_ERROR, AdapterRun, AdapterState
 from asyncrl_proto.subjects import ADAPTERS_KV_KEY
-from services.buffer.machine import Verdict
+from services.buffer.out import Verdict
 from services.buffer.partition import SETTLE_OF, Bound, Partition, QueueSub
 from services.common import crash
 from services.common.bus import Settle, next_batch, settle
