@@ -21,7 +21,7 @@ from typing import Any
 
 from services.engine.detok import TextView
 from services.engine.protocol import BadRequest, Sequence
-from services.engine.scheduler import Request as EngineRequest
+from services.engine.request import Request as EngineRequest
 from services.engine.scheduler import Scheduler
 
 WAITING_ABORT = "Abort in waiting queue"

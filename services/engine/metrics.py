@@ -10,7 +10,9 @@ metrics come with them.
 
 from __future__ import annotations
 
+import collections
 import socket
+import time
 import weakref
 from collections.abc import Iterable
 from typing import Any, Protocol
@@ -126,3 +128,42 @@ def engine_metrics(server: Any, run: str | None = None, instance: str | None = N
     if (m := _BY_SERVER.get(server)) is None:
         m = _BY_SERVER[server] = EngineMetrics(server, run or "", instance or f"{socket.gethostname()}:{server.port}")
     return m
+
+
+class EngineStats:
+    """The engine's counters since it started, and its generation throughput over the last 10 s."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.num_requests_total = 0
+        self.num_aborted_requests_total = 0
+        self.num_retracted_requests_total = 0
+        self.weight_load_duration_s = 0.0
+        """The last weight update's time under the model lock (generation stopped)."""
+        self.weight_stage_duration_s = 0.0
+        """The last staging's time (generation going on)."""
+        self.num_staged_swaps_total = 0
+        self.num_forgotten_pauses_ended_total = 0
+        self.latency = RequestLatency()
+        """SGLang's time-to-first-token, end-to-end and queue time histograms, per finished request."""
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+
+    def record_generated(self, n: int) -> None:
+        now = time.monotonic()
+        self.generation_tokens_total += n
+        self._recent.append((now, n))
+        while self._recent and now - self._recent[0][0] > 10.0:
+            self._recent.popleft()
+
+    @property
+    def gen_throughput(self) -> float:
+        if len(self._recent) < 2:
+            return 0.0
+        span = self._recent[-1][0] - self._recent[0][0]
+        return sum(n for _, n in self._recent) / span if span > 0 else 0.0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0

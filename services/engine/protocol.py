@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from services.engine.scheduler import SamplingParams
+from services.engine.request import SamplingParams
 
 MAX_N = 64
 """Samples per prompt (`n`)."""

@@ -40,12 +40,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from services.common import crash
-from services.engine.metrics import RequestLatency
+from services.engine.metrics import EngineStats
+from services.engine.request import Request, SamplingParams
 from services.engine.sampling import StepOutput, prompt_logprobs, sample
 from services.engine.weight_api import WeightAPI
 from services.model.hf_io import run_to_end
@@ -56,120 +57,6 @@ log = logging.getLogger(__name__)
 
 CHUNK_MIN_S = 0.005
 """Long work (call_chunked) runs at least this long between two steps."""
-
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    sampling_seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < 1e-6
-
-
-@dataclass
-class Request:
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    on_done: Callable[[Request], None]
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    token_versions: list[int] = field(default_factory=list)
-    slot: int | None = None
-    kv_len: int = 0
-    finish_reason: dict | None = None
-    num_retractions: int = 0
-    cached_tokens: int = 0
-    admitted: bool = False
-    created_at: float = field(default_factory=time.time)
-    finished_at: float = 0.0
-    admitted_at: float = 0.0
-    """When it first got a slot: its queue time ends (0: never)."""
-    first_token_at: float = 0.0
-    """When its first output token was sampled (0: none yet)."""
-    logprob_start: int | None = None
-    """Where the prompt's log-probabilities start (SGLang's logprob_start_len); None: not wanted.
-    Such a request prefills its whole prompt itself (no prefix cache) to see every position's logits."""
-    top_logprobs_num: int = 0
-    input_logprobs: list[float | None] | None = None
-    input_top_logprobs: list | None = None
-    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-    on_token: Callable[[Request], None] | None = None
-    """Called on the scheduler thread after each token of an unfinished request (streaming)."""
-    stop_check: Callable[[Request], str | None] | None = None
-    """Called on the scheduler thread after each token: the stop string it matched, or None."""
-    lora_slot: int = -1
-    """The LoRA slot its rows use (services/engine/loras.py); -1: the base model."""
-    lora_uid: int = 0
-    """Which load of an adapter it uses: part of its prompt's prefix-cache key."""
-
-    @property
-    def prefix_key(self) -> tuple:
-        return (self.lora_uid, *self.input_ids)
-
-    @property
-    def seq(self) -> list[int]:
-        return self.input_ids + self.output_ids
-
-    def version_spans(self) -> list[dict]:
-        """[{version, start, end}] over output-token positions (end exclusive), as SGLang 0.5.23."""
-        spans: list[dict] = []
-        for pos, v in enumerate(self.token_versions):
-            if spans and spans[-1]["version"] == v:
-                spans[-1]["end"] = pos + 1
-            else:
-                spans.append({"version": v, "start": pos, "end": pos + 1})
-        return spans
-
-
-class EngineStats:
-    def __init__(self) -> None:
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
-        self.cached_tokens_total = 0
-        self.num_requests_total = 0
-        self.num_aborted_requests_total = 0
-        self.num_retracted_requests_total = 0
-        self.weight_load_duration_s = 0.0
-        """The last weight update's time under the model lock (generation stopped)."""
-        self.weight_stage_duration_s = 0.0
-        """The last staging's time (generation going on)."""
-        self.num_staged_swaps_total = 0
-        self.num_forgotten_pauses_ended_total = 0
-        self.latency = RequestLatency()
-        """SGLang's time-to-first-token, end-to-end and queue time histograms, per finished request."""
-        self._recent: collections.deque[tuple[float, int]] = collections.deque()
-
-    def record_generated(self, n: int) -> None:
-        now = time.monotonic()
-        self.generation_tokens_total += n
-        self._recent.append((now, n))
-        while self._recent and now - self._recent[0][0] > 10.0:
-            self._recent.popleft()
-
-    @property
-    def gen_throughput(self) -> float:
-        if len(self._recent) < 2:
-            return 0.0
-        span = self._recent[-1][0] - self._recent[0][0]
-        return sum(n for _, n in self._recent) / span if span > 0 else 0.0
-
-    @property
-    def cache_hit_rate(self) -> float:
-        return self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
 
 
 @dataclass
