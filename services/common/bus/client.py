@@ -1,4 +1,4 @@
-"""The NATS bus: the only coupling between services (DESIGN.md principle 1).
+"""One service's connection to the NATS bus (services/common/bus/__init__.py).
 
 A thin wrapper over nats-py: typed publish/request with the msgpack codec, idempotent stream
 and KV setup from the names in asyncrl_proto.subjects, pull consumers, direct gets, and
@@ -11,11 +11,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import enum
 import hashlib
 import logging
-import os
-import ssl
 import time
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -28,11 +25,28 @@ from nats.js import api
 from asyncrl_proto import DeadLetter, decode, encode
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.subjects import ROLLOUTS_MAX_MSGS, ConsumerSpec, Subjects, inbox_prefix
+from services.common.bus.consume import Settle, settle
+from services.common.bus.errors import (
+    STORE_FULL_CODES,
+    STREAM_EXISTS_DIFFERENTLY,
+    BusError,
+    SequenceConflict,
+    StoreFull,
+    StreamSetupError,
+    fatal_connect_error,
+    raise_if_conflict,
+    raise_if_store_full,
+    through_outage,
+)
 from services.common.natsauth import SERVICE_ROLES
 from services.common.secrets import NatsCredentials, url_credentials
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+DEAD_LETTER_DATA_BYTES = 64 * 1024
+"""A dead letter keeps this much of the message (and its size and digest): one near the payload
+limit would not fit inside another."""
 
 _RETENTION = {
     "workqueue": api.RetentionPolicy.WORK_QUEUE,
@@ -41,109 +55,6 @@ _RETENTION = {
 }
 _STORAGE = {"file": api.StorageType.FILE, "memory": api.StorageType.MEMORY}
 _DISCARD = {"old": api.DiscardPolicy.OLD, "new": api.DiscardPolicy.NEW}
-
-
-class BusError(RuntimeError):
-    pass
-
-
-TransportError = nats.errors.Error
-"""Any failure of a NATS or JetStream call (a timeout, no responders, an API error). Services
-catch this name, never nats-py's own: the bus is their only door to NATS."""
-
-
-class StoreFull(BusError):
-    """JetStream refused to store a message: its store is full. Fatal: retrying cannot free it."""
-
-
-DEAD_LETTER_DATA_BYTES = 64 * 1024
-"""A dead letter keeps this much of the message (and its size and digest): one near the payload
-limit would not fit inside another."""
-STORE_DIR_ENV = "ASYNCRL_NATS_STORE_DIR"
-"""Where the NATS server keeps its store, when we know it (the launcher's embedded server)."""
-_STORE_FULL_CODES = {10023, 10028, 10047}  # insufficient resources, max bytes / storage exceeded
-
-
-def raise_if_store_full(e: BaseException, subject: str) -> None:
-    """StoreFull, naming the store, when `e` is the server saying it cannot store more."""
-    if not isinstance(e, nats.js.errors.APIError):
-        return
-    desc = (e.description or "").lower()
-    if e.err_code in _STORE_FULL_CODES or "insufficient resources" in desc or "bytes exceeded" in desc:
-        store = os.environ.get(STORE_DIR_ENV)
-        where = f"at {store}" if store else "of the NATS server"
-        raise StoreFull(
-            f"the JetStream store {where} is full: the server refused to store a message on {subject} "
-            f"({e.description}). Free disk space there, or raise its limit (--nats-max-file-store for the "
-            "embedded server); `asyncrl audit RUN_DIR` still reads the run"
-        ) from e
-
-
-class StreamSetupError(Exception):
-    """The server refused to create or update a stream for a reason no retry fixes."""
-
-
-_STREAM_EXISTS_DIFFERENTLY = 10058  # "stream name already in use with a different configuration"
-
-
-class SequenceConflict(BusError):
-    """A publish that expected the stream to end at a sequence found another writer's message."""
-
-
-def raise_if_conflict(e: BaseException, subject: str) -> None:
-    if isinstance(e, nats.js.errors.APIError) and (
-        e.err_code == 10071 or "wrong last sequence" in (e.description or "")
-    ):
-        raise SequenceConflict(f"{subject}: {e.description}") from e
-
-
-class BusAuthError(BusError):
-    """The server refused this process's credentials or TLS: fatal, a restart cannot fix it."""
-
-
-def fatal_connect_error(e: BaseException, url: str, creds: NatsCredentials, service: str) -> BusAuthError | None:
-    """A connection error that retrying cannot fix, as a BusAuthError that names the cause."""
-    text = str(e)
-    if isinstance(e, nats.errors.AuthorizationError) or "authorization violation" in text.lower():
-        return BusAuthError(
-            f"NATS at {url} refused the credentials of {service} ({creds.describe()}): Authorization Violation. "
-            "Check the user and password, token, creds or NKey file this service is given "
-            "(ASYNCRL_NATS_* variables, --nats-roles-file)"
-        )
-    if "authentication expired" in text.lower() or "user authentication revoked" in text.lower():
-        return BusAuthError(f"NATS at {url} refused the credentials of {service}: {text}")
-    if isinstance(e, ssl.SSLError):
-        hint = (
-            "the server's certificate is not signed by a CA this client trusts: pass --nats-tls-ca"
-            if isinstance(e, ssl.SSLCertVerificationError)
-            else "check --nats-tls-ca, --nats-tls-cert and --nats-tls-key"
-        )
-        return BusAuthError(f"TLS to NATS at {url} failed for {service}: {e.__class__.__name__}: {e}. {hint}")
-    if "tls" in text.lower() and ("required" in text.lower() or "not available" in text.lower()):
-        return BusAuthError(
-            f"NATS at {url}: {text}. Use a tls:// URL with --nats-tls-ca when the server requires TLS, "
-            "or drop the TLS options when it offers none"
-        )
-    return None
-
-
-async def through_outage(op, what: str, deadline_s: float, verb: str = "publish"):
-    """`await op()`, retried with backoff while the broker is away (or, on a cluster, while a
-    stream elects its leader); a full store or another writer's message is final; gives up
-    loudly after deadline_s."""
-    end = time.monotonic() + deadline_s
-    delay = 0.2
-    while True:
-        try:
-            return await op()
-        except (StoreFull, SequenceConflict):
-            raise
-        except (TimeoutError, BusError, nats.errors.Error, OSError) as e:
-            if time.monotonic() > end:
-                raise BusError(f"could not {verb} {what} for {deadline_s:.0f}s: {e}") from e
-            log.warning("%s %s failed (%s: %.200s); retrying", verb, what, type(e).__name__, e)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
 
 
 class Bus:
@@ -282,11 +193,11 @@ class Bus:
             try:
                 await self.js.add_stream(cfg)
             except nats.js.errors.BadRequestError as e:
-                if e.err_code != _STREAM_EXISTS_DIFFERENTLY:
+                if e.err_code != STREAM_EXISTS_DIFFERENTLY:
                     raise
                 await self.js.update_stream(cfg)
         except nats.js.errors.APIError as e:
-            if isinstance(e, nats.js.errors.ServiceUnavailableError) or e.err_code in _STORE_FULL_CODES:
+            if isinstance(e, nats.js.errors.ServiceUnavailableError) or e.err_code in STORE_FULL_CODES:
                 raise  # retried
             raise StreamSetupError(f"NATS refused the stream {cfg.name}: {e.description} (code {e.err_code})") from e
 
@@ -618,87 +529,3 @@ def _consumer_config(spec: ConsumerSpec) -> api.ConsumerConfig:
         filter_subject=spec.filter_subject,
         deliver_subject=spec.deliver_subject or None,
     )
-
-
-async def fetch_some(psub, batch: int, timeout_s: float) -> list:
-    """Up to `batch` messages, returned as soon as at least one is there.
-
-    nats-py's fetch(batch) waits, once the stream is drained, until `batch` messages arrived or
-    the timeout passed: under a trickle that adds up to `timeout_s` of latency to every message.
-    So: wait for one message, then take whatever else is ready with a no-wait fetch. Returns []
-    on a timeout, and while the connection is down (the consumer lives on the server and resumes
-    after the reconnect)."""
-    try:
-        msgs = await psub.fetch(1, timeout=timeout_s)
-    except (TimeoutError, nats.errors.TimeoutError):
-        return []
-    except nats.errors.ConnectionClosedError:
-        raise  # closed by us (nats-py also turns a cancellation into this): stop, never loop
-    except (nats.errors.Error, nats.js.errors.Error, OSError) as e:
-        log.warning("fetch failed (%s); retrying after the reconnect", type(e).__name__)
-        await asyncio.sleep(0.5)
-        return []
-    if batch > 1:
-        try:
-            msgs += await psub.fetch(batch - 1, timeout=0.002)
-        except (TimeoutError, nats.errors.TimeoutError):
-            pass  # nothing else ready; a late delivery is picked up by the next fetch
-        except nats.errors.ConnectionClosedError:
-            raise
-        except (nats.errors.Error, nats.js.errors.Error, OSError):
-            pass
-    return msgs
-
-
-async def next_batch(sub, batch: int, timeout_s: float) -> list:
-    """From a push subscription: wait for one message, then take what is already queued."""
-    try:
-        msgs = [await sub.next_msg(timeout=timeout_s)]
-    except (TimeoutError, nats.errors.TimeoutError):
-        return []
-    while len(msgs) < batch and sub.pending_msgs > 0:
-        try:
-            msgs.append(await sub.next_msg(timeout=0.01))
-        except (TimeoutError, nats.errors.TimeoutError):
-            break
-    return msgs
-
-
-@contextlib.asynccontextmanager
-async def keep_alive(msg, every_s: float = 3.0):
-    """in_progress() on a JetStream message every `every_s` while the body runs: work longer than
-    the consumer's ack wait (a weight load) keeps the message, and a short ack wait still returns
-    the message of a process that died quickly."""
-
-    async def tick() -> None:
-        while True:
-            await asyncio.sleep(every_s)
-            await settle(msg, Settle.IN_PROGRESS)
-
-    task = asyncio.ensure_future(tick())
-    try:
-        yield
-    finally:
-        task.cancel()
-
-
-class Settle(str, enum.Enum):
-    """How a consumed JetStream message is settled."""
-
-    ACK = "ack"  # done: never redelivered
-    NAK = "nak"  # redeliver (after `delay`)
-    TERM = "term"  # refused: never redelivered
-    IN_PROGRESS = "in_progress"  # still ours: its ack wait starts again
-
-
-_SETTLE = {Settle.ACK: lambda m, **kw: m.ack(), Settle.NAK: lambda m, **kw: m.nak(**kw),
-           Settle.TERM: lambda m, **kw: m.term(), Settle.IN_PROGRESS: lambda m, **kw: m.in_progress()}  # fmt: skip
-
-
-async def settle(msg, how: Settle = Settle.ACK, **kw) -> None:
-    """Settle a message in a way that never fails the caller: a lost acknowledgement only means
-    a redelivery, which every consumer recognises."""
-    try:
-        await _SETTLE[how](msg, **kw)
-    except (TimeoutError, nats.errors.Error, nats.js.errors.Error, OSError) as e:
-        log.warning("%s failed (%s); the message will be redelivered", how.value, type(e).__name__)
