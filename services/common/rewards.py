@@ -21,9 +21,16 @@ BUILTIN_RM = {
 
 
 def resolve_reward(config: RunConfig) -> Callable:
-    if config.rollout.custom_rm_path:
-        return load_object(config.rollout.custom_rm_path, "--custom-rm-path")
-    name = config.rollout.rm_type or config.data.task
+    """The run's reward function: --custom-rm-path, else --rm-type, else the task's."""
+    return reward_function(config.rollout.rm_type, config.rollout.custom_rm_path, config.data.task)
+
+
+def reward_function(rm_type: str | None, custom_rm_path: str | None, task: str) -> Callable:
+    """A reward function by name: `custom_rm_path` (module.function), else the built-in `rm_type`,
+    else the task's own."""
+    if custom_rm_path:
+        return load_object(custom_rm_path, "--custom-rm-path")
+    name = rm_type or task
     if name not in BUILTIN_RM:
         raise ValueError(f"--rm-type {name!r} is unknown: choose one of {sorted(BUILTIN_RM)} or set --custom-rm-path")
     return load_object(BUILTIN_RM[name], "--rm-type")

@@ -49,7 +49,7 @@ from services.common.bus import Settle, fetch_some, keep_alive, settle
 from services.common.config import AsyncSection, DataSection, EvalSection, RolloutSection, TrainerSection
 from services.common.plugins import load_object
 from services.common.responses import apply_response
-from services.common.rewards import resolve_reward, score_sample
+from services.common.rewards import reward_function, score_sample
 from services.common.runtime import Service, wait_event
 from services.common.sglang_client import SGLangClient
 from services.common.sinks import statistics_of
@@ -91,7 +91,7 @@ class EvalService(Service):
         self.sets = {ds.name: (ds, rows) for ds, rows in load_eval_sets(config)}  # --eval-prompt-data / --eval-config
         self.datasets = {name: rows for name, (_, rows) in self.sets.items()}
         self.reward_fns = {
-            name: resolve_reward(config.model_copy(update={"rm_type": ds.rm_type}) if ds.rm_type else config)
+            name: reward_function(ds.rm_type or config.rollout.rm_type, config.rollout.custom_rm_path, config.data.task)
             for name, (ds, _) in self.sets.items()
         }
         rollout_urls = (

@@ -19,7 +19,7 @@ from asyncrl_proto import AdapterLive, AdapterRegistryState, PromptMsg, decode
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import AdapterRun, AdapterState, flatten_group
 from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX, ADAPTERS_KV_KEY
-from services.common.rewards import resolve_reward
+from services.common.rewards import reward_function
 from services.rollout.modes import GroupContext, PromptError, Refuse, Requeue
 
 log = logging.getLogger(__name__)
@@ -89,9 +89,8 @@ class AdapterRoutes:
     def reward(self, run: AdapterRun) -> Callable:
         rid = run.registration_id
         if rid not in self._rewards:
-            cfg = self.config.model_copy(update={"rm_type": run.spec.rm_type, "custom_rm_path": run.spec.custom_rm_path,
-                                                 "group_rm": False})  # fmt: skip
-            self._rewards[rid] = resolve_reward(cfg)
+            spec = run.spec
+            self._rewards[rid] = reward_function(spec.rm_type, spec.custom_rm_path, self.config.data.task)
         return self._rewards[rid]
 
 

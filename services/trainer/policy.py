@@ -1,8 +1,11 @@
 """The driver's policy: after which steps the trainer pushes weights, saves and evaluates, and
-whether it evaluates before it trains (Miles's order, SPEC.md section 1). It reads the run's
-mode, budget, async, trainer and eval settings, and imports no torch."""
+whether it evaluates before it trains (Miles's order, SPEC.md section 1), and what it asks the
+buffer for each step. It reads the run's mode, budget, async, trainer and eval settings, and
+imports no torch."""
 
 from __future__ import annotations
+
+from asyncrl_proto import BufferGetRequest
 
 
 def periodic_due(rollout_id: int, interval: int | None, per_epoch: int | None = None, total: int | None = None) -> bool:
@@ -23,6 +26,7 @@ class DriverPolicy:
     def __init__(self, config) -> None:
         self.mode = config.infra.mode
         self.total = config.rollout.total_steps
+        self.batch_size = config.rollout.rollout_batch_size
         self.per_epoch = config.rollout.num_rollout_per_epoch
         self.update_interval = config.async_.update_weights_interval
         self.save_interval = config.trainer.save_interval
@@ -50,3 +54,22 @@ class DriverPolicy:
         if self.eval_interval is None or self.skip_baseline_eval or start_step >= self.total:
             return False
         return start_step == 0 or self.mode == "sync"
+
+    def get_request(self, step: int, version: int, lookahead: int | None = None,
+                    wait_s: float = 2.0) -> BufferGetRequest:  # fmt: skip
+        """The buffer get for `step` by a trainer at weight `version`: one-step async releases a
+        step ahead (but nothing after the last step: it would never be trained)."""
+        if lookahead is None:
+            lookahead = 1 if self.mode == "one_step" else 0
+        if step + 1 >= self.total:
+            lookahead = 0
+        return BufferGetRequest(
+            step=step,
+            count=self.batch_size,
+            # fully async: staleness is judged against the trainer's newest pushed version, the same
+            # for every group of a lease (it completes before the next push), as Miles's get(current_version)
+            current_version=version if self.mode == "fully_async" else None,
+            lookahead_steps=lookahead,
+            release_min_version=version if self.mode in ("sync", "one_step") else None,
+            wait_s=wait_s,
+        )

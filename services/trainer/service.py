@@ -34,7 +34,6 @@ import torch
 
 from asyncrl_proto import (
     BufferGetReply,
-    BufferGetRequest,
     Heartbeat,
     WeightsPublished,
     decode,
@@ -42,7 +41,6 @@ from asyncrl_proto import (
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import SampleStatus, flatten_group
 from services.common import crash
-from services.common.bus import TransportError
 from services.common.config import (
     AsyncSection,
     DataSection,
@@ -220,7 +218,7 @@ class TrainerService(Service):
         log.info("resumed from %s: next step %d, weight version %d", ckpt, self.step, self.version)
 
     async def _committed_step(self) -> int:
-        req = self._get_request(0, lookahead=0, wait_s=0.0)
+        req = self.policy.get_request(0, self.version, lookahead=0, wait_s=0.0)
         reply = await self.link.request(self.bus.subjects.buffer_get, req, BufferGetReply, "question where to resume")
         return reply.committed_step
 
@@ -415,32 +413,16 @@ class TrainerService(Service):
         return stats, time.perf_counter() - t0
 
     # ---- batches -------------------------------------------------------------------------------
-    def _get_request(self, step: int, lookahead: int | None = None, wait_s: float = 2.0) -> BufferGetRequest:
-        c = self.config
-        if lookahead is None:
-            lookahead = 1 if c.infra.mode == "one_step" else 0
-        if step + 1 >= c.rollout.total_steps:
-            lookahead = 0  # the last step releases nothing after it: it would never be trained
-        return BufferGetRequest(
-            step=step,
-            count=c.rollout.rollout_batch_size,
-            # fully async: staleness is judged against the trainer's newest pushed version, the same
-            # for every group of a lease (it completes before the next push), as Miles's get(current_version)
-            current_version=self.version if c.infra.mode == "fully_async" else None,
-            lookahead_steps=lookahead,
-            release_min_version=self.version if c.infra.mode in ("sync", "one_step") else None,
-            wait_s=wait_s,
-        )
-
     async def _release_ahead(self, step: int) -> None:
         """Ask again for an already complete step, with lookahead: starts the next batch."""
-        req = self._get_request(step, lookahead=1, wait_s=0.0)
+        req = self.policy.get_request(step, self.version, lookahead=1, wait_s=0.0)
         await self.link.request(self.bus.subjects.buffer_get, req, BufferGetReply, "release of the next batch")
 
     async def _fetch(self, step: int, lookahead: int | None = None) -> Batch:
         """Wait for the step's B groups (a durable lease), with the buffer's metrics."""
         t0 = time.monotonic()
-        reply = await self._lease(step, lookahead)
+        c, req = self.config.async_, self.policy.get_request(step, self.version, lookahead)
+        reply = await self.link.lease(req, lambda: self.last_producer_seen, c.rollout_wait_warn_s, c.producer_timeout_s)
         groups = [await self.link.load_group(ref) for ref in reply.refs]
         groups = assemble_batch(groups, self.config.rollout.n_samples_per_prompt)
         self.check.exclude_invalid(groups, max_version=self.version)
@@ -448,43 +430,6 @@ class TrainerService(Service):
             self._apply_sample_filter(groups)
         elapsed = time.monotonic() - t0
         return Batch(groups, reply.metrics, rollout_time=elapsed, wait_s=elapsed)
-
-    async def _lease(self, step: int, lookahead: int | None) -> BufferGetReply:
-        """Ask the buffer for the step's lease until it is complete; warn while groups are
-        missing, fail when the buffer or every producer is gone."""
-        t0 = time.monotonic()
-        last_progress, last_count, last_answer = t0, 0, t0
-        warn_every = self.config.async_.rollout_wait_warn_s
-        next_warn = t0 + warn_every
-        req = self._get_request(step, lookahead)
-        while True:
-            try:
-                reply = await self.bus.request(self.bus.subjects.buffer_get, req, BufferGetReply, req.wait_s + 5)
-                last_answer = time.monotonic()
-            except (TimeoutError, TransportError) as e:
-                if time.monotonic() - last_answer > self.config.async_.buffer_timeout_s:
-                    raise TrainerError(
-                        f"the buffer service has not answered for {self.config.async_.buffer_timeout_s:.0f}s "
-                        f"({type(e).__name__}): is it running?"
-                    ) from e
-                await asyncio.sleep(0.5)
-                continue
-            if reply.error:
-                raise TrainerError(f"buffer refused get(step={step}): {reply.error}")
-            now = time.monotonic()
-            if len(reply.refs) > last_count:
-                last_count, last_progress, next_warn = len(reply.refs), now, now + warn_every
-            if reply.complete:
-                return reply
-            while now >= next_warn:  # "for 30.0s", then "for 60.0s", ... as Miles logs it
-                log.warning("No completed rollout groups for %.1fs", next_warn - last_progress)
-                next_warn += warn_every
-            if now - self.last_producer_seen > self.config.async_.producer_timeout_s:
-                raise TrainerError(
-                    f"no rollout producer has been alive for {self.config.async_.producer_timeout_s:.0f}s "
-                    f"while step {step} "
-                    f"waits for groups ({len(reply.refs)}/{req.count}): start producers (asyncrl service rollout)"
-                )
 
     def _apply_sample_filter(self, groups: list[list]) -> None:
         try:

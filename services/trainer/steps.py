@@ -1,8 +1,8 @@
 """The step bookkeeping both training loops share: the model's (services.trainer.service) and
 the adapters' (services.trainer.multi_lora).
 
-- `BufferLink`: request/reply to the buffer that rides out a restarting buffer or broker, a
-  lease's payloads, and commits;
+- `BufferLink`: request/reply to the buffer that rides out a restarting buffer or broker, the
+  wait for a step's lease, its payloads, and commits;
 - `Records`: metrics.jsonl and the metric sinks (`emit`), and where the records' axis resumes;
 - `append_trained` / `keep_lines`: trained.jsonl (the audit holds it against the ledger) and the
   records a restart drops (the steps after the committed one are trained again);
@@ -19,9 +19,18 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from asyncrl_proto import BufferCommit, BufferCommitReply, ProgressRecord, RolloutGroup, decode
+from asyncrl_proto import (
+    BufferCommit,
+    BufferCommitReply,
+    BufferGetReply,
+    BufferGetRequest,
+    ProgressRecord,
+    RolloutGroup,
+    decode,
+)
 from asyncrl_proto.messages import SampleStatus, flatten_group
 from services.common.bus import TransportError
 from services.common.validate import Limits, sample_problem
@@ -51,6 +60,43 @@ class BufferLink:
                         f"({type(e).__name__}): is it running?"
                     ) from e
                 await asyncio.sleep(0.5)
+
+    async def lease(self, req: BufferGetRequest, producer_seen: Callable[[], float], warn_every_s: float,
+                    producer_timeout_s: float) -> BufferGetReply:
+        """Ask the buffer for a step's lease until it is complete; warn while groups are missing
+        ("No completed rollout groups for 30.0s", then 60.0s, ... as Miles logs it), fail when the
+        buffer is gone for --buffer-timeout-s or no producer was seen (`producer_seen`, a monotonic
+        time) for `producer_timeout_s`."""
+        t0 = time.monotonic()
+        last_progress, last_count, last_answer = t0, 0, t0
+        next_warn = t0 + warn_every_s
+        while True:
+            try:
+                reply = await self.bus.request(self.bus.subjects.buffer_get, req, BufferGetReply, req.wait_s + 5)
+                last_answer = time.monotonic()
+            except (TimeoutError, TransportError) as e:
+                if time.monotonic() - last_answer > self.timeout_s:
+                    raise TrainerError(
+                        f"the buffer service has not answered for {self.timeout_s:.0f}s ({type(e).__name__}): "
+                        "is it running?"
+                    ) from e
+                await asyncio.sleep(0.5)
+                continue
+            if reply.error:
+                raise TrainerError(f"buffer refused get(step={req.step}): {reply.error}")
+            now = time.monotonic()
+            if len(reply.refs) > last_count:
+                last_count, last_progress, next_warn = len(reply.refs), now, now + warn_every_s
+            if reply.complete:
+                return reply
+            while now >= next_warn:
+                log.warning("No completed rollout groups for %.1fs", next_warn - last_progress)
+                next_warn += warn_every_s
+            if now - producer_seen() > producer_timeout_s:
+                raise TrainerError(
+                    f"no rollout producer has been alive for {producer_timeout_s:.0f}s while step {req.step} waits "
+                    f"for groups ({len(reply.refs)}/{req.count}): start producers (asyncrl service rollout)"
+                )
 
     async def load_group(self, ref) -> list:
         """A leased group's samples: inline in the lease, or read from ROLLOUTS by sequence."""

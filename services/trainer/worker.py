@@ -59,12 +59,13 @@ def main(argv: list[str] | None = None, checkpoint_files: dict[str, bytes] | Non
     from services.trainer.setup import build_model, build_optimizer, build_reference, loss_config
 
     apply_cpu_affinity_from_env()
-    config = RunConfig(**json.loads(a.config_json if a.config_json else Path(a.config_file).read_text()))
-    if checkpoint_files is not None:
+    fields = json.loads(a.config_json if a.config_json else Path(a.config_file).read_text())
+    if checkpoint_files is not None:  # this node's copy of the model (Ray: the trainer's disk is not here)
         local = Path(tempfile.mkdtemp(prefix="asyncrl-checkpoint-"))
         for name, data in checkpoint_files.items():
             (local / name).write_bytes(data)
-        config = config.model_copy(update={"hf_checkpoint": str(local)})
+        fields["hf_checkpoint"] = str(local)
+    config = RunConfig(**fields)
     torch.set_num_threads(config.infra.torch_num_threads)
     model = build_model(config)
     ref_model = build_reference(config)
