@@ -38,14 +38,13 @@ from services.common.bus import STORE_DIR_ENV, Bus
 from services.common.config import RunConfig
 from services.common.engine_commands import builtin_engine_command, builtin_engine_flags, sglang_server_command
 from services.common.httpauth import HTTP_ROLES, HTTP_TOKEN_ENV, Keys, engine_token
-from services.common.natsauth import ROLES, server_auth_conf
 from services.common.natsserver import EmbeddedNats, NatsCluster, local_nats
 from services.common.secrets import NatsCredentials, without_identity
 from services.common.snapshot import COMPLETE_MARKER, is_complete
 from services.common.validate import eval_result_problem, finite_metrics
 from services.common.versions import VersionBound
-from services.prepare import prepare_run, role_credentials, role_passwords, run_token
-from services.raycluster import Placement, with_ray_defaults
+from services.prepare import Prepared, prepare_launch
+from services.raycluster import Placement
 from services.supervisor import LaunchError, Supervisor
 
 SERVICE_MODULES = {
@@ -74,13 +73,13 @@ def sglang_engine_commands(c: RunConfig, ports: list[int]) -> list[tuple[list[st
 
 
 class Launcher:
-    def __init__(self, config: RunConfig, out=print):
-        self.config = config
+    def __init__(self, prepared: Prepared, out=print):
+        self.config = config = prepared.config
         self.out = out
         self.run_dir = Path(config.infra.run_dir)
-        self.secrets_dir = self.run_dir / "secrets"
-        self.run_token = run_token(config, self.secrets_dir)
-        self.creds: dict[str, NatsCredentials] = {}
+        self.run_token = prepared.run_token
+        self.creds: dict[str, NatsCredentials] = prepared.creds
+        self.nats_auth = prepared.nats_auth
         self.procs = Supervisor(self.run_dir, config.infra.service_restarts, config.infra.health_restart_s, out,
                                 headers={"Authorization": f"Bearer {self.run_token}"}, secrets=[self.run_token],
                                 restart_window_s=config.infra.restart_window_s,
@@ -134,20 +133,12 @@ class Launcher:
         return self.placement.wrap(name, cmd) if self.placement and name in self.placement.children else cmd
 
     def start_nats(self) -> None:
-        if self.nats_url and self.config.infra.nats_cluster > 1:
-            raise LaunchError("--nats-cluster starts an embedded cluster; with --nats-url the cluster is yours: "
-                              "drop --nats-cluster and set --nats-replicas to its size")  # fmt: skip
-        if self.nats_url:  # the registry's identity is needed only with multi-LoRA (older roles files lack it)
-            roles = tuple(r for r in ROLES if r != "adapters" or self.config.multi_lora.multi_lora_n_adapters > 0)
-            self.creds = role_credentials(self.config, roles)
+        """The embedded NATS server (or cluster), unless the run uses --nats-url's."""
+        if self.nats_auth is None:
             return
-        passwords = role_passwords(self.secrets_dir)
-        self.creds = {r: NatsCredentials(user=r, password=p) for r, p in passwords.items()}
-        auth = server_auth_conf(self.config.infra.run_id, passwords)
-        c = self.config
-        infra = c.infra
-        self.nats = local_nats(self.run_dir / "nats", self.run_dir / "logs", auth, nodes=infra.nats_cluster,
-                               run_id=infra.run_id, max_file_store=infra.nats_max_file_store,
+        infra = self.config.infra
+        self.nats = local_nats(self.run_dir / "nats", self.run_dir / "logs", self.nats_auth,
+                               nodes=infra.nats_cluster, run_id=infra.run_id, max_file_store=infra.nats_max_file_store,
                                sync_interval=infra.nats_sync).start()  # fmt: skip
         self.nats_url = self.nats.url
         for i, node in enumerate(self.nats.nodes):
@@ -519,8 +510,7 @@ def launch(config: RunConfig, out=print) -> dict:
     """Run a whole job; returns the summary. Every started process is stopped on every path.
     After training, with the services stopped and the broker still up, the ledger is audited
     (RUN_DIR/audit.json)."""
-    config = prepare_run(with_ray_defaults(config), log=out)
-    launcher = Launcher(config, out=out)
+    launcher = Launcher(prepare_launch(config, log=out), out=out)
     old_term, old_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the run the way Ctrl-C does
     # and so does SIGINT, even when a shell started this run in the background (which ignores it)

@@ -2,12 +2,15 @@
 model, every dataset read and checked, the run token and the NATS identities of each role.
 
 `prepare_run` is shared by the launcher and `asyncrl init-run` (which prepares a run for
-services started elsewhere: docker compose, Kubernetes, Ray).
+services started elsewhere: docker compose, Kubernetes, Ray); `prepare_launch` adds what the
+launcher needs besides (the run token, each role's NATS identity and the embedded server's
+authorization), so that the launcher only starts processes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -15,7 +18,7 @@ from pathlib import Path
 
 from asyncrl_proto.subjects import check_run_id
 from services.common.config import RunConfig
-from services.common.natsauth import ROLES
+from services.common.natsauth import ROLES, server_auth_conf
 from services.common.secrets import (
     NatsCredentials,
     SecretError,
@@ -174,6 +177,40 @@ def role_passwords(secrets_dir: Path) -> dict[str, str]:
     """The embedded server's per-role passwords, kept across restarts of the same run directory
     (its store and its services must still match)."""
     return keep_or_make_passwords(secrets_dir / "nats.json", ROLES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """Everything a launched run needs before its first process starts."""
+
+    config: RunConfig
+    run_token: str
+    creds: dict[str, NatsCredentials]
+    """Each role's NATS identity."""
+    nats_auth: str | None
+    """The embedded NATS server's authorization block (None: the run uses --nats-url's server)."""
+
+
+def prepare_launch(config: RunConfig, log=print) -> Prepared:
+    """The run prepared (prepare_run), its token, and the NATS identities of its roles: the
+    operator's (--nats-url: from the flags or --nats-roles-file), or new per-role passwords for
+    the embedded server, kept across restarts of the same run directory."""
+    from services.raycluster import with_ray_defaults
+
+    config = prepare_run(with_ray_defaults(config), log=log)
+    infra = config.infra
+    secrets_dir = Path(infra.run_dir) / "secrets"
+    token = run_token(config, secrets_dir)
+    if infra.nats_url:
+        if infra.nats_cluster > 1:
+            raise LaunchError("--nats-cluster starts an embedded cluster; with --nats-url the cluster is yours: "
+                              "drop --nats-cluster and set --nats-replicas to its size")  # fmt: skip
+        # the registry's identity is needed only with multi-LoRA (older roles files lack it)
+        roles = tuple(r for r in ROLES if r != "adapters" or config.multi_lora.multi_lora_n_adapters > 0)
+        return Prepared(config, token, role_credentials(config, roles), None)
+    passwords = role_passwords(secrets_dir)
+    creds = {r: NatsCredentials(user=r, password=p) for r, p in passwords.items()}
+    return Prepared(config, token, creds, server_auth_conf(infra.run_id, passwords))
 
 
 async def publish_run_config(config: RunConfig) -> None:
