@@ -543,6 +543,17 @@ class BufferMachine:
                                   c.async_.stall_report_s, c.async_.max_weight_staleness)  # fmt: skip
         return {"step": short[0] if short else self.want_step, "for_s": round(idle, 1), "kind": kind, "cause": cause}
 
+    def status(self, now: float) -> dict:
+        rs, s = self.release_state(now), self.state
+        return {
+            "capacity": self.config.buffer_capacity, "stored_groups": rs.stored, "live_version": self.live_version,
+            "mode": self.config.infra.mode, "want_step": self.want_step, "committed_step": s.committed_step,
+            "outstanding_prompts": rs.outstanding, "producers": len(self.producers),
+            "data_source": {"epoch": s.epoch, "cursor": s.cursor, "next_group_index": s.next_group_index,
+                            "recycled_waiting": len(s.recycled)},
+            "ledger": {**s.counters, "events": s.seq}, "stalled": self.stall(now),
+        }  # fmt: skip
+
 
 class GroupIdentity(msgspec.Struct):
     """What an undecodable RolloutGroup says it is, when at least that decodes."""

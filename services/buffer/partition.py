@@ -346,18 +346,8 @@ class Partition:
 
     # ---- observability -------------------------------------------------------------------------
     def status(self) -> dict:
-        now = time.time()
-        m, s = self.core, self.core.state
-        rs = m.release_state(now)
-        return {
-            "capacity": m.config.buffer_capacity, "stored_groups": rs.stored, "live_version": m.live_version,
-            "mode": m.config.infra.mode, "want_step": m.want_step, "committed_step": s.committed_step,
-            "outstanding_prompts": rs.outstanding, "producers": len(m.producers),
-            "data_source": {"epoch": s.epoch, "cursor": s.cursor, "next_group_index": s.next_group_index,
-                            "recycled_waiting": len(s.recycled)},
-            "ledger": {**s.counters, "events": s.seq}, "stalled": m.stall(now),
-            "ledger_problems": self.ledger.problems[-20:], "buffer_class": self.plugin_path,
-        }  # fmt: skip
+        return {**self.core.status(time.time()), "ledger_problems": self.ledger.problems[-20:],
+                "buffer_class": self.plugin_path}  # fmt: skip
 
     def metric_values(self) -> dict[str, float]:
         now = time.time()
