@@ -421,8 +421,8 @@ class TrainerService(Service):
     async def _fetch(self, step: int, lookahead: int | None = None) -> Batch:
         """Wait for the step's B groups (a durable lease), with the buffer's metrics."""
         t0 = time.monotonic()
-        c, req = self.config.async_, self.policy.get_request(step, self.version, lookahead)
-        reply = await self.link.lease(req, lambda: self.last_producer_seen, c.rollout_wait_warn_s, c.producer_timeout_s)
+        a, req = self.config.async_, self.policy.get_request(step, self.version, lookahead)
+        reply = await self.link.lease(req, lambda: self.last_producer_seen, a.rollout_wait_warn_s, a.producer_timeout_s)
         groups = [await self.link.load_group(ref) for ref in reply.refs]
         groups = assemble_batch(groups, self.config.rollout.n_samples_per_prompt)
         self.check.exclude_invalid(groups, max_version=self.version)
