@@ -39,7 +39,7 @@ from services.common.config import RunConfig
 from services.common.engine_commands import builtin_engine_command, builtin_engine_flags, sglang_server_command
 from services.common.httpauth import HTTP_ROLES, HTTP_TOKEN_ENV, Keys, engine_token
 from services.common.natsserver import EmbeddedNats, NatsCluster, local_nats
-from services.common.secrets import NatsCredentials, without_identity
+from services.common.secrets import RM_TOKEN_ENV, NatsCredentials, without_identity
 from services.common.snapshot import COMPLETE_MARKER, is_complete
 from services.common.validate import eval_result_problem, finite_metrics
 from services.common.versions import VersionBound
@@ -109,6 +109,8 @@ class Launcher:
         env["PYTHONUNBUFFERED"] = "1"
         env.setdefault("OMP_NUM_THREADS", str(self.config.infra.torch_num_threads))
         env.update(Keys.of_run(self.run_token).env())
+        if role in ("rollout", "eval") and os.environ.get(RM_TOKEN_ENV):  # the roles that score samples
+            env[RM_TOKEN_ENV] = os.environ[RM_TOKEN_ENV]
         if role in HTTP_ROLES:  # the roles that call the engines
             env[HTTP_TOKEN_ENV] = engine_token(self.run_token, role, self.config.infra.engines_take_one_key)
         if role is not None:

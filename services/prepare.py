@@ -125,13 +125,14 @@ def check_datasets(config: RunConfig) -> int:
     """Read every dataset of the run before any service starts; a bad row is an error naming its
     file and line (not a buffer that crashes three times). Returns the prompts per epoch."""
     from services.common.datasource import load_rows
+    from services.common.rewards.names import row_rm_type_check
     from services.eval.datasets import load_eval_sets
 
+    r, d = config.rollout, config.data
+    check = None if r.custom_rm_path else row_rm_type_check(bool(r.rm_url))  # a custom reward reads rm_type itself
     try:
-        rows = load_rows(
-            config.data.prompt_data, config.data.input_key, config.data.label_key, config.data.metadata_key
-        )
-        load_eval_sets(config)
+        rows = load_rows(d.prompt_data, d.input_key, d.label_key, d.metadata_key, check)
+        load_eval_sets(config, check)
     except ValueError as e:
         raise LaunchError(str(e)) from None
     return len(rows)

@@ -1,4 +1,4 @@
-"""The prompt data source: JSONL rows released as prompt groups, recycled prompts first.
+"""The prompt data source: JSONL or Parquet rows released as prompt groups, recycled prompts first.
 
 Each fresh release gets the next `group_index`; sample indices are group_index * n + position,
 so indices are global, unique and increasing. Epochs wrap without stopping (reshuffled per
@@ -15,6 +15,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -29,32 +30,59 @@ class DataError(ValueError):
     pass
 
 
-def load_rows(path: str | Path, input_key: str, label_key: str | None, metadata_key: str | None) -> list[dict]:
-    """Parse a JSONL prompt file; a malformed row is reported with its file and line number."""
+def load_rows(path: str | Path, input_key: str, label_key: str | None, metadata_key: str | None,
+              check: Callable[[dict], str | None] | None = None) -> list[dict]:  # fmt: skip
+    """Parse a prompt file, JSONL (one JSON object a line) or Parquet (`.parquet`, one row a
+    record); a malformed row is reported with its file and row number (1-based), as is a row
+    that `check` (row -> problem or None) refuses."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"--prompt-data {path}: no such file")
-    rows: list[dict] = []
-    lineno = 0
-    try:
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    rows.append(_row(path, lineno, line, input_key, label_key, metadata_key))
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}:{lineno + 1}: not UTF-8 text ({e.reason})") from None
+    objects = _parquet_rows(path) if path.suffix.lower() == ".parquet" else _jsonl_rows(path)
+    rows = []
+    for n, obj in objects:
+        rows.append(row := _row(path, n, obj, input_key, label_key, metadata_key))
+        if check is not None and (problem := check(row)) is not None:
+            raise DataError(f"{path}:{n}: {problem}")
     if not rows:
         raise DataError(f"{path}: no prompts")
     return rows
 
 
-def _row(path: Path, lineno: int, line: str, input_key: str, label_key: str | None, metadata_key: str | None) -> dict:
+def _jsonl_rows(path: Path):
+    lineno = 0
     try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-    except (ValueError, RecursionError) as e:  # a number too long to convert, nesting too deep
-        raise DataError(f"{path}:{lineno}: not a usable JSON row ({type(e).__name__}: {str(e)[:200]})") from None
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield lineno, json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                except (ValueError, RecursionError) as e:  # a number too long to convert, nesting too deep
+                    raise DataError(f"{path}:{lineno}: not a usable JSON row ({type(e).__name__}: "
+                                    f"{str(e)[:200]})") from None  # fmt: skip
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}:{lineno + 1}: not UTF-8 text ({e.reason})") from None
+
+
+def _parquet_rows(path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: not a readable Parquet file ({str(e)[:200]})") from None
+    n = 0
+    for batch in parquet.iter_batches():
+        for obj in batch.to_pylist():
+            n += 1
+            yield n, obj
+
+
+def _row(path: Path, lineno: int, obj, input_key: str, label_key: str | None, metadata_key: str | None) -> dict:
     if not isinstance(obj, dict):
         raise DataError(f"{path}:{lineno}: a row must be a JSON object")
     if input_key not in obj:

@@ -42,7 +42,10 @@ NATS_ENV = {
     "tls_cert": "ASYNCRL_NATS_TLS_CERT",
     "tls_key": "ASYNCRL_NATS_TLS_KEY",
 }
-SECRET_ENV = (RUN_TOKEN_ENV, "ASYNCRL_HTTP_TOKEN", NATS_ENV["password"], NATS_ENV["token"])
+RM_TOKEN_ENV = "ASYNCRL_RM_TOKEN"
+"""remote_rm's bearer token (services/common/rewards/remote.py): only the producers and the eval
+service get it."""
+SECRET_ENV = (RUN_TOKEN_ENV, "ASYNCRL_HTTP_TOKEN", NATS_ENV["password"], NATS_ENV["token"], RM_TOKEN_ENV)
 REDACTED = "***"
 
 
@@ -264,10 +267,11 @@ class RedactingFilter(logging.Filter):
 
 
 def without_identity(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """Ours without any credential: no NATS identity, no run token, no HTTP token or keys (a
-    child is given its own by whoever starts it)."""
+    """Ours without any credential: no NATS identity, no run token, no HTTP token or keys, no
+    reward model token (a child is given its own by whoever starts it)."""
     env = os.environ if environ is None else environ
-    return {k: v for k, v in env.items() if not k.startswith(("ASYNCRL_NATS_", RUN_TOKEN_ENV, "ASYNCRL_HTTP_"))}
+    drop = ("ASYNCRL_NATS_", RUN_TOKEN_ENV, "ASYNCRL_HTTP_", RM_TOKEN_ENV)
+    return {k: v for k, v in env.items() if not k.startswith(drop)}
 
 
 def without_nats_identity(environ: dict[str, str] | None = None) -> dict[str, str]:

@@ -81,7 +81,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--base", action="store_true", help="also score the base model alone")
     p.add_argument("--prompt-data", required=True, metavar="FILE", help="JSONL file of held-out prompts")
     rm = p.add_mutually_exclusive_group(required=True)
-    rm.add_argument("--rm-type", metavar="NAME", help="a built-in reward (services/common/rewards.py BUILTIN_RM)")
+    rm.add_argument("--rm-type", metavar="NAME", help="a built-in reward: a task's or a reward hub type (services/common/rewards/names.py)")
     rm.add_argument(
         "--custom-rm-path", metavar="MOD.FN", help="import path of a reward function (config, sample) -> float"
     )

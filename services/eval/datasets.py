@@ -122,14 +122,17 @@ def eval_dataset_configs(config) -> list[EvalDataset]:
     return out
 
 
-def load_eval_sets(config) -> list[tuple[EvalDataset, list[dict]]]:
+def load_eval_sets(config, check=None) -> list[tuple[EvalDataset, list[dict]]]:
     """Every held-out set with its rows (its own keys; `metadata_overrides` merged into each
-    row's metadata, and `rm_type` recorded there as Miles does)."""
+    row's metadata, and `rm_type` recorded there as Miles does); `check`: a row check
+    (datasource.load_rows), also run on the set's own rm_type."""
     from services.common.datasource import load_rows
 
     out = []
     for ds in eval_dataset_configs(config):
-        rows = load_rows(ds.path, ds.input_key, ds.label_key, ds.metadata_key)
+        if check is not None and ds.rm_type is not None and (problem := check({"metadata": {"rm_type": ds.rm_type}})):
+            raise ValueError(f"eval dataset {ds.name}: {problem}")
+        rows = load_rows(ds.path, ds.input_key, ds.label_key, ds.metadata_key, check)
         for row in rows:
             row["metadata"] = {**(row.get("metadata") or {}), **ds.metadata_overrides}
             if ds.rm_type is not None:

@@ -91,7 +91,7 @@ class EvalService(Service):
         self.sets = {ds.name: (ds, rows) for ds, rows in load_eval_sets(config)}  # --eval-prompt-data / --eval-config
         self.datasets = {name: rows for name, (_, rows) in self.sets.items()}
         self.reward_fns = {
-            name: reward_function(ds.rm_type or config.rollout.rm_type, config.rollout.custom_rm_path, config.data.task)
+            name: reward_function(config, ds.rm_type or config.rollout.rm_type, config.rollout.custom_rm_path)
             for name, (ds, _) in self.sets.items()
         }
         rollout_urls = (

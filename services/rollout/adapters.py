@@ -90,7 +90,7 @@ class AdapterRoutes:
         rid = run.registration_id
         if rid not in self._rewards:
             spec = run.spec
-            self._rewards[rid] = reward_function(spec.rm_type, spec.custom_rm_path, self.config.data.task)
+            self._rewards[rid] = reward_function(self.config, spec.rm_type, spec.custom_rm_path)
         return self._rewards[rid]
 
 

@@ -75,5 +75,11 @@ def test_the_reverse_digits_tokenizer_encodes_copy_prompts_without_unknown_token
 
 
 def test_copy_digits_is_a_builtin_reward():
-    fn = resolve_reward(RunConfig(rm_type="copy-digits"))
-    assert fn is copy_digits.reward
+    """--rm-type copy-digits scores every sample whose metadata names no other rm_type with the
+    task's own reward (the reward hub routes it)."""
+    config = RunConfig(rm_type="copy-digits")
+    fn = resolve_reward(config)
+    for response, label in (("123", "123"), ("321", "123"), ("12", "123")):
+        s = Sample(response=response, label=label)
+        assert asyncio.run(fn(config, s)) == asyncio.run(copy_digits.reward(config, s))
+    assert asyncio.run(fn(config, Sample(response="123", label="123"))) == 1.0

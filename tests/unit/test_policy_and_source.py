@@ -161,3 +161,34 @@ def test_a_custom_data_source_is_read_by_position_and_replays_after_a_restart():
         make_prompt_source(cfg.model_copy(update={"data_source_path": f"{__name__}.Exhausted"})).next_release(
             0, 2, 0, []
         )
+
+
+def test_parquet_rows_read_as_jsonl_rows_do(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"q": "1+1", "a": "2", "meta": {"rm_type": "math", "level": 1}},
+            {"q": "2+2", "a": "4", "meta": {"rm_type": None, "level": 2}}]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    assert load_rows(tmp_path / "d.parquet", "q", "a", "meta") == [
+        {"prompt": "1+1", "label": "2", "metadata": {"rm_type": "math", "level": 1}},
+        {"prompt": "2+2", "label": "4", "metadata": {"rm_type": None, "level": 2}},
+    ]
+    chat = [{"messages": [{"role": "user", "content": "hi"}]}]  # chat prompts: a list of structs
+    pq.write_table(pa.Table.from_pylist(chat), tmp_path / "chat.parquet")
+    assert load_rows(tmp_path / "chat.parquet", "messages", None, None)[0]["prompt"] == chat[0]["messages"]
+    with pytest.raises(DataError, match=r"d.parquet:1: row has no 'prompt' key \(set --input-key\)"):
+        load_rows(tmp_path / "d.parquet", "prompt", "a", "meta")
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(DataError, match=r"bad.parquet: not a readable Parquet file"):
+        load_rows(tmp_path / "bad.parquet", "q", "a", None)
+
+
+def test_a_row_whose_rm_type_cannot_score_is_named_by_file_and_row(tmp_path):
+    from services.common.rewards.names import row_rm_type_check
+
+    p = write(tmp_path, [json.dumps({"prompt": "a", "metadata": {"rm_type": "math"}}),
+                         json.dumps({"prompt": "b", "metadata": {"rm_type": "remote_rm"}})])  # fmt: skip
+    with pytest.raises(DataError, match=r"d.jsonl:2: metadata.rm_type 'remote_rm' needs --rm-url"):
+        load_rows(p, "prompt", None, "metadata", row_rm_type_check(has_url=False))
+    assert len(load_rows(p, "prompt", None, "metadata", row_rm_type_check(has_url=True))) == 2

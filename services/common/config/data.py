@@ -26,10 +26,14 @@ class DataSection(Section):
         description="Supervised warm-start steps applied when the tiny model is built (0 = none); the "
         "held-out reward after it is reported as step 0.",
     )
-    prompt_data: str | None = Field(None, description="JSONL file of prompts.")
-    input_key: str = Field("prompt", description="JSONL key of the prompt.")
-    label_key: str | None = Field("label", description="JSONL key of the label.")
-    metadata_key: str | None = Field("metadata", description="JSONL key of per-prompt metadata.")
+    prompt_data: str | None = Field(
+        None, description="Prompts: a JSONL file (one JSON object a line) or a Parquet file (.parquet)."
+    )
+    input_key: str = Field("prompt", description="Key (JSONL) or column (Parquet) of the prompt.")
+    label_key: str | None = Field("label", description="Key or column of the label.")
+    metadata_key: str | None = Field(
+        "metadata", description="Key or column of per-prompt metadata (an object; its rm_type picks the reward)."
+    )
     apply_chat_template: bool = Field(False, description="Format prompts with the tokenizer's chat template.")
     rollout_shuffle: bool = Field(False, description="Shuffle prompts every epoch.")
     rollout_seed: int = Field(42, ge=0, description="Seed for prompt shuffling and sampling.")

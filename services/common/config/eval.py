@@ -13,7 +13,7 @@ class EvalSection(Section):
     eval_interval: int | None = Field(None, ge=1, description="Evaluate every this many steps.")
     eval_prompt_data: list[str] = Field(
         default_factory=list,
-        description="NAME PATH pairs of held-out JSONL sets; default: the task's held-out set.",
+        description="NAME PATH pairs of held-out sets (JSONL or Parquet); default: the task's held-out set.",
     )
     eval_config: str | None = Field(
         None,

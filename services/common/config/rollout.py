@@ -3,6 +3,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from services.common.config.base import Section
+from services.common.rewards.names import rm_type_problem, split_rm_type
 
 
 class RolloutSection(Section):
@@ -32,8 +33,31 @@ class RolloutSection(Section):
         description="Steps per epoch (prompts // B), set by the launcher when --num-epoch gives the run's length: "
         "every epoch's last step is then also a save and eval point, as in Miles.",
     )
-    rm_type: str | None = Field(None, description="Built-in reward; default: the task's reward (reverse-digits).")
+    rm_type: str | None = Field(
+        None,
+        description="Reward for the samples whose metadata names no rm_type: a task's (reverse-digits, copy-digits; "
+        "the default: the task's own) or Miles's reward hub: remote_rm (with --rm-url), math, dapo (with "
+        "--reward-key score), deepscaler, f1, gpqa, random; boxed_<type> grades the last \\boxed{} answer.",
+    )
     reward_key: str | None = Field(None, description="Key to read when a reward is a dict.")
+    rm_url: str | None = Field(
+        None,
+        description="remote_rm: the reward model's URL; each sample is POSTed as JSON {prompt, response, label} and "
+        "the JSON answer is its reward. A bearer token, if needed, comes from $ASYNCRL_RM_TOKEN.",
+    )
+    rm_max_concurrency: int = Field(32, ge=1, description="remote_rm: requests in flight per process at most.")
+    rm_retries: int = Field(
+        4, ge=0, description="remote_rm: retries of a request that failed to connect, timed out or got a 5xx answer."
+    )
+    reward_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="A built-in grader (math, dapo, deepscaler, f1, gpqa) or a remote_rm request that runs longer "
+        "fails its sample with the reason (a grader's worker process is killed).",
+    )
+    reward_num_workers: int = Field(
+        2, ge=1, description="Worker processes per producer (and eval service) that run the built-in graders."
+    )
     max_abs_reward: float = Field(
         1e6,
         gt=0,
@@ -104,6 +128,12 @@ class RolloutSection(Section):
             )
         if self.rollout_top_k != -1 and self.rollout_top_k < 1:
             errs.append(f"--rollout-top-k must be -1 or >= 1 (got {self.rollout_top_k})")
+        if self.rm_type is not None and not self.custom_rm_path:
+            if (problem := rm_type_problem(self.rm_type, bool(self.rm_url))) is not None:
+                errs.append(f"--{problem.replace('rm_type', 'rm-type', 1)}")
+            elif split_rm_type(self.rm_type)[1] == "dapo" and self.reward_key != "score":
+                errs.append(f"--rm-type {self.rm_type} scores {{score, acc}} (score +1 or -1, as DAPO): set "
+                            "--reward-key score")  # fmt: skip
         return errs
 
     @property

@@ -1,5 +1,7 @@
-"""Reward resolution: --custom-rm-path (per sample, or per group with --group-rm) or the task's
-built-in reward. A reward function that raises marks the sample FAILED, never the producer."""
+"""Rewards: --custom-rm-path (per sample, or per group with --group-rm), else the reward hub
+(hub.py: the bundled tasks' rewards and Miles's rm types, chosen per sample). A reward function
+that raises, runs past its time or returns an unusable value marks the sample FAILED, never the
+producer."""
 
 from __future__ import annotations
 
@@ -8,32 +10,26 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from asyncrl_proto.messages import Sample, SampleStatus
-from services.common.config import RunConfig
 from services.common.plugins import load_object
 from services.common.validate import reward_problem
 
 log = logging.getLogger(__name__)
 
-BUILTIN_RM = {
-    "reverse-digits": "services.tasks.reverse_digits.reward",
-    "copy-digits": "services.tasks.copy_digits.reward",
-}
+
+def resolve_reward(config) -> Callable:
+    """The run's reward function: --custom-rm-path, else the hub with --rm-type (or the task's
+    reward) for the samples whose metadata names no rm_type."""
+    return reward_function(config, config.rollout.rm_type, config.rollout.custom_rm_path)
 
 
-def resolve_reward(config: RunConfig) -> Callable:
-    """The run's reward function: --custom-rm-path, else --rm-type, else the task's."""
-    return reward_function(config.rollout.rm_type, config.rollout.custom_rm_path, config.data.task)
-
-
-def reward_function(rm_type: str | None, custom_rm_path: str | None, task: str) -> Callable:
-    """A reward function by name: `custom_rm_path` (module.function), else the built-in `rm_type`,
-    else the task's own."""
+def reward_function(config, rm_type: str | None, custom_rm_path: str | None) -> Callable:
+    """A reward function: `custom_rm_path` (module.function), else the hub with `rm_type` (or the
+    task's reward) as the default type."""
     if custom_rm_path:
         return load_object(custom_rm_path, "--custom-rm-path")
-    name = rm_type or task
-    if name not in BUILTIN_RM:
-        raise ValueError(f"--rm-type {name!r} is unknown: choose one of {sorted(BUILTIN_RM)} or set --custom-rm-path")
-    return load_object(BUILTIN_RM[name], "--rm-type")
+    from services.common.rewards.hub import RewardHub
+
+    return RewardHub(config, rm_type or config.data.task)
 
 
 async def _maybe_await(x):
@@ -47,7 +43,7 @@ def mark_failed(sample: Sample, why: str, key: str = "reward_error") -> None:
     sample.metadata[key] = why[:1000]
 
 
-async def score_sample(fn: Callable[..., Awaitable[float]], config: RunConfig, sample: Sample) -> bool:
+async def score_sample(fn: Callable[..., Awaitable[float]], config, sample: Sample) -> bool:
     """Sets sample.reward; a reward function that raises, or returns anything but a finite
     number (or a dict of them holding --reward-key), marks the sample FAILED. Returns success."""
     try:
@@ -64,7 +60,7 @@ async def score_sample(fn: Callable[..., Awaitable[float]], config: RunConfig, s
     return True
 
 
-async def score_group(fn, config: RunConfig, group: list[Sample]) -> bool:
+async def score_group(fn, config, group: list[Sample]) -> bool:
     try:
         rewards = await _maybe_await(fn(config, group))
         if not isinstance(rewards, (list, tuple)) or len(rewards) != len(group):
