@@ -117,6 +117,9 @@ class PromptMsg(msgspec.Struct, kw_only=True):
     """Row of the dataset this prompt came from (0-based)."""
     n_samples: int = 1
     released_at: float = 0.0
+    tools: list[dict] | None = None
+    """The row's tool schemas (--tool-key), for the chat template; None: none (added last: an
+    older PromptMsg decodes with it None)."""
 
 
 class RolloutGroup(msgspec.Struct, kw_only=True):

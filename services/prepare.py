@@ -131,7 +131,7 @@ def check_datasets(config: RunConfig) -> int:
     r, d = config.rollout, config.data
     check = None if r.custom_rm_path else row_rm_type_check(bool(r.rm_url))  # a custom reward reads rm_type itself
     try:
-        rows = load_rows(d.prompt_data, d.input_key, d.label_key, d.metadata_key, check)
+        rows = load_rows(d.prompt_data, d.input_key, d.label_key, d.metadata_key, check, d.tool_key)
         load_eval_sets(config, check)
     except ValueError as e:
         raise LaunchError(str(e)) from None

@@ -31,17 +31,19 @@ class DataError(ValueError):
 
 
 def load_rows(path: str | Path, input_key: str, label_key: str | None, metadata_key: str | None,
-              check: Callable[[dict], str | None] | None = None) -> list[dict]:  # fmt: skip
+              check: Callable[[dict], str | None] | None = None,
+              tool_key: str | None = None) -> list[dict]:  # fmt: skip
     """Parse a prompt file, JSONL (one JSON object a line) or Parquet (`.parquet`, one row a
     record); a malformed row is reported with its file and row number (1-based), as is a row
-    that `check` (row -> problem or None) refuses."""
+    that `check` (row -> problem or None) refuses. With `tool_key`, a row's tool schemas (a list
+    of objects, or none) are its "tools"."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"--prompt-data {path}: no such file")
     objects = _parquet_rows(path) if path.suffix.lower() == ".parquet" else _jsonl_rows(path)
     rows = []
     for n, obj in objects:
-        rows.append(row := _row(path, n, obj, input_key, label_key, metadata_key))
+        rows.append(row := _row(path, n, obj, input_key, label_key, metadata_key, tool_key))
         if check is not None and (problem := check(row)) is not None:
             raise DataError(f"{path}:{n}: {problem}")
     if not rows:
@@ -82,7 +84,8 @@ def _parquet_rows(path: Path):
             yield n, obj
 
 
-def _row(path: Path, lineno: int, obj, input_key: str, label_key: str | None, metadata_key: str | None) -> dict:
+def _row(path: Path, lineno: int, obj, input_key: str, label_key: str | None, metadata_key: str | None,
+         tool_key: str | None = None) -> dict:  # fmt: skip
     if not isinstance(obj, dict):
         raise DataError(f"{path}:{lineno}: a row must be a JSON object")
     if input_key not in obj:
@@ -90,7 +93,13 @@ def _row(path: Path, lineno: int, obj, input_key: str, label_key: str | None, me
     meta = obj.get(metadata_key) if metadata_key else None
     if meta is not None and not isinstance(meta, dict):
         raise DataError(f"{path}:{lineno}: {metadata_key!r} must be a JSON object")
-    return {"prompt": obj[input_key], "label": obj.get(label_key) if label_key else None, "metadata": meta or {}}
+    row = {"prompt": obj[input_key], "label": obj.get(label_key) if label_key else None, "metadata": meta or {}}
+    if tool_key is not None:
+        tools = obj.get(tool_key)
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise DataError(f"{path}:{lineno}: {tool_key!r} must be a list of tool schemas (objects)")
+        row["tools"] = tools
+    return row
 
 
 class DataSource(abc.ABC):
@@ -154,6 +163,7 @@ class PromptSource:
             prompt=row["prompt"],
             label=row["label"],
             metadata=dict(row["metadata"]),
+            tools=row.get("tools"),
             attempt=0,
             epoch=epoch,
             row=row_id,
@@ -226,10 +236,8 @@ def make_prompt_source(config: RunConfig) -> PromptSource:
         return CustomPromptSource(config, cls(config))
     if not config.data.prompt_data:
         raise DataError("the buffer needs --prompt-data (the launcher sets it to the task's data)")
-    return PromptSource(
-        config,
-        load_rows(config.data.prompt_data, config.data.input_key, config.data.label_key, config.data.metadata_key),
-    )
+    d = config.data
+    return PromptSource(config, load_rows(d.prompt_data, d.input_key, d.label_key, d.metadata_key, tool_key=d.tool_key))
 
 
 def adapter_total_steps(run, rows: int) -> int:

@@ -132,7 +132,7 @@ def load_eval_sets(config, check=None) -> list[tuple[EvalDataset, list[dict]]]:
     for ds in eval_dataset_configs(config):
         if check is not None and ds.rm_type is not None and (problem := check({"metadata": {"rm_type": ds.rm_type}})):
             raise ValueError(f"eval dataset {ds.name}: {problem}")
-        rows = load_rows(ds.path, ds.input_key, ds.label_key, ds.metadata_key, check)
+        rows = load_rows(ds.path, ds.input_key, ds.label_key, ds.metadata_key, check, config.data.tool_key)
         for row in rows:
             row["metadata"] = {**(row.get("metadata") or {}), **ds.metadata_overrides}
             if ds.rm_type is not None:

@@ -400,7 +400,7 @@ async def generate_dataset(
     """n scored samples per held-out prompt on `client`'s engines."""
 
     async def one(row: dict) -> Sample:
-        ids = tokenizer.prompt_ids(row["prompt"], config.data.apply_chat_template)
+        ids = tokenizer.prompt_ids(row["prompt"], config.data.apply_chat_template, row.get("tools"))
         s = Sample(prompt=row["prompt"], label=row["label"], metadata=dict(row["metadata"]))
         resp = await client.generate({"input_ids": ids, "sampling_params": params, "return_logprob": True})
         apply_response(s, ids, resp)

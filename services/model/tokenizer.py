@@ -56,7 +56,7 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict] | str) -> str:
+    def apply_chat_template(self, messages: list[dict] | str, tools: list[dict] | None = None) -> str:
         if not self.has_chat_template:
             raise ValueError(
                 f"--apply-chat-template: the tokenizer in {self.model_dir} has no chat template; "
@@ -64,10 +64,12 @@ class Tokenizer:
             )
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        return self.render_chat(messages, add_generation_prompt=True)
+        return self.render_chat(messages, add_generation_prompt=True, tools=tools)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template applied to `messages` (text, not token ids). ValueError if the
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:  # fmt: skip
+        """The chat template applied to `messages` (text, not token ids), with `tools` (the
+        template's own variable, as transformers passes it; None: no tools). ValueError if the
         template fails or calls raise_exception."""
         if self._template is None:
             self._template = _compile_template(self._cfg.get("chat_template"))
@@ -76,19 +78,22 @@ class Tokenizer:
             tok = self._cfg.get(key)
             specials[key] = tok.get("content") if isinstance(tok, dict) else tok
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                         **specials)  # fmt: skip
         except ValueError:
             raise
         except Exception as e:  # jinja2's TemplateError and whatever the template's own code raises
             raise ValueError(f"{type(e).__name__}: {e}") from None
 
-    def prompt_ids(self, prompt: str | list[int] | list[dict], chat_template: bool) -> list[int]:
-        """Token ids of a prompt: ids pass through; a chat prompt is templated (which carries its
-        own special tokens, hence add_special_tokens=False), plain text gets BOS as configured."""
+    def prompt_ids(self, prompt: str | list[int] | list[dict], chat_template: bool,
+                   tools: list[dict] | None = None) -> list[int]:  # fmt: skip
+        """Token ids of a prompt: ids pass through; a chat prompt is templated with its `tools`
+        (which carries its own special tokens, hence add_special_tokens=False), plain text gets
+        BOS as configured."""
         if isinstance(prompt, list) and all(isinstance(x, int) for x in prompt):
             return list(prompt)
         if chat_template:
-            return self.encode(self.apply_chat_template(prompt), add_special_tokens=False)
+            return self.encode(self.apply_chat_template(prompt, tools), add_special_tokens=False)
         if not isinstance(prompt, str):
             raise ValueError("a prompt must be text or token ids unless --apply-chat-template is set")
         return self.encode(prompt, add_special_tokens=True)

@@ -320,7 +320,7 @@ class RolloutService(Service):
             raise PromptError(f"group_index {prompt.group_index} / attempt {prompt.attempt} out of range")
         self.mode.check(prompt)
         try:
-            ids = self.tokenizer.prompt_ids(prompt.prompt, self.config.data.apply_chat_template)
+            ids = self.tokenizer.prompt_ids(prompt.prompt, self.config.data.apply_chat_template, prompt.tools)
         except Exception as e:  # a prompt of the wrong shape, a template that fails on it
             raise PromptError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from None
         if not ids or min(ids) < 0 or max(ids) >= self.limits.vocab_size:

@@ -67,9 +67,9 @@ GOLDEN = {
             n_samples=8,
             released_at=1.5,
         ),
-        "89ab67726f75705f696e64657807a670726f6d7074a331323da56c6162656ca23231a86d65746164617461"
+        "8aab67726f75705f696e64657807a670726f6d7074a331323da56c6162656ca23231a86d65746164617461"
         "80a7617474656d707401a565706f636800a3726f7703a96e5f73616d706c657308ab72656c65617365645f"
-        "6174cb3ff8000000000000",
+        "6174cb3ff8000000000000a5746f6f6c73c0",
     ),
     "WeightsPublished": (
         WeightsPublished(version=2, step=1, uri="/w/v2", sha256="ab", num_bytes=10, created_at=2.0),
@@ -85,6 +85,18 @@ def test_golden_encodings_stay_readable(name):
     msg, hexdata = GOLDEN[name]
     assert decode(bytes.fromhex(hexdata), type(msg)) == msg
     assert encode(msg).hex() == hexdata
+
+
+PROMPT_BEFORE_TOOLS = (
+    "89ab67726f75705f696e64657807a670726f6d7074a331323da56c6162656ca23231a86d65746164617461"
+    "80a7617474656d707401a565706f636800a3726f7703a96e5f73616d706c657308ab72656c65617365645f"
+    "6174cb3ff8000000000000"
+)
+"""PromptMsg's golden encoding before `tools` (--tool-key) was added last."""
+
+
+def test_a_prompt_released_before_tools_existed_still_reads():
+    assert decode(bytes.fromhex(PROMPT_BEFORE_TOOLS), PromptMsg) == GOLDEN["PromptMsg"][0]
 
 
 def test_new_fields_only_at_the_end_with_defaults():

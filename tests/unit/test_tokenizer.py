@@ -53,3 +53,40 @@ def test_the_bundled_chat_template_renders_as_transformers_renders_it(tiny_model
             want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
             assert ours.render_chat(messages, add_generation_prompt=gen) == want
     assert ours.prompt_ids("123", chat_template=True) == [1, 5, 6, 7, 15]  # <s>123=, the task's format
+
+
+TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}"
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+)
+"""A template that shows its tools, as Qwen's and Llama 3's do (in their own words)."""
+
+
+def test_tool_schemas_reach_the_chat_template_as_transformers_passes_them(tmp_path):
+    """--tool-key: a row's tools travel with its prompt (PromptMsg.tools) and are rendered by the
+    template's own `tools` variable, as transformers' apply_chat_template(tools=...) renders them."""
+    from services.common.datasource import PromptSource, load_rows
+    from services.common.config import RunConfig
+    from services.tasks.char_model import build_char_tokenizer
+
+    build_char_tokenizer(tmp_path / "m", context=512)
+    cfg = json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TOOLS_TEMPLATE}))
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "1+2?"}], "tools": tools})
+                                      + "\n" + json.dumps({"prompt": "no tools"}) + "\n")  # fmt: skip
+    rows = load_rows(tmp_path / "d.jsonl", "prompt", None, None, tool_key="tools")
+    assert [r["tools"] for r in rows] == [tools, None]
+    msg, _ = PromptSource(RunConfig(), rows).next_release(0, 0, 0, [])
+    assert msg.tools == tools
+    tok = Tokenizer(tmp_path / "m")
+    text = tok.decode(tok.prompt_ids(msg.prompt, chat_template=True, tools=msg.tools))
+    assert text == f"<tools>{json.dumps(tools)}</tools>\n1+2?"
+    assert tok.decode(tok.prompt_ids("no tools", chat_template=True)) == "no tools"
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "m" / "tokenizer.json"), bos_token="<s>")
+    assert hf.apply_chat_template(msg.prompt, tools=tools, tokenize=False, chat_template=TOOLS_TEMPLATE) == \
+        "<s>" + text  # fmt: skip
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "x", "tools": "add"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: 'tools' must be a list of tool schemas"):
+        load_rows(tmp_path / "bad.jsonl", "prompt", None, None, tool_key="tools")

@@ -34,6 +34,11 @@ class DataSection(Section):
     metadata_key: str | None = Field(
         "metadata", description="Key or column of per-prompt metadata (an object; its rm_type picks the reward)."
     )
+    tool_key: str | None = Field(
+        None,
+        description="Key or column of a row's tool schemas (a list of function specs), passed to the chat template "
+        "as `tools`, as Miles does (with --apply-chat-template).",
+    )
     apply_chat_template: bool = Field(False, description="Format prompts with the tokenizer's chat template.")
     rollout_shuffle: bool = Field(False, description="Shuffle prompts every epoch.")
     rollout_seed: int = Field(42, ge=0, description="Seed for prompt shuffling and sampling.")
