@@ -6,7 +6,9 @@ it, in OpenAI's error shape), translated into the engine's sequences (the same s
 /generate: services/engine/protocol.py, scheduler.py) and answered as OpenAI does, or streamed as
 server-sent events (`data: <chunk>` per step, `data: [DONE]` last; with
 `stream_options.include_usage` a last chunk with `usage` and no choices). Chat prompts are rendered
-with the chat template of the model's tokenizer (services/model/tokenizer.py, jinja2).
+with the chat template of the model's tokenizer (services/model/tokenizer.py, jinja2); `tools`
+reach a template that reads them (its `tools` variable, as transformers passes it), and the model's
+tool calls come back as its text (no tool-call parser: `tool_choice` none or auto only).
 Beyond OpenAI's fields, SGLang's extra sampling fields are accepted (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, no_stop_trim).
 """
@@ -139,20 +141,31 @@ class OpenAIRoutes:
         fmt = body.get("response_format")
         _check(fmt is None or fmt == {"type": "text"},
                "response_format other than text: constrained decoding is not implemented", "response_format")  # fmt: skip
-        for key, neutral in (("tools", (None, [])), ("tool_choice", (None, "none")), ("parallel_tool_calls", (None,))):
-            _check(body.get(key) in neutral, f"{key}: tool calls are not implemented by the built-in engine", key)
+        tools = body.get("tools") or None
+        if tools is not None:
+            _check(isinstance(tools, list) and all(isinstance(t, dict) and t.get("type") == "function"
+                                                   and isinstance(t.get("function"), dict) for t in tools),
+                   "tools must be a list of {\"type\": \"function\", \"function\": {...}}", "tools")  # fmt: skip
+            tok = self.server.tokenizer
+            _check(tok is not None and tok.template_renders_tools,
+                   "tools: the model's chat template does not render tools", "tools")  # fmt: skip
+        _check(body.get("tool_choice") in (None, "none", "auto"),
+               "tool_choice: only none and auto (the model decides in its text; no call is forced)",
+               "tool_choice")  # fmt: skip
+        _check(body.get("parallel_tool_calls") in (None, True, False), "parallel_tool_calls must be true or false",
+               "parallel_tool_calls")  # fmt: skip
         want = body.get("logprobs") or False
         _check(isinstance(want, bool), "logprobs must be true or false", "logprobs")
         k = _logprobs_count(body, "top_logprobs")
         _check(k is None or want, "top_logprobs needs logprobs: true", "top_logprobs")
-        ids = self._chat_prompt(body.get("messages"))
+        ids = self._chat_prompt(body.get("messages"), tools if body.get("tool_choice") != "none" else None)
         raw.setdefault("max_new_tokens", self.server.limits.context_length - len(ids))
         params, text, n = self._sampling(raw, body)
         rid = "chatcmpl-" + uuid.uuid4().hex
         seqs = [Sequence(ids, params, text, f"{rid}-{j}", want, None, k or 0) for j in range(n)]
         return seqs, [ids], {"id": rid, "n": n}
 
-    def _chat_prompt(self, messages: Any) -> list[int]:
+    def _chat_prompt(self, messages: Any, tools: list[dict] | None = None) -> list[int]:
         tok = self.server.tokenizer
         _check(isinstance(messages, list) and bool(messages), "messages must be a non-empty list", "messages")
         clean = []
@@ -165,13 +178,13 @@ class OpenAIRoutes:
                            for p in content), f"{where}.content: only text parts are implemented", where)  # fmt: skip
                 content = "".join(p["text"] for p in content)
             _check(content is None or isinstance(content, str), f"{where}.content must be text", where)
-            _check(
-                set(m) <= {"role", "content", "name"}, f"{where}: only role, content and name are implemented", where
-            )
+            _check(set(m) <= {"role", "content", "name", "tool_calls", "tool_call_id"},
+                   f"{where}: only role, content, name, tool_calls and tool_call_id are implemented",
+                   where)  # fmt: skip
             clean.append({**m, "content": content or ""})
         _check(tok is not None and tok.has_chat_template, "the model's tokenizer has no chat template", "messages")
         try:
-            rendered = tok.render_chat(clean, add_generation_prompt=True)
+            rendered = tok.render_chat(clean, add_generation_prompt=True, tools=tools)
         except ValueError as e:
             raise OpenAIError(f"the chat template failed: {e}", "messages") from None
         try:

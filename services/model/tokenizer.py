@@ -9,6 +9,7 @@ renders them (a sandboxed environment with trim_blocks and lstrip_blocks, the sp
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -49,6 +50,14 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return bool(self._cfg.get("chat_template"))
+
+    @property
+    def template_renders_tools(self) -> bool:
+        """The chat template reads a `tools` variable (transformers' convention for tool schemas)."""
+        source = self._cfg.get("chat_template")
+        if isinstance(source, list):
+            source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+        return isinstance(source, str) and re.search(r"\btools\b", source) is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

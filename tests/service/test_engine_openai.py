@@ -140,3 +140,32 @@ async def test_a_model_without_a_chat_template_refuses_chat(tiny_model_dir, tmp_
         async with openai.AsyncOpenAI(base_url=e.url + "/v1", api_key="x", max_retries=0) as c:
             with pytest.raises(openai.BadRequestError, match="no chat template"):
                 await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "1"}])
+
+
+async def test_tools_reach_a_chat_template_that_renders_them(tiny_model_dir, tmp_path):
+    """`tools` go to the template's `tools` variable (this one writes how many there are, in the
+    tiny model's digits); tool_choice none leaves them out; a forced call is refused."""
+    import json
+    import shutil
+
+    d = tmp_path / "tools"
+    shutil.copytree(tiny_model_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{{ bos_token }}{% if tools %}{{ tools | length }}{% endif %}"
+                            "{% for m in messages %}{{ m['content'] }}{% endfor %}=")  # fmt: skip
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}} for i in range(2)]
+    chat = [{"role": "user", "content": "12"}, {"role": "assistant", "content": "3", "tool_calls": []},
+            {"role": "tool", "content": "4", "tool_call_id": "call-0"}]  # fmt: skip
+    with EngineThread(d) as e:
+        async with openai.AsyncOpenAI(base_url=e.url + "/v1", api_key="x", max_retries=0) as c:
+            plain = await c.chat.completions.create(model="m", messages=chat, max_tokens=1)
+            with_tools = await c.chat.completions.create(model="m", messages=chat, max_tokens=1, tools=tools)
+            assert with_tools.usage.prompt_tokens == plain.usage.prompt_tokens + 1  # "<s>2" + "1234="
+            none = await c.chat.completions.create(model="m", messages=chat, max_tokens=1, tools=tools,
+                                                   tool_choice="none")  # fmt: skip
+            assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+            with pytest.raises(openai.BadRequestError, match="tool_choice"):
+                await c.chat.completions.create(model="m", messages=chat, tools=tools, tool_choice="required")
+            with pytest.raises(openai.BadRequestError, match="tools must be a list"):
+                await c.chat.completions.create(model="m", messages=chat, tools=[{"name": "f"}])
