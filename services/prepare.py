@@ -55,6 +55,20 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
             updates["prompt_data"] = str(train)
         if not given_eval:
             updates["eval_prompt_data"] = [reverse_digits.NAME, str(held_out)]
+    if config.data.task == "reasoning-gym" and (config.data.prompt_data is None or not given_eval):
+        from services.tasks import reasoning_gym
+
+        d = config.data
+        try:
+            train, held_out = reasoning_gym.write_datasets(run_dir / "data", d.rg_dataset, d.rg_options, d.rg_size,
+                                                           d.rg_eval_size, config.data.rollout_seed)  # fmt: skip
+        except (reasoning_gym.MissingExtra, ValueError, TypeError, KeyError) as e:
+            raise LaunchError(f"--task reasoning-gym --rg-dataset {d.rg_dataset}: {e}") from None
+        log(f"reasoning-gym {d.rg_dataset}: {d.rg_size} training and {d.rg_eval_size} held-out prompts")
+        if config.data.prompt_data is None:
+            updates["prompt_data"] = str(train)
+        if not given_eval:
+            updates["eval_prompt_data"] = [d.rg_dataset, str(held_out)]
     rows = check_datasets(config.model_copy(update=updates))
     check_sinks(config)
     if config.rollout.num_rollout is None and config.rollout.data_source_path:
@@ -64,17 +78,34 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
         updates["num_rollout_per_epoch"] = rows // config.rollout.rollout_batch_size
         log(f"--num-epoch {config.rollout.num_epoch}: {rows} prompts per epoch -> {updates['num_rollout']} steps")
     if config.data.hf_checkpoint is None:
-        from services.tasks import reverse_digits
-
         model_dir = run_dir / "model" / "initial"
         if not (model_dir / ".complete").exists():
-            reverse_digits.build_model(
-                model_dir, seed=config.data.seed, warmup_sft_steps=config.data.warmup_sft_steps, log=log
-            )
+            build_task_model(config.model_copy(update=updates), model_dir, log)
         updates["hf_checkpoint"] = str(model_dir)
     else:
         updates["hf_checkpoint"] = str(Path(config.data.hf_checkpoint).resolve())
     return config.model_copy(update=updates)
+
+
+def build_task_model(config: RunConfig, model_dir: Path, log) -> None:
+    """The task's tiny model: the digit Llama, or for reasoning-gym a character-level one
+    warm-started on training (question, answer) pairs, its context fitting the longest pair."""
+    d = config.data
+    if d.task == "reasoning-gym":
+        from services.common.datasource import load_rows
+        from services.tasks.char_model import build_char_model
+
+        rows = load_rows(d.prompt_data, d.input_key, d.label_key, None)
+        pairs = [(str(r["prompt"]), str(r["label"])) for r in rows]
+        longest = max(len(p) + len(a) for p, a in pairs) + config.rollout.rollout_max_response_len
+        context = 128
+        while context < longest + 2:
+            context *= 2
+        build_char_model(model_dir, pairs, seed=d.seed, warmup_sft_steps=d.warmup_sft_steps, context=context, log=log)
+        return
+    from services.tasks import reverse_digits
+
+    reverse_digits.build_model(model_dir, seed=d.seed, warmup_sft_steps=d.warmup_sft_steps, log=log)
 
 
 def steps_of_epochs(config: RunConfig, rows: int) -> int:

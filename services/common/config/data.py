@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import Field
@@ -10,10 +11,22 @@ from services.common.config.base import Section
 class DataSection(Section):
     """The model and the prompts (launcher, buffer, producers, trainer)."""
 
-    task: Literal["reverse-digits"] = Field(
+    task: Literal["reverse-digits", "reasoning-gym"] = Field(
         "reverse-digits",
         description="Bundled verifiable task: supplies prompts, held-out prompts and the reward "
-        "when --prompt-data / --rm-type are not given, and the tiny model when --hf-checkpoint is unset.",
+        "when --prompt-data / --rm-type are not given, and the tiny model when --hf-checkpoint is unset. "
+        "reasoning-gym: one of its procedural datasets (--rg-dataset; pip install 'asyncrl[reasoning]').",
+    )
+    rg_dataset: str = Field(
+        "spell_backward", description="--task reasoning-gym: the dataset whose generator makes the prompts."
+    )
+    rg_config: str | None = Field(
+        None,
+        description='--task reasoning-gym: the dataset\'s settings as a JSON object, e.g. \'{"max_word_len": 5}\'.',
+    )
+    rg_size: int = Field(20_000, ge=1, description="--task reasoning-gym: training prompts (seed --rollout-seed).")
+    rg_eval_size: int = Field(
+        256, ge=1, description="--task reasoning-gym: held-out prompts, from a disjoint seed, none also in training."
     )
     hf_checkpoint: str | None = Field(
         None,
@@ -44,3 +57,19 @@ class DataSection(Section):
     rollout_seed: int = Field(42, ge=0, description="Seed for prompt shuffling and sampling.")
     seed: int = Field(1234, ge=0, description="Seed for model init and the trainer.")
 
+    def problems(self) -> list[str]:
+        errs = []
+        if self.rg_config is not None:
+            try:
+                options = json.loads(self.rg_config)
+            except ValueError as e:
+                options, problem = None, f"not JSON ({e})"
+            else:
+                problem = None if isinstance(options, dict) else "not a JSON object"
+            if problem:
+                errs.append(f"--rg-config {self.rg_config!r:.80}: {problem}; e.g. '{{\"max_word_len\": 5}}'")
+        return errs
+
+    @property
+    def rg_options(self) -> dict:
+        return json.loads(self.rg_config) if self.rg_config else {}

@@ -28,8 +28,9 @@ def reward_function(config, rm_type: str | None, custom_rm_path: str | None) -> 
     if custom_rm_path:
         return load_object(custom_rm_path, "--custom-rm-path")
     from services.common.rewards.hub import RewardHub
+    from services.common.rewards.names import TASK_RM_TYPE
 
-    return RewardHub(config, rm_type or config.data.task)
+    return RewardHub(config, rm_type or TASK_RM_TYPE.get(config.data.task, config.data.task))
 
 
 async def _maybe_await(x):

@@ -17,6 +17,8 @@ comparison with the label. The `boxed_` prefix replaces the extraction with the 
   {"score": 1.0 or -1.0, "acc": 1.0 or 0.0}: train on it with `--reward-key score`.
 - `f1`: SQuAD's token F1 of the response against the label (lower case, no punctuation or
   articles). In [0, 1].
+- `reasoning_gym`: the dataset's own `score_answer` (named by `metadata.source_dataset`, as
+  `--task reasoning-gym` writes it) on the response (services/tasks/reasoning_gym.py).
 - `gpqa`: the chosen letter (after the last `</think>`: "answer is C", "C is correct", else the
   last standalone capital) against the label (a letter, a 0-based index, or a choice's text;
   `metadata.correct_letter`, `metadata.choices` or `metadata.valid_letters` refine it). 1 or 0.
@@ -224,6 +226,21 @@ def gpqa_compare(answer: str, label: Any, metadata: dict) -> float:
     return 1.0 if chosen is not None and isinstance(label, str) and chosen == label.strip().upper() else 0.0
 
 
+# ---- reasoning_gym --------------------------------------------------------------------------
+
+
+def reasoning_gym_score(answer: str, label: Any, metadata: dict, prompt: Any) -> float:
+    """The dataset's own score_answer (named by metadata.source_dataset) on the stripped answer."""
+    import reasoning_gym
+
+    name = metadata.get("source_dataset")
+    if not isinstance(name, str):
+        raise ValueError("rm_type reasoning_gym needs metadata.source_dataset (rows written by --task reasoning-gym "
+                         "carry it)")  # fmt: skip
+    entry = {"question": prompt if isinstance(prompt, str) else "", "answer": label, "metadata": metadata}
+    return float(reasoning_gym.get_score_answer_fn(name)(answer.strip(), entry))
+
+
 # ---- the table ------------------------------------------------------------------------------
 
 
@@ -249,11 +266,16 @@ def warm_up() -> None:
     same_answer("1", "1")
 
 
-def grade(name: str, boxed: bool, response: str, label: Any, metadata: dict) -> float | dict[str, float]:
+def grade(name: str, boxed: bool, response: str, label: Any, metadata: dict,
+          prompt: Any = None) -> float | dict[str, float]:  # fmt: skip
     """One sample's reward by the grader `name`; `boxed`: grade the last `\\boxed{}` instead of the
     grader's own extraction. Runs in a worker process (hub.py)."""
+    metadata = metadata if isinstance(metadata, dict) else {}
+    if name == "reasoning_gym":  # the dataset's own scorer (it may read the question)
+        answer = last_boxed(response) if boxed else response
+        return 0.0 if answer is None else reasoning_gym_score(answer, label, metadata, prompt)
     grader = GRADERS[name]
     answer = last_boxed(response) if boxed else grader.extract(response)
     if answer is None:
         return grader.missing
-    return grader.compare(answer, label, metadata if isinstance(metadata, dict) else {})
+    return grader.compare(answer, label, metadata)

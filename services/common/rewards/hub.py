@@ -85,7 +85,7 @@ class RewardHub:
             return float(random.randint(0, 1))
         if base == "remote_rm":  # the response as it is, as Miles sends it (boxed_ or not)
             return await self.remote.score(sample.prompt, sample.response, sample.label)
-        future = self.pool.schedule(self.timeout_s, base, boxed, sample.response, sample.label, meta)
+        future = self.pool.schedule(self.timeout_s, base, boxed, sample.response, sample.label, meta, sample.prompt)
         try:
             return await asyncio.wrap_future(future)
         except concurrent.futures.TimeoutError:

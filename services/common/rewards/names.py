@@ -1,14 +1,16 @@
 """The names `--rm-type` (and a sample's `metadata.rm_type`) may take, and why a name is refused.
-No imports: the configuration checks `--rm-type` with it before anything starts."""
+No imports of the project: the configuration checks `--rm-type` with it before anything starts."""
 
 from __future__ import annotations
+
+import importlib.util
 
 TASK_REWARDS = {
     "reverse-digits": "services.tasks.reverse_digits.reward",
     "copy-digits": "services.tasks.copy_digits.reward",
 }
 """The bundled tasks' own rewards (module.function)."""
-GRADED = ("math", "dapo", "deepscaler", "f1", "gpqa")
+GRADED = ("math", "dapo", "deepscaler", "f1", "gpqa", "reasoning_gym")
 """Graded in a worker process by services/common/rewards/graders.py; each also as `boxed_<name>`."""
 HUB = ("remote_rm", "random", *GRADED)
 """Miles's reward hub (rm_hub), with `remote_rm` needing --rm-url."""
@@ -37,7 +39,13 @@ def rm_type_problem(name: str, has_url: bool = True) -> str | None:
         return f"rm_type {name!r} is unknown: use one of {', '.join(known)}, or --custom-rm-path"
     if base == "remote_rm" and not has_url:
         return f"rm_type {name!r} needs --rm-url: the reward model's URL"
+    if base == "reasoning_gym" and importlib.util.find_spec("reasoning_gym") is None:
+        return f"rm_type {name!r} needs the reasoning extra: pip install 'asyncrl[reasoning]'"
     return None
+
+
+TASK_RM_TYPE = {"reasoning-gym": "reasoning_gym"}
+"""Tasks whose reward is a hub type (the others' is their own function, TASK_REWARDS)."""
 
 
 def row_rm_type_check(has_url: bool):

@@ -1,0 +1,72 @@
+"""`--task reasoning-gym`: any of reasoning-gym's procedural datasets as a task, offline.
+
+Prompts come from the dataset's generator (training: seed --rollout-seed, --rg-size of them;
+held-out: seed + HELD_OUT_SEED_OFFSET, --rg-eval-size, none whose question is also in training:
+reasoning-gym seeds item i with seed + i, so nearby seeds share items), labels are
+its answers, and each row's metadata is the entry's (its `source_dataset` names the scorer) with
+`rm_type: reasoning_gym`: the reward is the dataset's own `score_answer`, run by the reward hub's
+graders (services/common/rewards/graders.py, `reasoning_gym_score`). Without --hf-checkpoint the launcher builds a
+character-level tiny model (services/tasks/char_model.py) warm-started on training pairs.
+
+reasoning-gym is an optional extra (`pip install 'asyncrl[reasoning]'`; its pycosat dependency
+builds from source, so it needs a C compiler).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+NAME = "reasoning-gym"
+RM_TYPE = "reasoning_gym"
+HELD_OUT_SEED_OFFSET = 1_000_003
+
+
+class MissingExtra(RuntimeError):
+    pass
+
+
+def _reasoning_gym():
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise MissingExtra("--task reasoning-gym needs the reasoning extra: pip install 'asyncrl[reasoning]' "
+                           "(reasoning-gym; a C compiler builds its pycosat dependency)") from None  # fmt: skip
+    return reasoning_gym
+
+
+def _row(entry: dict) -> dict:
+    meta = json.loads(json.dumps(entry.get("metadata") or {}, default=str))  # plain JSON (tuples, sets, ...)
+    return {"prompt": entry["question"], "label": str(entry["answer"]), "metadata": {**meta, "rm_type": RM_TYPE}}
+
+
+def make_rows(dataset: str, options: dict, size: int, seed: int, exclude: set[str] | None = None) -> list[dict]:
+    """`size` rows of `dataset`'s generator with `seed`; with `exclude`, distinct questions none of
+    which is in it (drawn from 4x as many entries)."""
+    rg = _reasoning_gym()
+    if exclude is None:
+        return [_row(e) for e in rg.create_dataset(dataset, size=size, seed=seed, **options)]
+    rows, seen = [], set(exclude)
+    for entry in rg.create_dataset(dataset, size=4 * size, seed=seed, **options):
+        if entry["question"] not in seen:
+            seen.add(entry["question"])
+            rows.append(_row(entry))
+            if len(rows) == size:
+                return rows
+    raise ValueError(f"reasoning-gym {dataset} {options}: fewer than {size} held-out questions that are not "
+                     "training questions; lower --rg-eval-size or --rg-size, or widen the dataset's "
+                     "settings")  # fmt: skip
+
+
+def write_datasets(data_dir: str | Path, dataset: str, options: dict, size: int, eval_size: int,
+                   seed: int) -> tuple[Path, Path]:  # fmt: skip
+    """The training and held-out JSONL files (held-out from a distant seed, disjoint questions)."""
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    train_rows = make_rows(dataset, options, size, seed)
+    held_rows = make_rows(dataset, options, eval_size, seed + HELD_OUT_SEED_OFFSET,
+                          exclude={r["prompt"] for r in train_rows})  # fmt: skip
+    train, held_out = data_dir / f"{dataset}_train.jsonl", data_dir / f"{dataset}_eval.jsonl"
+    for path, rows in ((train, train_rows), (held_out, held_rows)):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return train, held_out

@@ -1,0 +1,50 @@
+"""--task reasoning-gym: prompts from a reasoning-gym generator with a seed, held-out prompts from
+a disjoint seed with no training question among them, and the dataset's own scorer as the
+reward (partial credit included), through the reward hub's grader."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("reasoning_gym", reason="the reasoning extra: pip install -e '.[reasoning]'")
+
+from services.common.config import RunConfig  # noqa: E402
+from services.common.rewards.graders import grade  # noqa: E402
+from services.tasks import reasoning_gym  # noqa: E402
+
+OPTIONS = {"min_word_len": 3, "max_word_len": 5}
+
+
+def test_prompts_come_from_the_generator_and_held_out_prompts_are_disjoint(tmp_path):
+    train, held_out = reasoning_gym.write_datasets(tmp_path, "spell_backward", OPTIONS, 300, 40, seed=5)
+    train_rows = [json.loads(line) for line in train.read_text().splitlines()]
+    held_rows = [json.loads(line) for line in held_out.read_text().splitlines()]
+    assert len(train_rows) == 300 and len(held_rows) == 40
+    assert not {r["prompt"] for r in train_rows} & {r["prompt"] for r in held_rows}
+    assert len({r["prompt"] for r in held_rows}) == 40
+    row = train_rows[0]
+    word = row["metadata"]["word"]
+    assert row["prompt"].endswith(word) and row["label"] == word[::-1] and 3 <= len(word) <= 5
+    assert row["metadata"]["source_dataset"] == "spell_backward" and row["metadata"]["rm_type"] == "reasoning_gym"
+    again, _ = reasoning_gym.write_datasets(tmp_path / "again", "spell_backward", OPTIONS, 300, 40, seed=5)
+    assert again.read_text() == train.read_text()  # the seed makes the prompts
+
+
+def test_the_reward_is_the_datasets_scorer():
+    meta = {"source_dataset": "spell_backward", "word": "splat"}
+    assert grade("reasoning_gym", False, "talps", "talps", meta) == 1.0
+    assert grade("reasoning_gym", False, " talps\n", "talps", meta) == 1.0
+    assert grade("reasoning_gym", False, "talp", "talps", meta) == pytest.approx(0.8)  # partial credit
+    assert grade("reasoning_gym", False, "xxxxx", "talps", meta) == 0.0
+    assert grade("reasoning_gym", True, "so \\boxed{talps}", "talps", meta) == 1.0
+    with pytest.raises(ValueError, match="source_dataset"):
+        grade("reasoning_gym", False, "talps", "talps", {})
+
+
+def test_an_unknown_dataset_or_bad_settings_say_so():
+    with pytest.raises(ValueError, match="--rg-config"):
+        RunConfig(task="reasoning-gym", rg_config="[3, 5]")
+    with pytest.raises(ValueError):
+        reasoning_gym.make_rows("no_such_dataset", {}, 3, seed=0)
