@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -28,9 +29,12 @@ CHAT_TEMPLATE = (
 """A chat is its messages' text, one after the other (the model answers right after the user's)."""
 
 
-def build_char_tokenizer(out_dir: str | Path, context: int) -> None:
+def build_char_tokenizer(out_dir: str | Path, context: int, alphabet: str = ALPHABET,
+                         chat_template: str = CHAT_TEMPLATE) -> None:  # fmt: skip
+    """A fast tokenizer with one token a character of `alphabet` (after SPECIAL), saved with its
+    config: BOS added to plain text, the chat template given."""
     vocab = {tok: i for i, tok in enumerate(SPECIAL)}
-    for c in ALPHABET:
+    for c in alphabet:
         vocab[c] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
@@ -42,7 +46,7 @@ def build_char_tokenizer(out_dir: str | Path, context: int) -> None:
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "pad_token": "<pad>", "unk_token": "<unk>", "model_max_length": context, "chat_template": CHAT_TEMPLATE,
+        "pad_token": "<pad>", "unk_token": "<unk>", "model_max_length": context, "chat_template": chat_template,
     }, indent=2))  # fmt: skip
 
 
@@ -63,12 +67,14 @@ def build_char_model(out_dir: str | Path, pairs: list[tuple[str, str]], seed: in
     torch.manual_seed(seed)
     cfg = ModelConfig(vocab_size=len(SPECIAL) + len(ALPHABET), hidden_size=hidden, intermediate_size=4 * hidden,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-                      max_position_embeddings=context, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)  # fmt: skip
+                      max_position_embeddings=context, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                      pad_token_id=PAD_ID)  # fmt: skip
     model = CausalLM(cfg)
     model.init_weights(seed)
     t0 = time.perf_counter()
     if warmup_sft_steps > 0 and pairs:
-        _warm_start(model, pairs, warmup_sft_steps, seed)
+        ids = [([BOS_ID] + encode(p), encode(a) + [EOS_ID]) for p, a in pairs]
+        warm_start(model, lambda rng: rng.choice(ids), warmup_sft_steps, seed, lr=2e-3)
     out = Path(out_dir)
     build_char_tokenizer(out, context)
     info = save_model(model, out)
@@ -79,17 +85,21 @@ def build_char_model(out_dir: str | Path, pairs: list[tuple[str, str]], seed: in
     return summary
 
 
-def _warm_start(model, pairs: list[tuple[str, str]], steps: int, seed: int, batch: int = 64, lr: float = 2e-3) -> None:
+def warm_start(model, next_pair: Callable[[random.Random], tuple[list[int], list[int]]], steps: int, seed: int,
+               batch: int = 64, lr: float = 1e-3) -> None:  # fmt: skip
+    """Supervised warm start: `steps` AdamW steps of teacher-forced cross-entropy on the answer
+    tokens of `batch` (prompt ids, answer ids) pairs each, drawn by `next_pair` from
+    Random(seed + 7)."""
     import torch
 
     rng = random.Random(seed + 7)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     for _ in range(steps):
         seqs, masks = [], []
-        for prompt, answer in (rng.choice(pairs) for _ in range(batch)):
-            p, a = [BOS_ID] + encode(prompt), encode(answer) + [EOS_ID]
-            seqs.append(p + a)
-            masks.append([0] * len(p) + [1] * len(a))
+        for _ in range(batch):
+            prompt, answer = next_pair(rng)
+            seqs.append(prompt + answer)
+            masks.append([0] * len(prompt) + [1] * len(answer))
         width = max(map(len, seqs))
         ids = torch.tensor([s + [PAD_ID] * (width - len(s)) for s in seqs])
         loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)

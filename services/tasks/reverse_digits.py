@@ -14,7 +14,7 @@ import json
 import random
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from services.tasks.char_model import build_char_tokenizer, warm_start
 
 NAME = "reverse-digits"
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -35,31 +35,7 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer(out_dir: str | Path) -> None:
     """A character-level fast tokenizer (16 tokens) saved as tokenizer.json + config."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL)}
-    for c in ALPHABET:
-        vocab[c] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS_ID)])
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(SPECIAL)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": "<s>",
-                "eos_token": "</s>",
-                "pad_token": "<pad>",
-                "unk_token": "<unk>",
-                "model_max_length": 64,
-                "chat_template": CHAT_TEMPLATE,
-            },
-            indent=2,
-        )
-    )
+    build_char_tokenizer(out_dir, 64, ALPHABET, CHAT_TEMPLATE)
 
 
 def _digits(rng: random.Random) -> str:
@@ -159,32 +135,12 @@ def build_model(
     return summary
 
 
-def _supervised_warm_start(model, steps: int, seed: int, batch: int = 64, lr: float = 1e-3) -> None:
+def _supervised_warm_start(model, steps: int, seed: int) -> None:
     """Teacher-forced cross-entropy on the answer tokens of random training prompts."""
-    import torch
-
     vocab = {c: len(SPECIAL) + i for i, c in enumerate(ALPHABET)}
-    rng = random.Random(seed + 7)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    for _ in range(steps):
-        seqs, masks = [], []
-        for _ in range(batch):
-            d = _digits(rng)
-            prompt = [BOS_ID] + [vocab[c] for c in d] + [vocab["="]]
-            answer = [vocab[c] for c in d[::-1]] + [EOS_ID]
-            seqs.append(prompt + answer)
-            masks.append([0] * len(prompt) + [1] * len(answer))
-        width = max(map(len, seqs))
-        ids = torch.tensor([s + [PAD_ID] * (width - len(s)) for s in seqs])
-        loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
-        attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-        logits = model(ids, attn)[:, :-1]
-        targets = ids[:, 1:]
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
-        )
-        mask = loss_mask[:, 1:].reshape(-1)
-        loss = (nll * mask).sum() / mask.sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+
+    def pair(rng: random.Random) -> tuple[list[int], list[int]]:
+        d = _digits(rng)
+        return [BOS_ID] + [vocab[c] for c in d] + [vocab["="]], [vocab[c] for c in d[::-1]] + [EOS_ID]
+
+    warm_start(model, pair, steps, seed, lr=1e-3)
