@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch; override for another build, e.g. make run TORCH="torch==2.13.0 --index-url ..."
 TORCH ?= torch==2.13.0
 
-.PHONY: setup run smoke test test-crash test-cluster test-ray test-docker test-all bench lint clean
+.PHONY: setup run smoke test test-crash test-cluster test-ray test-tasks test-docker test-all bench lint clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -46,6 +46,11 @@ test-cluster: $(BIN)/.test-installed
 # data-parallel trainer placed with --use-ray on a local one; CI runs it too.
 test-ray: $(BIN)/.test-installed
 	$(BIN)/python -m pytest -q -m ray tests/integration/test_ray_cluster.py tests/e2e/test_cli_run.py
+
+# Whole runs on real tasks' data: a Parquet math set graded with boxed_math, a reasoning-gym task
+# (their graders and data readers are in the default suite); CI runs it too.
+test-tasks: $(BIN)/.test-installed
+	$(BIN)/python -m pytest -q -m tasks tests/e2e/test_math_run.py tests/e2e/test_reasoning_gym_run.py
 
 # docker-compose.yml run for real on loopback (tests/docker): builds the image, runs a short job to
 # its end with three producers and audits it; skips, saying why, when no Docker daemon can start.

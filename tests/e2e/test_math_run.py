@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from services.tasks.char_model import build_char_model
 from tests.e2e.test_cli_run import SMALL, records
@@ -20,6 +21,7 @@ def sums(pairs) -> list[dict]:
     return [{"problem": f"{a}+{b}=", "answer": str(a + b), "meta": {"source": "sums"}} for a, b in pairs]
 
 
+@pytest.mark.tasks
 def test_a_parquet_math_set_trains_with_boxed_math(tmp_path: Path):
     problems = [(a, b) for a in range(50) for b in range(10)]
     held_out, train = problems[::8], [p for i, p in enumerate(problems) if i % 8]

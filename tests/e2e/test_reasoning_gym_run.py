@@ -15,6 +15,7 @@ from tests.e2e.test_cli_run import SMALL, records
 pytest.importorskip("reasoning_gym", reason="the reasoning extra: pip install -e '.[reasoning]'")
 
 
+@pytest.mark.tasks
 def test_a_reasoning_gym_task_runs_and_scores_with_its_own_scorer(tmp_path, monkeypatch):
     monkeypatch.delenv("ASYNCRL_HF_CHECKPOINT")  # the task's own model, not the prebuilt digit one
     run_dir = tmp_path / "run"
