@@ -97,7 +97,10 @@ def build_task_model(config: RunConfig, model_dir: Path, log) -> None:
 
         rows = load_rows(d.prompt_data, d.input_key, d.label_key, None)
         pairs = [(str(r["prompt"]), str(r["label"])) for r in rows]
-        longest = max(len(p) + len(a) for p, a in pairs) + config.rollout.rollout_max_response_len
+        held_out = [str(r["prompt"]) for f in config.eval.eval_prompt_data[1::2]  # NAME PATH pairs
+                    for r in load_rows(f, "prompt", None, None)]  # its prompts must fit too  # fmt: skip
+        prompts = [p for p, _ in pairs] + held_out
+        longest = max(map(len, prompts)) + max(len(a) for _, a in pairs) + config.rollout.rollout_max_response_len
         context = 128
         while context < longest + 2:
             context *= 2

@@ -104,7 +104,7 @@ def spec_problems(spec: AdapterSpec) -> list[str]:
     if len(set(spec.target_modules)) != len(spec.target_modules):
         errs.append("target_modules names a module twice")
     if not spec.data:
-        errs.append("data is empty: give the path of the adapter's JSONL prompt file")
+        errs.append("data is empty: give the path of the adapter's prompt file (JSONL or Parquet)")
     if not spec.save:
         errs.append("save is empty: give the directory of the adapter's saves")
     if (spec.rm_type is None) == (spec.custom_rm_path is None):

@@ -39,7 +39,7 @@ from services.adapters.store import RegistryStore
 from services.common import crash
 from services.common.bus import BusError, SequenceConflict, TransportError
 from services.common.config import ConfigError, DataSection, MultiLoraSection, RolloutSection
-from services.common.datasource import DataError, load_rows
+from services.common.datasource import DataError, data_size, load_rows
 from services.common.runtime import Service
 
 log = logging.getLogger(__name__)
@@ -209,8 +209,8 @@ class AdapterService(Service):
                             f"{c.rollout.rollout_batch_size} (the largest step the run is sized for): "
                             "use at most that")  # fmt: skip
         try:
-            size = os.path.getsize(spec.data)
-        except OSError as e:
+            size = data_size(spec.data, stop_above=c.multi_lora.multi_lora_max_data_mb * 2**20)
+        except (OSError, ValueError) as e:
             raise SpecError(f"data {spec.data}: {e}") from None
         if size > c.multi_lora.multi_lora_max_data_mb * 2**20:
             raise SpecError(f"data {spec.data} is {size / 2**20:.0f} MiB, above the run's --multi-lora-max-data-mb "

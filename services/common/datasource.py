@@ -51,6 +51,28 @@ def load_rows(path: str | Path, input_key: str, label_key: str | None, metadata_
     return rows
 
 
+def data_size(path: str | Path, stop_above: float = float("inf")) -> int:
+    """Bytes a prompt file holds once read: a JSONL file's size; a Parquet file's decoded size,
+    which compression and dictionary encoding can make far larger than the file. It is counted
+    batch by batch (a batch decodes to no more than its rows' own values) and the count stops
+    once it passes `stop_above`."""
+    path = Path(path)
+    if path.suffix.lower() != ".parquet":
+        return path.stat().st_size
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    total = 0
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            total += batch.nbytes
+            if total > stop_above:
+                break
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: not a readable Parquet file ({str(e)[:200]})") from None
+    return max(total, path.stat().st_size)
+
+
 def _jsonl_rows(path: Path):
     lineno = 0
     try:
@@ -96,9 +118,16 @@ def _row(path: Path, lineno: int, obj, input_key: str, label_key: str | None, me
     row = {"prompt": obj[input_key], "label": obj.get(label_key) if label_key else None, "metadata": meta or {}}
     if tool_key is not None:
         tools = obj.get(tool_key)
+        if isinstance(tools, str):  # a JSON text (a Parquet string column), as Miles reads it
+            try:
+                tools = json.loads(tools)
+            except ValueError:
+                raise DataError(f"{path}:{lineno}: {tool_key!r} is text but not JSON") from None
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise DataError(f"{path}:{lineno}: {tool_key!r} must be a list of tool schemas (objects)")
         row["tools"] = tools
+        if tools is not None:
+            row["metadata"] = {**row["metadata"], "tools": tools}  # as Miles: custom rewards read them there
     return row
 
 

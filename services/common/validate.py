@@ -64,7 +64,9 @@ def reward_problem(reward: Any, reward_key: str | None, max_abs: float = 1e6) ->
         big = next((k for k, v in reward.items() if abs(v) > max_abs), None)
         if big is not None:
             return f"reward[{big!r}] is {reward[big]!r:.30}, outside [-{max_abs:g}, {max_abs:g}] (--max-abs-reward)"
-        if reward_key is not None and reward_key not in reward:
+        if reward_key is None:  # nothing would say which entry to train on
+            return f"reward is a dict ({', '.join(sorted(reward))[:80]}): set --reward-key to the entry to train on"
+        if reward_key not in reward:
             return f"reward has no {reward_key!r} entry (--reward-key)"
         return None
     if not finite(reward):

@@ -35,9 +35,13 @@ def _reasoning_gym():
     return reasoning_gym
 
 
-def _row(entry: dict) -> dict:
-    meta = json.loads(json.dumps(entry.get("metadata") or {}, default=str))  # plain JSON (tuples, sets, ...)
-    return {"prompt": entry["question"], "label": str(entry["answer"]), "metadata": {**meta, "rm_type": RM_TYPE}}
+def _row(entry: dict, origin: dict) -> dict:
+    """A row of `entry`; its metadata says where the entry came from (`rg_origin`: dataset size,
+    seed and settings), so that the scorer gets the entry itself back, exact types and all (JSON
+    and msgpack turn tuples into lists, and some scorers compare tuples)."""
+    meta = json.loads(json.dumps(entry.get("metadata") or {}, default=str))
+    return {"prompt": entry["question"], "label": str(entry["answer"]),
+            "metadata": {**meta, "rm_type": RM_TYPE, "rg_origin": origin}}  # fmt: skip
 
 
 def make_rows(dataset: str, options: dict, size: int, seed: int, exclude: set[str] | None = None) -> list[dict]:
@@ -45,12 +49,14 @@ def make_rows(dataset: str, options: dict, size: int, seed: int, exclude: set[st
     which is in it (drawn from 4x as many entries)."""
     rg = _reasoning_gym()
     if exclude is None:
-        return [_row(e) for e in rg.create_dataset(dataset, size=size, seed=seed, **options)]
+        origin = {"size": size, "seed": seed, "options": options}
+        return [_row(e, origin) for e in rg.create_dataset(dataset, size=size, seed=seed, **options)]
     rows, seen = [], set(exclude)
+    origin = {"size": 4 * size, "seed": seed, "options": options}
     for entry in rg.create_dataset(dataset, size=4 * size, seed=seed, **options):
         if entry["question"] not in seen:
             seen.add(entry["question"])
-            rows.append(_row(entry))
+            rows.append(_row(entry, origin))
             if len(rows) == size:
                 return rows
     raise ValueError(f"reasoning-gym {dataset} {options}: fewer than {size} held-out questions that are not "

@@ -192,3 +192,20 @@ def test_a_row_whose_rm_type_cannot_score_is_named_by_file_and_row(tmp_path):
     with pytest.raises(DataError, match=r"d.jsonl:2: metadata.rm_type 'remote_rm' needs --rm-url"):
         load_rows(p, "prompt", None, "metadata", row_rm_type_check(has_url=False))
     assert len(load_rows(p, "prompt", None, "metadata", row_rm_type_check(has_url=True))) == 2
+
+
+def test_a_parquet_files_size_is_what_it_holds_once_read(tmp_path):
+    """A multi-LoRA adapter's data is capped by --multi-lora-max-data-mb: a compressed Parquet
+    file counts by its decoded size."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from services.common.datasource import data_size
+
+    rows = [{"prompt": "7" * 1000, "label": "1"}] * 2000
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "big.parquet", compression="zstd")
+    assert (tmp_path / "big.parquet").stat().st_size < 200_000
+    assert data_size(tmp_path / "big.parquet") >= 2000 * 1000  # every row's prompt, decoded
+    assert 2**19 < data_size(tmp_path / "big.parquet", stop_above=2**19) < 2000 * 1000  # counting stops past the cap
+    jsonl = write(tmp_path, ['{"prompt": "a"}'])
+    assert data_size(jsonl) == jsonl.stat().st_size

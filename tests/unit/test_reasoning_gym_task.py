@@ -30,6 +30,10 @@ def test_prompts_come_from_the_generator_and_held_out_prompts_are_disjoint(tmp_p
     assert row["metadata"]["source_dataset"] == "spell_backward" and row["metadata"]["rm_type"] == "reasoning_gym"
     again, _ = reasoning_gym.write_datasets(tmp_path / "again", "spell_backward", OPTIONS, 300, 40, seed=5)
     assert again.read_text() == train.read_text()  # the seed makes the prompts
+    # the scorer gets the entry itself back from where the row says it came from
+    for r in (train_rows[7], held_rows[3]):
+        assert grade("reasoning_gym", False, r["label"], r["label"], r["metadata"], r["prompt"]) == 1.0
+        assert grade("reasoning_gym", False, r["label"][:-1], r["label"], r["metadata"], r["prompt"]) < 1.0
 
 
 def test_the_reward_is_the_datasets_scorer():

@@ -62,6 +62,8 @@ def test_dapo_keeps_its_answer_line_rule_and_plus_minus_one():
     assert grade("dapo", False, "Answer: 42.0", "42", {}) == {"score": -1.0, "acc": 0.0}  # string equality, as DAPO
     with pytest.raises(ValueError):
         grade("dapo", False, "Answer: x", "not a number", {})  # DAPO's labels are integers
+    with pytest.raises(ValueError, match="integer"):
+        grade("dapo", False, "Answer: 12", "12.5", {})
     assert minerva_normalize("x = \\boxed{12}") == "12"
     assert minerva_normalize("\\text{5 apples}") == "5apples"
 
@@ -90,6 +92,7 @@ def test_gpqa_reads_the_chosen_letter():
     assert grade("gpqa", False, "answer: A", "blue", choices) == 0.0
     assert grade("gpqa", False, "it is blue", "blue", choices) == 1.0  # no letter: the text
     assert grade("gpqa", False, "answer: A", "C", {}) == 0.0
+    assert grade("gpqa", False, "2 electrons, so none of these", 2, choices) == 0.0  # an index is no answer text
     assert grade("gpqa", False, "answer: E", "A", choices) == 0.0  # E is not a choice of four: the last valid letter
 
 

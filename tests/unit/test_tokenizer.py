@@ -87,6 +87,10 @@ def test_tool_schemas_reach_the_chat_template_as_transformers_passes_them(tmp_pa
     hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "m" / "tokenizer.json"), bos_token="<s>")
     assert hf.apply_chat_template(msg.prompt, tools=tools, tokenize=False, chat_template=TOOLS_TEMPLATE) == \
         "<s>" + text  # fmt: skip
-    (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "x", "tools": "add"}) + "\n")
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "x", "tools": {"name": "add"}}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:1: 'tools' must be a list of tool schemas"):
         load_rows(tmp_path / "bad.jsonl", "prompt", None, None, tool_key="tools")
+    # a JSON text (a Parquet string column) is read as Miles reads it; the row's metadata keeps them
+    (tmp_path / "text.jsonl").write_text(json.dumps({"prompt": "x", "tools": json.dumps(tools)}) + "\n")
+    row = load_rows(tmp_path / "text.jsonl", "prompt", None, None, tool_key="tools")[0]
+    assert row["tools"] == tools and row["metadata"]["tools"] == tools

@@ -120,3 +120,10 @@ def test_a_huge_finite_reward_is_refused_where_it_enters_and_cannot_overflow_adv
     record, bad = finite_record({"rollout/reward/mean": float("inf"), "train/loss": float("nan"), "step": 3})
     assert bad == ["rollout/reward/mean", "train/loss"]
     assert record == {"rollout/reward/mean": None, "train/loss": None, "step": 3}
+
+
+def test_a_dict_reward_needs_the_key_that_says_what_to_train_on():
+    """Without --reward-key nothing says which entry is the reward: the sample fails at once,
+    instead of the trainer failing on it later."""
+    assert "set --reward-key" in reward_problem({"score": 1.0, "acc": 1.0}, None)
+    assert reward_problem({"score": 1.0, "acc": 1.0}, "score") is None

@@ -26,6 +26,7 @@ comparison with the label. The `boxed_` prefix replaces the extraction with the 
 
 from __future__ import annotations
 
+import json
 import re
 import string
 from collections import Counter
@@ -130,7 +131,10 @@ def dapo_extract(response: str) -> str | None:
 
 
 def dapo_compare(answer: str, label: Any, metadata: dict) -> dict[str, float]:
-    gold = str(int(float(minerva_normalize(str(label)))))  # DAPO's labels are integers; anything else raises
+    number = float(minerva_normalize(str(label)))  # DAPO's labels are integers; anything else raises
+    if not number.is_integer():
+        raise ValueError(f"dapo's label must be an integer (got {label!r:.40})")
+    gold = str(int(number))
     right = minerva_normalize(answer) == gold
     return {"score": 1.0 if right else -1.0, "acc": 1.0 if right else 0.0}
 
@@ -217,7 +221,9 @@ def gpqa_compare(answer: str, label: Any, metadata: dict) -> float:
     correct, chosen = _correct_letter(label, metadata, letters), chosen_letter(answer, letters)
     if correct is not None and chosen is not None:
         return 1.0 if chosen == correct else 0.0
-    targets = [metadata.get("correct_answer"), metadata.get("answer_text"), label]
+    targets = [metadata.get("correct_answer"), metadata.get("answer_text")]
+    if isinstance(label, str) and len(label.strip()) > 1:  # a letter or an index is no answer text
+        targets.append(label)
     if correct is not None and (choices := _choices(metadata)) and letters.index(correct) < len(choices):
         targets.append(choices[letters.index(correct)])
     text = f" {_plain(answer)} "
@@ -229,14 +235,29 @@ def gpqa_compare(answer: str, label: Any, metadata: dict) -> float:
 # ---- reasoning_gym --------------------------------------------------------------------------
 
 
+_rg_datasets: dict = {}
+"""reasoning-gym datasets this worker re-created, by (name, size, seed, settings)."""
+
+
 def reasoning_gym_score(answer: str, label: Any, metadata: dict, prompt: Any) -> float:
-    """The dataset's own score_answer (named by metadata.source_dataset) on the stripped answer."""
+    """The dataset's own score_answer (named by metadata.source_dataset) on the stripped answer,
+    against the entry itself when the row says where it came from (`rg_origin`, as --task
+    reasoning-gym writes it: the dataset is re-created with the same size, seed and settings),
+    else against the row's label and metadata."""
     import reasoning_gym
 
     name = metadata.get("source_dataset")
     if not isinstance(name, str):
         raise ValueError("rm_type reasoning_gym needs metadata.source_dataset (rows written by --task reasoning-gym "
                          "carry it)")  # fmt: skip
+    origin, index = metadata.get("rg_origin"), metadata.get("source_index")
+    if isinstance(origin, dict) and isinstance(index, int):
+        key = (name, origin["size"], origin["seed"], json.dumps(origin["options"], sort_keys=True))
+        if key not in _rg_datasets:
+            _rg_datasets[key] = reasoning_gym.create_dataset(name, size=origin["size"], seed=origin["seed"],
+                                                             **origin["options"])  # fmt: skip
+        dataset = _rg_datasets[key]
+        return float(dataset.score_answer(answer.strip(), dataset[index]))
     entry = {"question": prompt if isinstance(prompt, str) else "", "answer": label, "metadata": metadata}
     return float(reasoning_gym.get_score_answer_fn(name)(answer.strip(), entry))
 
@@ -262,8 +283,13 @@ GRADERS: dict[str, Grader] = {
 
 
 def warm_up() -> None:
-    """A worker's start: math-verify and sympy imported before its first sample's clock runs."""
-    same_answer("1", "1")
+    """A worker's start: math-verify and sympy imported before its first sample's clock runs.
+    A failure here is left to the samples (each fails with the reason), not to the pool, which
+    would restart the worker forever."""
+    try:
+        same_answer("1", "1")
+    except Exception:  # noqa: BLE001 - reported by the first sample that needs it
+        pass
 
 
 def grade(name: str, boxed: bool, response: str, label: Any, metadata: dict,

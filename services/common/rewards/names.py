@@ -3,8 +3,6 @@ No imports of the project: the configuration checks `--rm-type` with it before a
 
 from __future__ import annotations
 
-import importlib.util
-
 TASK_REWARDS = {
     "reverse-digits": "services.tasks.reverse_digits.reward",
     "copy-digits": "services.tasks.copy_digits.reward",
@@ -39,8 +37,6 @@ def rm_type_problem(name: str, has_url: bool = True) -> str | None:
         return f"rm_type {name!r} is unknown: use one of {', '.join(known)}, or --custom-rm-path"
     if base == "remote_rm" and not has_url:
         return f"rm_type {name!r} needs --rm-url: the reward model's URL"
-    if base == "reasoning_gym" and importlib.util.find_spec("reasoning_gym") is None:
-        return f"rm_type {name!r} needs the reasoning extra: pip install 'asyncrl[reasoning]'"
     return None
 
 
