@@ -47,10 +47,11 @@ test-cluster: $(BIN)/.test-installed
 test-ray: $(BIN)/.test-installed
 	$(BIN)/python -m pytest -q -m ray tests/integration/test_ray_cluster.py tests/e2e/test_cli_run.py
 
-# Whole runs on real tasks' data: a Parquet math set graded with boxed_math, a reasoning-gym task
+# Whole runs on real tasks' data: a Parquet math set graded with boxed_math, a reasoning-gym task,
+# the calculator tool task learning its tool, an OpenEnv environment in the loop
 # (their graders and data readers are in the default suite); CI runs it too.
 test-tasks: $(BIN)/.test-installed
-	$(BIN)/python -m pytest -q -m tasks tests/e2e/test_math_run.py tests/e2e/test_reasoning_gym_run.py
+	$(BIN)/python -m pytest -q -m tasks tests/e2e/test_math_run.py tests/e2e/test_reasoning_gym_run.py tests/e2e/test_tool_use_run.py
 
 # docker-compose.yml run for real on loopback (tests/docker): builds the image, runs a short job to
 # its end with three producers and audits it; skips, saying why, when no Docker daemon can start.

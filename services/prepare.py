@@ -47,14 +47,15 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
     if config.eval.eval_config:  # inlined, with absolute paths: every service reads the same document
         updates.update(inline_eval_config(config))
     given_eval = bool(config.eval.eval_prompt_data or config.eval.eval_config)
-    if config.data.task == "reverse-digits" and (config.data.prompt_data is None or not given_eval):
-        from services.tasks import reverse_digits
+    if config.data.task in ("reverse-digits", "calculator") and (config.data.prompt_data is None or not given_eval):
+        from services.tasks import calculator, reverse_digits
 
-        train, held_out = reverse_digits.write_datasets(run_dir / "data", seed=config.data.rollout_seed)
+        task = reverse_digits if config.data.task == "reverse-digits" else calculator
+        train, held_out = task.write_datasets(run_dir / "data", seed=config.data.rollout_seed)
         if config.data.prompt_data is None:
             updates["prompt_data"] = str(train)
         if not given_eval:
-            updates["eval_prompt_data"] = [reverse_digits.NAME, str(held_out)]
+            updates["eval_prompt_data"] = [task.NAME, str(held_out)]
     if config.data.task == "reasoning-gym" and (config.data.prompt_data is None or not given_eval):
         from services.tasks import reasoning_gym
 
@@ -89,8 +90,17 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
 
 def build_task_model(config: RunConfig, model_dir: Path, log) -> None:
     """The task's tiny model: the digit Llama, or for reasoning-gym a character-level one
-    warm-started on training (question, answer) pairs, its context fitting the longest pair."""
+    warm-started on training (question, answer) pairs, its context fitting the longest pair; for
+    the calculator a character-level one warm-started on right answers, some through a call."""
     d = config.data
+    if d.task == "calculator":
+        from services.common.datasource import load_rows
+        from services.tasks.calculator import warm_start_pairs
+        from services.tasks.char_model import build_char_model
+
+        pairs = warm_start_pairs(load_rows(d.prompt_data, d.input_key, d.label_key, None), d.seed)
+        build_char_model(model_dir, pairs, seed=d.seed, warmup_sft_steps=d.warmup_sft_steps, context=64, log=log)
+        return
     if d.task == "reasoning-gym":
         from services.common.datasource import load_rows
         from services.tasks.char_model import build_char_model

@@ -206,6 +206,10 @@ class SGLangClient:
 
         return json.loads(text) if text.strip().startswith(("{", "[")) else text
 
+    async def chat_completions(self, url: str, body: dict) -> dict:
+        """POST /v1/chat/completions on one engine (services/envs/chat.py records its turns)."""
+        return await self._call("POST", url, "/v1/chat/completions", body)
+
     async def pause(self, url: str, mode: str) -> None:
         await self._call("POST", url, "/pause_generation", {"mode": mode})
 

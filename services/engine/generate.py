@@ -134,7 +134,7 @@ class Generation:
             meta["e2e_latency"] = req.finished_at - req.created_at
         if not (final and reason.get("type") == "abort" and reason.get("message") == WAITING_ABORT):
             meta.update(prompt_tokens=len(req.input_ids), cached_tokens=req.cached_tokens, reasoning_tokens=0,
-                        num_retractions=req.num_retractions, weight_versions=_spans(req, n))  # fmt: skip
+                        num_retractions=req.num_retractions, weight_versions=weight_spans(req, n))  # fmt: skip
         if seq.return_logprob:
             self._logprobs(t, n, meta)
         meta["response_sent_to_client_ts"] = time.time()
@@ -178,5 +178,6 @@ def sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-def _spans(req: EngineRequest, n: int) -> list[dict]:
+def weight_spans(req: EngineRequest, n: int) -> list[dict]:
+    """The weight versions that produced the first n output tokens, as spans."""
     return [s | {"end": min(s["end"], n)} for s in req.version_spans() if s["start"] < n]

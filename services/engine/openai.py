@@ -23,7 +23,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from services.engine.generate import Tracked, sse
+from services.engine.generate import Tracked, sse, weight_spans
 from services.engine.protocol import MAX_SEQUENCES, BadRequest, Sequence, raise_if_failed, sampling_params, token_ids
 
 MAX_LOGPROBS = 20
@@ -31,6 +31,7 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream
            "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user"}  # fmt: skip
 _SGLANG_EXTRAS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
                   "skip_special_tokens", "no_stop_trim"}  # fmt: skip
+_COMMON |= {"return_token_ids"}
 COMPLETION_FIELDS = _COMMON | _SGLANG_EXTRAS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | _SGLANG_EXTRAS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                                           "response_format", "tools", "tool_choice", "parallel_tool_calls"}  # fmt: skip
@@ -56,6 +57,17 @@ def _error(e: OpenAIError) -> JSONResponse:
 def _check(cond: bool, message: str, param: str) -> None:
     if not cond:
         raise OpenAIError(message, param)
+
+
+def _token_ids_flag(body: dict) -> bool:
+    """vLLM's `return_token_ids`: the prompt's ids and each choice's sampled ids in the answer
+    (with the weight versions that produced them), so a multi-turn client can build its trajectory
+    token in, token out. Not streamed."""
+    want = body.get("return_token_ids") or False
+    _check(isinstance(want, bool), "return_token_ids must be true or false", "return_token_ids")
+    _check(not (want and body.get("stream")), "return_token_ids is for answers that are not streamed",
+           "return_token_ids")  # fmt: skip
+    return want
 
 
 def _logprobs_count(body: dict, key: str) -> int | None:
@@ -118,7 +130,7 @@ class OpenAIRoutes:
         rid = "cmpl-" + uuid.uuid4().hex
         seqs = [Sequence(ids, params, text, f"{rid}-{i * n + j}", k is not None, 0 if echo and k is not None else None,
                          k or 0) for i, ids in enumerate(prompts) for j in range(n)]  # fmt: skip
-        return seqs, prompts, {"id": rid, "echo": echo, "n": n}
+        return seqs, prompts, {"id": rid, "echo": echo, "n": n, "token_ids": _token_ids_flag(body)}
 
     def _prompts(self, prompt: Any) -> list[list[int]]:
         limits, tok = self.server.limits, self.server.tokenizer
@@ -163,7 +175,7 @@ class OpenAIRoutes:
         params, text, n = self._sampling(raw, body)
         rid = "chatcmpl-" + uuid.uuid4().hex
         seqs = [Sequence(ids, params, text, f"{rid}-{j}", want, None, k or 0) for j in range(n)]
-        return seqs, [ids], {"id": rid, "n": n}
+        return seqs, [ids], {"id": rid, "n": n, "token_ids": _token_ids_flag(body)}
 
     def _chat_prompt(self, messages: Any, tools: list[dict] | None = None) -> list[int]:
         tok = self.server.tokenizer
@@ -244,9 +256,22 @@ class OpenAIRoutes:
             lp = (self._completion_logprobs(t, 0, len(t.req.output_ids), 0, meta["echo"])
                   if t.seq.return_logprob else None)  # fmt: skip
             choices.append({"index": t.index, "text": prefix + t.view.text(t.req.output_ids, t.req.finish_reason),
-                            "logprobs": lp, "finish_reason": reason, "matched_stop": matched})  # fmt: skip
+                            "logprobs": lp, "finish_reason": reason, "matched_stop": matched,
+                            **self._ids(t, meta)})  # fmt: skip
         return {"id": meta["id"], "object": "text_completion", "created": int(time.time()),
-                "model": self.server.served_model_name, "choices": choices, "usage": self._usage(tracked, prompts)}  # fmt: skip
+                "model": self.server.served_model_name, "choices": choices, "usage": self._usage(tracked, prompts),
+                **({"prompt_token_ids": prompts[0] if len(prompts) == 1 else prompts}
+                   if meta["token_ids"] else {})}  # fmt: skip
+
+    def _ids(self, t: Tracked, meta: dict) -> dict:
+        """With return_token_ids: the choice's sampled ids and, in SGLang's meta_info shape, the
+        weight versions that produced them."""
+        if not meta["token_ids"]:
+            return {}
+        req = t.req
+        return {"token_ids": list(req.output_ids),
+                "meta_info": {"weight_version": self.server.scheduler.weight_version,
+                              "weight_versions": weight_spans(req, len(req.output_ids))}}  # fmt: skip
 
     def chat_body(self, tracked: list[Tracked], prompts: list[list[int]], meta: dict) -> dict:
         choices = []
@@ -255,9 +280,10 @@ class OpenAIRoutes:
             message = {"role": "assistant", "content": t.view.text(t.req.output_ids, t.req.finish_reason)}
             lp = self._chat_logprobs(t, 0, len(t.req.output_ids)) if t.seq.return_logprob else None
             choices.append({"index": t.index, "message": message, "logprobs": lp, "finish_reason": reason,
-                            "matched_stop": matched})  # fmt: skip
+                            "matched_stop": matched, **self._ids(t, meta)})  # fmt: skip
         return {"id": meta["id"], "object": "chat.completion", "created": int(time.time()),
-                "model": self.server.served_model_name, "choices": choices, "usage": self._usage(tracked, prompts)}  # fmt: skip
+                "model": self.server.served_model_name, "choices": choices, "usage": self._usage(tracked, prompts),
+                **({"prompt_token_ids": prompts[0]} if meta["token_ids"] else {})}  # fmt: skip
 
     async def stream(self, seqs, prompts, meta, chat: bool, include_usage: bool):
         """OpenAI chunks: each carries one choice's new text (and its new tokens' logprobs)."""

@@ -147,7 +147,8 @@ def load_prompts(config, max_prompts: int | None) -> list[dict]:
     from services.common.datasource import DataError, load_rows
 
     try:
-        rows = load_rows(config.data.prompt_data, config.data.input_key, config.data.label_key, None)
+        d = config.data  # each row's metadata (its rm_type picks its reward) and tools, as the producer reads them
+        rows = load_rows(d.prompt_data, d.input_key, d.label_key, d.metadata_key, tool_key=d.tool_key)
     except (DataError, OSError, UnicodeDecodeError) as e:
         raise AdapterEvalError(
             f"{e} (pass a JSONL file with one {{{config.data.input_key!r}: ...}} object a line)"
@@ -179,7 +180,7 @@ def prompt_ids(tokenizer, rows: list[dict], chat_template: bool, vocab_size: int
     out = []
     for i, row in enumerate(rows, 1):
         try:
-            ids = tokenizer.prompt_ids(row["prompt"], chat_template)
+            ids = tokenizer.prompt_ids(row["prompt"], chat_template, row.get("tools"))
         except Exception as e:  # a prompt of the wrong shape, a template that fails on it
             raise AdapterEvalError(f"prompt {i}: cannot tokenize it ({type(e).__name__}: {e})") from None
         if not ids or min(ids) < 0 or max(ids) >= vocab_size:

@@ -48,7 +48,6 @@ from services.common import crash, procs
 from services.common.bus import Settle, fetch_some, keep_alive, settle
 from services.common.config import AsyncSection, DataSection, EvalSection, RolloutSection, TrainerSection
 from services.common.plugins import load_object
-from services.common.responses import apply_response
 from services.common.rewards import reward_function, score_sample
 from services.common.runtime import Service, wait_event
 from services.common.sglang_client import SGLangClient
@@ -56,6 +55,8 @@ from services.common.sinks import statistics_of
 from services.common.snapshot import is_complete, resolved
 from services.common.validate import finite, finite_metrics
 from services.common.versions import VersionBound
+from services.envs.generate import EngineHandle, generate_function
+from services.envs.trajectory import tool_call_metrics
 from services.eval.contract import CheckpointEvalFn, EvalSkip
 from services.eval.datasets import load_eval_sets
 from services.eval.fleet import launch_fleet
@@ -397,17 +398,21 @@ class EvalService(Service):
 async def generate_dataset(
     client, tokenizer, reward_fn, config, rows: list[dict], params: dict, n: int
 ) -> list[Sample]:
-    """n scored samples per held-out prompt on `client`'s engines."""
+    """n scored samples per held-out prompt on `client`'s engines, each produced by the run's
+    generate function (services/envs/generate.py), as the producer produces training samples."""
 
-    async def one(row: dict) -> Sample:
+    generate, engine = generate_function(config), EngineHandle(client, tokenizer)
+
+    async def one(row: dict, index: int) -> Sample:
         ids = tokenizer.prompt_ids(row["prompt"], config.data.apply_chat_template, row.get("tools"))
-        s = Sample(prompt=row["prompt"], label=row["label"], metadata=dict(row["metadata"]))
-        resp = await client.generate({"input_ids": ids, "sampling_params": params, "return_logprob": True})
-        apply_response(s, ids, resp)
+        meta = dict(row["metadata"], _input_ids=ids)
+        s = Sample(index=index, prompt=row["prompt"], label=row["label"], metadata=meta)
+        s = await generate(config, s, engine, params)
+        s.metadata.pop("_input_ids", None)
         await score_sample(reward_fn, config, s)
         return s
 
-    return list(await asyncio.gather(*(one(r) for r in rows for _ in range(n))))
+    return list(await asyncio.gather(*(one(r, i * n + k) for i, r in enumerate(rows) for k in range(n))))
 
 
 def dataset_metrics(config, name: str, samples: list[Sample]) -> dict[str, float]:
@@ -419,6 +424,7 @@ def dataset_metrics(config, name: str, samples: list[Sample]) -> dict[str, float
         f"eval/{name}-truncated_ratio": sum(s.status == SampleStatus.TRUNCATED for s in samples) / len(samples),
         f"eval/{name}-none_reward_ratio": sum(s.reward is None for s in samples) / len(samples),
         **statistics_of(f"eval/{name}/response_len", [s.response_length for s in samples]),
+        **tool_call_metrics(f"eval/{name}-tool_call_ratio", samples),
     }
     if versions:
         out.update(statistics_of(f"eval/{name}/weight_version", versions))

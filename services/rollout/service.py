@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 
 from fastapi import FastAPI
 
@@ -28,12 +27,11 @@ from asyncrl_proto.messages import SampleStatus, flatten_group
 from services.common import crash
 from services.common.bus import Settle, fetch_some, settle
 from services.common.config import AsyncSection, DataSection, MultiLoraSection, RolloutSection
-from services.common.plugins import load_object
-from services.common.responses import apply_response
 from services.common.rewards import mark_failed, resolve_reward, score_group, score_sample
 from services.common.runtime import Service
 from services.common.sglang_client import SGLangClient
 from services.common.validate import MAX_ATTEMPT, limits_from_model_dir, sample_problem
+from services.envs.generate import EngineHandle, generate_function
 from services.model.tokenizer import Tokenizer
 from services.rollout.adapters import AdapterMode
 from services.rollout.core import Credits, Pauses
@@ -47,38 +45,6 @@ RETRY_BACKOFF_S = 1.0
 """A failed group's prompt is redelivered after RETRY_BACKOFF_S * 2^(delivery - 1), at most 30 s."""
 
 log = logging.getLogger(__name__)
-
-
-class EngineHandle:
-    """What a custom generate function receives as `engine`. `fields`: request fields every
-    request through this handle carries (multi-LoRA: the adapter version's `lora_path`)."""
-
-    def __init__(self, client: SGLangClient, tokenizer: Tokenizer, **fields):
-        self.client = client
-        self.tokenizer = tokenizer
-        self.fields = fields
-
-    def with_fields(self, **fields) -> EngineHandle:
-        return EngineHandle(self.client, self.tokenizer, **self.fields, **fields)
-
-    async def generate(self, input_ids: list[int], sampling_params: dict, **extra) -> dict:
-        return await self.client.generate(
-            {
-                "input_ids": input_ids,
-                "sampling_params": sampling_params,
-                "return_logprob": True,
-                **extra,
-                **self.fields,
-            }
-        )
-
-
-async def default_generate(config, sample: Sample, engine: EngineHandle, sampling_params: dict) -> Sample:
-    """One /generate call for one trajectory (the built-in generate function)."""
-    input_ids = sample.metadata.pop("_input_ids")
-    resp = await engine.generate(input_ids, sampling_params, rid=f"s{sample.index}-{uuid.uuid4().hex[:8]}")
-    apply_response(sample, input_ids, resp)
-    return sample
 
 
 class RolloutService(Service):
@@ -97,11 +63,7 @@ class RolloutService(Service):
             config.rollout.max_abs_reward,
         )
         self.reward_fn = resolve_reward(config)
-        self.generate_fn = (
-            load_object(config.rollout.custom_generate_function_path, "--custom-generate-function-path")
-            if config.rollout.custom_generate_function_path
-            else default_generate
-        )
+        self.generate_fn = generate_function(config)
         routed = bool(config.infra.rollout_router_url)  # a router spreads over every engine: their slots together
         self.client = SGLangClient(
             [config.infra.rollout_router_url] if routed else config.infra.rollout_engine_urls,

@@ -11,10 +11,9 @@ No torch: the producer and eval import it.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from services.tasks.reverse_digits import NUM_EVAL_PROMPTS, NUM_TRAIN_PROMPTS, distinct_rows, score
+from services.tasks.reverse_digits import NUM_EVAL_PROMPTS, NUM_TRAIN_PROMPTS, distinct_rows, score, write_split
 
 NAME = "copy-digits"
 OPERATOR = "+"
@@ -28,14 +27,9 @@ def make_rows(num: int, seed: int, exclude: set[str] = frozenset()) -> list[dict
 
 def write_datasets(data_dir: str | Path, seed: int = 0) -> tuple[Path, Path]:
     """Training and held-out prompt files; held-out prompts are disjoint from the training prompts."""
-    data_dir = Path(data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
     eval_rows = make_rows(NUM_EVAL_PROMPTS, seed + 1)
     train_rows = make_rows(NUM_TRAIN_PROMPTS, seed, exclude={r["label"] for r in eval_rows})
-    train, held_out = data_dir / "copy_digits_train.jsonl", data_dir / "copy_digits_eval.jsonl"
-    for path, rows in ((train, train_rows), (held_out, eval_rows)):
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return train, held_out
+    return write_split(data_dir, "copy_digits", train_rows, eval_rows)
 
 
 async def reward(config, sample) -> float:

@@ -13,8 +13,8 @@ sample's weight_versions lists them all. The reward scores the last turn only.
 
 from __future__ import annotations
 
-from asyncrl_proto.messages import Sample, SampleStatus
-from services.common.responses import apply_response, versions_of
+from asyncrl_proto.messages import Sample
+from services.envs.trajectory import Trajectory
 from services.tasks.reverse_digits import score
 
 TOOL_REPLY = "="
@@ -22,31 +22,14 @@ NUM_TURNS = 2
 
 
 async def generate(config, sample: Sample, engine, sampling_params: dict) -> Sample:
-    context = sample.metadata.pop("_input_ids")
-    prompt_len = len(context)
-    mask: list[int] = []
-    turns, turn_versions = [], []
+    traj = Trajectory(sample, sample.metadata.pop("_input_ids"))
     for turn in range(NUM_TURNS):
-        tokens_before, text_before = sample.response_length, len(sample.response)
-        resp = await engine.generate(context, sampling_params, rid=f"s{sample.index}-t{turn}")
-        apply_response(sample, context, resp)
-        mask += [1] * (sample.response_length - tokens_before)
-        turns.append(sample.response[text_before:])
-        turn_versions.append(versions_of(resp.get("meta_info", {})))
-        if sample.status is SampleStatus.ABORTED or turn == NUM_TURNS - 1:
+        traj.model_turn(await engine.generate(traj.context, sampling_params, rid=f"s{sample.index}-t{turn}"))
+        if traj.aborted or turn == NUM_TURNS - 1:
             break
-        tool = engine.tokenizer.encode(TOOL_REPLY, add_special_tokens=False)
-        sample.tokens += tool
-        sample.response += TOOL_REPLY
-        sample.response_length += len(tool)
-        sample.rollout_log_probs += [0.0] * len(tool)
-        mask += [0] * len(tool)
-        context = list(sample.tokens)
-    sample.loss_mask = mask
-    sample.metadata["turns"] = turns
-    sample.metadata["turn_versions"] = turn_versions
-    sample.metadata["prompt_length"] = prompt_len
-    return sample
+        traj.env_turn(engine.tokenizer.encode(TOOL_REPLY, add_special_tokens=False), TOOL_REPLY)
+        traj.tool_calls += 1
+    return traj.finish()
 
 
 async def reward(config, sample: Sample) -> float:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from services.tasks.reverse_digits import write_split
+
 NAME = "reasoning-gym"
 RM_TYPE = "reasoning_gym"
 HELD_OUT_SEED_OFFSET = 1_000_003
@@ -67,12 +69,7 @@ def make_rows(dataset: str, options: dict, size: int, seed: int, exclude: set[st
 def write_datasets(data_dir: str | Path, dataset: str, options: dict, size: int, eval_size: int,
                    seed: int) -> tuple[Path, Path]:  # fmt: skip
     """The training and held-out JSONL files (held-out from a distant seed, disjoint questions)."""
-    data_dir = Path(data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
     train_rows = make_rows(dataset, options, size, seed)
     held_rows = make_rows(dataset, options, eval_size, seed + HELD_OUT_SEED_OFFSET,
                           exclude={r["prompt"] for r in train_rows})  # fmt: skip
-    train, held_out = data_dir / f"{dataset}_train.jsonl", data_dir / f"{dataset}_eval.jsonl"
-    for path, rows in ((train, train_rows), (held_out, held_rows)):
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return train, held_out
+    return write_split(data_dir, dataset, train_rows, held_rows)

@@ -59,19 +59,21 @@ def make_rows(num: int, seed: int, exclude: set[str] = frozenset()) -> list[dict
     return distinct_rows(num, seed, exclude, lambda d: {"prompt": f"{d}=", "label": d[::-1]})
 
 
-def write_datasets(data_dir: str | Path, seed: int = 0) -> tuple[Path, Path]:
-    """Held-out prompts are disjoint from the training prompts."""
+def write_split(data_dir: str | Path, stem: str, train_rows: list[dict], eval_rows: list[dict]) -> tuple[Path, Path]:
+    """`<stem>_train.jsonl` and `<stem>_eval.jsonl` under data_dir, one row a line."""
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
-    eval_rows = make_rows(NUM_EVAL_PROMPTS, seed + 1)
-    train_rows = make_rows(NUM_TRAIN_PROMPTS, seed, exclude={r["label"][::-1] for r in eval_rows})
-    train, held_out = (
-        data_dir / "reverse_digits_train.jsonl",
-        data_dir / "reverse_digits_eval.jsonl",
-    )
+    train, held_out = data_dir / f"{stem}_train.jsonl", data_dir / f"{stem}_eval.jsonl"
     for path, rows in ((train, train_rows), (held_out, eval_rows)):
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return train, held_out
+
+
+def write_datasets(data_dir: str | Path, seed: int = 0) -> tuple[Path, Path]:
+    """Held-out prompts are disjoint from the training prompts."""
+    eval_rows = make_rows(NUM_EVAL_PROMPTS, seed + 1)
+    train_rows = make_rows(NUM_TRAIN_PROMPTS, seed, exclude={r["label"][::-1] for r in eval_rows})
+    return write_split(data_dir, "reverse_digits", train_rows, eval_rows)
 
 
 def score(response: str, label: str) -> float:

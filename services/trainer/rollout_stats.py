@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from asyncrl_proto.messages import SampleStatus, flatten_group, scalar_reward
 from services.common.sinks import statistics_of
+from services.envs.trajectory import tool_call_metrics
 
 
 def rollout_metrics(samples: list, reward_key: str | None, groups: list[list]) -> dict[str, float]:
@@ -27,6 +28,7 @@ def rollout_metrics(samples: list, reward_key: str | None, groups: list[list]) -
         "rollout/failed_groups": sum(all(s.status == SampleStatus.FAILED for s in flatten_group(g)) for g in groups),
     }
     rec.update(zero_std_metrics(groups, reward_key))
+    rec.update(tool_call_metrics("rollout/tool_call_ratio", samples))
     oldest = [min(s.weight_versions) for s in samples if s.weight_versions]
     if oldest:
         rec.update(statistics_of("rollout/weight_version", oldest))

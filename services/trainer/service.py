@@ -65,8 +65,8 @@ from services.trainer.core import (
     train_rollout,
 )
 from services.trainer.evals import EvalDispatch
-from services.trainer.policy import DriverPolicy
 from services.trainer.parallel import max_tokens_of
+from services.trainer.policy import DriverPolicy
 from services.trainer.publish import WeightPublisher
 from services.trainer.rollout_stats import rollout_metrics
 from services.trainer.setup import TrainerError, build_model, build_optimizer, build_reference, loss_config

@@ -23,7 +23,7 @@ from tests.conftest import run_auth, run_env
 
 PLUGIN = """
 import asyncio
-from services.rollout.service import default_generate
+from services.envs.generate import default_generate
 
 async def slow_generate(config, sample, engine, sampling_params):
     out = await default_generate(config, sample, engine, sampling_params)

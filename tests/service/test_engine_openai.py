@@ -63,6 +63,33 @@ async def test_chat_completions_use_the_chat_template(client, tiny_model_dir):
     assert all(e.top_logprobs[0].token == e.token for e in content)
 
 
+async def test_return_token_ids_gives_the_ids_the_engine_saw_and_sampled(client, tiny_model_dir):
+    """vLLM's return_token_ids: the prompt's ids and each choice's sampled ids, with the weight
+    versions that produced them, so a client driving a multi-turn loop over chat can build its
+    trajectory token in, token out."""
+    c, engine = client
+    tok = Tokenizer(tiny_model_dir)
+    messages = [{"role": "user", "content": "123"}]
+    chat = await c.chat.completions.create(model="any", messages=messages, max_tokens=6, temperature=1.0,
+                                           logprobs=True, extra_body={"return_token_ids": True})  # fmt: skip
+    body = chat.model_dump()
+    assert body["prompt_token_ids"] == tok.encode(tok.render_chat(messages), add_special_tokens=False)
+    ch = body["choices"][0]
+    assert len(ch["token_ids"]) == chat.usage.completion_tokens == len(ch["logprobs"]["content"])
+    assert tok.decode(ch["token_ids"]) == ch["message"]["content"]
+    assert ch["meta_info"]["weight_versions"][0]["start"] == 0 and ch["meta_info"]["weight_version"] is not None
+    plain = await c.completions.create(model="any", prompt="123=", max_tokens=4, n=2,
+                                       extra_body={"return_token_ids": True})  # fmt: skip
+    body = plain.model_dump()
+    assert body["prompt_token_ids"] == tok.encode("123=") and len(body["choices"]) == 2
+    assert all(tok.decode(ch["token_ids"]) == ch["text"] for ch in body["choices"])
+    without = (await c.chat.completions.create(model="any", messages=messages, max_tokens=2)).model_dump()
+    assert "prompt_token_ids" not in without and "token_ids" not in without["choices"][0]
+    with pytest.raises(openai.BadRequestError, match="return_token_ids"):
+        await c.chat.completions.create(model="any", messages=messages, max_tokens=2, stream=True,
+                                        extra_body={"return_token_ids": True})  # fmt: skip
+
+
 async def test_streaming_completions_and_chat(client):
     c, _ = client
     full = await c.completions.create(model="m", prompt="12345=", max_tokens=10, temperature=0,

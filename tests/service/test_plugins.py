@@ -10,7 +10,7 @@ from services.api import RunConfig, Sample, SampleStatus
 from services.common.rewards import score_group, score_sample
 from services.common.sglang_client import SGLangClient
 from services.model.tokenizer import Tokenizer
-from services.rollout.service import EngineHandle
+from services.envs.generate import EngineHandle
 from services.tasks import multiturn
 from services.tasks.reverse_digits import score
 from tests.service.test_engine import perturbed_snapshot

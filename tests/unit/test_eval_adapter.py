@@ -149,6 +149,20 @@ def test_copy_digits_prompts_score_with_their_own_reward(tiny_model_dir, tmp_pat
     assert row["samples"] == 8 and row["failed"] == 0 and 0 <= row["mean_reward"] <= 1
 
 
+def test_a_rows_own_rm_type_picks_its_reward(tiny_model_dir, tmp_path):
+    """As in training: a row's metadata.rm_type overrides --rm-type (one set may mix tasks)."""
+    from services.eval.adapter_eval import evaluate, parser
+    from services.tasks import copy_digits
+
+    rows = [dict(r, metadata={"rm_type": "random"} if i % 2 else {}) for i, r in enumerate(copy_digits.make_rows(8, 3))]
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (score,) = evaluate(parser().parse_args(["--hf-checkpoint", str(tiny_model_dir), "--prompt-data",
+                                             str(tmp_path / "mixed.jsonl"), "--rm-type", "copy-digits", "--base"]))  # fmt: skip
+    routed = [s for s in score.sample_list if s.metadata.get("rm_type") == "random"]
+    assert routed and all(s.reward in (0.0, 1.0) for s in routed)
+    assert len(routed) == len(score.sample_list) // 2
+
+
 def _error(capsys, argv: list[str]) -> str:
     rc = cli_main(["eval-adapter", *argv])
     err = capsys.readouterr().err.strip()

@@ -18,8 +18,9 @@ ALLOWED = {
     # package: the packages of `services` it may import besides itself
     "common": set(),
     "model": {"common"},
-    "tasks": {"common", "model"},
-    **{s: {"common", "model"} for s in SERVICES},
+    "envs": {"common"},
+    "tasks": {"common", "model", "envs"},
+    **{s: {"common", "model", "envs"} for s in SERVICES},
 }
 """The top-level modules (launcher, cli, audit, prepare, supervisor, api) compose the services."""
 

@@ -72,6 +72,28 @@ class RolloutSection(Section):
     custom_generate_function_path: str | None = Field(
         None, description="module.fn: async fn(config, sample, engine, sampling_params)."
     )
+    env: str | None = Field(
+        None,
+        description="An environment in the loop (services/envs): openenv:URL (an OpenEnv server, over its "
+        "WebSocket session; pip install 'asyncrl[openenv]') or verifiers:MODULE:TASK (a verifiers Task class, run "
+        "by an in-process chat harness against the engine; pip install 'asyncrl[verifiers]'). The environment's "
+        "reward is the sample's unless --rm-type or --custom-rm-path is given.",
+    )
+    env_max_turns: int = Field(8, ge=1, description="--env: the model's turns per episode at most.")
+    env_max_sessions: int = Field(
+        32,
+        ge=1,
+        description="--env openenv: episodes one process keeps open at once (a server refuses sessions past its "
+        "max_concurrent_envs: allow this times the producers and the eval service).",
+    )
+    env_action_key: str = Field(
+        "message", description="--env openenv: the action field that carries the model's turn text."
+    )
+    env_observation_key: str | None = Field(
+        None,
+        description="--env openenv: the observation field shown to the model (unset: its one text field, else "
+        "the observation as JSON).",
+    )
     sglang_server_concurrency: int = Field(
         512,
         ge=1,
@@ -128,6 +150,10 @@ class RolloutSection(Section):
             )
         if self.rollout_top_k != -1 and self.rollout_top_k < 1:
             errs.append(f"--rollout-top-k must be -1 or >= 1 (got {self.rollout_top_k})")
+        if self.env is not None and self.env.partition(":")[0] not in ("openenv", "verifiers"):
+            errs.append(f"--env {self.env!r}: use openenv:URL or verifiers:MODULE:TASK")
+        if self.env is not None and self.custom_generate_function_path:
+            errs.append("--env and --custom-generate-function-path both produce the trajectories: give one")
         if self.rm_type is not None and not self.custom_rm_path:
             if (problem := rm_type_problem(self.rm_type, bool(self.rm_url))) is not None:
                 errs.append(f"--{problem.replace('rm_type', 'rm-type', 1)}")

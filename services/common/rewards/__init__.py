@@ -30,7 +30,8 @@ def reward_function(config, rm_type: str | None, custom_rm_path: str | None) -> 
     from services.common.rewards.hub import RewardHub
     from services.common.rewards.names import TASK_RM_TYPE
 
-    return RewardHub(config, rm_type or TASK_RM_TYPE.get(config.data.task, config.data.task))
+    default = "env" if config.rollout.env else TASK_RM_TYPE.get(config.data.task, config.data.task)
+    return RewardHub(config, rm_type or default)
 
 
 async def _maybe_await(x):

@@ -6,6 +6,8 @@ from __future__ import annotations
 TASK_REWARDS = {
     "reverse-digits": "services.tasks.reverse_digits.reward",
     "copy-digits": "services.tasks.copy_digits.reward",
+    "calculator": "services.tasks.calculator.reward",
+    "env": "services.envs.trajectory.env_reward",
 }
 """The bundled tasks' own rewards (module.function)."""
 GRADED = ("math", "dapo", "deepscaler", "f1", "gpqa", "reasoning_gym")

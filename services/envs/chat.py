@@ -1,0 +1,124 @@
+"""A chat endpoint for libraries that drive the model through an OpenAI client (verifiers), with
+every turn recorded token in, token out.
+
+The producer serves `/v1/chat/completions` on a local port (one per producer, started with the
+first episode). Each request names its episode in `model`; the request goes on to an engine with
+`return_token_ids` and `logprobs`, and the engine's answer (the prompt's ids, the sampled ids and
+their log-probs, the weight versions) is recorded under that episode before the client sees it.
+`assemble` then builds the sample from the recorded turns: turn k's prompt must begin with
+everything before it (prompt, earlier turns, what the environment said); what it adds is the
+environment's (loss mask 0), what the engine sampled is the model's (loss mask 1). Nothing is
+re-tokenized. A conversation whose template re-renders an earlier turn differently breaks that
+prefix; it cannot be trained as one sequence and fails with that reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import uuid
+import weakref
+
+from aiohttp import web
+
+from asyncrl_proto.messages import Sample
+from services.envs.trajectory import Trajectory
+
+EPISODE_PREFIX = "episode-"
+
+
+class TurnMismatch(ValueError):
+    """A recorded conversation that is not one token sequence."""
+
+
+class ChatRecorder:
+    """The recording chat endpoint; `episode()` names one episode's requests and collects them."""
+
+    _shared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    """engine client -> its recorder."""
+
+    def __init__(self, client):
+        self.client = client
+        self.turns: dict[str, list[dict]] = {}
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    @classmethod
+    async def for_engine(cls, engine) -> ChatRecorder:
+        """One recorder per engine client in this process, started on first use."""
+        if engine.client not in cls._shared:
+            rec = cls(engine.client)
+            await rec.start()
+            cls._shared[engine.client] = rec
+        return cls._shared[engine.client]
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=64 * 2**20)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))  # a free port, ours before anyone else can take it
+        await web.SockSite(self._runner, sock).start()
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    async def close(self) -> None:
+        self._shared.pop(self.client, None)
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    @contextlib.contextmanager
+    def episode(self):
+        """A fresh episode name (the `model` its client sends) and, after it, its turns."""
+        name = EPISODE_PREFIX + uuid.uuid4().hex
+        self.turns[name] = []
+        try:
+            yield name
+        finally:
+            self.turns.pop(name, None)
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        name = body.get("model")
+        if name not in self.turns:
+            return web.json_response({"error": {"message": f"unknown episode {str(name)[:80]!r}"}}, status=404)
+        if body.get("stream"):
+            return web.json_response({"error": {"message": "stream: this endpoint answers whole turns"}},
+                                     status=400)  # fmt: skip
+        body = {**body, "model": None, "return_token_ids": True, "logprobs": True, "top_logprobs": None}
+        body = {k: v for k, v in body.items() if v is not None}
+        url = self.client.pick()
+        try:
+            answer = await self.client.chat_completions(url, body)
+        except Exception as e:  # the client sees the engine's refusal as an HTTP error
+            return web.json_response({"error": {"message": str(e)[:500]}}, status=502)
+        choice = answer["choices"][0]
+        self.turns[name].append({
+            "prompt_ids": list(answer["prompt_token_ids"]),
+            "ids": list(choice["token_ids"]),
+            "logprobs": [float(e["logprob"]) for e in (choice.get("logprobs") or {}).get("content") or []],
+            "meta_info": {**choice.get("meta_info", {}), "finish_reason": {"type": choice.get("finish_reason")}},
+            "text": choice["message"].get("content") or "",
+        })  # fmt: skip
+        return web.json_response(answer)
+
+
+def assemble(sample: Sample, prompt_ids: list[int] | None, turns: list[dict], decode) -> Sample:
+    """The sample of a recorded conversation (see the module). `prompt_ids`: the ids the sample
+    starts from (the first turn's prompt when None); `decode`: ids -> text, for the record."""
+    if not turns:
+        raise TurnMismatch("the episode made no model call")
+    traj = Trajectory(sample, prompt_ids if prompt_ids is not None else turns[0]["prompt_ids"])
+    for k, turn in enumerate(turns):
+        context = traj.context
+        if turn["prompt_ids"][: len(context)] != context:
+            raise TurnMismatch(f"turn {k}'s prompt does not begin with the conversation so far (the chat template "
+                               "renders an earlier turn differently): not one token sequence")  # fmt: skip
+        added = turn["prompt_ids"][len(context) :]
+        if added:
+            traj.env_turn(added, decode(added))
+        pairs = [[lp, t, None] for lp, t in zip(turn["logprobs"], turn["ids"], strict=True)]
+        resp = {"text": turn["text"], "meta_info": {**turn["meta_info"], "output_token_logprobs": pairs}}
+        traj.model_turn(resp)
+    return traj.finish()
+

@@ -1,0 +1,125 @@
+"""OpenEnv environments in the loop: `--env openenv:URL`.
+
+An OpenEnv server (openenv-core) keeps an episode only within a WebSocket session (`URL/ws`; its
+HTTP /reset and /step build a fresh environment per call), so each trajectory opens one session:
+
+    reset (the row's metadata.env_reset, if any, as its arguments)
+    -> observation (appended as ids out of the loss)
+    -> the model's turn (the engine's ids, in the loss) -> step {--env-action-key: its text}
+    -> observation ... until the environment says done, or --env-max-turns, or the token budget.
+
+Token in, token out: the model's turns are the ids the engine sampled; an observation's text is
+tokenized once, when it is appended, and never re-read. The episode's reward is the sum of the
+step rewards (metadata["env_reward"], the sample's reward by default). A process keeps at most
+--env-max-sessions episodes open; the server must allow that many per process (its
+max_concurrent_envs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+from asyncrl_proto.messages import Sample
+from services.envs.trajectory import Trajectory
+
+MAX_MESSAGE_BYTES = 16 * 2**20
+_sessions: dict[tuple[asyncio.AbstractEventLoop, int], asyncio.Semaphore] = {}
+"""--env-max-sessions, per event loop (one per process in a service) and limit."""
+
+
+class EnvError(RuntimeError):
+    """The environment refused or broke an episode: the sample fails with this reason."""
+
+
+def _ws_url(url: str) -> str:
+    url = url.rstrip("/")
+    for http, ws in (("http://", "ws://"), ("https://", "wss://")):
+        if url.startswith(http):
+            url = ws + url[len(http) :]
+    return url if url.endswith("/ws") else url + "/ws"
+
+
+def observation_text(observation: dict, key: str | None) -> str:
+    """The observation field the model sees: `key`, else its one text field, else it as JSON."""
+    if key is not None:
+        if key not in observation:
+            raise EnvError(f"the observation has no field {key!r} (--env-observation-key); "
+                           f"it has {sorted(observation)}")
+        return str(observation[key])
+    texts = [v for v in observation.values() if isinstance(v, str)]
+    return texts[0] if len(texts) == 1 else json.dumps(observation, sort_keys=True)
+
+
+class Session:
+    """One OpenEnv WebSocket session: request, answer, strictly in turn."""
+
+    def __init__(self, ws):
+        self.ws = ws
+
+    async def call(self, kind: str, data: dict | None = None) -> dict:
+        await self.ws.send(json.dumps({"type": kind, "data": data or {}}))
+        answer = json.loads(await self.ws.recv())
+        if answer.get("type") == "error":
+            err = answer.get("data") or {}
+            raise EnvError(f"the environment answered {kind} with {err.get('code', 'an error')}: "
+                           f"{str(err.get('message'))[:300]}")  # fmt: skip
+        if answer.get("type") != "observation" or not isinstance(answer.get("data"), dict):
+            raise EnvError(f"the environment answered {kind} with {str(answer)[:200]}")
+        return answer["data"]
+
+
+def _connect(url: str):
+    try:
+        from websockets.asyncio.client import connect
+    except ImportError as e:
+        raise EnvError("--env openenv needs the websockets client: pip install 'asyncrl[openenv]'") from e
+    return connect(_ws_url(url), max_size=MAX_MESSAGE_BYTES, open_timeout=30)
+
+
+async def generate(config, sample: Sample, engine, sampling_params: dict) -> Sample:
+    loop = asyncio.get_running_loop()
+    limit = config.rollout.env_max_sessions
+    gate = _sessions.setdefault((loop, limit), asyncio.Semaphore(limit))
+    async with gate:
+        return await _episode(config, sample, engine, sampling_params)
+
+
+async def _episode(config, sample: Sample, engine, sampling_params: dict) -> Sample:
+    r = config.rollout
+    url = r.env.partition(":")[2]
+    tok = engine.tokenizer
+    traj = Trajectory(sample, sample.metadata.pop("_input_ids"))
+    budget = int(sampling_params.get("max_new_tokens", r.rollout_max_response_len))
+    rid = f"s{sample.index}-{uuid.uuid4().hex[:8]}"
+    reward, done = 0.0, False
+
+    def observe(data: dict) -> None:
+        text = observation_text(data.get("observation") or {}, r.env_observation_key)
+        if text:
+            traj.env_turn(tok.encode(text, add_special_tokens=False), text)
+
+    async with _connect(url) as ws:
+        env = Session(ws)
+        first = await env.call("reset", dict(sample.metadata.get("env_reset") or {}))
+        observe(first)
+        done = bool(first.get("done"))
+        for turn in range(r.env_max_turns):
+            left = budget * r.env_max_turns - traj.response_tokens  # a turn's budget, and the episode's
+            if done or left <= 0:
+                break
+            params = dict(sampling_params, max_new_tokens=min(budget, left))
+            ids = traj.model_turn(await engine.generate(traj.context, params, rid=f"{rid}-t{turn}"))
+            if traj.aborted:
+                break
+            text = tok.decode(ids, skip_special_tokens=True)
+            result = await env.call("step", {r.env_action_key: text})
+            reward += float(result.get("reward") or 0.0)
+            done = bool(result.get("done"))
+            if not done:
+                observe(result)
+        await ws.send(json.dumps({"type": "close"}))
+    sample.metadata["env_reward"] = reward
+    sample.metadata["env_done"] = done
+    return traj.finish()

@@ -1,0 +1,116 @@
+"""verifiers environments in the loop: `--env verifiers:MODULE:TASK`.
+
+TASK names a verifiers (>= 0.4, `verifiers.v1`) Task class. Each prompt row becomes one task:
+its data type (`TASK.data_type()`) is built from the row's prompt and its metadata's `task` object
+(e.g. `{"answer": "5"}`; a field named `answer` takes the row's label when the object has none).
+An episode is `vf.Agent(...).run(task)`, offline: the subprocess runtime (no sandbox, no
+account) and an in-process chat harness (`asyncrl_chat`: verifiers' stock harnesses install their
+programs with uv). Every model call of the harness goes, through verifiers' interception server,
+to the producer's recording chat endpoint (services/envs/chat.py) and on to the engines; the
+sample is assembled from the ids the engine saw and sampled, never from the conversation's text.
+The episode's reward is the task's weighted reward (`trace.reward`, metadata["env_reward"]);
+its reward and metrics are kept in metadata["env_rewards"].
+
+The harness sends the conversation and ends a segment at the model's answer; it has no tool
+loop of its own (a verifiers Toolset needs an MCP-capable harness and an engine that parses tool
+calls).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+from asyncrl_proto.messages import Sample
+from services.common.plugins import load_object
+from services.envs.chat import ChatRecorder, assemble
+
+HARNESS_ID = "asyncrl_chat"
+KEY_VAR = "ASYNCRL_VF_ENDPOINT_KEY"
+"""verifiers reads the upstream API key from an environment variable; the recorder needs none."""
+
+
+def _verifiers():
+    try:
+        import verifiers.v1 as vf
+    except ImportError as e:
+        raise RuntimeError("--env verifiers needs verifiers >= 0.4: pip install 'asyncrl[verifiers]'") from e
+    return vf
+
+
+def _register_harness(vf) -> None:
+    """verifiers loads a harness by id, as a module exporting it: ours is built here and registered
+    under HARNESS_ID (its loader imports plugin ids as top-level modules)."""
+    if HARNESS_ID in sys.modules:
+        return
+    from openai import AsyncOpenAI
+    from verifiers.v1.dialects.chat import message_to_wire
+    from verifiers.v1.runtimes import ProgramResult
+
+    class ChatHarnessConfig(vf.HarnessConfig):
+        id: str = HARNESS_ID
+
+    class ChatHarness(vf.Harness[ChatHarnessConfig]):
+        """One chat call per segment, in this process, through the interception endpoint."""
+
+        APPENDS_SYSTEM_PROMPT = True
+        SUPPORTS_RESUME = True
+        EXECUTES_CODE = False
+        NEEDS_CONTAINER = False
+
+        async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url=None):
+            system, prompt = self.resolve_prompt(data)
+            messages = [{"role": "system", "content": system}] if system else []
+            if isinstance(prompt, str):
+                messages.append({"role": "user", "content": prompt})
+            elif prompt:
+                messages += [message_to_wire(m) for m in prompt]
+            async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
+                try:
+                    await client.chat.completions.create(model=ctx.model, messages=messages)
+                except Exception as e:  # a limit or a stop condition ends the segment with an HTTP error
+                    return ProgramResult(exit_code=0 if trace.stop_condition else 1, stdout="", stderr=repr(e))
+            return ProgramResult(exit_code=0, stdout="", stderr="")
+
+    module = types.ModuleType(HARNESS_ID, "asyncrl's in-process chat harness for verifiers (services/envs/vf.py)")
+    module.ChatHarness, module.ChatHarnessConfig, module.__all__ = ChatHarness, ChatHarnessConfig, ["ChatHarness"]
+    sys.modules[HARNESS_ID] = module
+
+
+def task_of(task_cls, sample: Sample):
+    """The verifiers task of a prompt row."""
+    fields = dict(sample.metadata.get("task") or {})
+    data_type = task_cls.data_type()
+    if "answer" in data_type.model_fields and "answer" not in fields and sample.label is not None:
+        fields["answer"] = sample.label
+    return task_cls(data_type(prompt=sample.prompt, **fields))
+
+
+async def generate(config, sample: Sample, engine, sampling_params: dict) -> Sample:
+    vf = _verifiers()
+    _register_harness(vf)
+    r = config.rollout
+    module, _, name = r.env.partition(":")[2].partition(":")
+    task_cls = load_object(f"{module}.{name}", "--env verifiers:MODULE:TASK")
+    recorder = await ChatRecorder.for_engine(engine)
+    os.environ.setdefault(KEY_VAR, "unused")
+    sampling = {"temperature": sampling_params.get("temperature", 1.0), "top_p": sampling_params.get("top_p", 1.0),
+                "max_tokens": sampling_params.get("max_new_tokens", r.rollout_max_response_len),
+                "top_k": sampling_params.get("top_k", -1)}  # fmt: skip
+    prompt_ids = sample.metadata.pop("_input_ids", None)
+    with recorder.episode() as episode:
+        agent = vf.Agent(vf.AgentConfig(
+            model=episode, client=vf.EvalClientConfig(base_url=recorder.url + "/v1", api_key_var=KEY_VAR),
+            runtime=vf.SubprocessConfig(), harness={"id": HARNESS_ID}, sampling=vf.SamplingConfig(**sampling),
+            max_turns=r.env_max_turns))  # fmt: skip
+        trace = await agent.run(task_of(task_cls, sample))
+        turns = list(recorder.turns[episode])
+    if trace.errors and not turns:
+        raise RuntimeError(f"the verifiers episode failed: {[e.message for e in trace.errors][:3]}")
+    del prompt_ids  # the chat template renders the prompt: the first turn's ids are the sample's start
+    out = assemble(sample, None, turns, lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=False))
+    out.metadata["env_reward"] = float(trace.reward or 0.0)
+    out.metadata["env_rewards"] = {k: float(getattr(v, "value", v)) for k, v in (trace.rewards or {}).items()}
+    out.metadata["env_stop"] = str(trace.stop_condition)
+    return out

@@ -1,0 +1,76 @@
+"""--env verifiers:MODULE:TASK against the real verifiers package (v1 Agent, its interception
+server, the subprocess runtime) and the real engine: the sample is the ids the engine saw and
+sampled, its reward the task's own."""
+
+from __future__ import annotations
+
+import pytest
+
+vf = pytest.importorskip("verifiers.v1", reason="the verifiers extra: pip install -e '.[verifiers]'")
+
+from asyncrl_proto.messages import Sample  # noqa: E402
+from services.common.config import RunConfig  # noqa: E402
+from services.common.sglang_client import SGLangClient  # noqa: E402
+from services.envs import vf as connector  # noqa: E402
+from services.envs.chat import ChatRecorder, TurnMismatch, assemble  # noqa: E402
+from services.envs.generate import EngineHandle, generate_function  # noqa: E402
+from services.envs.trajectory import env_reward  # noqa: E402
+from services.model.tokenizer import Tokenizer  # noqa: E402
+from tests.conftest import EngineThread  # noqa: E402
+
+
+class ReverseData(vf.TaskData):
+    answer: str
+
+
+class ReverseTask(vf.Task[ReverseData, vf.State, vf.TaskConfig]):
+    """Reward: the share of the answer's digits the reply has in place."""
+
+    @vf.reward(weight=1.0)
+    async def digits(self, task: ReverseData, trace: vf.Trace) -> float:
+        reply = trace.last_reply or ""
+        return sum(a == b for a, b in zip(reply, task.answer, strict=False)) / len(task.answer)
+
+
+async def test_an_episode_is_the_ids_the_engine_saw_and_sampled(tiny_model_dir):
+    config = RunConfig(env=f"verifiers:{__name__}:ReverseTask", rollout_max_response_len=6)
+    assert generate_function(config) is connector.generate
+    tok = Tokenizer(tiny_model_dir)
+    with EngineThread(tiny_model_dir) as engine:
+        client = SGLangClient([engine.url])
+        handle = EngineHandle(client, tok)
+        try:
+            samples = []
+            for i, digits in enumerate(("123", "4567")):
+                s = Sample(index=i, prompt=digits, label=digits[::-1], metadata={"_input_ids": tok.encode(digits)})
+                samples.append(await connector.generate(config, s, handle, {"max_new_tokens": 6, "temperature": 1.0,
+                                                                            "top_p": 1.0, "top_k": -1}))  # fmt: skip
+            recorder = await ChatRecorder.for_engine(handle)
+            assert recorder.turns == {}  # every episode's record is dropped when it ends
+        finally:
+            await recorder.close()
+            await client.close()
+    for s, digits in zip(samples, ("123", "4567"), strict=True):
+        rendered = tok.encode(tok.render_chat([{"role": "user", "content": digits}]), add_special_tokens=False)
+        prompt_len = s.metadata["prompt_length"]
+        assert s.tokens[:prompt_len] == rendered  # the engine's own rendering of the prompt, not ours
+        assert s.loss_mask == [1] * s.response_length and 1 <= s.response_length <= 6
+        assert tok.decode(s.tokens[prompt_len:]) == s.response == s.metadata["turns"][0]
+        assert len(s.rollout_log_probs) == s.response_length and all(lp <= 0 for lp in s.rollout_log_probs)
+        expected = sum(a == b for a, b in zip(s.response, digits[::-1], strict=False)) / len(digits)
+        assert s.metadata["env_reward"] == pytest.approx(expected) == await env_reward(config, s)
+        assert s.metadata["turn_versions"] == [[0]] and s.weight_versions == [0]
+
+
+def test_turns_that_do_not_extend_the_conversation_are_refused():
+    def turn(prompt, ids):
+        return {"prompt_ids": prompt, "ids": ids, "logprobs": [-0.1] * len(ids), "text": "x",
+                "meta_info": {"weight_version": "2", "finish_reason": {"type": "stop"}}}  # fmt: skip
+
+    s = assemble(Sample(index=0), None, [turn([1, 5], [6, 2]), turn([1, 5, 6, 2, 9, 9], [7])], str)
+    assert s.tokens == [1, 5, 6, 2, 9, 9, 7] and s.loss_mask == [1, 1, 0, 0, 1]
+    assert s.rollout_log_probs == [-0.1, -0.1, 0.0, 0.0, -0.1] and s.metadata["prompt_length"] == 2
+    with pytest.raises(TurnMismatch, match="turn 1"):
+        assemble(Sample(index=0), None, [turn([1, 5], [6, 2]), turn([1, 5, 6, 3], [7])], str)
+    with pytest.raises(TurnMismatch, match="no model call"):
+        assemble(Sample(index=0), None, [], str)
