@@ -78,16 +78,20 @@ def _cmd_init_run(argv: list[str]) -> int:
 def _cmd_train(argv: list[str], sync: bool) -> int:
     prog = "asyncrl train" if sync else "asyncrl train-async"
     config = _resolve(prog, argv, sync)
-    from services.launcher import LaunchError, launch
+    from services.console import Console
+    from services.launcher import LaunchError, format_progress, launch
 
+    console = Console(fallback=format_progress)  # on a terminal: one progress line, updated in place
     try:
-        result = launch(config)
+        result = launch(config, out=console.write, progress=console.step)
     except KeyboardInterrupt:
         print("interrupted: every process of the run was stopped", file=sys.stderr)
         return 130
     except LaunchError as e:
         print(f"{prog}: run failed: {e}", file=sys.stderr)
         return 1
+    finally:
+        console.close()
     r0, r1 = result["heldout_reward_step0"], result["heldout_reward_final"]
     print(
         f"done in {result['wall_s']:.0f}s: {result['steps']} steps, final weight version {result['final_weight_version']}"

@@ -73,9 +73,14 @@ def sglang_engine_commands(c: RunConfig, ports: list[int]) -> list[tuple[list[st
 
 
 class Launcher:
-    def __init__(self, prepared: Prepared, out=print):
+    def __init__(self, prepared: Prepared, out=print, progress=None):
+        """out(line): every line the run prints; progress(step, total, record, held-out): each
+        step's progress (services/console.py), a line formatted by format_progress without it."""
         self.config = config = prepared.config
         self.out = out
+        self.progress = progress or (lambda step, total, rec, heldout: out(format_progress(step, total, rec)))
+        self.heldout: float | None = None
+        """The last held-out reward (the first set's mean): the progress line shows it."""
         self.run_dir = Path(config.infra.run_dir)
         self.run_token = prepared.run_token
         self.creds: dict[str, NatsCredentials] = prepared.creds
@@ -386,7 +391,7 @@ class Launcher:
                 self.out(f"[{name} step {rec.record.get(f'{name}/step', '?')}] reward "
                          f"{rec.record.get(f'{name}/raw_reward_mean', float('nan')):.3f}")  # fmt: skip
             elif not rec.done and 0 <= rec.step < self.config.rollout.total_steps:
-                self.out(format_progress(rec.step, self.config.rollout.total_steps, rec.record))
+                self.progress(rec.step, self.config.rollout.total_steps, rec.record, self.heldout)
 
     async def _on_eval(self, msg) -> None:
         with contextlib.suppress(MalformedMessage):
@@ -397,6 +402,8 @@ class Launcher:
             self.evals[res.step] = res
             main = {k: v for k, v in res.metrics.items() if k.count("/") == 1 and not k.startswith("eval/duration")}
             shown = ", ".join(f"{k} {v:.3f}" for k, v in main.items() if k != "eval/step")
+            means = [v for k, v in main.items() if k != "eval/step" and "-" not in k]
+            self.heldout = means[0] if means else self.heldout
             name = int(res.metrics.get("eval/step", res.step))
             self.out(
                 f"  eval/step {name} (after {res.step} steps, weights v{res.version}): {shown} [{res.duration_s:.1f}s]"
@@ -508,11 +515,11 @@ def ledger_line(r: dict) -> str:
     )
 
 
-def launch(config: RunConfig, out=print) -> dict:
+def launch(config: RunConfig, out=print, progress=None) -> dict:
     """Run a whole job; returns the summary. Every started process is stopped on every path.
     After training, with the services stopped and the broker still up, the ledger is audited
     (RUN_DIR/audit.json)."""
-    launcher = Launcher(prepare_launch(config, log=out), out=out)
+    launcher = Launcher(prepare_launch(config, log=out), out=out, progress=progress)
     old_term, old_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the run the way Ctrl-C does
     # and so does SIGINT, even when a shell started this run in the background (which ignores it)
