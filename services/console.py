@@ -13,6 +13,9 @@ import os
 import sys
 from collections.abc import Callable
 
+BAR = "{l_bar}{bar:20}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}"
+"""The progress line: percent, bar, step/total, elapsed<ETA, then progress_fields."""
+
 
 class Console:
     """`write(line)` prints a full line; `step(step, total, record, heldout)` reports a step."""
@@ -40,7 +43,7 @@ class Console:
             sized = _size(self.stream) > (0, 0)  # a terminal that says its size: follow it; else 100 x 24
             self._bar = tqdm(total=total, file=self.stream, unit="step", dynamic_ncols=sized,
                              ncols=None if sized else 100, nrows=None if sized else 24, smoothing=0.1,
-                             bar_format="{l_bar}{bar:20}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}")  # fmt: skip
+                             bar_format=BAR)  # fmt: skip
         self._bar.n = min(step + 1, total)
         self._bar.set_postfix_str(progress_fields(rec, heldout), refresh=False)
         self._bar.refresh()
@@ -69,5 +72,5 @@ def progress_fields(rec: dict, heldout: float | None) -> str:
         return fmt.format(v) if isinstance(v, (int, float)) else "-"
 
     held = "-" if heldout is None else f"{heldout:.3f}"
-    return (f"reward {f('rollout/reward/mean', '{:.3f}')} | held-out {held} | staleness "
-            f"{f('rollout/fully_async/avg_staleness', '{:.2f}')} | queue {f('rollout/fully_async/queue_size', '{:.0f}')}")  # fmt: skip
+    staleness, queue = f("rollout/fully_async/avg_staleness", "{:.2f}"), f("rollout/fully_async/queue_size", "{:.0f}")
+    return f"reward {f('rollout/reward/mean', '{:.3f}')} | held-out {held} | staleness {staleness} | queue {queue}"
