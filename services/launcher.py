@@ -402,8 +402,9 @@ class Launcher:
             self.evals[res.step] = res
             main = {k: v for k, v in res.metrics.items() if k.count("/") == 1 and not k.startswith("eval/duration")}
             shown = ", ".join(f"{k} {v:.3f}" for k, v in main.items() if k != "eval/step")
-            means = [v for k, v in main.items() if k != "eval/step" and "-" not in k]
-            self.heldout = means[0] if means else self.heldout
+            sets = self.config.eval.eval_prompt_data
+            if sets and res.skipped_reason is None and f"eval/{sets[0]}" in res.metrics:  # the first set's mean
+                self.heldout = res.metrics[f"eval/{sets[0]}"]
             name = int(res.metrics.get("eval/step", res.step))
             self.out(
                 f"  eval/step {name} (after {res.step} steps, weights v{res.version}): {shown} [{res.duration_s:.1f}s]"

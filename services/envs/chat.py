@@ -14,10 +14,10 @@ prefix; it cannot be trained as one sequence and fails with that reason.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import uuid
-import weakref
 
 from aiohttp import web
 
@@ -34,8 +34,8 @@ class TurnMismatch(ValueError):
 class ChatRecorder:
     """The recording chat endpoint; `episode()` names one episode's requests and collects them."""
 
-    _shared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-    """engine client -> its recorder."""
+    _shared: dict = {}
+    """engine client -> the task starting its recorder (one per client, however many episodes ask at once)."""
 
     def __init__(self, client):
         self.client = client
@@ -48,9 +48,12 @@ class ChatRecorder:
         """One recorder per engine client in this process, started on first use."""
         if engine.client not in cls._shared:
             rec = cls(engine.client)
-            await rec.start()
-            cls._shared[engine.client] = rec
-        return cls._shared[engine.client]
+            cls._shared[engine.client] = asyncio.ensure_future(rec._started())
+        return await asyncio.shield(cls._shared[engine.client])
+
+    async def _started(self) -> ChatRecorder:
+        await self.start()
+        return self
 
     async def start(self) -> None:
         app = web.Application(client_max_size=64 * 2**20)
@@ -92,6 +95,10 @@ class ChatRecorder:
             answer = await self.client.chat_completions(url, body)
         except Exception as e:  # the client sees the engine's refusal as an HTTP error
             return web.json_response({"error": {"message": str(e)[:500]}}, status=502)
+        if "prompt_token_ids" not in answer or "token_ids" not in (answer.get("choices") or [{}])[0]:
+            return web.json_response({"error": {"message": "the engine did not return token ids: --env verifiers "
+                                                "needs an engine that answers return_token_ids (the built-in one)"}},
+                                     status=502)  # fmt: skip
         choice = answer["choices"][0]
         self.turns[name].append({
             "prompt_ids": list(answer["prompt_token_ids"]),

@@ -18,6 +18,7 @@ max_concurrent_envs).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 
@@ -25,6 +26,8 @@ from asyncrl_proto.messages import Sample
 from services.envs.trajectory import Trajectory
 
 MAX_MESSAGE_BYTES = 16 * 2**20
+CALL_TIMEOUT_S = 300.0
+"""An environment that takes longer to answer reset or step fails the episode (its group is retried)."""
 _sessions: dict[tuple[asyncio.AbstractEventLoop, int], asyncio.Semaphore] = {}
 """--env-max-sessions, per event loop (one per process in a service) and limit."""
 
@@ -60,7 +63,10 @@ class Session:
 
     async def call(self, kind: str, data: dict | None = None) -> dict:
         await self.ws.send(json.dumps({"type": kind, "data": data or {}}))
-        answer = json.loads(await self.ws.recv())
+        try:
+            answer = json.loads(await asyncio.wait_for(self.ws.recv(), CALL_TIMEOUT_S))
+        except TimeoutError:
+            raise EnvError(f"the environment did not answer {kind} within {CALL_TIMEOUT_S:.0f}s") from None
         if answer.get("type") == "error":
             err = answer.get("data") or {}
             raise EnvError(f"the environment answered {kind} with {err.get('code', 'an error')}: "
@@ -119,7 +125,8 @@ async def _episode(config, sample: Sample, engine, sampling_params: dict) -> Sam
             done = bool(result.get("done"))
             if not done:
                 observe(result)
-        await ws.send(json.dumps({"type": "close"}))
+        with contextlib.suppress(Exception):  # the episode is complete whether or not the server hears this
+            await ws.send(json.dumps({"type": "close"}))
     sample.metadata["env_reward"] = reward
     sample.metadata["env_done"] = done
     return traj.finish()

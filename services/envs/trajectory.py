@@ -24,8 +24,9 @@ class Trajectory:
         self.env_turns: list[str] = []
         """What the environment or tool answered between them (metadata["env_turns"])."""
         self.turn_versions: list[list[int]] = []
-        self.tool_calls = 0
-        """Tool calls answered (metadata["tool_calls"]: rollout/tool_call_ratio, eval/<set>-tool_call_ratio)."""
+        self.tool_calls: int | None = None
+        """Tool calls answered, for a loop that counts them (set it to 0, then add): metadata["tool_calls"],
+        rollout/tool_call_ratio, eval/<set>-tool_call_ratio. None: not a tool loop, no metric."""
 
     @property
     def context(self) -> list[int]:
@@ -69,7 +70,8 @@ class Trajectory:
         s.loss_mask = self.mask
         s.metadata["turns"] = self.turns
         s.metadata["env_turns"] = self.env_turns
-        s.metadata["tool_calls"] = self.tool_calls
+        if self.tool_calls is not None:
+            s.metadata["tool_calls"] = self.tool_calls
         s.metadata["turn_versions"] = self.turn_versions
         s.metadata["prompt_length"] = len(self.prompt_ids)
         return s

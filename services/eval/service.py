@@ -48,7 +48,7 @@ from services.common import crash, procs
 from services.common.bus import Settle, fetch_some, keep_alive, settle
 from services.common.config import AsyncSection, DataSection, EvalSection, RolloutSection, TrainerSection
 from services.common.plugins import load_object
-from services.common.rewards import reward_function, score_sample
+from services.common.rewards import mark_failed, reward_function, score_sample
 from services.common.runtime import Service, wait_event
 from services.common.sglang_client import SGLangClient
 from services.common.sinks import statistics_of
@@ -407,12 +407,20 @@ async def generate_dataset(
         ids = tokenizer.prompt_ids(row["prompt"], config.data.apply_chat_template, row.get("tools"))
         meta = dict(row["metadata"], _input_ids=ids)
         s = Sample(index=index, prompt=row["prompt"], label=row["label"], metadata=meta)
-        s = await generate(config, s, engine, params)
-        s.metadata.pop("_input_ids", None)
-        await score_sample(reward_fn, config, s)
-        return s
+        try:
+            out = await generate(config, s, engine, params)
+        except Exception as e:  # one failed episode (an environment's error) fails its sample, not the point
+            s.metadata.pop("_input_ids", None)
+            mark_failed(s, f"generation failed: {type(e).__name__}: {e}", "generate_error")
+            return [s]
+        out = out if isinstance(out, list) else [out]  # a generate function may return a trajectory's samples
+        for x in out:
+            x.metadata.pop("_input_ids", None)
+            await score_sample(reward_fn, config, x)
+        return out
 
-    return list(await asyncio.gather(*(one(r, i * n + k) for i, r in enumerate(rows) for k in range(n))))
+    done = await asyncio.gather(*(one(r, i * n + k) for i, r in enumerate(rows) for k in range(n)))
+    return [x for samples in done for x in samples]
 
 
 def dataset_metrics(config, name: str, samples: list[Sample]) -> dict[str, float]:

@@ -31,7 +31,7 @@ from services.common.rewards import mark_failed, resolve_reward, score_group, sc
 from services.common.runtime import Service
 from services.common.sglang_client import SGLangClient
 from services.common.validate import MAX_ATTEMPT, limits_from_model_dir, sample_problem
-from services.envs.generate import EngineHandle, generate_function
+from services.envs.generate import EngineHandle, default_generate, generate_function  # noqa: F401 (plugins import them here)
 from services.model.tokenizer import Tokenizer
 from services.rollout.adapters import AdapterMode
 from services.rollout.core import Credits, Pauses

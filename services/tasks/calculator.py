@@ -1,6 +1,6 @@
 """A bundled tool-use task: add two numbers, with a calculator the model may call.
 
-    asyncrl train-async --config deploy/configs/quickstart.yaml --task calculator
+    asyncrl train-async --config deploy/configs/calculator.yaml
 
 The prompt is a sum ("482+365="), the label its value ("847"). The model may answer at once
 ("847"), or call the calculator first: it writes a call, `<>` (the question's sum) or
@@ -92,6 +92,7 @@ async def generate(config, sample: Sample, engine, sampling_params: dict) -> Sam
     Token in, token out: the call is the engine's own ids, the result is appended as ids."""
     tok = engine.tokenizer
     traj = Trajectory(sample, sample.metadata.pop("_input_ids"))
+    traj.tool_calls = 0
     rid = f"s{sample.index}-{uuid.uuid4().hex[:8]}"
     budget = int(sampling_params.get("max_new_tokens", MAX_RESPONSE_LEN))
     close_ids = tok.encode(CALL_CLOSE, add_special_tokens=False)

@@ -23,6 +23,7 @@ NUM_TURNS = 2
 
 async def generate(config, sample: Sample, engine, sampling_params: dict) -> Sample:
     traj = Trajectory(sample, sample.metadata.pop("_input_ids"))
+    traj.tool_calls = 0
     for turn in range(NUM_TURNS):
         traj.model_turn(await engine.generate(traj.context, sampling_params, rid=f"s{sample.index}-t{turn}"))
         if traj.aborted or turn == NUM_TURNS - 1:

@@ -8,6 +8,7 @@ import fcntl
 import io
 import os
 import pty
+import re
 import struct
 import subprocess
 import sys
@@ -70,5 +71,6 @@ def test_a_run_on_a_terminal_shows_progress_and_its_eval_points(tmp_path):
     assert run.wait(timeout=240) == 0
     text = b"".join(chunks).decode(errors="replace")
     assert "[step " not in text, text[-2000:]  # not one line per step
-    assert "4/4" in text and "held-out" in text and "\r" in text
+    assert "4/4" in text and "\r" in text
+    assert re.search(r"held-out \d\.\d{3}", text), text[-2000:]  # the last eval point's reward, a number
     assert "eval/step 0" in text and "done in" in text  # eval points and the end are full lines

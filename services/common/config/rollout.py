@@ -150,7 +150,9 @@ class RolloutSection(Section):
             )
         if self.rollout_top_k != -1 and self.rollout_top_k < 1:
             errs.append(f"--rollout-top-k must be -1 or >= 1 (got {self.rollout_top_k})")
-        if self.env is not None and self.env.partition(":")[0] not in ("openenv", "verifiers"):
+        scheme, _, rest = (self.env or "").partition(":")
+        module, _, task = rest.partition(":")
+        if self.env is not None and not ((scheme == "openenv" and rest) or (scheme == "verifiers" and module and task)):
             errs.append(f"--env {self.env!r}: use openenv:URL or verifiers:MODULE:TASK")
         if self.env is not None and self.custom_generate_function_path:
             errs.append("--env and --custom-generate-function-path both produce the trajectories: give one")
