@@ -38,12 +38,21 @@ class Limits:
     """--max-abs-reward: rewards outside [-this, this] are refused where they enter."""
 
 
-def limits_from_model_dir(path: str, n: int, reward_key: str | None, max_abs_reward: float = 1e6) -> Limits:
-    """The limits of the run's model (its config.json: vocab_size, max_position_embeddings)."""
+def _model_config(path: str) -> dict:
     import json
     from pathlib import Path
 
-    cfg = json.loads((Path(path) / "config.json").read_text())
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def model_context_length(path: str) -> int:
+    """The model's positions (its config.json's max_position_embeddings)."""
+    return int(_model_config(path)["max_position_embeddings"])
+
+
+def limits_from_model_dir(path: str, n: int, reward_key: str | None, max_abs_reward: float = 1e6) -> Limits:
+    """The limits of the run's model (its config.json: vocab_size, max_position_embeddings)."""
+    cfg = _model_config(path)
     return Limits(n=n, vocab_size=int(cfg["vocab_size"]), context_length=int(cfg["max_position_embeddings"]),
                   reward_key=reward_key, max_abs_reward=max_abs_reward)  # fmt: skip
 

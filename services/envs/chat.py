@@ -127,5 +127,7 @@ def assemble(sample: Sample, prompt_ids: list[int] | None, turns: list[dict], de
         pairs = [[lp, t, None] for lp, t in zip(turn["logprobs"], turn["ids"], strict=True)]
         resp = {"text": turn["text"], "meta_info": {**turn["meta_info"], "output_token_logprobs": pairs}}
         traj.model_turn(resp)
+        if traj.aborted:  # the engine cut this turn (a weight update's pause): the sample ends ABORTED
+            break
     return traj.finish()
 

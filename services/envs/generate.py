@@ -9,6 +9,7 @@ way, so held-out prompts are answered as training prompts are (a tool task calls
 
 from __future__ import annotations
 
+import importlib
 import uuid
 
 from asyncrl_proto.messages import Sample
@@ -21,15 +22,17 @@ TASK_GENERATE = {"calculator": "services.tasks.calculator.generate"}
 
 class EngineHandle:
     """What a generate function receives as `engine`. `fields`: request fields every request
-    through this handle carries (multi-LoRA: the adapter version's `lora_path`)."""
+    through this handle carries (multi-LoRA: the adapter version's `lora_path`). `context_length`:
+    the model's positions, where the caller knows them (a multi-turn loop stops there)."""
 
-    def __init__(self, client, tokenizer, **fields):
+    def __init__(self, client, tokenizer, context_length: int | None = None, **fields):
         self.client = client
         self.tokenizer = tokenizer
+        self.context_length = context_length
         self.fields = fields
 
     def with_fields(self, **fields) -> EngineHandle:
-        return EngineHandle(self.client, self.tokenizer, **self.fields, **fields)
+        return EngineHandle(self.client, self.tokenizer, self.context_length, **self.fields, **fields)
 
     async def generate(self, input_ids: list[int], sampling_params: dict, **extra) -> dict:
         return await self.client.generate(
@@ -51,14 +54,21 @@ async def default_generate(config, sample: Sample, engine: EngineHandle, samplin
     return sample
 
 
-ENV_GENERATE = {"openenv": "services.envs.openenv.generate", "verifiers": "services.envs.vf.generate"}
-"""--env's connectors, by scheme."""
+ENV_CONNECTORS = {"openenv": "services.envs.openenv", "verifiers": "services.envs.vf"}
+"""--env's connectors, by scheme: modules with `generate` and `check(config)`. check runs when a
+producer or the eval service starts, so a missing extra or a wrong task name stops the run there,
+not at every episode."""
 
 
 def generate_function(config):
-    """--custom-generate-function-path, else --env's connector, else the task's own
+    """--custom-generate-function-path, else --env's connector (checked), else the task's own
     (TASK_GENERATE), else one /generate call."""
     r = config.rollout
-    path = (r.custom_generate_function_path or (ENV_GENERATE[r.env.partition(":")[0]] if r.env else None)
-            or TASK_GENERATE.get(config.data.task))  # fmt: skip
-    return load_object(path, "--custom-generate-function-path") if path else default_generate
+    if r.custom_generate_function_path:
+        return load_object(r.custom_generate_function_path, "--custom-generate-function-path")
+    if (spec := r.env_spec) is not None:
+        connector = importlib.import_module(ENV_CONNECTORS[spec.scheme])
+        connector.check(config)
+        return connector.generate
+    path = TASK_GENERATE.get(config.data.task)
+    return load_object(path, "--task") if path else default_generate

@@ -6,7 +6,8 @@ HTTP /reset and /step build a fresh environment per call), so each trajectory op
     reset (the row's metadata.env_reset, if any, as its arguments)
     -> observation (appended as ids out of the loss)
     -> the model's turn (the engine's ids, in the loss) -> step {--env-action-key: its text}
-    -> observation ... until the environment says done, or --env-max-turns, or the token budget.
+    -> observation ... until the environment says done, or --env-max-turns, or the token budget,
+       or the model's context length (the sample is then TRUNCATED, its last observation cut).
 
 Token in, token out: the model's turns are the ids the engine sampled; an observation's text is
 tokenized once, when it is appended, and never re-read. The episode's reward is the sum of the
@@ -22,7 +23,7 @@ import contextlib
 import json
 import uuid
 
-from asyncrl_proto.messages import Sample
+from asyncrl_proto.messages import Sample, SampleStatus
 from services.envs.trajectory import Trajectory
 
 MAX_MESSAGE_BYTES = 16 * 2**20
@@ -84,6 +85,11 @@ def _connect(url: str):
     return connect(_ws_url(url), max_size=MAX_MESSAGE_BYTES, open_timeout=30)
 
 
+def check(config) -> None:
+    """At start-up: the client this connector needs is installed."""
+    _connect(config.rollout.env_spec.url)
+
+
 async def generate(config, sample: Sample, engine, sampling_params: dict) -> Sample:
     loop = asyncio.get_running_loop()
     limit = config.rollout.env_max_sessions
@@ -94,7 +100,7 @@ async def generate(config, sample: Sample, engine, sampling_params: dict) -> Sam
 
 async def _episode(config, sample: Sample, engine, sampling_params: dict) -> Sample:
     r = config.rollout
-    url = r.env.partition(":")[2]
+    url = r.env_spec.url
     tok = engine.tokenizer
     traj = Trajectory(sample, sample.metadata.pop("_input_ids"))
     budget = int(sampling_params.get("max_new_tokens", r.rollout_max_response_len))
@@ -104,7 +110,11 @@ async def _episode(config, sample: Sample, engine, sampling_params: dict) -> Sam
     def observe(data: dict) -> None:
         text = observation_text(data.get("observation") or {}, r.env_observation_key)
         if text:
-            traj.env_turn(tok.encode(text, add_special_tokens=False), text)
+            ids = tok.encode(text, add_special_tokens=False)
+            room = traj.room(engine.context_length)
+            if len(ids) > room:  # out of the loss: cut to what the model can see, and the episode ends
+                ids, text = ids[:room], tok.decode(ids[:room], skip_special_tokens=False)
+            traj.env_turn(ids, text)
 
     async with _connect(url) as ws:
         env = Session(ws)
@@ -115,7 +125,10 @@ async def _episode(config, sample: Sample, engine, sampling_params: dict) -> Sam
             left = budget * r.env_max_turns - traj.response_tokens  # a turn's budget, and the episode's
             if done or left <= 0:
                 break
-            params = dict(sampling_params, max_new_tokens=min(budget, left))
+            if traj.room(engine.context_length) <= 0:
+                traj.sample.status = SampleStatus.TRUNCATED  # the context is full: the episode cannot go on
+                break
+            params = dict(sampling_params, max_new_tokens=min(budget, left, traj.room(engine.context_length)))
             ids = traj.model_turn(await engine.generate(traj.context, params, rid=f"{rid}-t{turn}"))
             if traj.aborted:
                 break

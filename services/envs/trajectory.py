@@ -37,6 +37,11 @@ class Trajectory:
     def response_tokens(self) -> int:
         return self.sample.response_length
 
+    def room(self, context_length: int | None) -> int:
+        """Positions left before `context_length` (the engine refuses a prompt that fills it);
+        unbounded when it is None."""
+        return context_length - len(self.context) if context_length is not None else 2**31
+
     @property
     def aborted(self) -> bool:
         return self.sample.status is SampleStatus.ABORTED

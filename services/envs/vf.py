@@ -9,7 +9,9 @@ programs with uv). Every model call of the harness goes, through verifiers' inte
 to the producer's recording chat endpoint (services/envs/chat.py) and on to the engines; the
 sample is assembled from the ids the engine saw and sampled, never from the conversation's text.
 The episode's reward is the task's weighted reward (`trace.reward`, metadata["env_reward"]);
-its reward and metrics are kept in metadata["env_rewards"].
+its reward and metrics are kept in metadata["env_rewards"]. An episode the task could not score
+(no reward, or errors) fails its sample with verifiers' reasons (the group retry path takes over);
+one whose model turn the engine aborted (a weight update's pause) ends there, ABORTED, unscored.
 
 The harness sends the conversation and ends a segment at the model's answer; it has no tool
 loop of its own (a verifiers Toolset needs an MCP-capable harness and an engine that parses tool
@@ -18,11 +20,12 @@ calls).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import types
 
-from asyncrl_proto.messages import Sample
+from asyncrl_proto.messages import Sample, SampleStatus
 from services.common.plugins import load_object
 from services.envs.chat import ChatRecorder, assemble
 
@@ -78,6 +81,22 @@ def _register_harness(vf) -> None:
     sys.modules[HARNESS_ID] = module
 
 
+@functools.cache
+def _task_class(module: str, name: str):
+    vf = _verifiers()
+    task_cls = load_object(f"{module}.{name}", "--env verifiers:MODULE:TASK")
+    if not (isinstance(task_cls, type) and issubclass(task_cls, vf.Task)):
+        raise ValueError(f"--env verifiers:{module}:{name} must name a verifiers.v1 Task class "
+                         f"(it is {type(task_cls).__name__})")  # fmt: skip
+    return task_cls
+
+
+def check(config) -> None:
+    """At start-up: verifiers is installed and TASK is a Task class."""
+    spec = config.rollout.env_spec
+    _task_class(spec.module, spec.task)
+
+
 def task_of(task_cls, sample: Sample):
     """The verifiers task of a prompt row."""
     fields = dict(sample.metadata.get("task") or {})
@@ -90,9 +109,8 @@ def task_of(task_cls, sample: Sample):
 async def generate(config, sample: Sample, engine, sampling_params: dict) -> Sample:
     vf = _verifiers()
     _register_harness(vf)
-    r = config.rollout
-    module, _, name = r.env.partition(":")[2].partition(":")
-    task_cls = load_object(f"{module}.{name}", "--env verifiers:MODULE:TASK")
+    r, spec = config.rollout, config.rollout.env_spec
+    task_cls = _task_class(spec.module, spec.task)
     recorder = await ChatRecorder.for_engine(engine)
     os.environ.setdefault(KEY_VAR, "unused")
     sampling = {"temperature": sampling_params.get("temperature", 1.0), "top_p": sampling_params.get("top_p", 1.0),
@@ -106,11 +124,16 @@ async def generate(config, sample: Sample, engine, sampling_params: dict) -> Sam
             max_turns=r.env_max_turns))  # fmt: skip
         trace = await agent.run(task_of(task_cls, sample))
         turns = list(recorder.turns[episode])
-    if trace.errors and not turns:
-        raise RuntimeError(f"the verifiers episode failed: {[e.message for e in trace.errors][:3]}")
     del prompt_ids  # the chat template renders the prompt: the first turn's ids are the sample's start
+    errors = [str(getattr(e, "message", e))[:300] for e in trace.errors or []][:3]
+    if not turns:
+        raise RuntimeError(f"the verifiers episode made no model call: {errors or 'no error given'}")
     out = assemble(sample, None, turns, lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=False))
-    out.metadata["env_reward"] = float(trace.reward or 0.0)
+    if out.status is SampleStatus.ABORTED:
+        return out  # regenerated, never scored: what the task made of a cut turn means nothing
+    if errors or trace.reward is None:
+        raise RuntimeError(f"the verifiers task did not score the episode: {errors or 'it gave no reward'}")
+    out.metadata["env_reward"] = float(trace.reward)
     out.metadata["env_rewards"] = {k: float(getattr(v, "value", v)) for k, v in (trace.rewards or {}).items()}
     out.metadata["env_stop"] = str(trace.stop_condition)
     return out

@@ -53,7 +53,7 @@ from services.common.runtime import Service, wait_event
 from services.common.sglang_client import SGLangClient
 from services.common.sinks import statistics_of
 from services.common.snapshot import is_complete, resolved
-from services.common.validate import finite, finite_metrics
+from services.common.validate import finite, finite_metrics, model_context_length
 from services.common.versions import VersionBound
 from services.envs.generate import EngineHandle, generate_function
 from services.envs.trajectory import tool_call_metrics
@@ -99,6 +99,7 @@ class EvalService(Service):
             [config.infra.rollout_router_url] if config.infra.rollout_router_url else config.infra.rollout_engine_urls
         )
         self.client = SGLangClient(rollout_urls, api_key=self.engine_token)  # the shared backend's engines
+        self.generate_fn = generate_function(config)  # at start: a connector's missing extra fails here
         self.fleet_client: SGLangClient | None = None
         self.fleet_children = []
         self.evaluator: CheckpointEvalFn | None = None
@@ -354,6 +355,7 @@ class EvalService(Service):
                 rows,
                 ds.sampling_params(),
                 ds.n_samples_per_eval_prompt,
+                self.generate_fn,
             )  # fmt: skip
             for name, (ds, rows) in self.sets.items()
         }
@@ -396,27 +398,31 @@ class EvalService(Service):
 
 
 async def generate_dataset(
-    client, tokenizer, reward_fn, config, rows: list[dict], params: dict, n: int
+    client, tokenizer, reward_fn, config, rows: list[dict], params: dict, n: int, generate=None
 ) -> list[Sample]:
     """n scored samples per held-out prompt on `client`'s engines, each produced by the run's
-    generate function (services/envs/generate.py), as the producer produces training samples."""
+    generate function (services/envs/generate.py; `generate`: it, resolved), as the producer
+    produces training samples."""
 
-    generate, engine = generate_function(config), EngineHandle(client, tokenizer)
+    generate = generate or generate_function(config)
+    engine = EngineHandle(client, tokenizer, model_context_length(config.data.hf_checkpoint))
 
-    async def one(row: dict, index: int) -> Sample:
+    async def one(row: dict, index: int) -> list[Sample]:
         ids = tokenizer.prompt_ids(row["prompt"], config.data.apply_chat_template, row.get("tools"))
         meta = dict(row["metadata"], _input_ids=ids)
         s = Sample(index=index, prompt=row["prompt"], label=row["label"], metadata=meta)
+        failure = None
         try:
             out = await generate(config, s, engine, params)
         except Exception as e:  # one failed episode (an environment's error) fails its sample, not the point
-            s.metadata.pop("_input_ids", None)
-            mark_failed(s, f"generation failed: {type(e).__name__}: {e}", "generate_error")
-            return [s]
+            out, failure = s, f"generation failed: {type(e).__name__}: {e}"
         out = out if isinstance(out, list) else [out]  # a generate function may return a trajectory's samples
         for x in out:
             x.metadata.pop("_input_ids", None)
-            await score_sample(reward_fn, config, x)
+            if failure is not None:
+                mark_failed(x, failure, "generate_error")
+            else:
+                await score_sample(reward_fn, config, x)
         return out
 
     done = await asyncio.gather(*(one(r, i * n + k) for i, r in enumerate(rows) for k in range(n)))

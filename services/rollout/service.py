@@ -71,7 +71,7 @@ class RolloutService(Service):
             max_concurrency=config.rollout.sglang_server_concurrency
             * (max(1, config.infra.rollout_num_engines) if routed else 1),
         )
-        self.engine = EngineHandle(self.client, self.tokenizer)
+        self.engine = EngineHandle(self.client, self.tokenizer, self.limits.context_length)
         self.submission_open = asyncio.Event()
         self.submission_open.set()
         self.pauses = Pauses(PAUSE_TTL_S, config.async_.submission_pause_max_s, config.rollout.total_steps)

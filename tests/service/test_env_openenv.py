@@ -20,7 +20,7 @@ from openenv.core.env_server.http_server import create_fastapi_app  # noqa: E402
 from openenv.core.env_server.interfaces import Environment  # noqa: E402
 from openenv.core.env_server.types import Action, Observation, State  # noqa: E402
 
-from asyncrl_proto.messages import Sample  # noqa: E402
+from asyncrl_proto.messages import Sample, SampleStatus  # noqa: E402
 from services.common.config import RunConfig  # noqa: E402
 from services.common.sglang_client import SGLangClient  # noqa: E402
 from services.envs import openenv as connector  # noqa: E402
@@ -125,6 +125,26 @@ async def test_an_episode_is_a_session_and_a_sample_token_in_token_out(env_url, 
         assert len(s.rollout_log_probs) == s.response_length
         assert all(lp == 0.0 for lp, m in zip(s.rollout_log_probs, s.loss_mask, strict=True) if m == 0)
         assert len(s.metadata["turn_versions"]) == len(s.metadata["turns"]) == len(seen)
+
+
+async def test_an_episode_stops_at_the_models_context_length(env_url, engine_url, tiny_model_dir):
+    """Never a prompt the engine would refuse: the episode ends TRUNCATED when the context is full,
+    its last observation cut to what fits."""
+    config = RunConfig(env=f"openenv:{env_url}", env_max_turns=5, rollout_max_response_len=4)
+    tok = Tokenizer(tiny_model_dir)
+    client = SGLangClient([engine_url])
+    prompt = tok.encode("55=")
+    limit = len(prompt) + 3 + 6  # the reset's observation ("30=") and room for two short steps at most
+    try:
+        handle = EngineHandle(client, tok, context_length=limit)
+        s = Sample(index=0, prompt="55=", metadata={"_input_ids": prompt, "env_reset": {"name": "full", "start": 30}})
+        s = await connector.generate(config, s, handle, {"max_new_tokens": 4, "temperature": 1.0})
+    finally:
+        await client.close()
+    assert s.status is SampleStatus.TRUNCATED and len(s.tokens) == limit
+    assert len(EPISODES["full"]) < 3  # cut before the environment said done
+    env_ids = [t for t, m in zip(s.tokens[len(prompt):], s.loss_mask, strict=True) if m == 0]
+    assert tok.decode(env_ids) == "".join(s.metadata["env_turns"])
 
 
 async def test_an_environment_error_fails_the_trajectory_with_its_reason(env_url, engine_url, tiny_model_dir):

@@ -8,7 +8,7 @@ import pytest
 
 vf = pytest.importorskip("verifiers.v1", reason="the verifiers extra: pip install -e '.[verifiers]'")
 
-from asyncrl_proto.messages import Sample  # noqa: E402
+from asyncrl_proto.messages import Sample, SampleStatus  # noqa: E402
 from services.common.config import RunConfig  # noqa: E402
 from services.common.sglang_client import SGLangClient  # noqa: E402
 from services.envs import vf as connector  # noqa: E402
@@ -30,6 +30,17 @@ class ReverseTask(vf.Task[ReverseData, vf.State, vf.TaskConfig]):
     async def digits(self, task: ReverseData, trace: vf.Trace) -> float:
         reply = trace.last_reply or ""
         return sum(a == b for a, b in zip(reply, task.answer, strict=False)) / len(task.answer)
+
+
+class UnscoredTask(vf.Task[ReverseData, vf.State, vf.TaskConfig]):
+    """A reward that breaks on every episode."""
+
+    @vf.reward(weight=1.0)
+    async def broken(self, task: ReverseData, trace: vf.Trace) -> float:
+        raise ZeroDivisionError("no score for this reply")
+
+
+NOT_A_TASK = 3
 
 
 async def test_an_episode_is_the_ids_the_engine_saw_and_sampled(tiny_model_dir):
@@ -74,3 +85,40 @@ def test_turns_that_do_not_extend_the_conversation_are_refused():
         assemble(Sample(index=0), None, [turn([1, 5], [6, 2]), turn([1, 5, 6, 3], [7])], str)
     with pytest.raises(TurnMismatch, match="no model call"):
         assemble(Sample(index=0), None, [], str)
+
+
+async def test_an_episode_the_task_could_not_score_fails_with_the_reason(tiny_model_dir):
+    """Never trained as reward 0: the sample fails (its group is retried) with verifiers' reason."""
+    config = RunConfig(env=f"verifiers:{__name__}:UnscoredTask", rollout_max_response_len=4)
+    tok = Tokenizer(tiny_model_dir)
+    with EngineThread(tiny_model_dir) as engine:
+        client = SGLangClient([engine.url])
+        handle = EngineHandle(client, tok)
+        try:
+            s = Sample(index=0, prompt="12", label="21", metadata={"_input_ids": tok.encode("12")})
+            with pytest.raises(RuntimeError, match="did not score the episode.*no score for this reply"):
+                await connector.generate(config, s, handle, {"max_new_tokens": 4})
+        finally:
+            await (await ChatRecorder.for_engine(handle)).close()
+            await client.close()
+
+
+def test_the_task_is_checked_when_the_service_starts():
+    with pytest.raises(ValueError, match="must name a verifiers.v1 Task class"):
+        generate_function(RunConfig(env=f"verifiers:{__name__}:NOT_A_TASK"))
+    with pytest.raises(Exception, match="no_such_module"):
+        generate_function(RunConfig(env="verifiers:no_such_module:Task"))
+
+
+def test_multi_lora_refuses_verifiers_whose_chat_calls_carry_no_adapter():
+    with pytest.raises(ValueError, match="cannot run --env verifiers"):
+        RunConfig(env=f"verifiers:{__name__}:ReverseTask", multi_lora_n_adapters=2)
+
+
+def test_a_turn_the_engine_aborted_ends_the_sample_aborted():
+    def turn(prompt, ids, reason):
+        return {"prompt_ids": prompt, "ids": ids, "logprobs": [-0.1] * len(ids), "text": "x",
+                "meta_info": {"weight_version": "2", "finish_reason": {"type": reason}}}  # fmt: skip
+
+    s = assemble(Sample(index=0), None, [turn([1, 5], [6], "abort"), turn([1, 5, 6, 9], [7], "stop")], str)
+    assert s.status is SampleStatus.ABORTED and s.tokens == [1, 5, 6] and s.metadata["turns"] == ["x"]

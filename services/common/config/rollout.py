@@ -1,9 +1,31 @@
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from pydantic import Field
 
 from services.common.config.base import Section
 from services.common.rewards.names import rm_type_problem, split_rm_type
+
+
+class EnvSpec(NamedTuple):
+    """--env, parsed: `openenv:URL` (url) or `verifiers:MODULE:TASK` (module, task)."""
+
+    scheme: str
+    url: str = ""
+    module: str = ""
+    task: str = ""
+
+
+def parse_env(spec: str) -> EnvSpec:
+    """--env's value as an EnvSpec; ValueError says what shape it must have."""
+    scheme, _, rest = spec.partition(":")
+    if scheme == "openenv" and rest:
+        return EnvSpec(scheme, url=rest)
+    module, _, task = rest.partition(":")
+    if scheme == "verifiers" and module and task:
+        return EnvSpec(scheme, module=module, task=task)
+    raise ValueError(f"--env {spec!r}: use openenv:URL or verifiers:MODULE:TASK")
 
 
 class RolloutSection(Section):
@@ -150,10 +172,11 @@ class RolloutSection(Section):
             )
         if self.rollout_top_k != -1 and self.rollout_top_k < 1:
             errs.append(f"--rollout-top-k must be -1 or >= 1 (got {self.rollout_top_k})")
-        scheme, _, rest = (self.env or "").partition(":")
-        module, _, task = rest.partition(":")
-        if self.env is not None and not ((scheme == "openenv" and rest) or (scheme == "verifiers" and module and task)):
-            errs.append(f"--env {self.env!r}: use openenv:URL or verifiers:MODULE:TASK")
+        if self.env is not None:
+            try:
+                parse_env(self.env)
+            except ValueError as e:
+                errs.append(str(e))
         if self.env is not None and self.custom_generate_function_path:
             errs.append("--env and --custom-generate-function-path both produce the trajectories: give one")
         if self.rm_type is not None and not self.custom_rm_path:
@@ -163,6 +186,11 @@ class RolloutSection(Section):
                 errs.append(f"--rm-type {self.rm_type} scores {{score, acc}} (score +1 or -1, as DAPO): set "
                             "--reward-key score")  # fmt: skip
         return errs
+
+    @property
+    def env_spec(self) -> EnvSpec | None:
+        """--env, parsed (None without one; the config's problems() refuses a malformed one)."""
+        return parse_env(self.env) if self.env is not None else None
 
     @property
     def total_steps(self) -> int:
