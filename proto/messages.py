@@ -56,6 +56,10 @@ class Sample(msgspec.Struct, kw_only=True):
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)
     remove_sample: bool = False
     """Excluded from the loss, still counted in advantage normalisation."""
+    version_spans: list[list[int]] = msgspec.field(default_factory=list)
+    """[start, end, version] of each run of response tokens [start, end) that one weight version
+    generated (the engine's weight_versions spans; an environment's or tool's tokens are in none).
+    Wire version 2: a Sample of an older producer decodes with it empty."""
 
     @property
     def prompt_length(self) -> int:
@@ -70,6 +74,7 @@ class Sample(msgspec.Struct, kw_only=True):
         self.rollout_log_probs = []
         self.loss_mask = None
         self.weight_versions = []
+        self.version_spans = []
         self.remove_sample = False
         self.status = SampleStatus.ABORTED
 
@@ -251,6 +256,15 @@ class TransferReply(msgspec.Struct, kw_only=True):
     """has, send: the trainer no longer has that version (neither held nor on disk): a newer one is next."""
 
 
+class EngineSwitch(msgspec.Struct, kw_only=True):
+    """One engine's move to a WeightsLive version: when its generation paused and when it
+    continued (wall clock, seconds since the epoch)."""
+
+    engine: str
+    paused_at: float = 0.0
+    resumed_at: float = 0.0
+
+
 class WeightsLive(msgspec.Struct, kw_only=True):
     """Weight-sync -> everyone: the rollout engines now run `version` (the staleness clock)."""
 
@@ -264,6 +278,9 @@ class WeightsLive(msgspec.Struct, kw_only=True):
     """The longest time any engine spent paused for this update (generation stopped)."""
     tensor_sha256: str = ""
     """distributed: the live version's tensor digest (a restarted weight-sync checks a catch-up with it)."""
+    switched: list[EngineSwitch] = msgspec.field(default_factory=list)
+    """The engines that run `version` now, each with its pause (wire version 2: empty from an
+    older weight-sync, and on a restart's re-announcement, which paused nothing)."""
 
 
 class ControlMsg(msgspec.Struct, kw_only=True):

@@ -184,6 +184,11 @@ class Subjects(Struct, frozen=True):
     def heartbeat_all(self) -> str:
         return self._s("heartbeat.*")
 
+    @property
+    def deadletter_all(self) -> str:
+        """Every dead letter of the run (a reader's filter)."""
+        return self._s("deadletter.>")
+
     def deadletter(self, subject: str) -> str:
         """Dead letters keep the tail of the subject they failed on."""
         prefix = self._s("")
@@ -252,7 +257,7 @@ class Subjects(Struct, frozen=True):
             {  # every role writes here: a dead letter keeps at most 64 KB of its message, and the
                # server refuses anything larger than 96 KiB (published straight to the subject, past
                # the services' truncation); the oldest go first
-                "name": self.deadletter_stream, "subjects": [self._s("deadletter.>")],
+                "name": self.deadletter_stream, "subjects": [self.deadletter_all],
                 "retention": "limits", "storage": "file", "max_msg_size": 96 * KIB, "max_msgs": 10_000,
                 "discard": "old",
             },

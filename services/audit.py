@@ -127,31 +127,44 @@ def admin_credentials(run_dir: Path):
 
 def audit_run(run_dir: str | Path) -> dict:
     run_dir = Path(run_dir)
-    cfg_path = run_dir / "config.json"
-    if not cfg_path.exists():
-        raise FileNotFoundError(f"{cfg_path} not found: is {run_dir} a run directory?")
-    cfg = json.loads(cfg_path.read_text())
+    cfg = run_config(run_dir)
     url, run_id = cfg.get("nats_url"), cfg["run_id"]
     if url and _answers(url):
         return asyncio.run(collect(url, run_id, run_dir))
-    store = run_dir / "nats"
+    with store_server(run_dir) as srv:
+        return asyncio.run(collect(srv.url, run_id, run_dir))
+
+
+def run_config(run_dir: Path) -> dict:
+    cfg_path = run_dir / "config.json"
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"{cfg_path} not found: is {run_dir} a run directory?")
+    return json.loads(cfg_path.read_text())
+
+
+@contextlib.contextmanager
+def store_server(run_dir: Path, store: Path | None = None, log_name: str = "audit-nats-server"):
+    """A nats-server on a stopped run's store (RUN_DIR/nats, or `store`: a copy of it), behind the
+    run's own users (its secrets directory), on free ports: the same server or cluster the
+    launcher ran (a cluster's nodes find each other again)."""
+    cfg = run_config(run_dir)
+    url, run_id = cfg.get("nats_url"), cfg["run_id"]
+    store = store or run_dir / "nats"
     if not ((store / "jetstream").exists() or (store / "node-0" / "jetstream").exists()):
         raise RuntimeError(f"the run's NATS server at {url} does not answer and {store} holds no store")
     from services.common.natsauth import server_auth_conf
     from services.common.natsserver import local_nats
     from services.common.secrets import load_roles_file
 
-    # the run's own store, behind the run's own users (its secrets directory), on a free port
     roles = run_dir / "secrets" / "nats.json"
     auth = (
         server_auth_conf(run_id, {r: e["password"] for r, e in load_roles_file(roles).items()})
         if roles.exists()
         else ""
     )
-    # the same server or cluster the launcher ran, on free ports (a cluster's nodes find each other again)
     with local_nats(store, run_dir / "logs", auth, nodes=cfg.get("nats_cluster", 1), run_id=run_id,
-                    max_file_store=cfg.get("nats_max_file_store"), log_name="audit-nats-server") as srv:  # fmt: skip
-        return asyncio.run(collect(srv.url, run_id, run_dir))
+                    max_file_store=cfg.get("nats_max_file_store"), log_name=log_name) as srv:  # fmt: skip
+        yield srv
 
 
 def _answers(url: str) -> bool:

@@ -7,6 +7,8 @@
   asyncrl service NAME ...             run one service alone against a NATS server
   asyncrl engine ...                   run the built-in SGLang-compatible engine
   asyncrl audit RUN_DIR                balance a run's ledger (exit 0 when balanced)
+  asyncrl status RUN_DIR [--watch]     one screen on a live or finished run
+  asyncrl dashboard RUN_DIR            a finished run's dashboard (a live run's: the URL it printed)
   asyncrl build-model --out DIR        build the bundled task's tiny model
   asyncrl eval-adapter --hf-checkpoint DIR --adapter DIR ... --prompt-data FILE --rm-type NAME
                                        held-out reward of saved LoRA adapters (and --base)
@@ -192,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         "service",
         "engine",
         "audit",
+        "status",
+        "dashboard",
         "build-model",
         "eval-adapter",
         "secrets",
@@ -237,6 +241,14 @@ def main(argv: list[str] | None = None) -> int:
         from services.audit import main as audit_main
 
         return audit_main(rest)
+    if cmd == "status":
+        from services.dashboard.status import main as status_main
+
+        return status_main(rest)
+    if cmd == "dashboard":
+        from services.dashboard.__main__ import main as dashboard_main
+
+        return dashboard_main(rest)
     print(f"asyncrl: unknown command {cmd!r}; commands: {', '.join(commands)}", file=sys.stderr)
     return 2
 

@@ -227,6 +227,19 @@ class Launcher:
         ]), role=name, extra_env={procs.CPU_ENV: pins[1]} if pins and not placed else None, health=url + "/healthz")  # fmt: skip
         self.services[label] = url
 
+    def start_dashboard(self) -> None:
+        """The run's dashboard (services/dashboard): read-only, behind the run token, with the admin's
+        NATS identity to read the ledger, weights.live and the dead letters."""
+        infra = self.config.infra
+        if infra.dashboard_port is None:
+            return
+        port = infra.dashboard_port or procs.free_port()
+        url = f"http://{'127.0.0.1' if infra.http_host in ('0.0.0.0', '::') else infra.http_host}:{port}"
+        self._spawn("dashboard", [sys.executable, "-m", "services.dashboard", str(self.run_dir), "--live",
+                                  "--http-host", infra.http_host, "--http-port", str(port)],
+                    extra_env=self.creds["admin"].env(), health=url + "/healthz")  # fmt: skip
+        self.services["dashboard"] = url
+
     def wait_ready(self, timeout_s: float | None = None) -> None:
         if timeout_s is None:  # an SGLang server loads and captures CUDA graphs: minutes, not seconds
             timeout_s = 900.0 if self.config.infra.engine == "sglang" else 180.0
@@ -296,6 +309,7 @@ class Launcher:
             for i in range(c.infra.rollout_num_producers):
                 self.start_service("rollout", f"rollout-{i}")
             self.start_service("trainer")
+            self.start_dashboard()
             await asyncio.to_thread(self.wait_ready)
             self._print_services()
             await self._watch(bus)
@@ -417,6 +431,9 @@ class Launcher:
             pid = self.child(label).proc.pid
             self.out(f"  {label:<12} pid {pid:<7} {url}")
         (self.run_dir / "services.json").write_text(json.dumps(self.services, indent=2))
+        if "dashboard" in self.services:
+            self.out(f"dashboard: {self.services['dashboard']}/ (log in with the run token, "
+                     f"{self.run_dir / 'secrets' / 'run-token'}; `asyncrl status {self.run_dir}` in a terminal)")
 
     def summary(self) -> dict:
         key = f"eval/{self.config.eval.eval_prompt_data[0]}" if self.config.eval.eval_prompt_data else None

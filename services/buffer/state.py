@@ -232,78 +232,100 @@ def audit(events, remaining_prompts: set[str] | None = None, remaining_rollouts:
     restarted buffer publishes it); `trained_by_trainer` (step ->
     group indices, from the trainer's own record) is cross-checked against the ledger.
     """
-    state = BufferState()
-    problems: list[str] = []
-    terminal: dict[int, str] = {}
-    trained_steps: dict[int, int] = {}
-    first_release: set[int] = set()
-    for ev in events:
-        try:
-            apply_checked(state, ev, terminal, trained_steps, first_release, problems)
-        except StateError as e:
-            problems.append(str(e))
-            break
-    in_flight = collections.Counter()
-    unpublished = 0
-    for gid in state.outstanding:
-        in_flight["outstanding"] += 1
-        if remaining_prompts is not None and remaining_rollouts is not None:
-            if gid not in remaining_prompts and gid not in remaining_rollouts:
-                # a release is recorded before its prompt is published (the record holds the
-                # prompt): a run stopped in between (a full store, a kill) left it unpublished,
-                # and a restarted buffer publishes every outstanding prompt again from the ledger
-                unpublished += 1
-    for gid in state.stored:
-        in_flight["stored"] += 1
-        if remaining_rollouts is not None and gid not in remaining_rollouts:
-            problems.append(f"{gid} is stored but its payload is gone from ROLLOUTS: lost")
-    for lease in state.leases.values():
-        in_flight["leased_uncommitted"] += len(lease.refs)
-    in_flight["recycled_waiting"] = len(state.recycled)
-    accounted = set(terminal) | {p.group_index for p in state.outstanding.values()}
-    accounted |= {r.prompt.group_index for r in state.stored.values()}
-    accounted |= {r.group_index for lease in state.leases.values() for r in lease.refs}
-    accounted |= {p.group_index for p in state.recycled}
-    lost = sorted(first_release - accounted)
-    for gi in lost[:20]:
-        problems.append(f"prompt {gi} was released and has no outcome: lost")
-    twice = sorted(gi for gi, n in trained_steps.items() if n > 1)
-    for gi in twice[:20]:
-        problems.append(f"prompt {gi} was trained {trained_steps[gi]} times")
-    if trained_by_trainer is not None:
-        # the trainer records a step before committing it: a step it trained whose commit the
-        # run did not see (stopped in between) is still leased, and will be trained again
-        by_trainer = collections.Counter(gi for gis in trained_by_trainer.values() for gi in gis)
-        ledger_trained = {gi for gi, t in terminal.items() if t in ("trained", "failed")}
-        leased = {r.group_index for lease in state.leases.values() for r in lease.refs}
-        if not ledger_trained <= set(by_trainer) or not set(by_trainer) <= ledger_trained | leased:
-            diff = sorted((ledger_trained - set(by_trainer)) | (set(by_trainer) - ledger_trained - leased))[:10]
-            problems.append(f"trainer and ledger disagree on trained prompts, e.g. {diff}")
-        for gi, n in by_trainer.items():
-            if n > 1:
-                problems.append(f"the trainer recorded prompt {gi} {n} times")
-    outcomes = collections.Counter(terminal.values())
-    return {
-        "released_prompts": len(first_release),
-        "trained": outcomes.get("trained", 0),
-        "failed": outcomes.get("failed", 0),
-        "filtered": {k.removeprefix("filtered/"): v for k, v in outcomes.items() if k.startswith("filtered/")},
-        "aborted_dropped": outcomes.get("aborted_dropped", 0),
-        "stale_dropped": outcomes.get("stale_dropped", 0),
-        "rejected": outcomes.get("rejected", 0),
-        "foreign_dropped": outcomes.get("foreign", 0),
-        "retired_dropped": outcomes.get("retired_dropped", 0),
-        "rejected_messages": state.counters.get("rejected", 0),
-        "recycled": state.counters.get("recycled", 0),
-        "duplicates_ignored": state.counters.get("duplicate_groups", 0),
-        "in_flight_at_end": dict(in_flight),
-        "unpublished_at_end": unpublished,
-        "lost": len(lost),
-        "trained_twice": len(twice),
-        "events": state.seq,
-        "problems": problems,
-        "balanced": not problems,
-    }
+    auditor = Auditor()
+    auditor.feed(events)
+    return auditor.report(remaining_prompts, remaining_rollouts, trained_by_trainer)
+
+
+class Auditor:
+    """The audit as a fold: `feed` events as they come (a live dashboard), `report` at any time."""
+
+    def __init__(self):
+        self.state = BufferState()
+        self.problems: list[str] = []
+        """Problems met while folding (the report adds those of the end state)."""
+        self.terminal: dict[int, str] = {}
+        self.trained_steps: dict[int, int] = {}
+        self.first_release: set[int] = set()
+        self.broken = False
+        """An event could not follow the state: the rest of the ledger is not folded."""
+
+    def feed(self, events) -> None:
+        for ev in events:
+            if self.broken:
+                return
+            try:
+                apply_checked(self.state, ev, self.terminal, self.trained_steps, self.first_release, self.problems)
+            except StateError as e:
+                self.problems.append(str(e))
+                self.broken = True
+
+    def report(self, remaining_prompts: set[str] | None = None, remaining_rollouts: set[str] | None = None,
+               trained_by_trainer: dict[int, list[int]] | None = None) -> dict:  # fmt: skip
+        state, terminal, trained_steps = self.state, self.terminal, self.trained_steps
+        first_release = self.first_release
+        problems = list(self.problems)
+        in_flight = collections.Counter()
+        unpublished = 0
+        for gid in state.outstanding:
+            in_flight["outstanding"] += 1
+            if remaining_prompts is not None and remaining_rollouts is not None:
+                if gid not in remaining_prompts and gid not in remaining_rollouts:
+                    # a release is recorded before its prompt is published (the record holds the
+                    # prompt): a run stopped in between (a full store, a kill) left it unpublished,
+                    # and a restarted buffer publishes every outstanding prompt again from the ledger
+                    unpublished += 1
+        for gid in state.stored:
+            in_flight["stored"] += 1
+            if remaining_rollouts is not None and gid not in remaining_rollouts:
+                problems.append(f"{gid} is stored but its payload is gone from ROLLOUTS: lost")
+        for lease in state.leases.values():
+            in_flight["leased_uncommitted"] += len(lease.refs)
+        in_flight["recycled_waiting"] = len(state.recycled)
+        accounted = set(terminal) | {p.group_index for p in state.outstanding.values()}
+        accounted |= {r.prompt.group_index for r in state.stored.values()}
+        accounted |= {r.group_index for lease in state.leases.values() for r in lease.refs}
+        accounted |= {p.group_index for p in state.recycled}
+        lost = sorted(first_release - accounted)
+        for gi in lost[:20]:
+            problems.append(f"prompt {gi} was released and has no outcome: lost")
+        twice = sorted(gi for gi, n in trained_steps.items() if n > 1)
+        for gi in twice[:20]:
+            problems.append(f"prompt {gi} was trained {trained_steps[gi]} times")
+        if trained_by_trainer is not None:
+            # the trainer records a step before committing it: a step it trained whose commit the
+            # run did not see (stopped in between) is still leased, and will be trained again
+            by_trainer = collections.Counter(gi for gis in trained_by_trainer.values() for gi in gis)
+            ledger_trained = {gi for gi, t in terminal.items() if t in ("trained", "failed")}
+            leased = {r.group_index for lease in state.leases.values() for r in lease.refs}
+            if not ledger_trained <= set(by_trainer) or not set(by_trainer) <= ledger_trained | leased:
+                diff = sorted((ledger_trained - set(by_trainer)) | (set(by_trainer) - ledger_trained - leased))[:10]
+                problems.append(f"trainer and ledger disagree on trained prompts, e.g. {diff}")
+            for gi, n in by_trainer.items():
+                if n > 1:
+                    problems.append(f"the trainer recorded prompt {gi} {n} times")
+        outcomes = collections.Counter(terminal.values())
+        return {
+            "released_prompts": len(first_release),
+            "trained": outcomes.get("trained", 0),
+            "failed": outcomes.get("failed", 0),
+            "filtered": {k.removeprefix("filtered/"): v for k, v in outcomes.items() if k.startswith("filtered/")},
+            "aborted_dropped": outcomes.get("aborted_dropped", 0),
+            "stale_dropped": outcomes.get("stale_dropped", 0),
+            "rejected": outcomes.get("rejected", 0),
+            "foreign_dropped": outcomes.get("foreign", 0),
+            "retired_dropped": outcomes.get("retired_dropped", 0),
+            "rejected_messages": state.counters.get("rejected", 0),
+            "recycled": state.counters.get("recycled", 0),
+            "duplicates_ignored": state.counters.get("duplicate_groups", 0),
+            "in_flight_at_end": dict(in_flight),
+            "unpublished_at_end": unpublished,
+            "lost": len(lost),
+            "trained_twice": len(twice),
+            "events": state.seq,
+            "problems": problems,
+            "balanced": not problems,
+        }
 
 
 def apply_checked(state, ev, terminal, trained_steps, first_release, problems) -> None:

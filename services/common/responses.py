@@ -26,6 +26,16 @@ def versions_of(meta: dict) -> list[int]:
         return []  # e.g. SGLang's initial "default": unknown, never filtered
 
 
+def spans_of(meta: dict, n: int) -> list[tuple[int, int, int]]:
+    """(start, end, version) of one /generate call's n output tokens: the engine's version spans,
+    else its one weight_version over all of them; none when the version is unknown."""
+    spans = meta.get("weight_versions")
+    if spans:
+        return [(int(s["start"]), int(s["end"]), int(s["version"])) for s in spans if int(s["end"]) > int(s["start"])]
+    known = versions_of(meta)
+    return [(0, n, known[0])] if known and n else []
+
+
 def apply_response(sample: Sample, input_ids: list[int], resp: dict) -> None:
     """Append one /generate turn to a sample: tokens and log-probs from output_token_logprobs
     (whose ids equal output_ids), text, status from finish_reason, and every weight version
@@ -40,6 +50,12 @@ def apply_response(sample: Sample, input_ids: list[int], resp: dict) -> None:
         logprobs = []
     if not sample.tokens:
         sample.tokens = list(input_ids)
+    offset = sample.response_length
+    for start, end, v in spans_of(meta, len(new_tokens)):
+        if sample.version_spans and sample.version_spans[-1][1] == offset + start and sample.version_spans[-1][2] == v:
+            sample.version_spans[-1][1] = offset + end  # one version across two turns' boundary: one span
+        else:
+            sample.version_spans.append([offset + start, offset + end, v])
     sample.tokens += new_tokens
     sample.response += resp.get("text", "")
     sample.response_length += len(new_tokens)

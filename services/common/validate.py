@@ -113,6 +113,12 @@ def sample_problem(s: Any, limits: Limits) -> str | None:
     for v in s.weight_versions:
         if v < 0 or (limits.max_version is not None and v > limits.max_version):
             return f"weight version {v} was never published (newest {limits.max_version})"
+    end = 0
+    for span in s.version_spans:
+        if len(span) != 3 or not end <= span[0] < span[1] <= s.response_length or span[2] not in s.weight_versions:
+            return (f"version span {span!r:.60} is not an increasing [start, end, version] within the "
+                    f"{s.response_length} response tokens of a version the sample lists")  # fmt: skip
+        end = span[1]
     return None
 
 

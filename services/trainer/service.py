@@ -40,7 +40,7 @@ from asyncrl_proto import (
 )
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import SampleStatus, flatten_group
-from services.common import crash
+from services.common import crash, sample_records
 from services.common.config import (
     AsyncSection,
     DataSection,
@@ -56,11 +56,13 @@ from services.common.sinks import Sinks, finite_record
 from services.common.validate import Limits
 from services.common.versions import last_published_version
 from services.model.hf_io import load_weights_into, save_model
+from services.model.tokenizer import Tokenizer
 from services.trainer.checkpoint import ckpt_step, latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.core import (
     apply_sample_filter,
     assemble_batch,
     build_step_batches,
+    samples_with_advantages,
     std_normalization,
     train_rollout,
 )
@@ -91,6 +93,8 @@ class Batch:
     """Seconds from the step's first get to its complete lease (Miles's perf/rollout_time)."""
     wait_s: float
     """Seconds the loop waited for it (less than rollout_time when it was fetched ahead)."""
+    refs: dict = dataclasses.field(default_factory=dict)
+    """The lease's GroupRef of each group, by group index (its group id and staleness)."""
 
 
 class RunFailed(RuntimeError):
@@ -149,6 +153,8 @@ class TrainerService(Service):
         self.last_producer_seen = time.monotonic()
         self.loop_started = time.perf_counter()
         self.trained_path = self.run_dir / "trained.jsonl"
+        self._decode = None
+        """Token ids -> text for the sample records (the run's tokenizer, loaded at the first record)."""
         self.dp = None
         self.evals = EvalDispatch(config, bus, self.sinks, self.model, trainer_step=lambda: self.step)
         self.weights = WeightPublisher(config, bus, self.model, self.weights_dir)
@@ -257,6 +263,20 @@ class TrainerService(Service):
         """Steps after the checkpoint are trained again: drop their records."""
         for path in (self.metrics_path, self.trained_path):
             keep_lines(path, lambda rec: rec["step"] <= last_step)
+        sample_records.drop_after(self.run_dir, last_step)
+
+    async def _record_samples(self, step: int, batch: Batch, version: int) -> None:
+        """RUN_DIR/samples: the step's samples with their advantages (services/common/sample_records.py)."""
+        keep = self.config.trainer.keep_sample_records
+        if keep <= 0:
+            return
+        c = self.config
+        advantages = {id(s): a for s, a in samples_with_advantages(batch.groups, std_normalization(c),
+                                                                     c.rollout.reward_key)}  # fmt: skip
+        if self._decode is None:
+            self._decode = Tokenizer(c.data.hf_checkpoint).decode
+        record = sample_records.step_record(step, version, batch.groups, advantages, batch.refs, self._decode)
+        await asyncio.to_thread(sample_records.write, self.run_dir, record, keep)
 
     def loops(self):
         return {"train": self._train_loop if self.multi is None else self.multi.run}
@@ -311,6 +331,7 @@ class TrainerService(Service):
                 if c.infra.mode == "fully_async" and step + 1 < total and prefetch is None:
                     # as Miles's async driver: the next batch is drained while this one trains
                     prefetch = asyncio.ensure_future(self._fetch(step + 1))
+                trained_from = self.version
                 train_stats, train_s = await self._train_on(groups)
                 crash.point("trainer", "optimizer_step_before_records")
                 if train_stats.get("train/nonfinite_skipped"):
@@ -333,6 +354,7 @@ class TrainerService(Service):
                 # between resumes from the checkpoint, drops the records after it and trains those
                 # steps again, so a committed step always has its records (the audit checks it)
                 append_trained(self.trained_path, step, groups)
+                await self._record_samples(step, batch, trained_from)
                 record = await self._record(step, batch, train_stats, train_s, push_s, time.perf_counter() - t_step)
                 await self._emit(step, record)
                 crash.point("trainer", "records_before_checkpoint")
@@ -429,7 +451,8 @@ class TrainerService(Service):
         if self.sample_filter is not None:
             self._apply_sample_filter(groups)
         elapsed = time.monotonic() - t0
-        return Batch(groups, reply.metrics, rollout_time=elapsed, wait_s=elapsed)
+        return Batch(groups, reply.metrics, rollout_time=elapsed, wait_s=elapsed,
+                     refs={r.group_index: r for r in reply.refs})  # fmt: skip
 
     def _apply_sample_filter(self, groups: list[list]) -> None:
         try:

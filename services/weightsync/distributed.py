@@ -73,7 +73,7 @@ class DistributedUpdater:
         authenticated HTTP API, so nobody else can name the group's keys in the trainer's store."""
         self.buffer_size = buffer_size
         self.pause_mode = pause_mode
-        self.on_pause = on_pause or (lambda seconds: None)
+        self.on_pause = on_pause or (lambda seconds, url: None)
         """Called with each engine's paused seconds."""
         self.join: TransferReply | None = None
         """The formed group: where it met and its manifest (None: form it first)."""
@@ -190,7 +190,7 @@ class DistributedUpdater:
         """Continue every paused engine, each whatever the others answer."""
         results = await asyncio.gather(*(self.client.continue_generation(u) for u in pause_t0), return_exceptions=True)
         for u, r in zip(pause_t0, results, strict=True):
-            self.on_pause(time.perf_counter() - pause_t0[u])
+            self.on_pause(time.perf_counter() - pause_t0[u], u)
             if isinstance(r, BaseException):
                 log.warning("continuing %s failed: %s", u, r)
 

@@ -27,7 +27,15 @@ import logging
 import time
 from pathlib import Path
 
-from asyncrl_proto import AdapterPublished, MalformedMessage, WeightsLive, WeightsPublished, decode, encode
+from asyncrl_proto import (
+    AdapterPublished,
+    EngineSwitch,
+    MalformedMessage,
+    WeightsLive,
+    WeightsPublished,
+    decode,
+    encode,
+)
 from services.common import crash
 from services.common.bus import fetch_some, keep_alive, settle
 from services.common.config import AsyncSection, MultiLoraSection, RolloutSection
@@ -80,6 +88,10 @@ class WeightSyncService(Service):
         """Seconds each engine spent paused per update (pause call to continue answered), newest last."""
         self.last_pause_s = 0.0
         self.last_phases: dict[str, dict[str, float]] = {}
+        self._windows: dict[str, tuple[float, float]] = {}
+        """Per engine: (paused at, continued at) of the update in progress (WeightsLive.switched)."""
+        self._took: list[str] = []
+        """The engines that took the update in progress."""
         """Per engine: seconds of each phase of its last update (stage, pause, flush, load, continue, verify)."""
         self.distributed = (
             DistributedUpdater(bus, self.client, config.infra.run_id, config.async_.update_weight_buffer_size,
@@ -128,10 +140,18 @@ class WeightSyncService(Service):
                 await self.distributed.leave()
         await self.client.close()
 
-    def _paused(self, seconds: float) -> None:
+    def _paused(self, seconds: float, url: str | None = None) -> None:
         self.last_pause_s = seconds
         self.pauses.append(seconds)
         self.observe("weight_sync/pause_seconds", seconds)
+        if url is not None:  # the engine's pause, for its EngineSwitch when the version goes live
+            now = time.time()
+            self._windows[url] = (now - seconds, now)
+
+    def _switched(self, urls: list[str]) -> list[EngineSwitch]:
+        """The engines that took the version being announced, with their pauses (then forgotten)."""
+        windows, self._windows = self._windows, {}
+        return [EngineSwitch(engine=u, paused_at=windows[u][0], resumed_at=windows[u][1]) for u in urls if u in windows]
 
     async def _engine_version(self, timeout_s: float = 120.0) -> int:
         versions = set()
@@ -323,6 +343,7 @@ class WeightSyncService(Service):
         newer version replaced it, and that one is applied next)."""
         t0 = time.perf_counter()
         mode = self.config.async_.pause_generation_mode
+        self._took, self._windows = [], {}
         loaded = await (self._update_distributed(pub) if self.distributed is not None else self._update_each(pub, mode))
         if not loaded:
             return
@@ -383,6 +404,7 @@ class WeightSyncService(Service):
                     if str(got) != str(pub.version):
                         raise EngineError(f"{url} reports weight_version {got!r} after receiving v{pub.version}")
                 self.live_digest = pub.tensor_sha256
+                self._took = list(self.client.urls)
                 return True
             except (TransferFailed, VersionGone, EngineError, OSError) as e:
                 if time.monotonic() > deadline:
@@ -420,16 +442,19 @@ class WeightSyncService(Service):
         finally:
             await self.client.continue_generation(url)
             lap("continue")
-            self._paused(time.perf_counter() - t0)
+            self._paused(time.perf_counter() - t0, url)
         got = (await self.client.model_info(url)).get("weight_version")
         lap("verify")
         self.last_phases[url] = {k: round(v, 4) for k, v in phases.items()}
         if str(got) != str(version):
             raise EngineError(f"{url} reports weight_version {got!r} after loading v{version}")
+        self._took.append(url)
 
     async def _announce(self, version: int, duration_s: float, pause_s: float = 0.0) -> None:
         self.live_version = version
+        took, self._took = self._took, []
         live = WeightsLive(
+            switched=self._switched(took),
             version=version,
             engines=list(self.client.urls),
             updated_at=time.time(),

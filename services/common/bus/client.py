@@ -469,6 +469,28 @@ class Bus:
                 out.append(raw.data)
         return out
 
+    async def read_since(self, stream: str, subject: str, after: int = 0, limit: int = 100_000) -> list[tuple[int, bytes]]:
+        """(stream sequence, payload) of the messages on `subject` after sequence `after`, at most
+        `limit` of them, oldest first: an incremental reader's next batch (the dashboard)."""
+        bounds = await self.stream_bounds(stream)
+        if bounds is None or bounds[1] <= after:
+            return []
+        cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+                                 opt_start_seq=max(after + 1, bounds[0]), inactive_threshold=30.0)  # fmt: skip
+        sub = await self.js.pull_subscribe(subject, stream=stream, config=cfg)
+        out: list[tuple[int, bytes]] = []
+        try:
+            expected = min(limit, (await sub.consumer_info()).num_pending)
+            while len(out) < expected:
+                try:
+                    msgs = await sub.fetch(min(1000, expected - len(out)), timeout=2.0)
+                except TimeoutError:
+                    break  # what arrived is enough for this read; the next one continues
+                out += [(m.metadata.sequence.stream, m.data) for m in msgs]
+        finally:
+            await sub.unsubscribe()
+        return out
+
     async def consumer_ack_floor(self, stream: str, durable: str) -> int:
         """The stream sequence below which the consumer `durable` has acknowledged everything."""
         return (await self.js.consumer_info(stream, durable)).ack_floor.stream_seq

@@ -159,6 +159,15 @@ class InfraSection(Section):
     engine_max_running_requests: int = Field(
         256, ge=1, description="Built-in engine: requests decoded together in one running batch."
     )
+    http_host: str = Field(
+        "127.0.0.1",
+        description="Where the launcher's dashboard binds (default: this machine only; 0.0.0.0 to reach it from "
+        "elsewhere, behind the run token).",
+    )
+    dashboard_port: int | None = Field(
+        0, ge=0, le=65535, description="The launcher's dashboard port (0: a free one, printed at start; unset: "
+        "no dashboard)."
+    )
     service_restarts: int = Field(
         3,
         ge=0,

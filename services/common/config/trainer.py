@@ -100,6 +100,11 @@ class TrainerSection(Section):
         3, ge=1, description="Weight snapshots kept on disk for the engines (older ones are deleted, but those "
         "the engines may still be loading); multi-LoRA: each adapter's versions likewise.",
     )
+    keep_sample_records: int = Field(
+        10_000, ge=0, description="Trained steps whose samples are kept in RUN_DIR/samples (prompt, response, "
+        "reward, advantage, fate, each token span's weight version and loss mask; gzip, about 40 bytes a sample of "
+        "the default job) for the dashboard's lineage view; the oldest are deleted; 0 keeps none.",
+    )
     custom_rollout_log_function_path: str | None = Field(
         None,
         description="module.fn: log_rollout_data(rollout_id, config, samples, extra_metrics, rollout_time) -> bool, "

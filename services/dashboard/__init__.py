@@ -1,0 +1,1 @@
+"""The run dashboard and `asyncrl status` (services/dashboard/app.py, status.py)."""

@@ -1,0 +1,310 @@
+"""What the dashboard and `asyncrl status` show, read from a run: its files (config.json,
+metrics.jsonl, eval.jsonl, services.json, pids.json, restarts.jsonl, the sample records, the
+logs) and its streams (the ledger, weights.live, dead letters), each read incrementally: a
+refresh reads only what was appended since the last one.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import math
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from asyncrl_proto import DeadLetter, WeightsLive, decode
+from asyncrl_proto.codec import MalformedMessage
+from services.buffer.state import Auditor, LedgerError, ledger_events
+from services.common import sample_records
+from services.supervisor import RESTARTS_FILE
+
+MAX_POINTS = 600
+"""Points per curve at most: a longer series is averaged into this many bins on the server."""
+ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL|Traceback)\b")
+
+
+class JsonLines:
+    """A JSON-lines file read incrementally (a torn last line waits for its end)."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.rows = path, 0, []
+
+    def refresh(self) -> list[dict]:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return self.rows
+        if size < self.offset:  # rewritten shorter (a restarted trainer dropped steps): read again
+            self.offset, self.rows = 0, []
+        if size == self.offset:
+            return self.rows
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            chunk = f.read(size - self.offset)
+        end = chunk.rfind(b"\n") + 1
+        for line in chunk[:end].splitlines():
+            with contextlib.suppress(ValueError):
+                row = json.loads(line)
+                if isinstance(row, dict):
+                    self.rows.append(row)
+        self.offset += end
+        return self.rows
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def pid_alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def is_live(run_dir: Path) -> bool:
+    """The run's launcher still runs (pids.json names it and no result.json says it ended)."""
+    pids = _json(run_dir / "pids.json") or {}
+    return not (run_dir / "result.json").exists() and pid_alive(pids.get("launcher"))
+
+
+def downsample(xs: list[float], ys: list[float], n: int = MAX_POINTS) -> tuple[list[float], list[float]]:
+    """At most n points: the mean of each of n equal runs of the series."""
+    if len(xs) <= n:
+        return xs, ys
+    out_x, out_y = [], []
+    for k in range(n):
+        lo, hi = k * len(xs) // n, (k + 1) * len(xs) // n
+        out_x.append(sum(xs[lo:hi]) / (hi - lo))
+        out_y.append(sum(ys[lo:hi]) / (hi - lo))
+    return out_x, out_y
+
+
+def series(rows: list[dict], key: str, x: str = "step") -> tuple[list[float], list[float]]:
+    """(x, y) of every row holding a finite `key`, downsampled."""
+    xs, ys = [], []
+    for r in rows:
+        v, at = r.get(key), r.get(x)
+        if isinstance(v, (int, float)) and isinstance(at, (int, float)) and math.isfinite(v):
+            xs.append(float(at))
+            ys.append(float(v))
+    return downsample(xs, ys)
+
+
+class RunData:
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.config: dict = _json(self.run_dir / "config.json") or {}
+        if not self.config:
+            raise FileNotFoundError(f"{self.run_dir / 'config.json'} not found: is {self.run_dir} a run directory?")
+        self.metrics = JsonLines(self.run_dir / "metrics.jsonl")
+        self.evals = JsonLines(self.run_dir / "eval.jsonl")
+        self.restarts = JsonLines(self.run_dir / RESTARTS_FILE)
+        self.trained = JsonLines(self.run_dir / "trained.jsonl")
+        self.auditor = Auditor()
+        self.ledger_seq = 0
+        self.prompt_events: dict[int, list[dict]] = collections.defaultdict(list)
+        """Per prompt (group index): its ledger events, in order (the lineage view)."""
+        self.step_staleness: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+        """Per step: how many of its leased groups had each staleness."""
+        self.live_seq = 0
+        self.live: list[dict] = []
+        """weights.live, in order: version, at, and each engine's switch (paused_at, resumed_at)."""
+        self.dead_seq = 0
+        self.dead_letters: list[dict] = []
+        self.streams_error: str | None = None
+
+    # ---- files ---------------------------------------------------------------------------------
+    def refresh_files(self) -> None:
+        self.metrics.refresh()
+        self.evals.refresh()
+        self.restarts.refresh()
+        self.trained.refresh()
+
+    @property
+    def total_steps(self) -> int | None:
+        return self.config.get("num_rollout")
+
+    @property
+    def run_id(self) -> str:
+        return str(self.config.get("run_id", ""))
+
+    @property
+    def mode(self) -> str:
+        c = self.config
+        return "sync" if c.get("driver") == "sync" else "fully_async" if c.get("fully_async") else "one_step"
+
+    def heldout_key(self) -> str | None:
+        sets = self.config.get("eval_prompt_data") or []
+        return f"eval/{sets[0]}" if sets else None
+
+    def summary(self) -> dict:
+        """The one-screen facts: progress, rewards, staleness, the buffer, the balance."""
+        rows, evals = self.metrics.rows, self.evals.rows
+        last = rows[-1] if rows else {}
+        total = self.total_steps
+        step = int(last["step"]) + 1 if "step" in last else 0
+        eta = None
+        if len(rows) >= 2 and total:
+            dt = (rows[-1]["time"] - rows[0]["time"]) / max(1, len(rows) - 1)
+            eta = max(0.0, dt * (total - step))
+        key = self.heldout_key()
+        heldout = [(e.get("step"), e.get(key)) for e in evals if key and e.get(key) is not None and not e.get("skipped")]
+        result = _json(self.run_dir / "result.json")
+        return {
+            "run_id": self.run_id,
+            "mode": self.mode,
+            "live": is_live(self.run_dir),
+            "step": step,
+            "total": total,
+            "eta_s": eta,
+            "reward": last.get("rollout/reward/mean"),
+            "heldout": heldout[-1] if heldout else None,
+            "heldout_first": heldout[0] if heldout else None,
+            "staleness": last.get("rollout/fully_async/avg_staleness"),
+            "queue": last.get("rollout/fully_async/queue_size"),
+            "weight_version": last.get("weight_version"),
+            "step_time_s": last.get("perf/step_time_s"),
+            "finished": result is not None,
+            "result": result,
+        }
+
+    def services(self) -> list[dict]:
+        """Each process: its URL, pid, whether it runs, its restarts and their causes."""
+        urls = _json(self.run_dir / "services.json") or {}
+        pids = _json(self.run_dir / "pids.json") or {}
+        restarts = collections.defaultdict(list)
+        for r in self.restarts.refresh():
+            restarts[r.get("name")].append(r)
+        out = []
+        for name in sorted(set(urls) | set(pids)):
+            url = urls.get(name)
+            out.append({
+                "name": name, "url": url, "pid": pids.get(name), "running": pid_alive(pids.get(name)),
+                "metrics": f"{url}/metrics" if url else None,
+                "restarts": len(restarts.get(name, [])),
+                "last_restart": restarts[name][-1] if restarts.get(name) else None,
+            })  # fmt: skip
+        return out
+
+    def errors(self, n: int = 10) -> list[str]:
+        """The last error lines of the services' logs (newest last), with the log's name."""
+        found = []
+        for log in sorted((self.run_dir / "logs").glob("*.log")):
+            try:
+                with log.open("rb") as f:
+                    f.seek(max(0, log.stat().st_size - 65536))
+                    tail = f.read().decode(errors="replace").splitlines()
+            except OSError:
+                continue
+            found += [(log.stat().st_mtime, i, f"{log.stem}: {line[:300]}") for i, line in enumerate(tail)
+                      if ERROR_LINE.search(line)]  # fmt: skip
+        return [x for _, _, x in sorted(found)[-n:]]
+
+    def sample_steps(self) -> list[int]:
+        return sample_records.steps(self.run_dir)
+
+    def step_record(self, step: int) -> dict | None:
+        return sample_records.read(self.run_dir, step)
+
+    # ---- streams -------------------------------------------------------------------------------
+    async def refresh_streams(self, bus) -> None:
+        """Read what the ledger, weights.live and the dead letters got since the last refresh."""
+        s = bus.subjects
+        for seq, data in await bus.read_since(s.ledger_stream, s.ledger, self.ledger_seq):
+            self.ledger_seq = seq
+            try:
+                events = ledger_events(data)
+            except LedgerError:
+                continue
+            self.auditor.feed(events)
+            for ev in events:
+                self._index(ev)
+        for seq, data in await bus.read_since(s.weights_stream, s.weights_live, self.live_seq):
+            self.live_seq = seq
+            with contextlib.suppress(MalformedMessage):
+                w = decode(data, WeightsLive)
+                self.live.append({"version": w.version, "at": w.updated_at, "pause_s": w.pause_s,
+                                  "switched": [{"engine": e.engine, "paused_at": e.paused_at,
+                                                "resumed_at": e.resumed_at} for e in w.switched]})  # fmt: skip
+        for seq, data in await bus.read_since(s.deadletter_stream, s.deadletter_all, self.dead_seq):
+            self.dead_seq = seq
+            with contextlib.suppress(MalformedMessage):
+                d = decode(data, DeadLetter)
+                self.dead_letters.append({"subject": d.original_subject, "reason": d.reason[:500],
+                                          "service": d.service, "at": d.ts, "bytes": d.num_bytes})  # fmt: skip
+
+    def _index(self, ev) -> None:
+        gi = ev.prompt.group_index if ev.kind == "released" and ev.prompt is not None else ev.group_index
+        if ev.kind == "leased" and ev.staleness is not None:
+            self.step_staleness[ev.step][ev.staleness] += 1
+        if ev.kind in ("committed", "lease_complete"):
+            return
+        rec = {"seq": ev.seq, "kind": ev.kind, "at": ev.ts}
+        if ev.kind == "released":
+            rec["attempt"] = ev.prompt.attempt
+            rec["group_id"] = f"g{gi}-a{ev.prompt.attempt}"
+        else:
+            rec["group_id"] = ev.group_id
+            rec["attempt"] = ev.attempt
+        for k in ("step", "outcome", "reason", "staleness"):
+            v = getattr(ev, k)
+            if v not in (None, "", -1):
+                rec[k] = v
+        if ev.recycled:
+            rec["recycled"] = True
+        if gi >= 0:
+            self.prompt_events[gi].append(rec)
+
+    def audit(self) -> dict:
+        trained = {int(r["step"]): list(r["groups"]) for r in self.trained.refresh() if "step" in r and "groups" in r}
+        return self.auditor.report(trained_by_trainer=trained)
+
+    def committed_step(self) -> int:
+        return self.auditor.state.committed_step
+
+    def lineage(self, group_index: int) -> dict:
+        """A prompt's whole history: its ledger events (each attempt: released, put, leased,
+        stale, expired, recycled), the step that trained it (if committed) and the restarts of
+        the run's processes that fell between its first and last event."""
+        events = list(self.prompt_events.get(group_index, []))
+        committed = self.committed_step()
+        trained_at = [e["step"] for e in events if e["kind"] == "leased" and e.get("step", -1) <= committed]
+        fate = self.auditor.terminal.get(group_index)
+        if fate is None and events:
+            fate = "in flight"
+        restarts = []
+        if events:
+            lo, hi = events[0]["at"], events[-1]["at"]
+            if fate in (None, "in flight"):
+                hi = time.time()
+            restarts = [r for r in self.restarts.refresh() if lo <= r.get("at", 0) <= hi]
+        return {"group_index": group_index, "fate": fate, "events": events,
+                "trained_step": trained_at[-1] if trained_at and fate in ("trained", "failed") else None,
+                "restarts": restarts}  # fmt: skip
+
+    def version_timeline(self) -> dict:
+        """Each engine's weight version against the trainer's, over wall-clock time, and the
+        pause of each update."""
+        engines: dict[str, list[tuple[float, int]]] = collections.defaultdict(list)
+        pauses: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+        for w in self.live:
+            if not w["switched"]:
+                continue
+            for e in w["switched"]:
+                engines[e["engine"]].append((e["resumed_at"], w["version"]))
+                pauses[e["engine"]].append((e["paused_at"], e["resumed_at"]))
+        trainer = [(r["time"], r["weight_version"]) for r in self.metrics.rows if "time" in r and "weight_version" in r]
+        return {"engines": dict(engines), "pauses": dict(pauses), "trainer": trainer}

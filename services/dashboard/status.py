@@ -1,0 +1,123 @@
+"""`asyncrl status RUN_DIR [--watch]`: one screen on a live or finished run.
+
+Services and their state, step/total with the ETA, the last rollout reward and held-out reward,
+staleness, the buffer, the ledger's balance and the last errors in the logs. The ledger is read
+from the live run's NATS server; a finished run's is its audit.json (written at its end). With
+--watch the screen is drawn again every --interval seconds until the run ends or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from services.dashboard.data import RunData, is_live
+
+
+def _dur(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def _f(v, fmt="{:.3f}") -> str:
+    return fmt.format(v) if isinstance(v, (int, float)) else "-"
+
+
+def render(data: RunData, ledger: dict | None, ledger_note: str = "") -> str:
+    s = data.summary()
+    state = "live" if s["live"] else ("finished" if s["finished"] else "stopped (no result.json)")
+    lines = [f"run {s['run_id']} ({s['mode']}) {state}   {data.run_dir}",
+             f"step {s['step']}/{s['total'] or '?'}   ETA {_dur(s['eta_s']) if s['live'] else '-'}   "
+             f"step time {_f(s['step_time_s'])}s   weights v{s['weight_version'] if s['weight_version'] is not None else '-'}"]  # fmt: skip
+    first, held = s["heldout_first"], s["heldout"]
+    heldout = f"{_f(first[1])} (step {first[0]}) -> {_f(held[1])} (step {held[0]})" if held else "-"
+    lines.append(f"reward {_f(s['reward'])}   held-out {heldout}")
+    cap = int(data.config.get("async_data_buffer_capacity_factor", 1.0) * data.config.get("rollout_batch_size", 0))
+    lines.append(f"staleness {_f(s['staleness'], '{:.2f}')}   buffer queue {_f(s['queue'], '{:.0f}')}/{cap}")
+    if ledger:
+        filtered = sum(ledger["filtered"].values()) if isinstance(ledger.get("filtered"), dict) else 0
+        in_flight = ledger.get("in_flight_at_end", {})
+        lines.append(f"ledger: {ledger['released_prompts']} released, {ledger['trained']} trained, {ledger['failed']} "
+                     f"failed, {filtered} filtered, {ledger['aborted_dropped'] + ledger['stale_dropped']} dropped, "
+                     f"{ledger['rejected']} rejected, {ledger['recycled']} recycled, "
+                     f"{sum(in_flight.values()) if isinstance(in_flight, dict) else in_flight} in flight, "
+                     f"{ledger['lost']} lost, {ledger['trained_twice']} trained twice "
+                     f"({'balanced' if ledger['balanced'] else 'NOT BALANCED'}){ledger_note}")  # fmt: skip
+    else:
+        lines.append(f"ledger: {ledger_note or 'not read'}")
+    lines.append("services:")
+    for x in data.services():
+        cause = f" (last: {x['last_restart']['why']})" if x["last_restart"] else ""
+        lines.append(f"  {x['name']:<12} pid {x['pid'] or '-':<7} {'running' if x['running'] else 'not running':<12} "
+                     f"restarts {x['restarts']}{cause}   {x['url'] or ''}")  # fmt: skip
+    errors = data.errors(5)
+    lines.append("last errors:" + ("" if errors else " none"))
+    lines += [f"  {e[:200]}" for e in errors]
+    return "\n".join(lines)
+
+
+async def _ledger(data: RunData, source) -> tuple[dict | None, str]:
+    """The live ledger's balance (read incrementally), or a finished run's audit.json."""
+    if source is None:
+        path = data.run_dir / "audit.json"
+        if path.exists():
+            return json.loads(path.read_text()), " (audit.json)"
+        return None, "no audit.json: `asyncrl audit RUN_DIR` balances it"
+    try:
+        await data.refresh_streams(await source.bus())
+    except Exception as e:  # the broker away: the rest still shows
+        await source.reset()
+        return None, f"not read ({type(e).__name__}: {str(e)[:120]})"
+    return data.audit(), ""
+
+
+async def _run(a) -> int:
+    from services.dashboard.source import StreamSource
+
+    data = RunData(a.run_dir)
+    live = is_live(data.run_dir)
+    source = StreamSource(data.run_dir, True, data.config.get("nats_url"), data.run_id) if live else None
+    try:
+        while True:
+            data.refresh_files()
+            ledger, note = await _ledger(data, source)
+            screen = render(data, ledger, note)
+            if a.watch and sys.stdout.isatty():
+                sys.stdout.write("\x1b[H\x1b[2J")
+            print(screen, flush=True)
+            if not a.watch or not is_live(data.run_dir):
+                return 0
+            print(f"(every {a.interval:g}s; Ctrl-C stops)", flush=True)
+            await asyncio.sleep(a.interval)
+            if source is None:
+                break
+    finally:
+        if source is not None:
+            await source.close()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="asyncrl status", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("run_dir")
+    p.add_argument("--watch", action="store_true", help="draw it again every --interval seconds while the run lives")
+    p.add_argument("--interval", type=float, default=2.0)
+    a = p.parse_args(argv)
+    if not (Path(a.run_dir) / "config.json").exists():
+        print(f"asyncrl status: {Path(a.run_dir) / 'config.json'} not found: is {a.run_dir} a run directory?",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        return asyncio.run(_run(a))
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
