@@ -69,6 +69,7 @@ def main(argv: list[str]) -> int:
     sock = socket.socket(socket.AF_INET6 if ":" in a.http_host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((a.http_host, a.http_port))
+    sock.listen(128)  # a browser that connects before the server is up waits, not refused
     host = "127.0.0.1" if a.http_host in ("0.0.0.0", "::") else a.http_host
     print(f"dashboard of {run_dir} at http://{host}:{sock.getsockname()[1]}/ (the run token opens it)", flush=True)
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])

@@ -125,6 +125,7 @@ class RunData:
         self.dead_seq = 0
         self.dead_letters: list[dict] = []
         self.streams_error: str | None = None
+        self._audit: tuple | None = None
 
     # ---- files ---------------------------------------------------------------------------------
     def refresh_files(self) -> None:
@@ -269,8 +270,13 @@ class RunData:
             self.prompt_events[gi].append(rec)
 
     def audit(self) -> dict:
-        trained = {int(r["step"]): list(r["groups"]) for r in self.trained.refresh() if "step" in r and "groups" in r}
-        return self.auditor.report(trained_by_trainer=trained)
+        """The ledger's balance so far (recomputed only when the ledger or trained.jsonl grew)."""
+        rows = self.trained.refresh()
+        key = (self.auditor.state.seq, len(rows))
+        if self._audit is None or self._audit[0] != key:
+            trained = {int(r["step"]): list(r["groups"]) for r in rows if "step" in r and "groups" in r}
+            self._audit = (key, self.auditor.report(trained_by_trainer=trained))
+        return self._audit[1]
 
     def committed_step(self) -> int:
         return self.auditor.state.committed_step

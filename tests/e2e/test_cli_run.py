@@ -83,9 +83,11 @@ def test_fully_async_run_end_to_end(tmp_path):
             assert time.monotonic() < deadline, "services never came up"
             time.sleep(0.1)
         services = json.loads((run_dir / "services.json").read_text())
-        assert {"buffer", "weight-sync", "eval", "rollout-0", "trainer", "engine-0"} <= set(services)
+        assert {"buffer", "weight-sync", "eval", "rollout-0", "trainer", "engine-0", "dashboard"} <= set(services)
         with httpx.Client(timeout=5) as http:
             for name, url in services.items():
+                if name == "dashboard":  # its routes: tests/e2e/test_dashboard.py
+                    continue
                 if name.startswith("engine"):
                     assert http.get(url + "/model_info", headers=run_auth(run_dir)).status_code == 200
                     assert http.get(url + "/model_info").status_code == 401  # the engine wants the run token
