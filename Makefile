@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch; override for another build, e.g. make run TORCH="torch==2.13.0 --index-url ..."
 TORCH ?= torch==2.13.0
 
-.PHONY: setup run smoke test test-crash test-cluster test-ray test-tasks test-docker test-all bench lint clean
+.PHONY: setup run smoke test test-crash test-cluster test-ray test-tasks test-browser test-docker test-all bench lint clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -50,6 +50,10 @@ test-ray: $(BIN)/.test-installed
 # Whole runs on real tasks' data: a Parquet math set graded with boxed_math, a reasoning-gym task,
 # the calculator tool task learning its tool, an OpenEnv environment in the loop
 # (their graders and data readers are in the default suite); CI runs it too.
+# The dashboard in headless Chromium (Debian's chromium + chromium-driver; .ci/run installs them).
+test-browser: $(BIN)/.test-installed
+	$(BIN)/python -m pytest -q -m browser tests/browser
+
 test-tasks: $(BIN)/.test-installed
 	$(BIN)/python -m pytest -q -m tasks tests/e2e/test_math_run.py tests/e2e/test_reasoning_gym_run.py tests/e2e/test_tool_use_run.py
 

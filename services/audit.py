@@ -19,14 +19,15 @@ from pathlib import Path
 from asyncrl_proto import AdapterRegistryState, PromptMsg, RolloutGroupView, decode, group_id
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.subjects import ADAPTERS_KV_KEY
-from services.buffer.state import LedgerError, audit, ledger_events
+from services.buffer.state import Auditor, LedgerError, ledger_events, lineage_entry, prompt_of
+from services.common.run_store import admin_credentials, run_config, store_server
 from services.common.weightstore import WeightStore
 
 _REGISTRATION_ID = re.compile(r"[0-9a-f]{32}")
 """A registration id (the registry's uuid4 hex): what a directory under RUN_DIR/adapters/<name>/ must be named."""
 
 
-async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None) -> dict:
+async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None, prompt: int | None = None) -> dict:
     """The audit report of a run, read from its NATS server (as the admin role: `creds`, else
     the run's own secrets, else the environment). Ledger messages that are not the buffer's
     (undecodable) are skipped and listed under `ledger_skipped`, never a crash. A multi-LoRA run's
@@ -35,7 +36,7 @@ async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None) -> dict
 
     bus = await Bus.connect(nats_url, run_id, "audit", connect_timeout_s=10, creds=creds or admin_credentials(run_dir))
     try:
-        report = await _collect_partition(bus, bus.subjects, run_dir / "trained.jsonl")
+        report = await _collect_partition(bus, bus.subjects, run_dir / "trained.jsonl", prompt)
         try:  # the versions its object bucket holds: a report beside the ledger, never its failure
             report["weights_stored"] = await WeightStore(bus).stored_versions()
         except BusError as e:
@@ -68,7 +69,7 @@ def registrations(registry: AdapterRegistryState, run_dir: Path) -> list[tuple[s
     return out
 
 
-async def _collect_partition(bus, s, trained_path: Path) -> dict:
+async def _collect_partition(bus, s, trained_path: Path, prompt: int | None = None) -> dict:
     """The audit report of one partition: the run's (a single model), or one adapter registration's."""
     skipped: list[str] = []
     events = []
@@ -98,8 +99,13 @@ async def _collect_partition(bus, s, trained_path: Path) -> dict:
             unique.append(ev)
         else:
             skipped.append(f"ledger event {ev.seq} appears more than once (kept the first)")
-    report = audit(unique, remaining_prompts=prompts, remaining_rollouts=rollouts, trained_by_trainer=trained)
+    auditor = Auditor()
+    auditor.feed(unique)
+    report = auditor.report(remaining_prompts=prompts, remaining_rollouts=rollouts, trained_by_trainer=trained)
     report["ledger_skipped"] = skipped
+    if prompt is not None:  # one prompt's history and how the audit settles it
+        report["prompt"] = {"group_index": prompt, "fate": auditor.fate(prompt),
+                            "events": [lineage_entry(e) for e in unique if prompt_of(e) == prompt]}  # fmt: skip
     return report
 
 
@@ -112,59 +118,15 @@ def _decoded(datas: list[bytes], tp) -> list:
     return out
 
 
-def admin_credentials(run_dir: Path):
-    """The admin identity of a run whose embedded server the launcher started (its secrets
-    directory), else whatever the environment gives (ASYNCRL_NATS_*)."""
-    from services.common.secrets import NatsCredentials, load_roles_file
-
-    path = run_dir / "secrets" / "nats.json"
-    if path.exists():
-        admin = load_roles_file(path).get("admin")
-        if admin:
-            return NatsCredentials(**admin)
-    return NatsCredentials.from_env("admin")
-
-
-def audit_run(run_dir: str | Path) -> dict:
+def audit_run(run_dir: str | Path, prompt: int | None = None) -> dict:
+    """The audit report; with `prompt` (a group index), also that prompt's history and fate."""
     run_dir = Path(run_dir)
     cfg = run_config(run_dir)
     url, run_id = cfg.get("nats_url"), cfg["run_id"]
     if url and _answers(url):
-        return asyncio.run(collect(url, run_id, run_dir))
+        return asyncio.run(collect(url, run_id, run_dir, prompt=prompt))
     with store_server(run_dir) as srv:
-        return asyncio.run(collect(srv.url, run_id, run_dir))
-
-
-def run_config(run_dir: Path) -> dict:
-    cfg_path = run_dir / "config.json"
-    if not cfg_path.exists():
-        raise FileNotFoundError(f"{cfg_path} not found: is {run_dir} a run directory?")
-    return json.loads(cfg_path.read_text())
-
-
-@contextlib.contextmanager
-def store_server(run_dir: Path, store: Path | None = None, log_name: str = "audit-nats-server"):
-    """A nats-server on a stopped run's store (RUN_DIR/nats, or `store`: a copy of it), behind the
-    run's own users (its secrets directory), on free ports: the same server or cluster the
-    launcher ran (a cluster's nodes find each other again)."""
-    cfg = run_config(run_dir)
-    url, run_id = cfg.get("nats_url"), cfg["run_id"]
-    store = store or run_dir / "nats"
-    if not ((store / "jetstream").exists() or (store / "node-0" / "jetstream").exists()):
-        raise RuntimeError(f"the run's NATS server at {url} does not answer and {store} holds no store")
-    from services.common.natsauth import server_auth_conf
-    from services.common.natsserver import local_nats
-    from services.common.secrets import load_roles_file
-
-    roles = run_dir / "secrets" / "nats.json"
-    auth = (
-        server_auth_conf(run_id, {r: e["password"] for r, e in load_roles_file(roles).items()})
-        if roles.exists()
-        else ""
-    )
-    with local_nats(store, run_dir / "logs", auth, nodes=cfg.get("nats_cluster", 1), run_id=run_id,
-                    max_file_store=cfg.get("nats_max_file_store"), log_name=log_name) as srv:  # fmt: skip
-        yield srv
+        return asyncio.run(collect(srv.url, run_id, run_dir, prompt=prompt))
 
 
 def _answers(url: str) -> bool:
@@ -213,9 +175,11 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("run_dir")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--prompt", type=int, default=None, metavar="G",
+                   help="also one prompt's history (group index G): every ledger event, and how it ended")  # fmt: skip
     a = p.parse_args(argv)
     try:
-        report = audit_run(a.run_dir)
+        report = audit_run(a.run_dir, a.prompt)
     except (OSError, RuntimeError, ValueError) as e:  # no run dir, a store's server not healthy in time, BusError, SecretError
         print(f"asyncrl audit: {e}", file=sys.stderr)
         return 2
@@ -223,6 +187,12 @@ def main(argv: list[str]) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(format_report(report))
+        if "prompt" in report:
+            pr = report["prompt"]
+            print(f"\nprompt {pr['group_index']}: {pr['fate'] or 'never released'}")
+            for e in pr["events"]:
+                extra = " ".join(f"{k}={e[k]}" for k in ("outcome", "step", "staleness", "reason", "recycled") if k in e)
+                print(f"  {e['seq']:>8} {e['group_id']:<12} {e['kind']:<10} {extra}")
         for name, part in report.get("adapters", {}).items():
             print(f"\nadapter {name} ({part['state']}):\n{format_report(part)}")
     return 0 if report["balanced"] else 1

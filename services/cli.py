@@ -178,6 +178,10 @@ def check_argv(argv: list[str]) -> None:
         from services.eval.adapter_eval import parser
 
         parser().parse_args(rest)
+    elif cmd == "dashboard":
+        from services.dashboard.__main__ import parser
+
+        parser().parse_args(rest)
     elif cmd == "secrets":
         if "-h" in rest or "--help" in rest or "--run-id" not in rest:
             raise SystemExit("asyncrl secrets needs --run-id")

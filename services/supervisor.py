@@ -55,10 +55,6 @@ class Child:
         self.launch_cmd = self.launch_cmd or list(self.cmd)
 
 
-RESTARTS_FILE = "restarts.jsonl"
-"""RUN_DIR/restarts.jsonl: one line per restart of a child (name, at, the pid that ended, why)."""
-
-
 @dataclass
 class RestartBudget:
     """At most `max_restarts` restarts within any `window_s` seconds."""
@@ -147,7 +143,7 @@ class Supervisor:
         if c.proc.poll() is None:
             c.proc.kill()  # unhealthy but alive: it would not answer a SIGTERM in time either
             c.proc.wait(timeout=10)
-        with (self.run_dir / RESTARTS_FILE).open("a") as f:  # the dashboard's and `asyncrl status`'s record
+        with (self.run_dir / procs.RESTARTS_FILE).open("a") as f:  # the dashboard's and `asyncrl status`'s record
             f.write(json.dumps({"name": c.name, "at": time.time(), "pid": c.proc.pid, "why": why}) + "\n")
         if self.before_restart is not None:
             c.cmd = self.before_restart(c)

@@ -237,6 +237,28 @@ def audit(events, remaining_prompts: set[str] | None = None, remaining_rollouts:
     return auditor.report(remaining_prompts, remaining_rollouts, trained_by_trainer)
 
 
+def prompt_of(ev) -> int:
+    """The prompt (group index) an event is about; -1 for a step's (lease_complete, committed)."""
+    return ev.prompt.group_index if ev.kind == "released" and ev.prompt is not None else ev.group_index
+
+
+def lineage_entry(ev) -> dict:
+    """One event in a prompt's history (`asyncrl audit --prompt`, the dashboard's lineage view)."""
+    rec = {"seq": ev.seq, "kind": ev.kind, "at": ev.ts}
+    if ev.kind == "released" and ev.prompt is not None:
+        rec["attempt"], rec["group_id"] = ev.prompt.attempt, f"g{ev.prompt.group_index}-a{ev.prompt.attempt}"
+    else:  # the group id names the attempt (g<index>-a<attempt>); not every event fills `attempt`
+        tail = ev.group_id.rpartition("-a")[2]
+        rec["attempt"], rec["group_id"] = int(tail) if tail.isdigit() else ev.attempt, ev.group_id
+    for k in ("step", "outcome", "reason", "staleness"):
+        v = getattr(ev, k)
+        if v not in (None, "", -1):
+            rec[k] = v
+    if ev.recycled:
+        rec["recycled"] = True
+    return rec
+
+
 class Auditor:
     """The audit as a fold: `feed` events as they come (a live dashboard), `report` at any time."""
 
@@ -259,6 +281,13 @@ class Auditor:
             except StateError as e:
                 self.problems.append(str(e))
                 self.broken = True
+
+    def fate(self, group_index: int) -> str | None:
+        """How a prompt ended (trained, failed, filtered/<reason>, aborted_dropped, stale_dropped,
+        rejected, ...), "in flight" while it has not, None if never released."""
+        if group_index in self.terminal:
+            return self.terminal[group_index]
+        return "in flight" if group_index in self.first_release else None
 
     def report(self, remaining_prompts: set[str] | None = None, remaining_rollouts: set[str] | None = None,
                trained_by_trainer: dict[int, list[int]] | None = None) -> dict:  # fmt: skip

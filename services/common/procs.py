@@ -21,6 +21,11 @@ EXIT_FATAL = 78
 credentials, an invalid configuration or secret, a full store or disk."""
 
 
+RESTARTS_FILE = "restarts.jsonl"
+"""RUN_DIR/restarts.jsonl: the launcher's line per restart of a child (name, at, the pid that
+ended, why); `asyncrl status` and the dashboard show them."""
+
+
 def _die_with_parent() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)

@@ -35,7 +35,9 @@ def _keys(run_dir: Path):
         token = (run_dir / "secrets" / "run-token").read_text().strip()
     keys = keys_from_env(token)
     if keys is None:
-        raise SystemExit("asyncrl dashboard: no run token: set $ASYNCRL_RUN_TOKEN (the run's token opens its dashboard)")
+        raise SystemExit(
+            "asyncrl dashboard: no run token: set $ASYNCRL_RUN_TOKEN (the run's token opens its dashboard)"
+        )
     return keys if token is None else Keys.of_run(token)
 
 

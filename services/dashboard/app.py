@@ -46,6 +46,7 @@ class Dashboard:
 
     def __init__(self, run_dir: Path, keys: Keys, source=None, live: bool = False):
         self.data = RunData(run_dir)
+        self.data.served_live = live
         self.keys = keys
         self.source = source
         self.live = live
@@ -115,10 +116,14 @@ def build_app(dash: Dashboard) -> FastAPI:
     @app.get("/login", response_class=HTMLResponse)
     async def login_page(next: str = "/", failed: int = 0):
         msg = '<p class="bad">That is not the run token.</p>' if failed else ""
-        return _page("Log in", f"""{msg}<form method="post" action="/login">
+        return _page(
+            "Log in",
+            f"""{msg}<form method="post" action="/login">
 <p>The run token (in <code>RUN_DIR/secrets/run-token</code>, or your <code>$ASYNCRL_RUN_TOKEN</code>):</p>
 <input type="password" name="token" size="50" autofocus><input type="hidden" name="next" value="{html.escape(next)}">
-<button type="submit">Open</button></form>""", nav=False)
+<button type="submit">Open</button></form>""",
+            nav=False,
+        )
 
     @app.post("/login")
     async def login(token: str = Form(...), next: str = Form("/")):
@@ -341,7 +346,9 @@ def overview_html(dash: Dashboard, x: str) -> str:
                if steps else "")
             + "</p>")  # fmt: skip
     errs = data.errors()
-    err = ("<ul>" + "".join(f"<li><code>{html.escape(e)}</code></li>" for e in errs) + "</ul>") if errs else "<p>none</p>"
+    err = (
+        ("<ul>" + "".join(f"<li><code>{html.escape(e)}</code></li>" for e in errs) + "</ul>") if errs else "<p>none</p>"
+    )
     warn = f'<p class="bad">streams: {html.escape(data.streams_error)}</p>' if data.streams_error else ""
     return f"""{facts}{warn}<h2>Curves</h2><p>{toggle}</p>{"".join(f'<div class="panel">{c}</div>' for c in charts)}
 <h2>Staleness</h2>{"".join(f'<div class="panel">{c}</div>' for c in stale)}
@@ -366,7 +373,10 @@ def step_html(data: RunData, step: int) -> str:
     rec = data.step_record(step)
     nav = f'<p><a href="/step/{step - 1}">&larr; step {step - 1}</a> <a href="/step/{step + 1}">step {step + 1} &rarr;</a></p>'
     if rec is None:
-        return nav + f"<p>No sample record for step {step} (not trained yet, pruned by --keep-sample-records, or kept off).</p>"
+        return (
+            nav
+            + f"<p>No sample record for step {step} (not trained yet, pruned by --keep-sample-records, or kept off).</p>"
+        )
     rows = []
     for g in rec["groups"]:
         for k, smp in enumerate(g["samples"]):
@@ -379,8 +389,10 @@ def step_html(data: RunData, step: int) -> str:
                 _num(smp["reward"] if isinstance(smp["reward"], (int, float)) else None),
                 _num(smp["advantage"]), html.escape(smp["fate"]), html.escape(str(smp["weight_versions"])),
             ])  # fmt: skip
-    legend = ("<p>Each response is shown in spans: the background says the weight version that generated the "
-              "tokens (hover for it), a dotted underline marks tokens out of the loss (loss mask 0).</p>")
+    legend = (
+        "<p>Each response is shown in spans: the background says the weight version that generated the "
+        "tokens (hover for it), a dotted underline marks tokens out of the loss (loss mask 0).</p>"
+    )
     return (f"{nav}<p>trained from weights v{rec['version']}, {len(rec['groups'])} groups</p>{legend}"
             + _table(rows, ["prompt (group)", "staleness", "prompt", "response", "reward", "advantage", "fate",
                             "versions"]))  # fmt: skip
@@ -392,7 +404,9 @@ def prompt_html(data: RunData, group_index: int) -> str:
         return f"<p>The ledger has no event for prompt {group_index} (not released yet?).</p>"
     rows = []
     for e in lin["events"]:
-        what = e["kind"] + (f" ({e['outcome']})" if e.get("outcome") else "") + (" recycled" if e.get("recycled") else "")
+        what = (
+            e["kind"] + (f" ({e['outcome']})" if e.get("outcome") else "") + (" recycled" if e.get("recycled") else "")
+        )
         step = e.get("step")
         rows.append([e["seq"], time.strftime("%H:%M:%S", time.localtime(e["at"])) if e.get("at") else "-",
                      html.escape(str(e["group_id"])), html.escape(what),

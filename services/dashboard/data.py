@@ -18,9 +18,9 @@ from typing import Any
 
 from asyncrl_proto import DeadLetter, WeightsLive, decode
 from asyncrl_proto.codec import MalformedMessage
-from services.buffer.state import Auditor, LedgerError, ledger_events
+from services.buffer.state import Auditor, LedgerError, ledger_events, lineage_entry, prompt_of
 from services.common import sample_records
-from services.supervisor import RESTARTS_FILE
+from services.common.procs import RESTARTS_FILE
 
 MAX_POINTS = 600
 """Points per curve at most: a longer series is averaged into this many bins on the server."""
@@ -126,6 +126,9 @@ class RunData:
         self.dead_letters: list[dict] = []
         self.streams_error: str | None = None
         self._audit: tuple | None = None
+        self.served_live = False
+        """Served as a live run's dashboard (--live: the launcher's, compose's, Kubernetes'), whose
+        launcher may not be on this machine."""
 
     # ---- files ---------------------------------------------------------------------------------
     def refresh_files(self) -> None:
@@ -162,12 +165,14 @@ class RunData:
             dt = (rows[-1]["time"] - rows[0]["time"]) / max(1, len(rows) - 1)
             eta = max(0.0, dt * (total - step))
         key = self.heldout_key()
-        heldout = [(e.get("step"), e.get(key)) for e in evals if key and e.get(key) is not None and not e.get("skipped")]
+        heldout = [
+            (e.get("step"), e.get(key)) for e in evals if key and e.get(key) is not None and not e.get("skipped")
+        ]
         result = _json(self.run_dir / "result.json")
         return {
             "run_id": self.run_id,
             "mode": self.mode,
-            "live": is_live(self.run_dir),
+            "live": (self.served_live and not (self.run_dir / "result.json").exists()) or is_live(self.run_dir),
             "step": step,
             "total": total,
             "eta_s": eta,
@@ -248,33 +253,22 @@ class RunData:
                                           "service": d.service, "at": d.ts, "bytes": d.num_bytes})  # fmt: skip
 
     def _index(self, ev) -> None:
-        gi = ev.prompt.group_index if ev.kind == "released" and ev.prompt is not None else ev.group_index
         if ev.kind == "leased" and ev.staleness is not None:
             self.step_staleness[ev.step][ev.staleness] += 1
-        if ev.kind in ("committed", "lease_complete"):
-            return
-        rec = {"seq": ev.seq, "kind": ev.kind, "at": ev.ts}
-        if ev.kind == "released":
-            rec["attempt"] = ev.prompt.attempt
-            rec["group_id"] = f"g{gi}-a{ev.prompt.attempt}"
-        else:
-            rec["group_id"] = ev.group_id
-            rec["attempt"] = ev.attempt
-        for k in ("step", "outcome", "reason", "staleness"):
-            v = getattr(ev, k)
-            if v not in (None, "", -1):
-                rec[k] = v
-        if ev.recycled:
-            rec["recycled"] = True
+        gi = prompt_of(ev)
         if gi >= 0:
-            self.prompt_events[gi].append(rec)
+            self.prompt_events[gi].append(lineage_entry(ev))
 
     def audit(self) -> dict:
         """The ledger's balance so far (recomputed only when the ledger or trained.jsonl grew)."""
         rows = self.trained.refresh()
         key = (self.auditor.state.seq, len(rows))
         if self._audit is None or self._audit[0] != key:
-            trained = {int(r["step"]): list(r["groups"]) for r in rows if "step" in r and "groups" in r}
+            st = self.auditor.state
+            # a live run's trainer records a step as soon as it trains it; the ledger read so far may
+            # not hold that step's lease yet (read a moment earlier): held against it once it does
+            trained = {int(r["step"]): list(r["groups"]) for r in rows if "step" in r and "groups" in r
+                       and (int(r["step"]) <= st.committed_step or int(r["step"]) in st.leases)}  # fmt: skip
             self._audit = (key, self.auditor.report(trained_by_trainer=trained))
         return self._audit[1]
 
@@ -288,9 +282,7 @@ class RunData:
         events = list(self.prompt_events.get(group_index, []))
         committed = self.committed_step()
         trained_at = [e["step"] for e in events if e["kind"] == "leased" and e.get("step", -1) <= committed]
-        fate = self.auditor.terminal.get(group_index)
-        if fate is None and events:
-            fate = "in flight"
+        fate = self.auditor.fate(group_index)
         restarts = []
         if events:
             lo, hi = events[0]["at"], events[-1]["at"]

@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from services.audit import admin_credentials, store_server
+from services.common.run_store import admin_credentials, store_server
 
 log = logging.getLogger(__name__)
 

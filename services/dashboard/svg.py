@@ -50,9 +50,10 @@ class Frame:
             y = self.y(v)
             out.append(f'<line x1="{L}" x2="{self.w - R}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>'
                        f'<text x="{L - 4}" y="{y + 4:.1f}" text-anchor="end">{_fmt(v)}</text>')  # fmt: skip
-        for v in _ticks(self.x0, self.x1):
+        ticks = [self.x0 + t for t in _ticks(0.0, self.x1 - self.x0)] if x_time else _ticks(self.x0, self.x1)
+        for v in ticks:
             x = self.x(v)
-            label = f"{(v - self.x0):.0f}s" if x_time else _fmt(v)
+            label = f"{v - self.x0:.3g}s" if x_time else _fmt(v)
             out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{self.h - B}" y2="{self.h - B + 4}" stroke="#888"/>'
                        f'<text x="{x:.1f}" y="{self.h - B + 16}" text-anchor="middle">{label}</text>')  # fmt: skip
         out.append(f'<text x="{(L + self.w - R) / 2:.0f}" y="{self.h - 2}" text-anchor="middle">'
@@ -124,7 +125,7 @@ def timeline(title: str, engines: dict[str, list[tuple[float, int]]], pauses: di
     t1 = max(t for t, _ in points)
     f = Frame(t0, t1, min(v for _, v in points), max(v for _, v in points))
     parts = f.axes("wall-clock (s from the first update)", "weight version", x_time=True)
-    for k, (name, bands) in enumerate(sorted(pauses.items())):
+    for k, (_, bands) in enumerate(sorted(pauses.items())):
         color = COLORS[(k + 1) % len(COLORS)]
         parts += [f'<rect x="{f.x(a):.1f}" y="{T}" width="{max(0.8, f.x(b) - f.x(a)):.1f}" height="{H - T - B}" '
                   f'fill="{color}" fill-opacity="0.18" class="pause"/>' for a, b in bands]  # fmt: skip

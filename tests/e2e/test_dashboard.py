@@ -134,11 +134,13 @@ def test_the_dashboard_and_status_show_a_run_live_and_finished(tmp_path):
     assert sum(sum(v.values()) for v in got["/api/staleness"]["per_step"].values()) == audit["trained"]
     # each engine's version timeline and the pause of each update
     versions = got["/api/versions"]
-    (engine, points), = versions["engines"].items()
+    ((engine, points),) = versions["engines"].items()
     assert [v for _, v in points] == sorted(v for _, v in points) and points[-1][1] == 40
     assert all(a <= b for a, b in versions["pauses"][engine])
     # a step's samples are the groups the trainer recorded, with advantages and version spans
-    trained = {json.loads(x)["step"]: json.loads(x)["groups"] for x in (run_dir / "trained.jsonl").read_text().splitlines()}
+    trained = {
+        json.loads(x)["step"]: json.loads(x)["groups"] for x in (run_dir / "trained.jsonl").read_text().splitlines()
+    }
     assert got["/api/steps"]["steps"] == list(range(40))
     step0 = got["/api/step/0"]
     assert sorted(g["group_index"] for g in step0["groups"]) == trained[0] and step0["version"] == 0

@@ -21,6 +21,7 @@ ALLOWED = {
     "envs": {"common"},
     "tasks": {"common", "model", "envs"},
     **{s: {"common", "model", "envs"} for s in SERVICES},
+    "dashboard": {"common", "buffer"},  # a run read: its files, and its ledger through the buffer's fold
 }
 """The top-level modules (launcher, cli, audit, prepare, supervisor, api) compose the services."""
 

@@ -1,0 +1,53 @@
+"""A run's directory as other tools find it after (or beside) the launcher: its config, its admin
+NATS identity, and a nats-server on its stopped store (`asyncrl audit`, `asyncrl dashboard`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+
+def admin_credentials(run_dir: Path):
+    """The admin identity of a run whose embedded server the launcher started (its secrets
+    directory), else whatever the environment gives (ASYNCRL_NATS_*)."""
+    from services.common.secrets import NatsCredentials, load_roles_file
+
+    path = run_dir / "secrets" / "nats.json"
+    if path.exists():
+        admin = load_roles_file(path).get("admin")
+        if admin:
+            return NatsCredentials(**admin)
+    return NatsCredentials.from_env("admin")
+
+
+def run_config(run_dir: Path) -> dict:
+    cfg_path = run_dir / "config.json"
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"{cfg_path} not found: is {run_dir} a run directory?")
+    return json.loads(cfg_path.read_text())
+
+
+@contextlib.contextmanager
+def store_server(run_dir: Path, store: Path | None = None, log_name: str = "audit-nats-server"):
+    """A nats-server on a stopped run's store (RUN_DIR/nats, or `store`: a copy of it), behind the
+    run's own users (its secrets directory), on free ports: the same server or cluster the
+    launcher ran (a cluster's nodes find each other again)."""
+    cfg = run_config(run_dir)
+    url, run_id = cfg.get("nats_url"), cfg["run_id"]
+    store = store or run_dir / "nats"
+    if not ((store / "jetstream").exists() or (store / "node-0" / "jetstream").exists()):
+        raise RuntimeError(f"the run's NATS server at {url} does not answer and {store} holds no store")
+    from services.common.natsauth import server_auth_conf
+    from services.common.natsserver import local_nats
+    from services.common.secrets import load_roles_file
+
+    roles = run_dir / "secrets" / "nats.json"
+    auth = (
+        server_auth_conf(run_id, {r: e["password"] for r, e in load_roles_file(roles).items()})
+        if roles.exists()
+        else ""
+    )
+    with local_nats(store, run_dir / "logs", auth, nodes=cfg.get("nats_cluster", 1), run_id=run_id,
+                    max_file_store=cfg.get("nats_max_file_store"), log_name=log_name) as srv:  # fmt: skip
+        yield srv
