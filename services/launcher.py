@@ -231,7 +231,7 @@ class Launcher:
         """The run's dashboard (services/dashboard): read-only, behind the run token, with the admin's
         NATS identity to read the ledger, weights.live and the dead letters."""
         infra = self.config.infra
-        if infra.dashboard_port is None:
+        if not infra.dashboard:
             return
         port = infra.dashboard_port or procs.free_port()
         url = f"http://{'127.0.0.1' if infra.http_host in ('0.0.0.0', '::') else infra.http_host}:{port}"

@@ -21,6 +21,8 @@ COMMANDS = [
     *[["service", name] for name in SERVICES],
     ["engine"],
     ["audit"],
+    ["status"],
+    ["dashboard"],
     ["build-model"],
     ["eval-adapter"],
     ["secrets"],

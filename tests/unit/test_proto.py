@@ -11,11 +11,13 @@ import pytest
 
 from asyncrl_proto import (
     BufferGetRequest,
+    EngineSwitch,
     GroupRef,
     PromptMsg,
     RolloutGroup,
     Sample,
     SampleStatus,
+    WeightsLive,
     WeightsPublished,
     decode,
     encode,
@@ -139,3 +141,20 @@ def test_proto_imports_no_torch_ray_or_nats():
                 names = [node.module]
             for n in names:
                 assert n.split(".")[0] not in forbidden, f"{path.name} imports {n}"
+
+
+def test_a_sample_and_a_live_version_from_before_wire_version_2_still_read():
+    """Sample.version_spans and WeightsLive.switched were added last (wire version 2): what an
+    older producer or weight-sync wrote decodes with them empty."""
+    old_sample = msgpack.packb({"index": 3, "group_index": 0, "prompt": "1=", "label": None, "tokens": [1, 2, 3],
+                                "response": "2", "response_length": 1, "reward": 0.5, "rollout_log_probs": [-0.1],
+                                "loss_mask": None, "status": "completed", "weight_versions": [4], "metadata": {},
+                                "remove_sample": False})  # fmt: skip
+    s = decode(old_sample, Sample)
+    assert s.version_spans == [] and s.weight_versions == [4] and s.tokens == [1, 2, 3]
+    old_live = msgpack.packb({"version": 5, "engines": ["http://e"], "updated_at": 1.0, "pause_mode": "retract",
+                              "duration_s": 0.1, "pause_s": 0.05, "tensor_sha256": ""})  # fmt: skip
+    live = decode(old_live, WeightsLive)
+    assert live.version == 5 and live.switched == []
+    new = WeightsLive(version=6, switched=[EngineSwitch(engine="http://e", paused_at=1.0, resumed_at=1.2)])
+    assert decode(encode(new), WeightsLive) == new

@@ -164,10 +164,10 @@ class InfraSection(Section):
         description="Where the launcher's dashboard binds (default: this machine only; 0.0.0.0 to reach it from "
         "elsewhere, behind the run token).",
     )
-    dashboard_port: int | None = Field(
-        0, ge=0, le=65535, description="The launcher's dashboard port (0: a free one, printed at start; unset: "
-        "no dashboard)."
+    dashboard: bool = Field(
+        True, description="The launcher serves the run's dashboard (docs/dashboard.md); --no-dashboard: none."
     )
+    dashboard_port: int = Field(0, ge=0, le=65535, description="The dashboard's port (0: a free one, printed).")
     service_restarts: int = Field(
         3,
         ge=0,
