@@ -14,12 +14,13 @@ import hmac
 import html
 import json
 import logging
+import re
 import secrets
 import time
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import parse_qs, quote
 
-from fastapi import FastAPI, Form, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
 from services.common.httpauth import ADMIN, Keys
@@ -30,6 +31,9 @@ log = logging.getLogger(__name__)
 
 COOKIE = "asyncrl_dashboard"
 OPEN = ("/healthz", "/readyz", "/login")
+SAFE_NEXT = re.compile(r"/(?![/\\])[A-Za-z0-9_./?=&%-]*")
+"""Where the login may send a browser back to: a path here (not `//host` or `/\\host`)."""
+MAX_SESSIONS = 1000
 REFRESH_S = 2.0
 """A live run's files and streams are read again this often (in the background)."""
 
@@ -50,7 +54,8 @@ class Dashboard:
         self.keys = keys
         self.source = source
         self.live = live
-        self.sessions: set[str] = set()
+        self.sessions: dict[str, None] = {}
+        """Session ids of browsers that gave the run token, oldest first."""
         self.refreshed_at = 0.0
         self._lock = asyncio.Lock()
 
@@ -126,12 +131,17 @@ def build_app(dash: Dashboard) -> FastAPI:
         )
 
     @app.post("/login")
-    async def login(token: str = Form(...), next: str = Form("/")):
+    async def login(request: Request):
+        # the form's two fields, read by hand: FastAPI's Form() needs python-multipart, not a dependency
+        form = parse_qs((await request.body())[:4096].decode("utf-8", "replace"))
+        token, back = (form.get("token") or [""])[0], (form.get("next") or ["/"])[0]
         if dash.keys.role_of(token.strip().encode()) != ADMIN:
-            return RedirectResponse("/login?failed=1&next=" + quote(next), status_code=303)
+            return RedirectResponse("/login?failed=1&next=" + quote(back), status_code=303)
         session = secrets.token_urlsafe(32)
-        dash.sessions.add(session)
-        target = next if next.startswith("/") and not next.startswith("//") else "/"
+        if len(dash.sessions) >= MAX_SESSIONS:  # the oldest logins lapse (they log in again)
+            dash.sessions.pop(next(iter(dash.sessions)))
+        dash.sessions[session] = None
+        target = back if SAFE_NEXT.fullmatch(back) else "/"  # a path of this server, never another site
         resp = RedirectResponse(target, status_code=303)
         resp.set_cookie(COOKIE, session, httponly=True, samesite="strict")
         return resp

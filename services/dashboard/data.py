@@ -75,9 +75,16 @@ def pid_alive(pid: Any) -> bool:
 
 
 def is_live(run_dir: Path) -> bool:
-    """The run's launcher still runs (pids.json names it and no result.json says it ended)."""
+    """The run's launcher still runs: pids.json names it, no result.json says it ended, and (where
+    /proc tells) that pid is still a Python process, not a stranger that reused the number."""
     pids = _json(run_dir / "pids.json") or {}
-    return not (run_dir / "result.json").exists() and pid_alive(pids.get("launcher"))
+    pid = pids.get("launcher")
+    if (run_dir / "result.json").exists() or not pid_alive(pid):
+        return False
+    try:
+        return b"python" in Path(f"/proc/{pid}/cmdline").read_bytes() or b"asyncrl" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True  # no /proc here: the pid is all there is
 
 
 def downsample(xs: list[float], ys: list[float], n: int = MAX_POINTS) -> tuple[list[float], list[float]]:

@@ -104,6 +104,13 @@ class AdapterContext(GroupContext):
     def finish(self, group: list) -> None:
         for s in flatten_group(group):  # generated under that adapter version, whatever the base's
             s.weight_versions = [self.version]
+            spans: list[list[int]] = []
+            for a, b, _ in s.version_spans:  # the same tokens, under the adapter's version
+                if spans and spans[-1][1] == a:
+                    spans[-1][1] = b
+                else:
+                    spans.append([a, b, self.version])
+            s.version_spans = spans
 
 
 class AdapterMode:

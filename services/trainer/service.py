@@ -274,7 +274,11 @@ class TrainerService(Service):
         advantages = {id(s): a for s, a in samples_with_advantages(batch.groups, std_normalization(c),
                                                                      c.rollout.reward_key)}  # fmt: skip
         if self._decode is None:
-            self._decode = Tokenizer(c.data.hf_checkpoint).decode
+            try:
+                self._decode = Tokenizer(c.data.hf_checkpoint).decode
+            except (OSError, ValueError) as e:  # no tokenizer.json: the records show token ids
+                log.warning("sample records show token ids, not text: %s", e)
+                self._decode = lambda ids: " ".join(map(str, ids))
         record = sample_records.step_record(step, version, batch.groups, advantages, batch.refs, self._decode)
         await asyncio.to_thread(sample_records.write, self.run_dir, record, keep)
 

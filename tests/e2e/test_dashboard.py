@@ -58,6 +58,9 @@ def _check_routes(url: str, headers: dict) -> dict:
         r = http.post(url + "/login", data={"token": headers["Authorization"].split()[1], "next": "/step/0"})
         assert r.status_code == 303 and r.headers["location"] == "/step/0"
         cookie = r.cookies.get("asyncrl_dashboard")
+        for elsewhere in ("//evil.example/x", "/\\evil.example", "https://evil.example/"):  # never another site
+            r2 = http.post(url + "/login", data={"token": headers["Authorization"].split()[1], "next": elsewhere})
+            assert r2.status_code == 303 and r2.headers["location"] == "/", elsewhere
         assert cookie and cookie != headers["Authorization"].split()[1]
     for value, status in ((cookie, 200), ("forged", 401)):
         with httpx.Client(timeout=10, cookies={"asyncrl_dashboard": value}) as browser:

@@ -52,6 +52,7 @@ def scrape_mid_run(run_dir: Path, proc: subprocess.Popen) -> tuple[str, dict[str
         assert time.monotonic() < deadline, "services never came up"
         time.sleep(0.1)
     services = json.loads((run_dir / "services.json").read_text())
+    services.pop("dashboard", None)  # the run's dashboard shows these metrics; it exports none of its own
     run_id = json.loads((run_dir / "config.json").read_text())["run_id"]
     with httpx.Client(timeout=5) as http:
         while True:

@@ -155,7 +155,7 @@ async def test_weight_sync_updates_every_engine_from_the_trainer(server, tiny_mo
                 EngineThread(tiny_model_dir, staged_loading=staged) as e2:
             client = SGLangClient([e1.url, e2.url])
             pauses = []
-            updater = DistributedUpdater(sync_bus, client, "run", 64 * 1024, "retract", on_pause=pauses.append)
+            updater = DistributedUpdater(sync_bus, client, "run", 64 * 1024, "retract", on_pause=lambda seconds, url: pauses.append(seconds))
             try:
                 assert await updater.update(1, sha) is True
                 assert len(pauses) == 2 and updater.num_groups_formed == 1
