@@ -125,8 +125,9 @@ class Launcher:
         return env
 
     def _spawn(self, name: str, cmd: list[str], role: str | None = None, extra_env: dict | None = None,
-               health: str | None = None) -> subprocess.Popen:  # fmt: skip
-        return self.procs.spawn(name, cmd, {**self._env(role), **(extra_env or {})}, health_url=health).proc
+               health: str | None = None, essential: bool = True) -> subprocess.Popen:  # fmt: skip
+        env = {**self._env(role), **(extra_env or {})}
+        return self.procs.spawn(name, cmd, env, health_url=health, essential=essential).proc
 
     def child(self, name: str):
         return self.procs.child(name)
@@ -237,7 +238,7 @@ class Launcher:
         url = f"http://{'127.0.0.1' if infra.http_host in ('0.0.0.0', '::') else infra.http_host}:{port}"
         self._spawn("dashboard", [sys.executable, "-m", "services.dashboard", str(self.run_dir), "--live",
                                   "--http-host", infra.http_host, "--http-port", str(port)],
-                    extra_env=self.creds["admin"].env(), health=url + "/healthz")  # fmt: skip
+                    extra_env=self.creds["admin"].env(), health=url + "/healthz", essential=False)  # fmt: skip
         self.services["dashboard"] = url
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
@@ -248,6 +249,8 @@ class Launcher:
         with httpx.Client(timeout=2.0, headers=self.procs.headers) as http:
             while pending:
                 self.check_children()
+                for label in [x for x in pending if self.child(x).given_up]:  # the run goes on without it
+                    del pending[label]
                 for label, url in list(pending.items()):
                     path = {"engine": "/health_generate", "router": "/health"}.get(label.split("-")[0], "/readyz")
                     with contextlib.suppress(httpx.HTTPError):

@@ -50,6 +50,10 @@ class Child:
     next_check: float = field(default=0.0)
     launch_cmd: list[str] = field(default_factory=list)
     """The command it was first started with (a restart may run another: before_restart)."""
+    essential: bool = True
+    """False for a child the run does not need (the dashboard): past its restarts it is left
+    stopped, said once, and the run goes on."""
+    given_up: bool = False
 
     def __post_init__(self) -> None:
         self.launch_cmd = self.launch_cmd or list(self.cmd)
@@ -92,9 +96,10 @@ class Supervisor:
     def log_path(self, name: str) -> Path:
         return self.run_dir / "logs" / f"{name}.log"
 
-    def spawn(self, name: str, cmd: list[str], env: dict[str, str], health_url: str | None = None) -> Child:
+    def spawn(self, name: str, cmd: list[str], env: dict[str, str], health_url: str | None = None,
+              essential: bool = True) -> Child:  # fmt: skip
         proc = procs.spawn(cmd, log_path=self.log_path(name), env=env)
-        child = Child(name, cmd, env, proc, health_url)
+        child = Child(name, cmd, env, proc, health_url, essential=essential)
         self.children.append(child)
         self.write_pids()
         return child
@@ -121,7 +126,10 @@ class Supervisor:
         """Restart every child that exited (but those in allow_exit with code 0)."""
         for c in self.children:
             code = c.proc.poll()
-            if code is None or (c.name in allow_exit and code == 0):
+            if code is None or (c.name in allow_exit and code == 0) or c.given_up:
+                continue
+            if code == EXIT_FATAL and not c.essential:
+                self._give_up(c, f"exited with code {code}")
                 continue
             if code == EXIT_FATAL:
                 raise LaunchError(
@@ -130,8 +138,19 @@ class Supervisor:
                 )
             self.restart(c, f"exited with code {code}")
 
+    def _give_up(self, c: Child, why: str) -> None:
+        c.given_up = True
+        if c.proc.poll() is None:
+            c.proc.kill()
+            c.proc.wait(timeout=10)
+        self.out(f"  {c.name} (pid {c.proc.pid}) {why}; not restarted again (the run goes on without it; "
+                 f"see {self.log_path(c.name)})")  # fmt: skip
+
     def restart(self, c: Child, why: str) -> None:
         if not self.budget.take(c.recent):
+            if not c.essential:
+                self._give_up(c, why)
+                return
             raise LaunchError(
                 f"{c.name} (pid {c.proc.pid}) {why}, its {self.max_restarts + 1}th time in "
                 f"{self.budget.window_s:.0f}s; last log lines:\n{self.tail(c.name)}"

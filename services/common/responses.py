@@ -31,7 +31,8 @@ def spans_of(meta: dict, n: int) -> list[tuple[int, int, int]]:
     else its one weight_version over all of them; none when the version is unknown."""
     spans = meta.get("weight_versions")
     if spans:
-        return [(int(s["start"]), int(s["end"]), int(s["version"])) for s in spans if int(s["end"]) > int(s["start"])]
+        out = [(max(0, int(s["start"])), min(n, int(s["end"])), int(s["version"])) for s in spans]
+        return [x for x in out if x[1] > x[0]]  # within the n tokens this call returned
     known = versions_of(meta)
     return [(0, n, known[0])] if known and n else []
 

@@ -29,8 +29,10 @@ def run_config(run_dir: Path) -> dict:
 
 
 @contextlib.contextmanager
-def store_server(run_dir: Path, store: Path | None = None, log_name: str = "audit-nats-server"):
-    """A nats-server on a stopped run's store (RUN_DIR/nats, or `store`: a copy of it), behind the
+def store_server(run_dir: Path, store: Path | None = None, log_name: str = "audit-nats-server",
+                 log_dir: Path | None = None):  # fmt: skip
+    """A nats-server on a stopped run's store (RUN_DIR/nats, or `store`: a copy of it; its log in
+    `log_dir`, by default RUN_DIR/logs), behind the
     run's own users (its secrets directory), on free ports: the same server or cluster the
     launcher ran (a cluster's nodes find each other again)."""
     cfg = run_config(run_dir)
@@ -48,6 +50,6 @@ def store_server(run_dir: Path, store: Path | None = None, log_name: str = "audi
         if roles.exists()
         else ""
     )
-    with local_nats(store, run_dir / "logs", auth, nodes=cfg.get("nats_cluster", 1), run_id=run_id,
+    with local_nats(store, log_dir or run_dir / "logs", auth, nodes=cfg.get("nats_cluster", 1), run_id=run_id,
                     max_file_store=cfg.get("nats_max_file_store"), log_name=log_name) as srv:  # fmt: skip
         yield srv

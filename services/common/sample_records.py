@@ -13,8 +13,10 @@ A sample's `segments` split its response where the weight version or the loss ma
 each is the text of those tokens, the version that generated them (None for an environment's
 or a tool's tokens, or an engine that reports no version) and their loss mask. `fate` is
 trained, removed (kept for the advantages, out of the loss) or failed (out of both).
-`--keep-sample-records N` keeps the newest N steps (gzip: about 40 bytes a sample of the default
-job, so 10,000 steps x 128 samples is about 50 MB); 0 keeps none.
+`--keep-sample-records N` keeps the newest N steps (gzip: about 20 bytes a sample of the default
+job, so 10,000 steps x 128 samples is about 25 MB; long responses cost their compressed text);
+0 keeps none. `version` is the newest weight version published before the step: the weights it
+trained from with --update-weights-interval 1.
 """
 
 from __future__ import annotations

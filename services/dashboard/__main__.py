@@ -27,18 +27,22 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _keys(run_dir: Path):
-    from services.common.httpauth import Keys, keys_from_env
+    """Who may open it: the launcher's child gets the tokens' hashes ($ASYNCRL_HTTP_KEYS) and never
+    reads the token; `asyncrl dashboard` takes the run token from $ASYNCRL_RUN_TOKEN, else the run's
+    secrets directory."""
+    import os
+
+    from services.common.httpauth import HTTP_KEYS_ENV, Keys, keys_from_env
     from services.common.secrets import run_token_from_env
 
+    if os.environ.get(HTTP_KEYS_ENV):
+        return keys_from_env(None)
     token = run_token_from_env()
     if token is None and (run_dir / "secrets" / "run-token").exists():
         token = (run_dir / "secrets" / "run-token").read_text().strip()
-    keys = keys_from_env(token)
-    if keys is None:
-        raise SystemExit(
-            "asyncrl dashboard: no run token: set $ASYNCRL_RUN_TOKEN (the run's token opens its dashboard)"
-        )
-    return keys if token is None else Keys.of_run(token)
+    if token is None:
+        raise SystemExit("asyncrl dashboard: no run token: set $ASYNCRL_RUN_TOKEN (the run's token opens it)")
+    return Keys.of_run(token)
 
 
 def main(argv: list[str]) -> int:
@@ -66,6 +70,7 @@ def main(argv: list[str]) -> int:
         source.start()
     except (OSError, RuntimeError) as e:  # no store here (a run whose broker ran elsewhere): the files only
         print(f"asyncrl dashboard: the run's streams are not shown: {e}", file=sys.stderr)
+        source.close_now()
         source = None
     app = build_app(Dashboard(run_dir, _keys(run_dir), source, live=a.live))
     sock = socket.socket(socket.AF_INET6 if ":" in a.http_host else socket.AF_INET)

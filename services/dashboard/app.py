@@ -34,6 +34,9 @@ OPEN = ("/healthz", "/readyz", "/login")
 SAFE_NEXT = re.compile(r"/(?![/\\])[A-Za-z0-9_./?=&%-]*")
 """Where the login may send a browser back to: a path here (not `//host` or `/\\host`)."""
 MAX_SESSIONS = 1000
+MAX_FORM_BYTES = 4096
+SESSION_S = 12 * 3600.0
+"""A browser logs in again after this long."""
 REFRESH_S = 2.0
 """A live run's files and streams are read again this often (in the background)."""
 
@@ -54,8 +57,10 @@ class Dashboard:
         self.keys = keys
         self.source = source
         self.live = live
-        self.sessions: dict[str, None] = {}
-        """Session ids of browsers that gave the run token, oldest first."""
+        self.sessions: dict[str, float] = {}
+        """Session ids of browsers that gave the run token, oldest first, with when they lapse."""
+        self.cookie = f"{COOKIE}_{self.data.run_id}"[:120]
+        """One cookie name per run: a browser may hold the sessions of several runs' dashboards."""
         self.refreshed_at = 0.0
         self._lock = asyncio.Lock()
 
@@ -82,8 +87,9 @@ class Dashboard:
         scheme, _, value = given.partition(" ")
         if scheme.lower() == "bearer" and self.keys.role_of(value.strip().encode()) == ADMIN:
             return True
-        cookie = request.cookies.get(COOKIE, "")
-        return any(hmac.compare_digest(cookie, s) for s in self.sessions) if cookie else False
+        cookie = request.cookies.get(self.cookie, "")
+        now = time.time()
+        return any(hmac.compare_digest(cookie, s) and until > now for s, until in self.sessions.items()) if cookie else False
 
 
 def build_app(dash: Dashboard) -> FastAPI:
@@ -133,17 +139,22 @@ def build_app(dash: Dashboard) -> FastAPI:
     @app.post("/login")
     async def login(request: Request):
         # the form's two fields, read by hand: FastAPI's Form() needs python-multipart, not a dependency
-        form = parse_qs((await request.body())[:4096].decode("utf-8", "replace"))
+        body = b""
+        async for chunk in request.stream():  # never more than a login form's worth in memory
+            body += chunk
+            if len(body) > MAX_FORM_BYTES:
+                return JSONResponse({"error": {"message": "a login form is a token, not this"}}, status_code=413)
+        form = parse_qs(body.decode("utf-8", "replace"))
         token, back = (form.get("token") or [""])[0], (form.get("next") or ["/"])[0]
         if dash.keys.role_of(token.strip().encode()) != ADMIN:
             return RedirectResponse("/login?failed=1&next=" + quote(back), status_code=303)
         session = secrets.token_urlsafe(32)
         if len(dash.sessions) >= MAX_SESSIONS:  # the oldest logins lapse (they log in again)
             dash.sessions.pop(next(iter(dash.sessions)))
-        dash.sessions[session] = None
+        dash.sessions[session] = time.time() + SESSION_S
         target = back if SAFE_NEXT.fullmatch(back) else "/"  # a path of this server, never another site
         resp = RedirectResponse(target, status_code=303)
-        resp.set_cookie(COOKIE, session, httponly=True, samesite="strict")
+        resp.set_cookie(dash.cookie, session, httponly=True, samesite="strict", max_age=int(SESSION_S))
         return resp
 
     # ---- JSON ----------------------------------------------------------------------------------

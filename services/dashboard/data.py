@@ -6,6 +6,7 @@ refresh reads only what was appended since the last one.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import json
@@ -22,6 +23,8 @@ from services.buffer.state import Auditor, LedgerError, ledger_events, lineage_e
 from services.common import sample_records
 from services.common.procs import RESTARTS_FILE
 
+READ_BATCH = 5000
+"""Stream messages read per request; a refresh reads batch after batch until it has them all."""
 MAX_POINTS = 600
 """Points per curve at most: a longer series is averaged into this many bins on the server."""
 ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL|Traceback)\b")
@@ -31,15 +34,17 @@ class JsonLines:
     """A JSON-lines file read incrementally (a torn last line waits for its end)."""
 
     def __init__(self, path: Path):
-        self.path, self.offset, self.rows = path, 0, []
+        self.path, self.offset, self.rows, self.inode = path, 0, [], None
 
     def refresh(self) -> list[dict]:
+        """Read what was appended (one caller at a time: the dashboard's refresh, `asyncrl status`)."""
         try:
-            size = self.path.stat().st_size
+            st = self.path.stat()
         except FileNotFoundError:
             return self.rows
-        if size < self.offset:  # rewritten shorter (a restarted trainer dropped steps): read again
-            self.offset, self.rows = 0, []
+        size = st.st_size
+        if size < self.offset or st.st_ino != self.inode:  # replaced (a restarted trainer dropped steps): again
+            self.offset, self.rows, self.inode = 0, [], st.st_ino
         if size == self.offset:
             return self.rows
         with self.path.open("rb") as f:
@@ -132,6 +137,7 @@ class RunData:
         self.dead_seq = 0
         self.dead_letters: list[dict] = []
         self.streams_error: str | None = None
+        self.ledger_skipped: list[str] = []
         self._audit: tuple | None = None
         self.served_live = False
         """Served as a live run's dashboard (--live: the launcher's, compose's, Kubernetes'), whose
@@ -199,7 +205,7 @@ class RunData:
         urls = _json(self.run_dir / "services.json") or {}
         pids = _json(self.run_dir / "pids.json") or {}
         restarts = collections.defaultdict(list)
-        for r in self.restarts.refresh():
+        for r in self.restarts.rows:
             restarts[r.get("name")].append(r)
         out = []
         for name in sorted(set(urls) | set(pids)):
@@ -234,30 +240,39 @@ class RunData:
 
     # ---- streams -------------------------------------------------------------------------------
     async def refresh_streams(self, bus) -> None:
-        """Read what the ledger, weights.live and the dead letters got since the last refresh."""
+        """Read everything the ledger, weights.live and the dead letters got since the last
+        refresh, in batches (the event loop serves pages between them)."""
         s = bus.subjects
-        for seq, data in await bus.read_since(s.ledger_stream, s.ledger, self.ledger_seq):
-            self.ledger_seq = seq
-            try:
-                events = ledger_events(data)
-            except LedgerError:
-                continue
-            self.auditor.feed(events)
-            for ev in events:
-                self._index(ev)
-        for seq, data in await bus.read_since(s.weights_stream, s.weights_live, self.live_seq):
-            self.live_seq = seq
-            with contextlib.suppress(MalformedMessage):
-                w = decode(data, WeightsLive)
-                self.live.append({"version": w.version, "at": w.updated_at, "pause_s": w.pause_s,
-                                  "switched": [{"engine": e.engine, "paused_at": e.paused_at,
-                                                "resumed_at": e.resumed_at} for e in w.switched]})  # fmt: skip
-        for seq, data in await bus.read_since(s.deadletter_stream, s.deadletter_all, self.dead_seq):
-            self.dead_seq = seq
-            with contextlib.suppress(MalformedMessage):
-                d = decode(data, DeadLetter)
-                self.dead_letters.append({"subject": d.original_subject, "reason": d.reason[:500],
-                                          "service": d.service, "at": d.ts, "bytes": d.num_bytes})  # fmt: skip
+        while batch := await bus.read_since(s.ledger_stream, s.ledger, self.ledger_seq, READ_BATCH):
+            for seq, data in batch:
+                self.ledger_seq = seq
+                try:
+                    events = ledger_events(data)
+                except LedgerError as e:
+                    self.ledger_skipped.append(f"ledger message {seq}: {e}")
+                    continue
+                for ev in events:  # an append retried past the dedupe window appears twice: kept once
+                    if ev.seq <= self.auditor.state.seq:
+                        self.ledger_skipped.append(f"ledger event {ev.seq} appears more than once (kept the first)")
+                        continue
+                    self.auditor.feed([ev])
+                    self._index(ev)
+            await asyncio.sleep(0)
+        while batch := await bus.read_since(s.weights_stream, s.weights_live, self.live_seq, READ_BATCH):
+            for seq, data in batch:
+                self.live_seq = seq
+                with contextlib.suppress(MalformedMessage):
+                    w = decode(data, WeightsLive)
+                    self.live.append({"version": w.version, "at": w.updated_at, "pause_s": w.pause_s,
+                                      "switched": [{"engine": e.engine, "paused_at": e.paused_at,
+                                                    "resumed_at": e.resumed_at} for e in w.switched]})  # fmt: skip
+        while batch := await bus.read_since(s.deadletter_stream, s.deadletter_all, self.dead_seq, READ_BATCH):
+            for seq, data in batch:
+                self.dead_seq = seq
+                with contextlib.suppress(MalformedMessage):
+                    d = decode(data, DeadLetter)
+                    self.dead_letters.append({"subject": d.original_subject, "reason": d.reason[:500],
+                                              "service": d.service, "at": d.ts, "bytes": d.num_bytes})  # fmt: skip
 
     def _index(self, ev) -> None:
         if ev.kind == "leased" and ev.staleness is not None:
@@ -268,7 +283,7 @@ class RunData:
 
     def audit(self) -> dict:
         """The ledger's balance so far (recomputed only when the ledger or trained.jsonl grew)."""
-        rows = self.trained.refresh()
+        rows = self.trained.rows
         key = (self.auditor.state.seq, len(rows))
         if self._audit is None or self._audit[0] != key:
             st = self.auditor.state
@@ -295,7 +310,7 @@ class RunData:
             lo, hi = events[0]["at"], events[-1]["at"]
             if fate in (None, "in flight"):
                 hi = time.time()
-            restarts = [r for r in self.restarts.refresh() if lo <= r.get("at", 0) <= hi]
+            restarts = [r for r in self.restarts.rows if lo <= r.get("at", 0) <= hi]
         return {"group_index": group_index, "fate": fate, "events": events,
                 "trained_step": trained_at[-1] if trained_at and fate in ("trained", "failed") else None,
                 "restarts": restarts}  # fmt: skip

@@ -36,7 +36,8 @@ class StreamSource:
         if not store.exists():
             raise RuntimeError(f"{store} does not exist: the run's streams are not on this machine")
         shutil.copytree(store, tmp / "nats", ignore=_skip_objects)
-        srv = self._stack.enter_context(store_server(self.run_dir, tmp / "nats", log_name="dashboard-nats-server"))
+        srv = self._stack.enter_context(store_server(self.run_dir, tmp / "nats", log_name="nats-server",
+                                                     log_dir=tmp))  # nothing written into the run  # fmt: skip
         self.url = srv.url
 
     async def bus(self):
@@ -55,4 +56,8 @@ class StreamSource:
 
     async def close(self) -> None:
         await self.reset()
+        self._stack.close()
+
+    def close_now(self) -> None:
+        """Before any connection (a start that failed): the copy and its server, gone."""
         self._stack.close()

@@ -106,14 +106,16 @@ async def _episode(config, sample: Sample, engine, sampling_params: dict) -> Sam
     budget = int(sampling_params.get("max_new_tokens", r.rollout_max_response_len))
     rid = f"s{sample.index}-{uuid.uuid4().hex[:8]}"
     reward, done = 0.0, False
+    cut: list[bool] = []  # an observation was cut at the context length
 
     def observe(data: dict) -> None:
         text = observation_text(data.get("observation") or {}, r.env_observation_key)
         if text:
             ids = tok.encode(text, add_special_tokens=False)
-            room = traj.room(engine.context_length)
+            room = max(0, traj.room(engine.context_length))
             if len(ids) > room:  # out of the loss: cut to what the model can see, and the episode ends
                 ids, text = ids[:room], tok.decode(ids[:room], skip_special_tokens=False)
+                cut.append(True)
             traj.env_turn(ids, text)
 
     async with _connect(url) as ws:
@@ -142,4 +144,6 @@ async def _episode(config, sample: Sample, engine, sampling_params: dict) -> Sam
             await ws.send(json.dumps({"type": "close"}))
     sample.metadata["env_reward"] = reward
     sample.metadata["env_done"] = done
+    if cut and not traj.aborted:
+        traj.sample.status = SampleStatus.TRUNCATED
     return traj.finish()

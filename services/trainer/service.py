@@ -266,21 +266,31 @@ class TrainerService(Service):
         sample_records.drop_after(self.run_dir, last_step)
 
     async def _record_samples(self, step: int, batch: Batch, version: int) -> None:
-        """RUN_DIR/samples: the step's samples with their advantages (services/common/sample_records.py)."""
+        """RUN_DIR/samples: the step's samples with their advantages (services/common/sample_records.py),
+        built and written off the event loop. A record is for reading: one that cannot be written
+        is said, never a failed step."""
         keep = self.config.trainer.keep_sample_records
         if keep <= 0:
             return
         c = self.config
-        advantages = {id(s): a for s, a in samples_with_advantages(batch.groups, std_normalization(c),
-                                                                     c.rollout.reward_key)}  # fmt: skip
         if self._decode is None:
             try:
-                self._decode = Tokenizer(c.data.hf_checkpoint).decode
-            except (OSError, ValueError) as e:  # no tokenizer.json: the records show token ids
+                tok = Tokenizer(c.data.hf_checkpoint)
+                self._decode = lambda ids: tok.decode(ids, skip_special_tokens=False)
+            except Exception as e:  # no tokenizer.json: the records show token ids
                 log.warning("sample records show token ids, not text: %s", e)
                 self._decode = lambda ids: " ".join(map(str, ids))
-        record = sample_records.step_record(step, version, batch.groups, advantages, batch.refs, self._decode)
-        await asyncio.to_thread(sample_records.write, self.run_dir, record, keep)
+
+        def build_and_write() -> None:
+            advantages = {id(s): a for s, a in samples_with_advantages(batch.groups, std_normalization(c),
+                                                                         c.rollout.reward_key)}  # fmt: skip
+            record = sample_records.step_record(step, version, batch.groups, advantages, batch.refs, self._decode)
+            sample_records.write(self.run_dir, record, keep)
+
+        try:
+            await asyncio.to_thread(build_and_write)
+        except Exception as e:
+            log.warning("step %d's sample record was not written: %s: %s", step, type(e).__name__, e)
 
     def loops(self):
         return {"train": self._train_loop if self.multi is None else self.multi.run}

@@ -57,17 +57,19 @@ def _check_routes(url: str, headers: dict) -> dict:
         assert r.status_code == 303 and "failed=1" in r.headers["location"]
         r = http.post(url + "/login", data={"token": headers["Authorization"].split()[1], "next": "/step/0"})
         assert r.status_code == 303 and r.headers["location"] == "/step/0"
-        cookie = r.cookies.get("asyncrl_dashboard")
+        ((name, cookie),) = r.cookies.items()
+        assert name.startswith("asyncrl_dashboard_run-")  # one cookie name per run
         for elsewhere in ("//evil.example/x", "/\\evil.example", "https://evil.example/"):  # never another site
             r2 = http.post(url + "/login", data={"token": headers["Authorization"].split()[1], "next": elsewhere})
             assert r2.status_code == 303 and r2.headers["location"] == "/", elsewhere
         assert cookie and cookie != headers["Authorization"].split()[1]
     for value, status in ((cookie, 200), ("forged", 401)):
-        with httpx.Client(timeout=10, cookies={"asyncrl_dashboard": value}) as browser:
+        with httpx.Client(timeout=10, cookies={name: value}) as browser:
             assert browser.get(url + "/api/summary").status_code == status
     with httpx.Client(timeout=10) as http:
         # read-only: nothing but GET (and the login form) is routed
         assert http.post(url + "/api/summary", headers=headers).status_code == 405
+        assert http.post(url + "/login", content=b"token=" + b"x" * 100_000).status_code == 413  # no memory to spend
     return out
 
 
@@ -110,7 +112,11 @@ def test_the_dashboard_and_status_show_a_run_live_and_finished(tmp_path):
     r = asyncrl("status", str(run_dir), cwd=tmp_path, timeout=60)
     assert r.returncode == 0 and " finished " in r.stdout.splitlines()[0], r.stdout + r.stderr
     assert "step 40/40" in r.stdout and "balanced" in r.stdout and "held-out" in r.stdout
-    store = sorted(p.relative_to(run_dir) for p in (run_dir / "nats").rglob("*"))
+    def files() -> list:
+        return sorted((str(p.relative_to(run_dir)), p.stat().st_size, p.stat().st_mtime_ns)
+                      for p in run_dir.rglob("*") if p.is_file())  # fmt: skip
+
+    before = files()
     dash = subprocess.Popen([sys.executable, "-m", "services.cli", "dashboard", str(run_dir)], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
@@ -120,7 +126,7 @@ def test_the_dashboard_and_status_show_a_run_live_and_finished(tmp_path):
     finally:
         dash.terminate()
         dash.wait(20)
-    assert sorted(p.relative_to(run_dir) for p in (run_dir / "nats").rglob("*")) == store  # the run is not written
+    assert files() == before  # the run directory is not written, not even a log
 
     summary = got["/api/summary"]
     assert summary["live"] is False and summary["finished"] and summary["step"] == 40 and summary["total"] == 40

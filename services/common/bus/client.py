@@ -479,8 +479,10 @@ class Bus:
                                  opt_start_seq=max(after + 1, bounds[0]), inactive_threshold=30.0)  # fmt: skip
         sub = await self.js.pull_subscribe(subject, stream=stream, config=cfg)
         out: list[tuple[int, bytes]] = []
+        name = None
         try:
-            expected = min(limit, (await sub.consumer_info()).num_pending)
+            info = await sub.consumer_info()
+            name, expected = info.name, min(limit, info.num_pending)
             while len(out) < expected:
                 try:
                     msgs = await sub.fetch(min(1000, expected - len(out)), timeout=2.0)
@@ -489,6 +491,9 @@ class Bus:
                 out += [(m.metadata.sequence.stream, m.data) for m in msgs]
         finally:
             await sub.unsubscribe()
+            if name is not None:  # gone now, not after its inactivity threshold: no consumer piles up
+                with contextlib.suppress(Exception):
+                    await self.js.delete_consumer(stream, name)
         return out
 
     async def consumer_ack_floor(self, stream: str, durable: str) -> int:

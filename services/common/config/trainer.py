@@ -102,8 +102,9 @@ class TrainerSection(Section):
     )
     keep_sample_records: int = Field(
         10_000, ge=0, description="Trained steps whose samples are kept in RUN_DIR/samples (prompt, response, "
-        "reward, advantage, fate, each token span's weight version and loss mask; gzip, about 40 bytes a sample of "
-        "the default job) for the dashboard's lineage view; the oldest are deleted; 0 keeps none.",
+        "reward, advantage, fate, each token span's weight version and loss mask; gzip, about 20 bytes a sample of "
+        "the default job, long responses their compressed text) for the dashboard's lineage view; the oldest are "
+        "deleted; 0 keeps none.",
     )
     custom_rollout_log_function_path: str | None = Field(
         None,
