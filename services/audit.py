@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -20,11 +19,8 @@ from asyncrl_proto import AdapterRegistryState, PromptMsg, RolloutGroupView, dec
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.subjects import ADAPTERS_KV_KEY
 from services.buffer.state import Auditor, LedgerError, ledger_events, lineage_entry, prompt_of
-from services.common.run_store import admin_credentials, run_config, store_server
+from services.common.run_store import admin_credentials, registrations, run_config, store_server
 from services.common.weightstore import WeightStore
-
-_REGISTRATION_ID = re.compile(r"[0-9a-f]{32}")
-"""A registration id (the registry's uuid4 hex): what a directory under RUN_DIR/adapters/<name>/ must be named."""
 
 
 async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None, prompt: int | None = None) -> dict:
@@ -55,18 +51,6 @@ async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None, prompt:
     finally:
         await bus.close()
     return report
-
-
-def registrations(registry: AdapterRegistryState, run_dir: Path) -> list[tuple[str, str, str]]:
-    """(name, registration id, state) of every registration to audit: those the registry holds,
-    and those it pruned (its oldest completed ones) that the trainer kept a directory for
-    (RUN_DIR/adapters/<name>/<registration>), as "completed (pruned from the registry)"."""
-    out = [(r.name, r.registration_id, r.state.value) for r in registry.runs]
-    known = {rid for _, rid, _ in out}
-    for d in sorted((run_dir / "adapters").glob("*/*")):
-        if d.is_dir() and _REGISTRATION_ID.fullmatch(d.name) and d.name not in known:
-            out.append((d.parent.name, d.name, "completed (pruned from the registry)"))
-    return out
 
 
 async def _collect_partition(bus, s, trained_path: Path, prompt: int | None = None) -> dict:

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
+
+from asyncrl_proto import AdapterRegistryState
+
+_REGISTRATION_ID = re.compile(r"[0-9a-f]{32}")
+"""A registration id (the registry's uuid4 hex): what a directory under RUN_DIR/adapters/<name>/ must be named."""
 
 
 def admin_credentials(run_dir: Path):
@@ -53,3 +59,15 @@ def store_server(run_dir: Path, store: Path | None = None, log_name: str = "audi
     with local_nats(store, log_dir or run_dir / "logs", auth, nodes=cfg.get("nats_cluster", 1), run_id=run_id,
                     max_file_store=cfg.get("nats_max_file_store"), log_name=log_name) as srv:  # fmt: skip
         yield srv
+
+
+def registrations(registry: AdapterRegistryState, run_dir: Path) -> list[tuple[str, str, str]]:
+    """(name, registration id, state) of every registration to audit: those the registry holds,
+    and those it pruned (its oldest completed ones) that the trainer kept a directory for
+    (RUN_DIR/adapters/<name>/<registration>), as "completed (pruned from the registry)"."""
+    out = [(r.name, r.registration_id, r.state.value) for r in registry.runs]
+    known = {rid for _, rid, _ in out}
+    for d in sorted((run_dir / "adapters").glob("*/*")):
+        if d.is_dir() and _REGISTRATION_ID.fullmatch(d.name) and d.name not in known:
+            out.append((d.parent.name, d.name, "completed (pruned from the registry)"))
+    return out

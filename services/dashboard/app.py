@@ -163,28 +163,28 @@ def build_app(dash: Dashboard) -> FastAPI:
         return dash.data.summary()
 
     @app.get("/api/curves")
-    async def api_curves(x: str = "step"):
-        return curves(dash.data, x)
+    async def api_curves(x: str = "step", adapter: str = ""):
+        return curves(dash.data, x, _known(adapter))
 
     @app.get("/api/staleness")
-    async def api_staleness():
-        return {"per_step": {str(k): dict(v) for k, v in staleness_columns(dash.data)}}
+    async def api_staleness(adapter: str = ""):
+        return {"per_step": {str(k): dict(v) for k, v in staleness_columns(dash.data, adapter=_known(adapter))}}
 
     @app.get("/api/versions")
     async def api_versions():
         return dash.data.version_timeline()
 
     @app.get("/api/buffer")
-    async def api_buffer():
-        return buffer_facts(dash.data)
+    async def api_buffer(adapter: str = ""):
+        return buffer_facts(dash.data, _known(adapter))
 
     @app.get("/api/services")
     async def api_services():
         return dash.data.services()
 
     @app.get("/api/audit")
-    async def api_audit():
-        return dash.data.audit()
+    async def api_audit(adapter: str = ""):
+        return dash.data.audit(_known(adapter))
 
     @app.get("/api/errors")
     async def api_errors():
@@ -202,29 +202,41 @@ def build_app(dash: Dashboard) -> FastAPI:
         return rec
 
     @app.get("/api/prompt/{group_index}")
-    async def api_prompt(group_index: int):
-        return dash.data.lineage(group_index)
+    async def api_prompt(group_index: int, adapter: str = ""):
+        return dash.data.lineage(group_index, _known(adapter))
 
     # ---- pages ---------------------------------------------------------------------------------
     @app.get("/", response_class=HTMLResponse)
-    async def overview(x: str = "step"):
-        return _page(f"asyncrl {dash.data.run_id}", overview_html(dash, x), refresh=dash.live)
+    async def overview(x: str = "step", adapter: str = ""):
+        return _page(f"asyncrl {dash.data.run_id}" + (f" / {adapter}" if adapter else ""),
+                     overview_html(dash, x, _known(adapter)), refresh=dash.live)  # fmt: skip
 
     @app.get("/step/{step}", response_class=HTMLResponse)
     async def step_page(step: int):
         return _page(f"step {step}", step_html(dash.data, step))
 
     @app.get("/prompt/{group_index}", response_class=HTMLResponse)
-    async def prompt_page(group_index: int):
-        return _page(f"prompt {group_index}", prompt_html(dash.data, group_index), refresh=dash.live)
+    async def prompt_page(group_index: int, adapter: str = ""):
+        return _page(f"prompt {group_index}" + (f" of {adapter}" if adapter else ""),
+                     prompt_html(dash.data, group_index, _known(adapter)), refresh=dash.live)  # fmt: skip
 
     @app.get("/step")
     async def step_form(s: int = 0):
         return RedirectResponse(f"/step/{s}", status_code=303)
 
     @app.get("/prompt")
-    async def prompt_form(g: int = 0):
-        return RedirectResponse(f"/prompt/{g}", status_code=303)
+    async def prompt_form(g: int = 0, adapter: str = ""):
+        return RedirectResponse(f"/prompt/{g}" + (f"?adapter={quote(_known(adapter))}" if adapter else ""),
+                                status_code=303)  # fmt: skip
+
+    @app.get("/api/partitions")
+    async def api_partitions():
+        return {k: {"name": p.name, "state": p.state} for k, p in dash.data.partitions.items()}
+
+    def _known(adapter: str) -> str:
+        if adapter not in dash.data.partitions:
+            raise HTTPException(404, f"no adapter registration {adapter[:100]!r}: see /api/partitions")
+        return adapter
 
     @app.get("/favicon.ico")
     async def favicon():
@@ -234,8 +246,25 @@ def build_app(dash: Dashboard) -> FastAPI:
 
 
 # ---- views ---------------------------------------------------------------------------------------
-def curves(data: RunData, x: str = "step") -> dict:
-    """Every curve of the overview, downsampled, over steps or wall-clock time (x=time)."""
+ADAPTER_KEYS = {"reward": "raw_reward_mean", "step_time": "perf/step_time_s", "num_samples": "rollout/num_samples",
+                "entropy": "train/entropy", "clipfrac": "train/pg_clipfrac", "kl": "train/ppo_kl"}  # fmt: skip
+"""Multi-LoRA: an adapter's own names for the overview's curves (its records' `<name>/...`)."""
+
+
+def curves(data: RunData, x: str = "step", adapter: str = "") -> dict:
+    """Every curve of the overview, downsampled, over steps or wall-clock time (x=time); with
+    `adapter` (a multi-LoRA partition's key), that adapter registration's, on its own step axis."""
+    if adapter:
+        part = data.part(adapter)
+        rid = adapter.partition("@")[2]
+        n = part.name
+        rows = [r for r in data.metrics.rows if r.get("adapter") == n and str(r.get("registration", "")).startswith(rid)]
+        xk = "time" if x == "time" else f"{n}/step"
+        rate = [{xk: b[xk], "v": b.get(f"{n}/{ADAPTER_KEYS['num_samples']}", 0) / (b["time"] - a["time"])}
+                for a, b in zip(rows, rows[1:], strict=False) if b.get("time", 0) > a.get("time", 0)]  # fmt: skip
+        out = {k: series(rows, f"{n}/{v}", xk) for k, v in ADAPTER_KEYS.items() if k != "num_samples"}
+        return {"x": "time" if x == "time" else "step", **out, "heldout": ([], []), "rollout_wait": ([], []),
+                "train_time": ([], []), "samples_per_s": series(rate, "v", xk)}  # fmt: skip
     rows = data.metrics.rows
     xk = "time" if x == "time" else "step"
     key = data.heldout_key()
@@ -262,10 +291,11 @@ def curves(data: RunData, x: str = "step") -> dict:
     }
 
 
-def staleness_columns(data: RunData, max_columns: int = 300) -> list[tuple[int, dict[int, int]]]:
+def staleness_columns(data: RunData, max_columns: int = 300, adapter: str = "") -> list[tuple[int, dict[int, int]]]:
     """The trained groups' staleness per step (from the ledger's leases), binned to at most
     max_columns columns."""
-    steps = sorted(data.step_staleness)
+    per_step = data.part(adapter).step_staleness
+    steps = sorted(per_step)
     if not steps:
         return []
     per = max(1, -(-len(steps) // max_columns))
@@ -273,17 +303,18 @@ def staleness_columns(data: RunData, max_columns: int = 300) -> list[tuple[int, 
     for k in range(0, len(steps), per):
         merged: dict[int, int] = {}
         for s in steps[k : k + per]:
-            for v, n in data.step_staleness[s].items():
+            for v, n in per_step[s].items():
                 merged[v] = merged.get(v, 0) + n
         out.append((steps[k], merged))
     return out
 
 
-def buffer_facts(data: RunData) -> dict:
+def buffer_facts(data: RunData, adapter: str = "") -> dict:
     c = data.config
-    rep = data.audit()
-    st = data.auditor.state
-    last = data.metrics.rows[-1] if data.metrics.rows else {}
+    part = data.part(adapter)
+    rep = part.audit()
+    st = part.auditor.state
+    last = data.metrics.rows[-1] if data.metrics.rows and not adapter else {}
     capacity = int(c.get("async_data_buffer_capacity_factor", 1.0) * c.get("rollout_batch_size", 0))
     return {
         "queue": len(st.stored), "capacity": capacity, "released": rep["released_prompts"],
@@ -310,10 +341,11 @@ def _num(v, fmt="{:.3f}") -> str:
     return fmt.format(v) if isinstance(v, (int, float)) else "-"
 
 
-def overview_html(dash: Dashboard, x: str) -> str:
+def overview_html(dash: Dashboard, x: str, adapter: str = "") -> str:
     data = dash.data
     s = data.summary()
-    cv = curves(data, x)
+    cv = curves(data, x, adapter)
+    q = f"&adapter={quote(adapter)}" if adapter else ""
     xl = "wall-clock" if cv["x"] == "time" else "step"
     xt = cv["x"] == "time"
     held = s["heldout"]
@@ -324,7 +356,14 @@ def overview_html(dash: Dashboard, x: str) -> str:
              f'<span>held-out {_num(held[1]) if held else "-"}</span>'
              f'<span>staleness {_num(s["staleness"], "{:.2f}")}</span><span>weights v{s["weight_version"]}</span>'
              f"</div>")  # fmt: skip
-    toggle = '<a href="/?x=step">by step</a> <a href="/?x=time">by wall-clock</a>'
+    toggle = f'<a href="/?x=step{q}">by step</a> <a href="/?x=time{q}">by wall-clock</a>'
+    if len(data.partitions) > 1:  # multi-LoRA: the run's own views, or one adapter registration's
+        links = " ".join(
+            f'<a href="/{"?adapter=" + quote(k) if k else ""}">{"<b>" if k == adapter else ""}'
+            f'{html.escape(k + " (" + p.state + ")" if k else "the run")}{"</b>" if k == adapter else ""}</a>'
+            for k, p in data.partitions.items()
+        )
+        toggle = f'<p id="partitions">views: {links}</p>' + toggle
     charts = [
         svg.lines("rewards", [_pair(cv["reward"], "rollout reward"), _pair(cv["heldout"], "held-out eval")], xl,
                   "reward", xt, markers=False),
@@ -336,10 +375,11 @@ def overview_html(dash: Dashboard, x: str) -> str:
     ]  # fmt: skip
     vt = data.version_timeline()
     stale = [
-        svg.heatmap("staleness of the trained groups per step", staleness_columns(data), "step", "staleness"),
+        svg.heatmap("staleness of the trained groups per step", staleness_columns(data, adapter=adapter), "step",
+                    "staleness"),
         svg.timeline("weight versions: engines and trainer", vt["engines"], vt["pauses"], vt["trainer"]),
     ]
-    b = buffer_facts(data)
+    b = buffer_facts(data, adapter)
     buf = _table([[html.escape(k), html.escape(json.dumps(v) if isinstance(v, dict) else str(v))]
                   for k, v in b.items() if k not in ("dead_letters",)], ["buffer", ""])  # fmt: skip
     dead = _table([[html.escape(d["subject"]), html.escape(d["service"]), html.escape(d["reason"])]
@@ -350,7 +390,7 @@ def overview_html(dash: Dashboard, x: str) -> str:
                    f'<a href="{html.escape(x["url"])}">{html.escape(x["url"])}</a> '
                    f'(<a href="{html.escape(x["metrics"])}">metrics</a>)' if x["url"] else "-"]
                   for x in data.services()], ["process", "pid", "state", "restarts", "last exit cause", "address"])  # fmt: skip
-    rep = data.audit()
+    rep = data.audit(adapter)
     bal = ('<p class="ok">BALANCED</p>' if rep["balanced"] else
            '<p class="bad">NOT BALANCED</p><ul>' + "".join(f"<li>{html.escape(p)}</li>" for p in rep["problems"][:20])
            + "</ul>")  # fmt: skip
@@ -361,6 +401,7 @@ def overview_html(dash: Dashboard, x: str) -> str:
     pick = (f'<form action="/step" method="get">step <input name="s" size="6" '
             f'value="{steps[-1] if steps else 0}"> <button>show</button></form>'
             '<form action="/prompt" method="get">prompt (group index) <input name="g" size="6" value="0"> '
+            f'<input type="hidden" name="adapter" value="{html.escape(adapter)}">'
             "<button>history</button></form>"
             f"<p>{len(steps)} steps recorded"
             + (f": <a href='/step/{steps[0]}'>{steps[0]}</a> .. <a href='/step/{steps[-1]}'>{steps[-1]}</a>"
@@ -419,8 +460,8 @@ def step_html(data: RunData, step: int) -> str:
                             "versions"]))  # fmt: skip
 
 
-def prompt_html(data: RunData, group_index: int) -> str:
-    lin = data.lineage(group_index)
+def prompt_html(data: RunData, group_index: int, adapter: str = "") -> str:
+    lin = data.lineage(group_index, adapter)
     if not lin["events"]:
         return f"<p>The ledger has no event for prompt {group_index} (not released yet?).</p>"
     rows = []

@@ -17,11 +17,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl_proto import DeadLetter, WeightsLive, decode
+from asyncrl_proto import AdapterRegistryState, DeadLetter, WeightsLive, decode
 from asyncrl_proto.codec import MalformedMessage
+from asyncrl_proto.subjects import ADAPTERS_KV_KEY
 from services.buffer.state import Auditor, LedgerError, ledger_events, lineage_entry, prompt_of
 from services.common import sample_records
 from services.common.procs import RESTARTS_FILE
+from services.common.run_store import registrations
 
 READ_BATCH = 5000
 """Stream messages read per request; a refresh reads batch after batch until it has them all."""
@@ -115,6 +117,65 @@ def series(rows: list[dict], key: str, x: str = "step") -> tuple[list[float], li
     return downsample(xs, ys)
 
 
+class Partition:
+    """One ledger and what is folded from it: the run's own, or (multi-LoRA) one adapter
+    registration's, with its own trained.jsonl."""
+
+    def __init__(self, key: str, trained_path: Path, subject: str | None = None, name: str = "",
+                 state: str = ""):  # fmt: skip
+        self.key, self.name, self.state = key, name, state
+        self.subject = subject
+        """Its ledger subject (None: the run's own, known once connected)."""
+        self.trained = JsonLines(trained_path)
+        self.auditor = Auditor()
+        self.ledger_seq = 0
+        self.prompt_events: dict[int, list[dict]] = collections.defaultdict(list)
+        """Per prompt (group index): its ledger events, in order (the lineage view)."""
+        self.step_staleness: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+        """Per step: how many of its leased groups had each staleness."""
+        self.ledger_skipped: list[str] = []
+        self._audit: tuple | None = None
+
+    async def read(self, bus, stream: str) -> None:
+        """Everything its ledger got since the last read, in batches."""
+        subject = self.subject or bus.subjects.ledger
+        while batch := await bus.read_since(stream, subject, self.ledger_seq, READ_BATCH):
+            for seq, data in batch:
+                self.ledger_seq = seq
+                try:
+                    events = ledger_events(data)
+                except LedgerError as e:
+                    self.ledger_skipped.append(f"ledger message {seq}: {e}")
+                    continue
+                for ev in events:  # an append retried past the dedupe window appears twice: kept once
+                    if ev.seq <= self.auditor.state.seq:
+                        self.ledger_skipped.append(f"ledger event {ev.seq} appears more than once (kept the first)")
+                        continue
+                    self.auditor.feed([ev])
+                    self.index(ev)
+            await asyncio.sleep(0)
+
+    def index(self, ev) -> None:
+        if ev.kind == "leased" and ev.staleness is not None:
+            self.step_staleness[ev.step][ev.staleness] += 1
+        gi = prompt_of(ev)
+        if gi >= 0:
+            self.prompt_events[gi].append(lineage_entry(ev))
+
+    def audit(self) -> dict:
+        """The ledger's balance so far (recomputed only when the ledger or trained.jsonl grew)."""
+        rows = self.trained.rows
+        key = (self.auditor.state.seq, len(rows))
+        if self._audit is None or self._audit[0] != key:
+            st = self.auditor.state
+            # a live run's trainer records a step as soon as it trains it; the ledger read so far may
+            # not hold that step's lease yet (read a moment earlier): held against it once it does
+            trained = {int(r["step"]): list(r["groups"]) for r in rows if "step" in r and "groups" in r
+                       and (int(r["step"]) <= st.committed_step or int(r["step"]) in st.leases)}  # fmt: skip
+            self._audit = (key, self.auditor.report(trained_by_trainer=trained))
+        return self._audit[1]
+
+
 class RunData:
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
@@ -124,21 +185,15 @@ class RunData:
         self.metrics = JsonLines(self.run_dir / "metrics.jsonl")
         self.evals = JsonLines(self.run_dir / "eval.jsonl")
         self.restarts = JsonLines(self.run_dir / RESTARTS_FILE)
-        self.trained = JsonLines(self.run_dir / "trained.jsonl")
-        self.auditor = Auditor()
-        self.ledger_seq = 0
-        self.prompt_events: dict[int, list[dict]] = collections.defaultdict(list)
-        """Per prompt (group index): its ledger events, in order (the lineage view)."""
-        self.step_staleness: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
-        """Per step: how many of its leased groups had each staleness."""
+        self.main = Partition("", self.run_dir / "trained.jsonl")
+        self.partitions: dict[str, Partition] = {"": self.main}
+        """The run's own ledger (""), and with multi-LoRA each adapter registration's ("name@rid")."""
         self.live_seq = 0
         self.live: list[dict] = []
         """weights.live, in order: version, at, and each engine's switch (paused_at, resumed_at)."""
         self.dead_seq = 0
         self.dead_letters: list[dict] = []
         self.streams_error: str | None = None
-        self.ledger_skipped: list[str] = []
-        self._audit: tuple | None = None
         self.served_live = False
         """Served as a live run's dashboard (--live: the launcher's, compose's, Kubernetes'), whose
         launcher may not be on this machine."""
@@ -148,7 +203,26 @@ class RunData:
         self.metrics.refresh()
         self.evals.refresh()
         self.restarts.refresh()
-        self.trained.refresh()
+        for part in list(self.partitions.values()):
+            part.trained.refresh()
+
+    @property
+    def auditor(self) -> Auditor:
+        return self.main.auditor
+
+    @property
+    def prompt_events(self) -> dict[int, list[dict]]:
+        return self.main.prompt_events
+
+    @property
+    def step_staleness(self) -> dict[int, collections.Counter]:
+        return self.main.step_staleness
+
+    def part(self, key: str = "") -> Partition:
+        """A partition by key; KeyError names the ones there are."""
+        if key not in self.partitions:
+            raise KeyError(f"no partition {key!r}: {sorted(self.partitions)}")
+        return self.partitions[key]
 
     @property
     def total_steps(self) -> int | None:
@@ -243,21 +317,18 @@ class RunData:
         """Read everything the ledger, weights.live and the dead letters got since the last
         refresh, in batches (the event loop serves pages between them)."""
         s = bus.subjects
-        while batch := await bus.read_since(s.ledger_stream, s.ledger, self.ledger_seq, READ_BATCH):
-            for seq, data in batch:
-                self.ledger_seq = seq
-                try:
-                    events = ledger_events(data)
-                except LedgerError as e:
-                    self.ledger_skipped.append(f"ledger message {seq}: {e}")
-                    continue
-                for ev in events:  # an append retried past the dedupe window appears twice: kept once
-                    if ev.seq <= self.auditor.state.seq:
-                        self.ledger_skipped.append(f"ledger event {ev.seq} appears more than once (kept the first)")
-                        continue
-                    self.auditor.feed([ev])
-                    self._index(ev)
-            await asyncio.sleep(0)
+        await self.main.read(bus, s.ledger_stream)
+        raw = await bus.kv_get(ADAPTERS_KV_KEY)
+        if raw is not None:  # multi-LoRA: every registration's partition, as the audit reads them
+            with contextlib.suppress(MalformedMessage):
+                for name, rid, state in registrations(decode(raw, AdapterRegistryState), self.run_dir):
+                    key = f"{name}@{rid[:12]}"
+                    if key not in self.partitions:
+                        trained = self.run_dir / "adapters" / name / rid / "trained.jsonl"
+                        self.partitions[key] = Partition(key, trained, s.of(rid).ledger, name, state)
+                        self.partitions[key].trained.refresh()
+                    self.partitions[key].state = state
+                    await self.partitions[key].read(bus, s.ledger_stream)
         while batch := await bus.read_since(s.weights_stream, s.weights_live, self.live_seq, READ_BATCH):
             for seq, data in batch:
                 self.live_seq = seq
@@ -275,36 +346,23 @@ class RunData:
                                               "service": d.service, "at": d.ts, "bytes": d.num_bytes})  # fmt: skip
 
     def _index(self, ev) -> None:
-        if ev.kind == "leased" and ev.staleness is not None:
-            self.step_staleness[ev.step][ev.staleness] += 1
-        gi = prompt_of(ev)
-        if gi >= 0:
-            self.prompt_events[gi].append(lineage_entry(ev))
+        self.main.index(ev)
 
-    def audit(self) -> dict:
-        """The ledger's balance so far (recomputed only when the ledger or trained.jsonl grew)."""
-        rows = self.trained.rows
-        key = (self.auditor.state.seq, len(rows))
-        if self._audit is None or self._audit[0] != key:
-            st = self.auditor.state
-            # a live run's trainer records a step as soon as it trains it; the ledger read so far may
-            # not hold that step's lease yet (read a moment earlier): held against it once it does
-            trained = {int(r["step"]): list(r["groups"]) for r in rows if "step" in r and "groups" in r
-                       and (int(r["step"]) <= st.committed_step or int(r["step"]) in st.leases)}  # fmt: skip
-            self._audit = (key, self.auditor.report(trained_by_trainer=trained))
-        return self._audit[1]
+    def audit(self, key: str = "") -> dict:
+        return self.part(key).audit()
 
-    def committed_step(self) -> int:
-        return self.auditor.state.committed_step
+    def committed_step(self, key: str = "") -> int:
+        return self.part(key).auditor.state.committed_step
 
-    def lineage(self, group_index: int) -> dict:
+    def lineage(self, group_index: int, key: str = "") -> dict:
         """A prompt's whole history: its ledger events (each attempt: released, put, leased,
         stale, expired, recycled), the step that trained it (if committed) and the restarts of
         the run's processes that fell between its first and last event."""
-        events = list(self.prompt_events.get(group_index, []))
-        committed = self.committed_step()
+        part = self.part(key)
+        events = list(part.prompt_events.get(group_index, []))
+        committed = part.auditor.state.committed_step
         trained_at = [e["step"] for e in events if e["kind"] == "leased" and e.get("step", -1) <= committed]
-        fate = self.auditor.fate(group_index)
+        fate = part.auditor.fate(group_index)
         restarts = []
         if events:
             lo, hi = events[0]["at"], events[-1]["at"]

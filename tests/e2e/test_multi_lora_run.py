@@ -82,6 +82,30 @@ def test_two_adapters_train_at_once_each_in_its_own_partition(tmp_path, tiny_mod
         assert part["balanced"] and part["state"] == "completed"
         assert part["trained"] == 16 and part["lost"] == 0 and part["trained_twice"] == 0  # 4 steps x 4 groups
     assert "ledger of adapter rev@" in r.stdout and "ledger of adapter copy@" in r.stdout
+    # the dashboard: every adapter registration's own views, its ledger as the audit's
+    dash = subprocess.Popen([sys.executable, "-m", "services.cli", "dashboard", str(run_dir)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        url = re.search(r"at (http://\S+)/ ", dash.stdout.readline()).group(1)
+        with httpx.Client(base_url=url, headers=run_auth(run_dir), timeout=30) as http:
+            parts = http.get("/api/partitions").json()
+            assert set(parts) == {""} | set(audit["adapters"])
+            for key, part in audit["adapters"].items():
+                board = http.get("/api/audit", params={"adapter": key}).json()
+                assert {k: board[k] for k in ("released_prompts", "trained", "lost", "balanced")} == {
+                    k: part[k] for k in ("released_prompts", "trained", "lost", "balanced")}
+                name = key.split("@")[0]
+                reward = http.get("/api/curves", params={"adapter": key}).json()["reward"]
+                assert reward == [[0, 1, 2, 3], [rec[f"{name}/raw_reward_mean"] for rec in recs if rec.get("adapter") == name]]
+                staleness = http.get("/api/staleness", params={"adapter": key}).json()["per_step"]
+                assert sum(sum(v.values()) for v in staleness.values()) == 16
+                page = http.get("/", params={"adapter": key}).text
+                assert "<svg" in page and 'id="partitions"' in page and "BALANCED" in page
+                assert http.get("/api/prompt/0", params={"adapter": key}).json()["fate"] == "trained"
+            assert http.get("/api/audit", params={"adapter": "nobody@0"}).status_code == 404
+    finally:
+        dash.terminate()
+        dash.wait(20)
     # the saved adapters are what a tenant scores after the run
     out = tmp_path / "scores.json"
     e = cli("eval-adapter", "--hf-checkpoint", str(tiny_model_dir), "--adapter", str(tmp_path / "save_rev" / "step_4"),

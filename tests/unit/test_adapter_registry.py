@@ -448,7 +448,7 @@ def test_a_spec_too_large_for_the_registry_is_refused():
 def test_the_audit_covers_registrations_the_registry_pruned(tmp_path):
     """A service-mode run's registry prunes its oldest completed registrations; their partitions
     are still on the ledger, and the trainer's directory names them: the audit balances them too."""
-    from services.audit import registrations
+    from services.common.run_store import registrations
 
     r = registry()
     live = r.register("a", spec())
