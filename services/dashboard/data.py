@@ -169,9 +169,12 @@ class Partition:
         if self._audit is None or self._audit[0] != key:
             st = self.auditor.state
             # a live run's trainer records a step as soon as it trains it; the ledger read so far may
-            # not hold that step's lease yet (read a moment earlier): held against it once it does
-            trained = {int(r["step"]): list(r["groups"]) for r in rows if "step" in r and "groups" in r
-                       and (int(r["step"]) <= st.committed_step or int(r["step"]) in st.leases)}  # fmt: skip
+            # not hold that step's whole lease yet (read a moment earlier): held against it once it does
+            def seen(step: int) -> bool:
+                return step <= st.committed_step or (step in st.leases and st.leases[step].complete)
+
+            trained = {int(r["step"]): list(r["groups"]) for r in rows
+                       if "step" in r and "groups" in r and seen(int(r["step"]))}  # fmt: skip
             self._audit = (key, self.auditor.report(trained_by_trainer=trained))
         return self._audit[1]
 
