@@ -191,12 +191,13 @@ def build_app(dash: Dashboard) -> FastAPI:
         return {"errors": dash.data.errors(), "streams_error": dash.data.streams_error}
 
     @app.get("/api/steps")
-    async def api_steps():
-        return {"steps": dash.data.sample_steps(), "committed_step": dash.data.committed_step()}
+    async def api_steps(adapter: str = ""):
+        key = _known(adapter)
+        return {"steps": dash.data.sample_steps(key), "committed_step": dash.data.committed_step(key)}
 
     @app.get("/api/step/{step}")
-    async def api_step(step: int):
-        rec = dash.data.step_record(step)
+    async def api_step(step: int, adapter: str = ""):
+        rec = dash.data.step_record(step, _known(adapter))
         if rec is None:
             raise HTTPException(404, f"no sample record for step {step}")
         return rec
@@ -212,8 +213,8 @@ def build_app(dash: Dashboard) -> FastAPI:
                      overview_html(dash, x, _known(adapter)), refresh=dash.live)  # fmt: skip
 
     @app.get("/step/{step}", response_class=HTMLResponse)
-    async def step_page(step: int):
-        return _page(f"step {step}", step_html(dash.data, step))
+    async def step_page(step: int, adapter: str = ""):
+        return _page(f"step {step}" + (f" of {adapter}" if adapter else ""), step_html(dash.data, step, _known(adapter)))
 
     @app.get("/prompt/{group_index}", response_class=HTMLResponse)
     async def prompt_page(group_index: int, adapter: str = ""):
@@ -221,8 +222,9 @@ def build_app(dash: Dashboard) -> FastAPI:
                      prompt_html(dash.data, group_index, _known(adapter)), refresh=dash.live)  # fmt: skip
 
     @app.get("/step")
-    async def step_form(s: int = 0):
-        return RedirectResponse(f"/step/{s}", status_code=303)
+    async def step_form(s: int = 0, adapter: str = ""):
+        return RedirectResponse(f"/step/{s}" + (f"?adapter={quote(_known(adapter))}" if adapter else ""),
+                                status_code=303)  # fmt: skip
 
     @app.get("/prompt")
     async def prompt_form(g: int = 0, adapter: str = ""):
@@ -397,14 +399,16 @@ def overview_html(dash: Dashboard, x: str, adapter: str = "") -> str:
     audit = _table([[k, html.escape(str(rep[k]))] for k in ("released_prompts", "trained", "failed", "filtered",
                     "aborted_dropped", "stale_dropped", "rejected", "recycled", "in_flight_at_end", "lost",
                     "trained_twice", "events")], ["ledger", ""])  # fmt: skip
-    steps = data.sample_steps()
+    steps = data.sample_steps(adapter)
     pick = (f'<form action="/step" method="get">step <input name="s" size="6" '
-            f'value="{steps[-1] if steps else 0}"> <button>show</button></form>'
+            f'value="{steps[-1] if steps else 0}"> <input type="hidden" name="adapter" value="{html.escape(adapter)}"> '
+            "<button>show</button></form>"
             '<form action="/prompt" method="get">prompt (group index) <input name="g" size="6" value="0"> '
             f'<input type="hidden" name="adapter" value="{html.escape(adapter)}">'
             "<button>history</button></form>"
             f"<p>{len(steps)} steps recorded"
-            + (f": <a href='/step/{steps[0]}'>{steps[0]}</a> .. <a href='/step/{steps[-1]}'>{steps[-1]}</a>"
+            + (f": <a href='/step/{steps[0]}{q.replace('&', '?', 1)}'>{steps[0]}</a> .. "
+               f"<a href='/step/{steps[-1]}{q.replace('&', '?', 1)}'>{steps[-1]}</a>"
                if steps else "")
             + "</p>")  # fmt: skip
     errs = data.errors()
@@ -431,9 +435,11 @@ def _segments(segs: list) -> str:
     return "".join(out)
 
 
-def step_html(data: RunData, step: int) -> str:
-    rec = data.step_record(step)
-    nav = f'<p><a href="/step/{step - 1}">&larr; step {step - 1}</a> <a href="/step/{step + 1}">step {step + 1} &rarr;</a></p>'
+def step_html(data: RunData, step: int, adapter: str = "") -> str:
+    rec = data.step_record(step, adapter)
+    q = f"?adapter={quote(adapter)}" if adapter else ""
+    nav = (f'<p><a href="/step/{step - 1}{q}">&larr; step {step - 1}</a> '
+           f'<a href="/step/{step + 1}{q}">step {step + 1} &rarr;</a></p>')
     if rec is None:
         return (
             nav
@@ -444,7 +450,8 @@ def step_html(data: RunData, step: int) -> str:
         for k, smp in enumerate(g["samples"]):
             first = k == 0
             rows.append([
-                f'<a href="/prompt/{g["group_index"]}">{g["group_index"]}</a> ({html.escape(str(g["group_id"]))})' if first else "",
+                f'<a href="/prompt/{g["group_index"]}{q}">{g["group_index"]}</a> ({html.escape(str(g["group_id"]))})'
+                if first else "",
                 str(g["staleness"]) if first else "",
                 f"<code>{html.escape(g['prompt'])}</code>" if first else "",
                 _segments(smp["segments"]),
@@ -462,6 +469,7 @@ def step_html(data: RunData, step: int) -> str:
 
 def prompt_html(data: RunData, group_index: int, adapter: str = "") -> str:
     lin = data.lineage(group_index, adapter)
+    q = f"?adapter={quote(adapter)}" if adapter else ""
     if not lin["events"]:
         return f"<p>The ledger has no event for prompt {group_index} (not released yet?).</p>"
     rows = []
@@ -472,13 +480,13 @@ def prompt_html(data: RunData, group_index: int, adapter: str = "") -> str:
         step = e.get("step")
         rows.append([e["seq"], time.strftime("%H:%M:%S", time.localtime(e["at"])) if e.get("at") else "-",
                      html.escape(str(e["group_id"])), html.escape(what),
-                     f'<a href="/step/{step}">{step}</a>' if step is not None else "",
+                     f'<a href="/step/{step}{q}">{step}</a>' if step is not None else "",
                      html.escape(str(e.get("staleness", ""))), html.escape(e.get("reason", ""))])  # fmt: skip
     restarts = "".join(f"<li>{time.strftime('%H:%M:%S', time.localtime(r['at']))} {html.escape(r['name'])}: "
                        f"{html.escape(r['why'])}</li>" for r in lin["restarts"])  # fmt: skip
     trained = lin["trained_step"]
     return (f'<p>fate: <b id="fate">{html.escape(str(lin["fate"]))}</b>'
-            + (f' at <a href="/step/{trained}">step {trained}</a>' if trained is not None else "") + "</p>"
+            + (f' at <a href="/step/{trained}{q}">step {trained}</a>' if trained is not None else "") + "</p>"
             + _table(rows, ["ledger seq", "time", "attempt", "event", "step", "staleness", "reason"])
             + (f"<h2>Restarts meanwhile</h2><ul>{restarts}</ul>" if restarts else ""))  # fmt: skip
 

@@ -309,11 +309,12 @@ class RunData:
                       if ERROR_LINE.search(line)]  # fmt: skip
         return [x for _, _, x in sorted(found)[-n:]]
 
-    def sample_steps(self) -> list[int]:
-        return sample_records.steps(self.run_dir)
+    def sample_steps(self, key: str = "") -> list[int]:
+        """The steps with a sample record: the run's, or an adapter registration's (its directory)."""
+        return sample_records.steps(self.part(key).trained.path.parent)
 
-    def step_record(self, step: int) -> dict | None:
-        return sample_records.read(self.run_dir, step)
+    def step_record(self, step: int, key: str = "") -> dict | None:
+        return sample_records.read(self.part(key).trained.path.parent, step)
 
     # ---- streams -------------------------------------------------------------------------------
     async def refresh_streams(self, bus) -> None:

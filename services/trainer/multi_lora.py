@@ -43,7 +43,7 @@ from asyncrl_proto import (
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import NO_PARTITION_ERROR, AdapterRun, AdapterState, flatten_group
 from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX, ADAPTERS_KV_KEY
-from services.common import crash
+from services.common import crash, sample_records
 from services.common.datasource import DataError, adapter_total_steps, load_rows
 from services.common.snapshot import COMPLETE_MARKER, remove_snapshot, snapshots_to_remove
 from services.common.weightstore import WeightStore
@@ -54,7 +54,7 @@ from services.trainer.core import LossConfig, assemble_batch, build_step_batches
 from services.trainer.parallel import max_tokens_of
 from services.trainer.rollout_stats import rollout_metrics
 from services.trainer.setup import TrainerError
-from services.trainer.steps import BufferLink, Records, SampleCheck, append_trained, keep_lines
+from services.trainer.steps import BufferLink, Records, SampleCheck, SampleRecorder, append_trained, keep_lines
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,8 @@ class MultiLoraTrainer:
         self.link = link
         self.records = records
         self.check = check
+        self.sample_recorder = SampleRecorder(config.data.hf_checkpoint, config.rollout.reward_key,
+                                              config.trainer.keep_sample_records)  # fmt: skip
         self.loss_cfg = loss_cfg
         self.pad_id = pad_id
         self.lifecycle = lifecycle
@@ -469,6 +471,8 @@ class MultiLoraTrainer:
         # records first (a restart drops those after its committed step), then the registry (the
         # buffer bounds the versions groups and gets may name by it), then the version, the commit
         self._append_trained(t, step, groups)
+        await self.sample_recorder.record(self._trained_path(t).parent, step, step, groups,
+                                          {r.group_index: r for r in reply.refs}, std)  # fmt: skip
         record = self._record(t, step, groups, stats, reply, time.perf_counter() - t0, batch)
         await self._emit(t, record)
         t.run = await self._control("stepped", t.run, step=t.step)
@@ -521,6 +525,7 @@ class MultiLoraTrainer:
         """The steps after the committed one are trained again: drop their records, in its
         trained.jsonl and in the run's metrics.jsonl (this registration's lines only)."""
         keep_lines(self._trained_path(t), lambda rec: rec["step"] < t.step)
+        sample_records.drop_after(self._trained_path(t).parent, t.step - 1)
         name = t.run.name
         keep_lines(self.records.path,
                     lambda rec: rec.get("registration") != t.rid or rec[f"{name}/step"] < t.step)  # fmt: skip

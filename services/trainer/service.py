@@ -56,13 +56,11 @@ from services.common.sinks import Sinks, finite_record
 from services.common.validate import Limits
 from services.common.versions import last_published_version
 from services.model.hf_io import load_weights_into, save_model
-from services.model.tokenizer import Tokenizer
 from services.trainer.checkpoint import ckpt_step, latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.core import (
     apply_sample_filter,
     assemble_batch,
     build_step_batches,
-    samples_with_advantages,
     std_normalization,
     train_rollout,
 )
@@ -72,7 +70,7 @@ from services.trainer.policy import DriverPolicy
 from services.trainer.publish import WeightPublisher
 from services.trainer.rollout_stats import rollout_metrics
 from services.trainer.setup import TrainerError, build_model, build_optimizer, build_reference, loss_config
-from services.trainer.steps import BufferLink, Records, SampleCheck, append_trained, keep_lines
+from services.trainer.steps import BufferLink, Records, SampleCheck, SampleRecorder, append_trained, keep_lines
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +151,8 @@ class TrainerService(Service):
         self.last_producer_seen = time.monotonic()
         self.loop_started = time.perf_counter()
         self.trained_path = self.run_dir / "trained.jsonl"
-        self._decode = None
-        """Token ids -> text for the sample records (the run's tokenizer, loaded at the first record)."""
+        self.sample_recorder = SampleRecorder(config.data.hf_checkpoint, config.rollout.reward_key,
+                                              config.trainer.keep_sample_records)  # fmt: skip
         self.dp = None
         self.evals = EvalDispatch(config, bus, self.sinks, self.model, trainer_step=lambda: self.step)
         self.weights = WeightPublisher(config, bus, self.model, self.weights_dir)
@@ -265,33 +263,6 @@ class TrainerService(Service):
             keep_lines(path, lambda rec: rec["step"] <= last_step)
         sample_records.drop_after(self.run_dir, last_step)
 
-    async def _record_samples(self, step: int, batch: Batch, version: int) -> None:
-        """RUN_DIR/samples: the step's samples with their advantages (services/common/sample_records.py),
-        built and written off the event loop. A record is for reading: one that cannot be written
-        is said, never a failed step."""
-        keep = self.config.trainer.keep_sample_records
-        if keep <= 0:
-            return
-        c = self.config
-        if self._decode is None:
-            try:
-                tok = Tokenizer(c.data.hf_checkpoint)
-                self._decode = lambda ids: tok.decode(ids, skip_special_tokens=False)
-            except Exception as e:  # no tokenizer.json: the records show token ids
-                log.warning("sample records show token ids, not text: %s", e)
-                self._decode = lambda ids: " ".join(map(str, ids))
-
-        def build_and_write() -> None:
-            advantages = {id(s): a for s, a in samples_with_advantages(batch.groups, std_normalization(c),
-                                                                         c.rollout.reward_key)}  # fmt: skip
-            record = sample_records.step_record(step, version, batch.groups, advantages, batch.refs, self._decode)
-            sample_records.write(self.run_dir, record, keep)
-
-        try:
-            await asyncio.to_thread(build_and_write)
-        except Exception as e:
-            log.warning("step %d's sample record was not written: %s: %s", step, type(e).__name__, e)
-
     def loops(self):
         return {"train": self._train_loop if self.multi is None else self.multi.run}
 
@@ -368,7 +339,8 @@ class TrainerService(Service):
                 # between resumes from the checkpoint, drops the records after it and trains those
                 # steps again, so a committed step always has its records (the audit checks it)
                 append_trained(self.trained_path, step, groups)
-                await self._record_samples(step, batch, trained_from)
+                await self.sample_recorder.record(self.run_dir, step, trained_from, groups, batch.refs,
+                                                  std_normalization(c))  # fmt: skip
                 record = await self._record(step, batch, train_stats, train_s, push_s, time.perf_counter() - t_step)
                 await self._emit(step, record)
                 crash.point("trainer", "records_before_checkpoint")

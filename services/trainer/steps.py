@@ -6,7 +6,8 @@ the adapters' (services.trainer.multi_lora).
 - `Records`: metrics.jsonl and the metric sinks (`emit`), and where the records' axis resumes;
 - `append_trained` / `keep_lines`: trained.jsonl (the audit holds it against the ledger) and the
   records a restart drops (the steps after the committed one are trained again);
-- `SampleCheck`: the samples a loop must not train on, left out of the loss and counted.
+- `SampleCheck`: the samples a loop must not train on, left out of the loss and counted;
+- `SampleRecorder`: every trained sample kept for the dashboard (services/common/sample_records.py).
 
 Snapshot retention is shared one level down (services.common.snapshot.snapshots_to_remove).
 """
@@ -32,9 +33,10 @@ from asyncrl_proto import (
     decode,
 )
 from asyncrl_proto.messages import SampleStatus, flatten_group
+from services.common import sample_records
 from services.common.bus import TransportError
 from services.common.validate import Limits, sample_problem
-from services.trainer.core import LossConfig, missing_logprobs
+from services.trainer.core import LossConfig, missing_logprobs, samples_with_advantages
 from services.trainer.setup import TrainerError
 
 log = logging.getLogger(__name__)
@@ -188,3 +190,39 @@ class SampleCheck:
                           s.index, s.group_index, problem)  # fmt: skip
                 s.status, s.reward = SampleStatus.FAILED, None
                 s.metadata["error"] = f"invalid at the trainer: {problem}"
+
+
+class SampleRecorder:
+    """A step's samples with their advantages, kept in `<dir>/samples` (the run directory, or an
+    adapter registration's), built and written off the event loop. A record is for reading: one
+    that cannot be written is said, never a failed step."""
+
+    def __init__(self, model_dir: str, reward_key: str | None, keep: int):
+        self.model_dir, self.reward_key, self.keep = model_dir, reward_key, keep
+        self._decode = None
+
+    def decode(self, ids: list[int]) -> str:
+        if self._decode is None:
+            try:
+                from services.model.tokenizer import Tokenizer
+
+                tok = Tokenizer(self.model_dir)
+                self._decode = lambda x: tok.decode(x, skip_special_tokens=False)
+            except Exception as e:  # no tokenizer.json: the records show token ids
+                log.warning("sample records show token ids, not text: %s", e)
+                self._decode = lambda x: " ".join(map(str, x))
+        return self._decode(ids)
+
+    async def record(self, where: Path, step: int, version: int, groups: list[list], refs: dict, std: bool) -> None:
+        if self.keep <= 0:
+            return
+
+        def build_and_write() -> None:
+            advantages = {id(s): a for s, a in samples_with_advantages(groups, std, self.reward_key)}
+            rec = sample_records.step_record(step, version, groups, advantages, refs, self.decode)
+            sample_records.write(where, rec, self.keep)
+
+        try:
+            await asyncio.to_thread(build_and_write)
+        except Exception as e:
+            log.warning("step %d's sample record was not written: %s: %s", step, type(e).__name__, e)

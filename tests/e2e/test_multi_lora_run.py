@@ -102,6 +102,11 @@ def test_two_adapters_train_at_once_each_in_its_own_partition(tmp_path, tiny_mod
                 page = http.get("/", params={"adapter": key}).text
                 assert "<svg" in page and 'id="partitions"' in page and "BALANCED" in page
                 assert http.get("/api/prompt/0", params={"adapter": key}).json()["fate"] == "trained"
+                assert http.get("/api/steps", params={"adapter": key}).json()["steps"] == [0, 1, 2, 3]
+                step0 = http.get("/api/step/0", params={"adapter": key}).json()
+                assert sum(len(g["samples"]) for g in step0["groups"]) == (16 if name == "rev" else 8)
+                assert all(s["weight_versions"] == [0] for g in step0["groups"] for s in g["samples"])
+                assert "seg" in http.get("/step/0", params={"adapter": key}).text
             assert http.get("/api/audit", params={"adapter": "nobody@0"}).status_code == 404
     finally:
         dash.terminate()
