@@ -11,7 +11,6 @@ import collections
 import contextlib
 import json
 import math
-import os
 import re
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from asyncrl_proto import AdapterRegistryState, DeadLetter, WeightsLive, decode
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.subjects import ADAPTERS_KV_KEY
 from services.buffer.state import Auditor, LedgerError, ledger_events, lineage_entry, prompt_of
-from services.common import sample_records
+from services.common import procs, sample_records
 from services.common.procs import RESTARTS_FILE
 from services.common.run_store import registrations
 
@@ -70,15 +69,8 @@ def _json(path: Path) -> Any:
 
 
 def pid_alive(pid: Any) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """A pid from a file: a positive int of a live process (not a zombie)."""
+    return isinstance(pid, int) and pid > 0 and procs.pid_alive(pid)
 
 
 def is_live(run_dir: Path) -> bool:
