@@ -18,7 +18,7 @@ from pathlib import Path
 from asyncrl_proto import AdapterRegistryState, PromptMsg, RolloutGroupView, decode, group_id
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.subjects import ADAPTERS_KV_KEY
-from services.buffer.state import Auditor, LedgerError, ledger_events, lineage_entry, prompt_of
+from services.buffer.state import Auditor, LedgerError, ledger_events, lineage_entry, new_events, prompt_of
 from services.common.run_store import admin_credentials, registrations, run_config, store_server
 from services.common.weightstore import WeightStore
 
@@ -76,13 +76,7 @@ async def _collect_partition(bus, s, trained_path: Path, prompt: int | None = No
             with contextlib.suppress(ValueError, KeyError, TypeError):  # a torn last line of a killed trainer
                 rec = json.loads(line)
                 trained[int(rec["step"])] = list(rec["groups"])
-    events.sort(key=lambda e: e.seq)
-    unique = []
-    for ev in events:  # an append retried beyond the dedupe window appears twice: keep one, say so
-        if not unique or ev.seq > unique[-1].seq:
-            unique.append(ev)
-        else:
-            skipped.append(f"ledger event {ev.seq} appears more than once (kept the first)")
+    unique = new_events(events, 0, skipped)
     auditor = Auditor()
     auditor.feed(unique)
     report = auditor.report(remaining_prompts=prompts, remaining_rollouts=rollouts, trained_by_trainer=trained)

@@ -4,6 +4,7 @@ store), unique run ids, the task's tiny model and data, and a built-in engine ov
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import uuid
@@ -165,6 +166,25 @@ class RunningService:
 TEST_TOKEN = "test-run-token"
 """The run token of services a test starts in its own process (start_service)."""
 AUTH = {"Authorization": f"Bearer {TEST_TOKEN}"}
+
+
+@contextlib.contextmanager
+def finished_dashboard(run_dir):
+    """`asyncrl dashboard RUN_DIR` on a finished run, for the block: its URL (it prints it first)."""
+    import re
+    import subprocess
+    import sys
+
+    dash = subprocess.Popen([sys.executable, "-m", "services.cli", "dashboard", str(run_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        line = dash.stdout.readline()
+        found = re.search(r"at (http://\S+)/ ", line)
+        assert found, f"asyncrl dashboard printed no URL: {line}{dash.stdout.read() if dash.poll() is not None else ''}"
+        yield found.group(1)
+    finally:
+        dash.terminate()
+        dash.wait(20)
 
 
 def run_auth(run_dir) -> dict[str, str]:

@@ -237,6 +237,19 @@ def audit(events, remaining_prompts: set[str] | None = None, remaining_rollouts:
     return auditor.report(remaining_prompts, remaining_rollouts, trained_by_trainer)
 
 
+def new_events(events, after: int, skipped: list[str]) -> list:
+    """The events after sequence `after`, in order, each once: an append retried beyond the dedupe
+    window appears twice on the ledger (the first is kept, the repeat said in `skipped`)."""
+    out = []
+    for ev in sorted(events, key=lambda e: e.seq):
+        if ev.seq <= after:
+            skipped.append(f"ledger event {ev.seq} appears more than once (kept the first)")
+            continue
+        out.append(ev)
+        after = ev.seq
+    return out
+
+
 def prompt_of(ev) -> int:
     """The prompt (group index) an event is about; -1 for a step's (lease_complete, committed)."""
     return ev.prompt.group_index if ev.kind == "released" and ev.prompt is not None else ev.group_index

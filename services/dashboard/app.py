@@ -66,7 +66,8 @@ class Dashboard:
 
     async def refresh(self) -> None:
         async with self._lock:
-            await asyncio.to_thread(self.data.refresh_files)
+            # the ledger first, then the files: the trainer writes a step's trained.jsonl line before
+            # its commit reaches the ledger, so the files read after hold every step the ledger has
             if self.source is not None:
                 try:
                     await self.data.refresh_streams(await self.source.bus())
@@ -74,6 +75,7 @@ class Dashboard:
                 except Exception as e:  # a broker away for a moment: the files still show, the error says why
                     self.data.streams_error = f"{type(e).__name__}: {str(e)[:200]}"
                     await self.source.reset()
+            await asyncio.to_thread(self.data.refresh_files)
             self.refreshed_at = time.time()
 
     async def keep_fresh(self) -> None:
@@ -312,14 +314,12 @@ def staleness_columns(data: RunData, max_columns: int = 300, adapter: str = "") 
 
 
 def buffer_facts(data: RunData, adapter: str = "") -> dict:
-    c = data.config
     part = data.part(adapter)
     rep = part.audit()
     st = part.auditor.state
     last = data.metrics.rows[-1] if data.metrics.rows and not adapter else {}
-    capacity = int(c.get("async_data_buffer_capacity_factor", 1.0) * c.get("rollout_batch_size", 0))
     return {
-        "queue": len(st.stored), "capacity": capacity, "released": rep["released_prompts"],
+        "queue": len(st.stored), "capacity": data.capacity, "released": rep["released_prompts"],
         "in_flight": len(st.outstanding), "leased_uncommitted": sum(len(x.refs) for x in st.leases.values()),
         "trained": rep["trained"], "failed": rep["failed"], "filtered": rep["filtered"],
         "dropped_aborted": rep["aborted_dropped"], "dropped_stale": rep["stale_dropped"],

@@ -19,10 +19,10 @@ from typing import Any
 from asyncrl_proto import AdapterRegistryState, DeadLetter, WeightsLive, decode
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.subjects import ADAPTERS_KV_KEY
-from services.buffer.state import Auditor, LedgerError, ledger_events, lineage_entry, prompt_of
+from services.buffer.state import Auditor, LedgerError, ledger_events, lineage_entry, new_events, prompt_of
 from services.common import procs, sample_records
 from services.common.procs import RESTARTS_FILE
-from services.common.run_store import registrations
+from services.common.run_store import registrations, run_config
 
 READ_BATCH = 5000
 """Stream messages read per request; a refresh reads batch after batch until it has them all."""
@@ -81,9 +81,10 @@ def is_live(run_dir: Path) -> bool:
     if (run_dir / "result.json").exists() or not pid_alive(pid):
         return False
     try:
-        return b"python" in Path(f"/proc/{pid}/cmdline").read_bytes() or b"asyncrl" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return True  # no /proc here: the pid is all there is
+    return b"python" in cmdline or b"asyncrl" in cmdline
 
 
 def downsample(xs: list[float], ys: list[float], n: int = MAX_POINTS) -> tuple[list[float], list[float]]:
@@ -121,6 +122,8 @@ class Partition:
         self.trained = JsonLines(trained_path)
         self.auditor = Auditor()
         self.ledger_seq = 0
+        self.last_event = 0
+        """The last ledger event read (its `seq`)."""
         self.prompt_events: dict[int, list[dict]] = collections.defaultdict(list)
         """Per prompt (group index): its ledger events, in order (the lineage view)."""
         self.step_staleness: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -139,10 +142,8 @@ class Partition:
                 except LedgerError as e:
                     self.ledger_skipped.append(f"ledger message {seq}: {e}")
                     continue
-                for ev in events:  # an append retried past the dedupe window appears twice: kept once
-                    if ev.seq <= self.auditor.state.seq:
-                        self.ledger_skipped.append(f"ledger event {ev.seq} appears more than once (kept the first)")
-                        continue
+                for ev in new_events(events, self.last_event, self.ledger_skipped):
+                    self.last_event = ev.seq
                     self.auditor.feed([ev])
                     self.index(ev)
             await asyncio.sleep(0)
@@ -174,9 +175,7 @@ class Partition:
 class RunData:
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
-        self.config: dict = _json(self.run_dir / "config.json") or {}
-        if not self.config:
-            raise FileNotFoundError(f"{self.run_dir / 'config.json'} not found: is {self.run_dir} a run directory?")
+        self.config: dict = run_config(self.run_dir)
         self.metrics = JsonLines(self.run_dir / "metrics.jsonl")
         self.evals = JsonLines(self.run_dir / "eval.jsonl")
         self.restarts = JsonLines(self.run_dir / RESTARTS_FILE)
@@ -222,6 +221,12 @@ class RunData:
     @property
     def total_steps(self) -> int | None:
         return self.config.get("num_rollout")
+
+    @property
+    def capacity(self) -> int:
+        """The buffer's capacity in groups (RunConfig.buffer_capacity, from the stored config)."""
+        c = self.config
+        return math.floor(c.get("async_data_buffer_capacity_factor", 1.0) * c.get("rollout_batch_size", 0))
 
     @property
     def run_id(self) -> str:

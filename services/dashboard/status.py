@@ -37,8 +37,7 @@ def render(data: RunData, ledger: dict | None, ledger_note: str = "") -> str:
     first, held = s["heldout_first"], s["heldout"]
     heldout = f"{_f(first[1])} (step {first[0]}) -> {_f(held[1])} (step {held[0]})" if held else "-"
     lines.append(f"reward {_f(s['reward'])}   held-out {heldout}")
-    cap = int(data.config.get("async_data_buffer_capacity_factor", 1.0) * data.config.get("rollout_batch_size", 0))
-    lines.append(f"staleness {_f(s['staleness'], '{:.2f}')}   buffer queue {_f(s['queue'], '{:.0f}')}/{cap}")
+    lines.append(f"staleness {_f(s['staleness'], '{:.2f}')}   buffer queue {_f(s['queue'], '{:.0f}')}/{data.capacity}")
     if ledger:
         filtered = sum(ledger["filtered"].values()) if isinstance(ledger.get("filtered"), dict) else 0
         in_flight = ledger.get("in_flight_at_end", {})
@@ -61,8 +60,9 @@ def render(data: RunData, ledger: dict | None, ledger_note: str = "") -> str:
     return "\n".join(lines)
 
 
-async def _ledger(data: RunData, source) -> tuple[dict | None, str]:
-    """The live ledger's balance (read incrementally), or a finished run's audit.json."""
+async def _read_ledger(data: RunData, source) -> tuple[dict | None, str]:
+    """A finished run's audit.json, or (live) the ledger read on (its balance comes after the
+    files are: `data.audit()`); and a note on where it came from."""
     if source is None:
         path = data.run_dir / "audit.json"
         if path.exists():
@@ -73,7 +73,7 @@ async def _ledger(data: RunData, source) -> tuple[dict | None, str]:
     except Exception as e:  # the broker away: the rest still shows
         await source.reset()
         return None, f"not read ({type(e).__name__}: {str(e)[:120]})"
-    return data.audit(), ""
+    return None, ""
 
 
 async def _run(a) -> int:
@@ -84,8 +84,10 @@ async def _run(a) -> int:
     source = StreamSource(data.run_dir, True, data.config.get("nats_url"), data.run_id) if live else None
     try:
         while True:
+            ledger, note = await _read_ledger(data, source)  # the ledger before the files (see Dashboard.refresh)
             data.refresh_files()
-            ledger, note = await _ledger(data, source)
+            if source is not None and not note:
+                ledger = data.audit()
             screen = render(data, ledger, note)
             if a.watch and sys.stdout.isatty():
                 sys.stdout.write("\x1b[H\x1b[2J")

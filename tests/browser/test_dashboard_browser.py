@@ -6,10 +6,7 @@ why, where Chromium cannot start. Marked `browser` (make test-browser; .ci/run r
 from __future__ import annotations
 
 import json
-import re
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,8 +20,8 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support import expected_conditions as ec  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
-from tests.conftest import run_auth  # noqa: E402
-from tests.e2e.test_cli_run import SMALL  # noqa: E402
+from tests.conftest import finished_dashboard, run_auth  # noqa: E402
+from tests.e2e.test_cli_run import start_run  # noqa: E402
 
 pytestmark = pytest.mark.browser
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "dashboard"
@@ -94,11 +91,7 @@ def _lineage(driver, url: str, name: str) -> None:
 
 def test_the_dashboard_of_a_live_run_and_of_the_finished_run(browser, tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "train-async", "--fully-async", *SMALL, "--num-rollout", "150",
-         "--eval-interval", "10", "--run-dir", str(run_dir)],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    proc = start_run(tmp_path, "--num-rollout", "150", "--eval-interval", "10", "--run-dir", str(run_dir))
     try:
         deadline = time.monotonic() + 180
         while not (
@@ -126,10 +119,7 @@ def test_the_dashboard_of_a_live_run_and_of_the_finished_run(browser, tmp_path):
             proc.kill()
     assert proc.returncode == 0, out[-3000:]
 
-    dash = subprocess.Popen([sys.executable, "-m", "services.cli", "dashboard", str(run_dir)], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    try:
-        url = re.search(r"at (http://\S+)/ ", dash.stdout.readline()).group(1)
+    with finished_dashboard(run_dir) as url:
         _log_in(browser, url, token)
         assert "finished" in browser.find_element(By.CSS_SELECTOR, ".facts").text
         assert "step 150/150" in browser.find_element(By.CSS_SELECTOR, ".facts").text
@@ -137,6 +127,3 @@ def test_the_dashboard_of_a_live_run_and_of_the_finished_run(browser, tmp_path):
         browser.get(url + "/?x=time")
         _check_page(browser, "finished-wall-clock")
         _lineage(browser, url, "finished")
-    finally:
-        dash.terminate()
-        dash.wait(20)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ import httpx
 import pytest
 
 from services.common.crash import ENV
-from tests.conftest import run_auth
+from tests.conftest import finished_dashboard, run_auth
 
 pytestmark = pytest.mark.crash
 
@@ -39,19 +38,13 @@ def test_lineage_follows_a_crash_recycled_prompt_to_the_step_that_trained_it(tmp
         rec = json.loads(line)
         trained[rec["step"]] = rec["groups"]
 
-    dash = subprocess.Popen([sys.executable, "-m", "services.cli", "dashboard", str(run_dir)], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    try:
-        url = re.search(r"at (http://\S+)/ ", dash.stdout.readline()).group(1)
+    with finished_dashboard(run_dir) as url:
         with httpx.Client(timeout=30, headers=run_auth(run_dir)) as http:
             board = http.get(url + "/api/audit").json()
             lineages = [http.get(f"{url}/api/prompt/{g}").json() for g in range(board["released_prompts"])]
             recycled = [x for x in lineages if any(e["kind"] == "expired" for e in x["events"])]
             assert recycled, "no prompt went back to the data source after the producer's death"
             pages = {x["group_index"]: http.get(f"{url}/prompt/{x['group_index']}").text for x in recycled}
-    finally:
-        dash.terminate()
-        dash.wait(20)
 
     audit = json.loads(subprocess.run([sys.executable, "-m", "services.cli", "audit", str(run_dir), "--json"],
                                       capture_output=True, text=True, timeout=120).stdout)  # fmt: skip

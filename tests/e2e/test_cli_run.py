@@ -38,6 +38,13 @@ def asyncrl(*args: str, cwd: Path, timeout: float = 240) -> subprocess.Completed
     )
 
 
+def start_run(cwd: Path, *args: str) -> subprocess.Popen:
+    """`asyncrl train-async --fully-async` on the SMALL job with ARGS, in the background; its
+    output (stdout and stderr) on one text pipe."""
+    return subprocess.Popen([sys.executable, "-m", "services.cli", "train-async", "--fully-async", *SMALL, *args],
+                            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
 def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -70,11 +77,7 @@ def test_invalid_flags_say_what_to_do(tmp_path):
 
 def test_fully_async_run_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "train-async", "--fully-async", *SMALL, "--num-rollout", "8",
-         "--eval-interval", "4", "--run-dir", str(run_dir)],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    proc = start_run(tmp_path, "--num-rollout", "8", "--eval-interval", "4", "--run-dir", str(run_dir))
     try:
         # while it runs: every service answers its HTTP endpoints on its own port
         deadline = time.monotonic() + 120

@@ -8,16 +8,14 @@ from __future__ import annotations
 import gzip
 import json
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import run_auth
-from tests.e2e.test_cli_run import SMALL, asyncrl
+from tests.conftest import finished_dashboard, run_auth
+from tests.e2e.test_cli_run import asyncrl, start_run
 
 DATA_ROUTES = ("/api/summary", "/api/curves", "/api/curves?x=time", "/api/staleness", "/api/versions", "/api/buffer",
                "/api/services", "/api/audit", "/api/errors", "/api/steps", "/api/step/0", "/api/prompt/0")  # fmt: skip
@@ -75,11 +73,7 @@ def _check_routes(url: str, headers: dict) -> dict:
 
 def test_the_dashboard_and_status_show_a_run_live_and_finished(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "train-async", "--fully-async", *SMALL, "--num-rollout", "40",
-         "--eval-interval", "20", "--run-dir", str(run_dir)],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    proc = start_run(tmp_path, "--num-rollout", "40", "--eval-interval", "20", "--run-dir", str(run_dir))
     headers = None
     try:
         services = _wait_for(lambda: (run_dir / "services.json").exists()
@@ -117,15 +111,8 @@ def test_the_dashboard_and_status_show_a_run_live_and_finished(tmp_path):
                       for p in run_dir.rglob("*") if p.is_file())  # fmt: skip
 
     before = files()
-    dash = subprocess.Popen([sys.executable, "-m", "services.cli", "dashboard", str(run_dir)], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    try:
-        line = dash.stdout.readline()
-        url = re.search(r"at (http://\S+)/ ", line).group(1)
+    with finished_dashboard(run_dir) as url:
         got = _check_routes(url, headers)
-    finally:
-        dash.terminate()
-        dash.wait(20)
     assert files() == before  # the run directory is not written, not even a log
 
     summary = got["/api/summary"]

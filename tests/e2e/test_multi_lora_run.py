@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from services.tasks import copy_digits, reverse_digits
-from tests.conftest import run_auth
+from tests.conftest import finished_dashboard, run_auth
 
 SMALL = ["--fully-async", "--skip-eval-before-train", "--num-rollout", "1", "--n-samples-per-prompt", "4",
          "--rollout-batch-size", "4", "--async-data-buffer-capacity-factor", "1"]  # fmt: skip
@@ -83,10 +83,7 @@ def test_two_adapters_train_at_once_each_in_its_own_partition(tmp_path, tiny_mod
         assert part["trained"] == 16 and part["lost"] == 0 and part["trained_twice"] == 0  # 4 steps x 4 groups
     assert "ledger of adapter rev@" in r.stdout and "ledger of adapter copy@" in r.stdout
     # the dashboard: every adapter registration's own views, its ledger as the audit's
-    dash = subprocess.Popen([sys.executable, "-m", "services.cli", "dashboard", str(run_dir)], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    try:
-        url = re.search(r"at (http://\S+)/ ", dash.stdout.readline()).group(1)
+    with finished_dashboard(run_dir) as url:
         with httpx.Client(base_url=url, headers=run_auth(run_dir), timeout=30) as http:
             parts = http.get("/api/partitions").json()
             assert set(parts) == {""} | set(audit["adapters"])
@@ -108,9 +105,6 @@ def test_two_adapters_train_at_once_each_in_its_own_partition(tmp_path, tiny_mod
                 assert all(s["weight_versions"] == [0] for g in step0["groups"] for s in g["samples"])
                 assert "seg" in http.get("/step/0", params={"adapter": key}).text
             assert http.get("/api/audit", params={"adapter": "nobody@0"}).status_code == 404
-    finally:
-        dash.terminate()
-        dash.wait(20)
     # the saved adapters are what a tenant scores after the run
     out = tmp_path / "scores.json"
     e = cli("eval-adapter", "--hf-checkpoint", str(tiny_model_dir), "--adapter", str(tmp_path / "save_rev" / "step_4"),
