@@ -74,6 +74,51 @@ def tiny_model_dir(tmp_path_factory):
     return d
 
 
+TOOL_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}[{% for t in tools %}{{ t['function']['name'] }}{% endfor %}]{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}{% for c in m['tool_calls'] or [] %}"
+    "<tool_call>{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": {{ c['function']['arguments'] | tojson }}}"
+    "</tool_call>{% endfor %}{{ eos_token }}{% elif m['role'] == 'tool' %}({{ m['content'] }}){% else %}"
+    "{{ m['content'] }}{% endif %}{% endfor %}"
+)
+"""A chat template in the Qwen/Hermes manner, short enough for a character model: the tools'
+names, the messages' text, an assistant's calls as <tool_call> blocks, a tool's answer in brackets."""
+TOOL_CALL = '<tool_call>{"name": "calc_add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+
+
+@pytest.fixture(scope="session")
+def tool_model_dir(tmp_path_factory):
+    """A character model warm-started on one tool-using conversation, so that greedy decoding
+    replays it: to "1+2", offered the tool calc_add, it calls calc_add(a=1, b=2); given the tool's
+    answer "(3)", it answers "3"."""
+    import torch
+
+    from services.model.hf_io import save_model
+    from services.model.llama import CausalLM, ModelConfig
+    from services.model.tokenizer import Tokenizer
+    from services.tasks import char_model as cm
+
+    d = tmp_path_factory.mktemp("model") / "tools"
+    cm.build_char_tokenizer(d, 256, chat_template=TOOL_TEMPLATE)
+    tok = Tokenizer(d)
+    tools = [{"type": "function", "function": {"name": "calc_add"}}]
+    first = [{"role": "user", "content": "1+2"}]
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "calc_add", "arguments": {"a": 1, "b": 2}}}]}  # fmt: skip
+    second = [*first, call, {"role": "tool", "tool_call_id": "c", "content": "3"}]
+    pairs = [(tok.encode(tok.render_chat(first, tools=tools), add_special_tokens=False), cm.encode(TOOL_CALL) + [cm.EOS_ID]),
+             (tok.encode(tok.render_chat(second, tools=tools), add_special_tokens=False), cm.encode("3") + [cm.EOS_ID])]  # fmt: skip
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=len(cm.SPECIAL) + len(cm.ALPHABET), hidden_size=64, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                      bos_token_id=cm.BOS_ID, eos_token_id=cm.EOS_ID, pad_token_id=cm.PAD_ID)  # fmt: skip
+    model = CausalLM(cfg)
+    model.init_weights(0)
+    cm.warm_start(model, lambda rng: rng.choice(pairs), steps=150, seed=0, batch=8, lr=3e-3)
+    save_model(model, d)
+    return d
+
+
 @pytest.fixture(scope="session")
 def task_data(tmp_path_factory):
     from services.tasks import reverse_digits
@@ -86,7 +131,7 @@ class EngineThread:
 
     def __init__(self, model_dir, weight_version: str = "0", max_running_requests: int = 64, seed: int = 0,
                  api_key: str | None = None, on_death=None, weights=None, staged_loading: bool = True,
-                 max_loras: int = 0, max_lora_rank: int = 8, keys=None):  # fmt: skip
+                 max_loras: int = 0, max_lora_rank: int = 8, keys=None, tool_call_parser: str | None = None):  # fmt: skip
         import uvicorn
 
         from services.engine.scheduler import Scheduler
@@ -111,7 +156,7 @@ class EngineThread:
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = EngineServer(self.scheduler, str(model_dir), Tokenizer(model_dir), port=self.port,
                                    api_key=api_key, keys=keys, weights=weights, staged_loading=staged_loading,
-                                   loras=self.loras)  # fmt: skip
+                                   loras=self.loras, tool_call_parser=tool_call_parser)  # fmt: skip
         self._uv = uvicorn.Server(
             uvicorn.Config(
                 self.server.app,

@@ -23,12 +23,19 @@ def builtin_engine_flags(config, seed: int, instance: str) -> dict[str, str | No
     if getattr(config, "multi_lora_n_adapters", 0) > 0:  # two versions of every adapter while one replaces the other
         lora = {"--enable-lora": None, "--max-loras-per-batch": str(2 * config.multi_lora.multi_lora_n_adapters),
                 "--max-lora-rank": str(config.multi_lora.multi_lora_max_rank)}  # fmt: skip
+    tools = {}
+    args = list(config.infra.sglang_server_args)
+    for i, arg in enumerate(args):  # --sglang-tool-call-parser: the built-in engine knows SGLang's flag
+        if arg == "--tool-call-parser" and i + 1 < len(args):
+            tools = {"--tool-call-parser": args[i + 1]}
+        elif arg.startswith("--tool-call-parser="):
+            tools = {"--tool-call-parser": arg.split("=", 1)[1]}
     return {
         "--max-running-requests": str(config.infra.engine_max_running_requests),
         "--torch-num-threads": str(config.infra.torch_num_threads),
         "--random-seed": str(seed),
         "--instance-id": instance,
-    } | ({"--run-id": config.infra.run_id} if config.infra.run_id else {}) | lora
+    } | ({"--run-id": config.infra.run_id} if config.infra.run_id else {}) | lora | tools
 
 
 def sglang_server_command(model_path: str, port: int, seed: int, args: list[str]) -> list[str]:

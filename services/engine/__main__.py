@@ -6,6 +6,8 @@ import argparse
 import logging
 import os
 
+from services.engine.tool_calls import PARSERS
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="asyncrl engine", description=__doc__)
@@ -23,6 +25,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--torch-num-threads", type=int, default=1)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                   help="answer a chat request's tool calls as OpenAI's message.tool_calls (SGLang's flag; qwen25 "
+                   "and hermes: <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>)")  # fmt: skip
     p.add_argument(
         "--api-key",
         default=None,
@@ -129,7 +134,8 @@ def main(argv=None) -> None:
         cache = args.weights_cache_dir or (temp_cache := tempfile.mkdtemp(prefix="asyncrl-engine-weights-"))
         weights = ObjectWeights(args.nats_url, args.run_id, cache)
     server = EngineServer(sched, args.model_path, tokenizer, args.served_model_name, args.host, args.port,
-                          keys=keys, weights=weights, staged_loading=not args.disable_staged_weight_loading, loras=loras)  # fmt: skip
+                          keys=keys, weights=weights, staged_loading=not args.disable_staged_weight_loading, loras=loras,
+                          tool_call_parser=args.tool_call_parser)  # fmt: skip
     engine_metrics(server, run=args.run_id, instance=args.instance_id)  # the run and instance labels
     try:
         uvicorn.run(

@@ -8,7 +8,9 @@ server-sent events (`data: <chunk>` per step, `data: [DONE]` last; with
 `stream_options.include_usage` a last chunk with `usage` and no choices). Chat prompts are rendered
 with the chat template of the model's tokenizer (services/model/tokenizer.py, jinja2); `tools`
 reach a template that reads them (its `tools` variable, as transformers passes it), and the model's
-tool calls come back as its text (no tool-call parser: `tool_choice` none or auto only).
+tool calls come back as its text, or, with `--tool-call-parser` (services/engine/tool_calls.py), as
+OpenAI's `message.tool_calls` (non-streaming answers; `tool_choice` none or auto only). An
+assistant message's tool calls reach the template with their arguments as objects.
 Beyond OpenAI's fields, SGLang's extra sampling fields are accepted (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, no_stop_trim).
 """
@@ -25,6 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.engine.generate import Tracked, sse, weight_spans
 from services.engine.protocol import MAX_SEQUENCES, BadRequest, Sequence, raise_if_failed, sampling_params, token_ids
+from services.engine.tool_calls import arguments_for_template, parse_tool_calls
 
 MAX_LOGPROBS = 20
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
@@ -170,12 +173,16 @@ class OpenAIRoutes:
         _check(isinstance(want, bool), "logprobs must be true or false", "logprobs")
         k = _logprobs_count(body, "top_logprobs")
         _check(k is None or want, "top_logprobs needs logprobs: true", "top_logprobs")
-        ids = self._chat_prompt(body.get("messages"), tools if body.get("tool_choice") != "none" else None)
+        offered = tools if body.get("tool_choice") != "none" else None
+        parse = bool(offered) and self.server.tool_call_parser is not None
+        _check(not (parse and body.get("stream")), "stream with tools: this engine parses tool calls "
+               "(--tool-call-parser) in whole answers only; send stream: false", "stream")  # fmt: skip
+        ids = self._chat_prompt(body.get("messages"), offered)
         raw.setdefault("max_new_tokens", self.server.limits.context_length - len(ids))
         params, text, n = self._sampling(raw, body)
         rid = "chatcmpl-" + uuid.uuid4().hex
         seqs = [Sequence(ids, params, text, f"{rid}-{j}", want, None, k or 0) for j in range(n)]
-        return seqs, [ids], {"id": rid, "n": n, "token_ids": _token_ids_flag(body)}
+        return seqs, [ids], {"id": rid, "n": n, "token_ids": _token_ids_flag(body), "tool_calls": parse}
 
     def _chat_prompt(self, messages: Any, tools: list[dict] | None = None) -> list[int]:
         tok = self.server.tokenizer
@@ -193,6 +200,11 @@ class OpenAIRoutes:
             _check(set(m) <= {"role", "content", "name", "tool_calls", "tool_call_id"},
                    f"{where}: only role, content, name, tool_calls and tool_call_id are implemented",
                    where)  # fmt: skip
+            if m.get("tool_calls") is not None:
+                try:
+                    m = arguments_for_template(m)
+                except ValueError as e:
+                    raise OpenAIError(f"{where}: {e}", where) from None
             clean.append({**m, "content": content or ""})
         _check(tok is not None and tok.has_chat_template, "the model's tokenizer has no chat template", "messages")
         try:
@@ -278,6 +290,11 @@ class OpenAIRoutes:
         for t in tracked:
             reason, matched = self._finish(t)
             message = {"role": "assistant", "content": t.view.text(t.req.output_ids, t.req.finish_reason)}
+            if meta.get("tool_calls"):
+                content, calls = parse_tool_calls(message["content"])
+                if calls:
+                    message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                    reason = "tool_calls" if reason == "stop" else reason
             lp = self._chat_logprobs(t, 0, len(t.req.output_ids)) if t.seq.return_logprob else None
             choices.append({"index": t.index, "message": message, "logprobs": lp, "finish_reason": reason,
                             "matched_stop": matched, **self._ids(t, meta)})  # fmt: skip

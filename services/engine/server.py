@@ -68,6 +68,7 @@ class EngineServer:
         weights=None,
         staged_loading: bool = True,
         loras=None,
+        tool_call_parser: str | None = None,
     ):
         """weights: an ObjectWeights that fetches `nats-object://` snapshots (None: disk only).
         staged_loading False: no /stage_weights (404), as an SGLang server. loras: the engine's
@@ -85,6 +86,8 @@ class EngineServer:
         self.limits = Limits(vocab_size=cfg.vocab_size, context_length=scheduler.context_length)
         self.model_path = model_path
         self.tokenizer = tokenizer
+        self.tool_call_parser = tool_call_parser
+        """--tool-call-parser: chat answers to requests with tools carry the calls the model wrote."""
         self.served_model_name = served_model_name or Path(model_path).name
         self.host, self.port = host, port
         self.started_at = time.time()

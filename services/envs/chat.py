@@ -105,7 +105,7 @@ class ChatRecorder:
             "ids": list(choice["token_ids"]),
             "logprobs": [float(e["logprob"]) for e in (choice.get("logprobs") or {}).get("content") or []],
             "meta_info": {**choice.get("meta_info", {}), "finish_reason": {"type": choice.get("finish_reason")}},
-            "text": choice["message"].get("content") or "",
+            "text": None if choice["message"].get("tool_calls") else choice["message"].get("content") or "",
         })  # fmt: skip
         return web.json_response(answer)
 
@@ -125,7 +125,8 @@ def assemble(sample: Sample, prompt_ids: list[int] | None, turns: list[dict], de
         if added:
             traj.env_turn(added, decode(added))
         pairs = [[lp, t, None] for lp, t in zip(turn["logprobs"], turn["ids"], strict=True)]
-        resp = {"text": turn["text"], "meta_info": {**turn["meta_info"], "output_token_logprobs": pairs}}
+        text = turn["text"] if turn["text"] is not None else decode(turn["ids"])  # a reply of tool calls: as written
+        resp = {"text": text, "meta_info": {**turn["meta_info"], "output_token_logprobs": pairs}}
         traj.model_turn(resp)
         if traj.aborted:  # the engine cut this turn (a weight update's pause): the sample ends ABORTED
             break

@@ -13,14 +13,20 @@ its reward and metrics are kept in metadata["env_rewards"]. An episode the task 
 (no reward, or errors) fails its sample with verifiers' reasons (the group retry path takes over);
 one whose model turn the engine aborted (a weight update's pause) ends there, ABORTED, unscored.
 
-The harness sends the conversation and ends a segment at the model's answer; it has no tool
-loop of its own (a verifiers Toolset needs an MCP-capable harness and an engine that parses tool
-calls).
+Tools: the task's verifiers Toolsets are MCP servers (verifiers starts them); the harness offers
+their tools to the model (`name` or `<server>_<name>`, as verifiers' own chat loop names them),
+runs each call the model's reply makes on its server and sends the result back as a tool message,
+until a reply calls nothing or the turn limit (`--env-max-turns`) ends the episode. The model's
+calls reach the harness as OpenAI `tool_calls` only from an engine that parses them:
+`--sglang-tool-call-parser qwen25` (SGLang's flag; the built-in engine knows it too). The tool
+messages' tokens are the environment's (loss mask 0), as the chat template renders them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import os
 import sys
 import types
@@ -49,15 +55,19 @@ def _register_harness(vf) -> None:
         return
     from openai import AsyncOpenAI
     from verifiers.v1.dialects.chat import message_to_wire
+    from verifiers.v1.harnesses.utils.mcp import connect_mcp
     from verifiers.v1.runtimes import ProgramResult
 
     class ChatHarnessConfig(vf.HarnessConfig):
         id: str = HARNESS_ID
 
     class ChatHarness(vf.Harness[ChatHarnessConfig]):
-        """One chat call per segment, in this process, through the interception endpoint."""
+        """The chat loop, in this process, through the interception endpoint: the task's tools
+        (its Toolsets' MCP servers) are offered to the model, each call it makes is run on its
+        server and answered with a tool message, until a reply calls nothing."""
 
         APPENDS_SYSTEM_PROMPT = True
+        SUPPORTS_MCP = True
         SUPPORTS_RESUME = True
         EXECUTES_CODE = False
         NEEDS_CONTAINER = False
@@ -69,9 +79,14 @@ def _register_harness(vf) -> None:
                 messages.append({"role": "user", "content": prompt})
             elif prompt:
                 messages += [message_to_wire(m) for m in prompt]
-            async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
+            async with contextlib.AsyncExitStack() as stack:
+                client = await stack.enter_async_context(AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0))
+                tools, dispatch, servers = [], {}, {}
+                if mcp_urls:
+                    config = {"mcpServers": {name: {"url": url} for name, url in mcp_urls.items()}}
+                    tools, dispatch, servers = await connect_mcp(config, stack)
                 try:
-                    await client.chat.completions.create(model=ctx.model, messages=messages)
+                    await _chat_loop(client, ctx.model, messages, tools, dispatch, servers)
                 except Exception as e:  # a limit or a stop condition ends the segment with an HTTP error
                     return ProgramResult(exit_code=0 if trace.stop_condition else 1, stdout="", stderr=repr(e))
             return ProgramResult(exit_code=0, stdout="", stderr="")
@@ -79,6 +94,37 @@ def _register_harness(vf) -> None:
     module = types.ModuleType(HARNESS_ID, "asyncrl's in-process chat harness for verifiers (services/envs/vf.py)")
     module.ChatHarness, module.ChatHarnessConfig, module.__all__ = ChatHarness, ChatHarnessConfig, ["ChatHarness"]
     sys.modules[HARNESS_ID] = module
+
+
+async def _chat_loop(
+    client, model: str, messages: list[dict], tools: list[dict], dispatch: dict, servers: dict
+) -> None:
+    """Ask the model, run the tool calls of its reply on their MCP servers and append what they
+    answered, until a reply calls no tool. A call the model got wrong (unknown tool, arguments
+    that are not a JSON object) is answered with the error, for the model to see."""
+    from verifiers.v1.harnesses.utils.mcp import call_mcp
+
+    while True:
+        kwargs = {"tools": tools} if tools else {}
+        completion = await client.chat.completions.create(model=model, messages=messages, **kwargs)
+        message = completion.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return
+        for call in message.tool_calls:
+            name = call.function.name
+            try:
+                args = json.loads(call.function.arguments or "{}")
+            except ValueError as e:
+                content = f"error: the arguments are not JSON ({e})"
+            else:
+                if not isinstance(args, dict):
+                    content = f"error: the arguments must be a JSON object, not {type(args).__name__}"
+                elif name not in dispatch:
+                    content = f"error: no tool {name!r} (tools: {', '.join(sorted(dispatch)) or 'none'})"
+                else:
+                    content = await call_mcp(servers, dispatch, name, args)
+            messages.append({"role": "tool", "tool_call_id": call.id, "name": name, "content": content})
 
 
 @functools.cache

@@ -57,3 +57,17 @@ def test_the_launcher_labels_every_engine_it_starts():
     cmd = builtin_engine_command("/m", 30000, builtin_engine_flags(config, 0, "engine-3"))
     args = parse_args(cmd[cmd.index("--model-path") :])
     assert (args.run_id, args.instance_id, args.nats_url) == ("run-x", "engine-3", None)
+
+
+def test_sglang_tool_call_parser_reaches_the_built_in_engines_too():
+    from services.common.config import RunConfig
+    from services.common.config_load import split_passthrough
+    from services.common.engine_commands import builtin_engine_command, builtin_engine_flags
+    from services.engine.__main__ import parse_args
+
+    for argv, want in ((["--sglang-tool-call-parser", "qwen25"], "qwen25"),
+                       (["--sglang-tool-call-parser=hermes"], "hermes"), ([], None)):  # fmt: skip
+        rest, found = split_passthrough(argv)
+        config = RunConfig(sglang_server_args=found["sglang_server_args"])
+        cmd = builtin_engine_command("/m", 30000, builtin_engine_flags(config, 0, "engine-0"))
+        assert rest == [] and parse_args(cmd[cmd.index("--model-path") :]).tool_call_parser == want

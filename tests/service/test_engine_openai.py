@@ -196,3 +196,44 @@ async def test_tools_reach_a_chat_template_that_renders_them(tiny_model_dir, tmp
                 await c.chat.completions.create(model="m", messages=chat, tools=tools, tool_choice="required")
             with pytest.raises(openai.BadRequestError, match="tools must be a list"):
                 await c.chat.completions.create(model="m", messages=chat, tools=[{"name": "f"}])
+
+
+async def test_the_tool_call_parser_answers_the_calls_the_model_wrote(tool_model_dir):
+    """--tool-call-parser qwen25: the call the model wrote comes back as message.tool_calls with
+    finish reason tool_calls; sent back with the tool's answer it renders as the model wrote it,
+    so the next prompt extends the first one's ids and the sampled ids (one token sequence).
+    Without the parser the call is the answer's text; a stream with tools is refused."""
+    import json
+
+    from tests.conftest import TOOL_CALL
+
+    tok = Tokenizer(tool_model_dir)
+    tools = [{"type": "function", "function": {"name": "calc_add", "parameters": {"type": "object"}}}]
+    chat = [{"role": "user", "content": "1+2"}]
+    ask = {"model": "m", "tools": tools, "temperature": 0, "max_tokens": 100, "extra_body": {"return_token_ids": True}}
+    with EngineThread(tool_model_dir, tool_call_parser="qwen25") as e:
+        async with openai.AsyncOpenAI(base_url=e.url + "/v1", api_key="x", max_retries=0) as c:
+            first = await c.chat.completions.create(messages=chat, **ask)
+            choice = first.choices[0]
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            [call] = choice.message.tool_calls
+            assert call.type == "function" and call.function.name == "calc_add"
+            assert json.loads(call.function.arguments) == {"a": 1, "b": 2}
+            sampled = choice.model_extra["token_ids"]
+            assert tok.decode(sampled) == TOOL_CALL
+            chat += [choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "3"}]
+            second = await c.chat.completions.create(messages=chat, **ask)
+            assert second.choices[0].message.content == "3" and second.choices[0].finish_reason == "stop"
+            assert second.choices[0].message.tool_calls is None
+            before = first.model_extra["prompt_token_ids"] + sampled
+            assert second.model_extra["prompt_token_ids"][: len(before)] == before
+            with pytest.raises(openai.BadRequestError, match="stream"):
+                await c.chat.completions.create(messages=chat, stream=True, **ask)
+            bad = [*chat[:1], {**chat[1], "tool_calls": [{**chat[1]["tool_calls"][0], "function": {
+                "name": "calc_add", "arguments": "{not json"}}]}, chat[2]]  # fmt: skip
+            with pytest.raises(openai.BadRequestError, match=r"messages\[1\]: tool_calls\[0\].function.arguments"):
+                await c.chat.completions.create(messages=bad, **ask)
+    with EngineThread(tool_model_dir) as e:  # no parser: the model's text, as SGLang without one
+        async with openai.AsyncOpenAI(base_url=e.url + "/v1", api_key="x", max_retries=0) as c:
+            plain = await c.chat.completions.create(messages=chat[:1], **ask)
+            assert plain.choices[0].message.content == TOOL_CALL and plain.choices[0].finish_reason == "stop"

@@ -4,6 +4,8 @@ sampled, its reward the task's own."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 vf = pytest.importorskip("verifiers.v1", reason="the verifiers extra: pip install -e '.[verifiers]'")
@@ -40,7 +42,22 @@ class UnscoredTask(vf.Task[ReverseData, vf.State, vf.TaskConfig]):
         raise ZeroDivisionError("no score for this reply")
 
 
+class CalcTask(vf.Task[ReverseData, vf.State, vf.TaskConfig]):
+    """Answer with the sum; the calculator toolset (tests/service/vf_calc.py) is at hand."""
+
+    @classmethod
+    def toolsets(cls, config):
+        from tests.service.vf_calc import Calc
+
+        return [Calc(vf.ToolsetConfig())]
+
+    @vf.reward(weight=1.0)
+    async def right(self, task: ReverseData, trace: vf.Trace) -> float:
+        return float((trace.last_reply or "").strip() == task.answer)
+
+
 NOT_A_TASK = 3
+ROOT = str(Path(__file__).resolve().parents[2])
 
 
 async def test_an_episode_is_the_ids_the_engine_saw_and_sampled(tiny_model_dir):
@@ -122,3 +139,42 @@ def test_a_turn_the_engine_aborted_ends_the_sample_aborted():
 
     s = assemble(Sample(index=0), None, [turn([1, 5], [6], "abort"), turn([1, 5, 6, 9], [7], "stop")], str)
     assert s.status is SampleStatus.ABORTED and s.tokens == [1, 5, 6] and s.metadata["turns"] == ["x"]
+
+
+async def test_a_tool_using_episode_runs_the_calls_on_the_toolsets_server(tool_model_dir, monkeypatch):
+    """A verifiers Toolset (an MCP server verifiers starts) in the loop: the harness offers its
+    tool, the engine (--tool-call-parser qwen25) answers the model's call as tool_calls, the call
+    runs on the server, its answer goes back as a tool message, and the model answers. The sample
+    is one token sequence: the call and the answer are the model's (loss mask 1), the tool's
+    answer is the environment's (loss mask 0), each with the ids the engine saw and sampled."""
+    from services.tasks.char_model import encode
+    from tests.conftest import TOOL_CALL
+
+    monkeypatch.setenv("PYTHONPATH", ROOT)  # the toolset's process imports tests
+    config = RunConfig(env=f"verifiers:{__name__}:CalcTask", rollout_max_response_len=100, env_max_turns=4)
+    tok = Tokenizer(tool_model_dir)
+    eos = tok.eos_token_id
+    with EngineThread(tool_model_dir, tool_call_parser="qwen25") as engine:
+        client = SGLangClient([engine.url])
+        handle = EngineHandle(client, tok)
+        recorder = None
+        try:
+            s = Sample(index=0, prompt="1+2", label="3", metadata={})
+            out = await connector.generate(config, s, handle, {"max_new_tokens": 100, "temperature": 0.0,
+                                                               "top_p": 1.0, "top_k": -1})  # fmt: skip
+            recorder = await ChatRecorder.for_engine(handle)
+        finally:
+            if recorder is not None:
+                await recorder.close()
+            await client.close()
+    assert out.status is SampleStatus.COMPLETED, out.metadata
+    assert out.metadata["env_reward"] == 1.0 == await env_reward(config, out)
+    prompt_len = out.metadata["prompt_length"]
+    rendered = tok.render_chat([{"role": "user", "content": "1+2"}], tools=[{"type": "function",
+                               "function": {"name": "calc_add"}}])  # fmt: skip
+    assert out.tokens[:prompt_len] == tok.encode(rendered, add_special_tokens=False)
+    call, told, answer = encode(TOOL_CALL) + [eos], encode("(3)"), encode("3") + [eos]
+    assert out.tokens[prompt_len:] == call + told + answer  # "(3)": what the server computed, as the template renders it
+    assert out.loss_mask == [1] * len(call) + [0] * len(told) + [1] * len(answer)
+    assert len(out.rollout_log_probs) == out.response_length
+    assert [lp for lp, m in zip(out.rollout_log_probs, out.loss_mask, strict=True) if m == 0] == [0.0] * len(told)
