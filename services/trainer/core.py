@@ -181,6 +181,7 @@ class LossConfig:
     use_tis: bool = False
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
+    tis_mode: str = "truncate"
     kl_coef: float = 0.0
     kl_loss_type: str = "low_var_kl"
     aggregation: str = "token"
@@ -240,7 +241,8 @@ def policy_loss(
 
     ratio = exp(logp - old), old = the engine's behaviour log-probs (--use-rollout-logprobs) or
     the trainer's own (then the ratio is 1 and --use-tis corrects the engine/trainer mismatch
-    with exp(logp_trainer - logp_engine) clipped to [tis_clip_low, tis_clip]);
+    with exp(logp_trainer - logp_engine) clipped to [tis_clip_low, tis_clip], or with --tis-mode mask
+    kept as is inside that range and 0 outside it: masked importance sampling, IcePop's);
     per token: max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps_high)) [* tis]
                + kl_coef * KL(policy || reference) - entropy_coef * entropy;
     aggregated per token or per sequence over `denom` (default: this batch's tokens or sequences).
@@ -280,10 +282,16 @@ def policy_loss(
         stats["train/behave_imp_weight_mean"] = ((behave_bt * kept).sum() / kept.sum().clamp(min=1.0)).item()
         stats["train/behave_imp_weight_capped_frac"] = ((mask - kept).sum() / own).item()
     if cfg.use_tis:
-        tis_bt = torch.exp(logp_bt.detach() - batch.rollout_logprobs_bt).clamp(cfg.tis_clip_low, cfg.tis_clip)
-        pg_bt = pg_bt * tis_bt
+        weight_bt = torch.exp(logp_bt.detach() - batch.rollout_logprobs_bt)
+        if cfg.tis_mode == "mask":  # outside [low, high] a token is left out, inside it keeps its weight
+            outside = ((weight_bt < cfg.tis_clip_low) | (weight_bt > cfg.tis_clip)).float() * mask
+            tis_bt = torch.where(outside > 0, torch.zeros_like(weight_bt), weight_bt)
+            stats["train/tis_clipfrac"] = (outside.sum() / own).item()
+        else:
+            tis_bt = weight_bt.clamp(cfg.tis_clip_low, cfg.tis_clip)
+            stats["train/tis_clipfrac"] = (((tis_bt >= cfg.tis_clip).float() * mask).sum() / own).item()
+        pg_bt = torch.where(tis_bt > 0, pg_bt * tis_bt, torch.zeros_like(pg_bt))  # never inf * 0
         stats["train/tis_mean"] = ((tis_bt * mask).sum() / own).item()
-        stats["train/tis_clipfrac"] = (((tis_bt >= cfg.tis_clip).float() * mask).sum() / own).item()
     loss = _aggregate(pg_bt, mask, cfg.aggregation, denom)
     stats["train/pg_loss"] = loss.item()
     if cfg.kl_coef:

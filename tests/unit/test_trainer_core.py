@@ -227,6 +227,29 @@ def test_kl_entropy_tis_and_aggregation_by_hand(kind):
     assert stats["train/tis_mean"] == pytest.approx(sum(tis_all) / 3, rel=1e-5)
 
 
+def test_masked_importance_sampling_leaves_out_tokens_outside_the_range_by_hand():
+    """--tis-mode mask: a token whose weight exp(logp - logp_engine) lies outside [low, high] is
+    left out of the loss (still counted in the denominator); inside, it keeps its weight unclipped."""
+    model = tiny_model(4)
+    a, b = _two_samples()
+    batch = build_train_batch([[a, b]], std_normalization=True, reward_key=None, pad_id=0)
+    hand = [(lp, beh, adv) for (lps, _), s, adv in zip(_hand_logps(model, [a, b]), (a, b), (1.0, -1.0), strict=True)
+            for lp, beh in zip(lps, s.rollout_log_probs, strict=True)]  # fmt: skip
+    weights = sorted(math.exp(lp - beh) for lp, beh, _ in hand)
+    low, high = (weights[0] + weights[1]) / 2, (weights[1] + weights[2]) / 2  # only the middle weight is inside
+    for mode in ("mask", "truncate"):
+        cfg = LossConfig(use_rollout_logprobs=False, use_tis=True, tis_clip=high, tis_clip_low=low, tis_mode=mode)
+        loss, stats = policy_loss(model, batch, cfg)
+        if mode == "mask":
+            kept = [(-adv * math.exp(lp - beh), math.exp(lp - beh)) for lp, beh, adv in hand if low <= math.exp(lp - beh) <= high]
+            assert len(kept) == 1 and stats["train/tis_clipfrac"] == pytest.approx(2 / 3)
+            assert loss.item() == pytest.approx(kept[0][0] / 3, rel=1e-5)
+            assert stats["train/tis_mean"] == pytest.approx(kept[0][1] / 3, rel=1e-5)
+        else:  # the same range clips instead: every token counts
+            terms = [-adv * min(max(math.exp(lp - beh), low), high) for lp, beh, adv in hand]
+            assert loss.item() == pytest.approx(sum(terms) / 3, rel=1e-5)
+
+
 def test_token_aggregation_weights_long_sequences_more():
     model = tiny_model(2)
     a, b = _two_samples()

@@ -59,6 +59,12 @@ class TrainerSection(Section):
     )
     tis_clip: float = Field(2.0, gt=0, description="Upper clip of the TIS weight.")
     tis_clip_low: float = Field(0.0, ge=0, description="Lower clip of the TIS weight.")
+    tis_mode: Literal["truncate", "mask"] = Field(
+        "truncate",
+        description="truncate: clip the TIS weight to [--tis-clip-low, --tis-clip]; mask (masked importance sampling, "
+        "IcePop's): keep the weight where it lies inside that range and leave every token outside it out of the loss "
+        "(weight 0, still counted in the denominator). Mask wants a lower bound, e.g. --tis-clip-low 0.5.",
+    )
     use_decoupled_ppo: bool = Field(
         False,
         description="Decoupled PPO (AReaL's): clip the ratio against the proximal policy (the trainer's weights "
@@ -145,6 +151,10 @@ class TrainerSection(Section):
         if self.use_decoupled_ppo and self.use_tis:
             errs.append("--use-decoupled-ppo weights tokens by the behaviour ratio itself: drop --use-tis "
                         "(or --use-decoupled-ppo)")  # fmt: skip
+        if self.tis_mode == "mask" and not self.use_tis:
+            errs.append("--tis-mode mask sets how --use-tis weights tokens: add --use-tis")
+        if self.tis_clip_low >= self.tis_clip:
+            errs.append(f"--tis-clip-low ({self.tis_clip_low}) must be below --tis-clip ({self.tis_clip})")
         if self.save_interval is not None and not self.save:
             errs.append("--save-interval needs --save: set --save DIR for the checkpoints")
         if self.save_trigger_sentinel is not None and not self.save:
