@@ -137,10 +137,26 @@ def _task_class(module: str, name: str):
     return task_cls
 
 
+def _offers_tools(task_cls) -> bool:
+    """The task has toolsets under its default config (False where that config cannot be built:
+    the episodes will tell)."""
+    try:
+        return bool(task_cls.toolsets(task_cls.config_type()()))
+    except Exception:
+        return False
+
+
 def check(config) -> None:
-    """At start-up: verifiers is installed and TASK is a Task class."""
+    """At start-up: verifiers is installed and TASK is a Task class; a task with tools runs on
+    engines that parse tool calls (without a parser a call stays text and the episode ends there)."""
     spec = config.rollout.env_spec
-    _task_class(spec.module, spec.task)
+    task_cls = _task_class(spec.module, spec.task)
+    args = config.infra.sglang_server_args
+    parser = any(a == "--tool-call-parser" or a.startswith("--tool-call-parser=") for a in args)
+    if not parser and not config.infra.rollout_external_engine_addrs and _offers_tools(task_cls):
+        raise ValueError(f"--env verifiers:{spec.module}:{spec.task} offers tools (its toolsets): the engines must "
+                         "parse the model's tool calls, add --sglang-tool-call-parser qwen25 (or the parser that "
+                         "matches the model's chat template)")  # fmt: skip
 
 
 def task_of(task_cls, sample: Sample):

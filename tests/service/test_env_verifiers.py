@@ -169,6 +169,7 @@ async def test_a_tool_using_episode_runs_the_calls_on_the_toolsets_server(tool_m
             await client.close()
     assert out.status is SampleStatus.COMPLETED, out.metadata
     assert out.metadata["env_reward"] == 1.0 == await env_reward(config, out)
+    assert out.metadata["tool_calls"] == 1  # counted for rollout/tool_call_ratio
     prompt_len = out.metadata["prompt_length"]
     rendered = tok.render_chat([{"role": "user", "content": "1+2"}], tools=[{"type": "function",
                                "function": {"name": "calc_add"}}])  # fmt: skip
@@ -178,3 +179,12 @@ async def test_a_tool_using_episode_runs_the_calls_on_the_toolsets_server(tool_m
     assert out.loss_mask == [1] * len(call) + [0] * len(told) + [1] * len(answer)
     assert len(out.rollout_log_probs) == out.response_length
     assert [lp for lp, m in zip(out.rollout_log_probs, out.loss_mask, strict=True) if m == 0] == [0.0] * len(told)
+
+
+def test_a_task_with_tools_needs_engines_that_parse_tool_calls():
+    """Checked at start-up: without a parser the model's call would stay text and the episode end there."""
+    config = RunConfig(env=f"verifiers:{__name__}:CalcTask")
+    with pytest.raises(ValueError, match="--sglang-tool-call-parser qwen25"):
+        connector.check(config)
+    connector.check(RunConfig(env=f"verifiers:{__name__}:CalcTask", sglang_server_args=["--tool-call-parser", "qwen25"]))
+    connector.check(RunConfig(env=f"verifiers:{__name__}:ReverseTask"))  # no tools, no parser needed
