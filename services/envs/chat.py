@@ -133,4 +133,3 @@ def assemble(sample: Sample, prompt_ids: list[int] | None, turns: list[dict], de
         if traj.aborted:  # the engine cut this turn (a weight update's pause): the sample ends ABORTED
             break
     return traj.finish()
-
