@@ -28,7 +28,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     for m in _BLOCK.finditer(text):
         try:
             body = json.loads(m.group(1))
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
             continue
         if not (isinstance(body, dict) and isinstance(body.get("name"), str) and body["name"]):
             continue
@@ -65,7 +65,7 @@ def arguments_for_template(message: dict) -> dict:
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise ValueError(f"tool_calls[{j}].function.arguments is not JSON") from None
         if not isinstance(args, dict):
             raise ValueError(f"tool_calls[{j}].function.arguments must be a JSON object")

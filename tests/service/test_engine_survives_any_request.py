@@ -84,6 +84,21 @@ def test_a_body_nested_too_deeply_is_a_400(live_engine, path):
     assert_serves(live_engine)
 
 
+@pytest.mark.parametrize("calls", [
+    [{"type": "function", "function": {"name": "f", "arguments": "[" * 100_000}}],  # nested past json's depth
+    [{"type": "function", "function": {"name": "f", "arguments": "{oops"}}],
+    [{"type": "function", "function": {"name": "f", "arguments": "[1]"}}],
+    ["not a call"], "not a list", [{"type": "function"}],
+], ids=["nested-arguments", "bad-json", "not-an-object", "not-a-dict", "not-a-list", "no-function"])  # fmt: skip
+def test_an_assistant_tool_call_that_is_not_well_formed_is_a_400(live_engine, calls):
+    chat = [{"role": "user", "content": "12"}, {"role": "assistant", "content": "", "tool_calls": calls},
+            {"role": "tool", "content": "3", "tool_call_id": "c"}]  # fmt: skip
+    r = httpx.post(live_engine.url + "/v1/chat/completions", json={"model": "m", "messages": chat, "max_tokens": 1},
+                   timeout=30)  # fmt: skip
+    assert r.status_code == 400 and "messages[1]" in r.json()["error"]["message"], r.text[:300]
+    assert_serves(live_engine)
+
+
 extreme = st.one_of(
     st.floats(allow_nan=False, allow_infinity=False),
     st.sampled_from([0.0, -0.0, 1e-45, 1e-38, 1e-7, 1e-6, 1e-5, 3.4e38, -3.4e38, 3.5e38, 1e308, -1e308]),

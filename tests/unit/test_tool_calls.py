@@ -28,6 +28,7 @@ def test_call_blocks_become_openai_tool_calls_and_the_rest_stays_text():
     '<tool_call>{"arguments": {}}</tool_call>',
     '<tool_call>{"name": ""}</tool_call>',
     '<tool_call>{"name": "add"',  # cut by max_tokens
+    "<tool_call>" + "[" * 100_000 + "</tool_call>",  # nested past json's depth
 ])  # fmt: skip
 def test_what_is_not_a_well_formed_call_stays_the_models_text(text):
     assert parse_tool_calls(text) == (text, [])
@@ -47,7 +48,7 @@ def test_templates_get_the_arguments_as_objects():
     out = arguments_for_template(m)
     assert [c["function"]["arguments"] for c in out["tool_calls"]] == [{"x": [1, 2]}, {}, {"y": 1}]
     assert m["tool_calls"][0]["function"]["arguments"] == '{"x": [1, 2]}'  # the request is left as it came
-    for bad, why in (('{"x": ', "is not JSON"), ("[1]", "must be a JSON object")):
+    for bad, why in (('{"x": ', "is not JSON"), ("[1]", "must be a JSON object"), ("[" * 100_000, "is not JSON")):
         with pytest.raises(ValueError, match=why):
             arguments_for_template({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": bad}}]})
     with pytest.raises(ValueError, match="needs a function with a name"):
