@@ -22,6 +22,9 @@ from services.buffer.state import Auditor, LedgerError, ledger_events, lineage_e
 from services.common.run_store import admin_credentials, registrations, run_config, store_server
 from services.common.weightstore import WeightStore
 
+ELECTION_S = 60.0
+"""How long a read waits for a stream of a just-started cluster to elect its leader (read_stream's deadline)."""
+
 
 async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None, prompt: int | None = None) -> dict:
     """The audit report of a run, read from its NATS server (as the admin role: `creds`, else
@@ -29,15 +32,20 @@ async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None, prompt:
     (undecodable) are skipped and listed under `ledger_skipped`, never a crash. A multi-LoRA run's
     report holds one more per adapter registration (`adapters`): each balances on its own."""
     from services.common.bus import Bus, BusError
+    from services.common.bus.errors import through_outage
 
     bus = await Bus.connect(nats_url, run_id, "audit", connect_timeout_s=10, creds=creds or admin_credentials(run_dir))
     try:
         report = await _collect_partition(bus, bus.subjects, run_dir / "trained.jsonl", prompt)
+        # a cluster just started on the run's store elects each stream's leader in its own time: the
+        # reads below wait for theirs (as read_stream does), never fail on the first timeout
         try:  # the versions its object bucket holds: a report beside the ledger, never its failure
-            report["weights_stored"] = await WeightStore(bus).stored_versions()
+            report["weights_stored"] = await through_outage(
+                lambda: WeightStore(bus).stored_versions(), "the weight snapshots", ELECTION_S, "list"
+            )
         except BusError as e:
             report["weights_stored"] = f"not listed: {e}"
-        raw = await bus.kv_get(ADAPTERS_KV_KEY)
+        raw = await through_outage(lambda: bus.kv_get(ADAPTERS_KV_KEY), "the adapter registry", ELECTION_S, "read")
         if raw is not None:  # multi-LoRA: every registration's partition balances on its own
             report["adapters"] = {}
             for name, rid, state in registrations(decode(raw, AdapterRegistryState), run_dir):

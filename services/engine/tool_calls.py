@@ -15,32 +15,58 @@ what the model wrote, as SGLang does. Parsing never touches the token ids or log
 from __future__ import annotations
 
 import json
-import re
 import uuid
 
 PARSERS = ("qwen25", "hermes")
-_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _blocks(text: str):
+    """(start, end, body) of each <tool_call>...</tool_call> block, in one pass over the text: a
+    model's degenerate output (thousands of opening tags and no closing one) costs its length,
+    never its length squared (the parse runs on the engine's event loop)."""
+    at = 0
+    while (start := text.find(OPEN, at)) != -1:
+        end = text.find(CLOSE, start + len(OPEN))
+        if end == -1:
+            return
+        inner = text[start + len(OPEN) : end]
+        nested = inner.rfind(OPEN)  # "<tool_call> junk <tool_call>{...}</tool_call>": the last opening tag's
+        if nested != -1:
+            start, inner = start + len(OPEN) + nested, inner[nested + len(OPEN) :]
+        yield start, end + len(CLOSE), inner.strip()
+        at = end + len(CLOSE)
+
+
+def _arguments(body: dict) -> str | None:
+    """The call's arguments as a JSON string if they are a JSON object (or a string holding one)."""
+    args = body.get("arguments", body.get("parameters", {}))
+    if isinstance(args, str):  # already a JSON string: keep it as the model wrote it
+        try:
+            return args if isinstance(json.loads(args), dict) else None
+        except (ValueError, RecursionError):
+            return None
+    return json.dumps(args, ensure_ascii=False) if isinstance(args, dict) else None
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
-    """(the text without its well-formed call blocks, the calls in OpenAI's shape)."""
+    """(the text without its well-formed call blocks, the calls in OpenAI's shape). A block is
+    well formed when it holds a JSON object with a non-empty string `name` and arguments that are
+    a JSON object; anything else stays text (a client could not send such a call back)."""
     calls, kept, last = [], [], 0
-    for m in _BLOCK.finditer(text):
+    for start, end, inner in _blocks(text):
         try:
-            body = json.loads(m.group(1))
+            body = json.loads(inner)
         except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
             continue
         if not (isinstance(body, dict) and isinstance(body.get("name"), str) and body["name"]):
             continue
-        args = body.get("arguments", body.get("parameters", {}))
-        if isinstance(args, str):  # already a JSON string: keep it as the model wrote it
-            arguments = args
-        else:
-            arguments = json.dumps(args, ensure_ascii=False)
+        if (arguments := _arguments(body)) is None:
+            continue
         calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
                       "function": {"name": body["name"], "arguments": arguments}})  # fmt: skip
-        kept.append(text[last : m.start()])
-        last = m.end()
+        kept.append(text[last:start])
+        last = end
     if not calls:
         return text, []
     kept.append(text[last:])

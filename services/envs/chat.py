@@ -106,7 +106,7 @@ class ChatRecorder:
             "logprobs": [float(e["logprob"]) for e in (choice.get("logprobs") or {}).get("content") or []],
             "meta_info": {**choice.get("meta_info", {}), "finish_reason": {"type": choice.get("finish_reason")}},
             "text": None if choice["message"].get("tool_calls") else choice["message"].get("content") or "",
-            "tool_calls": len(choice["message"].get("tool_calls") or []),
+            "tool_calls": len(choice["message"].get("tool_calls") or []) if body.get("tools") else None,
         })  # fmt: skip
         return web.json_response(answer)
 
@@ -117,7 +117,9 @@ def assemble(sample: Sample, prompt_ids: list[int] | None, turns: list[dict], de
     if not turns:
         raise TurnMismatch("the episode made no model call")
     traj = Trajectory(sample, prompt_ids if prompt_ids is not None else turns[0]["prompt_ids"])
-    traj.tool_calls = sum(turn.get("tool_calls", 0) for turn in turns)  # rollout/tool_call_ratio
+    offered = [turn["tool_calls"] for turn in turns if turn.get("tool_calls") is not None]
+    if offered:  # an episode that had tools counts its calls (rollout/tool_call_ratio); one without has no metric
+        traj.tool_calls = sum(offered)
     for k, turn in enumerate(turns):
         context = traj.context
         if turn["prompt_ids"][: len(context)] != context:

@@ -88,6 +88,7 @@ async def test_an_episode_is_the_ids_the_engine_saw_and_sampled(tiny_model_dir):
         expected = sum(a == b for a, b in zip(s.response, digits[::-1], strict=False)) / len(digits)
         assert s.metadata["env_reward"] == pytest.approx(expected) == await env_reward(config, s)
         assert s.metadata["turn_versions"] == [[0]] and s.weight_versions == [0]
+        assert "tool_calls" not in s.metadata  # no tools offered: no rollout/tool_call_ratio
 
 
 def test_turns_that_do_not_extend_the_conversation_are_refused():

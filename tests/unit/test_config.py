@@ -78,6 +78,10 @@ RULES = [
     ({"eval_prompt_data": ["only-a-name"]}, "NAME PATH pairs"),
     ({"nats_cluster": 2}, "--nats-cluster 2 loses its JetStream quorum when either node stops: use 3 (or 1)"),
     ({"nats_replicas": 3}, "--nats-replicas 3 needs as many NATS nodes: add --nats-cluster 3"),
+    ({"sglang_server_args": ["--tool-call-parser", "qwen3_coder"]}, "--sglang-tool-call-parser 'qwen3_coder': the built-in engine knows qwen25, hermes"),
+    ({"sglang_server_args": ["--tool-call-parser"]}, "--sglang-tool-call-parser '': the built-in engine knows"),
+    ({"tis_mode": "mask"}, "--tis-mode mask sets how --use-tis weights tokens: add --use-tis"),
+    ({"use_tis": True, "tis_clip_low": 2.0}, "--tis-clip-low (2.0) must be below --tis-clip (2.0)"),
 ]  # fmt: skip
 
 

@@ -28,6 +28,9 @@ def test_call_blocks_become_openai_tool_calls_and_the_rest_stays_text():
     '<tool_call>{"arguments": {}}</tool_call>',
     '<tool_call>{"name": ""}</tool_call>',
     '<tool_call>{"name": "add"',  # cut by max_tokens
+    '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>',  # arguments must be an object
+    '<tool_call>{"name": "add", "arguments": null}</tool_call>',
+    '<tool_call>{"name": "add", "arguments": "not json"}</tool_call>',
     "<tool_call>" + "[" * 100_000 + "</tool_call>",  # nested past json's depth
 ])  # fmt: skip
 def test_what_is_not_a_well_formed_call_stays_the_models_text(text):
@@ -53,3 +56,19 @@ def test_templates_get_the_arguments_as_objects():
             arguments_for_template({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": bad}}]})
     with pytest.raises(ValueError, match="needs a function with a name"):
         arguments_for_template({"role": "assistant", "tool_calls": [{"function": {}}]})
+
+
+def test_a_degenerate_answer_parses_in_linear_time():
+    """Thousands of opening tags and no closing one (or a run of whitespace) cost the text's
+    length: the parse runs on the engine's event loop."""
+    import time
+
+    for text in ("<tool_call>" * 20_000 + "x" * 200_000, "<tool_call>" + " " * 400_000 + "x"):
+        t0 = time.perf_counter()
+        assert parse_tool_calls(text) == (text, [])
+        assert time.perf_counter() - t0 < 0.5
+
+
+def test_an_unclosed_opening_tag_before_a_call_stays_text():
+    content, calls = parse_tool_calls('<tool_call> oops <tool_call>{"name": "f", "arguments": {}}</tool_call>')
+    assert content == "<tool_call> oops" and [c["function"]["name"] for c in calls] == ["f"]
