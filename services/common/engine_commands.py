@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import sys
 
+TOOL_CALL_PARSERS = ("qwen25", "hermes")
+"""The --tool-call-parser names the built-in engine knows (services/engine/tool_calls.py): both are the
+<tool_call> JSON blocks of Qwen and Hermes chat templates."""
+
 
 def builtin_engine_command(model_path: str, port: int, flags: dict[str, str | None]) -> list[str]:
     """`python -m services.engine` serving `model_path` at version 0 on 127.0.0.1:`port`, with
@@ -30,12 +34,17 @@ def builtin_engine_flags(config, seed: int, instance: str) -> dict[str, str | No
             tools = {"--tool-call-parser": args[i + 1]}
         elif arg.startswith("--tool-call-parser="):
             tools = {"--tool-call-parser": arg.split("=", 1)[1]}
-    return {
-        "--max-running-requests": str(config.infra.engine_max_running_requests),
-        "--torch-num-threads": str(config.infra.torch_num_threads),
-        "--random-seed": str(seed),
-        "--instance-id": instance,
-    } | ({"--run-id": config.infra.run_id} if config.infra.run_id else {}) | lora | tools
+    return (
+        {
+            "--max-running-requests": str(config.infra.engine_max_running_requests),
+            "--torch-num-threads": str(config.infra.torch_num_threads),
+            "--random-seed": str(seed),
+            "--instance-id": instance,
+        }
+        | ({"--run-id": config.infra.run_id} if config.infra.run_id else {})
+        | lora
+        | tools
+    )
 
 
 def sglang_server_command(model_path: str, port: int, seed: int, args: list[str]) -> list[str]:

@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 
-from services.engine.tool_calls import PARSERS
+from services.common.engine_commands import TOOL_CALL_PARSERS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -25,7 +25,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--torch-num-threads", type=int, default=1)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--log-level", default="warning")
-    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="answer a chat request's tool calls as OpenAI's message.tool_calls (SGLang's flag; qwen25 "
                    "and hermes: <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>)")  # fmt: skip
     p.add_argument(

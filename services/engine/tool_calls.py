@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import uuid
 
-PARSERS = ("qwen25", "hermes")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 

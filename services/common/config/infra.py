@@ -188,7 +188,7 @@ class InfraSection(Section):
     def problems(self) -> list[str]:
         errs = []
         if self.engine == "builtin" and not self.rollout_external_engine_addrs:
-            from services.engine.tool_calls import PARSERS
+            from services.common.engine_commands import TOOL_CALL_PARSERS as PARSERS
 
             args = self.sglang_server_args
             for i, arg in enumerate(args):
