@@ -10,6 +10,16 @@ TOOL_CALL_PARSERS = ("qwen25", "hermes")
 <tool_call> JSON blocks of Qwen and Hermes chat templates."""
 
 
+def tool_call_parser(sglang_args: list[str]) -> str | None:
+    """The --tool-call-parser among a run's --sglang-* arguments: its name, "" when the flag has no
+    value, None when it is not there."""
+    for i, arg in enumerate(sglang_args):
+        flag, eq, value = arg.partition("=")
+        if flag == "--tool-call-parser":
+            return value if eq else (sglang_args[i + 1] if i + 1 < len(sglang_args) else "")
+    return None
+
+
 def builtin_engine_command(model_path: str, port: int, flags: dict[str, str | None]) -> list[str]:
     """`python -m services.engine` serving `model_path` at version 0 on 127.0.0.1:`port`, with
     its own flags (SGLang's names: --max-running-requests, --torch-num-threads, ...)."""
@@ -27,13 +37,8 @@ def builtin_engine_flags(config, seed: int, instance: str) -> dict[str, str | No
     if getattr(config, "multi_lora_n_adapters", 0) > 0:  # two versions of every adapter while one replaces the other
         lora = {"--enable-lora": None, "--max-loras-per-batch": str(2 * config.multi_lora.multi_lora_n_adapters),
                 "--max-lora-rank": str(config.multi_lora.multi_lora_max_rank)}  # fmt: skip
-    tools = {}
-    args = list(config.infra.sglang_server_args)
-    for i, arg in enumerate(args):  # --sglang-tool-call-parser: the built-in engine knows SGLang's flag
-        if arg == "--tool-call-parser" and i + 1 < len(args):
-            tools = {"--tool-call-parser": args[i + 1]}
-        elif arg.startswith("--tool-call-parser="):
-            tools = {"--tool-call-parser": arg.split("=", 1)[1]}
+    parser = tool_call_parser(config.infra.sglang_server_args)  # the built-in engine knows SGLang's flag
+    tools = {"--tool-call-parser": parser} if parser else {}
     return (
         {
             "--max-running-requests": str(config.infra.engine_max_running_requests),

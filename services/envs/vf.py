@@ -32,6 +32,7 @@ import sys
 import types
 
 from asyncrl_proto.messages import Sample, SampleStatus
+from services.common.engine_commands import tool_call_parser
 from services.common.plugins import load_object
 from services.envs.chat import ChatRecorder, assemble
 
@@ -151,8 +152,7 @@ def check(config) -> None:
     engines that parse tool calls (without a parser a call stays text and the episode ends there)."""
     spec = config.rollout.env_spec
     task_cls = _task_class(spec.module, spec.task)
-    args = config.infra.sglang_server_args
-    parser = any(a == "--tool-call-parser" or a.startswith("--tool-call-parser=") for a in args)
+    parser = tool_call_parser(config.infra.sglang_server_args) is not None
     if not parser and not config.infra.rollout_external_engine_addrs and _offers_tools(task_cls):
         raise ValueError(f"--env verifiers:{spec.module}:{spec.task} offers tools (its toolsets): the engines must "
                          "parse the model's tool calls, add --sglang-tool-call-parser qwen25 (or the parser that "

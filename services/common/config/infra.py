@@ -188,17 +188,13 @@ class InfraSection(Section):
     def problems(self) -> list[str]:
         errs = []
         if self.engine == "builtin" and not self.rollout_external_engine_addrs:
-            from services.common.engine_commands import TOOL_CALL_PARSERS as PARSERS
+            from services.common.engine_commands import TOOL_CALL_PARSERS, tool_call_parser
 
-            args = self.sglang_server_args
-            for i, arg in enumerate(args):
-                if arg.split("=", 1)[0] != "--tool-call-parser":
-                    continue
-                name = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
-                if name not in PARSERS:
-                    errs.append(f"--sglang-tool-call-parser {name!r}: the built-in engine knows {', '.join(PARSERS)} "
-                                "(the <tool_call> JSON blocks of Qwen and Hermes templates); other parsers need "
-                                "--engine sglang")  # fmt: skip
+            name = tool_call_parser(self.sglang_server_args)
+            if name is not None and name not in TOOL_CALL_PARSERS:
+                errs.append(f"--sglang-tool-call-parser {name!r}: the built-in engine knows {', '.join(TOOL_CALL_PARSERS)} "
+                            "(the <tool_call> JSON blocks of Qwen and Hermes templates); other parsers need "
+                            "--engine sglang")  # fmt: skip
         if self.nats_sync is not None and not re.fullmatch(r"always|\d+(ms|s|m|h)", self.nats_sync):
             errs.append(f"--nats-sync must be `always` or an interval like 500ms, 1s, 2m (got {self.nats_sync!r})")
         if self.nats_cluster == 2:
