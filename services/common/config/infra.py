@@ -6,6 +6,7 @@ from typing import Literal
 from pydantic import Field, SecretStr
 
 from services.common.config.base import Section
+from services.common.engine_commands import TOOL_CALL_PARSERS, tool_call_parser
 
 
 class InfraSection(Section):
@@ -188,8 +189,6 @@ class InfraSection(Section):
     def problems(self) -> list[str]:
         errs = []
         if self.engine == "builtin" and not self.rollout_external_engine_addrs:
-            from services.common.engine_commands import TOOL_CALL_PARSERS, tool_call_parser
-
             name = tool_call_parser(self.sglang_server_args)
             if name is not None and name not in TOOL_CALL_PARSERS:
                 errs.append(f"--sglang-tool-call-parser {name!r}: the built-in engine knows {', '.join(TOOL_CALL_PARSERS)} "
