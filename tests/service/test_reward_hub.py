@@ -31,7 +31,7 @@ async def test_graders_run_in_workers_and_a_hung_one_costs_only_its_sample():
     config = RunConfig(rm_type="boxed_math", reward_timeout_s=2.0, reward_num_workers=1)
     assert await scored(config, sample("so \\boxed{0.5}", "\\frac{1}{2}")) == 1.0
     # math-verify works on this for 5 s (its own limit): the worker is killed at 2 s instead
-    hung = sample("\\boxed{9^{9^{9^{9}}}}", "1")
+    hung = sample("\\boxed{\\sin(x)^{999}}", "\\cos(x)^{999}")
     assert "ran past --reward-timeout-s 2s" in await scored(config, hung)
     assert hung.status is SampleStatus.FAILED and hung.reward is None
     # an exploding grader (DAPO's labels are integers) fails its sample with the reason

@@ -3,9 +3,13 @@ names --rm-type may take (names.py), as Miles routes them."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from services.common.config import ConfigError, RunConfig
+from services.common.rewards.answers import decide, normalize
+from services.common.rewards.exact import HUGE, Collection, value
 from services.common.rewards.graders import grade, last_boxed, minerva_normalize
 from services.common.rewards.names import rm_type_problem
 
@@ -94,6 +98,59 @@ def test_gpqa_reads_the_chosen_letter():
     assert grade("gpqa", False, "answer: A", "C", {}) == 0.0
     assert grade("gpqa", False, "2 electrons, so none of these", 2, choices) == 0.0  # an index is no answer text
     assert grade("gpqa", False, "answer: E", "A", choices) == 0.0  # E is not a choice of four: the last valid letter
+
+
+@pytest.mark.parametrize(("answer", "label"), [
+    ("\\$20", "20"), ("20", "\\$20"), ("\\$1,000", "1000"),  # an escaped dollar, either side
+    ("east", "East"), ("\\text{North East}", "north east"), ("\\text{Yes}", "yes"),  # word answers, any case
+    ("5\\text{ cm}", "5"), ("30^\\circ", "30"), ("50\\%", "50"), ("x = \\dfrac12", "0.5"), ("7 3/4", "31/4"),
+])  # fmt: skip
+def test_math_normalises_as_the_math_normaliser_does(answer, label):
+    assert grade("math", False, f"so \\boxed{{{answer}}}", label, {}) == 1.0
+
+
+@pytest.mark.parametrize(("answer", "label", "score"), [
+    ("tea", "eat", 0.0), ("dog", "god", 0.0),  # a word is not a product of its letters
+    ("2ab", "2ba", 1.0), ("\\pi r^2", "r^2\\pi", 1.0),  # letters in an expression are variables
+    ("0.333333", "\\frac{1}{3}", 0.0), ("3.1416", "\\pi", 0.0),  # an approximation is not the value
+    ("3 days", "3 weeks", 0.0), ("x>2", "(2,\\infty)", 0.0), ("\\frac{\\sqrt{2}}{2}", "\\frac{1}{\\sqrt{2}}", 1.0),
+    ("\\begin{pmatrix}0.5\\\\1\\end{pmatrix}", "\\begin{pmatrix}\\frac12\\\\1\\end{pmatrix}", 1.0),  # no word
+])  # fmt: skip
+def test_math_compares_words_values_and_units(answer, label, score):
+    assert grade("math", False, f"\\boxed{{{answer}}}", label, {}) == score
+
+
+def test_the_cheap_checks():
+    assert normalize("5\\text{ cm}") == ("5", frozenset({"cm"}))
+    assert normalize("\\left( \\dfrac12, 1{,}000 \\right)") == ("(\\frac{1}{2},1000)", frozenset())
+    assert value("x^2+2x+1") == value("(x+1)^2") != value("x^2+1")
+    assert isinstance(value("(1,2]"), Collection) and value("(1,2]") != value("(1,2)")
+    assert value("9^{9^{9^9}}") is HUGE and value("\\sqrt{2}") is None and value("1/2x") is None
+    assert decide("\\sqrt{2}+1", "\\sqrt{3}") is False  # apart in floats
+    assert decide("\\sqrt{8}", "2\\sqrt{2}") is None  # close in floats: math-verify decides
+
+
+@pytest.mark.parametrize("answer", [
+    "{" * 80 + "1" + "}" * 80, "(" * 60 + "x" + ")" * 60, "\\sqrt{" * 40 + "2" + "}" * 40, "9^{9^{9^{9}}}", "100000!",
+    "\\frac{1}{" * 50 + "2" + "}" * 50, "1e99999", "\\text{" * 5000 + "1" + "}" * 5000, "2^{10^{10}}",
+])  # fmt: skip
+def test_deep_or_huge_answers_never_reach_the_timeout(answer):
+    start = time.perf_counter()
+    assert grade("math", False, f"\\boxed{{{answer}}}", "7", {}) == 0.0
+    assert time.perf_counter() - start < 1.0  # math-verify's own timeout is 5 s
+
+
+def test_dapo_drops_the_end_of_text_token():
+    assert grade("dapo", False, "Answer: 42<|endoftext|>", "42", {}) == {"score": 1.0, "acc": 1.0}
+
+
+def test_gpqa_reads_letters_to_j_but_not_the_pronoun_i():
+    assert grade("gpqa", False, "The answer is J", "J", {}) == 1.0
+    assert grade("gpqa", False, "answer: I", "I", {}) == 1.0
+    assert grade("gpqa", False, "B, I guess", "B", {}) == 1.0
+    assert grade("gpqa", False, "The answer: I think it is C", "C", {}) == 1.0
+    assert grade("gpqa", False, "I'm sure: D", "D", {}) == 1.0
+    assert grade("gpqa", False, "The answer is I.", "I", {"choices": list("abcd")}) == 0.0  # only four choices
 
 
 def test_rm_type_names():

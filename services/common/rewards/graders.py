@@ -4,35 +4,46 @@ exploding grader costs its sample, never the producer).
 
 Each grader is an extraction (the part of the response it grades; None: nothing to grade) and a
 comparison with the label. The `boxed_` prefix replaces the extraction with the response's last
-`\\boxed{...}`.
+`\\boxed{...}`. docs/miles-differences.md lists where a score differs from Miles's on purpose
+(tests/unit/test_reward_parity.py holds the corpus).
 
-- `math`: the last `\\boxed{}` against the label, equal when math-verify (HF) says so: it parses
-  LaTeX and plain expressions into sympy, so `\\frac{1}{2}`, `0.5` and `1/2` are one answer, as
-  are `x^2+2x+1` and `(x+1)^2`. Miles grades with verl's `grade_answer` (string normalisation,
-  then sympy); math-verify accepts those forms and more (sets, intervals, equations). 1 or 0.
+- `math`: the last `\\boxed{}` against the label, cheapest check first: the same text; the same
+  text after the MATH normaliser's rules that Miles's `grade_answer` applies (answers.py: `\\$20`
+  is 20, `\\text{East}` is east, `50\\%` is 50; a word answer equals only the same words); the
+  same exact value (exact.py: numbers, fractions, polynomials, tuples and sets, `0.5` = `1/2`,
+  `(x+1)^2` = `x^2+2x+1`; roots in floats, to find a difference); else math-verify (HF), which
+  parses LaTeX into sympy, for answers of at most 300 characters nested at most 6 deep (its
+  parser is exponential in the depth of plain groups). 1 or 0.
 - `deepscaler`: the text after the last `</think>` (or after `###Response`; neither: 0), then
   graded as `math`. 1 or 0.
 - `dapo`: DAPO's Minerva rule: the last `Answer: ...` line in the response's last 300
-  characters, normalised (Minerva's substitutions), must equal the integer label.
-  {"score": 1.0 or -1.0, "acc": 1.0 or 0.0}: train on it with `--reward-key score`.
+  characters, normalised (Minerva's substitutions; `<|im_end|>`, `<|endoftext|>` dropped), must
+  equal the integer label. {"score": 1.0 or -1.0, "acc": 1.0 or 0.0}: train on it with
+  `--reward-key score`.
 - `f1`: SQuAD's token F1 of the response against the label (lower case, no punctuation or
   articles). In [0, 1].
 - `reasoning_gym`: the dataset's own `score_answer` (named by `metadata.source_dataset`, as
   `--task reasoning-gym` writes it) on the response (services/tasks/reasoning_gym.py).
-- `gpqa`: the chosen letter (after the last `</think>`: "answer is C", "C is correct", else the
-  last standalone capital) against the label (a letter, a 0-based index, or a choice's text;
+- `gpqa`: the chosen letter, A-J unless the choices say fewer (after the last `</think>`:
+  "answer is C", "C is correct", else the last standalone capital; the pronoun I and the article
+  a are words, not choices) against the label (a letter, a 0-based index, or a choice's text;
   `metadata.correct_letter`, `metadata.choices` or `metadata.valid_letters` refine it). 1 or 0.
 """
 
 from __future__ import annotations
 
+import gc
 import json
+import multiprocessing
 import re
 import string
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
+
+from services.common.rewards.answers import decide, nesting
 
 
 def last_boxed(text: str) -> str | None:
@@ -59,25 +70,50 @@ def last_boxed(text: str) -> str | None:
 # ---- math -----------------------------------------------------------------------------------
 
 
+_MV_MAX_LENGTH, _MV_MAX_NESTING = 300, 6
+"""Answers longer or deeper than this are not sent to math-verify: its LaTeX parser takes
+hundreds of milliseconds at four levels of plain groups and its 5 s timeout at fourteen."""
+
+
+@lru_cache(maxsize=1024)
 def _parse(text: str):
+    """math-verify's reading of an answer: escaped and bare dollars dropped (a dollar would make
+    it look for `$...$` math instead of reading the answer), then boxed for its boxed rule."""
     from math_verify import parse
 
-    return parse(text if "\\boxed" in text or "$" in text else f"\\boxed{{{text}}}")
+    return parse("\\boxed{" + text.replace("\\$", "").replace("$", "") + "}")
+
+
+_HEAVY = re.compile(r"\^\s*\{[^{}]*\^|\^\s*\w\s*\^|\^\s*\{?\s*-?\d{4,}|\d[eE][-+]?\d{3,}|\d{3,}\s*!"
+                    r"|\\binom\s*\{\s*\d{4,}")
+"""Towers of powers, powers past 999 (`2^{1000}`, `1e999`), factorials past 99, large binomials:
+sympy would compute them."""
+
+
+def _symbolic(answer: str, gold: str) -> bool:
+    from math_verify import verify
+
+    if any(len(t) > _MV_MAX_LENGTH or nesting(t) > _MV_MAX_NESTING or _HEAVY.search(t) for t in (answer, gold)):
+        return False
+    parsed_gold, parsed = _parse(gold), _parse(answer)
+    if not parsed_gold or not parsed:
+        return False
+    return bool(verify(parsed_gold, parsed))
 
 
 def same_answer(answer: str, label: Any) -> bool:
-    """math-verify's equivalence of an answer and the label (a `\\boxed{}` label is unboxed)."""
-    from math_verify import verify
-
+    """Whether an answer equals the label (a `\\boxed{}` label is unboxed): the same text, the
+    same normalised text or exact value (answers.py, exact.py), else math-verify's equivalence
+    within its bounds."""
     gold = str(label).strip() if label is not None else ""
-    if not gold or not answer.strip():
+    answer = answer.strip()
+    if not gold or not answer:
         return False
-    gold = last_boxed(gold) or gold
-    parsed_gold = _parse(gold)
-    parsed = _parse(answer)
-    if not parsed_gold or not parsed:
-        return answer.strip() == gold
-    return bool(verify(parsed_gold, parsed))
+    gold = (last_boxed(gold) or gold).strip()
+    if answer == gold:
+        return True
+    verdict = decide(answer, gold)
+    return verdict if verdict is not None else _symbolic(answer, gold)
 
 
 def math_compare(answer: str, label: Any, metadata: dict) -> float:
@@ -102,7 +138,7 @@ _REMOVED = ["square", "ways", "integers", "dollars", "mph", "inches", "hours", "
             "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals", "edges",
             "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2",
             "\\text{}^3", "\\text{\n}", "\\text{}", r"\mathrm{th}", r"^\circ", r"^{\circ}", r"\;", r",\!", "{,}", '"',
-            "\\dots", "<|im_end|>"]  # fmt: skip
+            "\\dots", "<|im_end|>", "<|endoftext|>"]  # fmt: skip
 _ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 
 
@@ -131,6 +167,8 @@ def dapo_extract(response: str) -> str | None:
 
 
 def dapo_compare(answer: str, label: Any, metadata: dict) -> dict[str, float]:
+    if len(str(label)) > 1000:
+        raise ValueError(f"dapo's label must be an integer (got {len(str(label))} characters)")
     number = float(minerva_normalize(str(label)))  # DAPO's labels are integers; anything else raises
     if not number.is_integer():
         raise ValueError(f"dapo's label must be an integer (got {label!r:.40})")
@@ -142,8 +180,11 @@ def dapo_compare(answer: str, label: Any, metadata: dict) -> dict[str, float]:
 # ---- f1 -------------------------------------------------------------------------------------
 
 
+_NO_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
 def _normalize_words(text: str) -> str:
-    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
+    text = text.lower().translate(_NO_PUNCTUATION)
     text = re.sub(r"\b(a|an|the)\b", " ", text)
     return " ".join(text.split())
 
@@ -164,10 +205,14 @@ def f1_compare(answer: str, label: Any, metadata: dict) -> float:
 # ---- gpqa -----------------------------------------------------------------------------------
 
 _LETTER_PATTERNS = [re.compile(p, re.IGNORECASE) for p in (
-    r"(?:answer|option|choice)\s*(?:is|:)?\s*([A-Z])\b",
+    r"(?:answer|option|choice)\s*(?:is|:)?\s*[(*]*([A-Z])\b",
     r"\b([A-Z])\s*(?:is\s*(?:the)?\s*correct)",
-    r"final\s*(?:answer|option)\s*(?:is|:)?\s*([A-Z])\b",
+    r"final\s*(?:answer|option)\s*(?:is|:)?\s*[(*]*([A-Z])\b",
 )]  # fmt: skip
+_PRONOUN_AFTER = re.compile(r"\s*['’]|\s+(?:am|was|think|believe|guess|would|will|can|could|should|might|must|need|"
+                            r"feel|suppose|say|mean|know|see|get|have|had|do|did|chose|choose|pick|picked|go|went|"
+                            r"hope|assume|agree|recall|conclude|also|just|really)\b")  # fmt: skip
+_DEFAULT_LETTERS = "ABCDEFGHIJ"
 
 
 def _plain(text: Any) -> str:
@@ -178,7 +223,7 @@ def _choices(metadata: dict) -> list[str]:
     choices = metadata.get("choices")
     if isinstance(choices, dict):
         return [str(v) for v in choices.values()]
-    return [str(c) for c in choices] if isinstance(choices, list) else []
+    return [str(c) for c in choices] if isinstance(choices, (list, tuple)) else []
 
 
 def _letters(metadata: dict) -> str:
@@ -186,34 +231,49 @@ def _letters(metadata: dict) -> str:
     if isinstance(valid, (list, str)) and valid:
         return "".join(str(v).strip().upper() for v in valid)
     n = len(_choices(metadata))
-    return string.ascii_uppercase[: n] if n else "ABCDEFGH"
+    return string.ascii_uppercase[:n] if n else _DEFAULT_LETTERS
 
 
 def _correct_letter(label: Any, metadata: dict, letters: str) -> str | None:
+    """As Miles reads it: `metadata.correct_letter`, else a one-letter label, overridden by a
+    0-based index label; else the letter of the choice whose text is the label."""
     given = metadata.get("correct_letter")
-    if isinstance(given, str) and given.strip().upper() in letters:
-        return given.strip().upper()
-    if isinstance(label, str) and len(label.strip()) == 1 and label.strip().upper() in letters:
-        return label.strip().upper()
-    if isinstance(label, (int, float)) and not isinstance(label, bool) and 0 <= int(label) < len(letters):
-        return letters[int(label)]
+    correct = given.strip().upper() if isinstance(given, str) and given.strip() else None
+    if isinstance(label, str) and len(label.strip()) == 1 and label.strip().upper() in letters and not correct:
+        correct = label.strip().upper()
+    elif isinstance(label, (int, float)) and not isinstance(label, bool) and 0 <= label < len(letters):
+        correct = letters[int(label)]
     choices = [_plain(c) for c in _choices(metadata)]
-    if label is not None and _plain(label) in choices:
-        return letters[choices.index(_plain(label))] if choices.index(_plain(label)) < len(letters) else None
-    return None
+    if not correct and isinstance(label, str) and label.strip() and _plain(label) in choices:
+        index = choices.index(_plain(label))
+        correct = letters[index] if index < len(letters) else None
+    return correct
 
 
-def gpqa_extract(response: str) -> str | None:
-    return response.rsplit("</think>", 1)[-1]
+_WORD_AFTER, _ARTICLE_AFTER = re.compile(r"\s*[A-Za-z'’]"), re.compile(r"\s+[a-z]")
+
+
+def _names_a_choice(text: str, m: re.Match, explicit: bool) -> bool:
+    """Whether a matched letter is a choice, not the pronoun I or the article a: "I think", "I'm",
+    "answer is a bit" are words; "answer is I.", "(I)" and a final "I" are choices."""
+    letter, end = m.group(1), m.end()
+    if letter in "Ii":
+        return (_PRONOUN_AFTER if explicit else _WORD_AFTER).match(text, end) is None
+    return not (letter == "a" and _ARTICLE_AFTER.match(text, end))
 
 
 def chosen_letter(text: str, letters: str) -> str | None:
     for pattern in _LETTER_PATTERNS:
-        m = pattern.search(text)
+        m = next((m for m in pattern.finditer(text) if _names_a_choice(text, m, explicit=True)), None)
         if m and m.group(1).upper() in letters:
             return m.group(1).upper()
-    standalone = [c for c in re.findall(r"\b([A-Z])\b", text) if c in letters]
+    standalone = [m.group(1) for m in re.finditer(r"\b([A-Z])\b", text)
+                  if m.group(1) in letters and _names_a_choice(text, m, explicit=False)]  # fmt: skip
     return standalone[-1] if standalone else None
+
+
+def gpqa_extract(response: str) -> str | None:
+    return response.rsplit("</think>", 1)[-1]
 
 
 def gpqa_compare(answer: str, label: Any, metadata: dict) -> float:
@@ -224,7 +284,8 @@ def gpqa_compare(answer: str, label: Any, metadata: dict) -> float:
     targets = [metadata.get("correct_answer"), metadata.get("answer_text")]
     if isinstance(label, str) and len(label.strip()) > 1:  # a letter or an index is no answer text
         targets.append(label)
-    if correct is not None and (choices := _choices(metadata)) and letters.index(correct) < len(choices):
+    choices = _choices(metadata)
+    if correct is not None and len(correct) == 1 and correct in letters and letters.index(correct) < len(choices):
         targets.append(choices[letters.index(correct)])
     text = f" {_plain(answer)} "
     if any(t is not None and _plain(t) and f" {_plain(t)} " in text for t in targets):
@@ -283,13 +344,19 @@ GRADERS: dict[str, Grader] = {
 
 
 def warm_up() -> None:
-    """A worker's start: math-verify and sympy imported before its first sample's clock runs.
-    A failure here is left to the samples (each fails with the reason), not to the pool, which
-    would restart the worker forever."""
+    """A worker's start: math-verify and sympy imported before its first sample's clock runs,
+    then, in a worker process, what is loaded frozen out of the garbage collector (a full
+    collection over sympy's objects paused one grading in a few thousand by 30-40 ms). A failure
+    here is left to the samples (each fails with the reason), not to the pool, which would
+    restart the worker forever."""
     try:
         same_answer("1", "1")
+        _symbolic("\\frac{\\sqrt{2}}{2}", "\\frac{1}{\\sqrt{2}}")
     except Exception:  # noqa: BLE001 - reported by the first sample that needs it
         pass
+    if multiprocessing.parent_process() is not None:
+        gc.collect()
+        gc.freeze()
 
 
 def grade(name: str, boxed: bool, response: str, label: Any, metadata: dict,
