@@ -66,6 +66,28 @@ class _Planned:
     slots: list[int]
 
 
+PADDING_WASTE = 2.0
+"""A decode batch gathers every request's keys up to the batch's longest: a batch is cut where
+its padded keys would exceed this many times its real ones."""
+
+
+def length_buckets(decodes: list[Request]) -> list[list[Request]]:
+    """Consecutive runs of decodes sorted by length, each padded to at most PADDING_WASTE x its
+    real keys: with a long tail of lengths, one batch would make every short request's attention
+    read (and copy) as many cached positions as the longest one's. Uniform lengths: one batch."""
+    out: list[list[Request]] = []
+    real = 0
+    for r in decodes:
+        keys = r.kv_len + 1
+        if out and (len(out[-1]) + 1) * keys <= PADDING_WASTE * (real + keys):
+            out[-1].append(r)
+            real += keys
+        else:
+            out.append([r])
+            real = keys
+    return out
+
+
 class Scheduler(WeightAPI):
     def __init__(
         self,
@@ -411,15 +433,14 @@ class Scheduler(WeightAPI):
         self.waiting.extendleft(reversed(deferred))
 
     def _plan(self) -> list[_Planned]:
-        """Admit, then one batch of prefills (several new tokens) and one of decodes (one)."""
+        """Admit, then one batch of prefills (several new tokens) and the decodes (one each), in
+        batches of similar lengths (length_buckets)."""
         self._admit()
-        by_adapter = sorted(self.running, key=lambda r: r.lora_slot)  # each adapter's rows side by side
-        prefill = [r for r in by_adapter if len(r.seq) - r.kv_len > 1]
-        decode = [r for r in by_adapter if len(r.seq) - r.kv_len == 1]
-        return [
-            _Planned(reqs=b, feeds=[r.seq[r.kv_len :] for r in b], slots=[r.slot for r in b])
-            for b in (prefill, decode)
-            if b
+        prefill = [r for r in self.running if len(r.seq) - r.kv_len > 1]
+        decode = sorted((r for r in self.running if len(r.seq) - r.kv_len == 1), key=lambda r: r.kv_len)
+        batches = [sorted(b, key=lambda r: r.lora_slot) for b in (prefill, *length_buckets(decode)) if b]
+        return [  # each adapter's rows side by side
+            _Planned(reqs=b, feeds=[r.seq[r.kv_len :] for r in b], slots=[r.slot for r in b]) for b in batches
         ]
 
     # ---- the step ------------------------------------------------------------------------------
