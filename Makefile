@@ -48,14 +48,14 @@ test-ray: $(BIN)/.test-installed
 	$(BIN)/python -m pytest -q -m ray tests/integration/test_ray_cluster.py tests/e2e/test_cli_run.py
 
 # Whole runs on real tasks' data: a Parquet math set graded with boxed_math, a reasoning-gym task,
-# the calculator tool task learning its tool, an OpenEnv environment in the loop
+# the calculator tool task learning its tool, an OpenEnv environment in the loop, the long-tail job
 # (their graders and data readers are in the default suite); CI runs it too.
 # The dashboard in headless Chromium (Debian's chromium + chromium-driver; .ci/run installs them).
 test-browser: $(BIN)/.test-installed
 	$(BIN)/python -m pytest -q -m browser tests/browser
 
 test-tasks: $(BIN)/.test-installed
-	$(BIN)/python -m pytest -q -m tasks tests/e2e/test_math_run.py tests/e2e/test_reasoning_gym_run.py tests/e2e/test_tool_use_run.py
+	$(BIN)/python -m pytest -q -m tasks tests/e2e/test_math_run.py tests/e2e/test_reasoning_gym_run.py tests/e2e/test_tool_use_run.py tests/e2e/test_longtail_run.py
 
 # docker-compose.yml run for real on loopback (tests/docker): builds the image, runs a short job to
 # its end with three producers and audits it; skips, saying why, when no Docker daemon can start.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import json
 import time
 import uuid
@@ -30,6 +31,15 @@ from services.common.secrets import (
 from services.supervisor import LaunchError
 
 
+BUNDLED = {
+    "reverse-digits": "services.tasks.reverse_digits",
+    "reverse-longtail": "services.tasks.reverse_longtail",
+    "calculator": "services.tasks.calculator",
+}
+"""The bundled tasks that write their own data (write_datasets, NAME) and build the digit model
+(build_model); the calculator builds the character model itself (build_task_model)."""
+
+
 def default_run_id() -> str:
     return time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:4]
 
@@ -47,10 +57,8 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
     if config.eval.eval_config:  # inlined, with absolute paths: every service reads the same document
         updates.update(inline_eval_config(config))
     given_eval = bool(config.eval.eval_prompt_data or config.eval.eval_config)
-    if config.data.task in ("reverse-digits", "calculator") and (config.data.prompt_data is None or not given_eval):
-        from services.tasks import calculator, reverse_digits
-
-        task = reverse_digits if config.data.task == "reverse-digits" else calculator
+    if config.data.task in BUNDLED and (config.data.prompt_data is None or not given_eval):
+        task = importlib.import_module(BUNDLED[config.data.task])
         train, held_out = task.write_datasets(run_dir / "data", seed=config.data.rollout_seed)
         if config.data.prompt_data is None:
             updates["prompt_data"] = str(train)
@@ -116,9 +124,8 @@ def build_task_model(config: RunConfig, model_dir: Path, log) -> None:
             context *= 2
         build_char_model(model_dir, pairs, seed=d.seed, warmup_sft_steps=d.warmup_sft_steps, context=context, log=log)
         return
-    from services.tasks import reverse_digits
-
-    reverse_digits.build_model(model_dir, seed=d.seed, warmup_sft_steps=d.warmup_sft_steps, log=log)
+    task = importlib.import_module(BUNDLED[d.task])
+    task.build_model(model_dir, seed=d.seed, warmup_sft_steps=d.warmup_sft_steps, log=log)
 
 
 def steps_of_epochs(config: RunConfig, rows: int) -> int:

@@ -38,6 +38,14 @@ def statistics_of(prefix: str, values: list) -> dict[str, float]:
             f"{prefix}/max": float(max(values)), f"{prefix}/min": float(min(values))}  # fmt: skip
 
 
+def length_statistics(prefix: str, lengths: list) -> dict[str, float]:
+    """statistics_of, plus <prefix>/p99 (the 99th percentile, nearest rank): a long tail of
+    response lengths shows as p99 far above the median."""
+    ranked = sorted(lengths)
+    p99 = ranked[min(len(ranked) - 1, math.ceil(0.99 * len(ranked)) - 1)]
+    return {**statistics_of(prefix, lengths), f"{prefix}/p99": float(p99)}
+
+
 def axis_of(key: str) -> str:
     return next((axis for prefix, axis in AXES.items() if key.startswith(prefix)), DEFAULT_AXIS)
 

@@ -51,7 +51,7 @@ from services.common.plugins import load_object
 from services.common.rewards import mark_failed, reward_function, score_sample
 from services.common.runtime import Service, wait_event
 from services.common.sglang_client import SGLangClient
-from services.common.sinks import statistics_of
+from services.common.sinks import length_statistics, statistics_of
 from services.common.snapshot import is_complete, resolved
 from services.common.validate import finite, finite_metrics, model_context_length
 from services.common.versions import VersionBound
@@ -437,7 +437,7 @@ def dataset_metrics(config, name: str, samples: list[Sample]) -> dict[str, float
         f"eval/{name}": sum(rewards) / len(rewards),  # Miles's names: "<set>-<ratio>", "<set>/<facts>/<stat>"
         f"eval/{name}-truncated_ratio": sum(s.status == SampleStatus.TRUNCATED for s in samples) / len(samples),
         f"eval/{name}-none_reward_ratio": sum(s.reward is None for s in samples) / len(samples),
-        **statistics_of(f"eval/{name}/response_len", [s.response_length for s in samples]),
+        **length_statistics(f"eval/{name}/response_len", [s.response_length for s in samples]),
         **tool_call_metrics(f"eval/{name}-tool_call_ratio", samples),
     }
     if versions:

@@ -94,10 +94,12 @@ async def reward(config, sample) -> float:
 
 
 def build_model(
-    out_dir: str | Path, seed: int = 1234, warmup_sft_steps: int = 20, log=print, max_position_embeddings: int = 64
+    out_dir: str | Path, seed: int = 1234, warmup_sft_steps: int = 20, log=print, max_position_embeddings: int = 64,
+    digits=None,
 ) -> dict:
     """Build the 0.5M-parameter Llama, warm-start it with a few supervised steps on correct
-    answers, and save it as an HF checkpoint. Returns a summary dict."""
+    answers (digit strings from `digits(rng)`, this task's by default), and save it as an HF
+    checkpoint. Returns a summary dict."""
     import time
 
     import torch
@@ -122,7 +124,7 @@ def build_model(
     model.init_weights(seed)
     t0 = time.perf_counter()
     if warmup_sft_steps > 0:
-        _supervised_warm_start(model, warmup_sft_steps, seed)
+        _supervised_warm_start(model, warmup_sft_steps, seed, digits or _digits)
     out = Path(out_dir)
     build_tokenizer(out)
     info = save_model(model, out)
@@ -137,12 +139,12 @@ def build_model(
     return summary
 
 
-def _supervised_warm_start(model, steps: int, seed: int) -> None:
+def _supervised_warm_start(model, steps: int, seed: int, digits) -> None:
     """Teacher-forced cross-entropy on the answer tokens of random training prompts."""
     vocab = {c: len(SPECIAL) + i for i, c in enumerate(ALPHABET)}
 
     def pair(rng: random.Random) -> tuple[list[int], list[int]]:
-        d = _digits(rng)
+        d = digits(rng)
         return [BOS_ID] + [vocab[c] for c in d] + [vocab["="]], [vocab[c] for c in d[::-1]] + [EOS_ID]
 
     warm_start(model, pair, steps, seed, lr=1e-3)

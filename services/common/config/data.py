@@ -11,13 +11,14 @@ from services.common.config.base import Section
 class DataSection(Section):
     """The model and the prompts (launcher, buffer, producers, trainer)."""
 
-    task: Literal["reverse-digits", "reasoning-gym", "calculator"] = Field(
+    task: Literal["reverse-digits", "reverse-longtail", "reasoning-gym", "calculator"] = Field(
         "reverse-digits",
         description="Bundled verifiable task: supplies prompts, held-out prompts and the reward "
         "when --prompt-data / --rm-type are not given, and the tiny model when --hf-checkpoint is unset. "
         "reasoning-gym: one of its procedural datasets (--rg-dataset; pip install 'asyncrl[reasoning]'). "
         "calculator: sums the model may answer through a calculator call (tool use; "
-        "deploy/configs/calculator.yaml).",
+        "deploy/configs/calculator.yaml). reverse-longtail: reverse-digits with string lengths from a Pareto tail "
+        "(3-192 digits), where a batch waits for its slowest answer (deploy/configs/longtail.yaml).",
     )
     rg_dataset: str = Field(
         "spell_backward", description="--task reasoning-gym: the dataset whose generator makes the prompts."

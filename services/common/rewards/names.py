@@ -6,6 +6,7 @@ from __future__ import annotations
 TASK_REWARDS = {
     "reverse-digits": "services.tasks.reverse_digits.reward",
     "copy-digits": "services.tasks.copy_digits.reward",
+    "reverse-longtail": "services.tasks.reverse_longtail.reward",
     "calculator": "services.tasks.calculator.reward",
     "env": "services.envs.trajectory.env_reward",
 }
