@@ -357,7 +357,7 @@ def overview_html(dash: Dashboard, x: str, adapter: str = "") -> str:
              f'<span>ETA {_num(s["eta_s"] if s["live"] else None, "{:.0f}s")}</span><span>reward {_num(s["reward"])}</span>'
              f'<span>held-out {_num(held[1]) if held else "-"}</span>'
              f'<span>staleness {_num(s["staleness"], "{:.2f}")}</span><span>weights v{s["weight_version"]}</span>'
-             f"</div>")  # fmt: skip
+             f'</div><p class="diagnosis" id="diagnosis">{html.escape(s["diagnosis"])}</p>')  # fmt: skip
     toggle = f'<a href="/?x=step{q}">by step</a> <a href="/?x=time{q}">by wall-clock</a>'
     if len(data.partitions) > 1:  # multi-LoRA: the run's own views, or one adapter registration's
         links = " ".join(

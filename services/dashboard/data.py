@@ -23,6 +23,7 @@ from services.buffer.state import Auditor, LedgerError, ledger_events, lineage_e
 from services.common import procs, sample_records
 from services.common.procs import RESTARTS_FILE
 from services.common.run_store import registrations, run_config
+from services.dashboard.diagnosis import diagnose
 
 READ_BATCH = 5000
 """Stream messages read per request; a refresh reads batch after batch until it has them all."""
@@ -256,10 +257,12 @@ class RunData:
             (e.get("step"), e.get(key)) for e in evals if key and e.get(key) is not None and not e.get("skipped")
         ]
         result = _json(self.run_dir / "result.json")
+        live = (self.served_live and result is None) or is_live(self.run_dir)
+        diagnosis = diagnose(rows, self.config, live=live)
         return {
             "run_id": self.run_id,
             "mode": self.mode,
-            "live": (self.served_live and not (self.run_dir / "result.json").exists()) or is_live(self.run_dir),
+            "live": live,
             "step": step,
             "total": total,
             "eta_s": eta,
@@ -272,6 +275,8 @@ class RunData:
             "step_time_s": last.get("perf/step_time_s"),
             "finished": result is not None,
             "result": result,
+            "diagnosis": diagnosis.line,
+            "diagnosis_kind": diagnosis.kind,
         }
 
     def services(self) -> list[dict]:

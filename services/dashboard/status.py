@@ -1,9 +1,11 @@
 """`asyncrl status RUN_DIR [--watch]`: one screen on a live or finished run.
 
 Services and their state, step/total with the ETA, the last rollout reward and held-out reward,
-staleness, the buffer, the ledger's balance and the last errors in the logs. The ledger is read
-from the live run's NATS server; a finished run's is its audit.json (written at its end). With
---watch the screen is drawn again every --interval seconds until the run ends or Ctrl-C.
+staleness, the buffer, the run's diagnosis (the bound it is under, or why it stalled, with the
+flag to change: services/dashboard/diagnosis.py), the ledger's balance and the last errors in the
+logs. The ledger is read from the live run's NATS server; a finished run's is its audit.json
+(written at its end). With --watch the screen is drawn again every --interval seconds until the
+run ends or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def render(data: RunData, ledger: dict | None, ledger_note: str = "") -> str:
     heldout = f"{_f(first[1])} (step {first[0]}) -> {_f(held[1])} (step {held[0]})" if held else "-"
     lines.append(f"reward {_f(s['reward'])}   held-out {heldout}")
     lines.append(f"staleness {_f(s['staleness'], '{:.2f}')}   buffer queue {_f(s['queue'], '{:.0f}')}/{data.capacity}")
+    lines.append(f"diagnosis: {s['diagnosis']}")
     if ledger:
         filtered = sum(ledger["filtered"].values()) if isinstance(ledger.get("filtered"), dict) else 0
         in_flight = ledger.get("in_flight_at_end", {})

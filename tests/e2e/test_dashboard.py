@@ -106,6 +106,7 @@ def test_the_dashboard_and_status_show_a_run_live_and_finished(tmp_path):
     r = asyncrl("status", str(run_dir), cwd=tmp_path, timeout=60)
     assert r.returncode == 0 and " finished " in r.stdout.splitlines()[0], r.stdout + r.stderr
     assert "step 40/40" in r.stdout and "balanced" in r.stdout and "held-out" in r.stdout
+    assert re.search(r"^diagnosis: (generation-bound|trainer-bound|balanced|staleness drops)", r.stdout, re.M), r.stdout
     def files() -> list:
         return sorted((str(p.relative_to(run_dir)), p.stat().st_size, p.stat().st_mtime_ns)
                       for p in run_dir.rglob("*") if p.is_file())  # fmt: skip
@@ -117,6 +118,7 @@ def test_the_dashboard_and_status_show_a_run_live_and_finished(tmp_path):
 
     summary = got["/api/summary"]
     assert summary["live"] is False and summary["finished"] and summary["step"] == 40 and summary["total"] == 40
+    assert summary["diagnosis_kind"] in ("generation", "trainer", "balanced", "staleness"), summary["diagnosis"]
     # the dashboard's ledger is the audit's
     for k in ("released_prompts", "trained", "failed", "recycled", "lost", "trained_twice", "balanced"):
         assert got["/api/audit"][k] == audit[k], k
