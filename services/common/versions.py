@@ -43,6 +43,27 @@ async def last_published_version(bus: Bus, at_least: int = 0, scan: int = 64) ->
     return max(kv, await _newest_on_weights(bus, max(at_least, kv + 1), scan))
 
 
+async def published_announcement(bus: Bus, version: int, scan: int = 64) -> WeightsPublished | None:
+    """The trainer's announcement of `version` on WEIGHTS, looked up from the stream's last
+    message back (at most `scan` messages): what a reader that never consumed it (lost, taken by
+    another consumer, acknowledged by a predecessor that died) catches up from. None when it is
+    not there."""
+    s = bus.subjects
+    raw = await bus.get_last(s.weights_stream, s.weights_published)
+    seq = raw.seq if raw is not None else 0
+    for _ in range(scan):
+        if raw is not None and raw.subject == s.weights_published:
+            with contextlib.suppress(MalformedMessage):
+                pub = decode(raw.data or b"", WeightsPublished)
+                if pub.version == version:
+                    return pub
+        seq -= 1
+        if seq < 1:
+            return None
+        raw = await bus.get_msg(s.weights_stream, seq)
+    return None
+
+
 async def _newest_on_weights(bus: Bus, at_least: int, scan: int) -> int:
     s = bus.subjects
     if (raw := await bus.get_last(s.weights_stream, s.weights_published)) is None:

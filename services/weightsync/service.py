@@ -37,13 +37,13 @@ from asyncrl_proto import (
     encode,
 )
 from services.common import crash
-from services.common.bus import fetch_some, keep_alive, settle
+from services.common.bus import TransportError, fetch_some, keep_alive, settle
 from services.common.config import AsyncSection, MultiLoraSection, RolloutSection
 from services.common.promexport import LATENCY_BUCKETS_S
 from services.common.runtime import Service
 from services.common.sglang_client import EngineError, FlushRefused, SGLangClient
 from services.common.snapshot import COMPLETE_MARKER, is_complete, resolved
-from services.common.versions import VersionBound
+from services.common.versions import VersionBound, published_announcement
 from services.common.weightstore import WeightStore, WeightStoreError
 from services.weightsync.adapters import AdapterSync
 from services.weightsync.distributed import DistributedUpdater, TransferFailed, VersionGone
@@ -131,6 +131,7 @@ class WeightSyncService(Service):
                 s.consumers(self.config.async_.prompt_ack_wait_s)["weight-sync-adapters"]
             )
             await self.adapters.recover()
+        await self._catch_up()
         await self._converge()
         log.info("weight-sync ready: engines %s at version %s", self.client.urls, self.live_version)
 
@@ -208,6 +209,29 @@ class WeightSyncService(Service):
                 await self.adapters.converge()
                 next_converge = time.monotonic() + CONVERGE_EVERY_S
 
+    async def _catch_up(self) -> None:
+        """The newest version the trainer published, when it is newer than the live one, loaded
+        from its announcement on WEIGHTS: the engines converge to the newest version whether or not
+        this service consumed its message (lost, taken by another consumer, or acknowledged by a
+        weight-sync that died before it went live). An announcement that is not the trainer's
+        snapshot is refused as a consumed one is."""
+        newest = await self.published.refresh()
+        if self.live_version is not None and newest <= self.live_version:
+            return
+        try:
+            pub = await published_announcement(self.bus, newest)
+        except (TimeoutError, TransportError, OSError) as e:
+            log.info("catching up to v%d: WEIGHTS not read now (%s)", newest, type(e).__name__)
+            return
+        if pub is None:
+            return
+        if (problem := await self._snapshot_problem(pub)) is not None:
+            log.warning("catching up to v%d: %s", newest, problem)
+            return
+        log.warning("the newest published version v%d is not live (live v%s) and no message of it came: loading it",
+                    newest, self.live_version)  # fmt: skip
+        await self._update(pub)
+
     async def _converge(self) -> None:
         """Every engine generates, on the live version at least. An engine restarted elsewhere
         comes back with its launch weights; a weight-sync killed between pause and continue left
@@ -269,6 +293,7 @@ class WeightSyncService(Service):
             msgs = await fetch_some(self._psub, 64, 1.0)
             if not msgs:
                 if time.monotonic() >= next_converge:
+                    await self._catch_up()
                     await self._converge()
                     next_converge = time.monotonic() + CONVERGE_EVERY_S
                 continue
