@@ -32,7 +32,7 @@ class SampleStatus(str, enum.Enum):
 
 
 class Sample(msgspec.Struct, kw_only=True):
-    """One trajectory of a group (SPEC.md section 1). Constructible from keyword arguments,
+    """One trajectory of a group. Constructible from keyword arguments,
     every field defaulted; plugins may mutate it (reward, remove_sample, loss_mask)."""
 
     index: int | None = None

@@ -13,7 +13,8 @@ _PARTITION = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 KIB, MIB = 1024, 1024 * 1024
 MAX_PAYLOAD_BYTES = 8 * MIB
-"""The server's max_payload that the embedded nats-server is started with (DESIGN.md)."""
+"""The server's max_payload that the embedded nats-server is started with (docs/trust.md, "What one
+role can store")."""
 ROLLOUTS_MAX_MSGS = 4096
 """ROLLOUTS' message cap when the run's own is not given (rollouts_max_msgs in the run's config)."""
 

@@ -1,6 +1,6 @@
 """The public plugin surface: plugin authors and tests import these names.
 
-- Sample, SampleStatus: one trajectory (SPEC.md section 1); a group is a list[Sample] of length n.
+- Sample, SampleStatus: one trajectory; a group is a list[Sample] of length n.
 - RunConfig: every flag under its snake_case name; RunConfig(**fields) with any subset.
 - DataBuffer, DefaultDataBuffer: the buffer contract (put / get / get_metrics) and its default.
 - DynamicFilterOutput, check_reward_nonzero_std: dynamic-sampling filter result and built-in filter.

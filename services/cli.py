@@ -1,6 +1,6 @@
 """The `asyncrl` command.
 
-  asyncrl train ...                    synchronous driver (SPEC.md section 6)
+  asyncrl train ...                    synchronous driver
   asyncrl train-async ...              one-step async driver
   asyncrl train-async --fully-async    fully async driver (the default job of the README)
   asyncrl init-run --nats-url URL ...  prepare a run for services started elsewhere (compose, k8s)

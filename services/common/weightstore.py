@@ -114,15 +114,15 @@ class WeightStore:
             sha = ""
         if not sha:
             sha = await asyncio.to_thread(lambda: hashlib.sha256((src / weights_file).read_bytes()).hexdigest())
-        await self.bus.object_delete(self.bucket, f"{key}/{COMPLETE_MARKER}")  # a stale marker first
+        await self.bus.objects.delete(self.bucket, f"{key}/{COMPLETE_MARKER}")  # a stale marker first
         files = {}
         for f in sorted(p for p in src.iterdir() if p.is_file() and p.name != COMPLETE_MARKER):
             with f.open("rb") as fh:
-                await self.bus.object_put(self.bucket, f"{key}/{f.name}", fh, self.chunk_size)
+                await self.bus.objects.put(self.bucket, f"{key}/{f.name}", fh, self.chunk_size)
             files[f.name] = f.stat().st_size
         manifest = {"sha256": sha, "files": files}
-        await self.bus.object_put(self.bucket, f"{key}/{COMPLETE_MARKER}", json.dumps(manifest).encode(),
-                                  self.chunk_size)  # fmt: skip
+        await self.bus.objects.put(self.bucket, f"{key}/{COMPLETE_MARKER}", json.dumps(manifest).encode(),
+                                   self.chunk_size)  # fmt: skip
         return manifest
 
     async def retire(self, version: int) -> None:
@@ -134,14 +134,14 @@ class WeightStore:
 
     async def _retire(self, key: str) -> None:
         manifest = await self._manifest(key)
-        await self.bus.object_delete(self.bucket, f"{key}/{COMPLETE_MARKER}")
+        await self.bus.objects.delete(self.bucket, f"{key}/{COMPLETE_MARKER}")
         for name in (manifest or {}).get("files", {}):
-            await self.bus.object_delete(self.bucket, f"{key}/{name}")
+            await self.bus.objects.delete(self.bucket, f"{key}/{name}")
 
     async def stored_versions(self) -> list[int]:
         """The complete versions in the bucket (listing needs the admin role: `asyncrl audit`)."""
         marker = "/" + COMPLETE_MARKER
-        names = [n for n in await self.bus.object_names(self.bucket) if n.endswith(marker) and n.startswith("v")]
+        names = [n for n in await self.bus.objects.names(self.bucket) if n.endswith(marker) and n.startswith("v")]
         return sorted(int(n[1 : -len(marker)]) for n in names if n[1 : -len(marker)].isdigit())
 
     # ---- reading (weight-sync, engines, a restarted trainer) ----------------------------------

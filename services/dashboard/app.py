@@ -95,6 +95,9 @@ class Dashboard:
 
 
 def build_app(dash: Dashboard) -> FastAPI:
+    """The dashboard's app: the run token checked before every route but OPEN's, then the login,
+    JSON and page routes, each group registered by a function of its own."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await dash.refresh()
@@ -117,6 +120,22 @@ def build_app(dash: Dashboard) -> FastAPI:
                                            "<token> (the run's token is in <run_dir>/secrets/run-token)"}},
                                 status_code=401, headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
         return RedirectResponse("/login?next=" + quote(path), status_code=303)
+
+    _open_routes(app, dash)
+    _api_routes(app, dash)
+    _page_routes(app, dash)
+    return app
+
+
+def _known(dash: Dashboard, adapter: str) -> str:
+    """`adapter` when it names one of the run's partitions ("" is the run's own); else a 404."""
+    if adapter not in dash.data.partitions:
+        raise HTTPException(404, f"no adapter registration {adapter[:100]!r}: see /api/partitions")
+    return adapter
+
+
+def _open_routes(app: FastAPI, dash: Dashboard) -> None:
+    """The routes without the run token (OPEN): health, readiness and the login."""
 
     @app.get("/healthz")
     async def healthz():
@@ -159,18 +178,22 @@ def build_app(dash: Dashboard) -> FastAPI:
         resp.set_cookie(dash.cookie, session, httponly=True, samesite="strict", max_age=int(SESSION_S))
         return resp
 
-    # ---- JSON ----------------------------------------------------------------------------------
+
+def _api_routes(app: FastAPI, dash: Dashboard) -> None:
+    """The JSON routes under /api/ (the run token's)."""
+
     @app.get("/api/summary")
     async def api_summary():
         return dash.data.summary()
 
     @app.get("/api/curves")
     async def api_curves(x: str = "step", adapter: str = ""):
-        return curves(dash.data, x, _known(adapter))
+        return curves(dash.data, x, _known(dash, adapter))
 
     @app.get("/api/staleness")
     async def api_staleness(adapter: str = ""):
-        return {"per_step": {str(k): dict(v) for k, v in staleness_columns(dash.data, adapter=_known(adapter))}}
+        columns = staleness_columns(dash.data, adapter=_known(dash, adapter))
+        return {"per_step": {str(k): dict(v) for k, v in columns}}
 
     @app.get("/api/versions")
     async def api_versions():
@@ -178,7 +201,7 @@ def build_app(dash: Dashboard) -> FastAPI:
 
     @app.get("/api/buffer")
     async def api_buffer(adapter: str = ""):
-        return buffer_facts(dash.data, _known(adapter))
+        return buffer_facts(dash.data, _known(dash, adapter))
 
     @app.get("/api/services")
     async def api_services():
@@ -186,7 +209,7 @@ def build_app(dash: Dashboard) -> FastAPI:
 
     @app.get("/api/audit")
     async def api_audit(adapter: str = ""):
-        return dash.data.audit(_known(adapter))
+        return dash.data.audit(_known(dash, adapter))
 
     @app.get("/api/errors")
     async def api_errors():
@@ -194,60 +217,56 @@ def build_app(dash: Dashboard) -> FastAPI:
 
     @app.get("/api/steps")
     async def api_steps(adapter: str = ""):
-        key = _known(adapter)
+        key = _known(dash, adapter)
         return {"steps": dash.data.sample_steps(key), "committed_step": dash.data.committed_step(key)}
 
     @app.get("/api/step/{step}")
     async def api_step(step: int, adapter: str = ""):
-        rec = dash.data.step_record(step, _known(adapter))
+        rec = dash.data.step_record(step, _known(dash, adapter))
         if rec is None:
             raise HTTPException(404, f"no sample record for step {step}")
         return rec
 
     @app.get("/api/prompt/{group_index}")
     async def api_prompt(group_index: int, adapter: str = ""):
-        return dash.data.lineage(group_index, _known(adapter))
-
-    # ---- pages ---------------------------------------------------------------------------------
-    @app.get("/", response_class=HTMLResponse)
-    async def overview(x: str = "step", adapter: str = ""):
-        return _page(f"asyncrl {dash.data.run_id}" + (f" / {adapter}" if adapter else ""),
-                     overview_html(dash, x, _known(adapter)), refresh=dash.live)  # fmt: skip
-
-    @app.get("/step/{step}", response_class=HTMLResponse)
-    async def step_page(step: int, adapter: str = ""):
-        return _page(f"step {step}" + (f" of {adapter}" if adapter else ""), step_html(dash.data, step, _known(adapter)))
-
-    @app.get("/prompt/{group_index}", response_class=HTMLResponse)
-    async def prompt_page(group_index: int, adapter: str = ""):
-        return _page(f"prompt {group_index}" + (f" of {adapter}" if adapter else ""),
-                     prompt_html(dash.data, group_index, _known(adapter)), refresh=dash.live)  # fmt: skip
-
-    @app.get("/step")
-    async def step_form(s: int = 0, adapter: str = ""):
-        return RedirectResponse(f"/step/{s}" + (f"?adapter={quote(_known(adapter))}" if adapter else ""),
-                                status_code=303)  # fmt: skip
-
-    @app.get("/prompt")
-    async def prompt_form(g: int = 0, adapter: str = ""):
-        return RedirectResponse(f"/prompt/{g}" + (f"?adapter={quote(_known(adapter))}" if adapter else ""),
-                                status_code=303)  # fmt: skip
+        return dash.data.lineage(group_index, _known(dash, adapter))
 
     @app.get("/api/partitions")
     async def api_partitions():
         return {k: {"name": p.name, "state": p.state} for k, p in dash.data.partitions.items()}
 
-    def _known(adapter: str) -> str:
-        if adapter not in dash.data.partitions:
-            raise HTTPException(404, f"no adapter registration {adapter[:100]!r}: see /api/partitions")
-        return adapter
+
+def _page_routes(app: FastAPI, dash: Dashboard) -> None:
+    """The HTML pages (the run token's): the overview, a step, a prompt's history."""
+
+    @app.get("/", response_class=HTMLResponse)
+    async def overview(x: str = "step", adapter: str = ""):
+        return _page(f"asyncrl {dash.data.run_id}" + (f" / {adapter}" if adapter else ""),
+                     overview_html(dash, x, _known(dash, adapter)), refresh=dash.live)  # fmt: skip
+
+    @app.get("/step/{step}", response_class=HTMLResponse)
+    async def step_page(step: int, adapter: str = ""):
+        return _page(f"step {step}" + (f" of {adapter}" if adapter else ""),
+                     step_html(dash.data, step, _known(dash, adapter)))  # fmt: skip
+
+    @app.get("/prompt/{group_index}", response_class=HTMLResponse)
+    async def prompt_page(group_index: int, adapter: str = ""):
+        return _page(f"prompt {group_index}" + (f" of {adapter}" if adapter else ""),
+                     prompt_html(dash.data, group_index, _known(dash, adapter)), refresh=dash.live)  # fmt: skip
+
+    @app.get("/step")
+    async def step_form(s: int = 0, adapter: str = ""):
+        return RedirectResponse(f"/step/{s}" + (f"?adapter={quote(_known(dash, adapter))}" if adapter else ""),
+                                status_code=303)  # fmt: skip
+
+    @app.get("/prompt")
+    async def prompt_form(g: int = 0, adapter: str = ""):
+        return RedirectResponse(f"/prompt/{g}" + (f"?adapter={quote(_known(dash, adapter))}" if adapter else ""),
+                                status_code=303)  # fmt: skip
 
     @app.get("/favicon.ico")
     async def favicon():
         return Response(status_code=204)
-
-    return app
-
 
 # ---- views ---------------------------------------------------------------------------------------
 ADAPTER_KEYS = {"reward": "raw_reward_mean", "step_time": "perf/step_time_s", "num_samples": "rollout/num_samples",

@@ -3,7 +3,7 @@
 Consumes: EvalRequest from EVAL (durable pull consumer "eval"), one point at a time, in order.
 Produces: EvalResult on `eval.results` (the trainer logs it with its next step, the launcher
   reports it) and a line in <run_dir>/eval.jsonl.
-Backends (SPEC.md section 7; EvalSection.backend picks one):
+Backends (docs/services.md, "Evaluation"; EvalSection.backend picks one):
   shared   (default) the rollout engines at the live version: producers stop submitting for the
            eval's duration (in-flight requests finish and are buffered; nothing is aborted).
   fleet    (--eval-num-gpus) engines owned by this service: every point pins them to the point's

@@ -1,10 +1,11 @@
 """Pure parts of the producer: submission credits.
 
-Submission credits (SPEC.md section 4): the in-flight cap is `cap_groups * n` sample credits.
-A whole group is submitted only when n credits are free. With `sample` granularity a credit
-returns as each trajectory finishes, so a new group goes out once n trajectories have finished
-from any groups; with `group` granularity the n credits return together when the group, reward
-included, is done. Every path (finish, failure, cancellation) returns exactly the credits taken.
+Submission credits (docs/services.md, "Producers and engines"): the in-flight cap is
+`cap_groups * n` sample credits. A whole group is submitted only when n credits are free. With
+`sample` granularity a credit returns as each trajectory finishes, so a new group goes out once
+n trajectories have finished from any groups; with `group` granularity the n credits return
+together when the group, reward included, is done. Every path (finish, failure, cancellation)
+returns exactly the credits taken.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def group_advantages(rewards: list[float], std_normalization: bool, eps: float =
 
 
 def assemble_batch(groups: list[list], n: int) -> list[list]:
-    """SPEC.md section 3: every group holds n trajectories; sort by the first sample's index."""
+    """Every group holds n trajectories; sort by the first sample's index."""
     for g in groups:
         if len(g) != n:
             raise ValueError(f"group {flatten_group(g)[0].group_index} has {len(g)} trajectories, expected {n}")

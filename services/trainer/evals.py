@@ -1,6 +1,6 @@
-"""The trainer's side of evaluation (SPEC.md section 7): eval points dispatched to the eval
-service as the loop passes them, their answers taken into the next step's record, and the run's
-end held until every point is answered. Training never waits for an evaluation, except for the
+"""The trainer's side of evaluation (docs/services.md, "Evaluation"): eval points dispatched to
+the eval service as the loop passes them, their answers taken into the next step's record, and
+the run's end held until every point is answered. Training never waits for an evaluation, except for the
 --eval-max-in-flight backpressure.
 """
 

@@ -1,7 +1,7 @@
 """The driver's policy: after which steps the trainer pushes weights, saves and evaluates, and
-whether it evaluates before it trains (Miles's order, SPEC.md section 1), and what it asks the
-buffer for each step. It reads the run's mode, budget, async, trainer and eval settings, and
-imports no torch."""
+whether it evaluates before it trains (Miles's order; docs/services.md, "The trainer", driver
+order), and what it asks the buffer for each step. It reads the run's mode, budget, async,
+trainer and eval settings, and imports no torch."""
 
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ Consumes: group references from the buffer (`buffer.get`, request/reply, idempot
 Produces: HF safetensors snapshots under <run_dir>/weights/v<N> and WeightsPublished every
   --update-weights-interval steps; BufferCommit after each step; EvalRequest when due; one
   JSONL record per step in <run_dir>/metrics.jsonl and on `progress`; a final `done` record.
-Drivers (SPEC.md section 6), all one loop with different admission rules:
+Drivers (docs/architecture.md, "Modes are admission rules"), all one loop with different
+  admission rules:
   sync: get(step) releases exactly this step's prompts, and only once the engines run the
     previous step's weights (release_min_version);
   one-step async: prompt release runs one step ahead (lookahead 1); on an update step the next

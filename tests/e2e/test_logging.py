@@ -1,4 +1,5 @@
-"""Custom log functions and the TensorBoard / W&B sinks, through a whole CLI run (SPEC.md section 8)."""
+"""Custom log functions and the TensorBoard / W&B sinks, through a whole CLI run (docs/services.md, "Metrics and
+sinks")."""
 
 from __future__ import annotations
 

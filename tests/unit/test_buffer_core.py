@@ -1,4 +1,4 @@
-"""DefaultDataBuffer: every rule of SPEC.md section 2, without I/O."""
+"""DefaultDataBuffer: every rule of the `DataBuffer` contract (services/buffer/core.py), without I/O."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Submission credits and response parsing (SPEC.md sections 1 and 4)."""
+"""Submission credits (docs/services.md, "Producers and engines") and response parsing."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
-"""The NATS bus: the only coupling between services (DESIGN.md principle 1), and the only code
-that imports nats-py.
+"""The NATS bus: the only coupling between services (docs/architecture.md, "Rooms: who may
+import what"), and the only code that imports nats-py.
 
 - client.py `Bus`: one service's connection, bound to one run: typed publish/request with the
   msgpack codec, idempotent stream and KV setup from the names in asyncrl_proto.subjects, pull
-  consumers, direct gets, the object store and dead-lettering. The connection reconnects
-  forever, so a restarted nats-server (file storage) is survived by every service;
+  consumers, direct gets and dead-lettering. The connection reconnects forever, so a restarted
+  nats-server (file storage) is survived by every service;
+- objects.py `ObjectStore` (`Bus.objects`): put, delete and list objects (object-store weights);
 - errors.py: what services catch, and `through_outage`;
 - consume.py: taking, holding and settling consumed messages.
 """

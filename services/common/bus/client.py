@@ -38,6 +38,7 @@ from services.common.bus.errors import (
     raise_if_store_full,
     through_outage,
 )
+from services.common.bus.objects import ObjectStore
 from services.common.natsauth import SERVICE_ROLES
 from services.common.secrets import NatsCredentials, url_credentials
 
@@ -72,6 +73,8 @@ class Bus:
         self._refused = asyncio.Event()  # replaced at each refusal: every batch then waiting wakes
         self.dead_lettered: collections.Counter[str] = collections.Counter()
         """Messages this process dead-lettered, by the subject they came on."""
+        self.objects = ObjectStore(self.js)
+        """The run's object-store buckets (put, delete, list: services/common/bus/objects.py)."""
 
     @classmethod
     async def connect(
@@ -404,33 +407,6 @@ class Bus:
             except nats.js.errors.NotFoundError:
                 continue
         return None
-
-    # ---- object store (services.common.weightstore) -------------------------------------------
-    async def object_put(self, bucket: str, name: str, data, chunk_size: int) -> None:
-        """Store `data` (bytes or a binary file) as object `name`, in chunks of chunk_size bytes."""
-        obs = await self.js.object_store(bucket)
-        meta = api.ObjectMeta(name=name, options=api.ObjectMetaOptions(max_chunk_size=chunk_size))
-        await obs.put(name, data, meta=meta)
-
-    async def object_delete(self, bucket: str, name: str) -> None:
-        """Delete object `name` (its chunks are purged); nothing when it is not there."""
-        obs = await self.js.object_store(bucket)
-        with contextlib.suppress(nats.js.errors.ObjectNotFoundError, nats.js.errors.ObjectDeletedError):
-            await obs.delete(name)
-
-    async def object_names(self, bucket: str) -> list[str]:
-        """The names of the objects in a bucket (none when the bucket does not exist). Lists by
-        an ordered consumer: the admin's right, not a service's."""
-        async def names() -> list[str]:
-            try:
-                obs = await self.js.object_store(bucket)
-                infos = await obs.list(ignore_deletes=True)
-            except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
-                return []
-            return [i.name for i in infos if not i.deleted]
-
-        # rides out a cluster whose streams are still electing leaders (an audit just started it)
-        return await through_outage(names, bucket, 30.0, "list")
 
     async def read_stream(self, stream: str, subject: str | None = None, deadline_s: float = 60.0,
                           only: str | None = None) -> list[bytes]:  # fmt: skip

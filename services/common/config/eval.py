@@ -67,8 +67,8 @@ class EvalSection(Section):
 
     @property
     def backend(self) -> Literal["fleet", "external", "shared"]:
-        """The eval backend these flags select (SPEC.md section 7): a dedicated fleet, an external
-        evaluator, or the rollout engines."""
+        """The eval backend these flags select (docs/services.md, "Evaluation"): a dedicated fleet,
+        an external evaluator, or the rollout engines."""
         if self.eval_num_gpus > 0 or self.eval_engine_urls:
             return "fleet"
         if self.eval_function_path:
@@ -76,7 +76,7 @@ class EvalSection(Section):
         return "shared"
 
     def problems(self) -> list[str]:
-        """SPEC.md section 7: every eval combination that cannot work, with what to set."""
+        """Every eval combination that cannot work, with what to set."""
         errs = []
         fleet = self.eval_num_gpus > 0 or bool(self.eval_engine_urls)
         if fleet and self.eval_function_path:

@@ -136,7 +136,7 @@ class RunConfig(MultiLoraSection, EvalSection, TrainerSection, AsyncSection, Rol
     @property
     @joins(AsyncSection, RolloutSection)
     def inflight_groups(self) -> int:
-        """In-flight cap of one producer, in groups (SPEC.md section 4)."""
+        """In-flight cap of one producer, in groups (docs/services.md, "Producers and engines")."""
         if self.async_.async_max_concurrent_samples is not None:
             return max(1, self.async_.async_max_concurrent_samples // self.rollout.n_samples_per_prompt)
         return self.rollout.rollout_batch_size
@@ -181,7 +181,7 @@ class RunConfig(MultiLoraSection, EvalSection, TrainerSection, AsyncSection, Rol
 
     @joins(InfraSection, RolloutSection, AsyncSection)
     def _mode_problems(self) -> list[str]:
-        """What each mode cannot run with (SPEC.md section 1)."""
+        """What each mode cannot run with."""
         i, r, a, errs = self.infra, self.rollout, self.async_, []
         if i.fully_async:
             if r.rollout_all_samples_process_path is not None:
