@@ -55,7 +55,7 @@ test-browser: $(BIN)/.test-installed
 	$(BIN)/python -m pytest -q -m browser tests/browser
 
 test-tasks: $(BIN)/.test-installed
-	$(BIN)/python -m pytest -q -m tasks tests/e2e/test_math_run.py tests/e2e/test_reasoning_gym_run.py tests/e2e/test_tool_use_run.py tests/e2e/test_longtail_run.py
+	$(BIN)/python -m pytest -q -m tasks tests/e2e/test_math_run.py tests/e2e/test_reasoning_gym_run.py tests/e2e/test_tool_use_run.py tests/e2e/test_longtail_run.py tests/e2e/test_diagnosis_runs.py
 
 # docker-compose.yml run for real on loopback (tests/docker): builds the image, runs a short job to
 # its end with three producers and audits it; skips, saying why, when no Docker daemon can start.
