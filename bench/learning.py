@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import importlib
 import json
 import os
 import random
@@ -29,7 +31,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,10 +50,10 @@ TRACE = ("rollout/reward/mean", "train/entropy", "train/advantage_abs_mean", "tr
 
 
 # ---- data --------------------------------------------------------------------------------------
-def write_data(root: Path, eval_prompts: int) -> tuple[Path, Path]:
+def write_data(root: Path, eval_prompts: int, task_module: str = "services.tasks.reverse_digits") -> tuple[Path, Path]:
     """Training prompts and a larger held-out set, disjoint, in the task's format."""
-    from services.tasks import reverse_digits as task
-
+    task = importlib.import_module(task_module)
+    root = root / task.NAME
     root.mkdir(parents=True, exist_ok=True)
     train, held = root / f"train_without_heldout_{eval_prompts}.jsonl", root / f"heldout_{eval_prompts}.jsonl"
     if not (train.exists() and held.exists()):
@@ -68,15 +72,19 @@ def run_key(arm: str, seed: int, steps: int, extra: list[str]) -> str:
 def run_one(arm: str, seed: int, steps: int, extra: list[str], a, data: tuple[Path, Path], run_dir: Path) -> dict:
     """One run through the CLI; its held-out curve (step, loop seconds, reward) and facts."""
     train, held = data
-    cmd = [sys.executable, "-m", "services.cli", *ARMS[arm], "--config", str(ROOT / "deploy/configs/quickstart.yaml"),
+    cmd = [sys.executable, "-m", "services.cli", *ARMS[arm], "--config", str(ROOT / a.config),
            "--num-rollout", str(steps), "--eval-interval", str(a.eval_interval), "--seed", str(seed),
            "--rollout-seed", str(seed), "--run-dir", str(run_dir), "--prompt-data", str(train),
            "--eval-prompt-data", EVAL_NAME, str(held), "--n-samples-per-eval-prompt", str(a.eval_samples),
            *extra]  # fmt: skip
     t0 = time.time()
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"{arm} seed {seed} failed ({' '.join(cmd[3:])}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sampler = EngineSampler(run_dir, proc)
+    sampler.start()
+    out, err = proc.communicate()
+    sampler.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{arm} seed {seed} failed ({' '.join(cmd[3:])}):\n{out[-3000:]}\n{err[-3000:]}")
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
     start = recs[0]["time"] - recs[0]["perf/elapsed_s"]  # the training loop's start
@@ -88,10 +96,65 @@ def run_one(arm: str, seed: int, steps: int, extra: list[str], a, data: tuple[Pa
     trace = [{k: rec[k] for k in TRACE if k in rec} | {"step": rec["step"]} for rec in recs[::every]]
     stale = [rec["rollout/fully_async/avg_staleness"] for rec in recs if "rollout/fully_async/avg_staleness" in rec]
     stale_max = [rec["rollout/fully_async/max_staleness"] for rec in recs if "rollout/fully_async/max_staleness" in rec]
-    return {"arm": arm, "seed": seed, "steps": steps, "extra": extra, "points": points,
+    return {**loop_facts(recs, evals), **sampler.facts(start, recs[-1]["time"], len(recs)), "arm": arm, "seed": seed, "steps": steps, "extra": extra, "points": points,
             "loop_wall_s": recs[-1]["perf/elapsed_s"], "run_wall_s": time.time() - t0,
             "staleness_mean": statistics.mean(stale) if stale else 0.0, "staleness_max": max(stale_max, default=0),
             "trace": trace, "finished_at": time.time()}  # fmt: skip
+
+
+class EngineSampler(threading.Thread):
+    """Reads the run's engine's `sglang:num_running_reqs` every SAMPLE_S while the run lives: how
+    full the engine's batch is over the training loop, measured at the engine."""
+
+    SAMPLE_S = 0.05
+
+    def __init__(self, run_dir: Path, proc: subprocess.Popen):
+        super().__init__(daemon=True)
+        self.run_dir, self.proc, self.samples = run_dir, proc, []
+
+    def run(self) -> None:
+        url = None
+        while self.proc.poll() is None:
+            time.sleep(self.SAMPLE_S)  # a sampling period, not a synchronisation: the run goes on without it
+            if url is None:
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    url = json.loads((self.run_dir / "services.json").read_text())["engine-0"] + "/metrics"
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                text = urllib.request.urlopen(url, timeout=2).read().decode()
+                running = next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                               if line.startswith("sglang:num_running_reqs"))  # fmt: skip
+                self.samples.append((time.time(), running))
+
+    def facts(self, start: float, end: float, steps: int) -> dict:
+        """Over the loop [start, end]: the engine's mean batch (requests running), the share of the
+        time it ran none, and the share it ran at most a tenth of its peak batch (the stragglers of a
+        batch, while the rest waits for them), in seconds per step."""
+        xs = [r for t, r in self.samples if start <= t <= end]
+        if not xs:
+            return {}
+        peak = max(xs)
+        tail = sum(0 < r <= 0.1 * peak for r in xs) / len(xs)
+        return {"engine_running_mean": statistics.fmean(xs), "engine_running_peak": peak,
+                "engine_idle_share": sum(r == 0 for r in xs) / len(xs), "engine_tail_share": tail,
+                "engine_tail_s_per_step": tail * (end - start) / steps}  # fmt: skip
+
+
+def loop_facts(recs: list[dict], evals: list[dict]) -> dict:
+    """Where a run's loop time went: samples and response tokens trained per second, the share
+    of the loop the trainer waited for batches, each step's generation time (its first get to its
+    complete lease) and its response tokens, and the held-out response lengths (median, p99) at
+    the first and the last evaluation."""
+    loop = recs[-1]["perf/elapsed_s"]
+    tokens = [r["rollout/num_samples"] * r["rollout/response_length/mean"] for r in recs]
+    held = [e for e in evals if f"eval/{EVAL_NAME}/response_len/p99" in e]
+    lengths = {f"{when}_len_{stat}": held[i][f"eval/{EVAL_NAME}/response_len/{stat}"]
+               for when, i in (("first", 0), ("last", -1)) for stat in ("median", "p99")} if held else {}  # fmt: skip
+    return {"samples_per_s": sum(r["rollout/num_samples"] for r in recs) / loop, "tokens_per_s": sum(tokens) / loop,
+            "trainer_idle": sum(r["perf/rollout_wait_s"] for r in recs) / loop,
+            "rollout_time": [r.get("perf/rollout_time", 0.0) for r in recs], "step_tokens": tokens,
+            "train_push_s": statistics.median(r["perf/train_time_s"] + r["perf/weight_push_s"] for r in recs),
+            **lengths}  # fmt: skip
 
 
 def load_record(path: Path) -> list[dict]:
@@ -118,7 +181,7 @@ def run_all(cells: list[tuple[str, int, list[str]]], a, record: Path) -> None:
     done = {run_key(r["arm"], r["seed"], r["steps"], r["extra"]) for r in load_record(record) if "arm" in r}
     todo = [c for c in cells if run_key(c[0], c[1], a.steps, c[2]) not in done]
     print(f"{len(cells) - len(todo)} of {len(cells)} runs already recorded in {record}; {len(todo)} to go", flush=True)
-    data = write_data(Path(tempfile.gettempdir()) / "asyncrl-learning-data", a.eval_prompts)
+    data = write_data(Path(tempfile.gettempdir()) / "asyncrl-learning-data", a.eval_prompts, a.task_module)
     rev = code_revision()
     for i, (arm, seed, extra) in enumerate(todo, 1):
         t0 = time.time()
@@ -287,6 +350,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=float, default=0.5, help="held-out reward whose wall-clock is reported")
     p.add_argument("--stall-gain", type=float, default=0.1)
     p.add_argument("--report-only", action="store_true", help="summarize the record, run nothing")
+    p.add_argument("--config", default="deploy/configs/quickstart.yaml", help="every run's --config")
+    p.add_argument("--task-module", default="services.tasks.reverse_digits",
+                   help="the task whose training and held-out prompts the runs get")  # fmt: skip
 
 
 def main() -> None:
