@@ -25,7 +25,7 @@ from fastapi import FastAPI
 from asyncrl_proto import ControlMsg, PromptMsg, RolloutGroup, Sample, group_id
 from asyncrl_proto.messages import SampleStatus, flatten_group
 from services.common import crash
-from services.common.bus import Settle, fetch_some, settle
+from services.common.bus import Settle, fetch_some, keep_alive, settle, until_room
 from services.common.config import AsyncSection, DataSection, MultiLoraSection, RolloutSection
 from services.common.rewards import mark_failed, resolve_reward, score_group, score_sample
 from services.common.runtime import Service
@@ -85,7 +85,10 @@ class RolloutService(Service):
             "group_failures": 0,
             "bad_prompts": 0,
             "adapter_not_loaded_requeued": 0,
+            "input_full": 0,
         }
+        self._input_full_from: int | None = None
+        """The input_full count when the buffer's input stream last filled (None: it has room)."""
         self.mode = (AdapterMode(config, bus, self.engine, self.counters) if config.multi_lora.multi_lora_n_adapters > 0
                      else SingleModel(config, bus.subjects, self.engine, self.reward_fn))  # fmt: skip
         self._psub = None
@@ -212,7 +215,7 @@ class RolloutService(Service):
             crash.point("rollout", "generated_before_publish")
             try:
                 subject, msg_id = self.mode.destination(msg, rg.group_id)
-                await self.bus.publish(subject, rg, msg_id=msg_id)
+                await self._publish_group(msg, subject, rg, msg_id)
             except Exception as e:  # the broker is away: the finished work is not a failure
                 log.warning("publishing group %s failed (%s); its prompt goes back to the queue", rg.group_id, e)
                 await settle(msg, Settle.NAK, delay=1.0)
@@ -224,6 +227,25 @@ class RolloutService(Service):
         finally:
             self.groups_in_flight.pop(id(msg), None)
             self.credits.group_done(given_back[0])
+
+    async def _publish_group(self, msg, subject: str, rg: RolloutGroup, msg_id: str) -> None:
+        """Publish a finished group, holding its prompt: while the buffer's input stream holds its
+        message cap (the buffer is behind, or a flood filled it), wait and try again, counted
+        (rollout/producer/input_full_total): the work is never dropped. Logged when the stream
+        fills and when it has room again, with the count between, not once per refusal."""
+
+        def full(error: Exception, refusals: int) -> None:
+            self.counters["input_full"] += 1
+            if self._input_full_from is None:
+                self._input_full_from = self.counters["input_full"] - 1
+                log.warning("the buffer's input stream is full (%s): finished groups wait for room", error)
+
+        async with keep_alive(msg):
+            await until_room(lambda: self.bus.publish(subject, rg, msg_id=msg_id), full)
+        if self._input_full_from is not None:
+            log.warning("the buffer's input stream has room again (%d publishes waited for it)",
+                        self.counters["input_full"] - self._input_full_from)  # fmt: skip
+            self._input_full_from = None
 
     async def _generate_group(
         self, prompt: PromptMsg, input_ids: list[int], started: float, given_back: list[int], ctx: GroupContext
@@ -268,7 +290,7 @@ class RolloutService(Service):
         rg = self._group(prompt, samples, started)
         try:
             subject, msg_id = self.mode.destination(msg, rg.group_id)
-            await self.bus.publish(subject, rg, msg_id=msg_id)
+            await self._publish_group(msg, subject, rg, msg_id)
         except Exception as e:  # the broker is away: the prompt comes back and fails once more
             log.error("publishing failed group %s: %s", rg.group_id, e)
             await settle(msg, Settle.NAK, delay=1.0)
