@@ -104,9 +104,10 @@ class AsyncSection(Section):
     stall_report_s: float = Field(
         300.0,
         gt=0,
-        description="No step progress for this long while the trainer waits: the buffer names the cause in its log "
-        "and /status (`stalled`); when prompts are unanswered and a producer has room, those no live producer names in "
-        "work go back then.",
+        description="No step progress while the trainer waits for 10 x the run's median step (at least 30 s), and at "
+        "most this long: the buffer names the cause in its log, /status (`stalled`) and /healthz (still 200); when "
+        "prompts are unanswered and a producer has room, those no live producer names in work go back after this "
+        "long.",
     )
     producer_timeout_s: float = Field(
         60.0,
