@@ -31,10 +31,8 @@ is complete are decided only in on_handed.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -58,15 +56,13 @@ from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import SampleStatus, flatten_group, oldest_weight_version
 from services.buffer.core import staleness
 from services.buffer.out import BufferPluginError, GroupState, LeaseState, Out, Put, Verdict
-from services.buffer.policy import PRODUCER_TIMEOUT_S, ReleaseState, release_allowance, stall_cause
+from services.buffer.policy import PRODUCER_TIMEOUT_S, ReleaseState, StepClock, release_allowance, stall_cause
 from services.buffer.state import BufferState, apply
 from services.common.datasource import PromptSource
 from services.common.validate import Limits, group_problem
 
 log = logging.getLogger(__name__)
 
-STALL_STEPS, STALL_FLOOR_S = 10, 30.0
-"""A run is stalled after STALL_STEPS x its median step without progress, at least STALL_FLOOR_S."""
 MAX_PRODUCERS = 1024
 """Producers whose heartbeats are tracked (each cap at most the configured one)."""
 MAX_RELEASE = 256
@@ -114,8 +110,7 @@ class BufferMachine:
         self.raw_of: dict[str, bytes] = {}  # group id -> encoded group, for small groups
         self.progress_at = time.time()
         """When a step last made progress (a group leased, a lease completed, a commit)."""
-        self.commits_at: collections.deque[float] = collections.deque(maxlen=51)
-        """When the last steps were committed: the run's own step time, which the stall report scales with."""
+        self.step_clock = StepClock(config.async_.stall_report_s)
         self.seen_at: dict[str, float] = {}
         """Outstanding group id -> when it was released or last named in work by a producer."""
 
@@ -481,7 +476,7 @@ class BufferMachine:
             self.raw_of.pop(r.group_id, None)
         if req.step > self.state.committed_step:
             self.progress_at = time.time()
-            self.commits_at.append(self.progress_at)
+            self.step_clock.committed(self.progress_at)
             self._record("committed", step=req.step)
         replies = [(msg, BufferCommitReply(step=req.step, num_groups_committed=len(done)))]
         for step in [s for s in self.requested if s <= req.step]:
@@ -536,21 +531,11 @@ class BufferMachine:
         return Out()
 
     # ---- observability -----------------------------------------------------------------------
-    def stall_after(self) -> float:
-        """Seconds without step progress that make a stall: STALL_STEPS x the run's median step
-        (over its last 50 commits, at least STALL_FLOOR_S), at most --stall-report-s."""
-        limit = self.config.async_.stall_report_s
-        t = list(self.commits_at)
-        if len(t) < 6:
-            return limit
-        median = statistics.median(b - a for a, b in zip(t, t[1:], strict=False))
-        return min(limit, max(STALL_STEPS * median, STALL_FLOOR_S))
-
     def stall(self, now: float) -> dict | None:
-        """Why no step has made progress for stall_after() seconds while the trainer waits, or None."""
+        """Why no step has made progress for StepClock.stall_after() seconds while the trainer waits, or None."""
         s, c = self.state, self.config
         idle = now - self.progress_at
-        if self.want_step is None or idle < self.stall_after():
+        if self.want_step is None or idle < self.step_clock.stall_after():
             return None
         short = [step for step in range(s.committed_step + 1, self.want_step + 1)
                  if self.lease_state(step) is not LeaseState.COMPLETE]  # fmt: skip
