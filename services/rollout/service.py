@@ -26,9 +26,10 @@ from asyncrl_proto import ControlMsg, PromptMsg, RolloutGroup, Sample, group_id
 from asyncrl_proto.messages import SampleStatus, flatten_group
 from services.common import crash
 from services.common.bus import Settle, fetch_some, keep_alive, settle, until_room
-from services.common.config import AsyncSection, DataSection, MultiLoraSection, RolloutSection
+from services.common.config import AsyncSection, DataSection, EvalSection, MultiLoraSection, RolloutSection
 from services.common.rewards import mark_failed, resolve_reward, score_group, score_sample
 from services.common.runtime import Service
+from services.common.schedule import is_eval_point
 from services.common.sglang_client import SGLangClient
 from services.common.validate import MAX_ATTEMPT, limits_from_model_dir, sample_problem
 from services.envs.generate import EngineHandle, default_generate, generate_function  # noqa: F401 (plugins import them here)
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 
 class RolloutService(Service):
     name = "rollout"
-    reads = (DataSection, RolloutSection, AsyncSection, MultiLoraSection)
+    reads = (DataSection, RolloutSection, AsyncSection, MultiLoraSection, EvalSection)
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
@@ -74,7 +75,10 @@ class RolloutService(Service):
         self.engine = EngineHandle(self.client, self.tokenizer, self.limits.context_length)
         self.submission_open = asyncio.Event()
         self.submission_open.set()
-        self.pauses = Pauses(PAUSE_TTL_S, config.async_.submission_pause_max_s, config.rollout.total_steps)
+        a, r = config.async_, config.rollout
+        points = (r.total_steps, config.eval.eval_interval, r.num_rollout_per_epoch, config.infra.mode)
+        self.pauses = Pauses(PAUSE_TTL_S, a.submission_pause_max_s, lambda step: is_eval_point(step, *points),
+                             a.submission_pause_budget * a.submission_pause_window_s, a.submission_pause_window_s)  # fmt: skip
         self.groups_in_flight: dict[int, tuple[object, float, int]] = {}
         """id(msg) -> (msg, when it started, the group index it generates: named in heartbeats)."""
         self.failures: dict[str, int] = {}  # group id -> generation failures seen here

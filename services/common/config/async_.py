@@ -83,6 +83,17 @@ class AsyncSection(Section):
         description="A pause of submission sent over NATS (an eval point on the shared engines) ends at most this "
         "long after it began, however often it is renewed; production then resumes while the eval goes on.",
     )
+    submission_pause_budget: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="Pauses of submission sent over NATS (the eval role's, whatever their tokens) hold production for "
+        "at most this share of any --submission-pause-window-s: past it every such pause ends and new ones are refused "
+        "until the window has room again (docs/trust.md gives the worst case).",
+    )
+    submission_pause_window_s: float = Field(
+        600.0, gt=0, description="The sliding window over which --submission-pause-budget is counted."
+    )
     rollout_health_check_interval: float = Field(
         30.0, ge=0, description="Producers poll every engine's /health_generate this often (0 = never)."
     )
