@@ -17,6 +17,9 @@ def test_only_a_requested_point_at_its_version_is_taken_and_only_once():
     assert p.problem(50, 50) is None
     assert "answered already" in p.problem(50, 50)
     assert p.problem(0, 0) is None
+    p.request(100, 100)
+    p.request(100, 101)  # a restarted trainer passing the point again, on newer weights
+    assert p.problem(100, 100) is None and "answered already" in p.problem(100, 101)
 
 
 def test_after_a_restart_the_points_before_it_are_taken_once_whatever_their_version():
