@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from asyncrl_proto import EvalResult, ProgressRecord, WeightsLive, decode
+from asyncrl_proto import EvalRequest, EvalResult, ProgressRecord, WeightsLive, decode
 from asyncrl_proto.codec import MalformedMessage
 from services.common import procs
 from services.common.bus import STORE_DIR_ENV, Bus
@@ -41,7 +41,7 @@ from services.common.httpauth import HTTP_ROLES, HTTP_TOKEN_ENV, Keys, engine_to
 from services.common.natsserver import EmbeddedNats, NatsCluster, local_nats
 from services.common.secrets import RM_TOKEN_ENV, NatsCredentials, without_identity
 from services.common.snapshot import COMPLETE_MARKER, is_complete
-from services.common.validate import eval_result_problem, finite_metrics
+from services.common.validate import EvalPoints, eval_result_problem, finite_metrics
 from services.common.versions import VersionBound
 from services.prepare import Prepared, prepare_launch
 from services.raycluster import Placement
@@ -97,6 +97,8 @@ class Launcher:
         self.nats: EmbeddedNats | NatsCluster | None = None
         self.nats_url = config.infra.nats_url
         self.evals: dict[int, EvalResult] = {}
+        self.eval_points = EvalPoints()
+        """The points the trainer requested (read on the EVAL stream's request subject): only their results count."""
         self.done: ProgressRecord | None = None
         self.multi_lora = config.multi_lora.multi_lora_n_adapters > 0
         """Multi-LoRA: the run ends when the trainer says every adapter is completed."""
@@ -306,6 +308,7 @@ class Launcher:
             await bus.subscribe(bus.subjects.progress, self._on_progress)
             self.published = VersionBound(bus)
             await bus.subscribe(bus.subjects.weights_live, self._on_live)
+            await bus.subscribe(bus.subjects.eval_requests, self._on_eval_request)
             await bus.subscribe(bus.subjects.eval_results, self._on_eval)
             for name in ("buffer", "weight-sync", "eval") + (("adapters",) if lora else ()):
                 self.start_service(name)
@@ -410,11 +413,17 @@ class Launcher:
             elif not rec.done and 0 <= rec.step < self.config.rollout.total_steps:
                 self.progress(rec.step, self.config.rollout.total_steps, rec.record, self.heldout)
 
+    async def _on_eval_request(self, msg) -> None:
+        with contextlib.suppress(MalformedMessage):
+            req = decode(msg.data, EvalRequest)
+            self.eval_points.request(req.step, req.version)
+
     async def _on_eval(self, msg) -> None:
         with contextlib.suppress(MalformedMessage):
             res = decode(msg.data, EvalResult)
-            if eval_result_problem(res.step, self.config.rollout.total_steps) is not None:
-                return  # not a point of this run (the eval service and the trainer never send one)
+            problem = eval_result_problem(res.step, self.config.rollout.total_steps)
+            if problem is not None or self.eval_points.problem(res.step, res.version) is not None:
+                return  # not a result for a point the trainer requested (the trainer dead-letters it)
             res.metrics = finite_metrics(res.metrics)[0]
             self.evals[res.step] = res
             main = {k: v for k, v in res.metrics.items() if k.count("/") == 1 and not k.startswith("eval/duration")}

@@ -56,7 +56,7 @@ from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import SampleStatus, flatten_group, oldest_weight_version
 from services.buffer.core import staleness
 from services.buffer.out import BufferPluginError, GroupState, LeaseState, Out, Put, Verdict
-from services.buffer.policy import PRODUCER_TIMEOUT_S, ReleaseState, release_allowance, stall_cause
+from services.buffer.policy import PRODUCER_TIMEOUT_S, ReleaseState, StepClock, release_allowance, stall_cause
 from services.buffer.state import BufferState, apply
 from services.common.datasource import PromptSource
 from services.common.validate import Limits, group_problem
@@ -110,6 +110,7 @@ class BufferMachine:
         self.raw_of: dict[str, bytes] = {}  # group id -> encoded group, for small groups
         self.progress_at = time.time()
         """When a step last made progress (a group leased, a lease completed, a commit)."""
+        self.step_clock = StepClock(config.async_.stall_report_s)
         self.seen_at: dict[str, float] = {}
         """Outstanding group id -> when it was released or last named in work by a producer."""
 
@@ -475,6 +476,7 @@ class BufferMachine:
             self.raw_of.pop(r.group_id, None)
         if req.step > self.state.committed_step:
             self.progress_at = time.time()
+            self.step_clock.committed(self.progress_at)
             self._record("committed", step=req.step)
         replies = [(msg, BufferCommitReply(step=req.step, num_groups_committed=len(done)))]
         for step in [s for s in self.requested if s <= req.step]:
@@ -530,10 +532,10 @@ class BufferMachine:
 
     # ---- observability -----------------------------------------------------------------------
     def stall(self, now: float) -> dict | None:
-        """Why no step has made progress for --stall-report-s while the trainer waits, or None."""
+        """Why no step has made progress for StepClock.stall_after() seconds while the trainer waits, or None."""
         s, c = self.state, self.config
         idle = now - self.progress_at
-        if self.want_step is None or idle < c.async_.stall_report_s:
+        if self.want_step is None or idle < self.step_clock.stall_after():
             return None
         short = [step for step in range(s.committed_step + 1, self.want_step + 1)
                  if self.lease_state(step) is not LeaseState.COMPLETE]  # fmt: skip

@@ -19,9 +19,13 @@ and nothing beyond what the run's --num-rollout steps can train.
 
 from __future__ import annotations
 
+import collections
+import statistics
 from dataclasses import dataclass
 
 PRODUCER_TIMEOUT_S = 10.0
+STALL_STEPS, STALL_FLOOR_S = 10, 30.0
+"""A run is stalled after STALL_STEPS x its median step without progress, at least STALL_FLOOR_S."""
 """A producer is live while its heartbeats are at most this old."""
 
 
@@ -51,6 +55,28 @@ class ReleaseState:
     over_sampling: int | None = None
     """--over-sampling-batch-size (sync modes): prompts are released in multiples of it, as
     Miles's rollout fetches them whenever fewer than B groups are done or in flight."""
+
+
+class StepClock:
+    """When the last steps were committed: the run's own step time, which the stall report
+    scales with."""
+
+    def __init__(self, limit_s: float):
+        self.limit_s = limit_s
+        self.commits: collections.deque[float] = collections.deque(maxlen=51)
+
+    def committed(self, at: float) -> None:
+        self.commits.append(at)
+
+    def stall_after(self) -> float:
+        """Seconds without step progress that make a stall: STALL_STEPS x the run's median step
+        (over its last 50 commits, at least STALL_FLOOR_S), at most `limit_s` (--stall-report-s);
+        `limit_s` until the run has five step times."""
+        t = list(self.commits)
+        if len(t) < 6:
+            return self.limit_s
+        median = statistics.median(b - a for a, b in zip(t, t[1:], strict=False))
+        return min(self.limit_s, max(STALL_STEPS * median, STALL_FLOOR_S))
 
 
 def release_allowance(s: ReleaseState) -> int:

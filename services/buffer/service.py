@@ -410,6 +410,13 @@ class BufferService(Service):
         runs = {r.registration_id: r.name for r in self.adapters.runs}
         return {**base, "partitions": {rid: {"adapter": runs.get(rid, ""), **p.status()} for rid, p in self.parts.items()}}
 
+    def health_note(self) -> str | None:
+        """The run's stall, with its cause (every partition's, multi-LoRA)."""
+        now = time.time()
+        stalls = [(name, st) for name, p in self.parts.items() if (st := p.core.stall(now)) is not None]
+        return "; ".join(f"{'partition ' + str(name) + ': ' if self.partitioned else ''}stalled for {st['for_s']:.0f} s "
+                         f"at step {st['step']}: {st['cause']}" for name, st in stalls) or None  # fmt: skip
+
     def metric_values(self) -> dict[str, float]:
         out: dict[str, float] = {}
         if not self.partitioned:

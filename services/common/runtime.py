@@ -146,6 +146,11 @@ class Service:
         """Numbers for /metrics (services.common.promexport types and labels them)."""
         return {}
 
+    def health_note(self) -> str | None:
+        """A condition /healthz reports while the service itself is healthy (its answer stays 200:
+        a restart would not cure it), e.g. the buffer's stalled run with its cause."""
+        return None
+
     def add_routes(self, app: FastAPI) -> None:
         """Extra control endpoints."""
 
@@ -269,7 +274,7 @@ class Service:
             dead = [t.get_name() for t in self._tasks if t.done()]
             if dead and not self.stopping:
                 return PlainTextResponse(f"loops ended: {dead}\n", status_code=503)
-            return PlainTextResponse("ok\n")
+            return PlainTextResponse(f"ok: {note}\n" if (note := self.health_note()) else "ok\n")
 
         @app.get("/readyz")
         async def readyz() -> Response:

@@ -150,3 +150,36 @@ def eval_result_problem(step: int, total_steps: int) -> str | None:
     if not 0 <= step <= total_steps:
         return f"eval result for step {step}, outside the run's 0..{total_steps}"
     return None
+
+
+class EvalPoints:
+    """The eval points a run asked for, and the results taken for them (the trainer's and the
+    launcher's): a result is taken only for a point that was requested, for a weight version it
+    was requested for (a trainer that restarts and passes a point again may name newer weights;
+    the point is answered once, for either), and once; anything else is refused with the reason.
+    Points requested before a restart (`resumed_at`) are not known here: a result for one of
+    them, at most the resume step, is taken once whatever its version."""
+
+    def __init__(self):
+        self.requested: dict[int, set[int]] = {}
+        self.taken: set[int] = set()
+        self.unknown_before = -1
+
+    def request(self, step: int, version: int) -> None:
+        self.requested.setdefault(step, set()).add(version)
+
+    def resumed_at(self, step: int) -> None:
+        self.unknown_before = step
+
+    def problem(self, step: int, version: int) -> str | None:
+        """Why a result for (step, version) is refused, or None; taken when None."""
+        wanted = self.requested.get(step)
+        if step in self.taken:
+            return f"eval result for step {step}: that point was answered already"
+        if wanted is None and step > self.unknown_before:
+            return f"eval result for step {step}: no eval point was requested there"
+        if wanted is not None and version not in wanted:
+            return (f"eval result for step {step}: the point was requested for weights "
+                    f"{', '.join(f'v{v}' for v in sorted(wanted))}, not v{version}")  # fmt: skip
+        self.taken.add(step)
+        return None

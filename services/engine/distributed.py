@@ -164,6 +164,11 @@ class DistributedReceiver:
             msg += f" Weight version updated to {version}."
         return {"success": True, "complete": True, "message": msg, "num_paused_requests": res["num_paused_requests"]}
 
+    def staged_version(self) -> str | None:
+        """The name of the version a broadcast staged, waiting for its swap (None: none)."""
+        with self._lock:
+            return self.staged[0] if self.staged is not None else None
+
     def set_version(self, version: str) -> bool:
         """/update_weight_version: swap in the version staged under that name, if any (True).
         Blocking: waits like a weight update for the pause or for in-flight requests."""

@@ -9,7 +9,8 @@ their log-probs, the weight versions) is recorded under that episode before the 
 everything before it (prompt, earlier turns, what the environment said); what it adds is the
 environment's (loss mask 0), what the engine sampled is the model's (loss mask 1). Nothing is
 re-tokenized. A conversation whose template re-renders an earlier turn differently breaks that
-prefix; it cannot be trained as one sequence and fails with that reason.
+prefix; it cannot be trained as one sequence and fails with that reason. `recorded_turn` and
+`assemble` also serve --env nemogym (services/envs/nemogym.py), which asks the engine directly.
 """
 
 from __future__ import annotations
@@ -95,20 +96,33 @@ class ChatRecorder:
             answer = await self.client.chat_completions(url, body)
         except Exception as e:  # the client sees the engine's refusal as an HTTP error
             return web.json_response({"error": {"message": str(e)[:500]}}, status=502)
-        if "prompt_token_ids" not in answer or "token_ids" not in (answer.get("choices") or [{}])[0]:
+        if not has_token_ids(answer):
             return web.json_response({"error": {"message": "the engine did not return token ids: --env verifiers "
                                                 "needs an engine that answers return_token_ids (the built-in one)"}},
                                      status=502)  # fmt: skip
-        choice = answer["choices"][0]
-        self.turns[name].append({
-            "prompt_ids": list(answer["prompt_token_ids"]),
-            "ids": list(choice["token_ids"]),
-            "logprobs": [float(e["logprob"]) for e in (choice.get("logprobs") or {}).get("content") or []],
-            "meta_info": {**choice.get("meta_info", {}), "finish_reason": {"type": choice.get("finish_reason")}},
-            "text": None if choice["message"].get("tool_calls") else choice["message"].get("content") or "",
-            "tool_calls": len(choice["message"].get("tool_calls") or []) if body.get("tools") else None,
-        })  # fmt: skip
+        self.turns[name].append(recorded_turn(answer, bool(body.get("tools"))))
         return web.json_response(answer)
+
+
+def has_token_ids(answer: dict) -> bool:
+    """The engine answered a chat request with `return_token_ids` (the prompt's and the sampled ids)."""
+    return "prompt_token_ids" in answer and "token_ids" in (answer.get("choices") or [{}])[0]
+
+
+def recorded_turn(answer: dict, tools_offered: bool) -> dict:
+    """One chat answer with token ids (has_token_ids) as the turn `assemble` reads: the prompt's
+    and the sampled ids, their log-probs, the weight versions and the finish reason, the reply's
+    text (None for a reply of tool calls: it is decoded from its ids) and, where tools were
+    offered, how many calls the reply made."""
+    choice = answer["choices"][0]
+    return {
+        "prompt_ids": list(answer["prompt_token_ids"]),
+        "ids": list(choice["token_ids"]),
+        "logprobs": [float(e["logprob"]) for e in (choice.get("logprobs") or {}).get("content") or []],
+        "meta_info": {**choice.get("meta_info", {}), "finish_reason": {"type": choice.get("finish_reason")}},
+        "text": None if choice["message"].get("tool_calls") else choice["message"].get("content") or "",
+        "tool_calls": len(choice["message"].get("tool_calls") or []) if tools_offered else None,
+    }  # fmt: skip
 
 
 def assemble(sample: Sample, prompt_ids: list[int] | None, turns: list[dict], decode) -> Sample:

@@ -54,7 +54,8 @@ async def default_generate(config, sample: Sample, engine: EngineHandle, samplin
     return sample
 
 
-ENV_CONNECTORS = {"openenv": "services.envs.openenv", "verifiers": "services.envs.vf"}
+ENV_CONNECTORS = {"openenv": "services.envs.openenv", "verifiers": "services.envs.vf",
+                  "nemogym": "services.envs.nemogym"}  # fmt: skip
 """--env's connectors, by scheme: modules with `generate` and `check(config)`. check runs when a
 producer or the eval service starts, so a missing extra or a wrong task name stops the run there,
 not at every episode."""

@@ -1,18 +1,23 @@
 """`asyncrl eval-adapter`: the held-out reward of saved LoRA adapters, after a run.
 
     asyncrl eval-adapter --hf-checkpoint MODEL_DIR --adapter DIR [--adapter DIR ...] [--base]
-        --prompt-data FILE.jsonl (--rm-type NAME | --custom-rm-path mod.fn) [--json OUT]
+        --prompt-data FILE.jsonl [--rm-type NAME | --custom-rm-path mod.fn] [--tool-key KEY] [--json OUT]
 
 Reads the base model and its tokenizer (an HF checkpoint directory), PEFT LoRA directories (as
 services/model/lora.py `save_adapter` writes them: what the trainer publishes under
-`<run_dir>/adapters/<name>/<registration>/v<version>`), a JSONL prompt file and a reward.
+`<run_dir>/adapters/<name>/<registration>/v<version>`), a JSONL prompt file and a reward. As in
+the producer and the eval service, a row's `metadata.rm_type` picks its own reward (the reward
+hub, services/common/rewards/hub.py; --rm-type scores the rows that name none, and may be left
+out when every row names one; --custom-rm-path scores every row), and with --tool-key a row's
+tool schemas reach the chat template (--apply-chat-template) as `tools` and its metadata as
+`metadata.tools`.
 Produces, per adapter (and for the base model alone with --base): prompts, samples, the mean
 reward and the failed samples, as a table on stdout and, with --json, as a JSON file.
 
 Generation runs in this process, on CPU, with no engine: every adapter in turn sits in slot 0 of
 a `MultiLora` on the one base model, and each batch runs `forward_cached` over a KV cache inside
 `lora.rows([0] * batch)`. Prompts become token ids as the rollout producer makes them
-(`Tokenizer.prompt_ids`, --apply-chat-template); a sample ends at an EOS token (SGLang's "stop")
+(`Tokenizer.prompt_ids`, --apply-chat-template, the row's tools); a sample ends at an EOS token (SGLang's "stop")
 or at --rollout-max-response-len or the context length ("length": TRUNCATED). The token choice is
 the engine's: greedy below temperature 1e-6, else a draw from softmax(logits / T), here with one
 generator per sample seeded from (--seed, sample index), so that a sample's draws do not depend on
@@ -80,14 +85,21 @@ def parser() -> argparse.ArgumentParser:
                    help="a PEFT LoRA directory (repeat for several)")  # fmt: skip
     p.add_argument("--base", action="store_true", help="also score the base model alone")
     p.add_argument("--prompt-data", required=True, metavar="FILE", help="JSONL file of held-out prompts")
-    rm = p.add_mutually_exclusive_group(required=True)
-    rm.add_argument("--rm-type", metavar="NAME", help="a built-in reward: a task's or a reward hub type (services/common/rewards/names.py)")
+    rm = p.add_mutually_exclusive_group()
+    rm.add_argument("--rm-type", metavar="NAME", help="a built-in reward: a task's or a reward hub type "
+                    "(services/common/rewards/names.py), for the rows whose metadata names no rm_type (needed "
+                    "unless every row names one)")  # fmt: skip
     rm.add_argument(
         "--custom-rm-path", metavar="MOD.FN", help="import path of a reward function (config, sample) -> float"
     )
     p.add_argument("--reward-key", default=None, metavar="KEY", help="key to read when a reward is a dict")
+    p.add_argument("--rm-url", default=None, metavar="URL", help="remote_rm: the reward model's URL")
     p.add_argument("--input-key", default="prompt", metavar="KEY", help="JSONL key of the prompt")
     p.add_argument("--label-key", default="label", metavar="KEY", help="JSONL key of the label")
+    p.add_argument("--metadata-key", default="metadata", metavar="KEY",
+                   help="JSONL key of a row's metadata (its rm_type picks the row's reward)")  # fmt: skip
+    p.add_argument("--tool-key", default=None, metavar="KEY",
+                   help="JSONL key of a row's tool schemas, passed to the chat template as `tools`")  # fmt: skip
     p.add_argument("--apply-chat-template", action="store_true", help="format prompts with the chat template")
     p.add_argument("--n-samples-per-prompt", type=int, default=1, metavar="N", help="samples per prompt")
     p.add_argument("--max-prompts", type=int, default=None, metavar="N", help="score only the file's first N prompts")
@@ -125,8 +137,9 @@ def run_config(a: argparse.Namespace):
 
     try:
         return RunConfig(hf_checkpoint=a.hf_checkpoint, prompt_data=a.prompt_data, rm_type=a.rm_type,
-                         custom_rm_path=a.custom_rm_path, reward_key=a.reward_key, input_key=a.input_key,
-                         label_key=a.label_key, apply_chat_template=a.apply_chat_template,
+                         custom_rm_path=a.custom_rm_path, reward_key=a.reward_key, rm_url=a.rm_url,
+                         input_key=a.input_key, label_key=a.label_key, metadata_key=a.metadata_key,
+                         tool_key=a.tool_key, apply_chat_template=a.apply_chat_template,
                          n_samples_per_prompt=a.n_samples_per_prompt,
                          rollout_max_response_len=a.rollout_max_response_len,
                          rollout_temperature=a.rollout_temperature)  # fmt: skip
@@ -144,16 +157,30 @@ def reward_function(config):
 
 
 def load_prompts(config, max_prompts: int | None) -> list[dict]:
+    """The prompt rows, each with its metadata (its rm_type picks its reward) and, with --tool-key,
+    its tools, as the producer reads them; a row whose rm_type cannot score is refused with its
+    file and row, and so is one that names none when no --rm-type scores it."""
     from services.common.datasource import DataError, load_rows
+    from services.common.rewards.names import row_rm_type_check
 
+    r, d = config.rollout, config.data
     try:
-        d = config.data  # each row's metadata (its rm_type picks its reward) and tools, as the producer reads them
         rows = load_rows(d.prompt_data, d.input_key, d.label_key, d.metadata_key, tool_key=d.tool_key)
     except (DataError, OSError, UnicodeDecodeError) as e:
         raise AdapterEvalError(
             f"{e} (pass a JSONL file with one {{{config.data.input_key!r}: ...}} object a line)"
         ) from None
-    return rows[:max_prompts] if max_prompts else rows
+    rows = rows[:max_prompts] if max_prompts else rows
+    if r.custom_rm_path:
+        return rows  # a custom reward scores every row (it reads a row's rm_type itself, if it wants)
+    check = row_rm_type_check(bool(r.rm_url))
+    for i, row in enumerate(rows, 1):
+        if (problem := check(row)) is not None:
+            raise AdapterEvalError(f"{d.prompt_data}: prompt {i}: {problem}")
+        if r.rm_type is None and not row["metadata"].get("rm_type"):
+            raise AdapterEvalError(f"{d.prompt_data}: prompt {i} names no metadata.rm_type: pass --rm-type for the "
+                                   "rows that name none, or --custom-rm-path")  # fmt: skip
+    return rows
 
 
 def read_adapters(paths: list[str]) -> list[tuple]:
@@ -366,7 +393,8 @@ def main(argv: list[str]) -> int:
     print(table(scores))
     if a.json_out:
         doc = {"hf_checkpoint": a.hf_checkpoint, "prompt_data": a.prompt_data,
-               "reward": a.rm_type or a.custom_rm_path, "n_samples_per_prompt": a.n_samples_per_prompt,
+               "reward": a.rm_type or a.custom_rm_path or "metadata.rm_type",
+               "n_samples_per_prompt": a.n_samples_per_prompt,
                "rollout_max_response_len": a.rollout_max_response_len,
                "rollout_temperature": a.rollout_temperature, "seed": a.seed,
                "results": [s.row() for s in scores]}  # fmt: skip

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import math
 import re
+import time
+from collections.abc import Callable
 
 
 class Credits:
@@ -77,44 +79,83 @@ class Pauses:
     """Who holds submission paused, and until when. A pause sent over NATS (the eval role) lapses
     `ttl_s` after it was last renewed, and ends at most `max_s` after it first began however often
     it is renewed; a token that has ended cannot pause again, and only `eval-<step>` tokens for
-    a step of the run are taken. So one role's messages hold production for a bounded time, not
-    for as long as they keep coming. A pause through the admin's HTTP route holds until resumed."""
+    an eval point of the run (`valid_step`) are taken. Together, the NATS pauses hold production for
+    at most `budget_s` of any `window_s` (the role's budget, whatever its tokens): past it they end
+    and new ones are refused until the window has room. So one role's messages hold production for
+    a bounded time, not for as long as they keep coming. A pause through the admin's HTTP route
+    holds until resumed."""
 
-    def __init__(self, ttl_s: float, max_s: float, total_steps: int):
-        self.ttl_s, self.max_s, self.total_steps = ttl_s, max_s, total_steps
+    def __init__(self, ttl_s: float, max_s: float, valid_step: Callable[[int], bool], budget_s: float = math.inf,
+                 window_s: float = 600.0):  # fmt: skip
+        self.ttl_s, self.max_s, self.valid_step = ttl_s, max_s, valid_step
+        self.budget_s, self.window_s = budget_s, window_s
         self.until: dict[str, float] = {}
         self.began: dict[str, float] = {}
         self.ended: set[str] = set()
+        self.held: list[list[float]] = []
+        """[start, end] of each span in which a NATS pause held production (the last open: end inf)."""
 
     @property
     def paused(self) -> bool:
         return bool(self.until)
 
+    def _nats_tokens(self) -> list[str]:
+        return [t for t, until in self.until.items() if until != math.inf]
+
+    def spent(self, now: float) -> float:
+        """Seconds NATS pauses held production in the last window_s."""
+        start = now - self.window_s
+        self.held = [h for h in self.held if h[1] > start]
+        return sum(min(end, now) - max(begin, start) for begin, end in self.held)
+
+    def _track(self, now: float) -> None:
+        """Open a span when a NATS pause holds and none was open; close it when none holds."""
+        holding = bool(self._nats_tokens())
+        open_span = bool(self.held) and self.held[-1][1] == math.inf
+        if holding and not open_span:
+            self.held.append([now, math.inf])
+        elif open_span and not holding:
+            self.held[-1][1] = now
+
     def pause_over_nats(self, token: str, now: float) -> str | None:
         """Pause (or renew) under `token`; the reason it is refused, or None."""
         m = EVAL_PAUSE.fullmatch(token)
-        if m is None or int(m.group(1)) > self.total_steps:
+        if m is None or not self.valid_step(int(m.group(1))):
             return f"a pause of submission names {token!r:.60}, not an eval point of this run (eval-<step>)"
         if token in self.ended:
             return f"the pause {token} has ended: it cannot begin again"
+        if (spent := self.spent(now)) >= self.budget_s:
+            self._end_nats(now)
+            return (f"the pause {token} is refused: pauses over NATS held production {spent:.0f}s of the last "
+                    f"{self.window_s:.0f}s, their budget (--submission-pause-budget)")  # fmt: skip
         began = self.began.setdefault(token, now)
         end = began + self.max_s
         if now >= end:
-            self.resume(token)
+            self.resume(token, now)
             return f"the pause {token} began {now - began:.0f}s ago: it is held for at most {self.max_s:.0f}s"
         self.until[token] = min(now + self.ttl_s, end)
+        self._track(now)
         return None
+
+    def _end_nats(self, now: float) -> list[str]:
+        gone = self._nats_tokens()
+        for t in gone:
+            self.resume(t, now)
+        return gone
 
     def pause_by_admin(self, token: str) -> None:
         self.until[token] = math.inf
 
-    def resume(self, token: str) -> None:
+    def resume(self, token: str, now: float | None = None) -> None:
         if self.until.pop(token, None) is not None and token in self.began:
             self.ended.add(token)
+        self._track(time.monotonic() if now is None else now)
 
     def lapse(self, now: float) -> list[str]:
-        """End the pauses whose time is up; their tokens."""
+        """End the pauses whose time is up, and every NATS pause once their budget is spent; their tokens."""
         gone = [t for t, until in self.until.items() if until <= now]
         for t in gone:
-            self.resume(t)
+            self.resume(t, now)
+        if self.spent(now) >= self.budget_s:
+            gone += self._end_nats(now)
         return gone

@@ -25,10 +25,11 @@ from fastapi import FastAPI
 from asyncrl_proto import ControlMsg, PromptMsg, RolloutGroup, Sample, group_id
 from asyncrl_proto.messages import SampleStatus, flatten_group
 from services.common import crash
-from services.common.bus import Settle, fetch_some, settle
-from services.common.config import AsyncSection, DataSection, MultiLoraSection, RolloutSection
+from services.common.bus import Settle, fetch_some, keep_alive, settle, until_room
+from services.common.config import AsyncSection, DataSection, EvalSection, MultiLoraSection, RolloutSection
 from services.common.rewards import mark_failed, resolve_reward, score_group, score_sample
 from services.common.runtime import Service
+from services.common.schedule import is_eval_point
 from services.common.sglang_client import SGLangClient
 from services.common.validate import MAX_ATTEMPT, limits_from_model_dir, sample_problem
 from services.envs.generate import EngineHandle, default_generate, generate_function  # noqa: F401 (plugins import them here)
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 
 class RolloutService(Service):
     name = "rollout"
-    reads = (DataSection, RolloutSection, AsyncSection, MultiLoraSection)
+    reads = (DataSection, RolloutSection, AsyncSection, MultiLoraSection, EvalSection)
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
@@ -74,7 +75,10 @@ class RolloutService(Service):
         self.engine = EngineHandle(self.client, self.tokenizer, self.limits.context_length)
         self.submission_open = asyncio.Event()
         self.submission_open.set()
-        self.pauses = Pauses(PAUSE_TTL_S, config.async_.submission_pause_max_s, config.rollout.total_steps)
+        a, r = config.async_, config.rollout
+        points = (r.total_steps, config.eval.eval_interval, r.num_rollout_per_epoch, config.infra.mode)
+        self.pauses = Pauses(PAUSE_TTL_S, a.submission_pause_max_s, lambda step: is_eval_point(step, *points),
+                             a.submission_pause_budget * a.submission_pause_window_s, a.submission_pause_window_s)  # fmt: skip
         self.groups_in_flight: dict[int, tuple[object, float, int]] = {}
         """id(msg) -> (msg, when it started, the group index it generates: named in heartbeats)."""
         self.failures: dict[str, int] = {}  # group id -> generation failures seen here
@@ -85,7 +89,10 @@ class RolloutService(Service):
             "group_failures": 0,
             "bad_prompts": 0,
             "adapter_not_loaded_requeued": 0,
+            "input_full": 0,
         }
+        self._input_full_from: int | None = None
+        """The input_full count when the buffer's input stream last filled (None: it has room)."""
         self.mode = (AdapterMode(config, bus, self.engine, self.counters) if config.multi_lora.multi_lora_n_adapters > 0
                      else SingleModel(config, bus.subjects, self.engine, self.reward_fn))  # fmt: skip
         self._psub = None
@@ -212,7 +219,7 @@ class RolloutService(Service):
             crash.point("rollout", "generated_before_publish")
             try:
                 subject, msg_id = self.mode.destination(msg, rg.group_id)
-                await self.bus.publish(subject, rg, msg_id=msg_id)
+                await self._publish_group(msg, subject, rg, msg_id)
             except Exception as e:  # the broker is away: the finished work is not a failure
                 log.warning("publishing group %s failed (%s); its prompt goes back to the queue", rg.group_id, e)
                 await settle(msg, Settle.NAK, delay=1.0)
@@ -224,6 +231,25 @@ class RolloutService(Service):
         finally:
             self.groups_in_flight.pop(id(msg), None)
             self.credits.group_done(given_back[0])
+
+    async def _publish_group(self, msg, subject: str, rg: RolloutGroup, msg_id: str) -> None:
+        """Publish a finished group, holding its prompt: while the buffer's input stream holds its
+        message cap (the buffer is behind, or a flood filled it), wait and try again, counted
+        (rollout/producer/input_full_total): the work is never dropped. Logged when the stream
+        fills and when it has room again, with the count between, not once per refusal."""
+
+        def full(error: Exception, refusals: int) -> None:
+            self.counters["input_full"] += 1
+            if self._input_full_from is None:
+                self._input_full_from = self.counters["input_full"] - 1
+                log.warning("the buffer's input stream is full (%s): finished groups wait for room", error)
+
+        async with keep_alive(msg):
+            await until_room(lambda: self.bus.publish(subject, rg, msg_id=msg_id), full)
+        if self._input_full_from is not None:
+            log.warning("the buffer's input stream has room again (%d publishes waited for it)",
+                        self.counters["input_full"] - self._input_full_from)  # fmt: skip
+            self._input_full_from = None
 
     async def _generate_group(
         self, prompt: PromptMsg, input_ids: list[int], started: float, given_back: list[int], ctx: GroupContext
@@ -268,7 +294,7 @@ class RolloutService(Service):
         rg = self._group(prompt, samples, started)
         try:
             subject, msg_id = self.mode.destination(msg, rg.group_id)
-            await self.bus.publish(subject, rg, msg_id=msg_id)
+            await self._publish_group(msg, subject, rg, msg_id)
         except Exception as e:  # the broker is away: the prompt comes back and fails once more
             log.error("publishing failed group %s: %s", rg.group_id, e)
             await settle(msg, Settle.NAK, delay=1.0)

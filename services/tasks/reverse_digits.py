@@ -42,12 +42,14 @@ def _digits(rng: random.Random) -> str:
     return "".join(rng.choice("0123456789") for _ in range(rng.randint(MIN_DIGITS, MAX_DIGITS)))
 
 
-def distinct_rows(num: int, seed: int, exclude: set[str], row) -> list[dict]:
-    """`num` rows `row(digits)` of distinct digit strings, none of them in `exclude`."""
+def distinct_rows(num: int, seed: int, exclude: set[str], row, digits=None) -> list[dict]:
+    """`num` rows `row(d)` of distinct digit strings d drawn by `digits(rng)` (this task's 3-5
+    digits by default), none of them in `exclude`."""
     rng = random.Random(seed)
+    digits = digits or _digits
     rows, seen = [], set(exclude)
     while len(rows) < num:
-        d = _digits(rng)
+        d = digits(rng)
         if d in seen:
             continue
         seen.add(d)

@@ -24,7 +24,7 @@ import random
 from pathlib import Path
 
 from services.tasks import reverse_digits
-from services.tasks.reverse_digits import score, write_split
+from services.tasks.reverse_digits import distinct_rows, score, write_split
 
 NAME = "reverse-longtail"
 MIN_DIGITS, SHORT_MAX, LONG_MIN, MAX_DIGITS = 3, 5, 16, 192
@@ -54,16 +54,8 @@ def digits(rng: random.Random) -> str:
 
 
 def make_rows(num: int, seed: int, exclude: set[str] = frozenset()) -> list[dict]:
-    """`num` rows of distinct digit strings (none in `exclude`), lengths from the Pareto tail."""
-    rng = random.Random(seed)
-    rows, seen = [], set(exclude)
-    while len(rows) < num:
-        d = digits(rng)
-        if d in seen:
-            continue
-        seen.add(d)
-        rows.append({"prompt": f"{d}=", "label": d[::-1]})
-    return rows
+    """`num` rows of distinct digit strings (none in `exclude`), lengths from this task's tail."""
+    return distinct_rows(num, seed, exclude, lambda d: {"prompt": f"{d}=", "label": d[::-1]}, digits)
 
 
 def write_datasets(data_dir: str | Path, seed: int = 0) -> tuple[Path, Path]:

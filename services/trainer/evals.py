@@ -15,7 +15,7 @@ from pathlib import Path
 
 from asyncrl_proto import EvalRequest, EvalResult
 from services.common.runtime import wait_event
-from services.common.validate import eval_result_problem, finite_metrics
+from services.common.validate import EvalPoints, eval_result_problem, finite_metrics
 from services.model.hf_io import save_model
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,8 @@ class EvalDispatch:
         self.pending: set[int] = set()
         self.last: int | None = None
         self.answered: list[dict] = []
+        self.points = EvalPoints()
+        """The points requested and answered: a result is taken only for one of them, once."""
         self._done = asyncio.Event()
 
     async def request(self, step: int, rollout_id: int, version: int, start: bool = False) -> None:
@@ -79,6 +81,7 @@ class EvalDispatch:
         req = EvalRequest(step=step, rollout_id=rollout_id, version=version, snapshot_uri=uri, final=final,
                           requested_at=time.time(), exported=exported, export_time_s=export_s)  # fmt: skip
         self.pending.add(step)
+        self.points.request(step, version)
         # one request per eval point, even when a resumed trainer passes the point again; a
         # duplicate was answered before the restart (or will be, and the answer clears it anyway;
         # a retry whose first ack was lost also reads as one: the count is then one short until
@@ -93,13 +96,16 @@ class EvalDispatch:
         res = EvalResult(step=step, version=version, skipped_reason=reason,
                          metrics={f"eval/skipped_{reason}": 1.0, "eval/step": rollout_id})  # fmt: skip
         log.warning("eval point %d skipped: %s", step, reason)
+        self.points.request(step, version)
         await self.bus.publish_durably([(self.bus.subjects.eval_results, res, None)], f"eval skip {step}")
 
     async def on_result(self, msg) -> None:
         """An eval result (or skip): logged on its eval/step now, and into the next step's record."""
         if (res := await self.bus.decode_or_dead_letter(msg, EvalResult)) is None:
             return
-        if (problem := eval_result_problem(res.step, self.config.rollout.total_steps)) is not None:
+        problem = eval_result_problem(res.step, self.config.rollout.total_steps) or self.points.problem(res.step,
+                                                                                                         res.version)  # fmt: skip
+        if problem is not None:
             await self.bus.dead_letter(msg.subject, msg.data, problem)
             return
         metrics, dropped = finite_metrics(res.metrics)  # the point is answered even if some are not

@@ -6,18 +6,7 @@ trainer and eval settings, and imports no torch."""
 from __future__ import annotations
 
 from asyncrl_proto import BufferGetRequest
-
-
-def periodic_due(rollout_id: int, interval: int | None, per_epoch: int | None = None, total: int | None = None) -> bool:
-    """Miles's rule for a periodic action (save, eval) after step `rollout_id` (0-based): never
-    without an interval; after the last step when `total` is given; else when (r + 1) is a
-    multiple of the interval or ends an epoch."""
-    if interval is None:
-        return False
-    if total is not None and rollout_id == total - 1:
-        return True
-    done = rollout_id + 1
-    return done % interval == 0 or (per_epoch is not None and done % per_epoch == 0)
+from services.common.schedule import periodic_due
 
 
 class DriverPolicy:

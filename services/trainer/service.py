@@ -179,6 +179,8 @@ class TrainerService(Service):
             await self.bus.subscribe(s.heartbeat("rollout"), self._on_producer_heartbeat)
             return
         await self._resume()
+        if self.step > 0:  # a restart: the points requested before it (up to this step) are not known here
+            self.evals.points.resumed_at(self.step)
         self.weights.resumed(self.version)
         if self.old_actor is not None:  # the engines converge to the resumed weights
             self.old_actor.load_state_dict(self.model.state_dict())

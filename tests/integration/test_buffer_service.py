@@ -327,3 +327,29 @@ async def test_a_prompt_taken_and_never_answered_is_released_again(nats_server, 
     report = await collect(nats_server.url, run_id, tmp_path)
     assert report["lost"] == 0 and report["trained_twice"] == 0 and report["trained"] == 2, report["problems"]
     assert report["recycled"] >= 2
+
+
+async def test_a_stalled_run_shows_on_healthz_and_status_with_its_cause(nats_server, run_id, task_data,
+                                                                       tiny_model_dir):  # fmt: skip
+    """The trainer waits for step 0 and no producer is alive: past the stall limit /healthz still
+    answers 200 (a restart would not cure it) and names the stall and its cause, as /status does."""
+    import httpx
+
+    svc, h = await _setup(nats_server, run_id, config(task_data, tiny_model_dir, stall_report_s=1.0))
+    try:
+        async with httpx.AsyncClient(base_url=svc.service.http_url, timeout=10) as anon:
+            assert (await anon.get("/healthz")).text == "ok\n"
+            await h.get(0, wait_s=0.2)
+
+            async def noted() -> str | None:
+                r = await anon.get("/healthz")
+                assert r.status_code == 200
+                return r.text if r.text != "ok\n" else None
+
+            health = await wait_until(noted, what="a stall on /healthz", timeout=15)
+        assert health.startswith("ok: stalled for") and "no producer is alive" in health, health
+        assert "no producer is alive" in svc.service.status()["stalled"]["cause"]
+    finally:
+        await svc.stop()
+        await h.bus.close()
+

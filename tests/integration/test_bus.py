@@ -101,3 +101,33 @@ async def test_every_stream_is_bounded_and_stores_only_what_something_consumes(n
             await bus.js.publish(s.rollouts, b"no partition", timeout=1)
     finally:
         await bus.close()
+
+
+async def test_a_full_input_stream_holds_the_publisher_back_and_loses_nothing(nats_server, run_id):
+    """ROLLOUTS at its message cap refuses a group with StreamFull (not a fatal StoreFull), and
+    until_room (the producer's publish) waits for the buffer to make room, then stores it."""
+    import asyncio
+
+    from services.common.bus import StreamFull, until_room
+
+    bus = await Bus.connect(nats_server.url, run_id, "test")
+    try:
+        await bus.ensure_streams(rollouts_max_msgs=2)
+        s = bus.subjects
+        for i in range(2):
+            await bus.publish(s.rollouts, PromptMsg(group_index=i, prompt="x"), msg_id=f"g{i}")
+        with pytest.raises(StreamFull):
+            await bus.publish(s.rollouts, PromptMsg(group_index=2, prompt="x"), msg_id="g2")
+        refusals = []
+        late = asyncio.ensure_future(until_room(
+            lambda: bus.publish(s.rollouts, PromptMsg(group_index=2, prompt="x"), msg_id="g2"),
+            lambda e, n: refusals.append(n)))  # fmt: skip
+        while len(refusals) < 3:  # refused again and again while the stream stays full
+            await asyncio.wait({late}, timeout=0.05)
+            assert not late.done()
+        await bus.js.delete_msg(s.rollouts_stream, 1)  # the buffer read the first group and purged it
+        ack = await asyncio.wait_for(late, 10)
+        got = decode(await bus.get_payload(s.rollouts_stream, ack.seq), PromptMsg)
+        assert got.group_index == 2 and refusals == list(range(1, len(refusals) + 1))
+    finally:
+        await bus.close()

@@ -181,6 +181,26 @@ async def test_each_role_token_opens_only_its_routes(tiny_model_dir):
             assert (await c.post("/pause_generation", json={}, headers=forged)).status_code == 401
 
 
+async def test_a_version_claim_names_only_the_weights_a_broadcast_brought(tiny_model_dir):
+    """POST /update_weight_version {"new_version": "999"} with weight-sync's key used to relabel the
+    running weights, so honest samples claimed v999 and the buffer refused them. It names only what
+    a broadcast brought (loading-<N>, then N); anything else is a 400 and the label stays."""
+    from services.engine.routes import relabel_problem
+
+    with EngineThread(tiny_model_dir) as e:
+        async with httpx.AsyncClient(base_url=e.url, timeout=30) as c:
+            r = await c.post("/update_weight_version", json={"new_version": "999", "abort_all_requests": False})
+            assert r.status_code == 400 and "names no weights a broadcast brought" in r.text
+            assert e.scheduler.weight_version == "0"
+            out = (await c.post("/generate", json=body())).json()
+            assert out["meta_info"]["weight_version"] == "0"  # honest samples keep their weights' name
+            for name in ("loading-3", "3"):  # a broadcast's names, in its order
+                r = await c.post("/update_weight_version", json={"new_version": name, "abort_all_requests": False})
+                assert r.status_code == 200 and e.scheduler.weight_version == name
+    assert relabel_problem("7", "9", staged="9") is None  # a staged broadcast is swapped in under its name
+    assert relabel_problem("loading-4", "5", staged=None) is not None
+
+
 async def test_a_dead_scheduler_answers_what_it_held_and_says_so(tiny_model_dir):
     deaths = []
     with EngineThread(tiny_model_dir, on_death=deaths.append) as e:

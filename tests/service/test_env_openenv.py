@@ -178,7 +178,7 @@ async def test_episodes_past_the_servers_capacity_wait_for_a_session(env_url, en
 def test_the_env_flag_is_checked_and_picks_the_reward():
     assert RunConfig(env="openenv:http://x").rollout.env == "openenv:http://x"
     for wrong in ("gym:thing", "openenv:", "verifiers:mytasks"):
-        with pytest.raises(ValueError, match="openenv:URL or verifiers:MODULE:TASK"):
+        with pytest.raises(ValueError, match="openenv:URL, nemogym:URL or verifiers:MODULE:TASK"):
             RunConfig(env=wrong)
     with pytest.raises(ValueError, match="give one"):
         RunConfig(env="openenv:http://x", custom_generate_function_path="services.tasks.multiturn.generate")

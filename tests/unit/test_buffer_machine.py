@@ -422,3 +422,24 @@ def test_a_run_without_step_progress_is_diagnosed_and_unworked_prompts_go_back_e
     r.do(r.m.on_handed(0, r.group(prompts[0]).samples, version=0))
     assert r.m.stall(r.m.progress_at + 59) is None
     r.check_fold()
+
+
+def test_a_stall_is_reported_after_ten_of_the_runs_own_steps_not_only_after_the_fixed_limit():
+    """Once the run has a step time (six commits), no progress for 10 x its median step (at least
+    30 s, at most --stall-report-s) is a stall, with its cause."""
+    from services.buffer.policy import STALL_FLOOR_S, STALL_STEPS
+
+    r = Run(stall_report_s=300.0)
+    r.get(0)
+    t = r.m.progress_at
+    assert r.m.step_clock.stall_after() == 300.0 and r.m.stall(t + 100) is None  # no step time yet: the fixed limit
+    r.m.step_clock.commits.extend(t - 6 * 5.0 + 5.0 * i for i in range(6))  # a step every 5 s
+    assert r.m.step_clock.stall_after() == STALL_STEPS * 5.0
+    assert r.m.stall(t + STALL_STEPS * 5.0 - 1) is None
+    assert "no producer is alive" in r.m.stall(t + STALL_STEPS * 5.0 + 1)["cause"]
+    r.m.step_clock.commits.clear()
+    r.m.step_clock.commits.extend(t - 6 * 0.1 + 0.1 * i for i in range(6))  # fast steps: the floor
+    assert r.m.step_clock.stall_after() == STALL_FLOOR_S and r.m.stall(t + STALL_FLOOR_S - 1) is None
+    r.m.step_clock.commits.clear()
+    r.m.step_clock.commits.extend(t - 600 + 100.0 * i for i in range(6))  # slow steps: at most the fixed limit
+    assert r.m.step_clock.stall_after() == 300.0

@@ -123,7 +123,7 @@ def test_periodic_actions_follow_miles():
     """should_run_periodic_action: never without an interval (no save at all without
     --save-interval, no eval without --eval-interval), the last step when told, every interval,
     every epoch's end."""
-    from services.trainer.policy import periodic_due
+    from services.common.schedule import periodic_due
 
     assert not any(periodic_due(r, None, 3, 10) for r in range(10))
     assert [r for r in range(10) if periodic_due(r, 4)] == [3, 7]

@@ -163,6 +163,74 @@ def test_a_rows_own_rm_type_picks_its_reward(tiny_model_dir, tmp_path):
     assert len(routed) == len(score.sample_list) // 2
 
 
+def test_rows_with_different_rm_types_are_scored_by_their_own_graders(tiny_model_dir, task_data, tmp_path):
+    """No --rm-type: every row names its reward, and each sample gets exactly what its own grader
+    gives (a reward hub grader, f1, in a worker process; a task's, reverse-digits, in this one),
+    where the other would have given something else."""
+    from services.common.rewards.graders import f1_compare
+    from services.tasks.reverse_digits import score
+
+    lines = task_data[1].read_text().splitlines()[:8]
+    rows = [dict(json.loads(line), metadata={"rm_type": "f1" if i % 2 else "reverse-digits"})
+            for i, line in enumerate(lines)]  # fmt: skip
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "o.json"
+    args = ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(tmp_path / "mixed.jsonl"), "--base",
+            "--rollout-temperature", "0"]  # fmt: skip
+    assert cli_main(["eval-adapter", *args, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["reward"] == "metadata.rm_type"
+    (result,) = evaluate(parser().parse_args(args))
+    graders = {"reverse-digits": lambda s: score(s.response, s.label),
+               "f1": lambda s: f1_compare(s.response, s.label, {})}  # fmt: skip
+    disagree = 0
+    for s in result.sample_list:
+        own = s.metadata["rm_type"]
+        other = "f1" if own == "reverse-digits" else "reverse-digits"
+        assert s.reward == pytest.approx(graders[own](s)), (own, s.response, s.label)
+        disagree += graders[own](s) != graders[other](s)
+    assert result.failed == 0 and disagree >= 2, "the two graders must score these answers differently"
+
+
+@pytest.fixture(scope="module")
+def template_model_dir(tmp_path_factory):
+    """An untrained character model whose chat template renders the offered tools' names."""
+    from services.model.hf_io import save_model
+    from services.tasks import char_model as cm
+    from tests.conftest import TOOL_TEMPLATE
+
+    d = tmp_path_factory.mktemp("model") / "template"
+    cm.build_char_tokenizer(d, 256, chat_template=TOOL_TEMPLATE)
+    cfg = ModelConfig(vocab_size=len(cm.SPECIAL) + len(cm.ALPHABET), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                      bos_token_id=cm.BOS_ID, eos_token_id=cm.EOS_ID, pad_token_id=cm.PAD_ID)  # fmt: skip
+    model = CausalLM(cfg)
+    model.init_weights(0)
+    save_model(model, d)
+    return d
+
+
+def test_a_rows_tools_reach_the_chat_template(template_model_dir, tmp_path):
+    """With --tool-key (and --apply-chat-template) a row's tools are rendered into its prompt, as
+    the producer renders them, and kept in metadata.tools; a row without tools has none."""
+    tools = [{"type": "function", "function": {"name": "calc_add", "parameters": {"type": "object"}}}]
+    chat = [{"role": "user", "content": "1+2"}]
+    rows = [{"prompt": chat, "label": "3", "tools": tools, "metadata": {"rm_type": "reverse-digits"}},
+            {"prompt": chat, "label": "3", "metadata": {"rm_type": "reverse-digits"}}]  # fmt: skip
+    (tmp_path / "tools.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["--hf-checkpoint", str(template_model_dir), "--prompt-data", str(tmp_path / "tools.jsonl"), "--base",
+            "--apply-chat-template", "--rollout-max-response-len", "2"]  # fmt: skip
+    tok = Tokenizer(template_model_dir)
+    with_tools = tok.encode(tok.render_chat(chat, tools=tools), add_special_tokens=False)
+    without = tok.encode(tok.render_chat(chat), add_special_tokens=False)
+    assert tok.decode(with_tools).startswith("[calc_add]") and with_tools != without
+    (result,) = evaluate(parser().parse_args([*args, "--tool-key", "tools"]))
+    offered, plain = result.sample_list
+    assert offered.tokens[: offered.prompt_length] == with_tools and offered.metadata["tools"] == tools
+    assert plain.tokens[: plain.prompt_length] == without and "tools" not in plain.metadata
+    (result,) = evaluate(parser().parse_args(args))  # without --tool-key the row's tools stay in the file
+    assert all(s.tokens[: s.prompt_length] == without for s in result.sample_list)
+
+
 def _error(capsys, argv: list[str]) -> str:
     rc = cli_main(["eval-adapter", *argv])
     err = capsys.readouterr().err.strip()
@@ -195,6 +263,16 @@ def test_errors_say_what_to_do(tiny_model_dir, task_data, adapters, tmp_path, ca
     err = _error(capsys, ["--hf-checkpoint", str(tmp_path / "notamodel"), *args[2:], "--base"])
     assert "cannot load the model" in err and "tokenizer.json" in err
     assert "no such directory" in _error(capsys, ["--hf-checkpoint", str(tmp_path / "nomodel"), *args[2:], "--base"])
+    rows = [{"prompt": "12", "label": "21", "metadata": {"rm_type": "reverse-digits"}}, {"prompt": "34", "label": "43"}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    no_rm = ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(tmp_path / "rows.jsonl"), "--base"]
+    err = _error(capsys, no_rm)  # no --rm-type, and a row that names no reward
+    assert "prompt 2 names no metadata.rm_type" in err and "--rm-type" in err
+    for rm_type, words in (("nope", "prompt 2: metadata.rm_type 'nope' is unknown"),
+                           ("remote_rm", "prompt 2: metadata.rm_type 'remote_rm' needs --rm-url")):  # fmt: skip
+        rows[1]["metadata"] = {"rm_type": rm_type}
+        (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        assert words in _error(capsys, no_rm), rm_type
 
 
 def test_help_stays_light():

@@ -126,7 +126,7 @@ def test_a_pause_over_nats_is_bounded_in_total_however_often_it_is_renewed():
     """One renewal every 30 s used to hold production at zero for as long as they kept coming."""
     from services.rollout.core import Pauses
 
-    p = Pauses(ttl_s=60.0, max_s=300.0, total_steps=600)
+    p = Pauses(ttl_s=60.0, max_s=300.0, valid_step=lambda step: 0 <= step <= 600 and step % 50 == 0)
     assert p.pause_over_nats("eval-50", now=0.0) is None and p.paused
     for t in range(30, 300, 30):  # renewed every 30 s: it holds, but never past 300 s after it began
         assert p.pause_over_nats("eval-50", now=float(t)) is None
@@ -139,8 +139,39 @@ def test_a_pause_over_nats_is_bounded_in_total_however_often_it_is_renewed():
     # only an eval point of the run may pause it over NATS; the admin's HTTP pause holds until resumed
     assert "not an eval point" in p.pause_over_nats("zzz", now=500.0)
     assert "not an eval point" in p.pause_over_nats("eval-601", now=500.0)
+    assert "not an eval point" in p.pause_over_nats("eval-51", now=500.0)  # no eval point after 51 steps
     assert not p.paused
     p.pause_by_admin("http")
     assert p.lapse(now=10**9) == [] and p.paused
     p.resume("http")
     assert not p.paused
+
+
+def test_the_eval_roles_pauses_share_one_budget_whatever_their_tokens():
+    """Cycling tokens (eval-50, eval-100, ...) used to restart every bound: together the NATS pauses
+    hold production at most budget_s of any window_s; past it they end and new ones are refused
+    until the window has room again. The admin's HTTP pause is not counted."""
+    from services.rollout.core import Pauses
+
+    p = Pauses(ttl_s=60.0, max_s=300.0, valid_step=lambda step: step % 50 == 0, budget_s=60.0, window_s=600.0)
+    assert p.pause_over_nats("eval-50", now=0.0) is None
+    assert p.pause_over_nats("eval-100", now=30.0) is None  # a second token: the same budget
+    assert p.lapse(now=59.0) == [] and p.spent(59.0) == 59.0
+    assert sorted(p.lapse(now=60.0)) == ["eval-100", "eval-50"] and not p.paused  # the budget is spent
+    refused = p.pause_over_nats("eval-150", now=61.0)
+    assert "budget" in refused and not p.paused
+    # the window slides: 60 s of pause fall out of it after 600 s, and a new eval point may pause again
+    assert p.pause_over_nats("eval-200", now=660.0) is None and p.paused
+    p.pause_by_admin("http")  # the admin's pause holds, outside the budget
+    assert p.lapse(now=720.0) == ["eval-200"] and p.paused
+    p.resume("http", now=721.0)
+    assert not p.paused and p.spent(721.0) == 60.0
+
+
+def test_only_the_runs_eval_points_name_a_pause():
+    from services.common.schedule import is_eval_point
+
+    assert [s for s in range(0, 130) if is_eval_point(s, 120, 50, None, "fully_async")] == [0, 50, 100, 120]
+    assert [s for s in range(0, 130) if is_eval_point(s, 120, 50, 30, "one_step")] == [0, 30, 50, 60, 90, 100, 120]
+    assert not any(is_eval_point(s, 120, None, None, "fully_async") for s in range(130))
+    assert all(is_eval_point(s, 120, 50, None, "sync") for s in range(121))  # a resume's baseline: any step

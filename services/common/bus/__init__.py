@@ -18,12 +18,15 @@ from services.common.bus.errors import (
     BusError,
     SequenceConflict,
     StoreFull,
+    StreamFull,
     StreamSetupError,
     TransportError,
     through_outage,
+    until_room,
 )
 
 __all__ = [
-    "STORE_DIR_ENV", "Bus", "BusAuthError", "BusError", "SequenceConflict", "Settle", "StoreFull", "StreamSetupError",
-    "TransportError", "fetch_some", "keep_alive", "next_batch", "settle", "through_outage",
+    "STORE_DIR_ENV", "Bus", "BusAuthError", "BusError", "SequenceConflict", "Settle", "StoreFull", "StreamFull",
+    "StreamSetupError", "TransportError", "fetch_some", "keep_alive", "next_batch", "settle", "through_outage",
+    "until_room",
 ]  # fmt: skip

@@ -32,6 +32,7 @@ from services.common.bus.errors import (
     BusError,
     SequenceConflict,
     StoreFull,
+    StreamFull,
     StreamSetupError,
     fatal_connect_error,
     raise_if_conflict,
@@ -500,7 +501,7 @@ class Bus:
             await self.publish(target, letter)
         except StoreFull:
             raise
-        except (TimeoutError, nats.errors.Error, nats.js.errors.Error, OSError) as e:
+        except (TimeoutError, StreamFull, nats.errors.Error, nats.js.errors.Error, OSError) as e:
             log.error("the dead letter from %s could not be stored (%s); it is only logged", subject, e)
 
     async def dead_letter_msg(self, msg, reason: str) -> None:

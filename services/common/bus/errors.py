@@ -31,16 +31,27 @@ class StoreFull(BusError):
     """JetStream refused to store a message: its store is full. Fatal: retrying cannot free it."""
 
 
+class StreamFull(BusError):
+    """A stream refused a message because it holds its message cap (discard "new"): its reader
+    is behind. Not fatal: room comes back as the reader catches up (`until_room`)."""
+
+
+STREAM_FULL_CODE = 10077  # "maximum messages exceeded"
+
+
 STORE_DIR_ENV = "ASYNCRL_NATS_STORE_DIR"
 """Where the NATS server keeps its store, when we know it (the launcher's embedded server)."""
 STORE_FULL_CODES = {10023, 10028, 10047}  # insufficient resources, max bytes / storage exceeded
 
 
 def raise_if_store_full(e: BaseException, subject: str) -> None:
-    """StoreFull, naming the store, when `e` is the server saying it cannot store more."""
+    """StoreFull, naming the store, when `e` is the server saying it cannot store more;
+    StreamFull when the stream holds its message cap."""
     if not isinstance(e, nats.js.errors.APIError):
         return
     desc = (e.description or "").lower()
+    if e.err_code == STREAM_FULL_CODE or "maximum messages exceeded" in desc:
+        raise StreamFull(f"{subject}: the stream holds its message cap ({e.description}): its reader is behind") from e
     if e.err_code in STORE_FULL_CODES or "insufficient resources" in desc or "bytes exceeded" in desc:
         store = os.environ.get(STORE_DIR_ENV)
         where = f"at {store}" if store else "of the NATS server"
@@ -97,6 +108,21 @@ def fatal_connect_error(e: BaseException, url: str, creds: NatsCredentials, serv
             "or drop the TLS options when it offers none"
         )
     return None
+
+
+async def until_room(op, on_full, max_delay_s: float = 2.0):
+    """`await op()`, waiting and trying again while the stream it publishes to holds its message
+    cap (StreamFull): backpressure the publisher sees, nothing dropped. `on_full(error, refusals)`
+    is called at each refusal (count it; log the first). Any other error is raised."""
+    delay, refusals = 0.05, 0
+    while True:
+        try:
+            return await op()
+        except StreamFull as e:
+            refusals += 1
+            on_full(e, refusals)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_delay_s)
 
 
 async def through_outage(op, what: str, deadline_s: float, verb: str = "publish"):

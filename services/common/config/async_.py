@@ -83,6 +83,17 @@ class AsyncSection(Section):
         description="A pause of submission sent over NATS (an eval point on the shared engines) ends at most this "
         "long after it began, however often it is renewed; production then resumes while the eval goes on.",
     )
+    submission_pause_budget: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="Pauses of submission sent over NATS (the eval role's, whatever their tokens) hold production for "
+        "at most this share of any --submission-pause-window-s: past it every such pause ends and new ones are refused "
+        "until the window has room again (docs/trust.md gives the worst case).",
+    )
+    submission_pause_window_s: float = Field(
+        600.0, gt=0, description="The sliding window over which --submission-pause-budget is counted."
+    )
     rollout_health_check_interval: float = Field(
         30.0, ge=0, description="Producers poll every engine's /health_generate this often (0 = never)."
     )
@@ -104,9 +115,10 @@ class AsyncSection(Section):
     stall_report_s: float = Field(
         300.0,
         gt=0,
-        description="No step progress for this long while the trainer waits: the buffer names the cause in its log "
-        "and /status (`stalled`); when prompts are unanswered and a producer has room, those no live producer names in "
-        "work go back then.",
+        description="No step progress while the trainer waits for 10 x the run's median step (at least 30 s), and at "
+        "most this long: the buffer names the cause in its log, /status (`stalled`) and /healthz (still 200); when "
+        "prompts are unanswered and a producer has room, those no live producer names in work go back after this "
+        "long.",
     )
     producer_timeout_s: float = Field(
         60.0,

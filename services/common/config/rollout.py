@@ -9,7 +9,7 @@ from services.common.rewards.names import rm_type_problem, split_rm_type
 
 
 class EnvSpec(NamedTuple):
-    """--env, parsed: `openenv:URL` (url) or `verifiers:MODULE:TASK` (module, task)."""
+    """--env, parsed: `openenv:URL` or `nemogym:URL` (url), or `verifiers:MODULE:TASK` (module, task)."""
 
     scheme: str
     url: str = ""
@@ -22,10 +22,15 @@ def parse_env(spec: str) -> EnvSpec:
     scheme, _, rest = spec.partition(":")
     if scheme == "openenv" and rest:
         return EnvSpec(scheme, url=rest)
+    if scheme == "nemogym" and rest:
+        if not rest.startswith(("http://", "https://")) or not rest.partition("://")[2].strip("/"):
+            raise ValueError(f"--env {spec!r}: nemogym:URL takes the resources server's HTTP address, "
+                             "e.g. nemogym:http://gym-host:8000")  # fmt: skip
+        return EnvSpec(scheme, url=rest)
     module, _, task = rest.partition(":")
     if scheme == "verifiers" and module and task:
         return EnvSpec(scheme, module=module, task=task)
-    raise ValueError(f"--env {spec!r}: use openenv:URL or verifiers:MODULE:TASK")
+    raise ValueError(f"--env {spec!r}: use openenv:URL, nemogym:URL or verifiers:MODULE:TASK")
 
 
 class RolloutSection(Section):
@@ -97,16 +102,17 @@ class RolloutSection(Section):
     env: str | None = Field(
         None,
         description="An environment in the loop (services/envs): openenv:URL (an OpenEnv server, over its "
-        "WebSocket session; pip install 'asyncrl[openenv]') or verifiers:MODULE:TASK (a verifiers Task class, run "
-        "by an in-process chat harness against the engine; pip install 'asyncrl[verifiers]'). The environment's "
-        "reward is the sample's unless --rm-type or --custom-rm-path is given.",
+        "WebSocket session; pip install 'asyncrl[openenv]'), nemogym:URL (a NeMo Gym resources server: "
+        "/seed_session, its tools as routes, /verify's reward) or verifiers:MODULE:TASK (a verifiers Task class, "
+        "run by an in-process chat harness against the engine; pip install 'asyncrl[verifiers]'). The "
+        "environment's reward is the sample's unless --rm-type or --custom-rm-path is given.",
     )
     env_max_turns: int = Field(8, ge=1, description="--env: the model's turns per episode at most.")
     env_max_sessions: int = Field(
         32,
         ge=1,
-        description="--env openenv: episodes one process keeps open at once (a server refuses sessions past its "
-        "max_concurrent_envs: allow this times the producers and the eval service).",
+        description="--env openenv and nemogym: episodes one process keeps open at once (an OpenEnv server "
+        "refuses sessions past its max_concurrent_envs: allow this times the producers and the eval service).",
     )
     env_action_key: str = Field(
         "message", description="--env openenv: the action field that carries the model's turn text."

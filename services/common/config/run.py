@@ -332,10 +332,10 @@ class RunConfig(MultiLoraSection, EvalSection, TrainerSection, AsyncSection, Rol
             errs.append("Multi-LoRA with --use-ray: adapter versions would reach these engines by disk, which Ray's "
                         "nodes do not share (SGLang servers and external engines load adapters from a path): use the "
                         "built-in engines, which fetch them from the run's object bucket")  # fmt: skip
-        if (spec := self.rollout.env_spec) is not None and spec.scheme == "verifiers":
-            errs.append("Multi-LoRA async (--multi-lora-n-adapters) cannot run --env verifiers: its chat calls reach "
-                        "the engine without an adapter (the recorder sends no lora_path); use --env openenv or a "
-                        "--custom-generate-function-path")  # fmt: skip
+        if (spec := self.rollout.env_spec) is not None and spec.scheme in ("verifiers", "nemogym"):
+            errs.append(f"Multi-LoRA async (--multi-lora-n-adapters) cannot run --env {spec.scheme}: its chat calls "
+                        "reach the engine without an adapter (a chat request carries no lora_path); use --env "
+                        "openenv or a --custom-generate-function-path")  # fmt: skip
         if self.eval.eval_interval is not None:
             errs.append("Multi-LoRA async (--multi-lora-n-adapters) does not support in-loop evaluation: unset "
                         "--eval-interval (evaluate each adapter from its saves)")  # fmt: skip
