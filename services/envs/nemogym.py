@@ -42,6 +42,7 @@ from asyncrl_proto.messages import Sample, SampleStatus
 from services.common.engine_commands import tool_call_parser
 from services.common.sglang_client import EngineError
 from services.envs.chat import assemble, has_token_ids, recorded_turn
+from services.envs.trajectory import session_gate
 
 CALL_TIMEOUT_S = 300.0
 """A resources server that takes longer to answer one request fails the episode (its group is retried)."""
@@ -276,10 +277,7 @@ def _client() -> aiohttp.ClientSession:
 
 
 async def generate(config, sample: Sample, engine, sampling_params: dict) -> Sample:
-    loop = asyncio.get_running_loop()
-    limit = config.rollout.env_max_sessions
-    gate = _sessions.setdefault((loop, limit), asyncio.Semaphore(limit))
-    async with gate:
+    async with session_gate(config, _sessions):
         return await _episode(config, sample, engine, sampling_params)
 
 

@@ -24,7 +24,7 @@ import json
 import uuid
 
 from asyncrl_proto.messages import Sample, SampleStatus
-from services.envs.trajectory import Trajectory
+from services.envs.trajectory import Trajectory, session_gate
 
 MAX_MESSAGE_BYTES = 16 * 2**20
 CALL_TIMEOUT_S = 300.0
@@ -91,10 +91,7 @@ def check(config) -> None:
 
 
 async def generate(config, sample: Sample, engine, sampling_params: dict) -> Sample:
-    loop = asyncio.get_running_loop()
-    limit = config.rollout.env_max_sessions
-    gate = _sessions.setdefault((loop, limit), asyncio.Semaphore(limit))
-    async with gate:
+    async with session_gate(config, _sessions):
         return await _episode(config, sample, engine, sampling_params)
 
 

@@ -10,6 +10,8 @@ them all.
 
 from __future__ import annotations
 
+import asyncio
+
 from asyncrl_proto.messages import Sample, SampleStatus
 from services.common.responses import apply_response, versions_of
 
@@ -87,6 +89,13 @@ def tool_call_metrics(name: str, samples: list) -> dict[str, float]:
     counts its calls (metadata["tool_calls"], services/envs/trajectory.py); else nothing."""
     counted = [s.metadata["tool_calls"] for s in samples if isinstance(s.metadata.get("tool_calls"), int)]
     return {name: sum(c > 0 for c in counted) / len(counted)} if counted else {}
+
+
+def session_gate(config, sessions: dict) -> asyncio.Semaphore:
+    """The semaphore that holds a connector's open episodes at --env-max-sessions: one per event
+    loop (one per process in a service) and limit, kept in the connector's `sessions`."""
+    limit = config.rollout.env_max_sessions
+    return sessions.setdefault((asyncio.get_running_loop(), limit), asyncio.Semaphore(limit))
 
 
 async def env_reward(config, sample: Sample) -> float:
