@@ -5,7 +5,8 @@ progress shows why it stopped instead; a moving run shows its bound. The rules r
 WINDOW steps of metrics.jsonl (the trainer's records) and are applied in this order
 (docs/learning.md, "Which mode, and what bounds a run"):
 
-  stalled       live, and no step for max(STALL_FACTOR x the median step, STALL_FLOOR_S) seconds
+  stalled       live, and no step for max(STALL_STEPS x the median step, STALL_FLOOR_S) seconds, at most
+                --stall-report-s (the buffer's own stall limit, services/buffer/policy.py)
   staleness     the staleness filter dropped at least STALE_DROP_SHARE of the groups it was offered
   generation    the trainer waited for its batches at least IDLE_SHARE of the loop; with a long tail
                 (the steps' p99 answer at least TAIL_RATIO x their median) under the synchronous or
@@ -21,8 +22,9 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from services.buffer.policy import STALL_FLOOR_S, STALL_STEPS
+
 WINDOW = 50
-STALL_FACTOR, STALL_FLOOR_S = 10.0, 30.0
 STALE_DROP_SHARE = 0.10
 IDLE_SHARE = 0.20
 BUSY_SHARE = 0.05
@@ -37,11 +39,11 @@ class Diagnosis:
     line: str
 
 
-def _stalled(rows: list[dict], live: bool, now: float) -> Diagnosis | None:
+def _stalled(rows: list[dict], live: bool, now: float, limit_s: float) -> Diagnosis | None:
     if not live or len(rows) < 2:
         return None
     steps = [b["time"] - a["time"] for a, b in zip(rows, rows[1:], strict=False)]
-    limit = max(STALL_FACTOR * statistics.median(steps), STALL_FLOOR_S)
+    limit = min(max(STALL_STEPS * statistics.median(steps), STALL_FLOOR_S), limit_s)
     quiet = now - rows[-1]["time"]
     if quiet < limit:
         return None
@@ -55,7 +57,7 @@ def diagnose(rows: list[dict], config: dict, live: bool = False, now: float | No
     window = rows[-WINDOW:]
     if len(window) < 5:
         return Diagnosis("starting", f"starting: {len(window)} steps so far, the bound shows after 5")
-    if d := _stalled(window, live, time.time() if now is None else now):
+    if d := _stalled(window, live, time.time() if now is None else now, float(config.get("stall_report_s", 300.0))):
         return d
     loop = window[-1]["time"] - window[0]["time"]  # the steps after the window's first record
     idle = sum(r.get("perf/rollout_wait_s", 0.0) for r in window[1:]) / max(loop, 1e-9)
