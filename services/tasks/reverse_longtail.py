@@ -6,11 +6,11 @@ tail (LONG_MIN digits and up, capped at MAX_DIGITS).
 
 It is the workload where a batch waits for its slowest trajectory: the median answer is 5 tokens,
 the p99 over a hundred, and most steps of 16 prompts hold a long one (the lengths are recorded
-with every run, `rollout/response_len/*` and `eval/<set>/response_len/*`, p99 included). The short
-strings are what the tiny model learns (reverse-digits' task); the long ones are the stragglers. The reward is
-reverse-digits' soft positional score over the whole response (positions right / max(len(output),
-len(target))): a longer or shorter answer than the label costs reward, so the lengths stay the
-data's. Unlike services/tasks/longtail.py (a throughput workload that forces lengths with
+with every run, `rollout/response_len/*` and `eval/<set>/response_len/*`, p99 included). The
+short strings are what the tiny model learns (reverse-digits' task); the long ones are the
+stragglers. The reward is reverse-digits' own (`reward`): its soft positional score over the whole
+response (positions right / max(len(output), len(target))), so a longer or shorter answer than
+the label costs reward and the lengths stay the data's. Unlike services/tasks/longtail.py (a throughput workload that forces lengths with
 `ignore_eos`), nothing is padded: the model writes every token and stops by itself.
 
 The model is the digit Llama of reverse-digits (same 16-token alphabet and chat format) with a
@@ -24,7 +24,7 @@ import random
 from pathlib import Path
 
 from services.tasks import reverse_digits
-from services.tasks.reverse_digits import distinct_rows, score, write_split
+from services.tasks.reverse_digits import distinct_rows, reward, write_split  # noqa: F401 (reward: TASK_REWARDS)
 
 NAME = "reverse-longtail"
 MIN_DIGITS, SHORT_MAX, LONG_MIN, MAX_DIGITS = 3, 5, 16, 192
@@ -65,13 +65,7 @@ def write_datasets(data_dir: str | Path, seed: int = 0) -> tuple[Path, Path]:
     return write_split(data_dir, "reverse_longtail", train_rows, eval_rows)
 
 
-async def reward(config, sample) -> float:
-    """The task's reward function, with the --custom-rm-path signature: the soft positional score
-    over the whole response."""
-    return score(sample.response, str(sample.label))
-
-
-def build_model(out_dir: str | Path, seed: int = 1234, warmup_sft_steps: int = 60, log=print) -> dict:
+def build_model(out_dir: str | Path, seed: int = 1234, warmup_sft_steps: int = 20, log=print) -> dict:
     """reverse-digits' tiny Llama with CONTEXT positions, warm-started on this task's pairs."""
     return reverse_digits.build_model(out_dir, seed=seed, warmup_sft_steps=warmup_sft_steps, log=log,
                                       max_position_embeddings=CONTEXT,

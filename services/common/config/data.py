@@ -17,8 +17,8 @@ class DataSection(Section):
         "when --prompt-data / --rm-type are not given, and the tiny model when --hf-checkpoint is unset. "
         "reasoning-gym: one of its procedural datasets (--rg-dataset; pip install 'asyncrl[reasoning]'). "
         "calculator: sums the model may answer through a calculator call (tool use; "
-        "deploy/configs/calculator.yaml). reverse-longtail: reverse-digits with string lengths from a Pareto tail "
-        "(3-192 digits), where a batch waits for its slowest answer (deploy/configs/longtail.yaml).",
+        "deploy/configs/calculator.yaml). reverse-longtail: reverse-digits with one prompt in ten from a Pareto "
+        "tail of 16-192 digits, where a batch waits for its slowest answer (deploy/configs/longtail.yaml).",
     )
     rg_dataset: str = Field(
         "spell_backward", description="--task reasoning-gym: the dataset whose generator makes the prompts."
