@@ -41,6 +41,7 @@ from services.common.httpauth import HTTP_ROLES, HTTP_TOKEN_ENV, Keys, engine_to
 from services.common.natsserver import EmbeddedNats, NatsCluster, local_nats
 from services.common.secrets import RM_TOKEN_ENV, NatsCredentials, without_identity
 from services.common.snapshot import COMPLETE_MARKER, is_complete
+from services.common.schedule import is_eval_point
 from services.common.validate import EvalPoints, eval_result_problem, finite_metrics
 from services.common.versions import VersionBound
 from services.prepare import Prepared, prepare_launch
@@ -421,8 +422,16 @@ class Launcher:
     async def _on_eval(self, msg) -> None:
         with contextlib.suppress(MalformedMessage):
             res = decode(msg.data, EvalResult)
-            problem = eval_result_problem(res.step, self.config.rollout.total_steps)
-            if problem is not None or self.eval_points.problem(res.step, res.version) is not None:
+            c = self.config
+            if (problem := eval_result_problem(res.step, c.rollout.total_steps)) is None:
+                if res.skipped_reason is not None and res.step not in self.eval_points.requested:
+                    on_schedule = is_eval_point(res.step, c.rollout.total_steps, c.eval.eval_interval,
+                                                c.rollout.num_rollout_per_epoch, c.infra.mode)  # fmt: skip
+                    problem = self.eval_points.skip_problem(res.step, on_schedule)
+                    res.metrics = {k: v for k, v in res.metrics.items() if k.startswith("eval/skipped_") or k == "eval/step"}
+                else:
+                    problem = self.eval_points.problem(res.step, res.version)
+            if problem is not None:
                 return  # not a result for a point the trainer requested (the trainer dead-letters it)
             res.metrics = finite_metrics(res.metrics)[0]
             self.evals[res.step] = res

@@ -183,3 +183,14 @@ class EvalPoints:
                     f"{', '.join(f'v{v}' for v in sorted(wanted))}, not v{version}")  # fmt: skip
         self.taken.add(step)
         return None
+
+    def skip_problem(self, step: int, on_schedule: bool) -> str | None:
+        """Why a skip result for a point no request named (the trainer skips a busy point or a
+        failed export itself, sending it to no one) is refused, or None; taken when None: once, for
+        an eval point of the run's schedule. A skip carries no held-out figure."""
+        if step in self.taken:
+            return f"eval result for step {step}: that point was answered already"
+        if not on_schedule:
+            return f"eval result for step {step}: no eval point was requested there"
+        self.taken.add(step)
+        return None

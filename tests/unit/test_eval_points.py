@@ -30,3 +30,12 @@ def test_after_a_restart_the_points_before_it_are_taken_once_whatever_their_vers
     assert "no eval point was requested" in p.problem(150, 150)  # after it: only what was requested
     p.request(150, 150)
     assert p.problem(150, 150) is None
+
+
+def test_a_skip_the_trainer_decided_is_taken_once_for_a_point_of_the_schedule():
+    """The trainer skips a busy point or a failed export itself (no request reaches the eval
+    service): the launcher takes that skip once, only for an eval point of the run's schedule."""
+    p = EvalPoints()
+    assert p.skip_problem(3, on_schedule=True) is None
+    assert "answered already" in p.skip_problem(3, on_schedule=True)
+    assert "no eval point was requested" in p.skip_problem(4, on_schedule=False)
