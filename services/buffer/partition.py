@@ -86,6 +86,16 @@ class QueueSub:
         return await asyncio.wait_for(self._q.get(), timeout)
 
 
+def expiry_note(events: list, before: int) -> str | None:
+    """The warning for the prompts these events expire, or None when they expire none: an Out
+    also carries whatever the DataBuffer decided since the last one, which is no expiry."""
+    expired = [ev for ev in events if ev.kind == "expired"]
+    if not expired:
+        return None
+    return (f"{len(expired)} released prompt(s) {expired[0].reason}: released again as a new attempt "
+            f"({before + len(expired)} this run)")
+
+
 class Partition:
     """`svc` is the hosting Service (bus, fail, background, observe); `config` this partition's
     (a multi-LoRA adapter's data, batch size and budget); `published` the bound on the versions
@@ -117,6 +127,7 @@ class Partition:
         self.ack_wait_s = ack_wait_s
         self._wake_release, self._wake_pump = asyncio.Event(), asyncio.Event()
         self._stall_said: str | None = None
+        self.expired_total = 0
         self._answered: dict[int, asyncio.Event] = {}  # id(request message) -> set once answered
         self._next_live_read = 0.0
         self.reads_live = not subjects.partition
@@ -243,9 +254,10 @@ class Partition:
             await wait_event(self._wake_release, 1.0)
             self._wake_release.clear()
             if (expired := self.core.expire_unanswered(time.time())).events:
-                log.warning("%d released prompts were neither answered nor in work for %.0fs: released again",
-                            len(expired.events), self.config.async_.prompt_deadline_s)  # fmt: skip
-                await self.apply(expired, durable=True)
+                if note := expiry_note(expired.events, self.expired_total):
+                    self.expired_total += sum(ev.kind == "expired" for ev in expired.events)
+                    log.warning("%s%s", f"{self.name}: " if self.s.partition else "", note)
+                await self.apply(expired, durable=True)  # and the DataBuffer's decisions it carried
             if self.reads_live and self.core.live_version is None and time.monotonic() >= self._next_live_read:
                 self._next_live_read = time.monotonic() + 1.0  # a broker round trip: once a second at most
                 await self.read_live_version()  # weight-sync may have announced before we listened

@@ -27,6 +27,7 @@ from asyncrl_proto.messages import SampleStatus, flatten_group
 from services.common import crash
 from services.common.bus import Settle, fetch_some, keep_alive, settle, until_room
 from services.common.config import AsyncSection, DataSection, EvalSection, MultiLoraSection, RolloutSection
+from services.common.repeats import Repeats
 from services.common.rewards import mark_failed, resolve_reward, score_group, score_sample
 from services.common.runtime import Service
 from services.common.schedule import is_eval_point
@@ -77,6 +78,7 @@ class RolloutService(Service):
         self.submission_open.set()
         a, r = config.async_, config.rollout
         points = (r.total_steps, config.eval.eval_interval, r.num_rollout_per_epoch, config.infra.mode)
+        self.repeats = Repeats(log)
         self.pauses = Pauses(PAUSE_TTL_S, a.submission_pause_max_s, lambda step: is_eval_point(step, *points),
                              a.submission_pause_budget * a.submission_pause_window_s, a.submission_pause_window_s)  # fmt: skip
         self.groups_in_flight: dict[int, tuple[object, float, int]] = {}
@@ -386,7 +388,7 @@ class RolloutService(Service):
         if ctl.command == "pause_submission":
             was = self.pauses.paused
             if (refused := self.pauses.pause_over_nats(token, time.monotonic())) is not None:
-                log.warning("refused: %s", refused)
+                self.repeats.say("pause refused", f"refused: {refused}", kind=refused.replace(token, "<token>").split(":")[0])
                 await self.bus.dead_letter(msg.subject, msg.data, refused)
             elif not was:
                 log.info("submission paused (%s)", token)

@@ -40,6 +40,7 @@ from services.common import crash
 from services.common.bus import TransportError, fetch_some, keep_alive, settle
 from services.common.config import AsyncSection, MultiLoraSection, RolloutSection
 from services.common.promexport import LATENCY_BUCKETS_S
+from services.common.repeats import Repeats
 from services.common.runtime import Service
 from services.common.sglang_client import EngineError, FlushRefused, SGLangClient
 from services.common.snapshot import COMPLETE_MARKER, is_complete, resolved
@@ -82,6 +83,7 @@ class WeightSyncService(Service):
         self.num_updates = 0
         self.num_skipped = 0
         self.published = VersionBound(bus)
+        self.repeats = Repeats(log)
         self._psub = None
         self.store = WeightStore(bus) if config.async_.update_weight_transfer_mode == "object-store" else None
         self.pauses: collections.deque[float] = collections.deque(maxlen=1000)
@@ -226,11 +228,12 @@ class WeightSyncService(Service):
         if pub is None:
             return
         if (problem := await self._snapshot_problem(pub)) is not None:
-            log.warning("catching up to v%d: %s", newest, problem)
+            self.repeats.say("catch-up", f"catching up to v{newest}: {problem}")
             return
-        log.warning("the newest published version v%d is not live (live v%s) and no message of it came: loading it",
-                    newest, self.live_version)  # fmt: skip
+        self.repeats.say("catch-up", f"the newest published version v{newest} is not live (live v{self.live_version}) "
+                                     "and no message of it came: loading it")  # fmt: skip
         await self._update(pub)
+        self.repeats.clear("catch-up")
 
     async def _converge(self) -> None:
         """Every engine generates, on the live version at least. An engine restarted elsewhere
@@ -248,10 +251,9 @@ class WeightSyncService(Service):
                 got = (await self.client.model_info(url)).get("weight_version")
                 if await self._behind(got, live):
                     path = self._snapshot_uri(live)
-                    log.warning(
-                        "engine %s runs weight version %s, behind the live v%d: loading %s", url, got, live, path
-                    )
+                    self.repeats.say(url, f"engine {url} runs weight version {got}, behind the live v{live}: loading {path}")
                     await self._update_engine(url, path, live, self.config.async_.pause_generation_mode)
+                    self.repeats.clear(url)
                 else:
                     await self.client.continue_generation(url)
             except EngineError as e:

@@ -443,3 +443,28 @@ def test_a_stall_is_reported_after_ten_of_the_runs_own_steps_not_only_after_the_
     r.m.step_clock.commits.clear()
     r.m.step_clock.commits.extend(t - 600 + 100.0 * i for i in range(6))  # slow steps: at most the fixed limit
     assert r.m.step_clock.stall_after() == 300.0
+
+
+def test_the_expiry_warning_counts_expired_prompts_not_the_decisions_that_ride_along():
+    """An Out carries whatever the DataBuffer decided since the last one: a tick that expires
+    nothing while groups go stale says nothing, and a real expiry is counted with the run's total."""
+    import time
+
+    from services.buffer.partition import expiry_note
+
+    r = Run(prompt_deadline_s=30.0)
+    r.get(0)
+    r.m.on_heartbeat(object(), Heartbeat(instance_id="p", service="rollout", info={"inflight_groups": 4}), time.time())
+    prompts, _ = r.release()
+    r.put(r.group(prompts[0]), seq=1)
+    r.m.on_decision("stale", r.group(prompts[0]).samples, None)  # the DataBuffer, between two Outs
+    now = max(r.m.seen_at.values())
+    riding = r.do(r.m.expire_unanswered(now + 1))
+    assert [ev.kind for ev in riding.events] == ["stale"]
+    assert expiry_note(riding.events, before=0) is None  # the old warning said "1 ... released again"
+    expired = r.do(r.m.expire_unanswered(now + 31))
+    n = len(prompts) - 1  # every released prompt but the answered one
+    assert n > 0 and [ev.kind for ev in expired.events] == ["expired"] * n
+    note = expiry_note(expired.events, before=3)
+    assert note.startswith(f"{n} released prompt(s) neither answered nor in work for 30s") and f"({n + 3} this run)" in note
+    r.check_fold()
