@@ -176,4 +176,5 @@ class BearerAuth:
         if role != ADMIN and role not in self.scopes.get(path, ()):
             return JSONResponse({"error": {"message": f"the {role} credential may not call {path[:100]}"}},
                                 status_code=403)  # fmt: skip
+        scope["asyncrl_role"] = role  # a route that refuses a claim names who made it
         return None

@@ -169,6 +169,15 @@ class DistributedReceiver:
         with self._lock:
             return self.staged[0] if self.staged is not None else None
 
+    def mark_loading(self) -> None:
+        """The engine was named `loading-<N>`: a broadcast is under way (an SGLang server's flow)."""
+        self._loading_from = self.num_updates
+
+    def received_since_loading(self) -> bool:
+        """Whether a whole version arrived by broadcast since the engine was named `loading-<N>`:
+        only then may it be named N (else the name would claim weights it never received)."""
+        return self.num_updates > getattr(self, "_loading_from", self.num_updates)
+
     def set_version(self, version: str) -> bool:
         """/update_weight_version: swap in the version staged under that name, if any (True).
         Blocking: waits like a weight update for the pause or for in-flight requests."""

@@ -194,9 +194,13 @@ async def test_a_version_claim_names_only_the_weights_a_broadcast_brought(tiny_m
             assert e.scheduler.weight_version == "0"
             out = (await c.post("/generate", json=body())).json()
             assert out["meta_info"]["weight_version"] == "0"  # honest samples keep their weights' name
-            for name in ("loading-3", "3"):  # a broadcast's names, in its order
-                r = await c.post("/update_weight_version", json={"new_version": name, "abort_all_requests": False})
-                assert r.status_code == 200 and e.scheduler.weight_version == name
+            r = await c.post("/update_weight_version", json={"new_version": "loading-999", "abort_all_requests": False})
+            assert r.status_code == 200 and e.scheduler.weight_version == "loading-999"  # a broadcast begins
+            r = await c.post("/update_weight_version", json={"new_version": "999", "abort_all_requests": False})
+            assert r.status_code == 400, "named v999 though no broadcast brought it"  # two steps to the same claim
+            assert e.scheduler.weight_version == "loading-999"  # weight-sync's converge loop reloads the live one
+    assert relabel_problem("loading-3", "3", staged=None, received=True) is None  # a broadcast's names, in order
+    assert relabel_problem("loading-3", "3", staged=None, received=False) is not None
     assert relabel_problem("7", "9", staged="9") is None  # a staged broadcast is swapped in under its name
     assert relabel_problem("loading-4", "5", staged=None) is not None
 
