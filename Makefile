@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch; override for another build, e.g. make run TORCH="torch==2.13.0 --index-url ..."
 TORCH ?= torch==2.13.0
 
-.PHONY: setup run smoke test test-crash test-cluster test-ray test-tasks test-browser test-docker test-all bench lint clean
+.PHONY: setup run smoke test test-crash test-roles test-cluster test-ray test-tasks test-browser test-docker test-all bench lint clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -37,6 +37,11 @@ test: $(BIN)/.test-installed
 # of each kind SIGKILLed at a random moment; CI runs it after `make test`.
 test-crash: $(BIN)/.test-installed
 	$(BIN)/python -m pytest -q -m crash tests/crash tests/integration/test_kill_recovery.py
+
+# One live default job that every role probes with its own credentials, each role's worst case
+# asserted (tests/roles; docs/trust.md); CI runs it too.
+test-roles: $(BIN)/.test-installed
+	$(BIN)/python -m pytest -q -m roles tests/roles
 
 # Whole runs on a 3-node NATS cluster, one node killed, every node restarted in turn; CI runs it too.
 test-cluster: $(BIN)/.test-installed
