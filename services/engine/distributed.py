@@ -157,7 +157,7 @@ class DistributedReceiver:
                     "message": f"Staged weight version {version}: /update_weight_version swaps it in."}  # fmt: skip
         if abort_all:
             self.scheduler.abort("", True)
-        res = self.scheduler.update_weights_from_tensors(tensors, version)
+        res = self.scheduler.weights.update_weights_from_tensors(tensors, version)
         self.num_updates += 1
         msg = "Succeeded to update model weights."
         if version is not None:
@@ -185,7 +185,7 @@ class DistributedReceiver:
             if self.staged is None or self.staged[0] != version:
                 return False  # another version stays staged for its own swap
             staged, self.staged = self.staged, None
-        self.scheduler.update_weights_from_tensors(staged[1], version)
+        self.scheduler.weights.update_weights_from_tensors(staged[1], version)
         self.scheduler.stats.num_staged_swaps_total += 1
         self.num_updates += 1
         return True

@@ -191,7 +191,7 @@ def weight_routes(server) -> APIRouter:
         version = typed(body, "weight_version", (str, int))
         try:
             local = await local_snapshot(path, version)
-            seconds = await asyncio.to_thread(sched.stage_weights, local, version)
+            seconds = await asyncio.to_thread(sched.weights.stage_weights, local, version)
         except (OSError, ValueError, WeightStoreError) as e:
             return JSONResponse({"success": False, "message": f"Failed to stage weights: {e}"}, status_code=400)
         return {"success": True, "message": f"Staged {path} in {seconds:.3f}s.", "stage_seconds": seconds}
@@ -208,7 +208,7 @@ def weight_routes(server) -> APIRouter:
             local = await local_snapshot(path, version)
             if typed(body, "abort_all_requests", bool):
                 await asyncio.to_thread(sched.abort, "", True)
-            res = await asyncio.to_thread(sched.update_weights_from_disk, local, version)
+            res = await asyncio.to_thread(sched.weights.update_weights_from_disk, local, version)
         except (OSError, ValueError, TimeoutError, WeightStoreError) as e:
             return JSONResponse({"success": False, "message": f"Failed to update weights: {e}"}, status_code=400)
         server.model_path = path
@@ -262,7 +262,7 @@ def weight_routes(server) -> APIRouter:
         except TimeoutError as e:
             return JSONResponse({"success": False, "message": f"Failed to update weights: {e}"}, status_code=400)
         if not swapped:
-            await asyncio.to_thread(sched.set_weight_version, v)
+            await asyncio.to_thread(sched.weights.set_weight_version, v)
         return {"success": True, "message": f"Weight version updated to {v}", "new_version": v, "staged": swapped}
 
     return r

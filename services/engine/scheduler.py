@@ -48,7 +48,7 @@ from services.common import crash
 from services.engine.metrics import EngineStats
 from services.engine.request import Request, SamplingParams
 from services.engine.sampling import StepOutput, prompt_logprobs, sample
-from services.engine.weight_api import WeightAPI
+from services.engine.weight_api import EngineWeights
 from services.model.hf_io import run_to_end
 from services.model.llama import CausalLM, KVCache
 
@@ -88,7 +88,7 @@ def length_buckets(decodes: list[Request]) -> list[list[Request]]:
     return out
 
 
-class Scheduler(WeightAPI):
+class Scheduler:
     def __init__(
         self,
         model: CausalLM,
@@ -125,9 +125,8 @@ class Scheduler(WeightAPI):
         self._work = threading.Condition()
         self._model_lock = threading.Lock()
         self._gen = torch.Generator().manual_seed(seed)
-        self._staged: tuple[tuple, dict[str, torch.Tensor]] | None = None
-        """The next weights, loaded beside the running ones: ((path, version, marker), tensors)."""
-        self._stage_lock = threading.Lock()
+        self.weights = EngineWeights(self)
+        """Staging, loading and naming the weights (services.engine.weight_api)."""
         self.last_progress = time.monotonic()
         """When the loop last started work or finished a step (for /health_generate)."""
         self.stall_timeout_s = 20.0
@@ -375,6 +374,15 @@ class Scheduler(WeightAPI):
                 self._drain_inbox()
 
     # ---- planning ------------------------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache. Like SGLang, refuses while requests are running or waiting."""
+        with self._work:
+            if self.running or (self.waiting and not self.paused_mode):
+                return False
+            self.kv_epoch += 1
+            self.slot_prompt.clear()
+            return True
+
     def _version_int(self) -> int:
         try:
             return int(self.weight_version)

@@ -94,8 +94,8 @@ async def test_fleet_pins_each_point_to_its_snapshot(nats_server, run_id, task_d
             )
             assert missing.skipped_reason == "ckpt_missing" and missing.metrics["eval/skipped_ckpt_missing"] == 1.0
             # an engine that does not take the version: the pin does not hold
-            real = fleet.scheduler.update_weights_from_disk
-            fleet.scheduler.update_weights_from_disk = lambda path, version, **kw: real(path, None, **kw)
+            real = fleet.scheduler.weights.update_weights_from_disk
+            fleet.scheduler.weights.update_weights_from_disk = lambda path, version, **kw: real(path, None, **kw)
             pin = await ask(bus, EvalRequest(step=5, version=5, snapshot_uri=snapshot(tiny_model_dir, tmp_path / "s5")))
             assert pin.skipped_reason == "pin_violation"
 
@@ -194,8 +194,8 @@ async def test_the_reference_evaluators_pin_failure_is_a_crash(nats_server, run_
         monkeypatch.setenv("ASYNCRL_EVAL_SERVER_URL", server.url)
         cfg = config(task_data, tiny_model_dir, tmp_path, eval_function_path="services.eval.reference.SGLangServerEval")
         async with running(cfg, nats_server, run_id) as bus:
-            real = server.scheduler.update_weights_from_disk
-            server.scheduler.update_weights_from_disk = lambda path, version, **kw: real(path, None, **kw)
+            real = server.scheduler.weights.update_weights_from_disk
+            server.scheduler.weights.update_weights_from_disk = lambda path, version, **kw: real(path, None, **kw)
             res = await ask(bus, EvalRequest(step=2, version=2, snapshot_uri=snapshot(tiny_model_dir, tmp_path / "s2")))
             assert res.skipped_reason == "crashed" and res.metrics["eval/skipped_crashed"] == 1.0
 

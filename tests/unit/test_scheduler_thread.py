@@ -84,12 +84,12 @@ def test_staging_a_snapshot_chunk_by_chunk_matches_a_whole_read(sched, tiny_mode
         for p in other.parameters():
             p.add_(0.5)
     save_model(other, tmp_path / "next")
-    sched.stage_weights(str(tmp_path / "next"), 1)
-    _, staged = sched._staged
+    sched.weights.stage_weights(str(tmp_path / "next"), 1)
+    _, staged = sched.weights._staged
     whole = stage_weights(sched.model, tmp_path / "next")
     assert staged.keys() == whole.keys()
     assert all(torch.equal(staged[n], whole[n]) for n in whole)
-    res = sched.update_weights_from_disk(str(tmp_path / "next"), 1)
+    res = sched.weights.update_weights_from_disk(str(tmp_path / "next"), 1)
     assert res["num_paused_requests"] == 0
     assert all(torch.equal(p, whole[n]) for n, p in sched.model.named_parameters())
 
@@ -97,7 +97,7 @@ def test_staging_a_snapshot_chunk_by_chunk_matches_a_whole_read(sched, tiny_mode
 def test_a_bad_snapshot_fails_its_caller_not_the_scheduler(sched, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError):
-        sched.stage_weights(str(tmp_path / "empty"), 1)
+        sched.weights.stage_weights(str(tmp_path / "empty"), 1)
     assert sched.alive
 
 
