@@ -36,6 +36,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from services.dashboard.diagnosis import diagnose
+
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = {
     "sync": ["train", "--no-fully-async"],
@@ -96,7 +98,9 @@ def run_one(arm: str, seed: int, steps: int, extra: list[str], a, data: tuple[Pa
     trace = [{k: rec[k] for k in TRACE if k in rec} | {"step": rec["step"]} for rec in recs[::every]]
     stale = [rec["rollout/fully_async/avg_staleness"] for rec in recs if "rollout/fully_async/avg_staleness" in rec]
     stale_max = [rec["rollout/fully_async/max_staleness"] for rec in recs if "rollout/fully_async/max_staleness" in rec]
+    said = diagnose(recs, json.loads((run_dir / "config.json").read_text()))  # the run's advice, as status shows it
     return {**loop_facts(recs, evals), **sampler.facts(start, recs[-1]["time"], len(recs)), "arm": arm, "seed": seed, "steps": steps, "extra": extra, "points": points,
+            "diagnosis": [said.kind, said.line],
             "loop_wall_s": recs[-1]["perf/elapsed_s"], "run_wall_s": time.time() - t0,
             "staleness_mean": statistics.mean(stale) if stale else 0.0, "staleness_max": max(stale_max, default=0),
             "trace": trace, "finished_at": time.time()}  # fmt: skip

@@ -1,0 +1,104 @@
+"""Does the advice line name the bound each driver is under? One run per driver on the default job
+and on the long-tail job, each read two ways:
+
+- the advice: `services.dashboard.diagnosis.diagnose` on the run's own metrics.jsonl and config,
+  exactly what `asyncrl status` and the dashboard show (it reads the trainer's wait and the
+  buffer's queue);
+- the bound measured at the two resources: the share of the loop the engine was busy (read at
+  the engine, `sglang:num_running_reqs` above 0) against the share the trainer was busy (the loop
+  minus its wait for batches). The busier one is the bound; the staleness filter is the bound
+  where it dropped at least docs/dashboard.md's share of the groups.
+
+    python bench/advice.py                       # 6 runs, about 8 minutes on 2 cores
+    python bench/advice.py --report-only         # the table from docs/bench/advice_runs.jsonl
+
+Each run is appended to the record as it finishes (resumable), with the code revision it ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from learning import ROOT, code_revision, load_record, run_one, write_data
+
+from services.dashboard.diagnosis import STALE_DROP_SHARE
+
+JOBS = {
+    "default": ("deploy/configs/quickstart.yaml", "services.tasks.reverse_digits", 200),
+    "long-tail": ("deploy/configs/longtail.yaml", "services.tasks.reverse_longtail", 150),
+}
+DRIVERS = ("sync", "one-step", "fully-async")
+
+
+def measured_bound(run: dict, batch: int) -> str:
+    """The bound read at the resources, not through the advice's rules."""
+    stale = run.get("stale_dropped", 0.0)
+    if stale / (stale + batch * run["steps"]) >= STALE_DROP_SHARE:
+        return "staleness"
+    engine_busy = 1.0 - run["engine_idle_share"]
+    trainer_busy = 1.0 - run["trainer_idle"]
+    return "generation" if engine_busy >= trainer_busy else "trainer"
+
+
+def run_cell(job: str, driver: str, seed: int, a) -> dict:
+    config, task, steps = JOBS[job]
+    ns = argparse.Namespace(config=config, eval_interval=steps, eval_prompts=a.eval_prompts, eval_samples=1,
+                            task_module=task)  # fmt: skip
+    data = write_data(Path(tempfile.gettempdir()) / f"asyncrl-advice-{job}", a.eval_prompts, task)
+    with tempfile.TemporaryDirectory(prefix="asyncrl-advice-") as tmp:
+        run_dir = Path(tmp) / "run"
+        res = run_one(driver, seed, steps, [], ns, data, run_dir)
+        recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        res["stale_dropped"] = sum(r.get("rollout/fully_async/stale_groups_filtered", 0.0) for r in recs)
+        res["batch"] = json.loads((run_dir / "config.json").read_text())["rollout_batch_size"]
+    return {"job": job, **res}
+
+
+def table(runs: list[dict]) -> tuple[str, int]:
+    lines = [f"{'job':<10}{'driver':<13}{'engine busy':>12}{'trainer busy':>13}{'measured':>12}{'advice':>12}  "
+             f"agree  the line"]  # fmt: skip
+    agree = 0
+    for r in runs:
+        bound = measured_bound(r, r["batch"])
+        said = r["diagnosis"][0]
+        ok = said == bound
+        agree += ok
+        lines.append(f"{r['job']:<10}{r['arm']:<13}{1 - r['engine_idle_share']:>12.0%}{1 - r['trainer_idle']:>13.0%}"
+                     f"{bound:>12}{said:>12}  {'yes' if ok else 'NO':<5}  {r['diagnosis'][1]}")  # fmt: skip
+    return "\n".join(lines), agree
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--record", default="docs/bench/advice_runs.jsonl")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts (the advice needs none)")
+    p.add_argument("--report-only", action="store_true")
+    a = p.parse_args()
+    record = ROOT / a.record
+    if not a.report_only:
+        done = {(r["job"], r["arm"]) for r in load_record(record) if r.get("seed") == a.seed}
+        rev = code_revision()
+        for job in JOBS:
+            for driver in DRIVERS:
+                if (job, driver) in done:
+                    continue
+                t0 = time.time()
+                res = run_cell(job, driver, a.seed, a)
+                res["rev"] = res.get("rev") or rev
+                record.parent.mkdir(parents=True, exist_ok=True)
+                with record.open("a") as f:
+                    f.write(json.dumps(res) + "\n")
+                print(f"  {job:<10}{driver:<13}{res['diagnosis'][0]:<12}in {time.time() - t0:.0f} s", flush=True)
+    runs = [r for r in load_record(record) if r.get("seed") == a.seed and "diagnosis" in r]
+    text, agree = table(runs)
+    print(text)
+    print(f"the advice names the measured bound in {agree} of {len(runs)} runs")
+
+
+if __name__ == "__main__":
+    main()
