@@ -137,3 +137,22 @@ def test_the_guard_sees_what_it_guards():
     assert "services.trainer.setup" in GRAPH["services.trainer.worker"]  # an import inside a function
     assert "asyncrl_proto" in GRAPH["services.buffer.service"]
     assert {_package(m) for m in GRAPH} >= set(ALLOWED)
+
+
+LAUNCH_STEPS = ("services.launcher", "services.prepare", "services.raycluster", "services.supervisor", "services.audit")
+"""Start-up, top to bottom: the launcher runs the steps (prepare the run, start NATS and the
+services, place them on Ray nodes, supervise them, audit the ledger for the report); a step imports
+only the steps below it, never one above."""
+
+
+def test_start_up_imports_only_downward():
+    wrong = []
+    for i, module in enumerate(LAUNCH_STEPS):
+        above = set(LAUNCH_STEPS[: i + 1]) - {module}
+        wrong += [f"{module} imports {t}, a step above it" for t in GRAPH[module] & above]
+        # and nothing above the steps: the CLI and the audit use the launcher, never the reverse
+        wrong += [f"{module} imports {t}" for t in GRAPH[module] if t in ("services.cli", "services.console")]
+    assert not wrong, "\n".join(wrong)
+    assert {"services.prepare", "services.supervisor", "services.raycluster", "services.audit"} <= GRAPH[
+        "services.launcher"
+    ]
