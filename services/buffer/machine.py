@@ -265,6 +265,12 @@ class BufferMachine:
         gid = group_id(rg.group_index, rg.attempt) if rg is not None else ""
         state = self.group_state(gid)
         if (problem := undecodable or self.group_problem(rg)) is not None:
+            if undecodable is None and state is GroupState.OUTSTANDING and claims_unpublished(rg, self.limits):
+                # honest work an engine was told a version it does not run for (weight-sync brings
+                # it back to the live version): not trained, and its prompt is not lost
+                self._record("put", outcome="aborted", recycled=True, reason=problem[:500], group_id=gid,
+                             group_index=rg.group_index, attempt=rg.attempt, stream_seq=stream_seq)  # fmt: skip
+                return self._out(settle=Verdict.TERM, dead_letters=[(msg, f"{problem}: its prompt goes back")])
             self._record("put", outcome="rejected", reason=problem[:500], group_id=gid,
                          group_index=rg.group_index if rg is not None else -1,
                          attempt=rg.attempt if rg is not None else 0, stream_seq=stream_seq)  # fmt: skip
@@ -563,6 +569,12 @@ class GroupIdentity(msgspec.Struct):
     group_id: str = ""
     group_index: int = -1
     attempt: int = 0
+
+
+def claims_unpublished(rg: RolloutGroup, limits: Limits) -> bool:
+    """A group whose only fault is a weight version nobody published: its engine was named a
+    version it does not run (through its HTTP API), so the samples are honest and their claim is not."""
+    return group_problem(rg.group_id, rg.group_index, rg.attempt, rg.samples, limits) is None
 
 
 def group_identity(data: bytes) -> GroupIdentity | None:

@@ -468,3 +468,20 @@ def test_the_expiry_warning_counts_expired_prompts_not_the_decisions_that_ride_a
     note = expiry_note(expired.events, before=3)
     assert note.startswith(f"{n} released prompt(s) neither answered nor in work for 30s") and f"({n + 3} this run)" in note
     r.check_fold()
+
+
+def test_a_version_nobody_published_sends_honest_work_back_not_to_the_rejected():
+    """An engine named v999 through its HTTP API (a role's key on an SGLang server) stamps honest
+    samples with it: the group is not trained, and its prompt goes back as a new attempt instead
+    of being lost; a group with any other fault is still rejected."""
+    r = Run()
+    r.get(0)
+    prompts, _ = r.release(k=2)
+    claimed = r.do(r.m.on_group(msg := object(), 1, r.group(prompts[0], versions=(999,)), None, b""))
+    assert claimed.settle == "term" and claimed.dead_letters[0][0] is msg
+    assert "was never published" in claimed.dead_letters[0][1] and "goes back" in claimed.dead_letters[0][1]
+    assert [(e.outcome, e.recycled) for e in claimed.events] == [("aborted", True)]
+    assert [p.group_index for p in r.m.state.recycled] == [prompts[0].group_index]  # released again next
+    both = r.do(r.m.on_group(object(), 2, r.group(prompts[1], versions=(999,), vocab_ok=False), None, b""))
+    assert [e.outcome for e in both.events] == ["rejected"]
+    r.check_fold()
