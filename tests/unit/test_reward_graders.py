@@ -157,13 +157,12 @@ def test_rm_type_names():
     assert rm_type_problem("math") is None and rm_type_problem("boxed_gpqa") is None
     assert rm_type_problem("reverse-digits") is None
     assert "unknown" in rm_type_problem("mathh")
-    assert "refused" in rm_type_problem("ifbench") and "IFBench" in rm_type_problem("boxed_ifbench")
+    assert rm_type_problem("ifbench") is None and rm_type_problem("boxed_ifbench") is None
     assert "--rm-url" in rm_type_problem("remote_rm", has_url=False)
 
 
 @pytest.mark.parametrize(("flags", "error"), [
     ({"rm_type": "mathh"}, "--rm-type 'mathh' is unknown"),
-    ({"rm_type": "ifbench"}, "--rm-type 'ifbench' is refused"),
     ({"rm_type": "remote_rm"}, "needs --rm-url"),
     ({"rm_type": "dapo"}, "set --reward-key score"),
     ({"reward_timeout_s": 0}, "reward_timeout_s"),

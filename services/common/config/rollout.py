@@ -64,7 +64,8 @@ class RolloutSection(Section):
         None,
         description="Reward for the samples whose metadata names no rm_type: a task's (reverse-digits, copy-digits; "
         "the default: the task's own) or Miles's reward hub: remote_rm (with --rm-url), math, dapo (with "
-        "--reward-key score), deepscaler, f1, gpqa, random; boxed_<type> grades the last \\boxed{} answer.",
+        "--reward-key score), deepscaler, f1, gpqa, ifbench (pip install 'asyncrl[ifbench]'), random; boxed_<type> "
+        "grades the last \\boxed{} answer.",
     )
     reward_key: str | None = Field(None, description="Key to read when a reward is a dict.")
     rm_url: str | None = Field(
@@ -79,8 +80,8 @@ class RolloutSection(Section):
     reward_timeout_s: float = Field(
         30.0,
         gt=0,
-        description="A built-in grader (math, dapo, deepscaler, f1, gpqa) or a remote_rm request that runs longer "
-        "fails its sample with the reason (a grader's worker process is killed).",
+        description="A built-in grader (math, dapo, deepscaler, f1, gpqa, ifbench) or a remote_rm request that runs "
+        "longer fails its sample with the reason (a grader's worker process is killed).",
     )
     reward_num_workers: int = Field(
         2, ge=1, description="Worker processes per producer (and eval service) that run the built-in graders."

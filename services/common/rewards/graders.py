@@ -28,6 +28,9 @@ comparison with the label. The `boxed_` prefix replaces the extraction with the 
   "answer is C", "C is correct", else the last standalone capital; the pronoun I and the article
   a are words, not choices) against the label (a letter, a 0-based index, or a choice's text;
   `metadata.correct_letter`, `metadata.choices` or `metadata.valid_letters` refine it). 1 or 0.
+- `ifbench`: AllenAI IFBench's strict rule (after the last `</think>`): 1 if the response follows
+  every instruction of `metadata.instruction_id_list` with `metadata.kwargs`, else 0
+  (services/common/rewards/ifbench/: the checkers of IFBench's 83 instruction ids).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from functools import lru_cache
 from typing import Any
 
 from services.common.rewards.answers import decide, nesting
+from services.common.rewards.ifbench import ifbench_compare, ifbench_extract
 
 
 def last_boxed(text: str) -> str | None:
@@ -340,6 +344,7 @@ GRADERS: dict[str, Grader] = {
     "dapo": Grader(dapo_extract, dapo_compare, {"score": -1.0, "acc": 0.0}),
     "f1": Grader(lambda r: r, f1_compare, 0.0),
     "gpqa": Grader(gpqa_extract, gpqa_compare, 0.0),
+    "ifbench": Grader(ifbench_extract, ifbench_compare, 0.0),
 }
 
 

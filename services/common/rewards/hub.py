@@ -2,7 +2,7 @@
 
 The type is the sample's `metadata["rm_type"]` when it has one (one dataset may mix tasks), else
 --rm-type, else the task's own reward. names.py lists the types; graders.py grades `math`,
-`dapo`, `deepscaler`, `f1` and `gpqa` (and their `boxed_` forms) in worker processes
+`dapo`, `deepscaler`, `f1`, `gpqa`, `reasoning_gym` and `ifbench` (and their `boxed_` forms) in worker processes
 (--reward-num-workers, shared by every hub of the process): one that runs past
 --reward-timeout-s is killed and its sample FAILED with the reason, as is one whose grader
 raises or whose process dies. `remote_rm` calls --rm-url (remote.py); `random` is 0 or 1.

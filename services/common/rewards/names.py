@@ -11,15 +11,12 @@ TASK_REWARDS = {
     "env": "services.envs.trajectory.env_reward",
 }
 """The bundled tasks' own rewards (module.function)."""
-GRADED = ("math", "dapo", "deepscaler", "f1", "gpqa", "reasoning_gym")
+GRADED = ("math", "dapo", "deepscaler", "f1", "gpqa", "reasoning_gym", "ifbench")
 """Graded in a worker process by services/common/rewards/graders.py; each also as `boxed_<name>`."""
 HUB = ("remote_rm", "random", *GRADED)
 """Miles's reward hub (rm_hub), with `remote_rm` needing --rm-url."""
-REFUSED = {
-    "ifbench": "Miles grades it with AllenAI's IFBench, which is not a package (Miles clones its repository "
-    "at import time); no maintained instruction-checking library installs cleanly here. Grade it with "
-    "--custom-rm-path, or with --rm-type remote_rm and a server that runs IFBench",
-}
+REFUSED: dict[str, str] = {}
+"""Miles's rm types that cannot be graded here, each with the reason (none at present)."""
 
 
 def split_rm_type(name: str) -> tuple[bool, str]:
