@@ -43,6 +43,18 @@ def test_the_reward_is_the_datasets_scorer():
     assert grade("reasoning_gym", False, "talp", "talps", meta) == pytest.approx(0.8)  # partial credit
     assert grade("reasoning_gym", False, "xxxxx", "talps", meta) == 0.0
     assert grade("reasoning_gym", True, "so \\boxed{talps}", "talps", meta) == 1.0
+
+
+def test_the_answer_is_the_tag_or_the_first_line_and_what_follows_earns_nothing():
+    """The policy learned that the scorer ignored whatever followed the word (its answers ran to
+    the token limit): the answer is the last <answer> tag, else the first line, as the datasets expect."""
+    meta = {"source_dataset": "spell_backward", "word": "splat"}
+    assert grade("reasoning_gym", False, "talps\nqqqqqqqq", "talps", meta) == 1.0  # the next lines are not read
+    padded = grade("reasoning_gym", False, "talpsqqqq", "talps", meta)
+    assert padded < grade("reasoning_gym", False, "talps", "talps", meta)  # padding on the line costs
+    assert grade("reasoning_gym", False, "<think>sun -> nus</think>\n\ntalps", "talps", meta) == 1.0
+    assert grade("reasoning_gym", False, "hmm <answer>x</answer> so <answer> talps </answer> ok", "talps", meta) == 1.0
+    assert grade("reasoning_gym", False, "\n\n", "talps", meta) == 0.0
     with pytest.raises(ValueError, match="source_dataset"):
         grade("reasoning_gym", False, "talps", "talps", {})
 

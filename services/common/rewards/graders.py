@@ -23,7 +23,8 @@ comparison with the label. The `boxed_` prefix replaces the extraction with the 
 - `f1`: SQuAD's token F1 of the response against the label (lower case, no punctuation or
   articles). In [0, 1].
 - `reasoning_gym`: the dataset's own `score_answer` (named by `metadata.source_dataset`, as
-  `--task reasoning-gym` writes it) on the response (services/tasks/reasoning_gym.py).
+  `--task reasoning-gym` writes it) on the answer: the last `<answer>` tag, else the response's
+  first line (services/tasks/reasoning_gym.py).
 - `gpqa`: the chosen letter, A-J unless the choices say fewer (after the last `</think>`:
   "answer is C", "C is correct", else the last standalone capital; the pronoun I and the article
   a are words, not choices) against the label (a letter, a 0-based index, or a choice's text;
@@ -304,6 +305,20 @@ _rg_datasets: dict = {}
 """reasoning-gym datasets this worker re-created, by (name, size, seed, settings)."""
 
 
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def reasoning_gym_extract(response: str) -> str:
+    """The answer as reasoning-gym's datasets expect it: the last `<answer>...</answer>`, else the
+    first non-empty line after the last `</think>`. What follows the answer earns nothing (a
+    scorer that gives credit by position would otherwise pay for padding after it)."""
+    tagged = _ANSWER_TAG.findall(response)
+    if tagged:
+        return tagged[-1].strip()
+    rest = response.rsplit("</think>", 1)[-1]
+    return next((line.strip() for line in rest.splitlines() if line.strip()), "")
+
+
 def reasoning_gym_score(answer: str, label: Any, metadata: dict, prompt: Any) -> float:
     """The dataset's own score_answer (named by metadata.source_dataset) on the stripped answer,
     against the entry itself when the row says where it came from (`rg_origin`, as --task
@@ -370,7 +385,7 @@ def grade(name: str, boxed: bool, response: str, label: Any, metadata: dict,
     grader's own extraction. Runs in a worker process (hub.py)."""
     metadata = metadata if isinstance(metadata, dict) else {}
     if name == "reasoning_gym":  # the dataset's own scorer (it may read the question)
-        answer = last_boxed(response) if boxed else response
+        answer = last_boxed(response) if boxed else reasoning_gym_extract(response)
         return 0.0 if answer is None else reasoning_gym_score(answer, label, metadata, prompt)
     grader = GRADERS[name]
     answer = last_boxed(response) if boxed else grader.extract(response)
