@@ -23,7 +23,7 @@ from services.buffer.state import Auditor, LedgerError, ledger_events, lineage_e
 from services.common import procs, sample_records
 from services.common.procs import RESTARTS_FILE
 from services.common.run_store import registrations, run_config
-from services.dashboard.diagnosis import diagnose
+from services.dashboard.diagnosis import diagnose, length_guard
 
 READ_BATCH = 5000
 """Stream messages read per request; a refresh reads batch after batch until it has them all."""
@@ -259,6 +259,7 @@ class RunData:
         result = _json(self.run_dir / "result.json")
         live = (self.served_live and result is None) or is_live(self.run_dir)
         diagnosis = diagnose(rows, self.config, live=live)
+        length = length_guard(rows, self.config)
         return {
             "run_id": self.run_id,
             "mode": self.mode,
@@ -277,6 +278,7 @@ class RunData:
             "result": result,
             "diagnosis": diagnosis.line,
             "diagnosis_kind": diagnosis.kind,
+            "length_warning": length,
         }
 
     def services(self) -> list[dict]:

@@ -14,6 +14,9 @@ WINDOW steps of metrics.jsonl (the trainer's records) and are applied in this or
   trainer       the trainer waited less than BUSY_SHARE of the loop, or the buffer's queue averaged at
                 least QUEUE_FULL_SHARE of its capacity: generation is ahead of training
   balanced      none of these
+
+Beside it, the length guard (`length_guard`): at least TRUNCATED_SHARE of the window's answers ran
+to the response limit, the sign of a reward that pays for padding (or of a limit too short).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ IDLE_SHARE = 0.20
 BUSY_SHARE = 0.05
 QUEUE_FULL_SHARE = 0.90
 TAIL_RATIO = 10.0
+TRUNCATED_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -87,3 +91,17 @@ def diagnose(rows: list[dict], config: dict, live: bool = False, now: float | No
                                     f"(--trainer-num-ranks), more generation does not")  # fmt: skip
     return Diagnosis("balanced", f"balanced: the trainer waited {idle:.0%} of the loop, the queue holds {queue:.0f} of "
                                  f"{capacity:.0f} groups")  # fmt: skip
+
+
+def length_guard(rows: list[dict], config: dict) -> str | None:
+    """A warning when answers run to the response limit: the window's truncated share, and how the
+    mean response length moved since the run's first steps; None when they end on their own."""
+    window = rows[-WINDOW:]
+    truncated = [r["rollout/truncated_ratio"] for r in window if "rollout/truncated_ratio" in r]
+    if len(truncated) < 5 or (share := statistics.fmean(truncated)) < TRUNCATED_SHARE:
+        return None
+    lengths = [r["rollout/response_length/mean"] for r in rows if "rollout/response_length/mean" in r]
+    first, last = statistics.fmean(lengths[:5]), statistics.fmean(lengths[-5:])
+    return (f"length: {share:.0%} of the answers run to the response limit (--rollout-max-response-len "
+            f"{config.get('rollout_max_response_len')}); mean length {first:.0f} -> {last:.0f} tokens. A reward "
+            f"that pays for text after the answer teaches padding; check what the grader reads")  # fmt: skip

@@ -41,6 +41,8 @@ def render(data: RunData, ledger: dict | None, ledger_note: str = "") -> str:
     lines.append(f"reward {_f(s['reward'])}   held-out {heldout}")
     lines.append(f"staleness {_f(s['staleness'], '{:.2f}')}   buffer queue {_f(s['queue'], '{:.0f}')}/{data.capacity}")
     lines.append(f"diagnosis: {s['diagnosis']}")
+    if s.get("length_warning"):
+        lines.append(s["length_warning"])
     if ledger:
         filtered = sum(ledger["filtered"].values()) if isinstance(ledger.get("filtered"), dict) else 0
         in_flight = ledger.get("in_flight_at_end", {})

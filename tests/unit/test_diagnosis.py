@@ -68,3 +68,16 @@ def test_only_the_last_window_counts():
 def test_the_middle_ground_is_balanced():
     d = diagnose(rows(wait_s=0.02, queue=4), FULLY)
     assert d.kind == "balanced" and "waited 10%" in d.line
+
+
+def test_the_length_guard_speaks_when_answers_run_to_the_limit():
+    from services.dashboard.diagnosis import length_guard
+
+    config = {**FULLY, "rollout_max_response_len": 8}
+    padded = [r | {"rollout/truncated_ratio": 0.98, "rollout/response_length/mean": 3.0 + min(i, 5)}
+              for i, r in enumerate(rows())]  # fmt: skip
+    line = length_guard(padded, config)
+    assert line.startswith("length: 98% of the answers run to the response limit (--rollout-max-response-len 8)")
+    assert "mean length 5 -> 8 tokens" in line
+    ending = [r | {"rollout/truncated_ratio": 0.05, "rollout/response_length/mean": 5.0} for r in rows()]
+    assert length_guard(ending, config) is None and length_guard(padded[:3], config) is None
