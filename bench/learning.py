@@ -280,7 +280,7 @@ def eval_noise(a, held: Path) -> dict:
     code on a built-in engine: the held-out figure's noise, to compare with the gaps measured."""
     from services.common import procs
     from services.common.config_load import resolve_config
-    from services.common.rewards import resolve_reward
+    from services.rewards import resolve_reward
     from services.common.sglang_client import SGLangClient
     from services.eval.datasets import load_eval_sets
     from services.eval.service import evaluate_dataset

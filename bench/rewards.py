@@ -1,5 +1,5 @@
-"""Reward graders' speed: services/common/rewards/graders.py called directly in this process,
-and the reward hub (services/common/rewards/hub.py) through its worker processes.
+"""Reward graders' speed: services/rewards/graders.py called directly in this process,
+and the reward hub (services/rewards/hub.py) through its worker processes.
 
   mix     gradings/s of `math` on an even mix of four answer kinds, half of each right and half
           wrong: `\\frac{a}{b}` against `\\frac{a}{b}`, `a.5` against `(2a+1)/2`, `x^2+a`
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from services.common.rewards import graders
+from services.rewards import graders
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("frac", "half", "poly", "int")
@@ -107,7 +107,7 @@ def bench_corpus() -> dict:
 async def _hub_run(n: int, in_flight: int, workers: int) -> dict:
     from asyncrl_proto.messages import Sample
     from services.common.config import RunConfig
-    from services.common.rewards.hub import RewardHub, _pools
+    from services.rewards.hub import RewardHub, _pools
 
     config = RunConfig(rm_type="math", reward_num_workers=workers)
     hub = RewardHub(config, "math")

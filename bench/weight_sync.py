@@ -55,7 +55,7 @@ from services.common.natsserver import EmbeddedNats
 from services.common.secrets import NatsCredentials, new_secret
 from services.common.sglang_client import SGLangClient
 from services.common.versions import publish_weights
-from services.common.weightstore import WeightStore
+from services.weights.store import WeightStore
 
 ARMS = ("disk, unstaged", "disk", "object-store", "distributed, unstaged", "distributed")
 

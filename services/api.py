@@ -16,7 +16,7 @@ from services.buffer.core import (
     check_reward_nonzero_std,
 )
 from services.common.config import RunConfig
-from services.common.datasource import DataSource
+from services.data.source import DataSource
 from services.eval.contract import CheckpointEvalFn, EvalSkip
 
 __all__ = [

@@ -20,7 +20,7 @@ from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.subjects import ADAPTERS_KV_KEY
 from services.buffer.state import Auditor, LedgerError, ledger_events, lineage_entry, new_events, prompt_of
 from services.common.run_store import admin_credentials, registrations, run_config, store_server
-from services.common.weightstore import WeightStore
+from services.weights.store import WeightStore
 
 ELECTION_S = 60.0
 """How long a read waits for a stream of a just-started cluster to elect its leader (read_stream's deadline)."""

@@ -102,7 +102,7 @@ def build_task_model(config: RunConfig, model_dir: Path, log) -> None:
     the calculator a character-level one warm-started on right answers, some through a call."""
     d = config.data
     if d.task == "calculator":
-        from services.common.datasource import load_rows
+        from services.data.source import load_rows
         from services.tasks.calculator import warm_start_pairs
         from services.tasks.char_model import build_char_model
 
@@ -110,7 +110,7 @@ def build_task_model(config: RunConfig, model_dir: Path, log) -> None:
         build_char_model(model_dir, pairs, seed=d.seed, warmup_sft_steps=d.warmup_sft_steps, context=64, log=log)
         return
     if d.task == "reasoning-gym":
-        from services.common.datasource import load_rows
+        from services.data.source import load_rows
         from services.tasks.char_model import build_char_model
 
         rows = load_rows(d.prompt_data, d.input_key, d.label_key, None)
@@ -175,8 +175,8 @@ def check_sinks(config: RunConfig) -> None:
 def check_datasets(config: RunConfig) -> int:
     """Read every dataset of the run before any service starts; a bad row is an error naming its
     file and line (not a buffer that crashes three times). Returns the prompts per epoch."""
-    from services.common.datasource import load_rows
-    from services.common.rewards.names import row_rm_type_check
+    from services.data.source import load_rows
+    from services.common.config.rm_types import row_rm_type_check
     from services.eval.datasets import load_eval_sets
 
     r, d = config.rollout, config.data

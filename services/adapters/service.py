@@ -39,7 +39,7 @@ from services.adapters.store import RegistryStore
 from services.common import crash
 from services.common.bus import BusError, SequenceConflict, TransportError
 from services.common.config import ConfigError, DataSection, MultiLoraSection, RolloutSection
-from services.common.datasource import DataError, data_size, load_rows
+from services.data.source import DataError, data_size, load_rows
 from services.common.runtime import Service
 
 log = logging.getLogger(__name__)

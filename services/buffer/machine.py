@@ -58,7 +58,7 @@ from services.buffer.core import staleness
 from services.buffer.out import BufferPluginError, GroupState, LeaseState, Out, Put, Verdict
 from services.buffer.policy import PRODUCER_TIMEOUT_S, ReleaseState, StepClock, release_allowance, stall_cause
 from services.buffer.state import BufferState, apply
-from services.common.datasource import PromptSource
+from services.data.source import PromptSource
 from services.common.validate import Limits, group_problem
 
 log = logging.getLogger(__name__)

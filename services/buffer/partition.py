@@ -38,7 +38,7 @@ from services.buffer.machine import BufferMachine, group_identity
 from services.buffer.out import BufferPluginError, Out, Verdict
 from services.common import crash
 from services.common.bus import Settle, next_batch, settle
-from services.common.datasource import make_prompt_source
+from services.data.source import make_prompt_source
 from services.common.plugins import load_object
 from services.common.runtime import wait_event
 from services.common.validate import limits_from_model_dir

@@ -102,7 +102,7 @@ class Backoff:
 def adapter_config(config, run: AdapterRun):
     """The run's config as one adapter's partition sees it: its data, batch size, group size and
     budget; fully async (its clock is the adapter version the trainer names)."""
-    from services.common.datasource import adapter_total_steps, load_rows
+    from services.data.source import adapter_total_steps, load_rows
 
     spec = run.spec
     rows = len(load_rows(spec.data, config.data.input_key, config.data.label_key, config.data.metadata_key))

@@ -43,7 +43,7 @@ NATS_ENV = {
     "tls_key": "ASYNCRL_NATS_TLS_KEY",
 }
 RM_TOKEN_ENV = "ASYNCRL_RM_TOKEN"
-"""remote_rm's bearer token (services/common/rewards/remote.py): only the producers and the eval
+"""remote_rm's bearer token (services/rewards/remote.py): only the producers and the eval
 service get it."""
 SECRET_ENV = (RUN_TOKEN_ENV, "ASYNCRL_HTTP_TOKEN", NATS_ENV["password"], NATS_ENV["token"], RM_TOKEN_ENV)
 REDACTED = "***"

@@ -14,7 +14,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from services.common.weightstore import SCHEME, WeightStoreError
+from services.weights.store import SCHEME, WeightStoreError
 from services.engine.protocol import BadRequest, parse_generate, typed
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from services.common.snapshot import is_complete
-from services.common.weightstore import WeightStore, adapter_key, parse_adapter_uri, parse_uri
+from services.weights.store import WeightStore, adapter_key, parse_adapter_uri, parse_uri
 
 log = logging.getLogger(__name__)
 

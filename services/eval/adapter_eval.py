@@ -7,7 +7,7 @@ Reads the base model and its tokenizer (an HF checkpoint directory), PEFT LoRA d
 services/model/lora.py `save_adapter` writes them: what the trainer publishes under
 `<run_dir>/adapters/<name>/<registration>/v<version>`), a JSONL prompt file and a reward. As in
 the producer and the eval service, a row's `metadata.rm_type` picks its own reward (the reward
-hub, services/common/rewards/hub.py; --rm-type scores the rows that name none, and may be left
+hub, services/rewards/hub.py; --rm-type scores the rows that name none, and may be left
 out when every row names one; --custom-rm-path scores every row), and with --tool-key a row's
 tool schemas reach the chat template (--apply-chat-template) as `tools` and its metadata as
 `metadata.tools`.
@@ -87,7 +87,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-data", required=True, metavar="FILE", help="JSONL file of held-out prompts")
     rm = p.add_mutually_exclusive_group()
     rm.add_argument("--rm-type", metavar="NAME", help="a built-in reward: a task's or a reward hub type "
-                    "(services/common/rewards/names.py), for the rows whose metadata names no rm_type (needed "
+                    "(services/common/config/rm_types.py), for the rows whose metadata names no rm_type (needed "
                     "unless every row names one)")  # fmt: skip
     rm.add_argument(
         "--custom-rm-path", metavar="MOD.FN", help="import path of a reward function (config, sample) -> float"
@@ -148,7 +148,7 @@ def run_config(a: argparse.Namespace):
 
 
 def reward_function(config):
-    from services.common.rewards import resolve_reward
+    from services.rewards import resolve_reward
 
     try:
         return resolve_reward(config)
@@ -160,8 +160,8 @@ def load_prompts(config, max_prompts: int | None) -> list[dict]:
     """The prompt rows, each with its metadata (its rm_type picks its reward) and, with --tool-key,
     its tools, as the producer reads them; a row whose rm_type cannot score is refused with its
     file and row, and so is one that names none when no --rm-type scores it."""
-    from services.common.datasource import DataError, load_rows
-    from services.common.rewards.names import row_rm_type_check
+    from services.data.source import DataError, load_rows
+    from services.common.config.rm_types import row_rm_type_check
 
     r, d = config.rollout, config.data
     try:
@@ -302,7 +302,7 @@ def score_model(model, lora, slot: int, tokenizer, rows: list[dict], ids: list[l
                 seed: int, adapter: str | None) -> AdapterScore:  # fmt: skip
     """Generate n samples per prompt with one adapter (or the base) and score them."""
     from asyncrl_proto.messages import Sample, SampleStatus, scalar_reward
-    from services.common.rewards import score_sample
+    from services.rewards import score_sample
 
     n = config.rollout.n_samples_per_prompt
     samples, prompts = [], []

@@ -126,7 +126,7 @@ def load_eval_sets(config, check=None) -> list[tuple[EvalDataset, list[dict]]]:
     """Every held-out set with its rows (its own keys; `metadata_overrides` merged into each
     row's metadata, and `rm_type` recorded there as Miles does); `check`: a row check
     (datasource.load_rows), also run on the set's own rm_type."""
-    from services.common.datasource import load_rows
+    from services.data.source import load_rows
 
     out = []
     for ds in eval_dataset_configs(config):

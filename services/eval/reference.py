@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from services.common.rewards import resolve_reward
+from services.rewards import resolve_reward
 from services.common.sglang_client import SGLangClient
 from services.eval.contract import CheckpointEvalFn, EvalSkip
 from services.model.tokenizer import Tokenizer

@@ -48,7 +48,7 @@ from services.common import crash, procs
 from services.common.bus import Settle, fetch_some, keep_alive, settle
 from services.common.config import AsyncSection, DataSection, EvalSection, RolloutSection, TrainerSection
 from services.common.plugins import load_object
-from services.common.rewards import mark_failed, reward_function, score_sample
+from services.rewards import mark_failed, reward_function, score_sample
 from services.common.runtime import Service, wait_event
 from services.common.sglang_client import SGLangClient
 from services.common.sinks import length_statistics, statistics_of

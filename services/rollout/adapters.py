@@ -19,7 +19,7 @@ from asyncrl_proto import AdapterLive, AdapterRegistryState, PromptMsg, decode
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import AdapterRun, AdapterState, flatten_group
 from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX, ADAPTERS_KV_KEY
-from services.common.rewards import reward_function
+from services.rewards import reward_function
 from services.rollout.modes import GroupContext, PromptError, Refuse, Requeue
 
 log = logging.getLogger(__name__)

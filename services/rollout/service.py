@@ -28,7 +28,7 @@ from services.common import crash
 from services.common.bus import Settle, fetch_some, keep_alive, settle, until_room
 from services.common.config import AsyncSection, DataSection, EvalSection, MultiLoraSection, RolloutSection
 from services.common.repeats import Repeats
-from services.common.rewards import mark_failed, resolve_reward, score_group, score_sample
+from services.rewards import mark_failed, resolve_reward, score_group, score_sample
 from services.common.runtime import Service
 from services.common.schedule import is_eval_point
 from services.common.sglang_client import SGLangClient

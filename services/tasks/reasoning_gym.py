@@ -5,7 +5,7 @@ held-out: seed + HELD_OUT_SEED_OFFSET, --rg-eval-size, none whose question is al
 reasoning-gym seeds item i with seed + i, so nearby seeds share items), labels are
 its answers, and each row's metadata is the entry's (its `source_dataset` names the scorer) with
 `rm_type: reasoning_gym`: the reward is the dataset's own `score_answer`, run by the reward hub's
-graders (services/common/rewards/graders.py, `reasoning_gym_score`). Without --hf-checkpoint the launcher builds a
+graders (services/rewards/graders.py, `reasoning_gym_score`). Without --hf-checkpoint the launcher builds a
 character-level tiny model (services/tasks/char_model.py) warm-started on training pairs.
 
 reasoning-gym is an optional extra (`pip install 'asyncrl[reasoning]'`; its pycosat dependency

@@ -5,7 +5,7 @@ The adapter in a MultiLora slot is written as a PEFT directory (its `.complete` 
 (`weights.adapters`, an AdapterPublished, deduplicated by its id), for weight-sync to load on
 every engine (services/weightsync/adapters.py). Disk mode: the engines read the run directory;
 object-store mode: the directory is uploaded to the run's weights bucket first and announced by
-its `nats-object://` URI (services/common/weightstore.py), which the built-in engines fetch.
+its `nats-object://` URI (services/weights/store.py), which the built-in engines fetch.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from asyncrl_proto import AdapterPublished
-from services.common.weightstore import WeightStore, adapter_uri
+from services.weights.store import WeightStore, adapter_uri
 from services.model.lora import MultiLora, save_adapter
 
 

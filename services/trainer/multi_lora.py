@@ -44,9 +44,9 @@ from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import NO_PARTITION_ERROR, AdapterRun, AdapterState, flatten_group
 from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX, ADAPTERS_KV_KEY
 from services.common import crash, sample_records
-from services.common.datasource import DataError, adapter_total_steps, load_rows
+from services.data.source import DataError, adapter_total_steps, load_rows
 from services.common.snapshot import COMPLETE_MARKER, remove_snapshot, snapshots_to_remove
-from services.common.weightstore import WeightStore
+from services.weights.store import WeightStore
 from services.model.lora import LoraError, LoraSpec, MultiLora, SlotAdamW, load_adapter, save_adapter
 from services.trainer.adapter_push import adapter_dir, announce_adapter, publish_adapter
 from services.trainer.adapters import train_adapter_step

@@ -16,7 +16,7 @@ from asyncrl_proto import WeightsLive, WeightsPublished, decode
 from services.common import crash
 from services.common.snapshot import is_complete, remove_snapshot, snapshots_to_remove
 from services.common.versions import publish_weights
-from services.common.weightstore import WeightStore, WeightStoreError
+from services.weights.store import WeightStore, WeightStoreError
 from services.model.hf_io import save_model
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ from services.common import crash
 from services.common.config import adapter_name_problem
 from services.common.sglang_client import EngineError, SGLangClient
 from services.common.snapshot import is_complete, resolved
-from services.common.weightstore import WeightStore, adapter_uri
+from services.weights.store import WeightStore, adapter_uri
 
 log = logging.getLogger(__name__)
 

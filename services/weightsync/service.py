@@ -45,7 +45,7 @@ from services.common.runtime import Service
 from services.common.sglang_client import EngineError, FlushRefused, SGLangClient
 from services.common.snapshot import COMPLETE_MARKER, is_complete, resolved
 from services.common.versions import VersionBound, published_announcement
-from services.common.weightstore import WeightStore, WeightStoreError
+from services.weights.store import WeightStore, WeightStoreError
 from services.weightsync.adapters import AdapterSync
 from services.weightsync.distributed import DistributedUpdater, TransferFailed, VersionGone
 

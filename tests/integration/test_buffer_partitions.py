@@ -59,7 +59,7 @@ async def test_partition_ledgers_share_a_stream_and_replay_apart(nats_server, ru
 
 def test_a_closed_partition_drops_its_stored_groups_as_retired_and_late_ones_as_foreign(task_data, tiny_model_dir):
     from services.common.config import RunConfig
-    from services.common.datasource import make_prompt_source
+    from services.data.source import make_prompt_source
     from services.common.validate import limits_from_model_dir
 
     train, _ = task_data

@@ -14,7 +14,7 @@ import pytest
 
 from services.common.bus import Bus
 from services.common.snapshot import is_complete
-from services.common.weightstore import WeightStore, WeightStoreError, _b64, parse_uri
+from services.weights.store import WeightStore, WeightStoreError, _b64, parse_uri
 from services.engine.weights import ObjectWeights
 from services.model.hf_io import load_model, save_model
 from tests.conftest import EngineThread, connect_role, perturbed_model
@@ -144,7 +144,7 @@ async def test_an_adapter_version_travels_by_the_object_store_to_the_engine(serv
     import torch
 
     from asyncrl_proto import AdapterPublished
-    from services.common.weightstore import adapter_uri, parse_adapter_uri
+    from services.weights.store import adapter_uri, parse_adapter_uri
     from services.model.lora import ATTENTION, LoraSpec, MultiLora, save_adapter
     from services.weightsync.adapters import AdapterSync
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from services.api import RunConfig, Sample, SampleStatus
-from services.common.rewards import score_group, score_sample
+from services.rewards import score_group, score_sample
 from services.common.sglang_client import SGLangClient
 from services.model.tokenizer import Tokenizer
 from services.envs.generate import EngineHandle

@@ -13,8 +13,8 @@ import pytest
 from aiohttp import web
 
 from services.api import RunConfig, Sample, SampleStatus
-from services.common.rewards import resolve_reward, score_sample
-from services.common.rewards.remote import RM_TOKEN_ENV
+from services.rewards import resolve_reward, score_sample
+from services.rewards.remote import RM_TOKEN_ENV
 
 
 def sample(response: str, label, **metadata) -> Sample:

@@ -538,7 +538,7 @@ def test_what_the_run_can_serve(tmp_path):
 
 
 def test_prompt_files_that_do_not_parse_are_data_errors(tmp_path):
-    from services.common.datasource import DataError, load_rows
+    from services.data.source import DataError, load_rows
 
     for name, content in (("latin1", b'{"prompt": "caf\xe9"}\n'), ("longint", b'{"prompt": 1' + b"1" * 5000 + b"}\n"),
                           ("deep", b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}\n")):  # fmt: skip

@@ -11,7 +11,7 @@ from asyncrl_proto import BufferCommit, BufferGetRequest, Heartbeat, RolloutGrou
 from services.buffer.machine import BufferMachine, BufferPluginError, GroupState, LeaseState
 from services.buffer.state import BufferState, encode_state, fold
 from services.common.config import RunConfig
-from services.common.datasource import PromptSource
+from services.data.source import PromptSource
 from services.common.validate import Limits
 
 

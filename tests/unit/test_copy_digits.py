@@ -10,7 +10,7 @@ import re
 
 from asyncrl_proto.messages import Sample
 from services.common.config import RunConfig
-from services.common.rewards import resolve_reward
+from services.rewards import resolve_reward
 from services.model.tokenizer import Tokenizer
 from services.tasks import copy_digits, reverse_digits
 

@@ -167,7 +167,7 @@ def test_rows_with_different_rm_types_are_scored_by_their_own_graders(tiny_model
     """No --rm-type: every row names its reward, and each sample gets exactly what its own grader
     gives (a reward hub grader, f1, in a worker process; a task's, reverse-digits, in this one),
     where the other would have given something else."""
-    from services.common.rewards.graders import f1_compare
+    from services.rewards.graders import f1_compare
     from services.tasks.reverse_digits import score
 
     lines = task_data[1].read_text().splitlines()[:8]

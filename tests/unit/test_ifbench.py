@@ -12,10 +12,10 @@ import pytest
 
 from asyncrl_proto.messages import Sample
 from services.common.config import RunConfig
-from services.common.rewards import resolve_reward
-from services.common.rewards.graders import grade
-from services.common.rewards.ifbench import CHECKERS, MissingResource, counts, text
-from services.common.rewards.names import rm_type_problem, row_rm_type_check
+from services.rewards import resolve_reward
+from services.rewards.graders import grade
+from services.rewards.ifbench import CHECKERS, MissingResource, counts, text
+from services.common.config.rm_types import rm_type_problem, row_rm_type_check
 
 
 def score(response: str, instruction_id: str, kwargs: dict | None = None, boxed: bool = False) -> float:

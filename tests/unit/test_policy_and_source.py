@@ -9,7 +9,7 @@ import pytest
 from asyncrl_proto import PromptMsg
 from services.api import RunConfig
 from services.buffer.policy import ReleaseState, release_allowance
-from services.common.datasource import DataError, PromptSource, load_rows
+from services.data.source import DataError, PromptSource, load_rows
 
 
 def state(**kw) -> ReleaseState:
@@ -146,7 +146,7 @@ class Exhausted(Counting):
 
 
 def test_a_custom_data_source_is_read_by_position_and_replays_after_a_restart():
-    from services.common.datasource import CustomPromptSource, make_prompt_source
+    from services.data.source import CustomPromptSource, make_prompt_source
 
     cfg = RunConfig(data_source_path=f"{__name__}.Counting", n_samples_per_prompt=2)
     src = make_prompt_source(cfg)
@@ -185,7 +185,7 @@ def test_parquet_rows_read_as_jsonl_rows_do(tmp_path):
 
 
 def test_a_row_whose_rm_type_cannot_score_is_named_by_file_and_row(tmp_path):
-    from services.common.rewards.names import row_rm_type_check
+    from services.common.config.rm_types import row_rm_type_check
 
     p = write(tmp_path, [json.dumps({"prompt": "a", "metadata": {"rm_type": "math"}}),
                          json.dumps({"prompt": "b", "metadata": {"rm_type": "remote_rm"}})])  # fmt: skip
@@ -200,7 +200,7 @@ def test_a_parquet_files_size_is_what_it_holds_once_read(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from services.common.datasource import data_size
+    from services.data.source import data_size
 
     rows = [{"prompt": "7" * 1000, "label": "1"}] * 2000
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "big.parquet", compression="zstd")

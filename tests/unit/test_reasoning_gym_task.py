@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("reasoning_gym", reason="the reasoning extra: pip install -e '.[reasoning]'")
 
 from services.common.config import RunConfig  # noqa: E402
-from services.common.rewards.graders import grade  # noqa: E402
+from services.rewards.graders import grade  # noqa: E402
 from services.tasks import reasoning_gym  # noqa: E402
 
 OPTIONS = {"min_word_len": 3, "max_word_len": 5}

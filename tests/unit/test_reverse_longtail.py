@@ -8,7 +8,7 @@ import json
 import math
 
 from asyncrl_proto.messages import Sample
-from services.common.rewards.names import TASK_REWARDS
+from services.common.config.rm_types import TASK_REWARDS
 from services.tasks import reverse_longtail as task
 
 

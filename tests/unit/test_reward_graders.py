@@ -1,4 +1,4 @@
-"""The reward hub's graders on hand-picked cases (services/common/rewards/graders.py), and the
+"""The reward hub's graders on hand-picked cases (services/rewards/graders.py), and the
 names --rm-type may take (names.py), as Miles routes them."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import time
 import pytest
 
 from services.common.config import ConfigError, RunConfig
-from services.common.rewards.answers import decide, normalize
-from services.common.rewards.exact import HUGE, Collection, value
-from services.common.rewards.graders import grade, last_boxed, minerva_normalize
-from services.common.rewards.names import rm_type_problem
+from services.rewards.answers import decide, normalize
+from services.rewards.exact import HUGE, Collection, value
+from services.rewards.graders import grade, last_boxed, minerva_normalize
+from services.common.config.rm_types import rm_type_problem
 
 
 def test_the_last_boxed_answer_with_nested_braces():

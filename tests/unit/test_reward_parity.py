@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.rewards.graders import grade, warm_up
+from services.rewards.graders import grade, warm_up
 from tests.unit.reward_parity_cases import CASES, RAISES, Case
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "miles-differences.md"

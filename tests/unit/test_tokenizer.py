@@ -65,7 +65,7 @@ TOOLS_TEMPLATE = (
 def test_tool_schemas_reach_the_chat_template_as_transformers_passes_them(tmp_path):
     """--tool-key: a row's tools travel with its prompt (PromptMsg.tools) and are rendered by the
     template's own `tools` variable, as transformers' apply_chat_template(tools=...) renders them."""
-    from services.common.datasource import PromptSource, load_rows
+    from services.data.source import PromptSource, load_rows
     from services.common.config import RunConfig
     from services.tasks.char_model import build_char_tokenizer
 

@@ -33,8 +33,13 @@ t = torch.empty(4)
 torch.distributed.broadcast(t, src=0, group=pg)
 print(t.tolist(), flush=True)
 # gloo's threads must end before the interpreter does: a group still alive at exit can abort it
-# ("terminate called without an active exception", exit -6), more often on a busy machine
+# ("terminate called without an active exception", exit -6), more often on a busy machine. Even a
+# destroyed group leaves gloo's C++ threads to the interpreter's teardown, which still aborted on
+# a loaded machine: the rank leaves at once, once its answer is out.
 torch.distributed.destroy_process_group(pg)
+sys.stdout.flush()
+import os
+os._exit(0)
 """
 
 

@@ -1,5 +1,5 @@
 """The object store of one bus connection (`Bus.objects`): put, delete and list the objects of a
-JetStream object-store bucket. Its one user is services.common.weightstore (object-store weights);
+JetStream object-store bucket. Its one user is services.weights.store (object-store weights);
 the bucket itself is created with the run's streams (`Bus.ensure_streams`). Reading an object goes
 by direct gets of its meta and chunks (`Bus.get_last`, `Bus.get_next`), which need no consumer."""
 

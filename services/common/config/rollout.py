@@ -5,7 +5,7 @@ from typing import NamedTuple
 from pydantic import Field
 
 from services.common.config.base import Section
-from services.common.rewards.names import rm_type_problem, split_rm_type
+from services.common.config.rm_types import rm_type_problem, split_rm_type
 
 
 class EnvSpec(NamedTuple):

@@ -9,7 +9,7 @@ import json
 import re
 from collections import Counter
 
-from services.common.rewards.ifbench.text import (
+from services.rewards.ifbench.text import (
     UndetectableLanguage,
     checker,
     count,

@@ -27,8 +27,8 @@ def reward_function(config, rm_type: str | None, custom_rm_path: str | None) -> 
     task's reward) as the default type."""
     if custom_rm_path:
         return load_object(custom_rm_path, "--custom-rm-path")
-    from services.common.rewards.hub import RewardHub
-    from services.common.rewards.names import TASK_RM_TYPE
+    from services.rewards.hub import RewardHub
+    from services.common.config.rm_types import TASK_RM_TYPE
 
     default = "env" if config.rollout.env else TASK_RM_TYPE.get(config.data.task, config.data.task)
     return RewardHub(config, rm_type or default)

@@ -12,7 +12,7 @@ TASK_REWARDS = {
 }
 """The bundled tasks' own rewards (module.function)."""
 GRADED = ("math", "dapo", "deepscaler", "f1", "gpqa", "reasoning_gym", "ifbench")
-"""Graded in a worker process by services/common/rewards/graders.py; each also as `boxed_<name>`."""
+"""Graded in a worker process by services/rewards/graders.py; each also as `boxed_<name>`."""
 HUB = ("remote_rm", "random", *GRADED)
 """Miles's reward hub (rm_hub), with `remote_rm` needing --rm-url."""
 REFUSED: dict[str, str] = {}

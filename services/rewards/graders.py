@@ -1,4 +1,4 @@
-"""The built-in graders of the reward hub (services/common/rewards/hub.py), as Miles routes
+"""The built-in graders of the reward hub (services/rewards/hub.py), as Miles routes
 `--rm-type`: pure functions of (response, label, metadata), run in a worker process (a hung or
 exploding grader costs its sample, never the producer).
 
@@ -31,7 +31,7 @@ comparison with the label. The `boxed_` prefix replaces the extraction with the 
   `metadata.correct_letter`, `metadata.choices` or `metadata.valid_letters` refine it). 1 or 0.
 - `ifbench`: AllenAI IFBench's strict rule (after the last `</think>`): 1 if the response follows
   every instruction of `metadata.instruction_id_list` with `metadata.kwargs`, else 0
-  (services/common/rewards/ifbench/: the checkers of IFBench's 83 instruction ids).
+  (services/rewards/ifbench/: the checkers of IFBench's 83 instruction ids).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from services.common.rewards.answers import decide, nesting
-from services.common.rewards.ifbench import ifbench_compare, ifbench_extract
+from services.rewards.answers import decide, nesting
+from services.rewards.ifbench import ifbench_compare, ifbench_extract
 
 
 def last_boxed(text: str) -> str | None:

@@ -19,9 +19,9 @@ import random
 from typing import Any
 
 from services.common.plugins import load_object
-from services.common.rewards.graders import grade, warm_up
-from services.common.rewards.names import TASK_REWARDS, rm_type_problem, split_rm_type
-from services.common.rewards.remote import RemoteRewardModel
+from services.rewards.graders import grade, warm_up
+from services.common.config.rm_types import TASK_REWARDS, rm_type_problem, split_rm_type
+from services.rewards.remote import RemoteRewardModel
 
 
 class RewardTimeout(TimeoutError):

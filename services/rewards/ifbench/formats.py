@@ -12,7 +12,7 @@ import re
 import string
 import unicodedata
 
-from services.common.rewards.ifbench.text import (
+from services.rewards.ifbench.text import (
     PUNCTUATION,
     PUNCTUATION_SPACE,
     checker,

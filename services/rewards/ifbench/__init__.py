@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from services.common.rewards.ifbench import classic, counts, formats  # noqa: F401 - they fill CHECKERS
-from services.common.rewards.ifbench.text import CHECKERS, MissingResource, bind
+from services.rewards.ifbench import classic, counts, formats  # noqa: F401 - they fill CHECKERS
+from services.rewards.ifbench.text import CHECKERS, MissingResource, bind
 
 __all__ = ["CHECKERS", "MissingResource", "followed", "ifbench_compare", "ifbench_extract", "instructions"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-from services.common.rewards.ifbench.text import (
+from services.rewards.ifbench.text import (
     PUNCTUATION,
     PUNCTUATION_SPACE,
     checker,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-from services.common.rewards.exact import HUGE, approximate, far_apart, same_value, value
+from services.rewards.exact import HUGE, approximate, far_apart, same_value, value
 
 _WRAPPER = re.compile(r"\\(?:text|textbf|textrm|mathrm|mbox|mathbf)\{")
 _BRACE = re.compile(r"[{}]")

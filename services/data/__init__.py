@@ -1,0 +1,1 @@
+"""Where a run's prompts come from: JSONL or Parquet rows released as prompt groups (source.py)."""
