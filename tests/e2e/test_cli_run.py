@@ -16,6 +16,7 @@ import pytest
 
 from services.common.httpauth import role_token
 from services.common.procs import pid_alive
+from services.common.snapshot import SNAPSHOT_LAG_FACTOR
 from tests.conftest import run_auth
 
 SMALL = [
@@ -384,9 +385,12 @@ def test_object_store_weights_reach_the_engines_without_the_trainers_disk(tmp_pa
     sync_log = (run_dir / "logs" / "weight-sync.log").read_text()
     assert "engines now at weight version 6" in sync_log
     audit = json.loads((run_dir / "audit.json").read_text())
-    # retired down to --keep-weight-snapshots and the engines' live version at the last push (an
-    # engine restarted gets the live version back from it)
-    assert audit["balanced"] and audit["weights_stored"][-2:] == [5, 6] and len(audit["weights_stored"]) <= 3
+    # retired down to --keep-weight-snapshots, but never a version from the engines' live one at
+    # the last push on (weight-sync may be loading it; an engine restarted gets the live one back):
+    # on a loaded machine the engines lag, and the bucket holds up to SNAPSHOT_LAG_FACTOR x keep
+    stored = audit["weights_stored"]
+    assert audit["balanced"] and stored[-2:] == [5, 6] and stored == list(range(stored[0], 7))
+    assert len(stored) <= SNAPSHOT_LAG_FACTOR * 2, stored
     assert_nothing_left(run_dir)
 
 
