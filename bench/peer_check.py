@@ -38,7 +38,7 @@ def engine_answers(config, model_dir: Path, rows: list[dict], n: int, seed: int)
     from asyncrl_proto.messages import SampleStatus
     from services.common import procs
     from services.common.engine_commands import builtin_engine_command, builtin_engine_flags
-    from services.common.rewards import resolve_reward
+    from services.rewards import resolve_reward
     from services.common.sglang_client import SGLangClient
     from services.eval.service import generate_dataset
     from services.model.hf_io import read_config

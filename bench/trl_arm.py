@@ -24,7 +24,7 @@ from transformers import PrinterCallback, TrainerCallback
 from transformers.utils import logging as hf_logging
 
 from asyncrl_proto.messages import Sample, SampleStatus
-from services.common.rewards import resolve_reward, score_sample
+from services.rewards import resolve_reward, score_sample
 
 UNMATCHED = (
     "off-policy data: TRL's GRPOTrainer generates each batch with the weights it then trains (strictly on-policy, "
