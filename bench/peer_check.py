@@ -38,11 +38,11 @@ def engine_answers(config, model_dir: Path, rows: list[dict], n: int, seed: int)
     from asyncrl_proto.messages import SampleStatus
     from services.common import procs
     from services.common.engine_commands import builtin_engine_command, builtin_engine_flags
-    from services.rewards import resolve_reward
     from services.common.sglang_client import SGLangClient
     from services.eval.service import generate_dataset
     from services.model.hf_io import read_config
     from services.model.tokenizer import Tokenizer
+    from services.rewards import resolve_reward
 
     config = config.model_copy(update={"hf_checkpoint": str(model_dir)})
     eos = set(read_config(model_dir).eos_ids)
