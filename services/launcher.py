@@ -4,7 +4,7 @@ Prepares the run (task data, tiny model, run directory), starts an embedded nats
 --nats-url is given, the engines, and every service as its own OS process; writes the resolved
 config to the run's KV bucket; shows one progress line per training step; and on completion,
 on a failed child or on Ctrl-C stops every process it started, by PID, in reverse order.
-Outputs in the run directory: config.json, pids.json, services.json, metrics.jsonl (trainer),
+Outputs in the run directory: config.json, pids.json, exits.json, services.json, metrics.jsonl,
 eval.jsonl (eval), result.json (held-out reward at step 0 and at the end), audit.json, logs/, and
 secrets/ (mode 0700): the run token and, for the embedded server, one NATS identity per role.
 
@@ -490,6 +490,7 @@ class Launcher:
             self.placement.close()
         if self.nats:
             self.nats.stop()
+            self.procs.record_exits({self.nats.pid_name(i): n.proc for i, n in enumerate(self.nats.nodes)})
 
 
 def link_snapshot(src: Path, dst: Path) -> bool:

@@ -92,6 +92,8 @@ class Supervisor:
         self.headers = headers or {}
         self.children: list[Child] = []
         self.extra_pids: dict[str, int] = {}
+        self.exits: dict[str, dict] = {}
+        """Each process stopped for good: its last pid and exit code (exits.json)."""
 
     def log_path(self, name: str) -> Path:
         return self.run_dir / "logs" / f"{name}.log"
@@ -113,6 +115,16 @@ class Supervisor:
         tmp = self.run_dir / "pids.json.tmp"
         tmp.write_text(json.dumps(pids, indent=2))
         tmp.replace(self.run_dir / "pids.json")
+
+    def record_exits(self, stopped: dict[str, subprocess.Popen | None]) -> None:
+        """exits.json, replaced whole: the pid and exit code of each process in `stopped` that has
+        ended (a finished run's services show as "exited 0", not as "not running")."""
+        ended = {n: p for n, p in stopped.items() if p is not None and p.returncode is not None}
+        self.exits |= {n: {"pid": p.pid, "code": p.returncode} for n, p in ended.items()}
+        if self.exits:
+            tmp = self.run_dir / f"{procs.EXITS_FILE}.tmp"
+            tmp.write_text(json.dumps(self.exits, indent=2))
+            tmp.replace(self.run_dir / procs.EXITS_FILE)
 
     def tail(self, name: str, n: int = 15) -> str:
         try:
@@ -143,6 +155,7 @@ class Supervisor:
         if c.proc.poll() is None:
             c.proc.kill()
             c.proc.wait(timeout=10)
+        self.record_exits({c.name: c.proc})
         self.out(f"  {c.name} (pid {c.proc.pid}) {why}; not restarted again (the run goes on without it; "
                  f"see {self.log_path(c.name)})")  # fmt: skip
 
@@ -204,3 +217,4 @@ class Supervisor:
     def stop_all(self) -> None:
         for c in reversed(self.children):
             procs.stop(c.proc, timeout_s=15.0)
+        self.record_exits({c.name: c.proc for c in self.children})

@@ -24,6 +24,9 @@ credentials, an invalid configuration or secret, a full store or disk."""
 RESTARTS_FILE = "restarts.jsonl"
 """RUN_DIR/restarts.jsonl: the launcher's line per restart of a child (name, at, the pid that
 ended, why); `asyncrl status` and the dashboard show them."""
+EXITS_FILE = "exits.json"
+"""RUN_DIR/exits.json: the launcher's record of each process it stopped for good, {name: {"pid",
+"code"}}: the dashboard and `asyncrl status` show a finished run's services as "exited 0"."""
 
 
 def _die_with_parent() -> None:

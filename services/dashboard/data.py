@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import re
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.subjects import ADAPTERS_KV_KEY
 from services.buffer.state import Auditor, LedgerError, ledger_events, lineage_entry, new_events, prompt_of
 from services.common import procs, sample_records
-from services.common.procs import RESTARTS_FILE
+from services.common.procs import EXITS_FILE, RESTARTS_FILE
 from services.common.run_store import registrations, run_config
 from services.dashboard.diagnosis import diagnose, length_guard
 
@@ -86,6 +87,16 @@ def is_live(run_dir: Path) -> bool:
     except OSError:
         return True  # no /proc here: the pid is all there is
     return b"python" in cmdline or b"asyncrl" in cmdline
+
+
+def exit_state(code: int) -> str:
+    """An exit code as the services table says it: "exited 0", "exited 3", or for a process a
+    signal ended "exited on SIGTERM" (what the launcher sends at a run's end: uvicorn's servers,
+    the engine's and the dashboard's, end on it again after their graceful shutdown)."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"exited on {signal.Signals(-code).name}"
+    return f"exited {code}"
 
 
 def downsample(xs: list[float], ys: list[float], n: int = MAX_POINTS) -> tuple[list[float], list[float]]:
@@ -242,6 +253,10 @@ class RunData:
         sets = self.config.get("eval_prompt_data") or []
         return f"eval/{sets[0]}" if sets else None
 
+    def live_now(self) -> bool:
+        """The run goes on: served as live (--live) and no result.json yet, or its launcher runs here."""
+        return (self.served_live and not (self.run_dir / "result.json").exists()) or is_live(self.run_dir)
+
     def summary(self) -> dict:
         """The one-screen facts: progress, rewards, staleness, the buffer, the balance."""
         rows, evals = self.metrics.rows, self.evals.rows
@@ -257,7 +272,7 @@ class RunData:
             (e.get("step"), e.get(key)) for e in evals if key and e.get(key) is not None and not e.get("skipped")
         ]
         result = _json(self.run_dir / "result.json")
-        live = (self.served_live and result is None) or is_live(self.run_dir)
+        live = self.live_now()
         diagnosis = diagnose(rows, self.config, live=live)
         length = length_guard(rows, self.config)
         return {
@@ -282,17 +297,25 @@ class RunData:
         }
 
     def services(self) -> list[dict]:
-        """Each process: its URL, pid, whether it runs, its restarts and their causes."""
+        """Each process: its URL, pid, whether it runs, its restarts and their causes, and its
+        `state`: running, how it ended (exit_state(): the exit code the launcher recorded for this
+        pid in exits.json), else "not running" while the run goes on, "stopped" once it is over."""
         urls = _json(self.run_dir / "services.json") or {}
         pids = _json(self.run_dir / "pids.json") or {}
+        exits = _json(self.run_dir / EXITS_FILE) or {}
+        gone = "not running" if self.live_now() else "stopped"
         restarts = collections.defaultdict(list)
         for r in self.restarts.rows:
             restarts[r.get("name")].append(r)
         out = []
         for name in sorted(set(urls) | set(pids)):
-            url = urls.get(name)
+            url, pid = urls.get(name), pids.get(name)
+            running = pid_alive(pid)
+            end = exits.get(name) if isinstance(exits.get(name), dict) else {}
+            code = end.get("code") if not running and pid is not None and end.get("pid") == pid else None
             out.append({
-                "name": name, "url": url, "pid": pids.get(name), "running": pid_alive(pids.get(name)),
+                "name": name, "url": url, "pid": pid, "running": running, "exit_code": code,
+                "state": "running" if running else gone if code is None else exit_state(code),
                 "metrics": f"{url}/metrics" if url else None,
                 "restarts": len(restarts.get(name, [])),
                 "last_restart": restarts[name][-1] if restarts.get(name) else None,

@@ -57,7 +57,7 @@ def render(data: RunData, ledger: dict | None, ledger_note: str = "") -> str:
     lines.append("services:")
     for x in data.services():
         cause = f" (last: {x['last_restart']['why']})" if x["last_restart"] else ""
-        lines.append(f"  {x['name']:<12} pid {x['pid'] or '-':<7} {'running' if x['running'] else 'not running':<12} "
+        lines.append(f"  {x['name']:<12} pid {x['pid'] or '-':<7} {x['state']:<12} "
                      f"restarts {x['restarts']}{cause}   {x['url'] or ''}")  # fmt: skip
     errors = data.errors(5)
     lines.append("last errors:" + ("" if errors else " none"))

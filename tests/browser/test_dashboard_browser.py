@@ -1,11 +1,13 @@
 """The dashboard in headless Chromium (Debian's chromium and chromium-driver, driven by Selenium):
 a live short run's and then the finished run's. Every panel must show something and none an
-error; the screenshots are kept in artifacts/dashboard/ (README's come from here). Skipped, saying
+error, every chart is drawn (uPlot's canvas) and hovering over one shows its values in its
+legend; the screenshots are kept in artifacts/dashboard/ (README's come from here). Skipped, saying
 why, where Chromium cannot start. Marked `browser` (make test-browser; .ci/run runs it)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -16,6 +18,7 @@ import pytest
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium (the test extras) is not installed")
 
 from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support import expected_conditions as ec  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
@@ -25,6 +28,8 @@ from tests.e2e.test_cli_run import start_run  # noqa: E402
 
 pytestmark = pytest.mark.browser
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "dashboard"
+CHARTS = ("reward", "step-time", "samples", "train", "staleness", "versions")
+NUMBER = re.compile(r"^-?[\d.,]+(e[-+]?\d+)?$")
 CHROMIUM, DRIVER = (
     shutil.which("chromium") or "/usr/bin/chromium",
     shutil.which("chromedriver") or "/usr/bin/chromedriver",
@@ -66,13 +71,34 @@ def _log_in(driver, url: str, token: str) -> None:
     WebDriverWait(driver, 20).until(ec.presence_of_element_located((By.ID, "services")))
 
 
+def _hover_values(driver, chart: str) -> list[str]:
+    """The values the chart's legend shows with the pointer over the middle of its plot (uPlot's
+    cursor: its legend's rows after the x row)."""
+    over = driver.find_element(By.CSS_SELECTOR, f"#chart-{chart} .u-over")
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", over)
+    ActionChains(driver).move_to_element_with_offset(over, 0, 0).move_by_offset(3, 0).perform()  # from its centre
+    rows = driver.find_elements(By.CSS_SELECTOR, f"#chart-{chart} .u-legend .u-series")
+    return [r.find_element(By.CSS_SELECTOR, ".u-value").text.strip() for r in rows[1:]]
+
+
+def _check_charts(driver, name: str) -> None:
+    """Every chart is drawn by uPlot (a canvas), and hovering over the reward curve shows a number
+    in its legend."""
+    WebDriverWait(driver, 20).until(lambda d: all(d.find_elements(By.CSS_SELECTOR, f"#chart-{c} canvas") for c in CHARTS),
+                                    f"{name}: a chart was not drawn")  # fmt: skip
+    WebDriverWait(driver, 10).until(lambda d: any(NUMBER.match(v) for v in _hover_values(d, "reward")),
+                                    f"{name}: hovering over the rewards chart shows no value in its legend")  # fmt: skip
+    assert any(NUMBER.match(v) for v in _hover_values(driver, "step-time")), f"{name}: step time shows no value"
+
+
 def _check_page(driver, name: str) -> None:
-    """Every panel shows something, none an error; the page is saved as a screenshot."""
+    """Every panel shows something, none an error, every chart is drawn; the page is saved as a screenshot."""
+    _check_charts(driver, name)
     panels = driver.find_elements(By.CSS_SELECTOR, ".panel")
     assert panels, f"{name}: no panel"
     for i, p in enumerate(panels):
         text = p.text.strip()
-        assert text or p.find_elements(By.TAG_NAME, "svg"), f"{name}: panel {i} is empty"
+        assert text or p.find_elements(By.TAG_NAME, "canvas"), f"{name}: panel {i} is empty"
         assert not p.find_elements(By.CSS_SELECTOR, ".empty"), f"{name}: panel {i} says {text[:120]!r}"
         assert "NOT BALANCED" not in text and "Traceback" not in text, f"{name}: panel {i}: {text[:300]}"
     assert not driver.find_elements(By.CSS_SELECTOR, "p.bad"), driver.find_element(By.CSS_SELECTOR, "p.bad").text
@@ -124,6 +150,8 @@ def test_the_dashboard_of_a_live_run_and_of_the_finished_run(browser, tmp_path):
         assert "finished" in browser.find_element(By.CSS_SELECTOR, ".facts").text
         assert "step 150/150" in browser.find_element(By.CSS_SELECTOR, ".facts").text
         _check_page(browser, "finished")
+        services = browser.find_element(By.ID, "services").text
+        assert "exited 0" in services and "not running" not in services, services
         browser.get(url + "/?x=time")
         _check_page(browser, "finished-wall-clock")
         _lineage(browser, url, "finished")

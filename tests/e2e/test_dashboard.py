@@ -8,11 +8,13 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import signal
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from markupsafe import escape
 
 from tests.conftest import finished_dashboard, run_auth
 from tests.e2e.test_cli_run import asyncrl, start_run
@@ -20,6 +22,19 @@ from tests.e2e.test_cli_run import asyncrl, start_run
 DATA_ROUTES = ("/api/summary", "/api/curves", "/api/curves?x=time", "/api/staleness", "/api/versions", "/api/buffer",
                "/api/services", "/api/audit", "/api/errors", "/api/steps", "/api/step/0", "/api/prompt/0")  # fmt: skip
 PAGES = ("/", "/?x=time", "/step/0", "/prompt/0")
+STATIC = ("/static/vendor/uplot/uPlot.iife.min.js", "/static/vendor/uplot/LICENSE", "/static/dashboard.js")
+CHARTS = ("reward", "step-time", "samples", "train", "staleness", "versions")
+CHART_DATA = re.compile(r'<script type="application/json" id="chart-data">(.*?)</script>', re.S)
+
+
+def chart_data(page: str) -> dict:
+    """The overview's charts, by id, from the JSON block that static/dashboard.js draws them from."""
+    return {c["id"]: c for c in json.loads(CHART_DATA.search(page)[1])}
+
+
+def page_text(page: str) -> str:
+    """A page as a reader reads it: without its chart data and its style."""
+    return re.sub(r"<style>.*?</style>", "", CHART_DATA.sub("", page), flags=re.S)
 
 
 def _wait_for(pred, what: str, timeout: float = 120, proc=None):
@@ -45,11 +60,16 @@ def _check_routes(url: str, headers: dict) -> dict:
             r = http.get(url + path, headers=headers)
             assert r.status_code == 200, (path, r.text[:300])
             out[path] = r.json()
-        for path in PAGES:
+        for path in PAGES + STATIC:
             r = http.get(url + path)
             assert r.status_code == 303 and r.headers["location"].startswith("/login"), path
             r = http.get(url + path, headers=headers)
-            assert r.status_code == 200 and ("<svg" in r.text or path.startswith(("/step", "/prompt"))), path
+            assert r.status_code == 200, path
+            if path.startswith(("/?", "/step", "/prompt")) or path == "/":
+                assert "{'" not in page_text(r.text) and "{}" not in page_text(r.text), path  # no Python repr
+            if path.startswith("/?") or path == "/":  # every chart's container, and its data
+                assert set(chart_data(r.text)) == set(CHARTS) and all(f'id="chart-{c}"' in r.text for c in CHARTS)
+            out[path] = r.text
         # a browser logs in with the token once, then carries a cookie (never the token itself)
         r = http.post(url + "/login", data={"token": "wrong", "next": "/"})
         assert r.status_code == 303 and "failed=1" in r.headers["location"]
@@ -115,6 +135,24 @@ def test_the_dashboard_and_status_show_a_run_live_and_finished(tmp_path):
     with finished_dashboard(run_dir) as url:
         got = _check_routes(url, headers)
     assert files() == before  # the run directory is not written, not even a log
+    # a finished run's services: each with the exit code the launcher recorded when it stopped it
+    exits = json.loads((run_dir / "exits.json").read_text())
+    assert {"trainer", "buffer", "dashboard", "engine-0", "nats-server"} <= set(exits), exits
+    # the services on services/common/runtime.py and nats-server exit 0 on the launcher's SIGTERM;
+    # uvicorn's servers (the engine, the dashboard) end on it again after their graceful shutdown
+    assert all(exits[n]["code"] == 0 for n in ("buffer", "weight-sync", "eval", "rollout-0", "nats-server")), exits
+    assert all(x["code"] in (0, -signal.SIGTERM) for x in exits.values()), exits
+    states = {x["name"]: x["state"] for x in got["/api/services"]}
+    assert states["buffer"] == "exited 0" and states["launcher"] == "stopped", states
+    assert all(states[n] == ("exited 0" if x["code"] == 0 else "exited on SIGTERM") for n, x in exits.items()), states
+    overview = page_text(got["/"])
+    assert '<span class="ok">exited 0</span>' in overview and "not running" not in overview
+    assert f'id="diagnosis" data-live>{escape(got["/api/summary"]["diagnosis"])}</p>' in overview  # as it was
+    charts = chart_data(got["/"])
+    reward = {s["label"]: s for s in charts["reward"]["series"]}
+    assert len(reward["rollout reward"]["ys"]) == 40 and len(reward["held-out eval"]["xs"]) == 3
+    trainer, engine = charts["versions"]["series"]  # the trainer's versions, and the one engine's with its pauses
+    assert trainer["label"] == "trainer" and engine["stepped"] and engine["bands"] and engine["ys"][-1] == 40
 
     summary = got["/api/summary"]
     assert summary["live"] is False and summary["finished"] and summary["step"] == 40 and summary["total"] == 40
@@ -223,3 +261,6 @@ def test_every_page_loads_within_2s_on_a_10000_step_run(tmp_path):
         assert client.get("/api/audit", headers=auth).json()["trained"] == steps * groups
         page = client.get("/", headers=auth).text
         assert len(page) < 400_000 and "no data yet" not in page
+        charts = chart_data(page)  # every chart has its lines, none longer than the page can carry
+        assert all(c["series"] for c in charts.values()) and set(charts) == set(CHARTS)
+        assert max(len(s["xs"]) for c in charts.values() for s in c["series"]) <= MAX_POINTS + 1

@@ -97,7 +97,8 @@ def test_two_adapters_train_at_once_each_in_its_own_partition(tmp_path, tiny_mod
                 staleness = http.get("/api/staleness", params={"adapter": key}).json()["per_step"]
                 assert sum(sum(v.values()) for v in staleness.values()) == 16
                 page = http.get("/", params={"adapter": key}).text
-                assert "<svg" in page and 'id="partitions"' in page and "BALANCED" in page
+                assert 'id="chart-reward"' in page and 'id="partitions"' in page and "BALANCED" in page
+                assert '"label": "rollout reward"' in page  # the adapter's own reward curve, in the chart data
                 assert http.get("/api/prompt/0", params={"adapter": key}).json()["fate"] == "trained"
                 assert http.get("/api/steps", params={"adapter": key}).json()["steps"] == [0, 1, 2, 3]
                 step0 = http.get("/api/step/0", params={"adapter": key}).json()

@@ -54,3 +54,37 @@ def test_a_child_the_run_does_not_need_is_given_up_not_the_run(tmp_path):
     assert sup.child("dashboard").given_up and any("not restarted again" in x for x in said)
     lines = [json.loads(x) for x in (tmp_path / "restarts.jsonl").read_text().splitlines()]
     assert [x["name"] for x in lines].count("dashboard") == 2 and all(x["why"] == "exited with code 3" for x in lines)
+
+
+def test_the_exit_code_of_every_stopped_child_is_on_record(tmp_path):
+    """stop_all records each child's pid and exit code in exits.json: the dashboard shows a finished
+    run's services as "exited 0" (services/dashboard/data.py), not as "not running"."""
+    import json
+    import sys
+
+    from services.common.procs import EXITS_FILE
+    from services.dashboard.data import RunData
+    from services.supervisor import Supervisor
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "config.json").write_text(json.dumps({"run_id": "exits"}))
+    sup = Supervisor(tmp_path, max_restarts=0, health_restart_s=0, out=lambda _: None)
+    sleeper = sup.spawn("buffer", [sys.executable, "-c", "import time; time.sleep(60)"], {})
+    done = sup.spawn("trainer", [sys.executable, "-c", "raise SystemExit(0)"], {})
+    done.proc.wait(10)
+    sup.stop_all()
+    exits = json.loads((tmp_path / EXITS_FILE).read_text())
+    assert exits["trainer"] == {"pid": done.proc.pid, "code": 0}
+    assert exits["buffer"] == {"pid": sleeper.proc.pid, "code": sleeper.proc.returncode}
+    (tmp_path / "result.json").write_text("{}")
+    states = {x["name"]: x["state"] for x in RunData(tmp_path).services()}
+    assert states["trainer"] == "exited 0" and states["buffer"] == "exited on SIGTERM"  # the launcher's stop
+    assert states["launcher"] == "running"  # this process: pids.json names it
+
+
+def test_a_launcher_that_started_nothing_writes_no_exits(tmp_path):
+    from services.common.procs import EXITS_FILE
+    from services.supervisor import Supervisor
+
+    Supervisor(tmp_path, max_restarts=0, health_restart_s=0, out=lambda _: None).stop_all()
+    assert not (tmp_path / EXITS_FILE).exists()
