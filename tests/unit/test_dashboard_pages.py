@@ -166,3 +166,14 @@ def test_values_are_written_as_text():
     assert readable({"zero_std": 3, "too_long": 1}) == "zero_std: 3, too_long: 1"
     assert readable({"recycled_waiting": 0}) == "recycled_waiting: 0"
     assert readable([0, 1]) == "0, 1" and readable(0.123456) == "0.1235" and readable("x") == "x"
+
+
+def test_the_length_warning_shows_when_answers_run_to_the_limit(run_dir):
+    from fastapi.testclient import TestClient
+
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    padded = [r | {"rollout/truncated_ratio": 0.9, "rollout/response_length/mean": 8.0} for r in rows]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in padded))
+    with TestClient(build_app(Dashboard(run_dir, Keys.of_run(TOKEN)))) as c:
+        page = c.get("/", headers=AUTH).text
+    assert re.search(r'<p class="bad" id="length-warning" data-live>length: 90% of the answers run to the', page)
