@@ -131,3 +131,19 @@ async def test_a_full_input_stream_holds_the_publisher_back_and_loses_nothing(na
         assert got.group_index == 2 and refusals == list(range(1, len(refusals) + 1))
     finally:
         await bus.close()
+
+
+async def test_closing_a_bus_whose_server_is_gone_does_not_raise(tmp_path, run_id):
+    """A client still open when its run ends (the launcher stops nats-server last) closes quietly:
+    nats-py's close drained a dead socket and raised ConnectionResetError."""
+    from services.common.natsserver import EmbeddedNats
+
+    from tests.conftest import wait_until
+
+    srv = EmbeddedNats(tmp_path / "nats").start()
+    bus = await Bus.connect(srv.url, run_id, "weight-sync", connect_timeout_s=5)
+    srv.stop()
+    await wait_until(lambda: bus.nc.is_reconnecting, what="the client noticed")
+    await bus.nc.publish("x", b"y")  # pending, for a server that is gone
+    await bus.close()  # raised ConnectionResetError before
+    assert bus.closing

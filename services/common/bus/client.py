@@ -158,7 +158,8 @@ class Bus:
             # redelivered anyway, and drain waits for pull subscriptions that no one reads
             with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError, OSError):
                 await self.nc.flush(timeout=2)
-            await self.nc.close()
+            with contextlib.suppress(OSError):  # a server gone already (a run that ended): nothing to close
+                await self.nc.close()
 
     # ---- setup -----------------------------------------------------------------------------
     async def ensure_streams(self, replicas: int = 1, partitioned: bool = False,
