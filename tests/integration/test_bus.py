@@ -137,7 +137,6 @@ async def test_closing_a_bus_whose_server_is_gone_does_not_raise(tmp_path, run_i
     """A client still open when its run ends (the launcher stops nats-server last) closes quietly:
     nats-py's close drained a dead socket and raised ConnectionResetError."""
     from services.common.natsserver import EmbeddedNats
-
     from tests.conftest import wait_until
 
     srv = EmbeddedNats(tmp_path / "nats").start()
