@@ -16,7 +16,8 @@ WINDOW steps of metrics.jsonl (the trainer's records) and are applied in this or
   balanced      none of these
 
 Beside it, the length guard (`length_guard`): at least TRUNCATED_SHARE of the window's answers ran
-to the response limit, the sign of a reward that pays for padding (or of a limit too short).
+to the response limit, and the mean answer grew at least GROWTH x since the run's first steps: the
+sign of a reward that pays for padding.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ BUSY_SHARE = 0.05
 QUEUE_FULL_SHARE = 0.90
 TAIL_RATIO = 10.0
 TRUNCATED_SHARE = 0.5
+GROWTH = 1.25
 
 
 @dataclass(frozen=True)
@@ -94,14 +96,17 @@ def diagnose(rows: list[dict], config: dict, live: bool = False, now: float | No
 
 
 def length_guard(rows: list[dict], config: dict) -> str | None:
-    """A warning when answers run to the response limit: the window's truncated share, and how the
-    mean response length moved since the run's first steps; None when they end on their own."""
+    """A warning when answers grew until they run to the response limit: the window's truncated
+    share, and how the mean response length moved since the run's first steps; None when they end
+    on their own, or were that long from the start."""
     window = rows[-WINDOW:]
     truncated = [r["rollout/truncated_ratio"] for r in window if "rollout/truncated_ratio" in r]
     if len(truncated) < 5 or (share := statistics.fmean(truncated)) < TRUNCATED_SHARE:
         return None
     lengths = [r["rollout/response_length/mean"] for r in rows if "rollout/response_length/mean" in r]
-    first, last = statistics.fmean(lengths[:5]), statistics.fmean(lengths[-5:])
+    first, last = statistics.fmean(lengths[:5] or [0.0]), statistics.fmean(lengths[-5:] or [0.0])
+    if last < GROWTH * first:
+        return None  # answers that were this long from the start: a short limit, not a growth
     return (f"length: {share:.0%} of the answers run to the response limit (--rollout-max-response-len "
             f"{config.get('rollout_max_response_len')}); mean length {first:.0f} -> {last:.0f} tokens. A reward "
             f"that pays for text after the answer teaches padding; check what the grader reads")  # fmt: skip

@@ -132,6 +132,7 @@ def test_tables_are_text_and_a_finished_run_shows_exit_codes(client):
     assert '<span class="bad">exited 3</span>' in page and '<span class="muted">stopped</span>' in page
     assert "not running" not in page
     assert '<p class="diagnosis" id="diagnosis" data-live>' in page
+    assert '<p class="muted" id="length-warning" data-live></p>' in page  # answers end on their own: no warning
 
 
 def test_step_and_prompt_pages_escape_what_they_show(client):
@@ -172,7 +173,8 @@ def test_the_length_warning_shows_when_answers_run_to_the_limit(run_dir):
     from fastapi.testclient import TestClient
 
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    padded = [r | {"rollout/truncated_ratio": 0.9, "rollout/response_length/mean": 8.0} for r in rows]
+    padded = [r | {"rollout/truncated_ratio": 0.9, "rollout/response_length/mean": min(4.0 + i, 8.0)}
+              for i, r in enumerate(rows)]  # fmt: skip
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in padded))
     with TestClient(build_app(Dashboard(run_dir, Keys.of_run(TOKEN)))) as c:
         page = c.get("/", headers=AUTH).text

@@ -81,3 +81,5 @@ def test_the_length_guard_speaks_when_answers_run_to_the_limit():
     assert "mean length 5 -> 8 tokens" in line
     ending = [r | {"rollout/truncated_ratio": 0.05, "rollout/response_length/mean": 5.0} for r in rows()]
     assert length_guard(ending, config) is None and length_guard(padded[:3], config) is None
+    short = [r | {"rollout/truncated_ratio": 0.6, "rollout/response_length/mean": 7.0} for r in rows()]
+    assert length_guard(short, config) is None  # that long from the start: a short limit, not padding
