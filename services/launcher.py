@@ -39,9 +39,9 @@ from services.common.config import RunConfig
 from services.common.engine_commands import builtin_engine_command, builtin_engine_flags, sglang_server_command
 from services.common.httpauth import HTTP_ROLES, HTTP_TOKEN_ENV, Keys, engine_token
 from services.common.natsserver import EmbeddedNats, NatsCluster, local_nats
+from services.common.schedule import is_eval_point
 from services.common.secrets import RM_TOKEN_ENV, NatsCredentials, without_identity
 from services.common.snapshot import COMPLETE_MARKER, is_complete
-from services.common.schedule import is_eval_point
 from services.common.validate import EvalPoints, eval_result_problem, finite_metrics
 from services.common.versions import VersionBound
 from services.prepare import Prepared, prepare_launch
@@ -423,16 +423,14 @@ class Launcher:
         with contextlib.suppress(MalformedMessage):
             res = decode(msg.data, EvalResult)
             c = self.config
-            if (problem := eval_result_problem(res.step, c.rollout.total_steps)) is None:
-                if res.skipped_reason is not None and res.step not in self.eval_points.requested:
-                    on_schedule = is_eval_point(res.step, c.rollout.total_steps, c.eval.eval_interval,
-                                                c.rollout.num_rollout_per_epoch, c.infra.mode)  # fmt: skip
-                    problem = self.eval_points.skip_problem(res.step, on_schedule)
-                    res.metrics = {k: v for k, v in res.metrics.items() if k.startswith("eval/skipped_") or k == "eval/step"}
-                else:
-                    problem = self.eval_points.problem(res.step, res.version)
-            if problem is not None:
+            points = (c.rollout.total_steps, c.eval.eval_interval, c.rollout.num_rollout_per_epoch, c.infra.mode)
+            skipped = res.skipped_reason is not None
+            if (eval_result_problem(res.step, c.rollout.total_steps)
+                    or self.eval_points.launcher_problem(res.step, res.version, skipped,
+                                                         lambda step: is_eval_point(step, *points))):  # fmt: skip
                 return  # not a result for a point the trainer requested (the trainer dead-letters it)
+            if skipped and res.step not in self.eval_points.requested:  # the trainer's own skip: no figures
+                res.metrics = {k: v for k, v in res.metrics.items() if k.startswith("eval/skipped_") or k == "eval/step"}
             res.metrics = finite_metrics(res.metrics)[0]
             self.evals[res.step] = res
             main = {k: v for k, v in res.metrics.items() if k.count("/") == 1 and not k.startswith("eval/duration")}

@@ -194,3 +194,11 @@ class EvalPoints:
             return f"eval result for step {step}: no eval point was requested there"
         self.taken.add(step)
         return None
+
+    def launcher_problem(self, step: int, version: int, skipped: bool, on_schedule) -> str | None:
+        """The launcher's rule (it also hears the skips the trainer decided itself): a skip for a
+        point no request named is judged by skip_problem (`on_schedule(step)`), anything else by
+        problem; taken when None."""
+        if skipped and step not in self.requested:
+            return self.skip_problem(step, on_schedule(step))
+        return self.problem(step, version)
