@@ -19,7 +19,7 @@ from tests.e2e.test_cli_run import records, start_run
 STEPS = 80
 
 
-async def _steal(run_dir, seconds: float) -> int:
+async def steal_weights(run_dir, seconds: float) -> int:
     """Take and acknowledge every weight announcement for `seconds`, as weight-sync's identity."""
     config = json.loads((run_dir / "config.json").read_text())
     role = load_roles_file(run_dir / "secrets" / "nats.json")["weight-sync"]
@@ -47,7 +47,7 @@ def test_weight_messages_taken_for_a_window_never_stop_the_run(tmp_path):
         while not ((run_dir / "metrics.jsonl").exists() and len(records(run_dir)) >= 10):
             assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 10"
             time.sleep(0.2)
-        taken = asyncio.run(_steal(run_dir, 8.0))
+        taken = asyncio.run(steal_weights(run_dir, 8.0))
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:

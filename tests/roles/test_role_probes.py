@@ -26,9 +26,10 @@ from pathlib import Path
 import pytest
 
 from asyncrl_proto import ControlMsg, EvalResult, Heartbeat, encode
-from services.common.bus import Bus, fetch_some, settle
+from services.common.bus import Bus
 from services.common.httpauth import role_token
 from services.common.secrets import NatsCredentials, load_roles_file
+from tests.crash.test_weight_messages_lost import steal_weights
 from tests.e2e.test_cli_run import records, start_run
 
 pytestmark = pytest.mark.roles
@@ -146,22 +147,6 @@ async def pause_spam(live: Live, seconds: float) -> float:
     return paused / max(samples, 1)
 
 
-async def steal_weights(live: Live, seconds: float) -> int:
-    """Take and acknowledge every weight announcement for `seconds`, as weight-sync's identity."""
-    bus = await live.bus("weight-sync")
-    taken = 0
-    try:
-        sub = await bus.consume(bus.subjects.consumers(live.config["prompt_ack_wait_s"])["weight-sync"])
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            for m in await fetch_some(sub, 64, 0.2):
-                await settle(m)
-                taken += 1
-    finally:
-        await bus.close()
-    return taken
-
-
 def claim_versions(live: Live) -> list[int]:
     """Weight-sync's HTTP key claims versions nobody published: the engine's answers."""
     url, token = live.services["engine-0"], role_token(live.run_token, "weight-sync")
@@ -197,7 +182,7 @@ async def probe(live: Live, caplog) -> dict:
     found["ghosts"] = await ghost_producers(live, 4.0)
     found["paused_share"] = await pause_spam(live, SPAM_S)
     found["claims"] = claim_versions(live)
-    found["taken"] = await steal_weights(live, 6.0)
+    found["taken"] = await steal_weights(live.run_dir, 6.0)
     await forged_eval(live)
     found["junk_stored"] = await junk_flood(live, 2000)
     return found
