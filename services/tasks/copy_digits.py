@@ -13,14 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.tasks.reverse_digits import (
-    NUM_EVAL_PROMPTS,
-    NUM_TRAIN_PROMPTS,
-    distinct_rows,
-    score,
-    write_split,
-    written,
-)
+from services.tasks.reverse_digits import NUM_EVAL_PROMPTS, NUM_TRAIN_PROMPTS, distinct_rows, score, write_split, written
 
 NAME = "copy-digits"
 OPERATOR = "+"

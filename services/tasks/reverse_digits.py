@@ -96,7 +96,7 @@ def written(sample) -> str:
     special tokens (<pad>, <s>, <unk>), so a policy could pad its answer with them for free;
     here each one is a wrong character. A final EOS ends the answer and is not text. Tokens
     that are not this task's alphabet (another tokenizer) leave the engine's text as it is."""
-    ids = sample.tokens[len(sample.tokens) - sample.response_length :] if sample.response_length else []
+    ids = sample.tokens[len(sample.tokens) - sample.response_length:] if sample.response_length else []
     if ids and ids[-1] == EOS_ID:
         ids = ids[:-1]
     chars = [ALPHABET[i - len(SPECIAL)] if len(SPECIAL) <= i < len(SPECIAL) + len(ALPHABET) else HIDDEN for i in ids]
@@ -114,11 +114,7 @@ async def reward(config, sample) -> float:
 
 
 def build_model(
-    out_dir: str | Path,
-    seed: int = 1234,
-    warmup_sft_steps: int = 20,
-    log=print,
-    max_position_embeddings: int = 64,
+    out_dir: str | Path, seed: int = 1234, warmup_sft_steps: int = 20, log=print, max_position_embeddings: int = 64,
     digits=None,
 ) -> dict:
     """Build the 0.5M-parameter Llama, warm-start it with a few supervised steps on correct
