@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.tasks.reverse_digits import NUM_EVAL_PROMPTS, NUM_TRAIN_PROMPTS, distinct_rows, score, write_split, written
+from services.tasks.reverse_digits import NUM_EVAL_PROMPTS, NUM_TRAIN_PROMPTS, distinct_rows, score, write_split
 
 NAME = "copy-digits"
 OPERATOR = "+"
@@ -34,6 +34,5 @@ def write_datasets(data_dir: str | Path, seed: int = 0) -> tuple[Path, Path]:
 
 async def reward(config, sample) -> float:
     """The task's reward function, with the --custom-rm-path signature: reverse-digits' soft
-    positional score of what the model wrote (hidden special tokens included) against the digits
-    as given."""
-    return score(written(sample), str(sample.label))
+    positional score against the digits as given."""
+    return score(sample.response, str(sample.label))

@@ -87,27 +87,9 @@ def score(response: str, label: str) -> float:
     return right / max(len(out), len(label))
 
 
-HIDDEN = "\0"
-"""What a special token other than a final EOS reads as: a character no label holds."""
-
-
-def written(sample) -> str:
-    """The response as the model wrote it, one character a token. The engine's text skips the
-    special tokens (<pad>, <s>, <unk>), so a policy could pad its answer with them for free;
-    here each one is a wrong character. A final EOS ends the answer and is not text. Tokens
-    that are not this task's alphabet (another tokenizer) leave the engine's text as it is."""
-    ids = sample.tokens[len(sample.tokens) - sample.response_length:] if sample.response_length else []
-    if ids and ids[-1] == EOS_ID:
-        ids = ids[:-1]
-    chars = [ALPHABET[i - len(SPECIAL)] if len(SPECIAL) <= i < len(SPECIAL) + len(ALPHABET) else HIDDEN for i in ids]
-    text = "".join(chars)
-    return text if text.replace(HIDDEN, "") == sample.response.strip() else sample.response
-
-
 async def reward(config, sample) -> float:
-    """The task's reward function, with the --custom-rm-path signature: `score` of what the
-    model wrote, hidden special tokens included (`written`)."""
-    return score(written(sample), str(sample.label))
+    """The task's reward function, with the --custom-rm-path signature."""
+    return score(sample.response, str(sample.label))
 
 
 # ---- the tiny model ------------------------------------------------------------------------

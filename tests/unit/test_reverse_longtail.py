@@ -39,26 +39,5 @@ def test_the_reward_reads_the_whole_answer():
     assert TASK_REWARDS[task.NAME] == "services.tasks.reverse_longtail.reward"
 
 
-def test_special_tokens_the_engine_hides_are_wrong_characters_and_a_final_eos_ends_the_answer():
-    """The engine's text skips <pad>, <s> and <unk>, so a policy could pad its answer with them
-    for free; the task's reward reads one character a token instead."""
-    rd = task.reverse_digits
-    ids = {c: len(rd.SPECIAL) + rd.ALPHABET.index(c) for c in rd.ALPHABET}
-    answer = [ids["4"], ids["6"], ids["8"]]
-
-    def score(written: list[int], response: str) -> float:
-        sample = Sample(tokens=[rd.BOS_ID, ids["8"], ids["6"], ids["4"], ids["="]] + written,
-                        response_length=len(written), response=response, label="468")  # fmt: skip
-        return asyncio.run(task.reward(None, sample))
-
-    assert score(answer + [rd.EOS_ID], "468") == 1.0  # the final EOS is not text
-    assert score(answer + [rd.PAD_ID, rd.BOS_ID, 3, rd.PAD_ID, rd.EOS_ID], "468") == 3 / 7
-    assert score([rd.BOS_ID, 3] + answer, "468") == 0.0  # hidden tokens shift the answer
-    assert score(answer + [ids["0"]], "4680") == 3 / 4
-    # token ids of another tokenizer (the text does not match them): the engine's text as it is
-    assert score([900, 901, 902, 2], "468") == 1.0
-    assert score([], "468") == 1.0
-
-
 def test_the_model_fits_the_longest_prompt_and_answer():
     assert 1 + task.MAX_DIGITS + 1 + task.MAX_RESPONSE_LEN <= task.CONTEXT
