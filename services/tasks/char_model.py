@@ -19,6 +19,10 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+STOP_IDS = [EOS_ID, PAD_ID, BOS_ID, SPECIAL.index("<unk>")]
+"""The tiny models' `eos_token_id`: every special token ends an answer. The engine's text skips
+special tokens, so a policy that could write one inside an answer would pad the answer with
+tokens no grader reads, for free (the default job learned to run to its length limit that way)."""
 ALPHABET = "".join(chr(c) for c in range(32, 127)) + "\n"
 """Printable ASCII and the newline."""
 
@@ -67,7 +71,7 @@ def build_char_model(out_dir: str | Path, pairs: list[tuple[str, str]], seed: in
     torch.manual_seed(seed)
     cfg = ModelConfig(vocab_size=len(SPECIAL) + len(ALPHABET), hidden_size=hidden, intermediate_size=4 * hidden,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-                      max_position_embeddings=context, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                      max_position_embeddings=context, bos_token_id=BOS_ID, eos_token_id=STOP_IDS,
                       pad_token_id=PAD_ID)  # fmt: skip
     model = CausalLM(cfg)
     model.init_weights(seed)

@@ -14,7 +14,7 @@ import json
 import random
 from pathlib import Path
 
-from services.tasks.char_model import build_char_tokenizer, warm_start
+from services.tasks.char_model import STOP_IDS, build_char_tokenizer, warm_start
 
 NAME = "reverse-digits"
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -119,7 +119,7 @@ def build_model(
         num_key_value_heads=4,
         max_position_embeddings=max_position_embeddings,
         bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
+        eos_token_id=STOP_IDS,  # every special token ends an answer (char_model.STOP_IDS)
         pad_token_id=PAD_ID,
     )
     model = CausalLM(cfg)

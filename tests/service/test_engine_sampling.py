@@ -196,3 +196,15 @@ async def test_a_client_that_leaves_a_stream_midway_aborts_its_request(engine):
         await asyncio.sleep(0.01)
     sched.resume()
     assert sched.stats.num_aborted_requests_total == aborted_before + 1
+
+
+async def test_every_special_token_ends_a_tiny_model_answer(engine):
+    """The engine's text skips special tokens, so a tiny model that could write <pad>, <s> or <unk>
+    inside an answer would pad it with tokens no grader reads; its config makes each one a stop."""
+    from services.tasks.char_model import STOP_IDS
+
+    for special in STOP_IDS:
+        out = await gen(engine, greedy(ignore_eos=False, logit_bias={str(special): 100.0}))
+        assert out["output_ids"] == [special], (special, out["output_ids"])
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": special}
+        assert out["text"] == ""
