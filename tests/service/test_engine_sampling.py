@@ -201,10 +201,17 @@ async def test_a_client_that_leaves_a_stream_midway_aborts_its_request(engine):
 async def test_every_special_token_ends_a_tiny_model_answer(engine):
     """The engine's text skips special tokens, so a tiny model that could write <pad>, <s> or <unk>
     inside an answer would pad it with tokens no grader reads; its config makes each one a stop."""
-    from services.tasks.char_model import STOP_IDS
-
-    for special in STOP_IDS:
+    for special in (0, 1, 2, 3):  # <pad>, <s>, </s>, <unk>
         out = await gen(engine, greedy(ignore_eos=False, logit_bias={str(special): 100.0}))
         assert out["output_ids"] == [special], (special, out["output_ids"])
         assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": special}
-        assert out["text"] == ""
+
+
+def test_the_character_model_stops_at_every_special_token_too(tmp_path):
+    """The reasoning-gym and calculator tasks' model: the same stops, </s> first (the id a reader
+    that wants one end token takes)."""
+    from services.model.hf_io import read_config
+    from services.tasks.char_model import build_char_model
+
+    build_char_model(tmp_path, [], warmup_sft_steps=0, context=64, log=lambda *_: None)
+    assert read_config(tmp_path).eos_ids == [2, 0, 1, 3]
