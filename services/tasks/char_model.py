@@ -18,8 +18,8 @@ from pathlib import Path
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
-PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
-STOP_IDS = [EOS_ID, PAD_ID, BOS_ID, SPECIAL.index("<unk>")]
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+STOP_IDS = [EOS_ID, PAD_ID, BOS_ID, UNK_ID]
 """The tiny models' `eos_token_id`: every special token ends an answer. The engine's text skips
 special tokens, so a policy that could write one inside an answer would pad the answer with
 tokens no grader reads, for free (the default job learned to run to its length limit that way)."""
@@ -56,7 +56,7 @@ def build_char_tokenizer(out_dir: str | Path, context: int, alphabet: str = ALPH
 
 def encode(text: str) -> list[int]:
     """Token ids of `text` (no BOS); a character outside the alphabet is <unk>."""
-    return [len(SPECIAL) + ALPHABET.index(c) if c in ALPHABET else 3 for c in text]
+    return [len(SPECIAL) + ALPHABET.index(c) if c in ALPHABET else UNK_ID for c in text]
 
 
 def build_char_model(out_dir: str | Path, pairs: list[tuple[str, str]], seed: int = 1234, warmup_sft_steps: int = 60,

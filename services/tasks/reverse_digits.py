@@ -14,11 +14,9 @@ import json
 import random
 from pathlib import Path
 
-from services.tasks.char_model import STOP_IDS, build_char_tokenizer, warm_start
+from services.tasks.char_model import BOS_ID, EOS_ID, PAD_ID, SPECIAL, STOP_IDS, build_char_tokenizer, warm_start
 
 NAME = "reverse-digits"
-SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
-PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 ALPHABET = "0123456789+="
 MIN_DIGITS, MAX_DIGITS = 3, 5
 NUM_TRAIN_PROMPTS = 20_000
