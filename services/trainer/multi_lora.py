@@ -1,4 +1,4 @@
-"""The trainer's multi-LoRA loop (--multi-lora-n-adapters N): many adapters on one frozen base.
+"""The trainer's multi-LoRA mode (--multi-lora-n-adapters N): many adapters on one frozen base.
 
 Each adapter registration is a partition of the buffer (services.buffer.service). The loop reads
 the registry (KV `adapters`) and, per registration:
@@ -44,17 +44,18 @@ from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import NO_PARTITION_ERROR, AdapterRun, AdapterState, flatten_group
 from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX, ADAPTERS_KV_KEY
 from services.common import crash, sample_records
-from services.data.source import DataError, adapter_total_steps, load_rows
 from services.common.snapshot import COMPLETE_MARKER, remove_snapshot, snapshots_to_remove
-from services.weights.store import WeightStore
+from services.data.source import DataError, adapter_total_steps, load_rows
 from services.model.lora import LoraError, LoraSpec, MultiLora, SlotAdamW, load_adapter, save_adapter
 from services.trainer.adapter_push import adapter_dir, announce_adapter, publish_adapter
 from services.trainer.adapters import train_adapter_step
 from services.trainer.core import LossConfig, assemble_batch, build_step_batches
+from services.trainer.loop import Mode, Work
 from services.trainer.parallel import max_tokens_of
 from services.trainer.rollout_stats import rollout_metrics
 from services.trainer.setup import TrainerError
-from services.trainer.steps import BufferLink, Records, SampleCheck, SampleRecorder, append_trained, keep_lines
+from services.trainer.steps import BufferLink, Records, SampleCheck, keep_lines
+from services.weights.store import WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +100,11 @@ class Track:
         return self.run.registration_id
 
 
-class MultiLoraTrainer:
-    """Built from what it uses: the run's config and bus, the frozen base model, the buffer link,
-    the records and sample check it shares with the model's loop (services.trainer.steps), the
-    loss settings, and `lifecycle` (`stopping`, `wait_stopped`, `stop`: the service it runs in).
+class AdapterTraining(Mode):
+    """The trainer's multi-LoRA mode (services.trainer.loop asks it what to train). Built from
+    what it uses: the run's config and bus, the frozen base model, the buffer link, the records
+    and sample check it shares with the model mode (services.trainer.steps), the loss settings,
+    and `lifecycle` (`stopping`, `wait_stopped`, `stop`, `start_ranks`: the service it runs in).
     `dp`: the data-parallel ranks (--trainer-num-ranks), set once they have joined."""
 
     def __init__(self, config, bus, model, link: BufferLink, records: Records, check: SampleCheck,
@@ -113,8 +115,6 @@ class MultiLoraTrainer:
         self.link = link
         self.records = records
         self.check = check
-        self.sample_recorder = SampleRecorder(config.data.hf_checkpoint, config.rollout.reward_key,
-                                              config.trainer.keep_sample_records)  # fmt: skip
         self.loss_cfg = loss_cfg
         self.pad_id = pad_id
         self.lifecycle = lifecycle
@@ -170,41 +170,43 @@ class MultiLoraTrainer:
             raise MultiLoraError(f"the registry refused {op} of adapter {run.name!r}: {reply.error}")
         return reply.run
 
-    # ---- the loop --------------------------------------------------------------------------------
-    async def run(self) -> None:
-        try:
-            await self._loop()
-        finally:
-            for t in self.tracks.values():
-                if t.get is not None:
-                    t.get.cancel()
+    # ---- the loop's steps (services.trainer.loop) ----------------------------------------------
+    async def setup(self) -> None:
+        """Adapters only: the base never changes, so there is nothing of the model to resume."""
+        await self.lifecycle.start_ranks(None, None)
+        self.dp = self.lifecycle.dp
 
-    async def _loop(self) -> None:
+    async def next(self) -> list[Work] | None:
+        """The registry followed, then the leases that completed together (a batch); None once
+        every registered adapter is COMPLETED (without --multi-lora-service-mode)."""
         c = self.config
-        while not self.lifecycle.stopping:
-            reg = await self._read_registry()
-            for run in reg.runs:
-                await self._follow(run)
-            for rid in [rid for rid, t in self.tracks.items() if all(r.registration_id != rid for r in reg.runs)]:
-                self.tracks.pop(rid)  # pruned from the registry's history: nothing left to do
-            if (
-                reg.runs
-                and all(r.state is AdapterState.COMPLETED for r in reg.runs)
-                and not c.multi_lora.multi_lora_service_mode
-            ):
-                await self._finish()
-                return
-            active = [t for t in self.tracks.values() if t.run.state is AdapterState.ACTIVE]
-            if not active:
-                self.empty_since = 0.0  # idle, not waiting: nothing to warn about
-                await self.lifecycle.wait_stopped(c.multi_lora.multi_lora_idle_poll_s)
-                continue
-            batch = await self._collect(active)
-            for t, reply in batch:
-                t.waited, t.asked_at = time.monotonic() - t.asked_at, 0.0
-            info = _batch_info(batch)
-            for t, reply in batch:
-                await self._train(t, reply, info)
+        reg = await self._read_registry()
+        for run in reg.runs:
+            await self._follow(run)
+        for rid in [rid for rid, t in self.tracks.items() if all(r.registration_id != rid for r in reg.runs)]:
+            self.tracks.pop(rid)  # pruned from the registry's history: nothing left to do
+        if reg.runs and all(r.state is AdapterState.COMPLETED for r in reg.runs) and not c.multi_lora.multi_lora_service_mode:  # fmt: skip
+            return None
+        active = [t for t in self.tracks.values() if t.run.state is AdapterState.ACTIVE]
+        if not active:
+            self.empty_since = 0.0  # idle, not waiting: nothing to warn about
+            await self.lifecycle.wait_stopped(c.multi_lora.multi_lora_idle_poll_s)
+            return []
+        batch = await self._collect(active)
+        info = _batch_info(batch)
+        work = []
+        for t, reply in batch:
+            t.waited, t.asked_at = time.monotonic() - t.asked_at, 0.0
+            std = bool(c.trainer.grpo_std_normalization and t.run.spec.n_samples_per_prompt > 1)
+            work.append(Work(step=t.step, version=t.step, records_dir=self._trained_path(t).parent,
+                             axis=f"{t.run.name}/step", std=std, refs={r.group_index: r for r in reply.refs},
+                             metrics=reply.metrics, owner=(t, reply, info)))  # fmt: skip
+        return work
+
+    def cancel(self) -> None:
+        for t in self.tracks.values():
+            if t.get is not None:
+                t.get.cancel()
 
     def _ask_next(self, tracks: list[Track]) -> None:
         for t in tracks:
@@ -273,7 +275,7 @@ class MultiLoraTrainer:
             if run.state is AdapterState.PENDING:
                 await self._activate(run)
             elif run.state is AdapterState.ACTIVE and t is None:
-                await self._resume(run)
+                await self._resume_adapter(run)
             elif run.state in (AdapterState.RETIRING, AdapterState.CLEANUP):
                 await self._retire(run)
         except (TimeoutError, ConnectionError, TrainerError):
@@ -356,7 +358,7 @@ class MultiLoraTrainer:
                 return None, reply.error
             await asyncio.sleep(1.0)
 
-    async def _resume(self, run: AdapterRun, total: int | None = None) -> bool:
+    async def _resume_adapter(self, run: AdapterRun, total: int | None = None) -> bool:
         """After a trainer restart: from the version published after the partition's committed
         step; a step trained, reported and published but not committed (killed in between) is
         committed now rather than trained again, so no version number ever names two weights, and
@@ -370,7 +372,7 @@ class MultiLoraTrainer:
         t = self._track(run, committed + 1, total)
         if run.step == t.step + 1 and _complete(adapter_dir(self.run_dir, run.name, t.rid, run.step)):
             t.step += 1  # that version is out: its step's records were written before it
-            await self._commit(t, t.step - 1)
+            await self._commit_step(t, t.step - 1)
         while t.step > 0 and not _complete(adapter_dir(self.run_dir, run.name, t.rid, t.step)):
             t.step -= 1  # never written: from the version before it (the steps after are trained again)
         self._truncate(t)
@@ -384,7 +386,7 @@ class MultiLoraTrainer:
     async def _retire(self, run: AdapterRun) -> None:
         t = self.tracks.get(run.registration_id)
         if t is None:  # a restart found it retiring: resumed as an active one (its data is not needed)
-            if await self._resume(run, total=0):
+            if await self._resume_adapter(run, total=0):
                 t = self.tracks[run.registration_id]
             else:  # its partition never opened (its data unreadable): nothing was leased; its newest version
                 t = Track(run=run, spec=self._lora_spec(run), total=0)
@@ -450,36 +452,35 @@ class MultiLoraTrainer:
         t.no_partition_since = 0.0
         return reply if reply.complete else None
 
-    async def _train(self, t: Track, reply: BufferGetReply, batch: dict[str, float]) -> None:
+    async def train(self, w: Work) -> None:
+        t, reply, _ = w.owner
         t0 = time.perf_counter()
-        groups = assemble_batch(
+        w.groups = assemble_batch(
             [await self.link.load_group(ref) for ref in reply.refs], t.run.spec.n_samples_per_prompt
         )
-        self.check.exclude_invalid(groups, max_version=t.step, n=t.run.spec.n_samples_per_prompt)
+        self.check.exclude_invalid(w.groups, max_version=t.step, n=t.run.spec.n_samples_per_prompt)
         c = self.config
-        std = bool(c.trainer.grpo_std_normalization and t.run.spec.n_samples_per_prompt > 1)
         if self.dp is not None:  # --trainer-num-ranks: the samples split over the ranks
-            stats = await asyncio.to_thread(self.dp.train_adapter, self.lora, self.optimizer, t.run.slot, groups,
-                                            self.loss_cfg, std)  # fmt: skip
+            w.stats = await asyncio.to_thread(self.dp.train_adapter, self.lora, self.optimizer, t.run.slot, w.groups,
+                                              self.loss_cfg, w.std)  # fmt: skip
         else:
-            (batches,) = build_step_batches(groups, std, c.rollout.reward_key, self.pad_id, max_tokens_of(c), 1)
-            stats = await asyncio.to_thread(train_adapter_step, self.model, self.lora, self.optimizer, t.run.slot,
-                                            batches, self.loss_cfg, c.trainer.clip_grad)  # fmt: skip
+            (batches,) = build_step_batches(w.groups, w.std, c.rollout.reward_key, self.pad_id, max_tokens_of(c), 1)
+            w.stats = await asyncio.to_thread(train_adapter_step, self.model, self.lora, self.optimizer, t.run.slot,
+                                              batches, self.loss_cfg, c.trainer.clip_grad)  # fmt: skip
+        w.train_s = time.perf_counter() - t0
         crash.point("trainer", "adapter_stepped_before_records")
-        step = t.step
         t.step += 1
-        # records first (a restart drops those after its committed step), then the registry (the
-        # buffer bounds the versions groups and gets may name by it), then the version, the commit
-        self._append_trained(t, step, groups)
-        await self.sample_recorder.record(self._trained_path(t).parent, step, step, groups,
-                                          {r.group_index: r for r in reply.refs}, std)  # fmt: skip
-        record = self._record(t, step, groups, stats, reply, time.perf_counter() - t0, batch)
-        await self._emit(t, record)
+
+    async def after_records(self, w: Work, record: dict) -> None:
+        """An adapter's records come first (a restart drops those after its committed step), then
+        the registry (the buffer bounds the versions groups and gets may name by it), then the
+        version, then the commit."""
+        t, _, _ = w.owner
         t.run = await self._control("stepped", t.run, step=t.step)
         crash.point("trainer", "adapter_reported_before_publish")
         await self._publish(t)
         crash.point("trainer", "adapter_published_before_commit")
-        await self._commit(t, step)
+        await self._commit_step(t, w.step)
         await self._retain(t)
         if t.step >= t.total:
             t.run = await self._control("retire", t.run, reason=f"its budget of {t.total} steps is reached")
@@ -507,7 +508,7 @@ class MultiLoraTrainer:
                 await self.store.retire_adapter(t.run.name, t.rid, int(old.name[1:]))
             await asyncio.to_thread(remove_snapshot, old)
 
-    async def _commit(self, t: Track, step: int) -> None:
+    async def _commit_step(self, t: Track, step: int) -> None:
         if error := await self.link.commit(self.bus.subjects.of(t.rid).buffer_commit, step, t.step,
                                            f"commit of adapter {t.run.name} step {step}"):  # fmt: skip
             raise MultiLoraError(f"buffer refused commit of adapter {t.run.name} step {step}: {error}")
@@ -515,11 +516,6 @@ class MultiLoraTrainer:
     # ---- records ---------------------------------------------------------------------------------
     def _trained_path(self, t: Track) -> Path:
         return adapter_dir(self.run_dir, t.run.name, t.rid, 0).parent / "trained.jsonl"
-
-    def _append_trained(self, t: Track, step: int, groups: list[list]) -> None:
-        path = self._trained_path(t)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        append_trained(path, step, groups)
 
     def _truncate(self, t: Track) -> None:
         """The steps after the committed one are trained again: drop their records, in its
@@ -530,23 +526,20 @@ class MultiLoraTrainer:
         keep_lines(self.records.path,
                     lambda rec: rec.get("registration") != t.rid or rec[f"{name}/step"] < t.step)  # fmt: skip
 
-    def _record(
-        self, t: Track, step: int, groups, stats: dict, reply: BufferGetReply, step_s: float, batch: dict[str, float]
-    ) -> dict:
+    async def record(self, w: Work) -> dict:
+        t, reply, info = w.owner
         n = t.run.name
-        samples = [s for g in groups for s in flatten_group(g)]
-        rollout = rollout_metrics(
-            samples, self.config.rollout.reward_key, groups
-        )  # the single-model step's, per adapter
+        samples = [s for g in w.groups for s in flatten_group(g)]
+        rollout = rollout_metrics(samples, self.config.rollout.reward_key, w.groups)  # the model's, per adapter
         record = {
-            "step": self.steps_total, f"{n}/step": step, "adapter": n, "registration": t.rid,
+            "step": self.steps_total, f"{n}/step": w.step, "adapter": n, "registration": t.rid,
             **{f"{n}/raw_reward_{k}": rollout[f"rollout/reward/{k}"] for k in ("mean", "std", "min", "max")},
             **{f"{n}/response_len_{k.rsplit('/', 1)[1]}": v for k, v in rollout.items()
                if k.startswith("rollout/response_len/")},
             f"{n}/rollout/failed_ratio": rollout["rollout/failed_ratio"],
             f"{n}/rollout/num_samples": rollout["rollout/num_samples"], "time": time.time(),
-            f"{n}/perf/step_time_s": step_s,
-            **batch,
+            f"{n}/perf/step_time_s": time.perf_counter() - w.started,
+            **info,
             "perf/fully_async/stale_dropped": reply.metrics.get("rollout/fully_async/stale_groups_filtered", 0.0),
             "perf/fully_async/queue_length": reply.metrics.get("rollout/fully_async/queue_size", 0.0),
             "perf/fully_async/batch_wait_time": t.waited,
@@ -554,17 +547,22 @@ class MultiLoraTrainer:
         for k in ("avg_staleness", "max_staleness"):
             if (v := reply.metrics.get(f"rollout/fully_async/{k}")) is not None:
                 record[f"{n}/rollout/fully_async/{k}"] = v
-        record.update({f"{n}/{k}": v for k, v in stats.items() if isinstance(v, int | float)})
+        record.update({f"{n}/{k}": v for k, v in w.stats.items() if isinstance(v, int | float)})
         self.steps_total += 1
         return record
 
-    async def _emit(self, t: Track, record: dict) -> None:
-        await self.records.emit(record["step"], record, f"{t.run.name}/step")
-
-    async def _finish(self) -> None:
-        await self.records.finish(self.steps_total)
+    async def finish(self, error: str | None = None) -> None:
+        await self.records.finish(self.steps_total, error=error)
         log.info("multi-LoRA training finished: every adapter is completed (%d adapter steps)", self.steps_total)
         self.lifecycle.stop()
+
+    def status(self) -> dict:
+        return {"adapter_steps": self.steps_total, "mode": self.config.infra.mode,
+                "adapters": {t.run.name: {"step": t.step, "total": t.total, "state": t.run.state.name.lower()}
+                             for t in self.tracks.values()}}  # fmt: skip
+
+    def metric_values(self) -> dict[str, float]:
+        return {"trainer/step": self.steps_total}
 
 
 def _batch_samples(batch: list[tuple[Track, BufferGetReply]]) -> int:

@@ -1,7 +1,8 @@
 """The driver's policy: after which steps the trainer pushes weights, saves and evaluates, and
 whether it evaluates before it trains (Miles's order; docs/services.md, "The trainer", driver
-order), and what it asks the buffer for each step. It reads the run's mode, budget, async,
-trainer and eval settings, and imports no torch."""
+order), what it asks the buffer for each step and which lease it waits for before which push.
+Everything the three drivers do differently is here; the loop (services.trainer.loop) asks. It
+reads the run's mode, budget, async, trainer and eval settings, and imports no torch."""
 
 from __future__ import annotations
 
@@ -21,6 +22,32 @@ class DriverPolicy:
         self.save_interval = config.trainer.save_interval
         self.eval_interval = config.eval.eval_interval
         self.skip_baseline_eval = config.eval.skip_eval_before_train
+        self.save, self.sentinel = config.trainer.save, config.trainer.save_trigger_sentinel
+
+    def start_warnings(self) -> list[str]:
+        """What the run's settings will not do that a user may expect of them."""
+        out = []
+        if self.mode == "sync" and self.update_interval != 1:
+            out.append(f"--update-weights-interval {self.update_interval} is ignored by the synchronous driver "
+                       "(train): it is on-policy, so it pushes the weights after every step")  # fmt: skip
+        if self.save and not self.save_interval:
+            out.append("--save without --save-interval saves no checkpoint (as in Miles; a restart resumes from the "
+                       "last pushed weights, without the optimizer state): set --save-interval N")  # fmt: skip
+        if self.mode != "sync" and self.total % self.update_interval and not (self.save_interval or self.sentinel):
+            out.append(f"the last {self.total % self.update_interval} steps end after the last weight push "
+                       f"(--update-weights-interval {self.update_interval}) and nothing saves them: set "
+                       "--save-interval to keep the final weights")  # fmt: skip
+        return out
+
+    def drains_ahead(self, rollout_id: int) -> bool:
+        """Fully async: step r+1's lease drains while step r trains (as Miles's async driver)."""
+        return self.mode == "fully_async" and rollout_id + 1 < self.total
+
+    def completes_next_before_push(self, rollout_id: int) -> bool:
+        """One-step async, on an update step: step r+1's lease (released a step ahead, generating
+        on the old weights) completes before the push, so nothing newer starts on old weights;
+        then step r+2 is released, to generate on the new weights while r+1 trains."""
+        return self.mode == "one_step" and self.update_due(rollout_id) and rollout_id + 1 < self.total
 
     def update_due(self, rollout_id: int) -> bool:
         """The weights are pushed after step r: every step in sync (on-policy by definition),

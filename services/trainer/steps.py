@@ -1,5 +1,5 @@
-"""The step bookkeeping both training loops share: the model's (services.trainer.service) and
-the adapters' (services.trainer.multi_lora).
+"""The step bookkeeping the trainer's loop (services.trainer.loop) and both its modes share: the
+model's (services.trainer.model_mode) and the adapters' (services.trainer.multi_lora).
 
 - `BufferLink`: request/reply to the buffer that rides out a restarting buffer or broker, the
   wait for a step's lease, its payloads, and commits;

@@ -173,6 +173,38 @@ def test_the_baseline_eval_point():
     assert not DriverPolicy(RunConfig(driver="sync", num_rollout=5)).baseline_eval_due(0)
 
 
+def test_what_each_driver_waits_for_before_which_push():
+    """The drivers' differences in the trainer's one loop: fully async drains step r+1's lease
+    while r trains; one-step completes r+1's lease before an update step's push; sync does
+    neither. Nothing is fetched ahead past the last step."""
+    from services.trainer.policy import DriverPolicy
+
+    base = RunConfig(num_rollout=5, update_weights_interval=2)
+    fully = DriverPolicy(base.model_copy(update={"driver": "async", "fully_async": True}))
+    one_step = DriverPolicy(base.model_copy(update={"driver": "async", "fully_async": False}))
+    sync = DriverPolicy(base.model_copy(update={"driver": "sync"}))
+    assert (fully.mode, one_step.mode, sync.mode) == ("fully_async", "one_step", "sync")
+    assert [r for r in range(5) if fully.drains_ahead(r)] == [0, 1, 2, 3]
+    assert not any(p.drains_ahead(r) for p in (one_step, sync) for r in range(5))
+    assert [r for r in range(5) if one_step.completes_next_before_push(r)] == [1, 3]  # the update steps
+    assert not any(p.completes_next_before_push(r) for p in (fully, sync) for r in range(5))
+
+
+def test_the_drivers_start_up_warnings():
+    from services.trainer.policy import DriverPolicy
+
+    warnings = DriverPolicy(RunConfig(driver="sync", num_rollout=5, update_weights_interval=2)).start_warnings()
+    assert len(warnings) == 1 and "ignored by the synchronous driver" in warnings[0]
+    warnings = DriverPolicy(
+        RunConfig(driver="async", num_rollout=5, update_weights_interval=2, save="/s")
+    ).start_warnings()
+    assert len(warnings) == 2 and "--save-interval" in warnings[0] and "the last 1 steps" in warnings[1]
+    assert (
+        DriverPolicy(RunConfig(num_rollout=6, update_weights_interval=2, save="/s", save_interval=3)).start_warnings()
+        == []
+    )
+
+
 def test_bare_command_line_defaults_are_miless(capsys, tmp_path):
     """--rollout-batch-size is required (from the command line, the environment or a file);
     --n-samples-per-prompt defaults to 1."""

@@ -25,7 +25,8 @@ from services.model.llama import CausalLM, ModelConfig
 from services.model.lora import ATTENTION, LoraSpec, MultiLora, load_adapter, save_adapter
 from services.trainer.adapter_push import adapter_dir
 from services.common.validate import Limits
-from services.trainer.multi_lora import MultiLoraTrainer
+from services.trainer.loop import TrainLoop
+from services.trainer.multi_lora import AdapterTraining
 from services.trainer.setup import loss_config
 from services.trainer.steps import BufferLink, Records, SampleCheck
 
@@ -74,8 +75,8 @@ class Link(BufferLink):
         return await self.svc._request(subject, msg, reply_type, what)
 
 
-def trainer_of(svc) -> MultiLoraTrainer:
-    return MultiLoraTrainer(svc.config, svc.bus, svc.model, Link(svc), Records(svc.metrics_path, None, svc.bus),
+def trainer_of(svc) -> AdapterTraining:
+    return AdapterTraining(svc.config, svc.bus, svc.model, Link(svc), Records(svc.metrics_path, None, svc.bus),
                             SampleCheck(Limits(n=2, vocab_size=16, context_length=16), loss_config(svc.config)),
                             loss_config(svc.config), pad_id=0, lifecycle=svc)  # fmt: skip
 
@@ -274,11 +275,11 @@ def test_every_adapter_completed_ends_the_run_unless_in_service_mode(tmp_path, s
     async def wait_stopped(s):
         waits.append(s)
 
-    async def finish():
+    async def finish(error=None):
         finished.append(1)
 
-    trainer._read_registry, svc.wait_stopped, trainer._finish = read_registry, wait_stopped, finish
-    asyncio.run(trainer._loop())
+    trainer._read_registry, svc.wait_stopped, trainer.finish = read_registry, wait_stopped, finish
+    asyncio.run(TrainLoop(trainer, trainer.records, samples=None, lifecycle=svc).run())
     if service_mode:
         assert (len(reads), waits, finished) == (3, [7.0] * 3, [])
     else:

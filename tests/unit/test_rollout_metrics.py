@@ -14,7 +14,7 @@ def sample(versions, status=SampleStatus.COMPLETED, length=3, reward=1.0):
 
 def test_weight_version_statistics_are_over_each_samples_oldest_version():
     pytest.importorskip("torch")
-    from services.trainer.service import rollout_metrics
+    from services.trainer.rollout_stats import rollout_metrics
 
     samples = [sample([1, 3]), sample([2]), sample([4], status=SampleStatus.TRUNCATED, length=8), sample([])]
     m = rollout_metrics(samples, None, [samples])
@@ -32,7 +32,7 @@ def test_every_series_has_its_step_axis():
 
 
 def test_zero_std_groups_are_counted_per_reward_as_miles_names_them():
-    from services.trainer.service import rollout_metrics
+    from services.trainer.rollout_stats import rollout_metrics
 
     def group(*rewards, failed=()):
         return [Sample(index=i, reward=r, status=SampleStatus.FAILED if i in failed else SampleStatus.COMPLETED)
