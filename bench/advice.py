@@ -6,10 +6,16 @@ and on the long-tail job, each read two ways:
   buffer's queue);
 - the bound measured at the two resources: the share of the loop the engine was busy (read at
   the engine, `sglang:num_running_reqs` above 0) against the share the trainer was busy (the loop
-  minus its wait for batches). The busier one is the bound; the staleness filter is the bound
-  where it dropped at least docs/dashboard.md's share of the groups.
+  minus its wait for batches). Under the one-step and fully async drivers, which overlap the two,
+  the busier one is the bound, and neither when they are within BALANCED_POINTS of each other
+  (balanced). The synchronous driver overlaps nothing: its step is its generation phase (the
+  trainer's wait) and then its training phase, and the longer phase is the bound. The staleness
+  filter is the bound where it dropped at least docs/dashboard.md's share of the groups.
 
-    python bench/advice.py                       # 6 runs, about 8 minutes on 2 cores
+The long-tail job's fully async arm runs at the config's staleness bound (2) and at 1 and 4, the
+arms of bench/longtail.py.
+
+    python bench/advice.py                       # 8 runs, about 11 minutes on 2 cores
     python bench/advice.py --report-only         # the table from docs/bench/advice_runs.jsonl
 
 Each run is appended to the record as it finishes (resumable), with the code revision it ran.
@@ -31,7 +37,12 @@ JOBS = {
     "default": ("deploy/configs/quickstart.yaml", "services.tasks.reverse_digits", 200),
     "long-tail": ("deploy/configs/longtail.yaml", "services.tasks.reverse_longtail", 150),
 }
-DRIVERS = ("sync", "one-step", "fully-async")
+CELLS = [(job, driver, []) for job in JOBS for driver in ("sync", "one-step", "fully-async")] + [
+    ("long-tail", "fully-async", ["--max-weight-staleness", str(s)]) for s in (1, 4)
+]
+"""(job, driver, extra flags): every run the table reads."""
+BALANCED_POINTS = 0.10
+"""Busy shares of engine and trainer this close (overlapping drivers) read as balanced."""
 
 
 def measured_bound(run: dict, batch: int) -> str:
@@ -39,19 +50,23 @@ def measured_bound(run: dict, batch: int) -> str:
     stale = run.get("stale_dropped", 0.0)
     if stale / (stale + batch * run["steps"]) >= STALE_DROP_SHARE:
         return "staleness"
-    engine_busy = 1.0 - run["engine_idle_share"]
     trainer_busy = 1.0 - run["trainer_idle"]
-    return "generation" if engine_busy >= trainer_busy else "trainer"
+    if run["arm"] == "sync":  # one phase after the other: the longer one bounds the step
+        return "generation" if run["trainer_idle"] >= trainer_busy else "trainer"
+    engine_busy = 1.0 - run["engine_idle_share"]
+    if abs(engine_busy - trainer_busy) < BALANCED_POINTS:
+        return "balanced"
+    return "generation" if engine_busy > trainer_busy else "trainer"
 
 
-def run_cell(job: str, driver: str, seed: int, a) -> dict:
+def run_cell(job: str, driver: str, extra: list[str], seed: int, a) -> dict:
     config, task, steps = JOBS[job]
     ns = argparse.Namespace(config=config, eval_interval=steps, eval_prompts=a.eval_prompts, eval_samples=1,
                             task_module=task)  # fmt: skip
     data = write_data(Path(tempfile.gettempdir()) / f"asyncrl-advice-{job}", a.eval_prompts, task)
     with tempfile.TemporaryDirectory(prefix="asyncrl-advice-") as tmp:
         run_dir = Path(tmp) / "run"
-        res = run_one(driver, seed, steps, [], ns, data, run_dir)
+        res = run_one(driver, seed, steps, extra, ns, data, run_dir)
         recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         res["stale_dropped"] = sum(r.get("rollout/fully_async/stale_groups_filtered", 0.0) for r in recs)
         res["batch"] = json.loads((run_dir / "config.json").read_text())["rollout_batch_size"]
@@ -59,7 +74,7 @@ def run_cell(job: str, driver: str, seed: int, a) -> dict:
 
 
 def table(runs: list[dict]) -> tuple[str, int]:
-    lines = [f"{'job':<10}{'driver':<13}{'engine busy':>12}{'trainer busy':>13}{'measured':>12}{'advice':>12}  "
+    lines = [f"{'job':<10}{'driver':<20}{'engine busy':>12}{'trainer busy':>13}{'measured':>12}{'advice':>12}  "
              f"agree  the line"]  # fmt: skip
     agree = 0
     for r in runs:
@@ -67,7 +82,8 @@ def table(runs: list[dict]) -> tuple[str, int]:
         said = r["diagnosis"][0]
         ok = said == bound
         agree += ok
-        lines.append(f"{r['job']:<10}{r['arm']:<13}{1 - r['engine_idle_share']:>12.0%}{1 - r['trainer_idle']:>13.0%}"
+        arm = r["arm"] + (f" S={r['extra'][-1]}" if r.get("extra") else "")
+        lines.append(f"{r['job']:<10}{arm:<20}{1 - r['engine_idle_share']:>12.0%}{1 - r['trainer_idle']:>13.0%}"
                      f"{bound:>12}{said:>12}  {'yes' if ok else 'NO':<5}  {r['diagnosis'][1]}")  # fmt: skip
     return "\n".join(lines), agree
 
@@ -81,19 +97,19 @@ def main() -> None:
     a = p.parse_args()
     record = ROOT / a.record
     if not a.report_only:
-        done = {(r["job"], r["arm"]) for r in load_record(record) if r.get("seed") == a.seed}
+        done = {(r["job"], r["arm"], tuple(r.get("extra", []))) for r in load_record(record) if r.get("seed") == a.seed}
         rev = code_revision()
-        for job in JOBS:
-            for driver in DRIVERS:
-                if (job, driver) in done:
-                    continue
-                t0 = time.time()
-                res = run_cell(job, driver, a.seed, a)
-                res["rev"] = res.get("rev") or rev
-                record.parent.mkdir(parents=True, exist_ok=True)
-                with record.open("a") as f:
-                    f.write(json.dumps(res) + "\n")
-                print(f"  {job:<10}{driver:<13}{res['diagnosis'][0]:<12}in {time.time() - t0:.0f} s", flush=True)
+        for job, driver, extra in CELLS:
+            if (job, driver, tuple(extra)) in done:
+                continue
+            t0 = time.time()
+            res = run_cell(job, driver, extra, a.seed, a)
+            res["rev"] = res.get("rev") or rev
+            record.parent.mkdir(parents=True, exist_ok=True)
+            with record.open("a") as f:
+                f.write(json.dumps(res) + "\n")
+            print(f"  {job:<10}{driver:<13}{' '.join(extra):<26}{res['diagnosis'][0]:<12}in {time.time() - t0:.0f} s",
+                  flush=True)  # fmt: skip
     runs = [r for r in load_record(record) if r.get("seed") == a.seed and "diagnosis" in r]
     text, agree = table(runs)
     print(text)
