@@ -33,9 +33,9 @@ def build_optimizer(config, model) -> torch.optim.Optimizer:
 
 
 def build_reference(config):
-    """The KL reference: the initial policy, frozen (None without --kl-coef, and in multi-LoRA,
-    whose reference is the frozen base the adapters hang on: services/trainer/adapters.py)."""
-    if not config.trainer.kl_coef or config.multi_lora.multi_lora_n_adapters > 0:
+    """The model's KL reference: the initial policy, frozen (None without --kl-coef). Multi-LoRA
+    builds none: its reference is the frozen base the adapters hang on (services/trainer/adapters.py)."""
+    if not config.trainer.kl_coef:
         return None
     return load_model(config.data.hf_checkpoint).eval().requires_grad_(False)
 

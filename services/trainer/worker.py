@@ -68,12 +68,13 @@ def main(argv: list[str] | None = None, checkpoint_files: dict[str, bytes] | Non
     config = RunConfig(**fields)
     torch.set_num_threads(config.infra.torch_num_threads)
     model = build_model(config)
-    ref_model = build_reference(config)
+    adapters = config.multi_lora.multi_lora_n_adapters > 0  # adapters on the frozen base: rank 0 sends each step's slot
+    ref_model = None if adapters else build_reference(config)
     if checkpoint_files is not None:  # loaded: the model and the reference hold it now
         shutil.rmtree(config.data.hf_checkpoint, ignore_errors=True)
     pad_id = model.cfg.pad_token_id if model.cfg.pad_token_id is not None else 0
     lora = optimizer = None
-    if config.multi_lora.multi_lora_n_adapters > 0:  # adapters on the frozen base: rank 0 sends each step's slot
+    if adapters:
         model.requires_grad_(False)
         lora = MultiLora(model, config.multi_lora.multi_lora_n_adapters, config.multi_lora.multi_lora_max_rank)
     else:
