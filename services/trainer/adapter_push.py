@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from asyncrl_proto import AdapterPublished
-from services.weights.store import WeightStore, adapter_uri
 from services.model.lora import MultiLora, save_adapter
+from services.weights.store import WeightStore, adapter_uri
 
 
 def adapter_dir(run_dir: str | Path, name: str, registration_id: str, version: int) -> Path:

@@ -199,6 +199,7 @@ class ModelTraining(Mode):
     def cancel(self) -> None:
         if self.prefetch is not None:
             self.prefetch.cancel()
+        self.prefetch = self.ahead = None
 
     async def train(self, w: Work) -> None:
         """One optimizer step on the groups of a durable lease."""

@@ -553,7 +553,10 @@ class AdapterTraining(Mode):
 
     async def finish(self, error: str | None = None) -> None:
         await self.records.finish(self.steps_total, error=error)
-        log.info("multi-LoRA training finished: every adapter is completed (%d adapter steps)", self.steps_total)
+        if error:
+            log.error("multi-LoRA training failed after %d adapter steps: %s", self.steps_total, error)
+        else:
+            log.info("multi-LoRA training finished: every adapter is completed (%d adapter steps)", self.steps_total)
         self.lifecycle.stop()
 
     def status(self) -> dict:

@@ -21,14 +21,14 @@ from asyncrl_proto import AdapterControl, AdapterControlReply, BufferCommit, Buf
 from asyncrl_proto.messages import AdapterRun, AdapterSpec, AdapterState
 from asyncrl_proto.subjects import Subjects
 from services.common.config import RunConfig
+from services.common.validate import Limits
 from services.model.llama import CausalLM, ModelConfig
 from services.model.lora import ATTENTION, LoraSpec, MultiLora, load_adapter, save_adapter
 from services.trainer.adapter_push import adapter_dir
-from services.common.validate import Limits
 from services.trainer.loop import TrainLoop
 from services.trainer.multi_lora import AdapterTraining
 from services.trainer.setup import loss_config
-from services.trainer.steps import BufferLink, Records, SampleCheck
+from services.trainer.steps import BufferLink, Records, SampleCheck, SampleRecorder
 
 RID = "0123456789abcdef0123456789abcdef"
 
@@ -279,7 +279,7 @@ def test_every_adapter_completed_ends_the_run_unless_in_service_mode(tmp_path, s
         finished.append(1)
 
     trainer._read_registry, svc.wait_stopped, trainer.finish = read_registry, wait_stopped, finish
-    asyncio.run(TrainLoop(trainer, trainer.records, samples=None, lifecycle=svc).run())
+    asyncio.run(TrainLoop(trainer, trainer.records, SampleRecorder(str(tmp_path), None, keep=0), lifecycle=svc).run())
     if service_mode:
         assert (len(reads), waits, finished) == (3, [7.0] * 3, [])
     else:
