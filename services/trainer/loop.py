@@ -127,7 +127,7 @@ class TrainLoop:
             await self.mode.finish(error=error)
 
     async def step(self, w: Work) -> None:
-        w.started = w.started or time.perf_counter()
+        w.started = time.perf_counter()  # its batch in hand (perf/step_time_s runs from here)
         await self.mode.train(w)
         await self.mode.before_records(w)
         path = w.records_dir / "trained.jsonl"

@@ -191,7 +191,6 @@ class ModelTraining(Mode):
             w.wait_s, self.prefetch = time.monotonic() - t0, None  # what it waited
         else:
             w = await self._fetch(self.step)
-        w.started = time.perf_counter()
         if self.policy.drains_ahead(w.step):  # as Miles's async driver: the next lease drains while this one trains
             self.prefetch = asyncio.ensure_future(self._fetch(w.step + 1))
         return [w]
