@@ -70,7 +70,7 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
         d = config.data
         try:
             train, held_out = reasoning_gym.write_datasets(run_dir / "data", d.rg_dataset, d.rg_options, d.rg_size,
-                                                           d.rg_eval_size, config.data.rollout_seed)  # fmt: skip
+                                                           d.rg_eval_size, config.data.rollout_seed, d.rg_scoring)  # fmt: skip
         except (reasoning_gym.MissingExtra, ValueError, TypeError, KeyError) as e:
             raise LaunchError(f"--task reasoning-gym --rg-dataset {d.rg_dataset}: {e}") from None
         log(f"reasoning-gym {d.rg_dataset}: {d.rg_size} training and {d.rg_eval_size} held-out prompts")

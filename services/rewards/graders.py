@@ -24,7 +24,8 @@ comparison with the label. The `boxed_` prefix replaces the extraction with the 
   articles). In [0, 1].
 - `reasoning_gym`: the dataset's own `score_answer` (named by `metadata.source_dataset`, as
   `--task reasoning-gym` writes it) on the answer: the last `<answer>` tag, else the response's
-  first line (services/tasks/reasoning_gym.py).
+  first line (services/tasks/reasoning_gym.py); 1 or 0 (full marks or not) where the row's
+  `metadata.rg_scoring` is `exact` (`--rg-scoring exact`).
 - `gpqa`: the chosen letter, A-J unless the choices say fewer (after the last `</think>`:
   "answer is C", "C is correct", else the last standalone capital; the pronoun I and the article
   a are words, not choices) against the label (a letter, a 0-based index, or a choice's text;
@@ -323,7 +324,8 @@ def reasoning_gym_score(answer: str, label: Any, metadata: dict, prompt: Any) ->
     """The dataset's own score_answer (named by metadata.source_dataset) on the stripped answer,
     against the entry itself when the row says where it came from (`rg_origin`, as --task
     reasoning-gym writes it: the dataset is re-created with the same size, seed and settings),
-    else against the row's label and metadata."""
+    else against the row's label and metadata. `rg_scoring: exact` in the metadata: 1 for full
+    marks, else 0."""
     import reasoning_gym
 
     name = metadata.get("source_dataset")
@@ -337,9 +339,13 @@ def reasoning_gym_score(answer: str, label: Any, metadata: dict, prompt: Any) ->
             _rg_datasets[key] = reasoning_gym.create_dataset(name, size=origin["size"], seed=origin["seed"],
                                                              **origin["options"])  # fmt: skip
         dataset = _rg_datasets[key]
-        return float(dataset.score_answer(answer.strip(), dataset[index]))
-    entry = {"question": prompt if isinstance(prompt, str) else "", "answer": label, "metadata": metadata}
-    return float(reasoning_gym.get_score_answer_fn(name)(answer.strip(), entry))
+        score = float(dataset.score_answer(answer.strip(), dataset[index]))
+    else:
+        entry = {"question": prompt if isinstance(prompt, str) else "", "answer": label, "metadata": metadata}
+        score = float(reasoning_gym.get_score_answer_fn(name)(answer.strip(), entry))
+    if metadata.get("rg_scoring") == "exact":  # full marks or nothing: no partial credit to hedge for
+        return 1.0 if score >= 1.0 else 0.0
+    return score
 
 
 # ---- the table ------------------------------------------------------------------------------

@@ -59,6 +59,25 @@ def test_the_answer_is_the_tag_or_the_first_line_and_what_follows_earns_nothing(
         grade("reasoning_gym", False, "talps", "talps", {})
 
 
+def test_exact_scoring_gives_full_marks_or_nothing(tmp_path):
+    """--rg-scoring exact: 1 where the dataset's scorer gives full marks, else 0, so that no partial
+    credit pays for an answer that runs on (spell_backward's gives 0.8 to the word and more)."""
+    meta = {"source_dataset": "spell_backward", "word": "splat", "rg_scoring": "exact"}
+    assert grade("reasoning_gym", False, "talps", "talps", meta) == 1.0
+    assert grade("reasoning_gym", False, "TALPS\nmore", "talps", meta) == 1.0  # the scorer's own case rule
+    assert grade("reasoning_gym", False, "talp", "talps", meta) == 0.0
+    assert grade("reasoning_gym", False, "talpsq", "talps", meta) == 0.0  # 0.8 under the dataset's scorer
+    assert grade("reasoning_gym", False, "talpsq", "talps", {**meta, "rg_scoring": "dataset"}) == pytest.approx(0.8)
+    train, held = reasoning_gym.write_datasets(tmp_path, "spell_backward", OPTIONS, 50, 10, seed=5, scoring="exact")
+    for path in (train, held):
+        row = json.loads(path.read_text().splitlines()[0])
+        assert row["metadata"]["rg_scoring"] == "exact"
+        assert grade("reasoning_gym", False, row["label"][:-1], row["label"], row["metadata"], row["prompt"]) == 0.0
+    assert RunConfig(task="reasoning-gym", rg_scoring="exact").data.rg_scoring == "exact"
+    with pytest.raises(ValueError):
+        RunConfig(task="reasoning-gym", rg_scoring="partial")
+
+
 def test_an_unknown_dataset_or_bad_settings_say_so():
     with pytest.raises(ValueError, match="--rg-config"):
         RunConfig(task="reasoning-gym", rg_config="[3, 5]")

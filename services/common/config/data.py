@@ -27,6 +27,12 @@ class DataSection(Section):
         None,
         description='--task reasoning-gym: the dataset\'s settings as a JSON object, e.g. \'{"max_word_len": 5}\'.',
     )
+    rg_scoring: Literal["dataset", "exact"] = Field(
+        "dataset",
+        description="--task reasoning-gym: dataset: the dataset's own score_answer, partial credit and all; "
+        "exact: 1 where that scorer gives full marks, else 0 (a scorer whose partial credit pays for text after "
+        "the answer, as spell_backward's does, then cannot be gamed).",
+    )
     rg_size: int = Field(20_000, ge=1, description="--task reasoning-gym: training prompts (seed --rollout-seed).")
     rg_eval_size: int = Field(
         256, ge=1, description="--task reasoning-gym: held-out prompts, from a disjoint seed, none also in training."
