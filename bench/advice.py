@@ -4,9 +4,10 @@ and on the long-tail job, each read two ways:
 - the advice: `services.dashboard.diagnosis.diagnose` on the run's own metrics.jsonl and config,
   exactly what `asyncrl status` and the dashboard show (it reads the trainer's wait and the
   buffer's queue);
-- the bound measured at the two resources: the share of the loop the engine was busy (read at
-  the engine, `sglang:num_running_reqs` above 0) against the share the trainer was busy (the loop
-  minus its wait for batches). Under the one-step and fully async drivers, which overlap the two,
+- the bound measured at the two resources, over the same last WINDOW steps the advice reads
+  (the line speaks of the run's latest steps; the run-long figures are kept beside them): the
+  share of those seconds the engine was busy (read at the engine, `sglang:num_running_reqs` above
+  0) against the share the trainer was busy (the seconds less its wait for batches). Under the one-step and fully async drivers, which overlap the two,
   the busier one is the bound, and neither when they are within BALANCED_POINTS of each other
   (balanced). The synchronous driver overlaps nothing: its step is its generation phase (the
   trainer's wait) and then its training phase, and the longer phase is the bound. The staleness
@@ -15,7 +16,7 @@ and on the long-tail job, each read two ways:
 The long-tail job's fully async arm runs at the config's staleness bound (2) and at 1 and 4, the
 arms of bench/longtail.py.
 
-    python bench/advice.py                       # 8 runs, about 11 minutes on 2 cores
+    python bench/advice.py                       # 8 runs, about 15 minutes on 2 cores
     python bench/advice.py --report-only         # the table from docs/bench/advice_runs.jsonl
 
 Each run is appended to the record as it finishes (resumable), with the code revision it ran.
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from learning import ROOT, code_revision, load_record, run_one, write_data
 
-from services.dashboard.diagnosis import STALE_DROP_SHARE
+from services.dashboard.diagnosis import STALE_DROP_SHARE, WINDOW
 
 JOBS = {
     "default": ("deploy/configs/quickstart.yaml", "services.tasks.reverse_digits", 200),
@@ -45,15 +46,37 @@ BALANCED_POINTS = 0.10
 """Busy shares of engine and trainer this close (overlapping drivers) read as balanced."""
 
 
-def measured_bound(run: dict, batch: int) -> str:
-    """The bound read at the resources, not through the advice's rules."""
+def at_resources(run: dict) -> dict:
+    """The run's readings over the advice's window where the record has them (else run-long):
+    the staleness filter's share of the groups offered, the trainer's idle share, the engine's."""
+    if "window" in run:
+        return run["window"]
     stale = run.get("stale_dropped", 0.0)
-    if stale / (stale + batch * run["steps"]) >= STALE_DROP_SHARE:
+    return {"stale_share": stale / (stale + run["batch"] * run["steps"]), "trainer_idle": run["trainer_idle"],
+            "engine_idle_share": run["engine_idle_share"]}  # fmt: skip
+
+
+def window_readings(recs: list[dict], batch: int, engine_idle_share: float | None) -> dict:
+    """The last WINDOW steps as the advice reads them (services/dashboard/diagnosis.py): the
+    trainer's wait over the seconds after the window's first record, the groups the filter dropped
+    against those offered; the engine's idle share over the same seconds."""
+    window = recs[-WINDOW:]
+    seconds = window[-1]["time"] - window[0]["time"]
+    dropped = sum(r.get("rollout/fully_async/stale_groups_filtered", 0.0) for r in window)
+    return {"stale_share": dropped / (dropped + batch * len(window)),
+            "trainer_idle": sum(r["perf/rollout_wait_s"] for r in window[1:]) / seconds,
+            "engine_idle_share": engine_idle_share}  # fmt: skip
+
+
+def measured_bound(run: dict) -> str:
+    """The bound read at the resources, not through the advice's rules."""
+    read = at_resources(run)
+    if read["stale_share"] >= STALE_DROP_SHARE:
         return "staleness"
-    trainer_busy = 1.0 - run["trainer_idle"]
+    trainer_busy = 1.0 - read["trainer_idle"]
     if run["arm"] == "sync":  # one phase after the other: the longer one bounds the step
-        return "generation" if run["trainer_idle"] >= trainer_busy else "trainer"
-    engine_busy = 1.0 - run["engine_idle_share"]
+        return "generation" if read["trainer_idle"] >= trainer_busy else "trainer"
+    engine_busy = 1.0 - read["engine_idle_share"]
     if abs(engine_busy - trainer_busy) < BALANCED_POINTS:
         return "balanced"
     return "generation" if engine_busy > trainer_busy else "trainer"
@@ -70,6 +93,7 @@ def run_cell(job: str, driver: str, extra: list[str], seed: int, a) -> dict:
         recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         res["stale_dropped"] = sum(r.get("rollout/fully_async/stale_groups_filtered", 0.0) for r in recs)
         res["batch"] = json.loads((run_dir / "config.json").read_text())["rollout_batch_size"]
+        res["window"] = window_readings(recs, res["batch"], res.pop("window_engine_idle_share"))
     return {"job": job, **res}
 
 
@@ -78,12 +102,12 @@ def table(runs: list[dict]) -> tuple[str, int]:
              f"agree  the line"]  # fmt: skip
     agree = 0
     for r in runs:
-        bound = measured_bound(r, r["batch"])
+        bound, read = measured_bound(r), at_resources(r)
         said = r["diagnosis"][0]
         ok = said == bound
         agree += ok
         arm = r["arm"] + (f" S={r['extra'][-1]}" if r.get("extra") else "")
-        lines.append(f"{r['job']:<10}{arm:<20}{1 - r['engine_idle_share']:>12.0%}{1 - r['trainer_idle']:>13.0%}"
+        lines.append(f"{r['job']:<10}{arm:<20}{1 - read['engine_idle_share']:>12.0%}{1 - read['trainer_idle']:>13.0%}"
                      f"{bound:>12}{said:>12}  {'yes' if ok else 'NO':<5}  {r['diagnosis'][1]}")  # fmt: skip
     return "\n".join(lines), agree
 

@@ -36,7 +36,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from services.dashboard.diagnosis import diagnose
+from services.dashboard.diagnosis import WINDOW, diagnose
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = {
@@ -99,8 +99,10 @@ def run_one(arm: str, seed: int, steps: int, extra: list[str], a, data: tuple[Pa
     stale = [rec["rollout/fully_async/avg_staleness"] for rec in recs if "rollout/fully_async/avg_staleness" in rec]
     stale_max = [rec["rollout/fully_async/max_staleness"] for rec in recs if "rollout/fully_async/max_staleness" in rec]
     said = diagnose(recs, json.loads((run_dir / "config.json").read_text()))  # the run's advice, as status shows it
+    window = recs[-WINDOW:]  # the steps the advice reads, and the engine over the same seconds
+    at_engine = sampler.facts(window[0]["time"], window[-1]["time"], len(window) - 1)
     return {**loop_facts(recs, evals), **sampler.facts(start, recs[-1]["time"], len(recs)), "arm": arm, "seed": seed, "steps": steps, "extra": extra, "points": points,
-            "diagnosis": [said.kind, said.line],
+            "diagnosis": [said.kind, said.line], "window_engine_idle_share": at_engine.get("engine_idle_share"),
             "loop_wall_s": recs[-1]["perf/elapsed_s"], "run_wall_s": time.time() - t0,
             "staleness_mean": statistics.mean(stale) if stale else 0.0, "staleness_max": max(stale_max, default=0),
             "trace": trace, "finished_at": time.time()}  # fmt: skip
