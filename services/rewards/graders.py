@@ -344,7 +344,9 @@ def reasoning_gym_score(answer: str, label: Any, metadata: dict, prompt: Any) ->
         entry = {"question": prompt if isinstance(prompt, str) else "", "answer": label, "metadata": metadata}
         score = float(reasoning_gym.get_score_answer_fn(name)(answer.strip(), entry))
     if metadata.get("rg_scoring") == "exact":  # full marks or nothing: no partial credit to hedge for
-        return 1.0 if score >= 1.0 else 0.0
+        # `==`, not `>=`: a scorer that sums 1/len per position can overshoot 1.0 by rounding
+        # (spell_backward: the word and more, 9 or 11 letters, sums to 1.0000000000000002)
+        return 1.0 if score == 1.0 else 0.0
     return score
 
 

@@ -61,13 +61,19 @@ def test_the_answer_is_the_tag_or_the_first_line_and_what_follows_earns_nothing(
 
 def test_exact_scoring_gives_full_marks_or_nothing(tmp_path):
     """--rg-scoring exact: 1 where the dataset's scorer gives full marks, else 0, so that no partial
-    credit pays for an answer that runs on (spell_backward's gives 0.8 to the word and more)."""
+    credit pays for an answer that runs on (spell_backward's gives the word and more 0.8, and
+    about 1 where its sum of 1/len per letter rounds up or down: 6, 7, 9, 10 and 11 letters)."""
     meta = {"source_dataset": "spell_backward", "word": "splat", "rg_scoring": "exact"}
     assert grade("reasoning_gym", False, "talps", "talps", meta) == 1.0
     assert grade("reasoning_gym", False, "TALPS\nmore", "talps", meta) == 1.0  # the scorer's own case rule
     assert grade("reasoning_gym", False, "talp", "talps", meta) == 0.0
     assert grade("reasoning_gym", False, "talpsq", "talps", meta) == 0.0  # 0.8 under the dataset's scorer
     assert grade("reasoning_gym", False, "talpsq", "talps", {**meta, "rg_scoring": "dataset"}) == pytest.approx(0.8)
+    for word in ("abcdefghi", "abcdefghijk", "abcdefg"):  # sums of 1/len that round past 1.0, or just under it
+        long = {**meta, "word": word[::-1]}
+        assert grade("reasoning_gym", False, word + "zz", word, {**long, "rg_scoring": "dataset"}) > 0.99
+        assert grade("reasoning_gym", False, word + "zz", word, long) == 0.0
+        assert grade("reasoning_gym", False, word, word, long) == 1.0
     train, held = reasoning_gym.write_datasets(tmp_path, "spell_backward", OPTIONS, 50, 10, seed=5, scoring="exact")
     for path in (train, held):
         row = json.loads(path.read_text().splitlines()[0])
