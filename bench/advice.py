@@ -7,9 +7,9 @@ and on the long-tail job, each read two ways:
 - the bound measured at the two resources, over the same last WINDOW steps the advice reads
   (the line speaks of the run's latest steps; the run-long figures are kept beside them): the
   share of those seconds the engine was busy (read at the engine, `sglang:num_running_reqs` above
-  0) against the share the trainer was busy (the seconds less its wait for batches). Under the one-step and fully async drivers, which overlap the two,
-  the busier one is the bound, and neither when they are within BALANCED_POINTS of each other
-  (balanced). The synchronous driver overlaps nothing: its step is its generation phase (the
+  0) against the share the trainer was busy (the seconds less its wait for batches). Under the
+  one-step and fully async drivers, which overlap the two, the busier one is the bound, and
+  neither when they are within BALANCED_POINTS of each other (balanced). The synchronous driver overlaps nothing: its step is its generation phase (the
   trainer's wait) and then its training phase, and the longer phase is the bound. The staleness
   filter is the bound where it dropped at least docs/dashboard.md's share of the groups.
 
@@ -64,7 +64,7 @@ def window_readings(recs: list[dict], batch: int, engine_idle_share: float | Non
     seconds = window[-1]["time"] - window[0]["time"]
     dropped = sum(r.get("rollout/fully_async/stale_groups_filtered", 0.0) for r in window)
     return {"stale_share": dropped / (dropped + batch * len(window)),
-            "trainer_idle": sum(r["perf/rollout_wait_s"] for r in window[1:]) / seconds,
+            "trainer_idle": sum(r.get("perf/rollout_wait_s", 0.0) for r in window[1:]) / max(seconds, 1e-9),
             "engine_idle_share": engine_idle_share}  # fmt: skip
 
 

@@ -28,6 +28,9 @@ Before a seed's runs, the setup check (bench/peer_check.py) samples the warm-sta
 both sides and fails the bench (exit 1) when they differ beyond noise. Seeds alternate the arms
 (asyncrl seed 1, TRL seed 1, asyncrl seed 2, ...); every run and check is appended to --record as
 it finishes and never run twice, so the bench resumes across sessions. Needs the `peer` extra.
+The summary (--out) names the record it was read from. docs/bench/peer_trl_runs_stopids.jsonl holds
+the default job's runs since the tiny model stops at its special tokens; the default record, the
+long-tail runs and the default job's runs before that.
 
     python bench/peer_trl.py [--job default|longtail] [--seeds 1-5] [--steps N] [--eval-interval N]
                              [--eval-prompts N] [--check-samples 1024] [--record docs/bench/peer_trl_runs.jsonl]
@@ -297,7 +300,7 @@ def report(a, record: Path, seeds: list[int]) -> int:
         print("\n" + "\n".join(check_lines(c)))
     out = ROOT / a.out.format(job=a.job)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"job": a.job, "steps": a.steps, "threshold": a.threshold, "arms": rows,
+    out.write_text(json.dumps({"job": a.job, "record": a.record, "steps": a.steps, "threshold": a.threshold, "arms": rows,
                                "ratios": ratios}, indent=2) + "\n")  # fmt: skip
     return 1 if weights or check_failures(recs, a, seeds) else 0
 
