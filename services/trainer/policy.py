@@ -82,8 +82,9 @@ class DriverPolicy:
         return BufferGetRequest(
             step=step,
             count=self.batch_size,
-            # fully async: staleness is judged against the trainer's newest pushed version, the same
-            # for every group of a lease (it completes before the next push), as Miles's get(current_version)
+            # fully async: staleness is judged against the trainer's version when it asks, the same for
+            # every group of a lease, as Miles's get(current_version); a lease drained ahead while the
+            # previous step trains may complete after that step's push (its newest groups then read -1)
             current_version=version if self.mode == "fully_async" else None,
             lookahead_steps=lookahead,
             release_min_version=version if self.mode in ("sync", "one_step") else None,
