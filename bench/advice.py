@@ -9,9 +9,10 @@ and on the long-tail job, each read two ways:
   share of those seconds the engine was busy (read at the engine, `sglang:num_running_reqs` above
   0) against the share the trainer was busy (the seconds less its wait for batches). Under the
   one-step and fully async drivers, which overlap the two, the busier one is the bound, and
-  neither when they are within BALANCED_POINTS of each other (balanced). The synchronous driver overlaps nothing: its step is its generation phase (the
-  trainer's wait) and then its training phase, and the longer phase is the bound. The staleness
-  filter is the bound where it dropped at least docs/dashboard.md's share of the groups.
+  neither when they are within BALANCED_POINTS of each other (balanced). The synchronous driver
+  overlaps nothing: its step is its generation phase (the trainer's wait) and then its training
+  phase, and the longer phase is the bound. The staleness filter is the bound where it dropped at
+  least docs/dashboard.md's share of the groups.
 
 The long-tail job's fully async arm runs at the config's staleness bound (2) and at 1 and 4, the
 arms of bench/longtail.py.
@@ -32,7 +33,7 @@ from pathlib import Path
 
 from learning import ROOT, code_revision, load_record, run_one, write_data
 
-from services.dashboard.diagnosis import STALE_DROP_SHARE, WINDOW
+from services.dashboard.diagnosis import STALE_DROP_SHARE, WINDOW, window_shares
 
 JOBS = {
     "default": ("deploy/configs/quickstart.yaml", "services.tasks.reverse_digits", 200),
@@ -57,15 +58,10 @@ def at_resources(run: dict) -> dict:
 
 
 def window_readings(recs: list[dict], batch: int, engine_idle_share: float | None) -> dict:
-    """The last WINDOW steps as the advice reads them (services/dashboard/diagnosis.py): the
-    trainer's wait over the seconds after the window's first record, the groups the filter dropped
-    against those offered; the engine's idle share over the same seconds."""
-    window = recs[-WINDOW:]
-    seconds = window[-1]["time"] - window[0]["time"]
-    dropped = sum(r.get("rollout/fully_async/stale_groups_filtered", 0.0) for r in window)
-    return {"stale_share": dropped / (dropped + batch * len(window)),
-            "trainer_idle": sum(r.get("perf/rollout_wait_s", 0.0) for r in window[1:]) / max(seconds, 1e-9),
-            "engine_idle_share": engine_idle_share}  # fmt: skip
+    """The last WINDOW steps read as the advice reads them (`window_shares`), with the engine's idle
+    share over the same seconds."""
+    idle, stale = window_shares(recs[-WINDOW:], batch)
+    return {"stale_share": stale, "trainer_idle": idle, "engine_idle_share": engine_idle_share}
 
 
 def measured_bound(run: dict) -> str:

@@ -29,8 +29,8 @@ both sides and fails the bench (exit 1) when they differ beyond noise. Seeds alt
 (asyncrl seed 1, TRL seed 1, asyncrl seed 2, ...); every run and check is appended to --record as
 it finishes and never run twice, so the bench resumes across sessions. Needs the `peer` extra.
 The summary (--out) names the record it was read from. docs/bench/peer_trl_runs_stopids.jsonl holds
-the default job's runs since the tiny model stops at its special tokens; the default record, the
-long-tail runs and the default job's runs before that.
+the default job's runs since the tiny model stops at its special tokens; the default --record holds
+the long-tail runs and the default job's runs from before that.
 
     python bench/peer_trl.py [--job default|longtail] [--seeds 1-5] [--steps N] [--eval-interval N]
                              [--eval-prompts N] [--check-samples 1024] [--record docs/bench/peer_trl_runs.jsonl]

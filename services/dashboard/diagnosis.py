@@ -58,6 +58,15 @@ def _stalled(rows: list[dict], live: bool, now: float, limit_s: float) -> Diagno
                                 f"services' logs name the cause")  # fmt: skip
 
 
+def window_shares(window: list[dict], batch: int) -> tuple[float, float]:
+    """Over a window of metrics records: the share of its seconds (those after its first record)
+    the trainer waited for batches, and the share of the groups offered the staleness filter dropped."""
+    loop = window[-1]["time"] - window[0]["time"]
+    idle = sum(r.get("perf/rollout_wait_s", 0.0) for r in window[1:]) / max(loop, 1e-9)
+    dropped = sum(r.get("rollout/fully_async/stale_groups_filtered", 0.0) for r in window)
+    return idle, dropped / (dropped + batch * len(window))
+
+
 def diagnose(rows: list[dict], config: dict, live: bool = False, now: float | None = None) -> Diagnosis:
     """The run's diagnosis from its metrics records (`rows`, oldest first) and its stored config."""
     window = rows[-WINDOW:]
@@ -65,13 +74,10 @@ def diagnose(rows: list[dict], config: dict, live: bool = False, now: float | No
         return Diagnosis("starting", f"starting: {len(window)} steps so far, the bound shows after 5")
     if d := _stalled(window, live, time.time() if now is None else now, float(config.get("stall_report_s", 300.0))):
         return d
-    loop = window[-1]["time"] - window[0]["time"]  # the steps after the window's first record
-    idle = sum(r.get("perf/rollout_wait_s", 0.0) for r in window[1:]) / max(loop, 1e-9)
     batch = int(config.get("rollout_batch_size") or 1)
-    dropped = sum(r.get("rollout/fully_async/stale_groups_filtered", 0.0) for r in window)
-    offered = dropped + batch * len(window)
-    if dropped / offered >= STALE_DROP_SHARE:
-        return Diagnosis("staleness", f"staleness drops {dropped / offered:.0%} of groups: raise "
+    idle, stale = window_shares(window, batch)
+    if stale >= STALE_DROP_SHARE:
+        return Diagnosis("staleness", f"staleness drops {stale:.0%} of groups: raise "
                                       f"--max-weight-staleness (now {config.get('max_weight_staleness')}) or lower "
                                       f"--async-data-buffer-capacity-factor")  # fmt: skip
     fully = bool(config.get("fully_async")) and config.get("driver") != "sync"
