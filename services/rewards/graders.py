@@ -328,7 +328,9 @@ def reasoning_gym_score(answer: str, label: Any, metadata: dict, prompt: Any) ->
     marks, else 0."""
     import reasoning_gym
 
-    name = metadata.get("source_dataset")
+    name, scoring = metadata.get("source_dataset"), metadata.get("rg_scoring", "dataset")
+    if scoring not in ("dataset", "exact"):
+        raise ValueError(f"metadata.rg_scoring {scoring!r:.40}: dataset or exact (--rg-scoring)")
     if not isinstance(name, str):
         raise ValueError("rm_type reasoning_gym needs metadata.source_dataset (rows written by --task reasoning-gym "
                          "carry it)")  # fmt: skip
@@ -343,7 +345,7 @@ def reasoning_gym_score(answer: str, label: Any, metadata: dict, prompt: Any) ->
     else:
         entry = {"question": prompt if isinstance(prompt, str) else "", "answer": label, "metadata": metadata}
         score = float(reasoning_gym.get_score_answer_fn(name)(answer.strip(), entry))
-    if metadata.get("rg_scoring") == "exact":  # full marks or nothing: no partial credit to hedge for
+    if scoring == "exact":  # full marks or nothing: no partial credit to hedge for
         # `==`, not `>=`: a scorer that sums 1/len per position can overshoot 1.0 by rounding
         # (spell_backward: the word and more, 9 or 11 letters, sums to 1.0000000000000002)
         return 1.0 if score == 1.0 else 0.0

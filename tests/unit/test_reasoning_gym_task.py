@@ -79,6 +79,8 @@ def test_exact_scoring_gives_full_marks_or_nothing(tmp_path):
         row = json.loads(path.read_text().splitlines()[0])
         assert row["metadata"]["rg_scoring"] == "exact"
         assert grade("reasoning_gym", False, row["label"][:-1], row["label"], row["metadata"], row["prompt"]) == 0.0
+    with pytest.raises(ValueError, match="rg_scoring"):  # a row's own metadata: a misspelling is said, not ignored
+        grade("reasoning_gym", False, "talps", "talps", {**meta, "rg_scoring": "Exact"})
     assert RunConfig(task="reasoning-gym", rg_scoring="exact").data.rg_scoring == "exact"
     with pytest.raises(ValueError):
         RunConfig(task="reasoning-gym", rg_scoring="partial")
