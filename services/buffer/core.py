@@ -21,6 +21,7 @@ from typing import Any
 
 from asyncrl_proto.messages import SampleStatus, flatten_group, oldest_weight_version, scalar_reward
 from services.common.config import RunConfig
+from services.common.config.view import for_plugins
 from services.common.plugins import load_object
 
 Group = list[Any]
@@ -147,7 +148,7 @@ class DefaultDataBuffer(DataBuffer):
 
     def _apply_filter(self, group: Group) -> tuple[bool, str | None]:
         try:
-            out = self._filter(self.config, group)
+            out = self._filter(for_plugins(self.config), group)
         except Exception as e:
             raise RuntimeError(
                 f"--dynamic-sampling-filter-path {self.config.rollout.dynamic_sampling_filter_path} raised "

@@ -38,10 +38,11 @@ from services.buffer.machine import BufferMachine, group_identity
 from services.buffer.out import BufferPluginError, Out, Verdict
 from services.common import crash
 from services.common.bus import Settle, next_batch, settle
-from services.data.source import make_prompt_source
+from services.common.config.view import for_plugins
 from services.common.plugins import load_object
 from services.common.runtime import wait_event
 from services.common.validate import limits_from_model_dir
+from services.data.source import make_prompt_source
 
 log = logging.getLogger(__name__)
 
@@ -330,7 +331,7 @@ class Partition:
             return
         groups, self._step_groups = sorted(self._step_groups, key=lambda g: flatten_group(g)[0].index), []
         try:
-            self.all_samples_fn(self.config, groups, None)
+            self.all_samples_fn(for_plugins(self.config), groups, None)
         except Exception as e:
             log.warning("--rollout-all-samples-process-path raised: %s", e)
 

@@ -51,7 +51,14 @@ from services.buffer.out import Verdict
 from services.buffer.partition import SETTLE_OF, Bound, Partition, QueueSub
 from services.common import crash
 from services.common.bus import Settle, next_batch, settle
-from services.common.config import AsyncSection, DataSection, MultiLoraSection, RolloutSection, TrainerSection
+from services.common.config import (
+    AsyncSection,
+    ConfigView,
+    DataSection,
+    MultiLoraSection,
+    RolloutSection,
+    TrainerSection,
+)
 from services.common.promexport import LATENCY_BUCKETS_S
 from services.common.runtime import Service
 from services.common.versions import VersionBound
@@ -99,14 +106,15 @@ class Backoff:
         self._at.pop(key, None)
 
 
-def adapter_config(config, run: AdapterRun):
-    """The run's config as one adapter's partition sees it: its data, batch size, group size and
-    budget; fully async (its clock is the adapter version the trainer names)."""
+def adapter_config(config: ConfigView, run: AdapterRun) -> ConfigView:
+    """The buffer's config as one adapter's partition sees it: its data, batch size, group size and
+    budget; fully async (its clock is the adapter version the trainer names). Only the sections
+    these flags live in are new; the rest are the run's."""
     from services.data.source import adapter_total_steps, load_rows
 
     spec = run.spec
     rows = len(load_rows(spec.data, config.data.input_key, config.data.label_key, config.data.metadata_key))
-    return config.model_copy(update={
+    return config.replace(**{
         "prompt_data": spec.data, "data_source_path": None, "rollout_batch_size": spec.rollout_batch_size,
         "n_samples_per_prompt": spec.n_samples_per_prompt, "num_rollout": adapter_total_steps(run, rows),
         "num_epoch": None, "driver": "async", "fully_async": True, "over_sampling_batch_size": None,

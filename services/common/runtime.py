@@ -29,7 +29,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from asyncrl_proto import Heartbeat
 from services.common.bus import Bus
-from services.common.config import RunConfig
+from services.common.config import ConfigView, RunConfig
+from services.common.config.view import view
 from services.common.httpauth import OPEN_PATHS, Keys, engine_token_from_env, keys_from_env, require_token
 from services.common.promexport import LabelledProcessCollector, ServiceCollector
 from services.common.secrets import install_log_redaction, run_token_from_env
@@ -83,7 +84,8 @@ class Service:
     name = "service"
     reads: tuple[type, ...] = ()
     """The config sections (services.common.config) this service reads besides InfraSection, which the
-    runtime reads for every service (tests/unit/test_config_sections.py checks it)."""
+    runtime reads for every service: `self.config` holds these and no other (services.common.config.view;
+    tests/unit/test_config_sections.py checks the code against them too)."""
     counter_keys: frozenset[str] = frozenset()
     """metric_values() keys that are counters although their names do not end in `_total`."""
     histograms: dict[str, tuple[str, tuple[float, ...]]] = {}
@@ -91,7 +93,7 @@ class Service:
 
     def __init__(
         self,
-        config: RunConfig,
+        config: RunConfig | ConfigView,
         bus: Bus,
         *,
         instance_id: str | None = None,
@@ -103,7 +105,7 @@ class Service:
         This service's routes answer the admin only (services.common.httpauth); it calls the
         engines with its role's token (`engine_token`). Without a run token, or the keys and
         token the launcher gives, its protected routes refuse everyone."""
-        self.config = config
+        self.config = view(config, self.reads, f"{type(self).__name__}")
         if http_token is not None:
             self.http_keys: Keys | None = Keys.of_run(http_token)
         else:

@@ -23,6 +23,7 @@ import msgspec
 from asyncrl_proto import PromptMsg
 from asyncrl_proto.messages import Sample, SampleStatus, flatten_group
 from services.common.config import RunConfig
+from services.common.config.view import for_plugins
 from services.common.plugins import load_object
 
 
@@ -218,7 +219,7 @@ class PromptSource:
                           label=p.label, metadata=dict(p.metadata), status=SampleStatus.ABORTED)
                    for i in range(p.n_samples)] for p in recycled]  # fmt: skip
         try:
-            picked = self.buffer_filter(self.config, None, groups, 1)
+            picked = self.buffer_filter(for_plugins(self.config), None, groups, 1)
             gi = flatten_group(picked[0])[0].group_index
             return next(i for i, p in enumerate(recycled) if p.group_index == gi)
         except Exception as e:

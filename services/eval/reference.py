@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import os
 
-from services.rewards import resolve_reward
+from services.common.config.view import for_plugins
 from services.common.sglang_client import SGLangClient
 from services.eval.contract import CheckpointEvalFn, EvalSkip
 from services.model.tokenizer import Tokenizer
+from services.rewards import resolve_reward
 
 SERVER_ENV = "ASYNCRL_EVAL_SERVER_URL"
 
@@ -47,7 +48,7 @@ class SGLangServerEval(CheckpointEvalFn):
                 settings = input.get("dataset_settings", {}).get(name, {})
                 params = settings.get("sampling_params", input["sampling_params"])
                 n = settings.get("n_samples_per_eval_prompt", input["n_samples_per_prompt"])
-                metrics.update(await evaluate_dataset(client, self.tokenizer, self.reward_fn, self.config, name, rows,
+                metrics.update(await evaluate_dataset(client, self.tokenizer, self.reward_fn, for_plugins(self.config), name, rows,
                                                       params, n))  # fmt: skip
             return metrics
         finally:

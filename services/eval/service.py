@@ -47,8 +47,8 @@ from asyncrl_proto.messages import scalar_reward
 from services.common import crash, procs
 from services.common.bus import Settle, fetch_some, keep_alive, settle
 from services.common.config import AsyncSection, DataSection, EvalSection, RolloutSection, TrainerSection
+from services.common.config.view import for_plugins
 from services.common.plugins import load_object
-from services.rewards import mark_failed, reward_function, score_sample
 from services.common.runtime import Service, wait_event
 from services.common.sglang_client import SGLangClient
 from services.common.sinks import length_statistics, statistics_of
@@ -61,6 +61,7 @@ from services.eval.contract import CheckpointEvalFn, EvalSkip
 from services.eval.datasets import load_eval_sets
 from services.eval.fleet import launch_fleet
 from services.model.tokenizer import Tokenizer
+from services.rewards import mark_failed, reward_function, score_sample
 
 log = logging.getLogger(__name__)
 
@@ -351,7 +352,7 @@ class EvalService(Service):
                 client,
                 self.tokenizer,
                 self.reward_fns[name],
-                self.config,
+                for_plugins(self.config),
                 rows,
                 ds.sampling_params(),
                 ds.n_samples_per_eval_prompt,
@@ -372,7 +373,7 @@ class EvalService(Service):
             for name, samples in data.items()
         }  # fmt: skip
         try:
-            out = self.eval_log_fn(point_name(req), self.config, payload, {"eval/step": point_name(req)})
+            out = self.eval_log_fn(point_name(req), for_plugins(self.config), payload, {"eval/step": point_name(req)})
             if inspect.isawaitable(out):
                 out = await out
             return bool(out)

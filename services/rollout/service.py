@@ -27,14 +27,15 @@ from asyncrl_proto.messages import SampleStatus, flatten_group
 from services.common import crash
 from services.common.bus import Settle, fetch_some, keep_alive, settle, until_room
 from services.common.config import AsyncSection, DataSection, EvalSection, MultiLoraSection, RolloutSection
+from services.common.config.view import for_plugins
 from services.common.repeats import Repeats
-from services.rewards import mark_failed, resolve_reward, score_group, score_sample
 from services.common.runtime import Service
 from services.common.schedule import is_eval_point
 from services.common.sglang_client import SGLangClient
 from services.common.validate import MAX_ATTEMPT, limits_from_model_dir, sample_problem
 from services.envs.generate import EngineHandle, default_generate, generate_function  # noqa: F401 (plugins import them here)
 from services.model.tokenizer import Tokenizer
+from services.rewards import mark_failed, resolve_reward, score_group, score_sample
 from services.rollout.adapters import AdapterMode
 from services.rollout.core import Credits, Pauses
 from services.rollout.modes import GroupContext, PromptError, Refuse, Requeue, SingleModel
@@ -268,7 +269,7 @@ class RolloutService(Service):
         group = list(results)
         ctx.finish(group)
         if ctx.group_rm:
-            if not await score_group(ctx.reward_fn, self.config, group):
+            if not await score_group(ctx.reward_fn, for_plugins(self.config), group):
                 self.counters["reward_failures"] += len(group)
         self._check_samples(group)
         return self._group(prompt, group, started)
@@ -359,12 +360,12 @@ class RolloutService(Service):
         )
 
     async def _run_trajectory(self, sample: Sample, given_back: list[int], ctx: GroupContext):
-        out = await self.generate_fn(self.config, sample, ctx.engine, self.sampling_params())
+        out = await self.generate_fn(for_plugins(self.config), sample, ctx.engine, self.sampling_params())
         sample.metadata.pop("_input_ids", None)
         trajectory = out if isinstance(out, list) else [out]
         if not ctx.group_rm:
             for s in trajectory:
-                if s.status != SampleStatus.ABORTED and not await score_sample(ctx.reward_fn, self.config, s):
+                if s.status != SampleStatus.ABORTED and not await score_sample(ctx.reward_fn, for_plugins(self.config), s):
                     self.counters["reward_failures"] += 1
         given_back[0] += self.credits.trajectory_done()
         return out

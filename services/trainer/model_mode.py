@@ -28,6 +28,7 @@ from asyncrl_proto import BufferGetReply, WeightsPublished, decode
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import SampleStatus, flatten_group
 from services.common import crash, sample_records
+from services.common.config.view import for_plugins
 from services.common.plugins import load_object
 from services.common.versions import last_published_version
 from services.model.hf_io import load_weights_into, save_model
@@ -298,7 +299,7 @@ class ModelTraining(Mode):
         self.svc.check.exclude_invalid(groups, max_version=self.version)
         if self.sample_filter is not None:
             try:
-                apply_sample_filter(self.sample_filter, self.config, groups,
+                apply_sample_filter(self.sample_filter, for_plugins(self.config), groups,
                                     self.config.rollout.rollout_sample_filter_path)  # fmt: skip
             except ValueError as e:
                 raise TrainerError(str(e)) from e
@@ -373,7 +374,7 @@ class ModelTraining(Mode):
     async def _custom_rollout_log(self, w: Work, samples: list) -> bool:
         """Miles's log_rollout_data(rollout_id, args, samples, rollout_extra_metrics, rollout_time)."""
         try:
-            out = self.rollout_log_fn(w.step, self.config, samples, dict(w.metrics), w.rollout_time)
+            out = self.rollout_log_fn(w.step, for_plugins(self.config), samples, dict(w.metrics), w.rollout_time)
             if inspect.isawaitable(out):
                 out = await out
             return bool(out)

@@ -10,13 +10,16 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import math
+import pickle
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from services.common import config as cfgmod
-from services.common.config import SECTION_NAMES, SECTIONS, InfraSection, RunConfig, Section
+from services.common.config import SECTION_NAMES, SECTIONS, ConfigView, InfraSection, RunConfig, Section
+from services.common.config.view import for_plugins
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = {
@@ -114,3 +117,40 @@ def test_the_sections_are_public():
     assert {"InfraSection", "DataSection", "RolloutSection", "AsyncSection", "TrainerSection", "EvalSection"} <= set(
         vars(cfgmod)
     )
+
+
+def test_a_service_is_built_with_its_own_sections_and_cannot_reach_the_rest():
+    """At run time too: a service's `config` is a view of InfraSection and its declared sections;
+    another section, or a flag read around its section, is an error that names the fix."""
+    from services.weightsync.service import WeightSyncService
+
+    config = RunConfig(rollout_batch_size=4, n_samples_per_prompt=2, eval_interval=5)
+    part = ConfigView(config, WeightSyncService.reads, "WeightSyncService")
+    assert part.rollout is config.rollout and part.infra is config.infra  # typed sections, the run's own
+    assert part.rollout.rollout_batch_size == 4
+    with pytest.raises(AttributeError, match="EvalSection in its `reads`"):
+        part.eval
+    with pytest.raises(AttributeError, match=r"read config\.rollout\.rollout_batch_size"):
+        part.rollout_batch_size
+    with pytest.raises(AttributeError, match="joins TrainerSection"):
+        part.commit_interval  # joins a section weight-sync does not read
+    assert part.inflight_groups == config.inflight_groups  # a joined value of its own sections
+    assert for_plugins(part) is config and for_plugins(config) is config  # plugins: the flat config, as documented
+    with pytest.raises(AttributeError, match="read-only"):
+        part.rollout = config.rollout
+
+
+def test_a_partition_gets_its_own_section_values_not_a_copy_of_the_config():
+    from services.buffer.service import BufferService
+
+    config = RunConfig(rollout_batch_size=8, n_samples_per_prompt=4, multi_lora_n_adapters=2)
+    part = ConfigView(config, BufferService.reads, "BufferService")
+    adapter = part.replace(rollout_batch_size=2, prompt_data="a.jsonl", async_max_concurrent_samples=None)
+    assert adapter.rollout.rollout_batch_size == 2 and adapter.data.prompt_data == "a.jsonl"
+    assert adapter.rollout.n_samples_per_prompt == 4  # the rest of the section is the run's
+    assert adapter.trainer is config.trainer and adapter.infra is config.infra  # untouched sections: shared
+    assert part.rollout.rollout_batch_size == 8  # the service's own view is unchanged
+    assert adapter.buffer_capacity == math.floor(config.async_.async_data_buffer_capacity_factor * 2)
+    flat = for_plugins(adapter)  # a plugin of the partition sees its values, flat
+    assert flat.rollout_batch_size == 2 and flat.prompt_data == "a.jsonl" and flat.multi_lora_n_adapters == 2
+    assert pickle.loads(pickle.dumps(adapter)).rollout.rollout_batch_size == 2

@@ -16,9 +16,10 @@ from services.common.config.multi_lora import (
 from services.common.config.rollout import RolloutSection
 from services.common.config.run import SECTION_NAMES, SECTIONS, RunConfig, joins, section_of
 from services.common.config.trainer import TrainerSection
+from services.common.config.view import ConfigView
 
 __all__ = [
-    "ADAPTER_NAME", "MULTI_LORA_IGNORES", "SECTIONS", "SECTION_NAMES", "AsyncSection", "ConfigError",
+    "ADAPTER_NAME", "MULTI_LORA_IGNORES", "SECTIONS", "SECTION_NAMES", "AsyncSection", "ConfigError", "ConfigView",
     "DataSection", "EvalSection", "InfraSection", "MultiLoraSection", "RolloutSection", "RunConfig", "Section",
     "TrainerSection", "adapter_name_problem", "adapter_pairs", "joins", "section_of",
 ]  # fmt: skip

@@ -1,0 +1,90 @@
+"""What one service sees of the run's config: InfraSection and the sections it declares
+(`Service.reads`), as typed read-only objects, and the values that join only those sections
+(`config.buffer_capacity`). Any other section, or a flag read around its section, is an
+AttributeError that says which declaration is missing. Plugins get the flat RunConfig that
+docs/tasks.md promises them, through `for_plugins()`, built from this view's sections.
+
+A multi-LoRA partition is a view whose sections carry that adapter's values (`replace`), not a
+copy of the whole config."""
+
+from __future__ import annotations
+
+from services.common.config.base import Section
+from services.common.config.infra import InfraSection
+from services.common.config.run import SECTION_NAMES, RunConfig, section_of
+
+_ATTR_SECTION = {attr: cls for cls, attr in SECTION_NAMES.items()}
+
+
+class ConfigView:
+    """A service's part of a RunConfig (see the module docstring)."""
+
+    __slots__ = ("_run", "_reads", "_parts", "_flat", "_owner")
+
+    def __init__(self, run: RunConfig, reads: tuple[type[Section], ...], owner: str = "this service",
+                 parts: dict[type[Section], Section] | None = None):  # fmt: skip
+        object.__setattr__(self, "_run", run)
+        object.__setattr__(self, "_reads", frozenset({InfraSection, *reads}))
+        object.__setattr__(self, "_parts", dict(parts or {}))
+        object.__setattr__(self, "_flat", None if parts else run)
+        object.__setattr__(self, "_owner", owner)
+
+    def __getattr__(self, name: str):
+        cls = _ATTR_SECTION.get(name)
+        if cls is not None:
+            if cls not in self._reads:
+                raise AttributeError(f"{self._owner} reads config.{name} without declaring {cls.__name__} in its "
+                                     "`reads`: add it there")  # fmt: skip
+            return self._parts[cls] if cls in self._parts else getattr(self._run, name)
+        member = RunConfig.__dict__.get(name)
+        fn = member.fget if isinstance(member, property) else None
+        if fn is not None and hasattr(fn, "joins"):
+            missing = [c.__name__ for c in fn.joins if c not in self._reads]
+            if missing:
+                raise AttributeError(f"{self._owner} reads config.{name}, which joins {', '.join(missing)} that it "
+                                     "does not declare in its `reads`: add them there")  # fmt: skip
+            return fn(self)
+        if name in RunConfig.model_fields:
+            raise AttributeError(f"{self._owner} reads config.{name} around its section: read "
+                                 f"config.{SECTION_NAMES[section_of(name)]}.{name}")  # fmt: skip
+        raise AttributeError(name)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("a service's config is read-only")
+
+    def __reduce__(self):
+        return ConfigView, (self._run, tuple(self._reads), self._owner, self._parts or None)
+
+    def replace(self, **updates: object) -> ConfigView:
+        """This view with flags changed, each in its own section (a partition's batch size, data,
+        budget): the changed sections are new objects, the rest are shared."""
+        parts = dict(self._parts)
+        by_section: dict[type[Section], dict] = {}
+        for name, value in updates.items():
+            by_section.setdefault(section_of(name), {})[name] = value
+        for cls, changed in by_section.items():
+            base = parts[cls] if cls in parts else getattr(self._run, SECTION_NAMES[cls])
+            parts[cls] = base.model_copy(update=changed)
+        return ConfigView(self._run, tuple(self._reads), self._owner, parts)
+
+    def for_plugins(self) -> RunConfig:
+        """The flat, read-only RunConfig of docs/tasks.md, with this view's section values: for a
+        plugin (custom generate, reward, buffer, filter and log functions) only."""
+        if self._flat is None:
+            fields = {n: getattr(part, n) for part in self._parts.values() for n in type(part).model_fields}
+            object.__setattr__(self, "_flat", self._run.model_copy(update=fields))
+        return self._flat
+
+    def model_dump(self, **kw) -> dict:
+        """The flat config's fields (as RunConfig.model_dump), for a process this service starts."""
+        return self.for_plugins().model_dump(**kw)
+
+
+def view(config: RunConfig | ConfigView, reads: tuple[type[Section], ...], owner: str) -> ConfigView:
+    """`config` narrowed to `reads` (a view stays the view it is: a partition's own values)."""
+    return config if isinstance(config, ConfigView) else ConfigView(config, reads, owner)
+
+
+def for_plugins(config: RunConfig | ConfigView) -> RunConfig:
+    """The flat RunConfig a plugin gets, from a service's view or a whole config alike."""
+    return config.for_plugins() if isinstance(config, ConfigView) else config
