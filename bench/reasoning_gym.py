@@ -42,7 +42,7 @@ def run_one(seed: int, extra: list[str], config: str, run_dir: Path) -> dict:
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
     name = json.loads((run_dir / "result.json").read_text())["heldout_dataset"]
-    at = {rec["step"]: rec["time"] - t0 for rec in recs}  # eval point k (k > 0) follows step k's record
+    at = {rec["step"] + 1: rec["time"] - t0 for rec in recs}  # eval point k: after k steps (records count from 0)
     first = recs[0]["time"] - recs[0]["perf/elapsed_s"] - t0  # the training loop's start: step 0's eval is before it
     points = [{"step": e["step"], "s": round(at[e["step"]] if e["step"] else first, 1), "heldout": e[f"eval/{name}"],
                "truncated": e.get(f"eval/{name}-truncated_ratio"),
