@@ -173,7 +173,8 @@ class Launcher:
         pins = procs.split_cpus(c.infra.rollout_num_engines) if c.infra.pin_cpus and not self.placement else None
         for i in range(c.infra.rollout_num_engines):
             host, port = self._address(f"engine-{i}", "rollout")
-            flags = builtin_engine_flags(c, c.data.seed + i, f"engine-{i}")
+            lora = (c.multi_lora.multi_lora_n_adapters, c.multi_lora.multi_lora_max_rank)
+            flags = builtin_engine_flags(c, c.data.seed + i, f"engine-{i}", lora)
             flags |= {"--host": host} if self.placement else {}
             role = None
             if c.engines_read_bucket:  # it fetches weights or adapters with a read-only identity

@@ -74,6 +74,7 @@ class AdapterService(Service):
             raise ConfigError("--multi-lora-n-adapters is 0 (multi-LoRA off): the adapter registry has no slot "
                               "to give; set it to the number of adapter slots")  # fmt: skip
         super().__init__(config, bus, **kw)
+        config = self.config  # its own sections from here on (services.common.config.view)
         self.store = RegistryStore(bus)
         self.adapters = AdapterRegistry(config.multi_lora.multi_lora_n_adapters)
         """The registry (`self.registry` is the runtime's Prometheus registry)."""

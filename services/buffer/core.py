@@ -85,7 +85,7 @@ def make_buffer(config: RunConfig, recycle: Recycle) -> DataBuffer:
     if not (isinstance(cls, type) and issubclass(cls, DataBuffer)):
         raise ValueError(f"--custom-async-data-buffer-path {config.rollout.custom_async_data_buffer_path} must name a "
                          "subclass of services.api.DataBuffer")  # fmt: skip
-    return cls(config, recycle)
+    return cls(for_plugins(config), recycle)  # a plugin: the flat config (a partition's values in multi-LoRA)
 
 
 class DefaultDataBuffer(DataBuffer):

@@ -30,13 +30,15 @@ def builtin_engine_command(model_path: str, port: int, flags: dict[str, str | No
     return cmd
 
 
-def builtin_engine_flags(config, seed: int, instance: str) -> dict[str, str | None]:
+def builtin_engine_flags(config, seed: int, instance: str,
+                         lora_rank: tuple[int, int] | None = None) -> dict[str, str | None]:  # fmt: skip
     """The built-in engine settings a run gives every engine it starts; `instance` (engine-0,
-    eval-engine-0, ...) and the run id label its /metrics."""
+    eval-engine-0, ...) and the run id label its /metrics; `lora_rank` (adapters, max rank): a
+    multi-LoRA run's engines."""
     lora = {}
-    if getattr(config, "multi_lora_n_adapters", 0) > 0:  # two versions of every adapter while one replaces the other
-        lora = {"--enable-lora": None, "--max-loras-per-batch": str(2 * config.multi_lora.multi_lora_n_adapters),
-                "--max-lora-rank": str(config.multi_lora.multi_lora_max_rank)}  # fmt: skip
+    if lora_rank and lora_rank[0] > 0:  # two versions of every adapter while one replaces the other
+        lora = {"--enable-lora": None, "--max-loras-per-batch": str(2 * lora_rank[0]),
+                "--max-lora-rank": str(lora_rank[1])}  # fmt: skip
     parser = tool_call_parser(config.infra.sglang_server_args)  # the built-in engine knows SGLang's flag
     tools = {"--tool-call-parser": parser} if parser else {}
     return (

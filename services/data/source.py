@@ -263,7 +263,7 @@ def make_prompt_source(config: RunConfig) -> PromptSource:
         if not callable(getattr(cls, "get_samples", None)):
             raise DataError(f"--data-source-path {config.rollout.data_source_path} must name a DataSource subclass "
                             "(get_samples(num_samples) -> list[list[Sample]])")  # fmt: skip
-        return CustomPromptSource(config, cls(config))
+        return CustomPromptSource(config, cls(for_plugins(config)))
     if not config.data.prompt_data:
         raise DataError("the buffer needs --prompt-data (the launcher sets it to the task's data)")
     d = config.data

@@ -88,6 +88,7 @@ class EvalService(Service):
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
+        config = self.config  # its own sections from here on (services.common.config.view)
         self.backend = config.eval.backend
         self.tokenizer = Tokenizer(config.data.hf_checkpoint)
         self.sets = {ds.name: (ds, rows) for ds, rows in load_eval_sets(config)}  # --eval-prompt-data / --eval-config
@@ -110,7 +111,7 @@ class EvalService(Service):
                 raise ValueError(
                     f"--eval-function-path {config.eval.eval_function_path} must name a CheckpointEvalFn subclass"
                 )
-            self.evaluator = cls(config)
+            self.evaluator = cls(for_plugins(config))  # a plugin: the flat config
         path = config.eval.custom_eval_rollout_log_function_path
         self.eval_log_fn = load_object(path, "--custom-eval-rollout-log-function-path") if path else None
         self.live_version: int | None = None

@@ -56,6 +56,7 @@ class RolloutService(Service):
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
+        config = self.config  # its own sections from here on (services.common.config.view)
         self.n = config.rollout.n_samples_per_prompt
         self.credits = Credits(config.inflight_groups, self.n, config.submission_granularity)
         self.tokenizer = Tokenizer(config.data.hf_checkpoint)

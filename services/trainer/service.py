@@ -64,6 +64,7 @@ class TrainerService(Service):
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
+        config = self.config  # its own sections from here on (services.common.config.view)
         torch.set_num_threads(config.infra.torch_num_threads)
         torch.manual_seed(config.data.seed)
         self.run_dir = Path(config.infra.run_dir)

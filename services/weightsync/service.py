@@ -77,6 +77,7 @@ class WeightSyncService(Service):
 
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
+        config = self.config  # its own sections from here on (services.common.config.view)
         self.client = SGLangClient(config.infra.rollout_engine_urls, api_key=self.engine_token)
         self.live_version: int | None = None
         self.last_update_s = 0.0

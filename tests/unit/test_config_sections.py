@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from services.buffer.core import DataBuffer, make_buffer
 from services.common import config as cfgmod
 from services.common.config import SECTION_NAMES, SECTIONS, ConfigView, InfraSection, RunConfig, Section
 from services.common.config.view import for_plugins
@@ -129,11 +130,13 @@ def test_a_service_is_built_with_its_own_sections_and_cannot_reach_the_rest():
     assert part.rollout is config.rollout and part.infra is config.infra  # typed sections, the run's own
     assert part.rollout.rollout_batch_size == 4
     with pytest.raises(AttributeError, match="EvalSection in its `reads`"):
-        part.eval
+        _ = part.eval
     with pytest.raises(AttributeError, match=r"read config\.rollout\.rollout_batch_size"):
-        part.rollout_batch_size
+        _ = part.rollout_batch_size
+    with pytest.raises(AttributeError, match=r"read config\.rollout\.total_steps"):
+        _ = part.total_steps  # a section's own derived value, read around it
     with pytest.raises(AttributeError, match="joins TrainerSection"):
-        part.commit_interval  # joins a section weight-sync does not read
+        _ = part.commit_interval  # joins a section weight-sync does not read
     assert part.inflight_groups == config.inflight_groups  # a joined value of its own sections
     assert for_plugins(part) is config and for_plugins(config) is config  # plugins: the flat config, as documented
     with pytest.raises(AttributeError, match="read-only"):
@@ -154,3 +157,27 @@ def test_a_partition_gets_its_own_section_values_not_a_copy_of_the_config():
     flat = for_plugins(adapter)  # a plugin of the partition sees its values, flat
     assert flat.rollout_batch_size == 2 and flat.prompt_data == "a.jsonl" and flat.multi_lora_n_adapters == 2
     assert pickle.loads(pickle.dumps(adapter)).rollout.rollout_batch_size == 2
+
+
+def test_a_section_is_read_only():
+    config = RunConfig()
+    with pytest.raises(ValueError, match="frozen"):
+        config.rollout.rollout_batch_size = 3
+
+
+class FlatReadingBuffer(DataBuffer):
+    """A --custom-async-data-buffer-path class that reads its config flat, as docs/tasks.md allows."""
+
+    def __init__(self, config, recycle):
+        super().__init__(config, recycle)
+        self.batch = config.rollout_batch_size
+
+
+def test_a_custom_buffer_of_a_partition_gets_the_flat_config_with_the_partitions_values():
+    from services.buffer.service import BufferService
+
+    config = RunConfig(rollout_batch_size=8, multi_lora_n_adapters=2,
+                       custom_async_data_buffer_path=f"{__name__}.FlatReadingBuffer")  # fmt: skip
+    adapter = ConfigView(config, BufferService.reads, "BufferService").replace(rollout_batch_size=2)
+    buffer = make_buffer(adapter, recycle=None)
+    assert isinstance(buffer.config, RunConfig) and buffer.batch == 2

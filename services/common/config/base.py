@@ -14,7 +14,7 @@ class Section(BaseModel):
     `problems()` (they may read flags of other sections: every rule runs on the whole RunConfig).
     A one-flag rule is a bound on the field itself (ge / gt / le, and a `hint` that says what to do)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=False, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=False, allow_inf_nan=False, frozen=True)
 
     def problems(self) -> list[str]:
         return []

@@ -44,9 +44,11 @@ class ConfigView:
                 raise AttributeError(f"{self._owner} reads config.{name}, which joins {', '.join(missing)} that it "
                                      "does not declare in its `reads`: add them there")  # fmt: skip
             return fn(self)
-        if name in RunConfig.model_fields:
+        home = next((c for c in SECTION_NAMES if name in c.model_fields or isinstance(c.__dict__.get(name), property)),
+                    None)  # fmt: skip
+        if home is not None:
             raise AttributeError(f"{self._owner} reads config.{name} around its section: read "
-                                 f"config.{SECTION_NAMES[section_of(name)]}.{name}")  # fmt: skip
+                                 f"config.{SECTION_NAMES[home]}.{name}")  # fmt: skip
         raise AttributeError(name)
 
     def __setattr__(self, name, value):
@@ -81,8 +83,10 @@ class ConfigView:
 
 
 def view(config: RunConfig | ConfigView, reads: tuple[type[Section], ...], owner: str) -> ConfigView:
-    """`config` narrowed to `reads` (a view stays the view it is: a partition's own values)."""
-    return config if isinstance(config, ConfigView) else ConfigView(config, reads, owner)
+    """`config` narrowed to `reads`; a view is narrowed again (to these sections, its values kept)."""
+    if isinstance(config, ConfigView):
+        return ConfigView(config._run, reads, owner, config._parts or None)
+    return ConfigView(config, reads, owner)
 
 
 def for_plugins(config: RunConfig | ConfigView) -> RunConfig:
