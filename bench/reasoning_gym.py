@@ -15,6 +15,7 @@ the end. A run already in --record (same seed and extra arguments) is not run ag
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import subprocess
@@ -23,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
 from learning import code_revision, load_record, seeds_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,15 +90,17 @@ def main() -> None:
     p.add_argument("extra", nargs="*", help="after --: more CLI arguments for every run")
     a = p.parse_args()
     seeds = seeds_of(a.seeds)
-    done = {(r["seed"], json.dumps(r["extra"]), r["config"]) for r in load_record(a.record)}
+    settings = json.dumps(yaml.safe_load((ROOT / a.config).read_text()), sort_keys=True)
+    sha = hashlib.sha256(settings.encode()).hexdigest()[:12]  # a record is of the settings the run had
+    done = {(r["seed"], json.dumps(r["extra"]), r["config"], r.get("config_sha")) for r in load_record(a.record)}
     if not a.report_only:
         for seed in seeds:
-            if (seed, json.dumps(a.extra), a.config) in done:
+            if (seed, json.dumps(a.extra), a.config, sha) in done:
                 print(f"seed {seed}: already in {a.record}", flush=True)
                 continue
             with tempfile.TemporaryDirectory(prefix="asyncrl-rg-") as tmp:
                 res = run_one(seed, a.extra, a.config, Path(tmp) / "run")
-            res["rev"] = code_revision()
+            res["rev"], res["config_sha"] = code_revision(), sha
             a.record.parent.mkdir(parents=True, exist_ok=True)
             with a.record.open("a") as f:
                 f.write(json.dumps(res) + "\n")
@@ -104,7 +108,9 @@ def main() -> None:
             print(f"seed {seed}: step 0 {s['step0']:.3f} -> {s['end']:.3f} (gain {s['gain']:+.3f}) in "
                   f"{res['run_wall_s']:.0f} s", flush=True)  # fmt: skip
     runs = [
-        r for r in load_record(a.record) if r["seed"] in seeds and r["extra"] == a.extra and r["config"] == a.config
+        r
+        for r in load_record(a.record)
+        if r["seed"] in seeds and r["extra"] == a.extra and r["config"] == a.config and r.get("config_sha") == sha
     ]
     if not runs:
         sys.exit(f"no run of {a.config} with these seeds and arguments in {a.record}")
