@@ -19,7 +19,6 @@ from asyncrl_proto import AdapterLive, AdapterRegistryState, PromptMsg, decode
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import AdapterRun, AdapterState, flatten_group
 from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX, ADAPTERS_KV_KEY
-from services.common.config.view import for_plugins
 from services.rewards import reward_function
 from services.rollout.modes import GroupContext, PromptError, Refuse, Requeue
 
@@ -91,7 +90,7 @@ class AdapterRoutes:
         rid = run.registration_id
         if rid not in self._rewards:
             spec = run.spec
-            self._rewards[rid] = reward_function(for_plugins(self.config), spec.rm_type, spec.custom_rm_path)
+            self._rewards[rid] = reward_function(self.config, spec.rm_type, spec.custom_rm_path)
         return self._rewards[rid]
 
 
