@@ -556,7 +556,7 @@ class BufferMachine:
         return {
             "capacity": self.config.buffer_capacity, "stored_groups": rs.stored, "live_version": self.live_version,
             "mode": self.config.infra.mode, "want_step": self.want_step, "committed_step": s.committed_step,
-            "outstanding_prompts": rs.outstanding, "producers": len(self.producers),
+            "outstanding_prompts": rs.outstanding, "producers": len(self.producers), "inflight_cap": rs.inflight_cap,
             "data_source": {"epoch": s.epoch, "cursor": s.cursor, "next_group_index": s.next_group_index,
                             "recycled_waiting": len(s.recycled)},
             "ledger": {**s.counters, "events": s.seq}, "stalled": self.stall(now),

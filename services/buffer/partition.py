@@ -130,6 +130,7 @@ class Partition:
         self._stall_said: str | None = None
         self.expired_total = 0
         self._answered: dict[int, asyncio.Event] = {}  # id(request message) -> set once answered
+        self._dead_lettered: list[int] = []  # ROLLOUTS sequences dead-lettered in this batch
         self._next_live_read = 0.0
         self.reads_live = not subjects.partition
         """The engines' version is the clock of a single-model run; an adapter's is its trainer's."""
@@ -219,6 +220,18 @@ class Partition:
                 crash.point("buffer", "appended_before_ack")
             for msg, how in done:
                 await settle(msg, how)
+            for seq in self._dead_lettered:  # their copies are on DEADLETTER
+                await self._drop(seq)
+            self._dead_lettered.clear()
+
+    async def _drop(self, seq: int) -> None:
+        """A dead-lettered message leaves ROLLOUTS at once: a flood of them, stored above a group
+        still held, is out of the purge's reach and would hold every producer's publish back
+        (the stream's message cap) until the run stalls."""
+        try:
+            await self.bus.delete_msg(self.bus.subjects.rollouts_stream, seq)
+        except Exception as e:  # storage hygiene only: the purge takes it later
+            log.warning("could not delete dead-lettered message %d from ROLLOUTS: %s", seq, e)
 
     async def _put_one(self, msg, pending: list) -> Settle:
         """Returns how to settle the message once what was decided on it is durable."""
@@ -233,6 +246,7 @@ class Partition:
         self.ledger.add(out.events)
         for m, reason in out.dead_letters:
             await self.bus.dead_letter(m.subject, m.data, reason)
+            self._dead_lettered.append(seq)
         if out.settle is not Verdict.PUT:
             return SETTLE_OF[out.settle]
         put = asyncio.ensure_future(self._plugin(self.buffer.put(rg.samples), "put"))

@@ -77,6 +77,11 @@ async def test_bad_groups_are_rejected_and_their_prompts_settled(nats_server, ru
         await h.bus.js.publish(h.s.rollouts, b"\x00" * 9)  # garbage
         await h.publish_group(prompts[3])  # the real group of the prompt whose id was forged ahead
         await wait_until(lambda: sum(svc.service.bus.dead_lettered.values()) == 5, what="5 dead letters")
+
+        async def honest_only() -> bool:  # a flood of them must not hold the stream's room: they leave it
+            return (await h.bus.js.stream_info(h.s.rollouts_stream)).state.messages == 1
+
+        await wait_until(honest_only, what="ROLLOUTS to hold the honest group only")
         state = svc.service.state
         assert state.counters["rejected"] == 5
         assert all(group_id(p.group_index, 0) not in state.outstanding for p in prompts[:3])  # settled

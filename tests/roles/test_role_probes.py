@@ -90,24 +90,27 @@ async def refused_writes(live: Live, role: str, subjects: list[str], caplog) -> 
         await bus.close()
 
 
-async def ghost_producers(live: Live, seconds: float) -> tuple[int, int]:
-    """1,024 heartbeats under new producer ids, each claiming a large in-flight cap, for `seconds`:
-    the buffer's prompts in flight before (max over 2 s) and during."""
+async def ghost_producers(live: Live, seconds: float) -> tuple[int, int, int]:
+    """1,024 heartbeats under new producer ids for `seconds`, half claiming the largest in-flight
+    cap a producer may have, half one past any cap: the buffer's in-flight cap (the sum over
+    producers that answered a prompt) before and at its highest during, and the most prompts in
+    flight during."""
     bus = await live.bus("rollout")
-    before = max(live.status("buffer")["outstanding_prompts"] for _ in range(10))
-    during = 0
+    before = live.status("buffer")["inflight_cap"]
+    cap, during, outstanding = live.config["rollout_batch_size"], before, 0
     try:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             for i in range(1024):
                 hb = Heartbeat(service="rollout", instance_id=f"ghost-{i}", ts=time.time(),
-                               info={"inflight_groups": 4096, "in_work": []})  # fmt: skip
+                               info={"inflight_groups": cap if i % 2 else 4096, "in_work": []})  # fmt: skip
                 await bus.nc.publish(bus.subjects.heartbeat("rollout"), encode(hb))
             await bus.nc.flush()
-            during = max(during, live.status("buffer")["outstanding_prompts"])
+            status = live.status("buffer")
+            during, outstanding = max(during, status["inflight_cap"]), max(outstanding, status["outstanding_prompts"])
     finally:
         await bus.close()
-    return before, during
+    return before, during, outstanding
 
 
 async def junk_flood(live: Live, n: int) -> int:
@@ -209,8 +212,10 @@ def test_each_roles_worst_case_leaves_the_run_whole(tmp_path, caplog):
     assert proc.returncode == 0, out[-3000:]
     result = json.loads((run_dir / "result.json").read_text())
     print(f"probes: {found}; ledger {result['ledger']}")  # what each role did, for the record (pytest -s)
-    before, during = found["ghosts"]
-    assert during <= max(before, 1) * 2, f"ghost producers raised the prompts in flight from {before} to {during}"
+    before, during, outstanding = found["ghosts"]
+    assert during == before, f"ghost producers raised the buffer's in-flight cap from {before} to {during}"
+    honest = live.config["rollout_batch_size"] * (1 + live.config["async_data_buffer_capacity_factor"])
+    assert outstanding <= honest, f"{outstanding} prompts in flight under ghosts, over the honest {honest}"
     paused_s = found["paused_share"] * SPAM_S  # the budget, and one status poll's lag either side
     assert paused_s <= BUDGET_S + 3.0, f"pauses held production {paused_s:.1f} s of a {SPAM_S:.0f} s spam"
     assert found["claims"] == [400, 200, 400], found["claims"]  # loading-<N> alone names no weights

@@ -482,6 +482,10 @@ class Bus:
         """Delete every message of `stream` below sequence `seq`."""
         await self.js.purge_stream(stream, seq=seq)
 
+    async def delete_msg(self, stream: str, seq: int) -> None:
+        """Delete message `seq` of `stream` (one broker round trip; a purge is cheaper for many)."""
+        await self.js.delete_msg(stream, seq)
+
     async def get_payload(self, stream: str, seq: int) -> bytes:
         raw = await self.get_msg(stream, seq, direct=True)
         if raw is None or raw.data is None:
