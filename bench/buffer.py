@@ -175,7 +175,7 @@ class BufferPath:
                 break
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
                 await asyncio.sleep(0.1)
-        self.psub = await bus.consume(s.consumers(cfg.prompt_ack_wait_s)["producers"])
+        self.psub = await bus.consume(s.consumers(cfg.async_.prompt_ack_wait_s)["producers"])
         self.commits: list[asyncio.Future] = []
         return self
 

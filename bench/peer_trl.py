@@ -87,7 +87,7 @@ def warm_model(config, job: str, seed: int) -> tuple[Path, str]:
     build_task_model (the launcher's: the task's tiny Llama, --seed, --warmup-sft-steps); its sha256."""
     from services.prepare import build_task_model
 
-    out = MODEL_ROOT / job / f"seed{seed}-sft{config.warmup_sft_steps}"
+    out = MODEL_ROOT / job / f"seed{seed}-sft{config.data.warmup_sft_steps}"
     if not (out / ".complete").exists():
         build_task_model(config, out, log=lambda m: print(f"  {m}", flush=True))
     return out, json.loads((out / ".complete").read_text())["sha256"]
@@ -119,7 +119,7 @@ def run_asyncrl(a, seed: int, data: tuple[Path, Path], config) -> dict:
         res = run_one("fully-async", seed, a.steps, [], a, data, run_dir)
         recs = read_rows(run_dir / "metrics.jsonl")
         sha = json.loads((run_dir / "model" / "initial" / ".complete").read_text())["sha256"]
-    trace = _per_step(recs, config.rollout_batch_size)
+    trace = _per_step(recs, config.rollout.batch_size)
     clip = [t["clipfrac"] for t in trace if t["clipfrac"] is not None]
     res.pop("trace", None)
     elapsed = [0.0] + [r["perf/elapsed_s"] for r in recs]  # each step's wall-clock, its wait for rollouts included

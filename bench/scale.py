@@ -94,7 +94,7 @@ async def measure(k: int, a, url: str, data: Path, model: Path, vocab: int, tmp:
     children = list(engine_procs)
     try:
         await bus.ensure_streams()
-        await bus.ensure_consumers(cfg.prompt_ack_wait_s)
+        await bus.ensure_consumers(cfg.async_.prompt_ack_wait_s)
         await bus.kv_put("config", json.dumps(cfg.model_dump(mode="json")).encode())
         children.append(procs.spawn([sys.executable, "-m", "services.buffer", "--nats-url", url, "--run-id", run_id],
                                     log_path=run_dir / "logs" / "buffer.log"))  # fmt: skip

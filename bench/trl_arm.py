@@ -51,7 +51,7 @@ UNSUPPORTED = {
 
 # ---- the recipe ----------------------------------------------------------------------------------
 def check_supported(config) -> None:
-    bad = {k: getattr(config, k) for k, default in UNSUPPORTED.items() if getattr(config, k) != default}
+    bad = {k: config.flag(k) for k, default in UNSUPPORTED.items() if config.flag(k) != default}
     if config.trainer.kl_coef and config.trainer.kl_loss_type != "low_var_kl":
         bad["kl_loss_type"] = config.trainer.kl_loss_type  # TRL's KL term is k3 (low_var_kl) only
     if bad:
@@ -69,7 +69,7 @@ def unmatched(config) -> list[str]:
 def grpo_config(config, out_dir: Path, seed: int, steps: int) -> dict:
     """GRPOConfig keyword arguments from asyncrl's resolved RunConfig, field by field."""
     r, t = config.rollout, config.trainer
-    batch = r.rollout_batch_size * r.n_samples_per_prompt
+    batch = r.batch_size * r.n_samples_per_prompt
     return {
         "output_dir": str(out_dir), "seed": seed, "max_steps": steps,
         # one generation batch of B prompts x n samples, one optimizer step on all of it (asyncrl's default)
@@ -81,8 +81,8 @@ def grpo_config(config, out_dir: Path, seed: int, steps: int) -> dict:
         "loss_type": "dapo" if t.loss_aggregation == "token" else "grpo",
         "scale_rewards": "group" if t.grpo_std_normalization and r.n_samples_per_prompt > 1 else "none",
         "beta": t.kl_coef,
-        "temperature": r.rollout_temperature, "top_p": r.rollout_top_p, "top_k": max(r.rollout_top_k, 0),
-        "max_completion_length": r.rollout_max_response_len,
+        "temperature": r.temperature, "top_p": r.top_p, "top_k": max(r.top_k, 0),
+        "max_completion_length": r.max_response_len,
         "shuffle_dataset": config.data.rollout_shuffle,
         # asyncrl trains in float32 without activation checkpointing, on the CPU here
         "bf16": False, "fp16": False, "activation_checkpointing": False, "use_cpu": True,

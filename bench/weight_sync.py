@@ -119,7 +119,7 @@ async def cell(arm: str, size: str, model: Path, a, tmp: Path) -> dict:
                         run_dir=str(run_dir), hf_checkpoint=str(model), num_rollout=10**6, fully_async=True,
                         update_weight_transfer_mode=mode, update_weight_master_address="127.0.0.1")  # fmt: skip
         await admin.ensure_streams()
-        await admin.ensure_consumers(cfg.prompt_ack_wait_s)
+        await admin.ensure_consumers(cfg.async_.prompt_ack_wait_s)
         await admin.kv_put("config", json.dumps(cfg.model_dump(mode="json")).encode())
         load = asyncio.ensure_future(keep_busy(url, token, a.load, stop))
 
@@ -146,7 +146,7 @@ async def cell(arm: str, size: str, model: Path, a, tmp: Path) -> dict:
             _, live = await asyncio.wait_for(lives.get(), 120)
             if live.version == 0:
                 break
-        store = WeightStore(trainer, chunk_size=cfg.update_weight_buffer_size) if mode == "object-store" else None
+        store = WeightStore(trainer, chunk_size=cfg.async_.update_weight_buffer_size) if mode == "object-store" else None
         weights = load_model(model)
         sender = None
         if mode == "distributed":

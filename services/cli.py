@@ -56,7 +56,7 @@ def _resolve(prog: str, argv: list[str], sync: bool):
     except (ConfigError, OSError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    if "rollout_batch_size" not in config.model_fields_set:  # as Miles: no default batch size
+    if "rollout_batch_size" not in config.flags_set:  # as Miles: no default batch size
         print(f"{prog}: error: --rollout-batch-size is required (prompt groups per training step; e.g. "
               "--rollout-batch-size 16, or --config deploy/configs/quickstart.yaml)", file=sys.stderr)  # fmt: skip
         raise SystemExit(2)

@@ -101,7 +101,7 @@ class Launcher:
         self.eval_points = EvalPoints()
         """The points the trainer requested (read on the EVAL stream's request subject): only their results count."""
         self.done: ProgressRecord | None = None
-        self.multi_lora = config.multi_lora.multi_lora_n_adapters > 0
+        self.multi_lora = config.multi_lora.n_adapters > 0
         """Multi-LoRA: the run ends when the trainer says every adapter is completed."""
         self.engines_paused: list[str] = []
         self.placement: Placement | None = None
@@ -173,7 +173,7 @@ class Launcher:
         pins = procs.split_cpus(c.infra.rollout_num_engines) if c.infra.pin_cpus and not self.placement else None
         for i in range(c.infra.rollout_num_engines):
             host, port = self._address(f"engine-{i}", "rollout")
-            lora = (c.multi_lora.multi_lora_n_adapters, c.multi_lora.multi_lora_max_rank)
+            lora = (c.multi_lora.n_adapters, c.multi_lora.max_rank)
             flags = builtin_engine_flags(c, c.data.seed + i, f"engine-{i}", lora)
             flags |= {"--host": host} if self.placement else {}
             role = None
@@ -302,7 +302,7 @@ class Launcher:
         (self.run_dir / "config.json").write_text(json.dumps(c.model_dump(mode="json"), indent=2))
         bus = await Bus.connect(self.nats_url, c.infra.run_id, "launcher", creds=self.creds["admin"])
         try:
-            lora = c.multi_lora.multi_lora_n_adapters > 0
+            lora = c.multi_lora.n_adapters > 0
             await bus.ensure_streams(c.infra.stream_replicas, lora, c.rollouts_max_msgs)
             await bus.ensure_consumers(c.async_.prompt_ack_wait_s, lora)
             await bus.kv_put("config", json.dumps(c.model_dump(mode="json")).encode())
@@ -424,7 +424,7 @@ class Launcher:
         with contextlib.suppress(MalformedMessage):
             res = decode(msg.data, EvalResult)
             c = self.config
-            points = (c.rollout.total_steps, c.eval.eval_interval, c.rollout.num_rollout_per_epoch, c.infra.mode)
+            points = (c.rollout.total_steps, c.eval.interval, c.rollout.num_rollout_per_epoch, c.infra.mode)
             skipped = res.skipped_reason is not None
             if (eval_result_problem(res.step, c.rollout.total_steps)
                     or self.eval_points.launcher_problem(res.step, res.version, skipped,
@@ -436,7 +436,7 @@ class Launcher:
             self.evals[res.step] = res
             main = {k: v for k, v in res.metrics.items() if k.count("/") == 1 and not k.startswith("eval/duration")}
             shown = ", ".join(f"{k} {v:.3f}" for k, v in main.items() if k != "eval/step")
-            sets = self.config.eval.eval_prompt_data
+            sets = self.config.eval.prompt_data
             if sets and res.skipped_reason is None and f"eval/{sets[0]}" in res.metrics:  # the first set's mean
                 self.heldout = res.metrics[f"eval/{sets[0]}"]
             name = int(res.metrics.get("eval/step", res.step))
@@ -456,7 +456,7 @@ class Launcher:
                      f"{self.run_dir / 'secrets' / 'run-token'}; `asyncrl status {self.run_dir}` in a terminal)")
 
     def summary(self) -> dict:
-        key = f"eval/{self.config.eval.eval_prompt_data[0]}" if self.config.eval.eval_prompt_data else None
+        key = f"eval/{self.config.eval.prompt_data[0]}" if self.config.eval.prompt_data else None
         first = self.evals.get(0)  # the baseline: no step trained
         last = self.evals[max(self.evals)] if self.evals else None  # the latest weights evaluated
         r0 = first.metrics.get(key) if first and key else None
@@ -468,7 +468,7 @@ class Launcher:
             "steps": self.config.rollout.total_steps,
             "wall_s": time.time() - self.t0,
             "final_weight_version": self._final_version(),
-            "heldout_dataset": self.config.eval.eval_prompt_data[0] if self.config.eval.eval_prompt_data else None,
+            "heldout_dataset": self.config.eval.prompt_data[0] if self.config.eval.prompt_data else None,
             "heldout_reward_step0": r0,
             "heldout_reward_final": r1,
             "heldout_reward_final_after_steps": max(self.evals) if self.evals else None,

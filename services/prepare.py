@@ -30,7 +30,6 @@ from services.common.secrets import (
 )
 from services.supervisor import LaunchError
 
-
 BUNDLED = {
     "reverse-digits": "services.tasks.reverse_digits",
     "reverse-longtail": "services.tasks.reverse_longtail",
@@ -52,11 +51,11 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
     (run_dir / "logs").mkdir(exist_ok=True)
     updates: dict = {"run_id": run_id, "run_dir": str(run_dir)}
     for field in ("save", "save_hf", "load", "eval_hf_dir", "prompt_data"):  # services may run elsewhere
-        if getattr(config, field):
-            updates[field] = str(Path(getattr(config, field)).resolve())
-    if config.eval.eval_config:  # inlined, with absolute paths: every service reads the same document
+        if config.flag(field):
+            updates[field] = str(Path(config.flag(field)).resolve())
+    if config.eval.config:  # inlined, with absolute paths: every service reads the same document
         updates.update(inline_eval_config(config))
-    given_eval = bool(config.eval.eval_prompt_data or config.eval.eval_config)
+    given_eval = bool(config.eval.prompt_data or config.eval.config)
     if config.data.task in BUNDLED and (config.data.prompt_data is None or not given_eval):
         task = importlib.import_module(BUNDLED[config.data.task])
         train, held_out = task.write_datasets(run_dir / "data", seed=config.data.rollout_seed)
@@ -84,7 +83,7 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
         raise LaunchError("--data-source-path needs --num-rollout: a custom data source has no epochs to count")
     if config.rollout.num_rollout is None:
         updates["num_rollout"] = steps_of_epochs(config, rows)
-        updates["num_rollout_per_epoch"] = rows // config.rollout.rollout_batch_size
+        updates["num_rollout_per_epoch"] = rows // config.rollout.batch_size
         log(f"--num-epoch {config.rollout.num_epoch}: {rows} prompts per epoch -> {updates['num_rollout']} steps")
     if config.data.hf_checkpoint is None:
         model_dir = run_dir / "model" / "initial"
@@ -115,10 +114,10 @@ def build_task_model(config: RunConfig, model_dir: Path, log) -> None:
 
         rows = load_rows(d.prompt_data, d.input_key, d.label_key, None)
         pairs = [(str(r["prompt"]), str(r["label"])) for r in rows]
-        held_out = [str(r["prompt"]) for f in config.eval.eval_prompt_data[1::2]  # NAME PATH pairs
+        held_out = [str(r["prompt"]) for f in config.eval.prompt_data[1::2]  # NAME PATH pairs
                     for r in load_rows(f, "prompt", None, None)]  # its prompts must fit too  # fmt: skip
         prompts = [p for p, _ in pairs] + held_out
-        longest = max(map(len, prompts)) + max(len(a) for _, a in pairs) + config.rollout.rollout_max_response_len
+        longest = max(map(len, prompts)) + max(len(a) for _, a in pairs) + config.rollout.max_response_len
         context = 128
         while context < longest + 2:
             context *= 2
@@ -134,10 +133,10 @@ def steps_of_epochs(config: RunConfig, rows: int) -> int:
     if config.rollout.num_epoch is None:
         raise LaunchError("set the run's length: --num-rollout N (training steps) or --num-epoch E (passes over "
                           "--prompt-data, each of prompts // --rollout-batch-size steps)")  # fmt: skip
-    steps = rows // config.rollout.rollout_batch_size * config.rollout.num_epoch
+    steps = rows // config.rollout.batch_size * config.rollout.num_epoch
     if steps < 1:
         raise LaunchError(f"--num-epoch {config.rollout.num_epoch}: {rows} prompts make no batch of "
-                          f"--rollout-batch-size {config.rollout.rollout_batch_size}; set --num-rollout or a smaller "
+                          f"--rollout-batch-size {config.rollout.batch_size}; set --num-rollout or a smaller "
                           "--rollout-batch-size")  # fmt: skip
     return steps
 
@@ -150,7 +149,7 @@ def inline_eval_config(config: RunConfig) -> dict:
     from services.eval.datasets import dataset_entries, read_document
 
     try:
-        doc = read_document(config.eval.eval_config)
+        doc = read_document(config.eval.config)
         entries, defaults = dataset_entries(doc)
     except ValueError as e:
         raise LaunchError(str(e)) from None
@@ -175,8 +174,8 @@ def check_sinks(config: RunConfig) -> None:
 def check_datasets(config: RunConfig) -> int:
     """Read every dataset of the run before any service starts; a bad row is an error naming its
     file and line (not a buffer that crashes three times). Returns the prompts per epoch."""
-    from services.data.source import load_rows
     from services.common.config.rm_types import row_rm_type_check
+    from services.data.source import load_rows
     from services.eval.datasets import load_eval_sets
 
     r, d = config.rollout, config.data
@@ -258,7 +257,7 @@ def prepare_launch(config: RunConfig, log=print) -> Prepared:
             raise LaunchError("--nats-cluster starts an embedded cluster; with --nats-url the cluster is yours: "
                               "drop --nats-cluster and set --nats-replicas to its size")  # fmt: skip
         # the registry's identity is needed only with multi-LoRA (older roles files lack it)
-        roles = tuple(r for r in ROLES if r != "adapters" or config.multi_lora.multi_lora_n_adapters > 0)
+        roles = tuple(r for r in ROLES if r != "adapters" or config.multi_lora.n_adapters > 0)
         return Prepared(config, token, role_credentials(config, roles), None)
     passwords = role_passwords(secrets_dir)
     creds = {r: NatsCredentials(user=r, password=p) for r, p in passwords.items()}
@@ -274,9 +273,9 @@ async def publish_run_config(config: RunConfig) -> None:
     bus = await Bus.connect(config.infra.nats_url, config.infra.run_id, "init-run", connect_timeout_s=120, creds=creds)
     try:
         await bus.ensure_streams(
-            config.infra.stream_replicas, config.multi_lora.multi_lora_n_adapters > 0, config.rollouts_max_msgs
+            config.infra.stream_replicas, config.multi_lora.n_adapters > 0, config.rollouts_max_msgs
         )
-        await bus.ensure_consumers(config.async_.prompt_ack_wait_s, config.multi_lora.multi_lora_n_adapters > 0)
+        await bus.ensure_consumers(config.async_.prompt_ack_wait_s, config.multi_lora.n_adapters > 0)
         await bus.kv_put("config", json.dumps(config.model_dump(mode="json")).encode())
     finally:
         await bus.close()

@@ -61,7 +61,7 @@ SIDES = ("trainer", "rollout")
 def with_ray_defaults(config):
     """--use-ray moves weights through the run's object bucket (engines on other nodes do not see
     the trainer's disk): object-store unless the transfer mode was given (config.py refuses disk)."""
-    if config.trainer.use_ray and "update_weight_transfer_mode" not in config.model_fields_set:
+    if config.trainer.use_ray and "update_weight_transfer_mode" not in config.flags_set:
         return config.model_copy(update={"update_weight_transfer_mode": "object-store"})
     return config
 
@@ -89,14 +89,14 @@ class Placement:
         self.namespace = f"asyncrl-{config.infra.run_id}"
         self.pg_name = f"{self.namespace}-placement"
         engines = 0 if config.infra.rollout_external_engine_addrs else config.infra.rollout_num_engines
-        sizes = {"trainer": config.trainer.trainer_num_ranks, "rollout": engines + config.infra.rollout_num_producers}
+        sizes = {"trainer": config.trainer.num_ranks, "rollout": engines + config.infra.rollout_num_producers}
         address = os.environ.get("RAY_ADDRESS") or None
         self.ray = ray = init_ray(address, self.namespace, num_cpus=sum(sizes.values()))
         from ray.util.placement_group import placement_group
 
         self.address = ray.get_runtime_context().gcs_address
         self.gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
-        gpus = {"trainer": config.trainer.trainer_num_ranks * self.gpus, "rollout": engines * self.gpus}
+        gpus = {"trainer": config.trainer.num_ranks * self.gpus, "rollout": engines * self.gpus}
         self.bundles = {side: i for i, side in enumerate(s for s in SIDES if sizes[s])}
         self.pg = placement_group([{"CPU": sizes[s], **({"GPU": gpus[s]} if gpus[s] else {})} for s in self.bundles],
                                   strategy="SPREAD", name=self.pg_name)  # fmt: skip

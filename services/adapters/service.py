@@ -70,13 +70,13 @@ class AdapterService(Service):
     reads = (MultiLoraSection, RolloutSection, DataSection)  # the run's group size, how prompts are read
 
     def __init__(self, config, bus, **kw):
-        if config.multi_lora.multi_lora_n_adapters < 1:
+        if config.multi_lora.n_adapters < 1:
             raise ConfigError("--multi-lora-n-adapters is 0 (multi-LoRA off): the adapter registry has no slot "
                               "to give; set it to the number of adapter slots")  # fmt: skip
         super().__init__(config, bus, **kw)
         config = self.config  # its own sections from here on (services.common.config.view)
         self.store = RegistryStore(bus)
-        self.adapters = AdapterRegistry(config.multi_lora.multi_lora_n_adapters)
+        self.adapters = AdapterRegistry(config.multi_lora.n_adapters)
         """The registry (`self.registry` is the runtime's Prometheus registry)."""
         self.kv_revision = 0
         self._lock = asyncio.Lock()
@@ -91,7 +91,7 @@ class AdapterService(Service):
         await self._load()
         if self.kv_revision == 0:  # the first start: readers see the slots before any adapter
             await self._change(lambda r: None, force=True)
-        for name, path in self.config.multi_lora.multi_lora_adapter_pairs:
+        for name, path in self.config.multi_lora.adapter_pairs:
             if (run := self.adapters.current(name)) is not None:
                 log.info("adapter %s from --multi-lora-adapter is already registered (%s)", name, run.state.value)
                 continue
@@ -108,7 +108,7 @@ class AdapterService(Service):
 
     async def _load(self) -> None:
         state, self.kv_revision = await self.store.read()
-        self.adapters = AdapterRegistry(self.config.multi_lora.multi_lora_n_adapters, state)
+        self.adapters = AdapterRegistry(self.config.multi_lora.n_adapters, state)
 
     async def _register_waiting(self, fatal: bool = False) -> None:
         """Register the start adapters that wait, while slots are free (in the order given). One
@@ -199,26 +199,26 @@ class AdapterService(Service):
         if (
             over_http
             and spec.custom_rm_path is not None
-            and spec.custom_rm_path not in c.multi_lora.multi_lora_custom_rm_paths
+            and spec.custom_rm_path not in c.multi_lora.custom_rm_paths
         ):
-            allowed = ", ".join(c.multi_lora.multi_lora_custom_rm_paths) or "none"
+            allowed = ", ".join(c.multi_lora.custom_rm_paths) or "none"
             raise SpecError(f"custom_rm_path {spec.custom_rm_path!r} is not one the run allows over HTTP (allowed: "
                             f"{allowed}; the operator lists them with --multi-lora-custom-rm-paths): use an rm_type "
                             "or an allowed function")  # fmt: skip
-        if spec.rollout_batch_size > c.rollout.rollout_batch_size:
+        if spec.rollout_batch_size > c.rollout.batch_size:
             raise SpecError(f"rollout_batch_size {spec.rollout_batch_size} is above the run's --rollout-batch-size "
-                            f"{c.rollout.rollout_batch_size} (the largest step the run is sized for): "
+                            f"{c.rollout.batch_size} (the largest step the run is sized for): "
                             "use at most that")  # fmt: skip
         try:
-            size = data_size(spec.data, stop_above=c.multi_lora.multi_lora_max_data_mb * 2**20)
+            size = data_size(spec.data, stop_above=c.multi_lora.max_data_mb * 2**20)
         except (OSError, ValueError) as e:
             raise SpecError(f"data {spec.data}: {e}") from None
-        if size > c.multi_lora.multi_lora_max_data_mb * 2**20:
+        if size > c.multi_lora.max_data_mb * 2**20:
             raise SpecError(f"data {spec.data} is {size / 2**20:.0f} MiB, above the run's --multi-lora-max-data-mb "
-                            f"{c.multi_lora.multi_lora_max_data_mb:g}")  # fmt: skip
-        if spec.rank > c.multi_lora.multi_lora_max_rank:
+                            f"{c.multi_lora.max_data_mb:g}")  # fmt: skip
+        if spec.rank > c.multi_lora.max_rank:
             raise SpecError(
-                f"rank {spec.rank} is above the engines' --multi-lora-max-rank {c.multi_lora.multi_lora_max_rank}"
+                f"rank {spec.rank} is above the engines' --multi-lora-max-rank {c.multi_lora.max_rank}"
             )
         if spec.n_samples_per_prompt > c.rollout.n_samples_per_prompt:
             raise SpecError(f"n_samples_per_prompt {spec.n_samples_per_prompt} is above the run's "

@@ -95,10 +95,10 @@ class DefaultDataBuffer(DataBuffer):
     def __init__(self, config: RunConfig, recycle: Recycle):
         super().__init__(config, recycle)
         self.capacity = config.buffer_capacity
-        if config.async_.async_data_buffer_capacity_factor <= 0 or self.capacity < 1:
+        if config.async_.data_buffer_capacity_factor <= 0 or self.capacity < 1:
             raise ValueError(
-                f"buffer capacity floor({config.async_.async_data_buffer_capacity_factor} * "
-                f"{config.rollout.rollout_batch_size}) = {self.capacity}: it must hold at least one group"
+                f"buffer capacity floor({config.async_.data_buffer_capacity_factor} * "
+                f"{config.rollout.batch_size}) = {self.capacity}: it must hold at least one group"
             )
         self._filter = None
         if config.rollout.dynamic_sampling_filter_path:
@@ -189,7 +189,7 @@ class DefaultDataBuffer(DataBuffer):
         return True
 
     async def _handle_unused(self, group: Group) -> None:
-        if self.config.async_.async_unused_samples_handler == "retry":
+        if self.config.async_.unused_samples_handler == "retry":
             reset_group_for_retry(group)
             await self.recycle(group)
 

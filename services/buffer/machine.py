@@ -85,7 +85,7 @@ class BufferMachine:
         self._metrics = metrics
         self.observed = observed
         """The DataBuffer reports its decisions (on_decision); otherwise puts are `accepted`."""
-        self.retry = config.async_.async_unused_samples_handler == "retry"
+        self.retry = config.async_.unused_samples_handler == "retry"
         """Aborted and stale groups go back to the data source (else they are dropped)."""
         self.state = BufferState()
         self._events: list[LedgerEvent] = []
@@ -173,18 +173,18 @@ class BufferMachine:
         if self.want_step is not None:
             for step in range(s.committed_step + 1, self.want_step + self.lookahead + 1):
                 lease = s.leases.get(step)
-                need += self.config.rollout.rollout_batch_size - (len(lease.refs) if lease else 0)
+                need += self.config.rollout.batch_size - (len(lease.refs) if lease else 0)
         accounted = (s.counters.get("trained", 0) + s.counters.get("failed", 0) + len(s.stored) + len(s.outstanding)
                      + len(self.releasing) + sum(len(lease.refs) for lease in s.leases.values()))  # fmt: skip
         budget = self.config.async_.max_weight_staleness
         head_room = None
         if (self.config.infra.mode == "fully_async" and budget is not None and self.live_version is not None
-                and not self.config.multi_lora.multi_lora_n_adapters):  # an adapter's versions are its own clock
-            head_room = (self.live_version + budget + 2) * self.config.rollout.rollout_batch_size - accounted
+                and not self.config.multi_lora.n_adapters):  # an adapter's versions are its own clock
+            head_room = (self.live_version + budget + 2) * self.config.rollout.batch_size - accounted
         return ReleaseState(
             head_room=head_room,
-            groups_left=self.config.rollout.total_steps * self.config.rollout.rollout_batch_size - accounted,
-            mode=self.config.infra.mode, batch_size=self.config.rollout.rollout_batch_size,
+            groups_left=self.config.rollout.total_steps * self.config.rollout.batch_size - accounted,
+            mode=self.config.infra.mode, batch_size=self.config.rollout.batch_size,
             capacity=self.config.buffer_capacity,
             inflight_cap=sum(caps) if caps else self.config.inflight_groups, want_step=self.want_step,
             lookahead=self.lookahead, groups_still_needed=need, stored=len(s.stored),
@@ -406,8 +406,8 @@ class BufferMachine:
         first = self.state.committed_step + 1
         if not first <= req.step < first + window:
             return f"get(step={req.step}) is outside the steps the trainer can ask for ({first}..{first + window - 1})"
-        if req.count != c.rollout.rollout_batch_size:
-            return f"get(count={req.count}) differs from --rollout-batch-size {c.rollout.rollout_batch_size}"
+        if req.count != c.rollout.batch_size:
+            return f"get(count={req.count}) differs from --rollout-batch-size {c.rollout.batch_size}"
         if req.lookahead_steps not in (0, 1):
             return f"get(lookahead_steps={req.lookahead_steps}): only 0 or 1"
         if not 0 <= req.wait_s <= 30:

@@ -120,7 +120,7 @@ class Partition:
         )  # fmt: skip
         if isinstance(self.buffer, DefaultDataBuffer):
             self.buffer.on_event = self._on_decision
-        path = config.rollout.rollout_all_samples_process_path
+        path = config.rollout.all_samples_process_path
         self.all_samples_fn = load_object(path, "--rollout-all-samples-process-path") if path else None
         self._step_groups: list[list] = []  # the groups of the step being leased, filtered ones included
         self.ledger = Ledger(self.bus, svc.fail, svc.background, subjects)

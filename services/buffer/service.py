@@ -132,7 +132,7 @@ class BufferService(Service):
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
         config = self.config  # its own sections from here on (services.common.config.view)
-        self.partitioned = config.multi_lora.multi_lora_n_adapters > 0
+        self.partitioned = config.multi_lora.n_adapters > 0
         self._consumer = bus.subjects.consumers(config.async_.prompt_ack_wait_s, self.partitioned)["buffer"]
         self._rollouts = None
         self._next_purge = 0.0

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from services.common.config import SECTIONS, ConfigError, RunConfig, section_of
+from services.common.config import SECTIONS, ConfigError, RunConfig
+from services.common.config.run import FLAG_OF, FLAGS
 
 ENV_PREFIX = "ASYNCRL_"
 
@@ -60,7 +61,7 @@ PASSTHROUGH = {"--eval-sglang-": "eval_sglang_args", "--no-eval-sglang-": "eval_
 def split_passthrough(argv: list[str]) -> tuple[list[str], dict[str, list[str]]]:
     """Take every --sglang-<flag> / --router-<flag> (and its value, if any) that is not one of
     our own flags out of argv, renamed to the flag the SGLang server / router knows."""
-    own = {flag_name(f) for f in RunConfig.model_fields}
+    own = {flag_name(f) for f in FLAGS}
     rest: list[str] = []
     found: dict[str, list[str]] = {field: [] for field in PASSTHROUGH.values()}
     i = 0
@@ -94,10 +95,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] 
     for section in SECTIONS:
         title = section.__name__.removesuffix("Section").lower().replace("multilora", "multi-LoRA")
         groups[section] = parser.add_argument_group(f"{title} flags", (section.__doc__ or "").strip())
-    for name, info in RunConfig.model_fields.items():
+    for name, flag in FLAGS.items():
         if name in skip:
             continue
-        group = groups[section_of(name)]
+        info, group = flag.section.model_fields[flag.field], groups[flag.section]
         kind, choices = _field_kind(info.annotation)
         kw: dict = {"dest": name, "default": argparse.SUPPRESS, "help": (info.description or "").replace("%", "%%")}
         if kind == "bool":
@@ -137,8 +138,8 @@ def read_config_file(path: str | Path) -> dict:
 
 def env_overrides(environ: dict[str, str]) -> dict:
     out = {}
-    for name, info in RunConfig.model_fields.items():
-        key = ENV_PREFIX + name.upper()
+    for name, flag in FLAGS.items():
+        info, key = flag.section.model_fields[flag.field], ENV_PREFIX + name.upper()
         if key not in environ:
             continue
         kind, _ = _field_kind(info.annotation)
@@ -158,7 +159,7 @@ def resolve_config(cli: dict, config_file: str | None = None, environ: dict[str,
         merged.update(read_config_file(config_file))
     merged.update(env_overrides(environ if environ is not None else dict(os.environ)))
     merged.update(cli)
-    unknown = sorted(set(merged) - set(RunConfig.model_fields))
+    unknown = sorted(set(merged) - set(FLAGS))
     if unknown:
         raise ConfigError(
             "unknown settings: "
@@ -177,13 +178,14 @@ _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "l
 def _pretty(e: ValidationError) -> str:
     lines = []
     for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"])
+        where = tuple(str(x) for x in err["loc"])
+        loc = FLAG_OF.get(where[:2], ".".join(where))  # (section, field) -> the flag
         flag = flag_name(loc) if loc else ""
         got = err.get("input")
         if err["type"] in _BOUNDS:
             bound = next(iter(err["ctx"].values()))
             msg = f"must be {_BOUNDS[err['type']]} {bound} (got {got})"
-            field = RunConfig.model_fields.get(loc)
+            field = FLAGS[loc].section.model_fields[FLAGS[loc].field] if loc in FLAGS else None
             if field is not None and isinstance(field.json_schema_extra, dict) and "hint" in field.json_schema_extra:
                 msg += f"; {field.json_schema_extra['hint']}"
         elif err["type"] == "finite_number":

@@ -307,7 +307,7 @@ async def _episode(config, sample: Sample, engine, sampling_params: dict) -> Sam
                        "--sglang-tool-call-parser qwen25 (or the parser that matches the model's chat "
                        "template)")  # fmt: skip
     sample.metadata.pop("_input_ids", None)  # the engine renders the conversation: its first prompt starts the sample
-    budget = int(sampling_params.get("max_new_tokens", r.rollout_max_response_len))
+    budget = int(sampling_params.get("max_new_tokens", r.max_response_len))
     chat = {"temperature": sampling_params.get("temperature", 1.0), "top_p": sampling_params.get("top_p", 1.0),
             "top_k": sampling_params.get("top_k", -1), "logprobs": True, "return_token_ids": True}  # fmt: skip
     if sampling_params.get("stop_token_ids"):

@@ -100,7 +100,7 @@ async def _episode(config, sample: Sample, engine, sampling_params: dict) -> Sam
     url = r.env_spec.url
     tok = engine.tokenizer
     traj = Trajectory(sample, sample.metadata.pop("_input_ids"))
-    budget = int(sampling_params.get("max_new_tokens", r.rollout_max_response_len))
+    budget = int(sampling_params.get("max_new_tokens", r.max_response_len))
     rid = f"s{sample.index}-{uuid.uuid4().hex[:8]}"
     reward, done = 0.0, False
     cut: list[bool] = []  # an observation was cut at the context length

@@ -176,7 +176,7 @@ async def generate(config, sample: Sample, engine, sampling_params: dict) -> Sam
     recorder = await ChatRecorder.for_engine(engine)
     os.environ.setdefault(KEY_VAR, "unused")
     sampling = {"temperature": sampling_params.get("temperature", 1.0), "top_p": sampling_params.get("top_p", 1.0),
-                "max_tokens": sampling_params.get("max_new_tokens", r.rollout_max_response_len),
+                "max_tokens": sampling_params.get("max_new_tokens", r.max_response_len),
                 "top_k": sampling_params.get("top_k", -1)}  # fmt: skip
     prompt_ids = sample.metadata.pop("_input_ids", None)
     with recorder.episode() as episode:

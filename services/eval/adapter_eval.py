@@ -160,8 +160,8 @@ def load_prompts(config, max_prompts: int | None) -> list[dict]:
     """The prompt rows, each with its metadata (its rm_type picks its reward) and, with --tool-key,
     its tools, as the producer reads them; a row whose rm_type cannot score is refused with its
     file and row, and so is one that names none when no --rm-type scores it."""
-    from services.data.source import DataError, load_rows
     from services.common.config.rm_types import row_rm_type_check
+    from services.data.source import DataError, load_rows
 
     r, d = config.rollout, config.data
     try:
@@ -302,6 +302,7 @@ def score_model(model, lora, slot: int, tokenizer, rows: list[dict], ids: list[l
                 seed: int, adapter: str | None) -> AdapterScore:  # fmt: skip
     """Generate n samples per prompt with one adapter (or the base) and score them."""
     from asyncrl_proto.messages import Sample, SampleStatus, scalar_reward
+    from services.common.config.view import for_plugins
     from services.rewards import score_sample
 
     n = config.rollout.n_samples_per_prompt
@@ -313,8 +314,8 @@ def score_model(model, lora, slot: int, tokenizer, rows: list[dict], ids: list[l
             prompts.append(ids[p])
     eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     results = generate(model, lora, slot, prompts, [sample_seed(seed, s.index) for s in samples],
-                       max_new_tokens=config.rollout.rollout_max_response_len,
-                       temperature=config.rollout.rollout_temperature,
+                       max_new_tokens=config.rollout.max_response_len,
+                       temperature=config.rollout.temperature,
                        eos_ids=eos, context_length=model.cfg.max_position_embeddings)  # fmt: skip
     for s, p_ids, g in zip(samples, prompts, results, strict=True):
         text_ids = g.output_ids[:-1] if g.finish == "stop" else g.output_ids  # a stop token is not text (SGLang)
@@ -325,7 +326,7 @@ def score_model(model, lora, slot: int, tokenizer, rows: list[dict], ids: list[l
         s.status = SampleStatus.COMPLETED if g.finish == "stop" else SampleStatus.TRUNCATED
 
     async def score_all() -> list[bool]:
-        return list(await asyncio.gather(*(score_sample(reward_fn, config, s) for s in samples)))
+        return list(await asyncio.gather(*(score_sample(reward_fn, for_plugins(config), s) for s in samples)))
 
     scored = asyncio.run(score_all())
     rewards = [scalar_reward(s, config.rollout.reward_key) for s in samples]

@@ -96,20 +96,20 @@ def dataset_entries(doc: dict) -> tuple[list[dict], dict]:
 def eval_dataset_configs(config) -> list[EvalDataset]:
     """The run's held-out sets with every setting resolved (see the module)."""
     c = config
-    if c.eval.eval_config:
-        entries, defaults = dataset_entries(read_document(c.eval.eval_config))
+    if c.eval.config:
+        entries, defaults = dataset_entries(read_document(c.eval.config))
     else:
-        pairs = c.eval.eval_prompt_data
+        pairs = c.eval.prompt_data
         entries, defaults = [{"name": pairs[i], "path": pairs[i + 1]} for i in range(0, len(pairs), 2)], {}
     unknown = sorted({k for e in (*entries, defaults) for k in e} - {"name", *FIELDS})
     if unknown:
         raise ValueError(f"--eval-config: unsupported dataset settings {unknown}; supported: {list(FIELDS)}")
     d, e, r = c.data, c.eval, c.rollout
     flags = {"input_key": d.input_key, "label_key": d.label_key, "metadata_key": d.metadata_key,
-             "n_samples_per_eval_prompt": e.n_samples_per_eval_prompt, "temperature": e.eval_temperature,
-             "top_p": e.eval_top_p if e.eval_top_p is not None else r.rollout_top_p, "top_k": r.rollout_top_k,
-             "max_response_len": e.eval_max_response_len or r.rollout_max_response_len,
-             "stop_token_ids": list(r.rollout_stop_token_ids), "rm_type": None, "metadata_overrides": {}}  # fmt: skip
+             "n_samples_per_eval_prompt": e.n_samples_per_eval_prompt, "temperature": e.temperature,
+             "top_p": e.top_p if e.top_p is not None else r.top_p, "top_k": r.top_k,
+             "max_response_len": e.max_response_len or r.max_response_len,
+             "stop_token_ids": list(r.stop_token_ids), "rm_type": None, "metadata_overrides": {}}  # fmt: skip
     out = []
     for e in entries:
         if "path" not in e:

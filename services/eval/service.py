@@ -106,10 +106,10 @@ class EvalService(Service):
         self.fleet_children = []
         self.evaluator: CheckpointEvalFn | None = None
         if self.backend == "external":
-            cls = load_object(config.eval.eval_function_path, "--eval-function-path")
+            cls = load_object(config.eval.function_path, "--eval-function-path")
             if not (isinstance(cls, type) and issubclass(cls, CheckpointEvalFn)):
                 raise ValueError(
-                    f"--eval-function-path {config.eval.eval_function_path} must name a CheckpointEvalFn subclass"
+                    f"--eval-function-path {config.eval.function_path} must name a CheckpointEvalFn subclass"
                 )
             self.evaluator = cls(for_plugins(config))  # a plugin: the flat config
         path = config.eval.custom_eval_rollout_log_function_path
@@ -144,7 +144,7 @@ class EvalService(Service):
                 log.error("KV live_version names v%d, never published: ignored", version)
 
     async def _start_fleet(self) -> None:
-        urls = list(self.config.eval.eval_engine_urls)
+        urls = list(self.config.eval.engine_urls)
         if not urls:
             self.fleet_children, urls = launch_fleet(
                 self.config, Path(self.config.infra.run_dir) / "logs", self.engine_token
@@ -169,7 +169,7 @@ class EvalService(Service):
                 if inspect.isawaitable(out):
                     await out
             except Exception as e:  # shutting down anyway: say so, go on
-                log.error("%s.dispose raised %s: %s", self.config.eval.eval_function_path, type(e).__name__, e)
+                log.error("%s.dispose raised %s: %s", self.config.eval.function_path, type(e).__name__, e)
         for client in (self.client, self.fleet_client):
             if client is not None:
                 await client.close()
@@ -227,7 +227,7 @@ class EvalService(Service):
     def _is_run_snapshot(self, uri: str) -> bool:
         c = self.config
         path = resolved(uri)
-        roots = [Path(p).resolve() for p in (c.infra.run_dir, c.trainer.save_hf, c.eval.eval_hf_dir) if p]
+        roots = [Path(p).resolve() for p in (c.infra.run_dir, c.trainer.save_hf, c.eval.hf_dir) if p]
         return path is not None and (
             path == Path(c.data.hf_checkpoint).resolve() or any(path.is_relative_to(r) for r in roots)
         )
@@ -277,7 +277,7 @@ class EvalService(Service):
         if not (req.exported and req.snapshot_uri):
             return
         self.exported.append(Path(req.snapshot_uri))
-        while len(self.exported) > self.config.eval.eval_keep_snapshots:
+        while len(self.exported) > self.config.eval.keep_snapshots:
             shutil.rmtree(self.exported.popleft(), ignore_errors=True)
 
     # ---- backends ------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ class RolloutService(Service):
         self.submission_open = asyncio.Event()
         self.submission_open.set()
         a, r = config.async_, config.rollout
-        points = (r.total_steps, config.eval.eval_interval, r.num_rollout_per_epoch, config.infra.mode)
+        points = (r.total_steps, config.eval.interval, r.num_rollout_per_epoch, config.infra.mode)
         self.repeats = Repeats(log)
         self.pauses = Pauses(PAUSE_TTL_S, a.submission_pause_max_s, lambda step: is_eval_point(step, *points),
                              a.submission_pause_budget * a.submission_pause_window_s, a.submission_pause_window_s)  # fmt: skip
@@ -97,18 +97,18 @@ class RolloutService(Service):
         }
         self._input_full_from: int | None = None
         """The input_full count when the buffer's input stream last filled (None: it has room)."""
-        self.mode = (AdapterMode(config, bus, self.engine, self.counters) if config.multi_lora.multi_lora_n_adapters > 0
+        self.mode = (AdapterMode(config, bus, self.engine, self.counters) if config.multi_lora.n_adapters > 0
                      else SingleModel(config, bus.subjects, self.engine, self.reward_fn))  # fmt: skip
         self._psub = None
 
     def sampling_params(self) -> dict:
         c = self.config
-        stop = list(c.rollout.rollout_stop_token_ids)
+        stop = list(c.rollout.stop_token_ids)
         return {
-            "max_new_tokens": c.rollout.rollout_max_response_len,
-            "temperature": c.rollout.rollout_temperature,
-            "top_p": c.rollout.rollout_top_p,
-            "top_k": c.rollout.rollout_top_k,
+            "max_new_tokens": c.rollout.max_response_len,
+            "temperature": c.rollout.temperature,
+            "top_p": c.rollout.top_p,
+            "top_k": c.rollout.top_k,
             "stop_token_ids": stop,
             "no_stop_trim": True,
             "skip_special_tokens": True,

@@ -52,21 +52,21 @@ class EvalDispatch:
         c = self.config
         final = step == c.rollout.total_steps
         self.last = step
-        while len(self.pending) >= c.eval.eval_max_in_flight:
-            if c.eval.eval_overflow_policy == "skip" and not final:
+        while len(self.pending) >= c.eval.max_in_flight:
+            if c.eval.overflow_policy == "skip" and not final:
                 await self._skip(step, rollout_id, version, "busy")
                 return
             self._done.clear()
             if not await wait_event(self._done, EVAL_WAIT_WARN_S):
                 log.warning("eval backpressure: waiting for eval points %s (--eval-max-in-flight %d) before "
                             "dispatching step %d; is the eval service running?", sorted(self.pending),
-                            c.eval.eval_max_in_flight, step)  # fmt: skip
+                            c.eval.max_in_flight, step)  # fmt: skip
         uri, exported, export_s = "", False, 0.0
         if c.eval.backend != "shared":
             if step == 0:
                 uri = c.data.hf_checkpoint  # the initial weights themselves: nothing to export
-            elif c.eval.eval_hf_dir:
-                path = Path(c.eval.eval_hf_dir) / f"step_{step}"
+            elif c.eval.hf_dir:
+                path = Path(c.eval.hf_dir) / f"step_{step}"
                 t0 = time.perf_counter()
                 try:
                     await asyncio.to_thread(save_model, self.model, path, c.data.hf_checkpoint)

@@ -77,8 +77,8 @@ class ModelTraining(Mode):
             else None
         )
         self.sample_filter = (
-            load_object(c.rollout.rollout_sample_filter_path, "--rollout-sample-filter-path")
-            if c.rollout.rollout_sample_filter_path
+            load_object(c.rollout.sample_filter_path, "--rollout-sample-filter-path")
+            if c.rollout.sample_filter_path
             else None
         )
         self.num_nonfinite_skipped = 0
@@ -174,7 +174,7 @@ class ModelTraining(Mode):
     async def start(self) -> None:
         c = self.config
         log.info("training %d steps, mode %s, B=%d n=%d", c.rollout.total_steps, c.infra.mode,
-                 c.rollout.rollout_batch_size, c.rollout.n_samples_per_prompt)  # fmt: skip
+                 c.rollout.batch_size, c.rollout.n_samples_per_prompt)  # fmt: skip
         for warning in self.policy.start_warnings():
             log.warning(warning)
         if self.policy.baseline_eval_due(self.step):  # named by the step it precedes
@@ -300,7 +300,7 @@ class ModelTraining(Mode):
         if self.sample_filter is not None:
             try:
                 apply_sample_filter(self.sample_filter, for_plugins(self.config), groups,
-                                    self.config.rollout.rollout_sample_filter_path)  # fmt: skip
+                                    self.config.rollout.sample_filter_path)  # fmt: skip
             except ValueError as e:
                 raise TrainerError(str(e)) from e
         elapsed = time.monotonic() - t0

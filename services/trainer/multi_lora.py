@@ -120,7 +120,7 @@ class AdapterTraining(Mode):
         self.lifecycle = lifecycle
         self.dp = None
         self.model.requires_grad_(False)
-        self.lora = MultiLora(self.model, c.multi_lora.multi_lora_n_adapters, c.multi_lora.multi_lora_max_rank)
+        self.lora = MultiLora(self.model, c.multi_lora.n_adapters, c.multi_lora.max_rank)
         self.optimizer = SlotAdamW(self.lora, lr=c.trainer.lr, betas=(c.trainer.adam_beta1, c.trainer.adam_beta2),
                                    weight_decay=c.trainer.weight_decay)  # fmt: skip
         self.tracks: dict[str, Track] = {}
@@ -128,7 +128,7 @@ class AdapterTraining(Mode):
         self.steps_total = records.next_step()
         """The records' own axis (`step`): every adapter step, one after another, across restarts."""
         self.run_dir = Path(c.infra.run_dir)
-        samples = c.rollout.rollout_batch_size * c.rollout.n_samples_per_prompt
+        samples = c.rollout.batch_size * c.rollout.n_samples_per_prompt
         self.global_batch_size = c.trainer.global_batch_size or samples
         """Samples a batch collects across adapters before it ships (the coalescing target)."""
         self.empty_since = 0.0
@@ -185,12 +185,12 @@ class AdapterTraining(Mode):
             await self._follow(run)
         for rid in [rid for rid, t in self.tracks.items() if all(r.registration_id != rid for r in reg.runs)]:
             self.tracks.pop(rid)  # pruned from the registry's history: nothing left to do
-        if reg.runs and all(r.state is AdapterState.COMPLETED for r in reg.runs) and not c.multi_lora.multi_lora_service_mode:  # fmt: skip
+        if reg.runs and all(r.state is AdapterState.COMPLETED for r in reg.runs) and not c.multi_lora.service_mode:  # fmt: skip
             return None
         active = [t for t in self.tracks.values() if t.run.state is AdapterState.ACTIVE]
         if not active:
             self.empty_since = 0.0  # idle, not waiting: nothing to warn about
-            await self.lifecycle.wait_stopped(c.multi_lora.multi_lora_idle_poll_s)
+            await self.lifecycle.wait_stopped(c.multi_lora.idle_poll_s)
             return []
         batch = await self._collect(active)
         info = _batch_info(batch)
@@ -249,20 +249,20 @@ class AdapterTraining(Mode):
         now = time.monotonic()
         if not batch:
             self.empty_since = self.empty_since or now
-            if now - self.empty_since >= c.multi_lora.multi_lora_max_empty_wait_s:
+            if now - self.empty_since >= c.multi_lora.max_empty_wait_s:
                 log.warning("no adapter's batch ready for %.0f s; still waiting for %s", now - self.empty_since,
                             ", ".join(f"{t.run.name} step {t.step}" for t in active))  # fmt: skip
                 self.empty_since = now
             return batch
         self.empty_since = 0.0
-        deadline = now + c.multi_lora.multi_lora_max_coalesce_wait_s
+        deadline = now + c.multi_lora.max_coalesce_wait_s
         while not self.lifecycle.stopping and _batch_samples(batch) < self.global_batch_size:
             others = [t for t in active if all(t is not b for b, _ in batch)]
             if not others or (left := deadline - time.monotonic()) <= 0:
                 break
             if more := await self._ready(others, min(left, GET_WAIT_S * 2)):
                 batch += more
-                deadline = time.monotonic() + c.multi_lora.multi_lora_max_coalesce_wait_s  # progress: wait afresh
+                deadline = time.monotonic() + c.multi_lora.max_coalesce_wait_s  # progress: wait afresh
         return batch
 
     async def _follow(self, run: AdapterRun) -> None:

@@ -16,11 +16,11 @@ class DriverPolicy:
     def __init__(self, config) -> None:
         self.mode = config.infra.mode
         self.total = config.rollout.total_steps
-        self.batch_size = config.rollout.rollout_batch_size
+        self.batch_size = config.rollout.batch_size
         self.per_epoch = config.rollout.num_rollout_per_epoch
         self.update_interval = config.async_.update_weights_interval
         self.save_interval = config.trainer.save_interval
-        self.eval_interval = config.eval.eval_interval
+        self.eval_interval = config.eval.interval
         self.skip_baseline_eval = config.eval.skip_eval_before_train
         self.save, self.sentinel = config.trainer.save, config.trainer.save_trigger_sentinel
 

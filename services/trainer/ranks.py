@@ -44,7 +44,7 @@ class DataParallel:
     def __init__(self, config, model, optimizer, ref_model, pad_id: int, config_file: Path, log_dir: Path):
         self.config = config
         self.model, self.optimizer, self.ref_model, self.pad_id = model, optimizer, ref_model, pad_id
-        self.world = config.trainer.trainer_num_ranks
+        self.world = config.trainer.num_ranks
         self.procs = []
         self.actors = []
         self.runs = []  # Ray: each actor's run
@@ -168,7 +168,7 @@ def connect_ray(config) -> str:
     namespace = placed.split("/")[0] if placed else f"asyncrl-{config.infra.run_id}"
     address = os.environ.get("RAY_ADDRESS") or None
     if not ray.is_initialized():
-        local = {"include_dashboard": False, "num_cpus": config.trainer.trainer_num_ranks} if address is None else {}
+        local = {"include_dashboard": False, "num_cpus": config.trainer.num_ranks} if address is None else {}
         ray.init(address=address or "local", namespace=namespace, log_to_driver=False, logging_level=logging.WARNING,
                  **({"_node_ip_address": node_ip} if node_ip else {}), **local)  # fmt: skip
     return node_ip or ray.util.get_node_ip_address()

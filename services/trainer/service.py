@@ -84,7 +84,7 @@ class TrainerService(Service):
         self.last_producer_seen = time.monotonic()
         self.dp = None
         """--trainer-num-ranks K > 1: ranks 1..K-1 (services.trainer.ranks), once they have joined."""
-        if config.multi_lora.multi_lora_n_adapters > 0:  # adapters on the frozen base, their own optimizer
+        if config.multi_lora.n_adapters > 0:  # adapters on the frozen base, their own optimizer
             from services.trainer.multi_lora import AdapterTraining
 
             self.mode = AdapterTraining(config, bus, self.model, self.link, self.records, self.check, self.loss_cfg,
@@ -102,7 +102,7 @@ class TrainerService(Service):
 
     async def start_ranks(self, optimizer, ref_model) -> None:
         """--trainer-num-ranks K > 1: ranks 1..K-1 started and joined (services.trainer.ranks)."""
-        if self.config.trainer.trainer_num_ranks <= 1:
+        if self.config.trainer.num_ranks <= 1:
             return
         cfg_file = self.run_dir / "trainer-config.json"
         cfg_file.write_text(json.dumps(self.config.model_dump(mode="json")))
@@ -112,7 +112,7 @@ class TrainerService(Service):
             DataParallel, self.config, self.model, optimizer, ref_model, self.pad_id, cfg_file,
             self.run_dir / "logs",
         )  # fmt: skip
-        log.info("data parallel over %d ranks (%s)", self.config.trainer.trainer_num_ranks, self.dp.backend)
+        log.info("data parallel over %d ranks (%s)", self.config.trainer.num_ranks, self.dp.backend)
 
     def loops(self):
         return {"train": self.loop.run}

@@ -46,6 +46,6 @@ def loss_config(config) -> LossConfig:
         eps_clip=t.eps_clip, eps_clip_high=t.eps_clip_high, entropy_coef=t.entropy_coef,
         use_rollout_logprobs=t.use_rollout_logprobs, use_tis=t.use_tis, tis_clip=t.tis_clip,
         tis_clip_low=t.tis_clip_low, tis_mode=t.tis_mode, kl_coef=t.kl_coef, kl_loss_type=t.kl_loss_type,
-        aggregation=t.loss_aggregation, temperature=config.rollout.rollout_temperature,
+        aggregation=t.loss_aggregation, temperature=config.rollout.temperature,
         use_decoupled_ppo=t.use_decoupled_ppo, decoupled_weight_cap=t.decoupled_ppo_weight_cap,
     )  # fmt: skip

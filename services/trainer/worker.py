@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None, checkpoint_files: dict[str, bytes] | Non
     config = RunConfig(**fields)
     torch.set_num_threads(config.infra.torch_num_threads)
     model = build_model(config)
-    adapters = config.multi_lora.multi_lora_n_adapters > 0  # adapters on the frozen base: rank 0 sends each step's slot
+    adapters = config.multi_lora.n_adapters > 0  # adapters on the frozen base: rank 0 sends each step's slot
     ref_model = None if adapters else build_reference(config)
     if checkpoint_files is not None:  # loaded: the model and the reference hold it now
         shutil.rmtree(config.data.hf_checkpoint, ignore_errors=True)
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None, checkpoint_files: dict[str, bytes] | Non
     lora = optimizer = None
     if adapters:
         model.requires_grad_(False)
-        lora = MultiLora(model, config.multi_lora.multi_lora_n_adapters, config.multi_lora.multi_lora_max_rank)
+        lora = MultiLora(model, config.multi_lora.n_adapters, config.multi_lora.max_rank)
     else:
         optimizer = build_optimizer(config, model)
     cfg = loss_config(config)

@@ -104,7 +104,7 @@ class WeightSyncService(Service):
         )  # fmt: skip
         self.adapters = None
         """Multi-LoRA: adapter versions onto the engines, without a pause (services/weightsync/adapters.py)."""
-        if config.multi_lora.multi_lora_n_adapters > 0:
+        if config.multi_lora.n_adapters > 0:
             store = self.store or (WeightStore(bus) if config.adapter_transfer_mode == "object-store" else None)
             self.adapters = AdapterSync(bus, self.client, config.infra.run_dir, self.background, store)
         self._asub = None

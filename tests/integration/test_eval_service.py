@@ -228,7 +228,7 @@ async def test_eval_config_sets_each_datasets_settings(nats_server, run_id, task
                                              snapshot_uri=snapshot(tiny_model_dir, tmp_path / "s2")))  # fmt: skip
     m = res.metrics
     assert res.skipped_reason is None and "eval/heldout" not in m
-    assert m["eval/short/response_len/max"] == 1.0 and m["eval/long/response_len/max"] <= cfg.rollout_max_response_len
+    assert m["eval/short/response_len/max"] == 1.0 and m["eval/long/response_len/max"] <= cfg.rollout.max_response_len
     ((rollout_id, samples, extra),) = EVAL_LOGS
     assert rollout_id == 1 and extra == {"eval/step": 1}
     assert (len(samples["short"]), len(samples["long"])) == (2 * rows, 3 * rows)

@@ -381,11 +381,11 @@ def test_multi_lora_adapter_takes_name_yaml_pairs_repeatably():
     assert args["multi_lora_adapter"] == ["a", "a.yaml", "b=b.yaml"]
     assert args["rollout_stop_token_ids"] == [2]  # other list flags are not repeatable: the last one wins
     c = resolve_config(args, environ={})
-    assert c.multi_lora_adapter_pairs == [("a", "a.yaml"), ("b", "b.yaml")]
-    assert (c.multi_lora_max_coalesce_wait_s, c.multi_lora_max_empty_wait_s, c.multi_lora_idle_poll_s) == (0, 30, 2)
-    assert not c.multi_lora_service_mode and RunConfig().multi_lora_n_adapters == 0
+    assert c.multi_lora.adapter_pairs == [("a", "a.yaml"), ("b", "b.yaml")]
+    assert (c.multi_lora.max_coalesce_wait_s, c.multi_lora.max_empty_wait_s, c.multi_lora.idle_poll_s) == (0, 30, 2)
+    assert not c.multi_lora.service_mode and RunConfig().multi_lora.n_adapters == 0
     env = resolve_config({"multi_lora_n_adapters": 1}, environ={"ASYNCRL_MULTI_LORA_ADAPTER": "a a.yaml"})
-    assert env.multi_lora_adapter_pairs == [("a", "a.yaml")]
+    assert env.multi_lora.adapter_pairs == [("a", "a.yaml")]
 
 
 @pytest.mark.parametrize(
@@ -460,7 +460,7 @@ def test_the_audit_covers_registrations_the_registry_pruned(tmp_path):
 
 
 def test_multi_lora_with_several_trainer_ranks_needs_the_torch_backend():
-    assert resolve_config({"multi_lora_n_adapters": 2, "trainer_num_ranks": 2}, environ={}).trainer_num_ranks == 2
+    assert resolve_config({"multi_lora_n_adapters": 2, "trainer_num_ranks": 2}, environ={}).trainer.num_ranks == 2
     with pytest.raises(ConfigError, match="--train-backend torch for data parallelism"):
         resolve_config({"multi_lora_n_adapters": 2, "trainer_num_ranks": 2, "train_backend": "megatron"}, environ={})
 

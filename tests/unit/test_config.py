@@ -20,7 +20,7 @@ def parse(argv: list[str]) -> dict:
 
 def test_runconfig_accepts_any_subset_of_fields():
     c = RunConfig(rollout_batch_size=4, n_samples_per_prompt=2)
-    assert c.rollout_batch_size == 4 and c.max_weight_staleness is None
+    assert c.rollout.batch_size == 4 and c.async_.max_weight_staleness is None
     assert c.buffer_capacity == 8 and c.inflight_groups == 4
 
 
@@ -31,9 +31,9 @@ def test_kebab_case_flags_map_to_fields():
         "--pause-generation-mode", "in_place", "--fully-async", "--rollout-stop-token-ids", "5", "6",
     ])  # fmt: skip
     c = resolve_config(args, environ={})
-    assert (c.rollout_batch_size, c.n_samples_per_prompt, c.max_weight_staleness) == (8, 4, 2)
-    assert c.buffer_capacity == 12 and c.update_weights_interval == 3
-    assert c.pause_generation_mode == "in_place" and c.fully_async and c.rollout_stop_token_ids == [5, 6]
+    assert (c.rollout.batch_size, c.rollout.n_samples_per_prompt, c.async_.max_weight_staleness) == (8, 4, 2)
+    assert c.buffer_capacity == 12 and c.async_.update_weights_interval == 3
+    assert c.async_.pause_generation_mode == "in_place" and c.infra.fully_async and c.rollout.stop_token_ids == [5, 6]
 
 
 def test_precedence_defaults_file_env_cli(tmp_path):
@@ -41,9 +41,9 @@ def test_precedence_defaults_file_env_cli(tmp_path):
     f.write_text("rollout-batch-size: 4\nlr: 0.5\nn_samples_per_prompt: 2\n")
     env = {"ASYNCRL_LR": "0.25", "ASYNCRL_N_SAMPLES_PER_PROMPT": "6"}
     c = resolve_config({"n_samples_per_prompt": 3}, config_file=str(f), environ=env)
-    assert c.rollout_batch_size == 4  # file over default
-    assert c.lr == 0.25  # environment over file
-    assert c.n_samples_per_prompt == 3  # command line over environment
+    assert c.rollout.batch_size == 4  # file over default
+    assert c.trainer.lr == 0.25  # environment over file
+    assert c.rollout.n_samples_per_prompt == 3  # command line over environment
 
 
 def test_unknown_setting_in_file_is_an_error(tmp_path):
@@ -96,17 +96,17 @@ def test_validation_rules(fields, message):
 
 def test_fully_async_defaults():
     c = RunConfig(fully_async=True)
-    assert c.mode == "fully_async" and c.submission_granularity == "sample"
-    assert RunConfig().mode == "one_step" and RunConfig().submission_granularity == "group"
-    assert RunConfig(driver="sync").mode == "sync"
+    assert c.infra.mode == "fully_async" and c.submission_granularity == "sample"
+    assert RunConfig().infra.mode == "one_step" and RunConfig().submission_granularity == "group"
+    assert RunConfig(driver="sync").infra.mode == "sync"
     assert RunConfig(async_max_concurrent_samples=20, n_samples_per_prompt=8).inflight_groups == 2
 
 
 def test_stream_replicas_follow_the_cluster():
-    assert RunConfig().stream_replicas == 1
-    assert RunConfig(nats_cluster=3).stream_replicas == 3 and RunConfig(nats_cluster=5).stream_replicas == 3
-    assert RunConfig(nats_cluster=5, nats_replicas=5).stream_replicas == 5
-    assert RunConfig(nats_url="nats://h:4222", nats_replicas=3).stream_replicas == 3  # a cluster of one's own
+    assert RunConfig().infra.stream_replicas == 1
+    assert RunConfig(nats_cluster=3).infra.stream_replicas == 3 and RunConfig(nats_cluster=5).infra.stream_replicas == 3
+    assert RunConfig(nats_cluster=5, nats_replicas=5).infra.stream_replicas == 5
+    assert RunConfig(nats_url="nats://h:4222", nats_replicas=3).infra.stream_replicas == 3  # a cluster of one's own
 
 
 def test_num_epoch_is_miles_step_count_and_a_run_must_name_its_length():
@@ -149,10 +149,10 @@ def test_driver_rules_for_pushes_saves_and_evals():
         1,
         3,
     ]  # no forced eval after the last step in sync
-    assert one_step.checkpoints_resume and one_step.commit_interval == 2
+    assert one_step.trainer.checkpoints_resume and one_step.commit_interval == 2
     no_interval = RunConfig(num_rollout=5, save="/s", update_weights_interval=3)
     assert not any(DriverPolicy(no_interval).save_due(r) for r in range(5))  # --save alone saves nothing, as in Miles
-    assert not no_interval.checkpoints_resume and no_interval.commit_interval == 3  # commits follow the pushes
+    assert not no_interval.trainer.checkpoints_resume and no_interval.commit_interval == 3  # commits follow the pushes
     assert not any(DriverPolicy(no_interval).eval_due(r) for r in range(5))
 
 
@@ -214,9 +214,9 @@ def test_bare_command_line_defaults_are_miless(capsys, tmp_path):
         _resolve("asyncrl train-async", ["--num-rollout", "3"], sync=False)
     assert e.value.code == 2 and "--rollout-batch-size is required" in capsys.readouterr().err
     c = _resolve("asyncrl train-async", ["--rollout-batch-size", "4"], sync=False)
-    assert (c.rollout_batch_size, c.n_samples_per_prompt) == (4, 1)
+    assert (c.rollout.batch_size, c.rollout.n_samples_per_prompt) == (4, 1)
     (tmp_path / "c.yaml").write_text("rollout-batch-size: 5\n")
-    assert _resolve("asyncrl train", ["--config", str(tmp_path / "c.yaml")], sync=True).rollout_batch_size == 5
+    assert _resolve("asyncrl train", ["--config", str(tmp_path / "c.yaml")], sync=True).rollout.batch_size == 5
 
 
 def test_num_epoch_makes_every_epochs_end_a_save_and_eval_point(tmp_path):
@@ -232,10 +232,10 @@ def test_num_epoch_makes_every_epochs_end_a_save_and_eval_point(tmp_path):
     c = prepare_run(RunConfig(num_epoch=2, rollout_batch_size=3, prompt_data=str(data), eval_prompt_data=["h", str(data)],
                               hf_checkpoint=str(model), eval_interval=100, save="/s", save_interval=4,
                               run_dir=str(tmp_path / "run")), log=lambda *_: None)  # fmt: skip
-    assert (c.num_rollout, c.num_rollout_per_epoch) == (6, 3)
+    assert (c.rollout.num_rollout, c.rollout.num_rollout_per_epoch) == (6, 3)
     assert [r for r in range(6) if DriverPolicy(c).eval_due(r)] == [2, 5]  # each epoch's end (the last step too)
     assert [r for r in range(6) if DriverPolicy(c).save_due(r)] == [2, 3, 5]  # and every --save-interval
     given = prepare_run(RunConfig(num_rollout=6, num_epoch=2, rollout_batch_size=3, prompt_data=str(data),
                                   eval_prompt_data=["h", str(data)], hf_checkpoint=str(model),
                                   run_dir=str(tmp_path / "run2")), log=lambda *_: None)  # fmt: skip
-    assert given.num_rollout_per_epoch is None  # --num-rollout given: no epoch points (as Miles)
+    assert given.rollout.num_rollout_per_epoch is None  # --num-rollout given: no epoch points (as Miles)

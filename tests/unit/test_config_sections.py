@@ -19,8 +19,8 @@ import pytest
 
 from services.buffer.core import DataBuffer, make_buffer
 from services.common import config as cfgmod
-from services.common.config import SECTION_NAMES, SECTIONS, ConfigView, InfraSection, RunConfig, Section
-from services.common.config.view import for_plugins
+from services.common.config import FLAGS, SECTION_NAMES, SECTIONS, ConfigView, InfraSection, RunConfig
+from services.common.config.view import FlatConfig, for_plugins
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = {
@@ -57,7 +57,7 @@ def config_reads(tree: ast.AST, receivers: set[str]) -> tuple[set[type], list[st
             sections.add(BY_NAME[node.attr])
         elif (joins := joined(node.attr)) is not None:
             sections |= joins
-        elif any(node.attr in s.model_fields or isinstance(s.__dict__.get(node.attr), property) for s in SECTIONS):
+        elif node.attr in FLAGS or any(isinstance(s.__dict__.get(node.attr), property) for s in SECTIONS):
             flat.append(f"{receiver(node.value)}.{node.attr} (line {node.lineno})")
     return sections, flat
 
@@ -72,10 +72,22 @@ def package_reads(package: str) -> tuple[set[type], list[str]]:
 
 
 def test_every_flag_is_in_exactly_one_section_and_described():
-    sections = [c for c in RunConfig.__mro__ if issubclass(c, Section) and c not in (Section, RunConfig)]
-    owned = [n for c in sections for n in c.__dict__.get("__annotations__", {})]
-    assert sorted(owned) == sorted(RunConfig.model_fields)  # no flag outside a section, none twice
-    assert all(RunConfig.model_fields[n].description for n in owned)
+    assert set(RunConfig.model_fields) == set(SECTION_NAMES.values())  # nothing read flat: only the sections
+    owned = [(SECTION_NAMES[c], n) for c in SECTIONS for n in c.model_fields]
+    assert sorted(owned) == sorted((f.attr, f.field) for f in FLAGS.values())  # every field a flag, none twice
+    assert all(f.section.model_fields[f.field].description for f in FLAGS.values())
+    # a field drops its section's name; its flag keeps Miles's (--rollout-batch-size, --eval-interval)
+    assert not [n for a, n in owned if n.startswith(a.rstrip("_") + "_")]
+    assert FLAGS["rollout_batch_size"].field == "batch_size" and FLAGS["eval_interval"].field == "interval"
+
+
+def test_a_flag_read_flat_says_where_it_lives():
+    c = RunConfig(rollout_batch_size=4, eval_interval=2)
+    with pytest.raises(AttributeError, match=r"read config\.rollout\.batch_size"):
+        c.rollout_batch_size  # noqa: B018
+    assert c.flag("rollout_batch_size") == 4 and c.model_dump()["eval_interval"] == 2
+    assert RunConfig(**c.model_dump()) == c  # the stored config reads back as it was
+    assert c.model_copy(update={"eval_interval": 3}).eval.interval == 3 and c.flags_set >= {"rollout_batch_size"}
 
 
 @pytest.mark.parametrize("package", sorted(SERVICES))
@@ -128,17 +140,21 @@ def test_a_service_is_built_with_its_own_sections_and_cannot_reach_the_rest():
     config = RunConfig(rollout_batch_size=4, n_samples_per_prompt=2, eval_interval=5)
     part = ConfigView(config, WeightSyncService.reads, "WeightSyncService")
     assert part.rollout is config.rollout and part.infra is config.infra  # typed sections, the run's own
-    assert part.rollout.rollout_batch_size == 4
+    assert part.rollout.batch_size == 4
     with pytest.raises(AttributeError, match="EvalSection in its `reads`"):
         _ = part.eval
-    with pytest.raises(AttributeError, match=r"read config\.rollout\.rollout_batch_size"):
+    with pytest.raises(AttributeError, match=r"read config\.rollout\.batch_size"):
         _ = part.rollout_batch_size
     with pytest.raises(AttributeError, match=r"read config\.rollout\.total_steps"):
         _ = part.total_steps  # a section's own derived value, read around it
     with pytest.raises(AttributeError, match="joins TrainerSection"):
         _ = part.commit_interval  # joins a section weight-sync does not read
     assert part.inflight_groups == config.inflight_groups  # a joined value of its own sections
-    assert for_plugins(part) is config and for_plugins(config) is config  # plugins: the flat config, as documented
+    flat = for_plugins(part)  # plugins: the flat config, as documented, read-only
+    assert isinstance(flat, FlatConfig) and flat.rollout_batch_size == 4 and flat.eval_interval == 5
+    assert for_plugins(config).rollout_batch_size == 4 and flat.buffer_capacity == config.buffer_capacity
+    with pytest.raises(AttributeError, match="read-only"):
+        flat.rollout_batch_size = 2
     with pytest.raises(AttributeError, match="read-only"):
         part.rollout = config.rollout
 
@@ -149,20 +165,20 @@ def test_a_partition_gets_its_own_section_values_not_a_copy_of_the_config():
     config = RunConfig(rollout_batch_size=8, n_samples_per_prompt=4, multi_lora_n_adapters=2)
     part = ConfigView(config, BufferService.reads, "BufferService")
     adapter = part.replace(rollout_batch_size=2, prompt_data="a.jsonl", async_max_concurrent_samples=None)
-    assert adapter.rollout.rollout_batch_size == 2 and adapter.data.prompt_data == "a.jsonl"
+    assert adapter.rollout.batch_size == 2 and adapter.data.prompt_data == "a.jsonl"
     assert adapter.rollout.n_samples_per_prompt == 4  # the rest of the section is the run's
     assert adapter.trainer is config.trainer and adapter.infra is config.infra  # untouched sections: shared
-    assert part.rollout.rollout_batch_size == 8  # the service's own view is unchanged
-    assert adapter.buffer_capacity == math.floor(config.async_.async_data_buffer_capacity_factor * 2)
+    assert part.rollout.batch_size == 8  # the service's own view is unchanged
+    assert adapter.buffer_capacity == math.floor(config.async_.data_buffer_capacity_factor * 2)
     flat = for_plugins(adapter)  # a plugin of the partition sees its values, flat
     assert flat.rollout_batch_size == 2 and flat.prompt_data == "a.jsonl" and flat.multi_lora_n_adapters == 2
-    assert pickle.loads(pickle.dumps(adapter)).rollout.rollout_batch_size == 2
+    assert pickle.loads(pickle.dumps(adapter)).rollout.batch_size == 2
 
 
 def test_a_section_is_read_only():
     config = RunConfig()
     with pytest.raises(ValueError, match="frozen"):
-        config.rollout.rollout_batch_size = 3
+        config.rollout.batch_size = 3
 
 
 class FlatReadingBuffer(DataBuffer):
@@ -180,4 +196,4 @@ def test_a_custom_buffer_of_a_partition_gets_the_flat_config_with_the_partitions
                        custom_async_data_buffer_path=f"{__name__}.FlatReadingBuffer")  # fmt: skip
     adapter = ConfigView(config, BufferService.reads, "BufferService").replace(rollout_batch_size=2)
     buffer = make_buffer(adapter, recycle=None)
-    assert isinstance(buffer.config, RunConfig) and buffer.batch == 2
+    assert isinstance(buffer.config, FlatConfig) and buffer.batch == 2

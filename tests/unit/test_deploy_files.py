@@ -107,7 +107,7 @@ def test_every_shipped_config_parses(path):
     given = yaml.safe_load(file.read_text())
     assert given, f"{path} sets nothing"
     for key, value in given.items():
-        got = getattr(cfg, key.replace("-", "_"))
+        got = cfg.flag(key.replace("-", "_"))
         got = got.get_secret_value() if hasattr(got, "get_secret_value") else got
         assert got == value or str(got) == str(value), (path, key, value, got)
 

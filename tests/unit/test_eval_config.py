@@ -68,5 +68,5 @@ def test_eval_sglang_flags_on_the_command_line():
     c = _resolve("asyncrl train-async", ["--eval-sglang-mem-fraction-static", "0.4", "--no-eval-sglang-enable-torch-compile",
                                           "--sglang-enable-torch-compile", "--eval-num-gpus", "1", "--eval-interval", "2",
                                           "--eval-hf-dir", "/x", "--rollout-batch-size", "4"], sync=False)  # fmt: skip
-    assert c.eval_sglang_args == ["--mem-fraction-static", "0.4", "--no-enable-torch-compile"]
-    assert c.sglang_server_args == ["--enable-torch-compile"]
+    assert c.eval.sglang_args == ["--mem-fraction-static", "0.4", "--no-enable-torch-compile"]
+    assert c.infra.sglang_server_args == ["--enable-torch-compile"]

@@ -38,7 +38,7 @@ class Service:
 
     def __init__(self, config, committed_step: int, run: AdapterRun):
         self.config, self.committed_step, self.run = config, committed_step, run
-        self.metrics_path = Path(config.run_dir) / "metrics.jsonl"
+        self.metrics_path = Path(config.infra.run_dir) / "metrics.jsonl"
         self.stopping = False
         self.model = CausalLM(ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16))  # fmt: skip
@@ -96,10 +96,10 @@ def setup_run(tmp_path, versions: list[int], complete: set[int], trained_steps: 
         with torch.no_grad():
             for b in lora.B.values():
                 b[0].fill_(float(v))
-        out = save_adapter(lora, 0, adapter_dir(cfg.run_dir, "rev", RID, v))
+        out = save_adapter(lora, 0, adapter_dir(cfg.infra.run_dir, "rev", RID, v))
         if v not in complete:
             (out / ".complete").unlink()
-    trained = adapter_dir(cfg.run_dir, "rev", RID, 0).parent / "trained.jsonl"
+    trained = adapter_dir(cfg.infra.run_dir, "rev", RID, 0).parent / "trained.jsonl"
     trained.parent.mkdir(parents=True, exist_ok=True)
     trained.write_text("".join(json.dumps({"step": k, "groups": [f"g{2 * k}-a0", f"g{2 * k + 1}-a0"]}) + "\n"
                                for k in range(trained_steps)))  # fmt: skip
@@ -150,7 +150,7 @@ def test_old_adapter_versions_are_removed_but_those_the_engines_may_be_loading(t
     svc.bus.kv_get = kv_get
     trainer = trainer_of(svc)
     t = Track(run=svc.run, spec=trainer._lora_spec(svc.run), total=9, step=9)
-    d = adapter_dir(svc.config.run_dir, "rev", RID, 0).parent
+    d = adapter_dir(svc.config.infra.run_dir, "rev", RID, 0).parent
 
     def left() -> list[int]:
         return sorted(int(p.name[1:]) for p in d.glob("v*"))

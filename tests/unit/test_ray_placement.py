@@ -11,8 +11,8 @@ from services.raycluster import with_ray_defaults
 
 def test_use_ray_defaults_to_the_object_store():
     c = with_ray_defaults(resolve_config({"use_ray": True, "trainer_num_ranks": 2}, environ={}))
-    assert c.update_weight_transfer_mode == "object-store"
-    assert with_ray_defaults(resolve_config({}, environ={})).update_weight_transfer_mode == "disk"
+    assert c.async_.update_weight_transfer_mode == "object-store"
+    assert with_ray_defaults(resolve_config({}, environ={})).async_.update_weight_transfer_mode == "disk"
 
 
 def test_use_ray_refuses_disk_weights():

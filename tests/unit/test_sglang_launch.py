@@ -18,8 +18,8 @@ def test_sglang_flags_pass_through_to_each_engine():
                                           "--rollout-num-gpus-per-engine", "2", "--sglang-mem-fraction-static", "0.5",
                                           "--sglang-enable-deterministic-inference", "--use-sglang-router",
                                           "--router-policy", "cache_aware", "--hf-checkpoint", "/m"], sync=False)  # fmt: skip
-    assert c.sglang_server_args == ["--mem-fraction-static", "0.5", "--enable-deterministic-inference"]
-    assert c.sglang_router_args == ["--policy", "cache_aware"] and c.use_sglang_router
+    assert c.infra.sglang_server_args == ["--mem-fraction-static", "0.5", "--enable-deterministic-inference"]
+    assert c.infra.sglang_router_args == ["--policy", "cache_aware"] and c.infra.use_sglang_router
     (cmd0, env0), (cmd1, env1) = sglang_engine_commands(c, [31000, 31001])
     assert cmd0[1:3] == ["-m", "sglang.launch_server"] and cmd0[cmd0.index("--model-path") + 1] == "/m"
     assert cmd0[cmd0.index("--port") + 1] == "31000" and cmd0[cmd0.index("--weight-version") + 1] == "0"
@@ -52,5 +52,5 @@ def test_sglang_server_concurrency_is_ours_never_passed_to_sglang():
     sglang.launch_server (which would refuse it as unknown)."""
     c = _resolve("asyncrl train-async", ["--engine", "sglang", "--sglang-server-concurrency", "8", "--rollout-batch-size", "4",
                                           "--sglang-mem-fraction-static", "0.5", "--hf-checkpoint", "/m"], sync=False)  # fmt: skip
-    assert c.sglang_server_concurrency == 8
-    assert c.sglang_server_args == ["--mem-fraction-static", "0.5"]
+    assert c.rollout.sglang_server_concurrency == 8
+    assert c.infra.sglang_server_args == ["--mem-fraction-static", "0.5"]

@@ -71,12 +71,12 @@ def test_the_command_line_refuses_nan_before_anything_starts(tmp_path):
 
 def test_credentials_in_the_nats_url_are_moved_out_and_never_dumped():
     c = resolve_config({"nats_url": "nats://alice:s3cr3t-pw@broker:4222"}, environ={})
-    assert c.nats_url == "nats://broker:4222"
-    assert c.nats_user == "alice" and c.nats_password.get_secret_value() == "s3cr3t-pw"
+    assert c.infra.nats_url == "nats://broker:4222"
+    assert c.infra.nats_user == "alice" and c.infra.nats_password.get_secret_value() == "s3cr3t-pw"
     dumped = json.dumps(c.model_dump(mode="json"))
     assert "s3cr3t-pw" not in dumped and "alice" not in dumped and "s3cr3t-pw" not in repr(c)
     token = resolve_config({"nats_url": "tls://tok3n-value@broker"}, environ={})
-    assert token.nats_url == "tls://broker" and token.nats_token.get_secret_value() == "tok3n-value"
+    assert token.infra.nats_url == "tls://broker" and token.infra.nats_token.get_secret_value() == "tok3n-value"
     assert url_credentials("nats://a:b@h1:1,nats://h2:2") == ("nats://h1:1,nats://h2:2", {"user": "a", "password": "b"})
     assert url_credentials("nats://h:1") == ("nats://h:1", {})
 
@@ -84,7 +84,7 @@ def test_credentials_in_the_nats_url_are_moved_out_and_never_dumped():
 def test_secret_fields_come_from_the_environment_and_never_reach_a_dump():
     env = {"ASYNCRL_RUN_TOKEN": "run-tok-123", "ASYNCRL_NATS_PASSWORD": "pw-456", "ASYNCRL_NATS_TOKEN": "nt-789"}
     c = resolve_config({}, environ=env)
-    assert c.run_token.get_secret_value() == "run-tok-123" and c.nats_password.get_secret_value() == "pw-456"
+    assert c.infra.run_token.get_secret_value() == "run-tok-123" and c.infra.nats_password.get_secret_value() == "pw-456"
     dumped = json.dumps(c.model_dump(mode="json"))
     for secret in env.values():
         assert secret not in dumped and secret not in repr(c)
@@ -128,7 +128,7 @@ def test_runconfig_rejects_nan_from_a_config_file(tmp_path):
     f.write_text("lr: .nan\n")
     with pytest.raises(ConfigError, match="--lr must be a finite number"):
         resolve_config({}, config_file=str(f), environ={})
-    assert RunConfig(lr=0.5).lr == 0.5
+    assert RunConfig(lr=0.5).trainer.lr == 0.5
 
 
 def test_a_full_disk_is_fatal_and_names_the_path(tmp_path, monkeypatch):

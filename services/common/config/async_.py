@@ -16,16 +16,16 @@ class AsyncSection(Section):
         json_schema_extra={"hint": "leave it unset to disable the staleness filter"},
         description="Reject a group at get() when current version - oldest version > this. Unset: never filter.",
     )
-    async_data_buffer_capacity_factor: float = Field(
+    data_buffer_capacity_factor: float = Field(
         2.0,
         gt=0,
         json_schema_extra={"hint": "the default 2.0 holds two steps of groups"},
         description="Buffer capacity = floor(factor * rollout batch size) stored groups.",
     )
-    async_unused_samples_handler: Literal["drop", "retry"] = Field(
+    unused_samples_handler: Literal["drop", "retry"] = Field(
         "drop", description="What happens to aborted and stale groups: drop, or retry the prompt."
     )
-    async_max_concurrent_samples: int | None = Field(
+    max_concurrent_samples: int | None = Field(
         None,
         description="In-flight cap in samples (>= n); groups = max(1, this // n). Default B groups.",
     )

@@ -10,47 +10,47 @@ from services.common.config.base import Section
 class EvalSection(Section):
     """Evaluation: when, on what, and which backend (eval service, trainer)."""
 
-    eval_interval: int | None = Field(None, ge=1, description="Evaluate every this many steps.")
-    eval_prompt_data: list[str] = Field(
+    interval: int | None = Field(None, ge=1, description="Evaluate every this many steps.")
+    prompt_data: list[str] = Field(
         default_factory=list,
         description="NAME PATH pairs of held-out sets (JSONL or Parquet); default: the task's held-out set.",
     )
-    eval_config: str | None = Field(
+    config: str | None = Field(
         None,
         description="Miles's eval dataset file (YAML/JSON, or base64:<payload>): eval.datasets with per-set "
         "path, n_samples_per_eval_prompt, temperature, top_p, top_k, max_response_len, rm_type, keys and "
         "metadata_overrides, and eval.defaults; replaces --eval-prompt-data.",
     )
     n_samples_per_eval_prompt: int = Field(4, ge=1, description="Samples per held-out prompt.")
-    eval_temperature: float = Field(1.0, ge=0, description="Sampling temperature for evaluation.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature for evaluation.")
     skip_eval_before_train: bool = Field(False, description="No evaluation at step 0.")
-    eval_max_response_len: int | None = Field(
+    max_response_len: int | None = Field(
         None, ge=1, description="max_new_tokens for evaluation (default: the rollout's)."
     )
-    eval_top_p: float | None = Field(None, gt=0, le=1, description="top_p for evaluation (default: the rollout's).")
-    eval_num_gpus: int = Field(
+    top_p: float | None = Field(None, gt=0, le=1, description="top_p for evaluation (default: the rollout's).")
+    num_gpus: int = Field(
         0,
         ge=0,
         description="Dedicated eval fleet: this many engines' worth of devices owned by the eval service (0 = none).",
     )
-    eval_num_gpus_per_engine: int = Field(1, ge=1, description="Devices per eval-fleet engine.")
-    eval_function_path: str | None = Field(
+    num_gpus_per_engine: int = Field(1, ge=1, description="Devices per eval-fleet engine.")
+    function_path: str | None = Field(
         None, description="module.Class: a services.api.CheckpointEvalFn subclass that evaluates each snapshot."
     )
-    eval_hf_dir: str | None = Field(
+    hf_dir: str | None = Field(
         None, description="Export a fresh HF snapshot per eval point here (snapshot backends)."
     )
-    eval_max_in_flight: int = Field(2, ge=1, description="Eval points that may be pending at once.")
-    eval_overflow_policy: Literal["backpressure", "skip"] = Field(
+    max_in_flight: int = Field(2, ge=1, description="Eval points that may be pending at once.")
+    overflow_policy: Literal["backpressure", "skip"] = Field(
         "backpressure",
         description="When --eval-max-in-flight points are pending: wait for the oldest, or skip as busy.",
     )
-    eval_keep_snapshots: int = Field(
+    keep_snapshots: int = Field(
         2,
         ge=0,
         description="Exported eval snapshots kept after their evaluation (0: none, each is deleted once evaluated).",
     )
-    eval_engine_urls: list[str] = Field(
+    engine_urls: list[str] = Field(
         default_factory=list,
         description="Attach the eval fleet to these running engines instead of launching --eval-num-gpus of them.",
     )
@@ -59,7 +59,7 @@ class EvalSection(Section):
         description="module.fn: log_eval_rollout_data(rollout_id, config, data, extra_metrics) -> bool, called "
         "per eval point with data = {dataset: {rewards, truncated, samples}}; True skips the default eval metrics.",
     )
-    eval_sglang_args: list[str] = Field(
+    sglang_args: list[str] = Field(
         default_factory=list,
         description="Overrides of the fleet engines' settings, collected from every --eval-sglang-<flag> "
         "(and --no-eval-sglang-<flag>) on the command line.",
@@ -69,39 +69,39 @@ class EvalSection(Section):
     def backend(self) -> Literal["fleet", "external", "shared"]:
         """The eval backend these flags select (docs/services.md, "Evaluation"): a dedicated fleet,
         an external evaluator, or the rollout engines."""
-        if self.eval_num_gpus > 0 or self.eval_engine_urls:
+        if self.num_gpus > 0 or self.engine_urls:
             return "fleet"
-        if self.eval_function_path:
+        if self.function_path:
             return "external"
         return "shared"
 
     def problems(self) -> list[str]:
         """Every eval combination that cannot work, with what to set."""
         errs = []
-        fleet = self.eval_num_gpus > 0 or bool(self.eval_engine_urls)
-        if fleet and self.eval_function_path:
+        fleet = self.num_gpus > 0 or bool(self.engine_urls)
+        if fleet and self.function_path:
             errs.append(
                 "--eval-num-gpus (a dedicated eval fleet) and --eval-function-path (an external evaluator) each "
                 "select an eval backend: pass one of them"
             )
-        if self.eval_num_gpus % self.eval_num_gpus_per_engine:
+        if self.num_gpus % self.num_gpus_per_engine:
             errs.append(
-                f"--eval-num-gpus ({self.eval_num_gpus}) must be a multiple of --eval-num-gpus-per-engine "
-                f"({self.eval_num_gpus_per_engine})"
+                f"--eval-num-gpus ({self.num_gpus}) must be a multiple of --eval-num-gpus-per-engine "
+                f"({self.num_gpus_per_engine})"
             )
-        if self.eval_sglang_args and self.eval_num_gpus == 0:
-            given = sorted({a for a in self.eval_sglang_args if a.startswith("--")})
+        if self.sglang_args and self.num_gpus == 0:
+            given = sorted({a for a in self.sglang_args if a.startswith("--")})
             errs.append(
                 "--eval-sglang-* configures the dedicated eval fleet, which needs --eval-num-gpus > 0. "
                 f"Got {given} with --eval-num-gpus 0."
             )
-        tp = [a for a in self.eval_sglang_args if a.split("=")[0] in ("--tp-size", "--tp", "--tensor-parallel-size")]
+        tp = [a for a in self.sglang_args if a.split("=")[0] in ("--tp-size", "--tp", "--tensor-parallel-size")]
         if tp:
             errs.append(
                 f"--eval-sglang{tp[0].split('=')[0][1:]} is not a flag: the eval fleet's tensor-parallel size is "
                 "--eval-num-gpus-per-engine"
             )
-        if len(self.eval_prompt_data) % 2:
+        if len(self.prompt_data) % 2:
             errs.append("--eval-prompt-data takes NAME PATH pairs, e.g. --eval-prompt-data aime aime.jsonl")
         return errs
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 
+from asyncrl_proto.subjects import check_run_id
 from services.common.config.base import Section
 from services.common.engine_commands import TOOL_CALL_PARSERS, tool_call_parser
 
@@ -23,6 +24,12 @@ class InfraSection(Section):
     run_id: str | None = Field(
         None, description="Run id used in every NATS name; default: derived from the start time."
     )
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id_pattern(cls, v: str | None) -> str | None:
+        return v if v is None else check_run_id(v)
+
     run_dir: str | None = Field(
         None,
         description="Directory for snapshots, checkpoints, metrics and logs; default runs/<run-id>.",

@@ -50,14 +50,14 @@ class MultiLoraSection(Section):
     one base model, each trained in a slot of the trainer until its own budget, saved, and its slot
     freed for the next (launcher, adapters service; services/adapters)."""
 
-    multi_lora_n_adapters: int = Field(
+    n_adapters: int = Field(
         0,
         ge=0,
         le=64,
         description="Multi-LoRA async: the trainer's adapter slots, i.e. the most adapters trained at once "
         "(0: multi-LoRA off). With it the launcher starts the adapter registry (`asyncrl service adapters`).",
     )
-    multi_lora_adapter: list[str] = Field(
+    adapter: list[str] = Field(
         default_factory=list,
         json_schema_extra={"repeatable": True},
         description="Multi-LoRA: an adapter registered at start, as NAME YAML (repeat the flag for more: "
@@ -65,14 +65,14 @@ class MultiLoraSection(Section):
         "(data, rank, alpha, target_modules, rollout_batch_size, n_samples_per_prompt, save, rm_type or "
         "custom_rm_path, num_step or num_epoch, metadata). Registered once: a restarted registry skips a name it has.",
     )
-    multi_lora_max_rank: int = Field(
+    max_rank: int = Field(
         16,
         ge=1,
         le=1024,
         description="Multi-LoRA: the largest adapter rank the engines can load (SGLang's --max-lora-rank; the built-in "
         "engines are started with it).",
     )
-    multi_lora_max_coalesce_wait_s: float = Field(
+    max_coalesce_wait_s: float = Field(
         0.0,
         ge=0,
         description="Multi-LoRA: once one adapter's batch (a step's rollout_batch_size groups) is ready, keep "
@@ -82,28 +82,28 @@ class MultiLoraSection(Section):
         "adapter) waits for the batch to ship. 0: train what is ready at once (the trainer runs each adapter's "
         "forward on its own rows, so waiting buys no speed, only Miles's batch shape).",
     )
-    multi_lora_max_empty_wait_s: float = Field(
+    max_empty_wait_s: float = Field(
         30.0,
         gt=0,
         description="Multi-LoRA: with adapters active but no batch ready for this long, warn (naming the step "
         "each adapter waits for) and keep waiting.",
     )
-    multi_lora_idle_poll_s: float = Field(
+    idle_poll_s: float = Field(
         2.0, gt=0, description="Multi-LoRA: while no adapter is training, look for new ones this often."
     )
-    multi_lora_service_mode: bool = Field(
+    service_mode: bool = Field(
         False,
         description="Multi-LoRA: run as a service: when no adapter is left, wait for new registrations "
         "indefinitely instead of ending the run.",
     )
-    multi_lora_custom_rm_paths: list[str] = Field(
+    custom_rm_paths: list[str] = Field(
         default_factory=list,
         json_schema_extra={"repeatable": True},
         description="Multi-LoRA: the reward functions (module.fn) an adapter registered over HTTP may name as "
         "custom_rm_path; any other is refused (importing it would run a tenant's choice of code in the producers). "
         "Adapters from --multi-lora-adapter YAML files may name any.",
     )
-    multi_lora_max_data_mb: float = Field(
+    max_data_mb: float = Field(
         256.0,
         gt=0,
         description="Multi-LoRA: the largest prompt file an adapter may name (its rows are held by the buffer and "
@@ -111,13 +111,13 @@ class MultiLoraSection(Section):
     )
 
     @property
-    def multi_lora_adapter_pairs(self) -> list[tuple[str, str]]:
+    def adapter_pairs(self) -> list[tuple[str, str]]:
         """--multi-lora-adapter as (name, yaml path) pairs."""
-        return adapter_pairs(self.multi_lora_adapter)[0]
+        return adapter_pairs(self.adapter)[0]
 
     def problems(self) -> list[str]:
-        errs = adapter_pairs(self.multi_lora_adapter)[1]
-        if self.multi_lora_adapter and self.multi_lora_n_adapters == 0:
+        errs = adapter_pairs(self.adapter)[1]
+        if self.adapter and self.n_adapters == 0:
             errs.append("--multi-lora-adapter registers adapters for multi-LoRA, which is off: set "
                         "--multi-lora-n-adapters to the number of adapter slots")  # fmt: skip
         return errs

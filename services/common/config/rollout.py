@@ -36,18 +36,18 @@ def parse_env(spec: str) -> EnvSpec:
 class RolloutSection(Section):
     """Generation and rewards (producers; the buffer reads B and n)."""
 
-    rollout_batch_size: int = Field(
+    batch_size: int = Field(
         16,
         ge=1,
         description="B: prompt groups per training step. Required on the command line (or in --config), as in "
         "Miles; the default only serves configs built in code.",
     )
     n_samples_per_prompt: int = Field(1, ge=1, description="n: trajectories per prompt group (GRPO wants several).")
-    rollout_max_response_len: int = Field(8, ge=1, description="max_new_tokens of every generation.")
-    rollout_temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
-    rollout_top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling p.")
-    rollout_top_k: int = Field(-1, description="Top-k sampling (-1: whole vocabulary).")
-    rollout_stop_token_ids: list[int] = Field(default_factory=list, description="Stop token ids in addition to EOS.")
+    max_response_len: int = Field(8, ge=1, description="max_new_tokens of every generation.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling p.")
+    top_k: int = Field(-1, description="Top-k sampling (-1: whole vocabulary).")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Stop token ids in addition to EOS.")
     num_rollout: int | None = Field(None, ge=1, description="Training steps to run (a run needs this or --num-epoch).")
     num_epoch: int | None = Field(
         None,
@@ -129,7 +129,7 @@ class RolloutSection(Section):
         description="Generate requests a producer keeps in flight per engine at most (Miles's per-server "
         "semaphore; through a router, this times --rollout-num-engines). Ours, never passed to SGLang.",
     )
-    rollout_function_path: str | None = Field(
+    function_path: str | None = Field(
         None,
         description="Miles's custom rollout loop. Not supported: the producer owns the loop in every mode, so "
         "it is rejected with what to use instead (--custom-generate-function-path, --custom-rm-path).",
@@ -138,7 +138,7 @@ class RolloutSection(Section):
         None,
         description="module.fn: fn(config, group) -> DynamicFilterOutput | bool, applied at put.",
     )
-    rollout_sample_filter_path: str | None = Field(
+    sample_filter_path: str | None = Field(
         None, description="module.fn: fn(config, batch) marking remove_sample, applied per step."
     )
     over_sampling_batch_size: int | None = Field(
@@ -159,7 +159,7 @@ class RolloutSection(Section):
         description="module.fn: fn(config, rollout_id, buffer, num_samples) -> list[list[Sample]] picks which "
         "recycled prompt group is released next (default: the oldest).",
     )
-    rollout_all_samples_process_path: str | None = Field(
+    all_samples_process_path: str | None = Field(
         None,
         description="module.fn: fn(config, all_samples, data_source) once per step with every group generated for "
         "it, those the dynamic filter dropped included (train and one-step train-async; data_source is None).",
@@ -170,15 +170,15 @@ class RolloutSection(Section):
 
     def problems(self) -> list[str]:
         errs = []
-        if any(t < 0 for t in self.rollout_stop_token_ids):
-            errs.append(f"--rollout-stop-token-ids must be token ids >= 0 (got {self.rollout_stop_token_ids})")
-        if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < self.rollout_batch_size:
+        if any(t < 0 for t in self.stop_token_ids):
+            errs.append(f"--rollout-stop-token-ids must be token ids >= 0 (got {self.stop_token_ids})")
+        if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < self.batch_size:
             errs.append(
                 f"--over-sampling-batch-size ({self.over_sampling_batch_size}) must be >= --rollout-batch-size "
-                f"({self.rollout_batch_size})"
+                f"({self.batch_size})"
             )
-        if self.rollout_top_k != -1 and self.rollout_top_k < 1:
-            errs.append(f"--rollout-top-k must be -1 or >= 1 (got {self.rollout_top_k})")
+        if self.top_k != -1 and self.top_k < 1:
+            errs.append(f"--rollout-top-k must be -1 or >= 1 (got {self.top_k})")
         if self.env is not None:
             try:
                 parse_env(self.env)

@@ -1,23 +1,24 @@
-"""The run configuration: every flag under its snake_case name, read by the services section by
-section (`config.rollout.temperature`), and the one place where sections meet: the values derived
-from several sections and the rules that join them, each naming the sections it joins.
+"""The run configuration: one typed section per concern (`config.rollout.temperature`), and the
+one place where sections meet: the values derived from several sections and the rules that
+join them, each naming the sections it joins.
 
-Flags use Miles's names in kebab case on the command line (`--rollout-batch-size`). Precedence:
-defaults < config file (YAML/JSON/TOML) < environment (`ASYNCRL_<NAME>`) < command line. The
-resolved config is stored in the run's KV bucket so that every service reads the same one.
-Users, plugins and the stored config see it flat (`config.temperature`); each section's own
-rules are its `problems()`. This package imports no torch.
+Flags use Miles's names in kebab case on the command line (`--rollout-batch-size`); a field
+inside its section drops the section's name (`rollout.batch_size`), and FLAGS is the one table
+from flag to field. Precedence: defaults < config file (YAML/JSON/TOML) < environment
+(`ASYNCRL_<NAME>`) < command line. RunConfig(**flags) builds one from flag names;
+`model_dump()` and the stored config are flat, by flag name, so a run directory reads as the
+command line did. Plugins get a flat read-only view (`FlatConfig`). Each section's own rules are
+its `problems()`. This package imports no torch.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, NamedTuple, TypeVar
 
-from pydantic import ConfigDict, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from asyncrl_proto.subjects import check_run_id
 from services.common.config.async_ import AsyncSection
 from services.common.config.base import ConfigError, Section
 from services.common.config.data import DataSection
@@ -38,6 +39,48 @@ SECTION_NAMES: dict[type[Section], str] = {
 }  # fmt: skip
 """Each section's attribute on RunConfig (`config.async_`: `async` is a Python keyword)."""
 
+MILES_NAMES: dict[tuple[str, str], str] = {
+    **{("rollout", f): "rollout_" + f for f in (
+        "batch_size", "max_response_len", "temperature", "top_p", "top_k", "stop_token_ids", "function_path",
+        "sample_filter_path", "all_samples_process_path")},
+    **{("async_", f): "async_" + f for f in ("data_buffer_capacity_factor", "unused_samples_handler",
+                                            "max_concurrent_samples")},
+    ("trainer", "num_ranks"): "trainer_num_ranks",
+    **{("eval", f): "eval_" + f for f in (
+        "interval", "prompt_data", "config", "temperature", "max_response_len", "top_p", "num_gpus",
+        "num_gpus_per_engine", "function_path", "hf_dir", "max_in_flight", "overflow_policy", "keep_snapshots",
+        "engine_urls", "sglang_args")},
+    **{("multi_lora", f): "multi_lora_" + f for f in (
+        "n_adapters", "adapter", "max_rank", "max_coalesce_wait_s", "max_empty_wait_s", "idle_poll_s", "service_mode",
+        "custom_rm_paths", "max_data_mb")},
+}  # fmt: skip
+"""The fields whose flag keeps Miles's name with its section's prefix (every other flag is its field's name)."""
+
+
+class Flag(NamedTuple):
+    section: type[Section]
+    attr: str
+    """The section's attribute on RunConfig."""
+    field: str
+    """The field's name in its section."""
+
+
+FLAGS: dict[str, Flag] = {
+    MILES_NAMES.get((SECTION_NAMES[cls], field), field): Flag(cls, SECTION_NAMES[cls], field)
+    for cls in SECTIONS for field in cls.model_fields
+}  # fmt: skip
+"""Every flag (its snake_case name) to its section and field, in the order --help shows them."""
+
+FLAG_OF: dict[tuple[str, str], str] = {(f.attr, f.field): name for name, f in FLAGS.items()}
+
+
+def home_of(name: str) -> str | None:
+    """Where a flag, or a section's own derived value, is read (`config.rollout.batch_size`)."""
+    if name in FLAGS:
+        return f"config.{FLAGS[name].attr}.{FLAGS[name].field}"
+    home = next((a for c, a in SECTION_NAMES.items() if isinstance(c.__dict__.get(name), property)), None)
+    return None if home is None else f"config.{home}.{name}"
+
 F = TypeVar("F", bound=Callable)
 
 
@@ -52,56 +95,86 @@ def joins(*sections: type[Section]) -> Callable[[F], F]:
     return mark
 
 
-def section_of(field: str) -> type[Section]:
-    """The section that declares a RunConfig field."""
-    return next(s for s in SECTIONS if field in s.model_fields)
+def section_of(flag: str) -> type[Section]:
+    """The section that declares a flag."""
+    return FLAGS[flag].section
 
 
-class RunConfig(MultiLoraSection, EvalSection, TrainerSection, AsyncSection, RolloutSection, DataSection, InfraSection):
-    """Every flag, flat as users write them; `config.<section>` is one section's part; below, the
-    values and rules that join sections."""
+def by_section(flags: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Flag values grouped as {section attribute: {field: value}}; an unknown flag is a ConfigError."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, value in flags.items():
+        if (flag := FLAGS.get(name)) is None:
+            raise ConfigError(f"unknown setting {name!r} (see `asyncrl train-async --help` for the flags)")
+        out.setdefault(flag.attr, {})[flag.field] = value
+    return out
 
-    model_config = ConfigDict(frozen=True)  # read-only: model_copy(update=...) makes a changed one
-    _sections: dict = PrivateAttr(default_factory=dict)
 
-    def _section(self, cls: type[Section]) -> Section:
-        part = self._sections.get(cls)
-        if part is None:  # built once per config: model_copy below starts afresh
-            part = self._sections[cls] = cls.model_construct(**{n: getattr(self, n) for n in cls.model_fields})
-        return part
+class RunConfig(BaseModel):
+    """The run's sections; below, the values and rules that join them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")  # read-only: model_copy(update=...) makes a changed one
+
+    infra: InfraSection = Field(default_factory=InfraSection)
+    data: DataSection = Field(default_factory=DataSection)
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    async_: AsyncSection = Field(default_factory=AsyncSection)
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    multi_lora: MultiLoraSection = Field(default_factory=MultiLoraSection)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_flags(cls, data):
+        """Flat flag names (a config file, the command line, the stored config) go to their sections;
+        a nats:// URL's credentials come out of it (nats_url nats://host, nats_user, nats_password;
+        a lone user part is a token): a secret in the URL would be stored and put on command lines."""
+        if not isinstance(data, dict):
+            return data
+        flat = {k: v for k, v in data.items() if k not in SECTION_NAMES.values()}
+        if flat.get("nats_url"):
+            from services.common.secrets import url_credentials
+
+            url, found = url_credentials(str(flat["nats_url"]))
+            if found:
+                flat["nats_url"] = url
+                for key, value in found.items():
+                    flat.setdefault(f"nats_{key}", value)
+        out = {k: v for k, v in data.items() if k in SECTION_NAMES.values()}
+        for attr, fields in by_section(flat).items():
+            given = out.get(attr, {})
+            given = {k: getattr(given, k) for k in given.model_fields_set} if isinstance(given, Section) else dict(given)
+            out[attr] = {**given, **fields}
+        return out
+
+    def __getattr__(self, name: str):
+        if (home := home_of(name)) is not None:
+            raise AttributeError(f"RunConfig has no flat {name!r}: read {home}")
+        return super().__getattr__(name)
+
+    def model_dump(self, **kw) -> dict[str, Any]:
+        """Flat, by flag name (the stored config, config.json, a child's command line)."""
+        out = {}
+        for attr in SECTION_NAMES.values():
+            for field, value in getattr(self, attr).model_dump(**kw).items():
+                out[FLAG_OF[(attr, field)]] = value
+        return out
 
     def model_copy(self, *, update: dict | None = None, deep: bool = False) -> RunConfig:
-        copy = super().model_copy(update=update, deep=deep)
-        copy._sections = {}
-        return copy
+        """A copy with flags changed (by flag name), each in its own section."""
+        changed = {attr: getattr(self, attr).model_copy(update=fields, deep=deep)
+                   for attr, fields in by_section(update or {}).items()}  # fmt: skip
+        return super().model_copy(update=changed, deep=deep)
+
+    def flag(self, name: str) -> Any:
+        """A flag's value by its name (`config.flag("eval_hf_dir")` is `config.eval.hf_dir`)."""
+        f = FLAGS[name]
+        return getattr(getattr(self, f.attr), f.field)
 
     @property
-    def infra(self) -> InfraSection:
-        return self._section(InfraSection)
-
-    @property
-    def data(self) -> DataSection:
-        return self._section(DataSection)
-
-    @property
-    def rollout(self) -> RolloutSection:
-        return self._section(RolloutSection)
-
-    @property
-    def async_(self) -> AsyncSection:
-        return self._section(AsyncSection)
-
-    @property
-    def trainer(self) -> TrainerSection:
-        return self._section(TrainerSection)
-
-    @property
-    def eval(self) -> EvalSection:
-        return self._section(EvalSection)
-
-    @property
-    def multi_lora(self) -> MultiLoraSection:
-        return self._section(MultiLoraSection)
+    def flags_set(self) -> set[str]:
+        """The flags given explicitly (a file, the environment, the command line, code)."""
+        return {FLAG_OF[(attr, f)] for attr in SECTION_NAMES.values() for f in getattr(self, attr).model_fields_set}
 
     # Values derived from several sections.
 
@@ -126,20 +199,20 @@ class RunConfig(MultiLoraSection, EvalSection, TrainerSection, AsyncSection, Rol
         URL and a read-only identity)."""
         if self.async_.update_weight_transfer_mode == "object-store":
             return True
-        return self.multi_lora.multi_lora_n_adapters > 0 and self.adapter_transfer_mode == "object-store"
+        return self.multi_lora.n_adapters > 0 and self.adapter_transfer_mode == "object-store"
 
     @property
     @joins(AsyncSection, RolloutSection)
     def buffer_capacity(self) -> int:
-        return math.floor(self.async_.async_data_buffer_capacity_factor * self.rollout.rollout_batch_size)
+        return math.floor(self.async_.data_buffer_capacity_factor * self.rollout.batch_size)
 
     @property
     @joins(AsyncSection, RolloutSection)
     def inflight_groups(self) -> int:
         """In-flight cap of one producer, in groups (docs/services.md, "Producers and engines")."""
-        if self.async_.async_max_concurrent_samples is not None:
-            return max(1, self.async_.async_max_concurrent_samples // self.rollout.n_samples_per_prompt)
-        return self.rollout.rollout_batch_size
+        if self.async_.max_concurrent_samples is not None:
+            return max(1, self.async_.max_concurrent_samples // self.rollout.n_samples_per_prompt)
+        return self.rollout.batch_size
 
     @property
     @joins(AsyncSection, RolloutSection, InfraSection, MultiLoraSection)
@@ -148,8 +221,8 @@ class RunConfig(MultiLoraSection, EvalSection, TrainerSection, AsyncSection, Rol
         on every producer the launcher starts, and two steps' leases), per adapter, plus 1024.
         Past it a producer's publish is refused until the buffer's next purge."""
         producers = max(1, self.infra.rollout_num_producers)
-        held = self.buffer_capacity + self.inflight_groups * producers + 2 * self.rollout.rollout_batch_size
-        return 4 * held * max(1, self.multi_lora.multi_lora_n_adapters) + 1024
+        held = self.buffer_capacity + self.inflight_groups * producers + 2 * self.rollout.batch_size
+        return 4 * held * max(1, self.multi_lora.n_adapters) + 1024
 
     @property
     @joins(AsyncSection, InfraSection)
@@ -165,7 +238,7 @@ class RunConfig(MultiLoraSection, EvalSection, TrainerSection, AsyncSection, Rol
         if t.num_steps_per_rollout is not None:
             return t.num_steps_per_rollout
         if t.global_batch_size is not None:
-            return max(1, self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt // t.global_batch_size)
+            return max(1, self.rollout.batch_size * self.rollout.n_samples_per_prompt // t.global_batch_size)
         return 1
 
     @property
@@ -184,7 +257,7 @@ class RunConfig(MultiLoraSection, EvalSection, TrainerSection, AsyncSection, Rol
         """What each mode cannot run with."""
         i, r, a, errs = self.infra, self.rollout, self.async_, []
         if i.fully_async:
-            if r.rollout_all_samples_process_path is not None:
+            if r.all_samples_process_path is not None:
                 errs.append("--fully-async does not support --rollout-all-samples-process-path")
             if r.over_sampling_batch_size is not None:
                 errs.append(
@@ -206,7 +279,7 @@ class RunConfig(MultiLoraSection, EvalSection, TrainerSection, AsyncSection, Rol
                     "--fully-async cannot be combined with --partial-rollout: the fully-async producer "
                     "recycles aborted groups itself; drop --partial-rollout"
                 )
-            if r.rollout_function_path:
+            if r.function_path:
                 errs.append(
                     "--fully-async cannot be combined with a custom rollout function "
                     "(--rollout-function-path): the fully-async producer owns the rollout loop; use "
@@ -223,7 +296,7 @@ class RunConfig(MultiLoraSection, EvalSection, TrainerSection, AsyncSection, Rol
                     "--partial-rollout is not supported: an aborted group is regenerated whole (set "
                     "--async-unused-samples-handler retry to retry it); drop --partial-rollout"
                 )
-            if r.rollout_function_path:
+            if r.function_path:
                 errs.append(
                     "--rollout-function-path is not supported: the producer owns the rollout loop; customise "
                     "generation with --custom-generate-function-path and rewards with --custom-rm-path"
@@ -236,11 +309,11 @@ class RunConfig(MultiLoraSection, EvalSection, TrainerSection, AsyncSection, Rol
         capacity = self.buffer_capacity
         if capacity < 1:
             errs.append(
-                f"buffer capacity floor({self.async_.async_data_buffer_capacity_factor} * "
-                f"{self.rollout.rollout_batch_size}) = {capacity} holds no group: raise "
+                f"buffer capacity floor({self.async_.data_buffer_capacity_factor} * "
+                f"{self.rollout.batch_size}) = {capacity} holds no group: raise "
                 "--async-data-buffer-capacity-factor or --rollout-batch-size so that it is at least 1"
             )
-        cap, n = self.async_.async_max_concurrent_samples, self.rollout.n_samples_per_prompt
+        cap, n = self.async_.max_concurrent_samples, self.rollout.n_samples_per_prompt
         if cap is not None and cap < n:
             errs.append(
                 f"--async-max-concurrent-samples ({cap}) must be >= --n-samples-per-prompt ({n}): whole prompt "
@@ -256,7 +329,7 @@ class RunConfig(MultiLoraSection, EvalSection, TrainerSection, AsyncSection, Rol
                 "--update-weight-transfer-mode object-store needs the built-in engine, which fetches weights from the "
                 "bucket itself; an SGLang server loads from disk only: use --update-weight-transfer-mode disk"
             )
-        if self.trainer.use_ray and "update_weight_transfer_mode" in self.model_fields_set and mode == "disk":
+        if self.trainer.use_ray and "update_weight_transfer_mode" in self.flags_set and mode == "disk":
             errs.append(
                 "--use-ray places engines on nodes that do not see the trainer's disk: use "
                 "--update-weight-transfer-mode object-store (the default with --use-ray) or distributed"
@@ -267,17 +340,17 @@ class RunConfig(MultiLoraSection, EvalSection, TrainerSection, AsyncSection, Rol
     def _batch_problems(self) -> list[str]:
         """How a rollout's samples split into optimizer steps."""
         t, errs = self.trainer, []
-        samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+        samples = self.rollout.batch_size * self.rollout.n_samples_per_prompt
         if t.num_steps_per_rollout is not None and t.global_batch_size is not None:
             if t.global_batch_size != samples // t.num_steps_per_rollout:
                 errs.append(
                     f"--global-batch-size {t.global_batch_size} is not equal to --rollout-batch-size "
-                    f"{self.rollout.rollout_batch_size} * --n-samples-per-prompt {self.rollout.n_samples_per_prompt} "
+                    f"{self.rollout.batch_size} * --n-samples-per-prompt {self.rollout.n_samples_per_prompt} "
                     f"// --num-steps-per-rollout {t.num_steps_per_rollout}: set one of them"
                 )
         elif (
             t.global_batch_size is not None
-            and not self.multi_lora.multi_lora_n_adapters  # multi-LoRA: the target of a coalesced batch
+            and not self.multi_lora.n_adapters  # multi-LoRA: the target of a coalesced batch
             and (samples % t.global_batch_size or t.global_batch_size > samples)
         ):
             errs.append(
@@ -286,7 +359,7 @@ class RunConfig(MultiLoraSection, EvalSection, TrainerSection, AsyncSection, Rol
             )
         elif t.num_steps_per_rollout is not None and t.num_steps_per_rollout > samples:
             errs.append(f"--num-steps-per-rollout {t.num_steps_per_rollout} exceeds the rollout's {samples} samples")
-        if self.optimizer_steps_per_rollout > 1 and t.trainer_num_ranks > 1:
+        if self.optimizer_steps_per_rollout > 1 and t.num_ranks > 1:
             errs.append(
                 "several optimizer steps per rollout (--num-steps-per-rollout, --global-batch-size) run on one "
                 "trainer rank in this version: drop --trainer-num-ranks or train one step per rollout"
@@ -299,25 +372,25 @@ class RunConfig(MultiLoraSection, EvalSection, TrainerSection, AsyncSection, Rol
         e, t, errs = self.eval, self.trainer, []
         if e.backend == "shared":
             return errs
-        if e.eval_interval is None:
+        if e.interval is None:
             errs.append("Snapshot eval requires --eval-interval.")
-        if not e.eval_hf_dir and not t.save_hf:
+        if not e.hf_dir and not t.save_hf:
             errs.append(
                 "Snapshot eval requires a snapshot source: set --eval-hf-dir (staging exports) or --save-hf "
                 "(reuse periodic HF checkpoints)."
             )
-        if not e.eval_hf_dir and t.save_hf and e.eval_interval and t.save_interval is None:
+        if not e.hf_dir and t.save_hf and e.interval and t.save_interval is None:
             errs.append(
                 "Snapshot eval from --save-hf checkpoints needs --save-interval (without it nothing is saved): "
                 "set --save-interval, or --eval-hf-dir to export a snapshot per eval point"
             )
-        elif not e.eval_hf_dir and t.save_hf and e.eval_interval:
+        elif not e.hf_dir and t.save_hf and e.interval:
             save_every = t.save_interval
-            if e.eval_interval % save_every:
+            if e.interval % save_every:
                 errs.append(
-                    f"Snapshot eval from --save-hf checkpoints needs --eval-interval ({e.eval_interval}) to be "
+                    f"Snapshot eval from --save-hf checkpoints needs --eval-interval ({e.interval}) to be "
                     f"a multiple of --save-interval ({save_every}): set --eval-interval "
-                    f"{save_every * max(1, e.eval_interval // save_every)} or --eval-hf-dir to export a "
+                    f"{save_every * max(1, e.interval // save_every)} or --eval-hf-dir to export a "
                     "snapshot per eval point"
                 )
         return errs
@@ -326,7 +399,7 @@ class RunConfig(MultiLoraSection, EvalSection, TrainerSection, AsyncSection, Rol
     def _multi_lora_problems(self) -> list[str]:
         """What multi-LoRA async cannot run with, or would silently ignore."""
         errs = []
-        if not self.multi_lora.multi_lora_n_adapters:
+        if not self.multi_lora.n_adapters:
             return errs
         if self.trainer.use_ray and self.adapter_transfer_mode == "disk":
             errs.append("Multi-LoRA with --use-ray: adapter versions would reach these engines by disk, which Ray's "
@@ -336,7 +409,7 @@ class RunConfig(MultiLoraSection, EvalSection, TrainerSection, AsyncSection, Rol
             errs.append(f"Multi-LoRA async (--multi-lora-n-adapters) cannot run --env {spec.scheme}: its chat calls "
                         "reach the engine without an adapter (a chat request carries no lora_path); use --env "
                         "openenv or a --custom-generate-function-path")  # fmt: skip
-        if self.eval.eval_interval is not None:
+        if self.eval.interval is not None:
             errs.append("Multi-LoRA async (--multi-lora-n-adapters) does not support in-loop evaluation: unset "
                         "--eval-interval (evaluate each adapter from its saves)")  # fmt: skip
         errs += [f"Multi-LoRA async (--multi-lora-n-adapters) {why}: {fix}"
@@ -351,31 +424,11 @@ class RunConfig(MultiLoraSection, EvalSection, TrainerSection, AsyncSection, Rol
         "_multi_lora_problems",
     )  # fmt: skip
 
-    @field_validator("run_id")
-    @classmethod
-    def _run_id_pattern(cls, v: str | None) -> str | None:
-        return v if v is None else check_run_id(v)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _credentials_out_of_the_url(cls, data):
-        """nats://user:password@host -> nats_url nats://host, nats_user, nats_password (a lone
-        user part is a token): a secret in the URL would be stored and put on command lines."""
-        if isinstance(data, dict) and data.get("nats_url"):
-            from services.common.secrets import url_credentials
-
-            url, found = url_credentials(str(data["nats_url"]))
-            if found:
-                data = dict(data, nats_url=url)
-                for key, value in found.items():
-                    data.setdefault(f"nats_{key}", value)
-        return data
-
     @model_validator(mode="after")
     def _validate(self) -> RunConfig:
         """Every section's own rules, on that section alone, then the rules that join sections;
         all of them reported at once, with what to set instead."""
-        errs = [e for cls in SECTIONS for e in cls.problems(self._section(cls))]
+        errs = [e for attr in SECTION_NAMES.values() for e in getattr(self, attr).problems()]
         errs += [e for rule in self.JOINT_RULES for e in getattr(self, rule)()]
         if errs:
             raise ConfigError("\n".join(errs))

@@ -13,7 +13,7 @@ class TrainerSection(Section):
     train_backend: Literal["torch", "megatron"] = Field(
         "torch", description="Training backend: plain torch, or megatron-core's GPTModel (pip install megatron-core)."
     )
-    trainer_num_ranks: int = Field(
+    num_ranks: int = Field(
         1, ge=1, description="Data-parallel trainer ranks (torch.distributed); rank 0 owns the bus and HTTP."
     )
     use_ray: bool = Field(
@@ -159,9 +159,9 @@ class TrainerSection(Section):
             errs.append("--save-interval needs --save: set --save DIR for the checkpoints")
         if self.save_trigger_sentinel is not None and not self.save:
             errs.append("--save-trigger-sentinel needs --save: set --save DIR for the checkpoints")
-        if self.keep_old_actor and (self.trainer_num_ranks > 1 or self.train_backend != "torch"):
+        if self.keep_old_actor and (self.num_ranks > 1 or self.train_backend != "torch"):
             errs.append("--keep-old-actor runs on one trainer rank with --train-backend torch in this version")
-        if self.train_backend == "megatron" and self.trainer_num_ranks > 1:
+        if self.train_backend == "megatron" and self.num_ranks > 1:
             errs.append(
                 "--train-backend megatron runs one trainer rank in this version (tensor/pipeline parallel sizes 1): "
                 "drop --trainer-num-ranks or use --train-backend torch for data parallelism"

@@ -1,8 +1,8 @@
 """What one service sees of the run's config: InfraSection and the sections it declares
 (`Service.reads`), as typed read-only objects, and the values that join only those sections
 (`config.buffer_capacity`). Any other section, or a flag read around its section, is an
-AttributeError that says which declaration is missing. Plugins get the flat RunConfig that
-docs/tasks.md promises them, through `for_plugins()`, built from this view's sections.
+AttributeError that says which declaration is missing. Plugins get the flat read-only config that
+docs/tasks.md promises them (FlatConfig), through `for_plugins()`, built from this view's sections.
 
 A multi-LoRA partition is a view whose sections carry that adapter's values (`replace`), not a
 copy of the whole config."""
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from services.common.config.base import Section
 from services.common.config.infra import InfraSection
-from services.common.config.run import SECTION_NAMES, RunConfig, section_of
+from services.common.config.run import FLAGS, SECTION_NAMES, RunConfig, by_section, home_of
 
 _ATTR_SECTION = {attr: cls for cls, attr in SECTION_NAMES.items()}
 
@@ -44,11 +44,8 @@ class ConfigView:
                 raise AttributeError(f"{self._owner} reads config.{name}, which joins {', '.join(missing)} that it "
                                      "does not declare in its `reads`: add them there")  # fmt: skip
             return fn(self)
-        home = next((c for c in SECTION_NAMES if name in c.model_fields or isinstance(c.__dict__.get(name), property)),
-                    None)  # fmt: skip
-        if home is not None:
-            raise AttributeError(f"{self._owner} reads config.{name} around its section: read "
-                                 f"config.{SECTION_NAMES[home]}.{name}")  # fmt: skip
+        if (home := home_of(name)) is not None:
+            raise AttributeError(f"{self._owner} reads config.{name} around its section: read {home}")
         raise AttributeError(name)
 
     def __setattr__(self, name, value):
@@ -57,29 +54,56 @@ class ConfigView:
     def __reduce__(self):
         return ConfigView, (self._run, tuple(self._reads), self._owner, self._parts or None)
 
-    def replace(self, **updates: object) -> ConfigView:
-        """This view with flags changed, each in its own section (a partition's batch size, data,
-        budget): the changed sections are new objects, the rest are shared."""
+    def replace(self, **flags: object) -> ConfigView:
+        """This view with flags changed (by flag name), each in its own section (a partition's batch
+        size, data, budget): the changed sections are new objects, the rest are shared."""
         parts = dict(self._parts)
-        by_section: dict[type[Section], dict] = {}
-        for name, value in updates.items():
-            by_section.setdefault(section_of(name), {})[name] = value
-        for cls, changed in by_section.items():
-            base = parts[cls] if cls in parts else getattr(self._run, SECTION_NAMES[cls])
-            parts[cls] = base.model_copy(update=changed)
+        for attr, changed in by_section(flags).items():
+            cls = _ATTR_SECTION[attr]
+            parts[cls] = (parts[cls] if cls in parts else getattr(self._run, attr)).model_copy(update=changed)
         return ConfigView(self._run, tuple(self._reads), self._owner, parts)
 
-    def for_plugins(self) -> RunConfig:
-        """The flat, read-only RunConfig of docs/tasks.md, with this view's section values: for a
-        plugin (custom generate, reward, buffer, filter and log functions) only."""
-        if self._flat is None:
-            fields = {n: getattr(part, n) for part in self._parts.values() for n in type(part).model_fields}
-            object.__setattr__(self, "_flat", self._run.model_copy(update=fields))
+    def whole(self) -> RunConfig:
+        """The RunConfig with this view's section values (a partition's), for what takes a whole one."""
+        if self._flat is None:  # built once: the sections are frozen
+            parts = {a: self._parts.get(c) or getattr(self._run, a) for a, c in _ATTR_SECTION.items()}
+            object.__setattr__(self, "_flat", RunConfig.model_construct(**parts))
         return self._flat
+
+    def for_plugins(self) -> FlatConfig:
+        """The flat, read-only config of docs/tasks.md, with this view's section values: for a
+        plugin (custom generate, reward, buffer, filter and log functions) only."""
+        return FlatConfig(self.whole())
 
     def model_dump(self, **kw) -> dict:
         """The flat config's fields (as RunConfig.model_dump), for a process this service starts."""
-        return self.for_plugins().model_dump(**kw)
+        return self.whole().model_dump(**kw)
+
+
+class FlatConfig:
+    """A RunConfig as plugins read it (docs/tasks.md): every flag by its name (`config.rm_type`,
+    `config.rollout_batch_size`), the sections and the joined values; read-only."""
+
+    __slots__ = ("_run",)
+
+    def __init__(self, run: RunConfig):
+        object.__setattr__(self, "_run", run)
+
+    def __getattr__(self, name: str):
+        flag = FLAGS.get(name)
+        return getattr(self._run, name) if flag is None else getattr(getattr(self._run, flag.attr), flag.field)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("the run's config is read-only")
+
+    def __reduce__(self):
+        return FlatConfig, (self._run,)
+
+    def __dir__(self):
+        return sorted({*FLAGS, *SECTION_NAMES.values(), *dir(RunConfig)})
+
+    def model_copy(self, *, update: dict | None = None, deep: bool = False) -> FlatConfig:
+        return FlatConfig(self._run.model_copy(update=update, deep=deep))
 
 
 def view(config: RunConfig | ConfigView, reads: tuple[type[Section], ...], owner: str) -> ConfigView:
@@ -89,6 +113,8 @@ def view(config: RunConfig | ConfigView, reads: tuple[type[Section], ...], owner
     return ConfigView(config, reads, owner)
 
 
-def for_plugins(config: RunConfig | ConfigView) -> RunConfig:
-    """The flat RunConfig a plugin gets, from a service's view or a whole config alike."""
-    return config.for_plugins() if isinstance(config, ConfigView) else config
+def for_plugins(config: RunConfig | ConfigView | FlatConfig) -> FlatConfig:
+    """The flat config a plugin gets, from a service's view or a whole config alike."""
+    if isinstance(config, FlatConfig):
+        return config
+    return config.for_plugins() if isinstance(config, ConfigView) else FlatConfig(config)
