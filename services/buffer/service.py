@@ -1,10 +1,9 @@
 """Buffer service: hosts the run's buffer partitions (services.buffer.partition) on the bus.
 
-A single-model run has one partition under the run's own names; a multi-LoRA run
-(--multi-lora-n-adapters) has one per adapter registration, opened when the registry (KV
-`adapters`) holds it and closed once it is COMPLETED, each with its adapter's data, batch size
-and step budget, its own ledger subject and its own staleness clock (the adapter's version, as
-the trainer names it in its gets: fully async).
+How many partitions, and what feeds them, is its layout, chosen once at start-up: a single-model
+run has one partition under the run's own names (`OnePartition`); a multi-LoRA run
+(--multi-lora-n-adapters) has one per adapter registration, following the registry
+(services/buffer/adapters.py, `AdapterPartitions`).
 
 Consumes: RolloutGroup messages from ROLLOUTS (durable push consumer "buffer"; a multi-LoRA run's
   reads every partition and hands each message to its partition); `buffer.get` and
@@ -29,13 +28,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 
-import msgspec
-
 from asyncrl_proto import (
-    AdapterRegistryState,
     BufferCommitReply,
     BufferGetReply,
     Heartbeat,
@@ -45,15 +40,11 @@ from asyncrl_proto import (
     encode,
 )
 from asyncrl_proto.codec import MalformedMessage
-from asyncrl_proto.messages import NO_PARTITION_ERROR, AdapterRun, AdapterState
-from asyncrl_proto.subjects import ADAPTERS_KV_KEY
-from services.buffer.out import Verdict
-from services.buffer.partition import SETTLE_OF, Bound, Partition, QueueSub
-from services.common import crash
-from services.common.bus import Settle, next_batch, settle
+from asyncrl_proto.messages import NO_PARTITION_ERROR
+from services.buffer.adapters import AdapterPartitions
+from services.buffer.partition import Partition
 from services.common.config import (
     AsyncSection,
-    ConfigView,
     DataSection,
     MultiLoraSection,
     RolloutSection,
@@ -67,59 +58,52 @@ log = logging.getLogger(__name__)
 
 PURGE_INTERVAL_S = 1.0
 """Trained payloads are purged from ROLLOUTS at most this often (two broker round trips each)."""
-REGISTRY_POLL_S = 0.5
-"""How often a multi-LoRA buffer reads the registry for registrations to open or close."""
-RETRY_MAX_S = 15.0
-"""The longest wait between two tries of a partition that failed to build for an unforeseen reason
-(well below --buffer-timeout-s, which a trainer waits for a partition before retiring its adapter)."""
-OPEN_STATES = (AdapterState.PENDING, AdapterState.ACTIVE, AdapterState.RETIRING, AdapterState.CLEANUP)
 
 
-def cap_shares(cap: int, states: dict[str, AdapterState | None]) -> dict[str, int]:
-    """The producers' in-flight cap (groups) shared by the partitions whose adapter trains
-    (ACTIVE): `ceil(cap / active)` each. A pending one gets its share once it is active (its
-    prompts would only wait for its first version), a retiring or cleaning-up one none (its
-    adapter takes no more steps: what it generated would be dropped)."""
-    active = [rid for rid, state in states.items() if state is AdapterState.ACTIVE]
-    return {rid: math.ceil(cap / len(active)) if rid in active else 0 for rid in states}
+class OnePartition:
+    """A single-model run's buffer layout: one partition under the run's own names, its clock the
+    engines' live version (the multi-LoRA layout is services/buffer/adapters.py)."""
 
+    def __init__(self, svc) -> None:
+        self.svc = svc
+        self.part = Partition(svc, svc.config, svc.bus.subjects, svc.published, None, svc.consumer.ack_wait_s)
+        self.parts = {"": self.part}
 
-class Backoff:
-    """Per key: after the k-th failure in a row, the next try is due `first * 2**k` seconds later
-    (at most `most`); a success forgets the key."""
+    async def setup(self) -> None:
+        bus, s = self.svc.bus, self.svc.bus.subjects
+        await self.part.recover()
+        self.svc.rollouts = self.part.rollouts = await bus.consume(self.svc.consumer)
+        await bus.subscribe(s.weights_published, self.svc.on_published)  # before the bound's read: nothing missed
+        await self.svc.published.refresh()
+        await bus.subscribe(s.weights_live, self._on_live)
+        await self.part.read_live_version()
+        await bus.subscribe(s.buffer_get, self.svc.on_get)
+        await bus.subscribe(s.buffer_commit, self.svc.on_commit)
 
-    def __init__(self, first: float, most: float):
-        self.first, self.most = first, most
-        self._at: dict[str, tuple[int, float]] = {}
+    def loops(self) -> dict:
+        return self.part.loops()
 
-    def due(self, key: str, now: float) -> bool:
-        return key not in self._at or now >= self._at[key][1]
+    def stop(self) -> list[Partition]:
+        return [self.part]
 
-    def failed(self, key: str, now: float) -> tuple[int, float]:
-        """Records a failure; returns (failures in a row, seconds until the next try)."""
-        failures = self._at.get(key, (0, 0.0))[0] + 1
-        delay = min(self.first * 2.0**failures, self.most)
-        self._at[key] = (failures, now + delay)
-        return failures, delay
+    async def part_of(self, subject: str, base: str) -> Partition:
+        return self.part
 
-    def ok(self, key: str) -> None:
-        self._at.pop(key, None)
+    async def _on_live(self, msg) -> None:
+        if (live := await self.svc.bus.decode_or_dead_letter(msg, WeightsLive)) is not None:
+            await self.part.on_live(msg, live.version)
 
+    async def on_heartbeat(self, msg, hb: Heartbeat) -> None:
+        await self.part.on_heartbeat(msg, hb)
 
-def adapter_config(config: ConfigView, run: AdapterRun) -> ConfigView:
-    """The buffer's config as one adapter's partition sees it: its data, batch size, group size and
-    budget; fully async (its clock is the adapter version the trainer names). Only the sections
-    these flags live in are new; the rest are the run's."""
-    from services.data.source import adapter_total_steps, load_rows
+    def label(self, rid: str) -> str:
+        return ""
 
-    spec = run.spec
-    rows = len(load_rows(spec.data, config.data.input_key, config.data.label_key, config.data.metadata_key))
-    return config.replace(**{
-        "prompt_data": spec.data, "data_source_path": None, "rollout_batch_size": spec.rollout_batch_size,
-        "n_samples_per_prompt": spec.n_samples_per_prompt, "num_rollout": adapter_total_steps(run, rows),
-        "num_epoch": None, "driver": "async", "fully_async": True, "over_sampling_batch_size": None,
-        "rollout_all_samples_process_path": None, "async_max_concurrent_samples": None,
-    })  # fmt: skip
+    def status(self) -> dict:
+        return self.part.status()
+
+    def metric_values(self) -> dict[str, float]:
+        return self.part.metric_values()
 
 
 class BufferService(Service):
@@ -132,28 +116,16 @@ class BufferService(Service):
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
         config = self.config  # its own sections from here on (services.common.config.view)
-        self.partitioned = config.multi_lora.n_adapters > 0
-        self._consumer = bus.subjects.consumers(config.async_.prompt_ack_wait_s, self.partitioned)["buffer"]
-        self._rollouts = None
+        partitioned = config.multi_lora.n_adapters > 0
+        self.consumer = bus.subjects.consumers(config.async_.prompt_ack_wait_s, partitioned)["buffer"]
+        self.rollouts = None
         self._next_purge = 0.0
         self._purged_upto = 0
-        self.parts: dict[str, Partition] = {}
-        """Open partitions by registration id (a single-model run: one, under "")."""
-        self.closed: dict[str, Partition] = {}
-        """Closed partitions a late group came back for (its foreign drop is recorded in its ledger)."""
-        self.adapters = AdapterRegistryState()
-        self._registry_revision = -1
-        self._registry_lock = asyncio.Lock()
-        self.broken: dict[str, str] = {}
-        """Registrations whose partition cannot be built, and why (said once)."""
-        self._retry = Backoff(REGISTRY_POLL_S, RETRY_MAX_S)
-        """Registrations whose partition failed to build for an unforeseen reason."""
-        self._part_tasks: dict[str, list[asyncio.Task]] = {}
         self.published = VersionBound(bus)  # the newest weight version the trainer published
-        if not self.partitioned:
-            self.parts[""] = Partition(self, config, bus.subjects, self.published, None, self._consumer.ack_wait_s)
+        self.layout = AdapterPartitions(self) if partitioned else OnePartition(self)
 
     # what tests and the status page read (a single-model run's partition)
+    parts = property(lambda self: self.layout.parts)
     part = property(lambda self: self.parts[""])
     core = property(lambda self: self.part.core)
     buffer = property(lambda self: self.part.buffer)
@@ -163,24 +135,8 @@ class BufferService(Service):
     ledger_problems = property(lambda self: [p for part in self.parts.values() for p in part.ledger.problems])
 
     async def setup(self) -> None:
-        s = self.bus.subjects
-        if self.partitioned:
-            await self._read_registry()
-        else:
-            await self.part.recover()
-        self._rollouts = await self.bus.consume(self._consumer)
-        if not self.partitioned:
-            self.part.rollouts = self._rollouts
-            await self.bus.subscribe(s.weights_published, self._on_published)  # before the bound's read: nothing missed
-            await self.published.refresh()
-            await self.bus.subscribe(s.weights_live, self._on_live)
-            await self.part.read_live_version()
-            await self.bus.subscribe(s.buffer_get, self._on_get)
-            await self.bus.subscribe(s.buffer_commit, self._on_commit)
-        else:
-            await self.bus.subscribe(s.buffer_get + ".*", self._on_get)
-            await self.bus.subscribe(s.buffer_commit + ".*", self._on_commit)
-        await self.bus.subscribe(s.heartbeat("rollout"), self._on_heartbeat)
+        await self.layout.setup()
+        await self.bus.subscribe(self.bus.subjects.heartbeat("rollout"), self._on_heartbeat)
         for rid, part in self.parts.items():
             st = part.state
             log.info("buffer %s ready: capacity %d groups, %d prompts per epoch, mode %s, %d ledger events, "
@@ -189,178 +145,22 @@ class BufferService(Service):
                      st.committed_step)  # fmt: skip
 
     def loops(self):
-        if not self.partitioned:
-            return self.part.loops()
-        return {"dispatch_rollouts": self._dispatch_rollouts, "watch_registry": self._watch_registry}
+        return self.layout.loops()
 
     async def teardown(self) -> None:
-        for tasks in self._part_tasks.values():
-            for t in tasks:
-                t.cancel()
-        for part in [*self.parts.values(), *self.closed.values()]:
+        for part in self.layout.stop():
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(part.ledger.flush(snapshot=True), 5)
 
-    # ---- multi-LoRA: partitions follow the registry ---------------------------------------------
-    async def _read_registry(self) -> None:
-        """Open a partition (recovered from its ledger, its loops started) for every registration
-        the registry holds open, and close those it completed (also one completed while this
-        buffer was down: its stored groups are recorded retired). A registration whose partition
-        cannot be built (its data unreadable) is left unopened and said once; a broker that does
-        not answer leaves the rest for the next read."""
-        async with self._registry_lock:
-            try:
-                raw, revision = await self.bus.kv_entry(ADAPTERS_KV_KEY)
-            except Exception as e:  # the broker is away: the next poll reads it again
-                log.warning("could not read the adapter registry (%s); reading it again soon", type(e).__name__)
-                return
-            if raw is None or revision == self._registry_revision:
-                return
-            try:
-                self.adapters = decode(raw, AdapterRegistryState)
-            except MalformedMessage as e:
-                log.error("ignoring the registry's KV value: %s", e)
-                return
-            done = True
-            for run in self.adapters.runs:
-                rid = run.registration_id
-                if not self._retry.due(rid, time.monotonic()):
-                    done = False  # backing off: tried again at a later read
-                    continue
-                try:
-                    if run.state in OPEN_STATES and rid not in self.parts and rid not in self.broken:
-                        part = self._partition(run)
-                        await part.recover()
-                        self.parts[rid] = part
-                        self._start(rid)
-                    elif run.state is AdapterState.COMPLETED and rid in self.parts:
-                        await self._close(rid)
-                    elif run.state is AdapterState.COMPLETED and rid not in self.closed:
-                        await self._closed_partition(run)
-                except (TimeoutError, ConnectionError) as e:  # the broker: the next read tries again
-                    done = False
-                    log.warning("partition of registration %s: %s; trying again at the next read", rid, e)
-                except (ValueError, OSError) as e:  # DataError, a spec that does not fit: not a broker's
-                    self.broken[rid] = str(e)
-                    log.error("adapter %s (registration %s) has no buffer partition: %s", run.name, rid, e)
-                except Exception as e:  # unforeseen: tried again, less and less often (at most every minute)
-                    done = False
-                    failures, delay = self._retry.failed(rid, time.monotonic())
-                    log.warning("partition of registration %s: %s: %s (failure %d); trying again in %.0f s", rid,
-                                type(e).__name__, e, failures, delay)  # fmt: skip
-                else:
-                    self._retry.ok(rid)
-            if done:
-                self._registry_revision = revision
-
-    def _partition(self, run: AdapterRun) -> Partition:
-        bound = Bound(lambda rid=run.registration_id: self._adapter_version(rid))
-        bound.value = run.step
-        log.info("buffer partition of adapter %s (registration %s)", run.name, run.registration_id)
-        return Partition(self, adapter_config(self.config, run), self.bus.subjects.of(run.registration_id), bound,
-                         QueueSub(), self._consumer.ack_wait_s)  # fmt: skip
-
-    async def _adapter_version(self, rid: str) -> int:
-        """The newest version of a registration's adapter: the steps the registry says it took
-        (read only: a partition's own loop may ask, and must never close itself)."""
-        raw, _ = await self.bus.kv_entry(ADAPTERS_KV_KEY)
-        runs = decode(raw, AdapterRegistryState).runs if raw is not None else []
-        return max((r.step for r in runs if r.registration_id == rid), default=0)
-
-    def _start(self, rid: str) -> None:
-        def done(t: asyncio.Task) -> None:
-            if not t.cancelled() and t.exception() is not None:
-                self.fail(t.exception())
-
-        tasks = []
-        for name, fn in self.parts[rid].loops().items():
-            t = asyncio.create_task(fn(), name=f"{name}-{rid[:8]}")
-            t.add_done_callback(done)
-            tasks.append(t)
-        self._part_tasks[rid] = tasks
-
-    async def _close(self, rid: str) -> None:
-        """Its loops stop; its stored groups are recorded dropped (`retired`) and its ledger
-        snapshotted. It stays known here, for the groups that still come back for it (foreign)."""
-        part = self.parts.pop(rid)
-        tasks = self._part_tasks.pop(rid, [])
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self.closed[rid] = part
-        await part.apply(part.core.on_closed(), durable=True)
-        await part.ledger.flush(snapshot=True)
-        part.release_memory()
-        log.info("closed the buffer partition of registration %s", rid)
-
-    async def _closed_partition(self, run: AdapterRun) -> Partition:
-        """The partition of a completed registration this buffer did not have open: its ledger
-        alone (its payloads may be purged), its stored groups recorded retired."""
-        part = self._partition(run)
-        await part.recover(payloads=False)
-        await part.apply(part.core.on_closed(), durable=True)
-        part.release_memory()
-        self.closed[run.registration_id] = part
-        return part
-
-    async def _watch_registry(self) -> None:
-        while True:
-            await self.wait_stopped(REGISTRY_POLL_S)
-            await self._read_registry()
-
-    async def _dispatch_rollouts(self) -> None:
-        """Every partition's ROLLOUTS messages from the one consumer, to their partitions."""
-        prefix = self.bus.subjects.rollouts + "."
-        while True:
-            for msg in await next_batch(self._rollouts, 64, 1.0):
-                rid = msg.subject[len(prefix):] if msg.subject.startswith(prefix) else ""
-                if rid not in self.parts and rid not in self.closed:  # opened since the last read?
-                    await self._read_registry()
-                if (part := self.parts.get(rid)) is not None:
-                    part.rollouts.put(msg)
-                    continue
-                try:
-                    await self._foreign(rid, msg)
-                except Exception as e:  # a broker away: the message comes back
-                    log.warning("group for registration %s: %s; it is delivered again", rid[:64], e)
-                    await settle(msg, Settle.NAK, delay=1.0)
-
-    async def _foreign(self, rid: str, msg) -> None:
-        """A group of a closed registration is recorded `foreign` in its ledger and dropped; one
-        of a registration the registry never held is dead-lettered."""
-        run = next((r for r in self.adapters.runs if r.registration_id == rid), None)
-        if run is None or (rid in self.broken and rid not in self.closed):
-            why = self.broken.get(rid) or "no such registration in this run"
-            await self.bus.dead_letter(msg.subject, msg.data, f"adapter registration {rid[:64]!r}: {why}")
-            await settle(msg, Settle.TERM)
-            return
-        if run.state is not AdapterState.COMPLETED:  # open, its partition not built yet: later
-            await settle(msg, Settle.NAK, delay=1.0)
-            return
-        if (part := self.closed.get(rid)) is None:
-            part = await self._closed_partition(run)
-        out = part.core.on_foreign(msg, msg.metadata.sequence.stream, msg.data)
-        await part.apply(out, durable=True)
-        crash.point("buffer", "appended_before_ack")
-        await settle(msg, SETTLE_OF[out.settle or Verdict.ACK])
-
     # ---- requests ------------------------------------------------------------------------------
-    async def _part_of(self, subject: str, base: str) -> Partition | None:
-        if not self.partitioned:
-            return self.part
-        rid = subject[len(base) + 1:] if subject.startswith(base + ".") else ""
-        if rid not in self.parts:  # registered a moment ago: the registry says so already
-            await self._read_registry()
-        return self.parts.get(rid)
-
-    async def _on_get(self, msg) -> None:
-        if (part := await self._part_of(msg.subject, self.bus.subjects.buffer_get)) is None:
+    async def on_get(self, msg) -> None:
+        if (part := await self.layout.part_of(msg.subject, self.bus.subjects.buffer_get)) is None:
             await self._no_partition(msg, BufferGetReply)
             return
         self.background(part.handle_get(msg), "a get request")  # a waiting get holds no other request up
 
-    async def _on_commit(self, msg) -> None:
-        if (part := await self._part_of(msg.subject, self.bus.subjects.buffer_commit)) is None:
+    async def on_commit(self, msg) -> None:
+        if (part := await self.layout.part_of(msg.subject, self.bus.subjects.buffer_commit)) is None:
             await self._no_partition(msg, BufferCommitReply)
             return
         if await part.handle_commit(msg) and time.monotonic() >= self._next_purge:
@@ -386,55 +186,26 @@ class BufferService(Service):
         except Exception as e:  # storage hygiene only: never fail the buffer for it
             log.warning("could not purge trained payloads from ROLLOUTS: %s", e)
 
-    async def _on_live(self, msg) -> None:
-        if (live := await self.bus.decode_or_dead_letter(msg, WeightsLive)) is not None:
-            await self.part.on_live(msg, live.version)
-
-    async def _on_published(self, msg) -> None:
+    async def on_published(self, msg) -> None:
         with contextlib.suppress(MalformedMessage):  # weight-sync dead-letters bad ones; we only read the number
             self.published.value = max(self.published.value, decode(msg.data, WeightsPublished).version)
 
     async def _on_heartbeat(self, msg) -> None:
-        if (hb := await self.bus.decode_or_dead_letter(msg, Heartbeat)) is None:
-            return
-        if not self.partitioned:
-            await self.part.on_heartbeat(msg, hb)
-            return
-        cap = hb.info.get("inflight_groups", self.config.inflight_groups)
-        if not isinstance(cap, int) or isinstance(cap, bool) or not 0 <= cap <= self.config.inflight_groups:
-            await self.bus.dead_letter(msg.subject, msg.data, f"inflight_groups {cap!r:.40} is not a count in "
-                                       f"[0, {self.config.inflight_groups}]")  # fmt: skip
-            return
-        states = {r.registration_id: r.state for r in self.adapters.runs}
-        for rid, share in cap_shares(cap, {rid: states.get(rid) for rid in self.parts}).items():
-            part = self.parts[rid]
-            share = min(part.config.inflight_groups, share)
-            await part.on_heartbeat(msg, msgspec.structs.replace(hb, info={**hb.info, "inflight_groups": share}))
+        if (hb := await self.bus.decode_or_dead_letter(msg, Heartbeat)) is not None:
+            await self.layout.on_heartbeat(msg, hb)
 
     # ---- observability -------------------------------------------------------------------------
     def status(self) -> dict:
-        base = {"dead_lettered": dict(self.bus.dead_lettered)}
-        if not self.partitioned:
-            return {**self.part.status(), **base}
-        runs = {r.registration_id: r.name for r in self.adapters.runs}
-        return {**base, "partitions": {rid: {"adapter": runs.get(rid, ""), **p.status()} for rid, p in self.parts.items()}}
+        return {**self.layout.status(), "dead_lettered": dict(self.bus.dead_lettered)}
 
     def health_note(self) -> str | None:
         """The run's stall, with its cause (every partition's, multi-LoRA)."""
         now = time.time()
         stalls = [(name, st) for name, p in self.parts.items() if (st := p.core.stall(now)) is not None]
-        return "; ".join(f"{'partition ' + str(name) + ': ' if self.partitioned else ''}stalled for {st['for_s']:.0f} s "
-                         f"at step {st['step']}: {st['cause']}" for name, st in stalls) or None  # fmt: skip
+        return "; ".join(f"{self.layout.label(name)}stalled for {st['for_s']:.0f} s at step {st['step']}: "
+                         f"{st['cause']}" for name, st in stalls) or None  # fmt: skip
 
     def metric_values(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        if not self.partitioned:
-            out = self.part.metric_values()
-        else:
-            runs = {r.registration_id: r.name for r in self.adapters.runs}
-            for rid, part in self.parts.items():
-                out.update({f"{runs.get(rid, rid)}/{k}": v for k, v in part.metric_values().items()})
-            out["perf/fully_async/queue_length"] = sum(len(p.state.stored) for p in self.parts.values())
-            out["buffer/partitions"] = len(self.parts)
+        out = self.layout.metric_values()
         out["buffer/ledger/dead_lettered_total"] = sum(self.bus.dead_lettered.values())
         return out

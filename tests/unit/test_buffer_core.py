@@ -207,7 +207,7 @@ def test_the_producers_cap_is_shared_by_the_partitions_whose_adapter_trains():
     """Multi-LoRA: ceil(cap / active) to each ACTIVE partition, none to one pending, retiring or
     cleaning up (its groups would wait for a first version, or be dropped)."""
     from asyncrl_proto.messages import AdapterState as S
-    from services.buffer.service import cap_shares
+    from services.buffer.adapters import cap_shares
 
     states = {"a": S.ACTIVE, "b": S.ACTIVE, "p": S.PENDING, "r": S.RETIRING, "c": S.CLEANUP, "gone": None}
     assert cap_shares(5, states) == {"a": 3, "b": 3, "p": 0, "r": 0, "c": 0, "gone": 0}

@@ -352,7 +352,7 @@ def test_a_partition_that_fails_to_build_is_tried_again_less_and_less_often():
     """Multi-LoRA: a registration whose partition fails for an unforeseen reason is not retried
     at every registry read (twice a second, a warning each) but after 1, 2, 4 ... s, at most 15 s
     apart; a success resets it."""
-    from services.buffer.service import Backoff
+    from services.buffer.adapters import Backoff
 
     b = Backoff(0.5, 15.0)
     assert b.due("r", 0.0)
