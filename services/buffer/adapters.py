@@ -21,7 +21,7 @@ from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import AdapterRun, AdapterState
 from asyncrl_proto.subjects import ADAPTERS_KV_KEY
 from services.buffer.out import Verdict
-from services.buffer.partition import SETTLE_OF, Bound, Partition, QueueSub
+from services.buffer.partition import SETTLE_OF, Bound, Partition, QueueSub, drop_dead_lettered
 from services.common import crash
 from services.common.bus import Settle, next_batch, settle
 from services.common.config import ConfigView
@@ -282,8 +282,10 @@ class AdapterPartitions:
         run = next((r for r in self.adapters.runs if r.registration_id == rid), None)
         if run is None or (rid in self.broken and rid not in self.closed):
             why = self.broken.get(rid) or "no such registration in this run"
-            await self.svc.bus.dead_letter(msg.subject, msg.data, f"adapter registration {rid[:64]!r}: {why}")
+            stored = await self.svc.bus.dead_letter(msg.subject, msg.data, f"adapter registration {rid[:64]!r}: {why}")
             await settle(msg, Settle.TERM)
+            if stored:
+                await drop_dead_lettered(self.svc.bus, msg.metadata.sequence.stream)
             return
         if run.state is not AdapterState.COMPLETED:  # open, its partition not built yet: later
             await settle(msg, Settle.NAK, delay=1.0)
@@ -294,4 +296,6 @@ class AdapterPartitions:
         await part.apply(out, durable=True)
         crash.point("buffer", "appended_before_ack")
         await settle(msg, SETTLE_OF[out.settle or Verdict.ACK])
+        if out.dead_letters:  # undecodable: its letter is on DEADLETTER
+            await drop_dead_lettered(self.svc.bus, msg.metadata.sequence.stream)
 

@@ -97,6 +97,17 @@ def expiry_note(events: list, before: int) -> str | None:
             f"({before + len(expired)} this run)")
 
 
+
+async def drop_dead_lettered(bus, seq: int) -> None:
+    """A settled ROLLOUTS message whose dead letter is stored (its first 64 KiB, size and digest)
+    leaves the stream at once: a flood of them, stored above a group still held, is out of the
+    purge's reach and would hold every producer's publish back (the stream's message cap) until
+    the run stalls. A redelivery or a duplicate is never dropped: its stream message is a group's."""
+    try:
+        await bus.delete_msg(bus.subjects.rollouts_stream, seq)
+    except Exception as e:  # storage hygiene only: the purge takes it later
+        log.warning("could not delete dead-lettered message %d from ROLLOUTS: %s", seq, e)
+
 class Partition:
     """`svc` is the hosting Service (bus, fail, background, observe); `config` this partition's
     (a multi-LoRA adapter's data, batch size and budget); `published` the bound on the versions
@@ -220,18 +231,9 @@ class Partition:
                 crash.point("buffer", "appended_before_ack")
             for msg, how in done:
                 await settle(msg, how)
-            for seq in self._dead_lettered:  # their copies are on DEADLETTER
-                await self._drop(seq)
+            for seq in self._dead_lettered:  # settled, and their letters stored
+                await drop_dead_lettered(self.bus, seq)
             self._dead_lettered.clear()
-
-    async def _drop(self, seq: int) -> None:
-        """A dead-lettered message leaves ROLLOUTS at once: a flood of them, stored above a group
-        still held, is out of the purge's reach and would hold every producer's publish back
-        (the stream's message cap) until the run stalls."""
-        try:
-            await self.bus.delete_msg(self.bus.subjects.rollouts_stream, seq)
-        except Exception as e:  # storage hygiene only: the purge takes it later
-            log.warning("could not delete dead-lettered message %d from ROLLOUTS: %s", seq, e)
 
     async def _put_one(self, msg, pending: list) -> Settle:
         """Returns how to settle the message once what was decided on it is durable."""
@@ -245,8 +247,8 @@ class Partition:
         out = self.core.on_group(msg, seq, rg, undecodable, msg.data)
         self.ledger.add(out.events)
         for m, reason in out.dead_letters:
-            await self.bus.dead_letter(m.subject, m.data, reason)
-            self._dead_lettered.append(seq)
+            if await self.bus.dead_letter(m.subject, m.data, reason):
+                self._dead_lettered.append(seq)
         if out.settle is not Verdict.PUT:
             return SETTLE_OF[out.settle]
         put = asyncio.ensure_future(self._plugin(self.buffer.put(rg.samples), "put"))

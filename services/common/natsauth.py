@@ -3,7 +3,7 @@
 | role | publishes | subscribes to | JetStream |
 |---|---|---|---|
 | admin (launcher, init-run, audit) | everything | everything | creates the streams and the KV bucket |
-| buffer | prompts, ledger, KV buffer_snapshot (and `.<registration>` of each: multi-LoRA) | buffer.get, buffer.commit, weights.live, weights.published, heartbeat.rollout | consumer `buffer` on ROLLOUTS, purges ROLLOUTS (and deletes its dead-lettered messages), reads LEDGER, ROLLOUTS and the last WEIGHTS message |
+| buffer | prompts, ledger, KV buffer_snapshot (and `.<registration>` of each: multi-LoRA) | buffer.get, buffer.commit, weights.live, weights.published, heartbeat.rollout | consumer `buffer` on ROLLOUTS, purges ROLLOUTS and deletes messages from it (the dead-lettered ones), reads LEDGER, ROLLOUTS and the last WEIGHTS message |
 | trainer | buffer.get, buffer.commit, weights.published, KV published_version (reads KV adapter_live.*), progress, eval.requests, eval.results, adapters.control (requests) | eval.results, heartbeat.rollout, weights.transfer (answers it) | reads ROLLOUTS, the last WEIGHTS message; writes, reads and purges the weights object bucket |
 | rollout | rollouts | control | consumer `producers` on PROMPTS |
 | weight-sync | weights.live, KV live_version, weights.transfer (requests) | - | consumer `weight-sync` on WEIGHTS, reads WEIGHTS and the weights object bucket |

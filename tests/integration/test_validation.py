@@ -309,3 +309,34 @@ async def test_weight_sync_ignores_a_live_version_in_kv_that_was_never_published
         finally:
             await svc.stop()
             await bus.close()
+
+
+async def test_multi_lora_junk_for_no_registration_is_dead_lettered_and_leaves_the_stream(
+    nats_server, run_id, task_data, tiny_model_dir
+):
+    """A multi-LoRA buffer: groups under a registration the registry never held are dead-lettered,
+    and leave ROLLOUTS once settled (a flood of them would otherwise fill the stream's cap)."""
+    import asyncio
+
+    from tests.conftest import TEST_TOKEN, RunningService
+
+    bus = await Bus.connect(nats_server.url, run_id, "buffer")
+    await bus.ensure_streams(partitioned=True)  # what the launcher does for a multi-LoRA run
+    service = BufferService(config(task_data, tiny_model_dir, multi_lora_n_adapters=2), bus, http_token=TEST_TOKEN)
+    svc = RunningService(service, asyncio.ensure_future(service.run()))
+    h = await Bus.connect(nats_server.url, run_id, "test")
+    try:
+        await wait_until(lambda: service.ready or svc.task.done(), 30, "the buffer ready")
+        for i in range(5):
+            await h.js.publish(h.subjects.rollouts + ".nosuchregistration", b"junk %d" % i)
+        await wait_until(lambda: sum(service.bus.dead_lettered.values()) == 5, what="5 dead letters")
+
+        async def emptied() -> bool:
+            return (await h.js.stream_info(h.subjects.rollouts_stream)).state.messages == 0
+
+        await wait_until(emptied, what="ROLLOUTS emptied of the junk")
+        reasons = [d.reason for d in await dead_letters(h)]
+        assert sum("no such registration in this run" in r for r in reasons) == 5, reasons
+    finally:
+        await svc.stop()
+        await h.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import json
 import math
 import pickle
 import textwrap
@@ -88,6 +89,17 @@ def test_a_flag_read_flat_says_where_it_lives():
     assert c.flag("rollout_batch_size") == 4 and c.model_dump()["eval_interval"] == 2
     assert RunConfig(**c.model_dump()) == c  # the stored config reads back as it was
     assert c.model_copy(update={"eval_interval": 3}).eval.interval == 3 and c.flags_set >= {"rollout_batch_size"}
+    with pytest.raises(TypeError, match="flat by flag name"):
+        c.model_dump(exclude={"rollout_batch_size"})  # a field filter would miss the flag names silently
+    assert json.loads(c.model_dump_json())["rollout_batch_size"] == 4
+
+
+def test_a_plugin_reads_flags_and_derived_values_flat_as_before():
+    flat = for_plugins(RunConfig(fully_async=True, num_rollout=7, multi_lora_n_adapters=1,
+                                 multi_lora_adapter=["a=a.yaml"]))  # fmt: skip
+    assert (flat.mode, flat.total_steps, flat.backend) == ("fully_async", 7, "shared")  # a section's own values
+    assert flat.multi_lora_adapter_pairs == [("a", "a.yaml")] and flat.multi_lora.adapter_pairs == [("a", "a.yaml")]
+    assert flat.rollout_batch_size == flat.rollout.batch_size and flat.buffer_capacity > 0
 
 
 @pytest.mark.parametrize("package", sorted(SERVICES))

@@ -492,10 +492,10 @@ class Bus:
             raise BusError(f"message {seq} of {stream} is gone or has no payload")
         return raw.data
 
-    async def dead_letter(self, subject: str, data: bytes, reason: str) -> None:
+    async def dead_letter(self, subject: str, data: bytes, reason: str) -> bool:
         """Record a message that failed validation on DEADLETTER (its first DEAD_LETTER_DATA_BYTES,
         its size and digest, the reason), count it, log it. Never fails the caller: a dead letter
-        that cannot be stored is logged."""
+        that cannot be stored is logged (False)."""
         target = self.subjects.deadletter(subject)
         self.dead_lettered[subject.removeprefix(self.subjects._s(""))] += 1
         log.error("dead-lettered a message from %s to %s: %s", subject, target, reason)
@@ -508,6 +508,8 @@ class Bus:
             raise
         except (TimeoutError, StreamFull, nats.errors.Error, nats.js.errors.Error, OSError) as e:
             log.error("the dead letter from %s could not be stored (%s); it is only logged", subject, e)
+            return False
+        return True
 
     async def dead_letter_msg(self, msg, reason: str) -> None:
         """Dead-letter a JetStream message and terminate it (never redelivered)."""

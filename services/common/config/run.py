@@ -13,6 +13,7 @@ its `problems()`. This package imports no torch.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal, NamedTuple, TypeVar
@@ -154,11 +155,17 @@ class RunConfig(BaseModel):
 
     def model_dump(self, **kw) -> dict[str, Any]:
         """Flat, by flag name (the stored config, config.json, a child's command line)."""
+        if kw.keys() & {"include", "exclude"}:
+            raise TypeError("RunConfig.model_dump() is flat by flag name: filter its dict, not its fields")
         out = {}
         for attr in SECTION_NAMES.values():
             for field, value in getattr(self, attr).model_dump(**kw).items():
                 out[FLAG_OF[(attr, field)]] = value
         return out
+
+    def model_dump_json(self, **kw) -> str:
+        """model_dump(mode="json") as JSON text."""
+        return json.dumps(self.model_dump(mode="json", **kw))
 
     def model_copy(self, *, update: dict | None = None, deep: bool = False) -> RunConfig:
         """A copy with flags changed (by flag name), each in its own section."""

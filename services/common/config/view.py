@@ -14,6 +14,11 @@ from services.common.config.infra import InfraSection
 from services.common.config.run import FLAGS, SECTION_NAMES, RunConfig, by_section, home_of
 
 _ATTR_SECTION = {attr: cls for cls, attr in SECTION_NAMES.items()}
+_PROPERTY_HOME = {
+    **{name: (attr, name) for cls, attr in SECTION_NAMES.items() for name, v in vars(cls).items()
+       if isinstance(v, property)},
+    "multi_lora_adapter_pairs": ("multi_lora", "adapter_pairs"),  # its flat name before the sections
+}  # fmt: skip
 
 
 class ConfigView:
@@ -82,7 +87,8 @@ class ConfigView:
 
 class FlatConfig:
     """A RunConfig as plugins read it (docs/tasks.md): every flag by its name (`config.rm_type`,
-    `config.rollout_batch_size`), the sections and the joined values; read-only."""
+    `config.rollout_batch_size`), each section's derived values (`config.mode`), the sections and
+    the joined values; read-only."""
 
     __slots__ = ("_run",)
 
@@ -91,7 +97,10 @@ class FlatConfig:
 
     def __getattr__(self, name: str):
         flag = FLAGS.get(name)
-        return getattr(self._run, name) if flag is None else getattr(getattr(self._run, flag.attr), flag.field)
+        if flag is not None:
+            return getattr(getattr(self._run, flag.attr), flag.field)
+        home = _PROPERTY_HOME.get(name)  # a section's derived value, flat as before (`config.mode`)
+        return getattr(self._run, name) if home is None else getattr(getattr(self._run, home[0]), home[1])
 
     def __setattr__(self, name, value):
         raise AttributeError("the run's config is read-only")
@@ -100,7 +109,7 @@ class FlatConfig:
         return FlatConfig, (self._run,)
 
     def __dir__(self):
-        return sorted({*FLAGS, *SECTION_NAMES.values(), *dir(RunConfig)})
+        return sorted({*FLAGS, *_PROPERTY_HOME, *SECTION_NAMES.values(), *dir(RunConfig)})
 
     def model_copy(self, *, update: dict | None = None, deep: bool = False) -> FlatConfig:
         return FlatConfig(self._run.model_copy(update=update, deep=deep))
