@@ -119,7 +119,7 @@ class AdapterPartitions:
         return [*self.parts.values(), *self.closed.values()]
 
     async def part_of(self, subject: str, base: str) -> Partition | None:
-        rid = subject[len(base) + 1:] if subject.startswith(base + ".") else ""
+        rid = subject[len(base) + 1 :] if subject.startswith(base + ".") else ""
         if rid not in self.parts:  # registered a moment ago: the registry says so already
             await self._read_registry()
         return self.parts.get(rid)
@@ -264,7 +264,7 @@ class AdapterPartitions:
         prefix = self.svc.bus.subjects.rollouts + "."
         while True:
             for msg in await next_batch(self.svc.rollouts, 64, 1.0):
-                rid = msg.subject[len(prefix):] if msg.subject.startswith(prefix) else ""
+                rid = msg.subject[len(prefix) :] if msg.subject.startswith(prefix) else ""
                 if rid not in self.parts and rid not in self.closed:  # opened since the last read?
                     await self._read_registry()
                 if (part := self.parts.get(rid)) is not None:
@@ -282,9 +282,7 @@ class AdapterPartitions:
         run = next((r for r in self.adapters.runs if r.registration_id == rid), None)
         if run is None or (rid in self.broken and rid not in self.closed):
             why = self.broken.get(rid) or "no such registration in this run"
-            stored = await self.svc.bus.dead_letter(msg.subject, msg.data, f"adapter registration {rid[:64]!r}: {why}")
-            await settle(msg, Settle.TERM)
-            if stored:
+            if await self.svc.bus.dead_letter_msg(msg, f"adapter registration {rid[:64]!r}: {why}"):
                 await drop_dead_lettered(self.svc.bus, msg.metadata.sequence.stream)
             return
         if run.state is not AdapterState.COMPLETED:  # open, its partition not built yet: later
@@ -293,9 +291,8 @@ class AdapterPartitions:
         if (part := self.closed.get(rid)) is None:
             part = await self._closed_partition(run)
         out = part.core.on_foreign(msg, msg.metadata.sequence.stream, msg.data)
-        await part.apply(out, durable=True)
+        stored = await part.apply(out, durable=True)
         crash.point("buffer", "appended_before_ack")
         await settle(msg, SETTLE_OF[out.settle or Verdict.ACK])
-        if out.dead_letters:  # undecodable: its letter is on DEADLETTER
+        if any(m is msg for m in stored):  # undecodable: its letter is on DEADLETTER
             await drop_dead_lettered(self.svc.bus, msg.metadata.sequence.stream)
-

@@ -97,7 +97,6 @@ def expiry_note(events: list, before: int) -> str | None:
             f"({before + len(expired)} this run)")
 
 
-
 async def drop_dead_lettered(bus, seq: int) -> None:
     """A settled ROLLOUTS message whose dead letter is stored (its first 64 KiB, size and digest)
     leaves the stream at once: a flood of them, stored above a group still held, is out of the
@@ -107,6 +106,7 @@ async def drop_dead_lettered(bus, seq: int) -> None:
         await bus.delete_msg(bus.subjects.rollouts_stream, seq)
     except Exception as e:  # storage hygiene only: the purge takes it later
         log.warning("could not delete dead-lettered message %d from ROLLOUTS: %s", seq, e)
+
 
 class Partition:
     """`svc` is the hosting Service (bus, fail, background, observe); `config` this partition's
@@ -177,10 +177,11 @@ class Partition:
         return {"consume_rollouts": self.consume_rollouts, "release_prompts": self.release_prompts,
                 "pump_gets": self.pump_gets}  # fmt: skip
 
-    async def apply(self, out: Out, durable: bool = False) -> None:
+    async def apply(self, out: Out, durable: bool = False) -> list:
         """Queue what the machine recorded, then dead-letter and answer what it said; a reply
         (and a completed lease, or `durable`) waits until the ledger holds everything decided
-        so far. Other events ride the next append: one per batch of groups, not one per group."""
+        so far. Other events ride the next append: one per batch of groups, not one per group.
+        Returns the messages whose dead letters were stored."""
         self.ledger.add(out.events)  # before any await: the ledger's order is the decisions' order
         self._wake_release.set()
         self._wake_pump.set()
@@ -190,17 +191,19 @@ class Partition:
         if completes:
             crash.point("buffer", "lease_decided_before_reply")
             self._process_all_samples()
+        stored = []
         for msg, reason in out.dead_letters:
             if msg is None:
                 log.error("ignoring the KV value: %s", reason)
-            else:
-                await self.bus.dead_letter(msg.subject, msg.data, reason)
+            elif await self.bus.dead_letter(msg.subject, msg.data, reason):
+                stored.append(msg)
         for msg, reply in out.replies:
             if (answered := self._answered.pop(id(msg), None)) is not None:
                 answered.set()
             if msg.reply:  # a message that asked for no answer gets none
                 with contextlib.suppress(Exception):  # the requester may be gone: it asks again
                     await msg.respond(encode(reply))
+        return stored
 
     @contextlib.contextmanager
     def _blame(self, what: str):

@@ -6,6 +6,8 @@ trainer could ask for)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 
 from asyncrl_proto import (
@@ -29,7 +31,7 @@ from services.common.bus import Bus, fetch_some
 from services.common.versions import VersionBound, last_published_version, publish_weights
 from services.model.hf_io import load_model, save_model
 from services.weightsync.service import WeightSyncService
-from tests.conftest import EngineThread, pull, start_service, wait_until
+from tests.conftest import TEST_TOKEN, EngineThread, RunningService, pull, start_service, wait_until
 from tests.integration.test_buffer_service import Harness, config
 
 
@@ -316,10 +318,6 @@ async def test_multi_lora_junk_for_no_registration_is_dead_lettered_and_leaves_t
 ):
     """A multi-LoRA buffer: groups under a registration the registry never held are dead-lettered,
     and leave ROLLOUTS once settled (a flood of them would otherwise fill the stream's cap)."""
-    import asyncio
-
-    from tests.conftest import TEST_TOKEN, RunningService
-
     bus = await Bus.connect(nats_server.url, run_id, "buffer")
     await bus.ensure_streams(partitioned=True)  # what the launcher does for a multi-LoRA run
     service = BufferService(config(task_data, tiny_model_dir, multi_lora_n_adapters=2), bus, http_token=TEST_TOKEN)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from services.common.config import FLAGS, SECTIONS, section_of
+from services.common.config import FLAGS, SECTIONS
 from services.common.config_load import flag_name
 from services.common.entry import SERVICES
 
@@ -51,7 +51,7 @@ def test_training_flags_are_grouped_by_section():
     assert positions == sorted(positions), "sections out of order"
     # each flag is listed under its own section's heading
     for name in ("save_interval", "max_weight_staleness", "rollout_temperature", "eval_interval", "nats_url"):
-        i = SECTIONS.index(section_of(name))
+        i = SECTIONS.index(FLAGS[name].section)
         start = positions[i]
         end = positions[i + 1] if i + 1 < len(positions) else len(out)
         assert f"\n  {flag_name(name)}" in out[start:end], name

@@ -511,10 +511,12 @@ class Bus:
             return False
         return True
 
-    async def dead_letter_msg(self, msg, reason: str) -> None:
-        """Dead-letter a JetStream message and terminate it (never redelivered)."""
-        await self.dead_letter(msg.subject, msg.data, reason)
+    async def dead_letter_msg(self, msg, reason: str) -> bool:
+        """Dead-letter a JetStream message and terminate it (never redelivered); whether the
+        letter was stored."""
+        stored = await self.dead_letter(msg.subject, msg.data, reason)
         await settle(msg, Settle.TERM)
+        return stored
 
     async def decode_or_dead_letter(self, msg, tp: type[T], *, jetstream: bool = False) -> T | None:
         """`msg` decoded as `tp`, or None once it is dead-lettered as undecodable (a JetStream

@@ -14,12 +14,12 @@ from services.common.config.multi_lora import (
     adapter_pairs,
 )
 from services.common.config.rollout import RolloutSection
-from services.common.config.run import FLAGS, SECTION_NAMES, SECTIONS, RunConfig, joins, section_of
+from services.common.config.run import FLAGS, SECTION_NAMES, SECTIONS, RunConfig, joins
 from services.common.config.trainer import TrainerSection
 from services.common.config.view import ConfigView, FlatConfig
 
 __all__ = [
     "ADAPTER_NAME", "FLAGS", "MULTI_LORA_IGNORES", "SECTIONS", "SECTION_NAMES", "AsyncSection", "ConfigError", "ConfigView", "FlatConfig",
     "DataSection", "EvalSection", "InfraSection", "MultiLoraSection", "RolloutSection", "RunConfig", "Section",
-    "TrainerSection", "adapter_name_problem", "adapter_pairs", "joins", "section_of",
+    "TrainerSection", "adapter_name_problem", "adapter_pairs", "joins",
 ]  # fmt: skip

@@ -75,12 +75,17 @@ FLAGS: dict[str, Flag] = {
 FLAG_OF: dict[tuple[str, str], str] = {(f.attr, f.field): name for name, f in FLAGS.items()}
 
 
+DERIVED: dict[str, str] = {
+    name: attr for cls, attr in SECTION_NAMES.items() for name, v in vars(cls).items() if isinstance(v, property)
+}
+"""Each section's own derived value (`mode`, `total_steps`) to the section's attribute on RunConfig."""
+
+
 def home_of(name: str) -> str | None:
     """Where a flag, or a section's own derived value, is read (`config.rollout.batch_size`)."""
     if name in FLAGS:
         return f"config.{FLAGS[name].attr}.{FLAGS[name].field}"
-    home = next((a for c, a in SECTION_NAMES.items() if isinstance(c.__dict__.get(name), property)), None)
-    return None if home is None else f"config.{home}.{name}"
+    return f"config.{DERIVED[name]}.{name}" if name in DERIVED else None
 
 F = TypeVar("F", bound=Callable)
 
@@ -94,11 +99,6 @@ def joins(*sections: type[Section]) -> Callable[[F], F]:
         return fn
 
     return mark
-
-
-def section_of(flag: str) -> type[Section]:
-    """The section that declares a flag."""
-    return FLAGS[flag].section
 
 
 def by_section(flags: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 from services.common.config.base import Section
 from services.common.config.infra import InfraSection
-from services.common.config.run import FLAGS, SECTION_NAMES, RunConfig, by_section, home_of
+from services.common.config.run import DERIVED, FLAGS, SECTION_NAMES, RunConfig, by_section, home_of
 
 _ATTR_SECTION = {attr: cls for cls, attr in SECTION_NAMES.items()}
-_PROPERTY_HOME = {
-    **{name: (attr, name) for cls, attr in SECTION_NAMES.items() for name, v in vars(cls).items()
-       if isinstance(v, property)},
-    "multi_lora_adapter_pairs": ("multi_lora", "adapter_pairs"),  # its flat name before the sections
-}  # fmt: skip
+_FLAT_DERIVED = {**{name: (attr, name) for name, attr in DERIVED.items()},
+                 "multi_lora_adapter_pairs": ("multi_lora", "adapter_pairs")}  # its flat name before the sections
 
 
 class ConfigView:
@@ -96,10 +93,9 @@ class FlatConfig:
         object.__setattr__(self, "_run", run)
 
     def __getattr__(self, name: str):
-        flag = FLAGS.get(name)
-        if flag is not None:
-            return getattr(getattr(self._run, flag.attr), flag.field)
-        home = _PROPERTY_HOME.get(name)  # a section's derived value, flat as before (`config.mode`)
+        if name in FLAGS:
+            return self._run.flag(name)
+        home = _FLAT_DERIVED.get(name)  # a section's derived value, flat as before (`config.mode`)
         return getattr(self._run, name) if home is None else getattr(getattr(self._run, home[0]), home[1])
 
     def __setattr__(self, name, value):
@@ -109,7 +105,7 @@ class FlatConfig:
         return FlatConfig, (self._run,)
 
     def __dir__(self):
-        return sorted({*FLAGS, *_PROPERTY_HOME, *SECTION_NAMES.values(), *dir(RunConfig)})
+        return sorted({*FLAGS, *_FLAT_DERIVED, *SECTION_NAMES.values(), *dir(RunConfig)})
 
     def model_copy(self, *, update: dict | None = None, deep: bool = False) -> FlatConfig:
         return FlatConfig(self._run.model_copy(update=update, deep=deep))
