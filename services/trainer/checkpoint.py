@@ -25,8 +25,7 @@ def save_checkpoint(
     path = save_dir / f"iter_{step:07d}"
     path.mkdir(parents=True, exist_ok=True)
     marker = path / COMPLETE_MARKER
-    if marker.exists():
-        marker.unlink()
+    marker.unlink(missing_ok=True)
     save_model(model, path / "hf", tokenizer_dir)
     state = {
         "optimizer": optimizer.state_dict(),
@@ -39,8 +38,7 @@ def save_checkpoint(
     tmp = save_dir / (LATEST + ".tmp")
     tmp.write_text(str(step))
     os.replace(tmp, save_dir / LATEST)
-    complete = sorted(p for p in save_dir.glob("iter_*") if is_complete(p))
-    for old in complete[:-keep] if keep > 0 else []:
+    for old in _complete(save_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return path
 
@@ -55,13 +53,11 @@ def latest_checkpoint(save_dir: str | Path | None) -> Path | None:
             path = save_dir / f"iter_{int(latest.read_text().strip()):07d}"
             if is_complete(path):
                 return path
-    complete = sorted(p for p in save_dir.glob("iter_*") if is_complete(p))  # e.g. LATEST lost
-    return complete[-1] if complete else None
+    return next(reversed(_complete(save_dir)), None)  # e.g. LATEST lost
 
 
-def ckpt_step(path: Path) -> int:
-    """The step a checkpoint directory (`iter_<step>`) was taken after."""
-    return int(path.name.removeprefix("iter_"))
+def _complete(save_dir: Path) -> list[Path]:
+    return sorted(p for p in save_dir.glob("iter_*") if is_complete(p))
 
 
 def load_checkpoint(path: str | Path, model, optimizer) -> dict:

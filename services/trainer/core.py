@@ -128,20 +128,18 @@ def build_train_batch(groups: list[list], std_normalization: bool, reward_key: s
     return make_batch(samples_with_advantages(groups, std_normalization, reward_key), pad_id)
 
 
-def build_micro_batches(
-    groups: list[list], std_normalization: bool, reward_key: str | None, pad_id: int, max_tokens: int | None
-) -> list[TrainBatch]:
-    """The step split into micro-batches of similar lengths, each at most `max_tokens` padded
-    tokens (one sample at least): with a long tail of lengths, padding every sample to the
-    longest one would multiply the work. Same loss and gradient as one batch (see train_step)."""
-    return micro_batches(samples_with_advantages(groups, std_normalization, reward_key), pad_id, max_tokens)
-
-
 def micro_batches(items: list[tuple[Sample, float]], pad_id: int, max_tokens: int | None) -> list[TrainBatch]:
+    """Micro-batches of similar lengths, each at most `max_tokens` padded tokens (one sample at
+    least): with a long tail of lengths, padding every sample to the longest one would multiply
+    the work. Same loss and gradient as one batch (see train_step)."""
     if not max_tokens:
         return [make_batch(items, pad_id)] if items else []
-    items = sorted(items, key=lambda it: len(it[0].tokens))
-    return [make_batch(c, pad_id) for c in chunk_by_tokens(items, max_tokens)]
+    chunks: list[list[tuple[Sample, float]]] = [[]]
+    for it in sorted(items, key=lambda it: len(it[0].tokens)):  # the newcomer is the longest in its chunk
+        if chunks[-1] and (len(chunks[-1]) + 1) * len(it[0].tokens) > max_tokens:
+            chunks.append([])
+        chunks[-1].append(it)
+    return [make_batch(c, pad_id) for c in chunks if c]
 
 
 def build_step_batches(
@@ -158,18 +156,6 @@ def build_step_batches(
     items = samples_with_advantages(groups, std_normalization, reward_key)
     bounds = [len(items) * i // num_steps for i in range(num_steps + 1)]
     return [micro_batches(items[a:b], pad_id, max_tokens) for a, b in zip(bounds, bounds[1:], strict=False)]
-
-
-def chunk_by_tokens(items: list[tuple[Sample, float]], max_tokens: int) -> list[list[tuple[Sample, float]]]:
-    """Consecutive chunks of length-sorted items, each at most `max_tokens` once padded to its
-    longest member (one item at least)."""
-    chunks: list[list[tuple[Sample, float]]] = [[]]
-    for it in items:
-        width = len(it[0].tokens)  # sorted: the newcomer is the longest in its chunk
-        if chunks[-1] and (len(chunks[-1]) + 1) * width > max_tokens:
-            chunks.append([])
-        chunks[-1].append(it)
-    return chunks if chunks[0] else []
 
 
 @dataclass
@@ -323,6 +309,10 @@ def policy_loss(
     return loss, stats
 
 
+SKIPPED = {"train/grad_norm": 0.0, "train/num_micro_batches": 0, "train/num_loss_tokens": 0, "train/skipped": 1.0}
+"""The stats of a step with no loss token (every group FAILED): no update."""
+
+
 def step_denominator(batches: list[TrainBatch], aggregation: str) -> float:
     if aggregation == "token":
         return float(sum(b.num_tokens for b in batches))
@@ -366,18 +356,17 @@ def merge_stats(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
     return stats
 
 
-def grad_norm(model: CausalLM) -> float:
-    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+def grad_norm(grads: list[torch.Tensor]) -> float:
+    """The global L2 norm of `grads` (0 for none)."""
+    norms = [torch.linalg.vector_norm(g.detach()) for g in grads]
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
 
 
-def apply_update(model: CausalLM, optimizer: torch.optim.Optimizer, clip_grad: float) -> float:
-    """Clip (when clip_grad > 0), step; returns the gradient norm before clipping. A gradient
-    that is not finite is never applied: the step is skipped (weights and optimizer untouched)
-    and the norm returned as is, for the caller to report."""
-    norm = grad_norm(model)
+def apply_update(model: CausalLM, optimizer: torch.optim.Optimizer, clip_grad: float, loss: float = 0.0) -> float:
+    """Clip (when clip_grad > 0), step; returns the gradient norm before clipping. A loss or a
+    gradient that is not finite is never applied: the step is skipped (weights and optimizer
+    untouched) and the norm returned as is (NaN for a non-finite loss), for the caller to report."""
+    norm = grad_norm([p.grad for p in model.parameters() if p.grad is not None]) if math.isfinite(loss) else math.nan
     if not math.isfinite(norm):
         optimizer.zero_grad(set_to_none=True)
         return norm
@@ -387,14 +376,17 @@ def apply_update(model: CausalLM, optimizer: torch.optim.Optimizer, clip_grad: f
     return norm
 
 
-def finish_stats(stats: dict[str, float], norm: float) -> dict[str, float]:
+def finish_stats(stats: dict[str, float], norm: float, parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
     """The step's stats with its gradient norm; `train/nonfinite_skipped` 1 (and the non-finite
-    values left out, JSON has no NaN) when the loss or the gradient was not finite."""
+    values left out, JSON has no NaN) when the loss or the gradient was not finite; then the
+    counts of the micro-batches and loss tokens of `parts` (accumulate_gradients')."""
     bad = not math.isfinite(norm) or not all(math.isfinite(v) for v in stats.values())
     out = {k: v for k, v in stats.items() if math.isfinite(v)}
     if math.isfinite(norm):
         out["train/grad_norm"] = norm
     out["train/nonfinite_skipped"] = float(bad)
+    out["train/num_micro_batches"] = len(parts)
+    out["train/num_loss_tokens"] = sum(n for _, n in parts)
     return out
 
 
@@ -458,15 +450,7 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     denom = step_denominator(batches, cfg.aggregation)
     if denom == 0:  # nothing to learn from (every group FAILED): no update, not a 0/0
-        return {"train/grad_norm": 0.0, "train/num_micro_batches": 0, "train/num_loss_tokens": 0, "train/skipped": 1.0}
+        return dict(SKIPPED)
     parts = accumulate_gradients(model, batches, cfg, denom, ref_model)
     stats = merge_stats(parts)
-    if not math.isfinite(stats.get("train/loss", 0.0)):
-        optimizer.zero_grad(set_to_none=True)  # a NaN loss never reaches the weights
-        norm = float("nan")
-    else:
-        norm = apply_update(model, optimizer, clip_grad)
-    stats = finish_stats(stats, norm)
-    stats["train/num_micro_batches"] = len(batches)
-    stats["train/num_loss_tokens"] = sum(b.num_tokens for b in batches)
-    return stats
+    return finish_stats(stats, apply_update(model, optimizer, clip_grad, stats.get("train/loss", 0.0)), parts)

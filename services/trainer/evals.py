@@ -121,9 +121,8 @@ class EvalDispatch:
 
     def take_answered(self) -> dict:
         """The results answered since the last step's record, merged oldest first."""
-        out: dict = {}
-        while self.answered:
-            out.update(self.answered.pop(0))
+        out = {k: v for metrics in self.answered for k, v in metrics.items()}
+        self.answered.clear()
         return out
 
     async def drain(self) -> None:

@@ -68,7 +68,9 @@ class Work:
 
 
 class Mode:
-    """What the loop asks of the trainee; the base does nothing where a mode has nothing to do."""
+    """What the loop asks of the trainee; the base does nothing where a mode has nothing to do.
+    Every mode has `train`, `record` (the step's metrics record), `after_records` (the steps of
+    the module docstring) and `finish(error)` (the run is over, or failed with `error`)."""
 
     async def setup(self) -> None:
         """At the service's start, before the loop (resume)."""
@@ -80,20 +82,8 @@ class Mode:
         """The leases to train now ([]: none yet), or None once the run is over."""
         raise NotImplementedError
 
-    async def train(self, w: Work) -> None:
-        raise NotImplementedError
-
     async def before_records(self, w: Work) -> None:
         """What the step's record reports and must happen before it."""
-
-    async def record(self, w: Work) -> dict:
-        raise NotImplementedError
-
-    async def after_records(self, w: Work, record: dict) -> None:
-        raise NotImplementedError
-
-    async def finish(self, error: str | None = None) -> None:
-        raise NotImplementedError
 
     def cancel(self) -> None:
         """Drop what is in flight (fetches ahead, gets)."""
@@ -130,9 +120,7 @@ class TrainLoop:
         w.started = time.perf_counter()  # its batch in hand (perf/step_time_s runs from here)
         await self.mode.train(w)
         await self.mode.before_records(w)
-        path = w.records_dir / "trained.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        append_trained(path, w.step, w.groups)
+        append_trained(w.records_dir, w.step, w.groups)
         await self.samples.record(w.records_dir, w.step, w.version, w.groups, w.refs, w.std)
         record, bad = finite_record(await self.mode.record(w))
         if bad:

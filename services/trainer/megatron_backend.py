@@ -94,9 +94,8 @@ def _fuse_qkv(q, k, v, cfg: ModelConfig):
     g, d = cfg.num_key_value_heads, cfg.head_dim
     per = cfg.num_attention_heads // g
     tail = q.shape[1:]
-    return torch.cat([q.reshape(g, per * d, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)], dim=1).reshape(
-        -1, *tail
-    )
+    fused = torch.cat([q.reshape(g, per * d, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)], dim=1)
+    return fused.reshape(-1, *tail)
 
 
 def _fuse_qkv_last(q, k, v, cfg: ModelConfig):
@@ -138,15 +137,11 @@ def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
 
 def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     out = {m: hf[h] for h, m in _renames(cfg)}
+    kinds = ("weight", "bias") if cfg.attention_bias else ("weight",)
     for i in range(cfg.num_hidden_layers):
         a, m = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}."
-        out[m + "self_attention.linear_qkv.weight"] = _fuse_qkv(
-            hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], cfg
-        )
-        if cfg.attention_bias:
-            out[m + "self_attention.linear_qkv.bias"] = _fuse_qkv(
-                hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], cfg
-            )
+        for kind in kinds:
+            out[m + f"self_attention.linear_qkv.{kind}"] = _fuse_qkv(*(hf[f"{a}{x}_proj.{kind}"] for x in "qkv"), cfg)
         mlp = f"model.layers.{i}.mlp."
         out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]], 0)
     return out
@@ -154,13 +149,12 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
 
 def megatron_to_hf(mg: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     out = {h: mg[m] for h, m in _renames(cfg)}
+    kinds = ("weight", "bias") if cfg.attention_bias else ("weight",)
     for i in range(cfg.num_hidden_layers):
         a, m = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}."
-        q, k, v = _split_qkv(mg[m + "self_attention.linear_qkv.weight"], cfg)
-        out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = q, k, v
-        if cfg.attention_bias:
-            qb, kb, vb = _split_qkv(mg[m + "self_attention.linear_qkv.bias"], cfg)
-            out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = qb, kb, vb
+        for kind in kinds:
+            split = _split_qkv(mg[m + f"self_attention.linear_qkv.{kind}"], cfg)
+            out.update({f"{a}{x}_proj.{kind}": t for x, t in zip("qkv", split, strict=True)})
         mlp = f"model.layers.{i}.mlp."
         out[mlp + "gate_proj.weight"], out[mlp + "up_proj.weight"] = mg[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
     return out

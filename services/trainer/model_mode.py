@@ -32,7 +32,7 @@ from services.common.config.view import for_plugins
 from services.common.plugins import load_object
 from services.common.versions import last_published_version
 from services.model.hf_io import load_weights_into, save_model
-from services.trainer.checkpoint import ckpt_step, latest_checkpoint, load_checkpoint, save_checkpoint
+from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.core import (
     apply_sample_filter,
     assemble_batch,
@@ -71,16 +71,9 @@ class ModelTraining(Mode):
         self.policy = DriverPolicy(c)
         self.run_dir = Path(c.infra.run_dir)
         self.weights_dir = self.run_dir / "weights"
-        self.rollout_log_fn = (
-            load_object(c.trainer.custom_rollout_log_function_path, "--custom-rollout-log-function-path")
-            if c.trainer.custom_rollout_log_function_path
-            else None
-        )
-        self.sample_filter = (
-            load_object(c.rollout.sample_filter_path, "--rollout-sample-filter-path")
-            if c.rollout.sample_filter_path
-            else None
-        )
+        log_fn, sample_filter = c.trainer.custom_rollout_log_function_path, c.rollout.sample_filter_path
+        self.rollout_log_fn = load_object(log_fn, "--custom-rollout-log-function-path") if log_fn else None
+        self.sample_filter = load_object(sample_filter, "--rollout-sample-filter-path") if sample_filter else None
         self.num_nonfinite_skipped = 0
         self.recent_failures: collections.deque[tuple[int, int, str]] = collections.deque(maxlen=FAILED_WINDOW_STEPS)
         self.version = 0
@@ -98,7 +91,6 @@ class ModelTraining(Mode):
 
     # ---- start-up and resume ---------------------------------------------------------------------
     async def setup(self) -> None:
-        s = self.bus.subjects
         await self._resume()
         if self.step > 0:  # a restart: the points requested before it (up to this step) are not known here
             self.evals.points.resumed_at(self.step)
@@ -106,7 +98,7 @@ class ModelTraining(Mode):
         if self.old_actor is not None:  # the engines converge to the resumed weights
             self.old_actor.load_state_dict(self.model.state_dict())
         await self.svc.start_ranks(self.optimizer, self.ref_model)
-        await self.bus.subscribe(s.eval_results, self.evals.on_result)
+        await self.bus.subscribe(self.bus.subjects.eval_results, self.evals.on_result)
         if self.config.async_.update_weight_transfer_mode == "distributed":
             await self.weights.start_sender(master_address(self.config))
 
@@ -122,7 +114,7 @@ class ModelTraining(Mode):
         reply = await self.svc.link.request(self.bus.subjects.buffer_get, req, BufferGetReply,
                                             "question where to resume")  # fmt: skip
         committed = reply.committed_step
-        if ckpt is None or ckpt_step(ckpt) < committed:
+        if ckpt is None or int(ckpt.name.removeprefix("iter_")) < committed:  # taken after step <N> (iter_<N>)
             self.version = published
             await self._resume_from_snapshot(committed)
             return

@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from asyncrl_proto import (
@@ -44,7 +44,7 @@ from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import NO_PARTITION_ERROR, AdapterRun, AdapterState, flatten_group
 from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX, ADAPTERS_KV_KEY
 from services.common import crash, sample_records
-from services.common.snapshot import COMPLETE_MARKER, remove_snapshot, snapshots_to_remove
+from services.common.snapshot import is_complete, remove_snapshot, snapshots_to_remove
 from services.data.source import DataError, adapter_total_steps, load_rows
 from services.model.lora import LoraError, LoraSpec, MultiLora, SlotAdamW, load_adapter, save_adapter
 from services.trainer.adapter_push import adapter_dir, announce_adapter, publish_adapter
@@ -80,7 +80,6 @@ class Track:
     """One registration the trainer holds in a slot."""
 
     run: AdapterRun
-    spec: LoraSpec
     total: int
     step: int = 0
     """Its next step (= its version: version k is the adapter after k steps)."""
@@ -93,7 +92,6 @@ class Track:
     waited: float = 0.0
     no_partition_since: float = 0.0
     """Since when the buffer has answered that its partition is not open (0: it is)."""
-    records: list = field(default_factory=list)
 
     @property
     def rid(self) -> str:
@@ -101,11 +99,9 @@ class Track:
 
 
 class AdapterTraining(Mode):
-    """The trainer's multi-LoRA mode (services.trainer.loop asks it what to train). Built from
-    what it uses: the run's config and bus, the frozen base model, the buffer link, the records
-    and sample check it shares with the model mode (services.trainer.steps), the loss settings,
-    and `lifecycle` (`stopping`, `wait_stopped`, `stop`, `start_ranks`: the service it runs in).
-    `dp`: the data-parallel ranks (--trainer-num-ranks), set once they have joined."""
+    """The trainer's multi-LoRA mode (services.trainer.loop asks it what to train). `lifecycle`:
+    the service it runs in (`stopping`, `wait_stopped`, `stop`, `start_ranks`); `dp`: the
+    data-parallel ranks (--trainer-num-ranks), set once they have joined."""
 
     def __init__(self, config, bus, model, link: BufferLink, records: Records, check: SampleCheck,
                  loss_cfg: LossConfig, pad_id: int, lifecycle):  # fmt: skip
@@ -208,19 +204,16 @@ class AdapterTraining(Mode):
             if t.get is not None:
                 t.get.cancel()
 
-    def _ask_next(self, tracks: list[Track]) -> None:
-        for t in tracks:
-            if t.get is None:
-                t.asked_at = t.asked_at or time.monotonic()
-                t.get = asyncio.ensure_future(self._get(t))
-
     async def _ready(self, tracks: list[Track], timeout: float) -> list[tuple[Track, BufferGetReply]]:
         """The complete leases among `tracks`' gets within `timeout` (returns at the first). An
         adapter whose buffer partition does not open is retired with the reason."""
         tracks = [t for t in tracks if t.run.state is AdapterState.ACTIVE]
         if not tracks:
             return []
-        self._ask_next(tracks)
+        for t in tracks:
+            if t.get is None:
+                t.asked_at = t.asked_at or time.monotonic()
+                t.get = asyncio.ensure_future(self._get(t))
         done, _ = await asyncio.wait([t.get for t in tracks], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         ready = []
         for t in tracks:
@@ -288,10 +281,8 @@ class AdapterTraining(Mode):
             with contextlib.suppress(MultiLoraError):  # retired meanwhile (DELETE): the registry refuses, fine
                 await self._control("retire", run, reason=f"cannot be trained: {str(e)[:300]}")
             return
-        t = self.tracks.get(run.registration_id)
-        if (
-            t is not None and t.run.state is AdapterState.ACTIVE and t.step >= t.total
-        ):  # its budget, reached before a restart
+        t = self.tracks.get(run.registration_id)  # an active one may have reached its budget before a restart
+        if t is not None and t.run.state is AdapterState.ACTIVE and t.step >= t.total:
             t.run = await self._control("retire", t.run, reason=f"its budget of {t.total} steps is reached")
 
     def _base_path(self, run: AdapterRun) -> Path:
@@ -304,32 +295,24 @@ class AdapterTraining(Mode):
         except (OSError, ValueError):
             return 0
 
-    def _lora_spec(self, run: AdapterRun) -> LoraSpec:
-        return LoraSpec(rank=run.spec.rank, alpha=run.spec.alpha, target_modules=tuple(run.spec.target_modules))
-
     def _track(self, run: AdapterRun, step: int, total: int | None = None) -> Track:
         """Its track; `total` (its budget) from its data unless given (one retiring needs none)."""
         if total is None:
-            rows = len(
-                load_rows(
-                    run.spec.data, self.config.data.input_key, self.config.data.label_key, self.config.data.metadata_key
-                )
-            )
-            total = adapter_total_steps(run, rows)
-        t = Track(run=run, spec=self._lora_spec(run), total=total, step=step, base=self._base_step(run))
+            d = self.config.data
+            total = adapter_total_steps(run, len(load_rows(run.spec.data, d.input_key, d.label_key, d.metadata_key)))
+        t = Track(run=run, total=total, step=step, base=self._base_step(run))
         self.tracks[run.registration_id] = t
         return t
 
     async def _activate(self, run: AdapterRun) -> None:
         """Fresh (B = 0) or from the name's latest save; version 0 published, then ACTIVE."""
-        spec = self._lora_spec(run)
+        spec = LoraSpec(rank=run.spec.rank, alpha=run.spec.alpha, target_modules=tuple(run.spec.target_modules))
         latest = _latest_save(Path(run.spec.save))
         self.optimizer.reset(run.slot)
         if latest is not None:
             try:
                 saved_spec, tensors = await asyncio.to_thread(load_adapter, latest)
                 self.lora.set_slot(run.slot, saved_spec, tensors)
-                spec = saved_spec
                 log.info("adapter %s resumes from its save %s", run.name, latest)
             except LoraError as e:
                 raise MultiLoraError(f"adapter {run.name}: its save {latest} does not fit: {e}") from e
@@ -341,7 +324,6 @@ class AdapterTraining(Mode):
         tmp.write_text(f"{_save_step(latest) if latest is not None else 0}\n")
         tmp.replace(base)  # before version 0 is out: a restart finds it wherever it resumes
         t = self._track(run, step=0)
-        t.spec = spec
         await self._publish(t)
         t.run = await self._control("activate", run)
 
@@ -370,10 +352,10 @@ class AdapterTraining(Mode):
                 raise MultiLoraError(f"adapter {run.name}: the buffer cannot say where to resume: {why}")
             return False
         t = self._track(run, committed + 1, total)
-        if run.step == t.step + 1 and _complete(adapter_dir(self.run_dir, run.name, t.rid, run.step)):
+        if run.step == t.step + 1 and is_complete(adapter_dir(self.run_dir, run.name, t.rid, run.step)):
             t.step += 1  # that version is out: its step's records were written before it
             await self._commit_step(t, t.step - 1)
-        while t.step > 0 and not _complete(adapter_dir(self.run_dir, run.name, t.rid, t.step)):
+        while t.step > 0 and not is_complete(adapter_dir(self.run_dir, run.name, t.rid, t.step)):
             t.step -= 1  # never written: from the version before it (the steps after are trained again)
         self._truncate(t)
         spec, tensors = await asyncio.to_thread(load_adapter, adapter_dir(self.run_dir, run.name, t.rid, t.step))
@@ -389,7 +371,7 @@ class AdapterTraining(Mode):
             if await self._resume_adapter(run, total=0):
                 t = self.tracks[run.registration_id]
             else:  # its partition never opened (its data unreadable): nothing was leased; its newest version
-                t = Track(run=run, spec=self._lora_spec(run), total=0)
+                t = Track(run=run, total=0)
                 self.tracks[run.registration_id] = t
                 await self._resume_weights(t)
         if t.get is not None:
@@ -422,7 +404,7 @@ class AdapterTraining(Mode):
     async def _resume_weights(self, t: Track) -> None:
         for p in reversed(self._versions(t)):
             v = int(p.name[1:])
-            if _complete(p):
+            if is_complete(p):
                 try:
                     spec, tensors = await asyncio.to_thread(load_adapter, p)
                     self.lora.set_slot(t.run.slot, spec, tensors)
@@ -522,9 +504,8 @@ class AdapterTraining(Mode):
         trained.jsonl and in the run's metrics.jsonl (this registration's lines only)."""
         keep_lines(self._trained_path(t), lambda rec: rec["step"] < t.step)
         sample_records.drop_after(self._trained_path(t).parent, t.step - 1)
-        name = t.run.name
-        keep_lines(self.records.path,
-                    lambda rec: rec.get("registration") != t.rid or rec[f"{name}/step"] < t.step)  # fmt: skip
+        axis = f"{t.run.name}/step"
+        keep_lines(self.records.path, lambda rec: rec.get("registration") != t.rid or rec[axis] < t.step)
 
     async def record(self, w: Work) -> dict:
         t, reply, info = w.owner
@@ -580,10 +561,6 @@ def _batch_info(batch: list[tuple[Track, BufferGetReply]]) -> dict[str, float]:
             "perf/fully_async/batch_n_samples": _batch_samples(batch)}  # fmt: skip
 
 
-def _complete(path: Path) -> bool:
-    return (path / COMPLETE_MARKER).exists()
-
-
 def _save_step(path: Path) -> int:
     return int(path.name[5:])
 
@@ -591,5 +568,5 @@ def _save_step(path: Path) -> int:
 def _latest_save(save: Path) -> Path | None:
     """The newest `step_<k>` PEFT directory of an adapter's save directory: the most steps (a
     name registered again continues the count of the save it started from)."""
-    steps = [(_save_step(p), p) for p in save.glob("step_*") if p.name[5:].isdigit() and _complete(p)]
+    steps = [(_save_step(p), p) for p in save.glob("step_*") if p.name[5:].isdigit() and is_complete(p)]
     return max(steps)[1] if steps else None

@@ -25,15 +25,15 @@ import torch
 import torch.distributed as dist
 
 from services.model.lora import LoraSpec
-from services.trainer.adapters import SKIPPED, adapter_gradients, apply_adapter_update
+from services.trainer.adapters import adapter_gradients, apply_adapter_update
 from services.trainer.core import (
+    SKIPPED,
     LossConfig,
     accumulate_gradients,
     apply_update,
-    chunk_by_tokens,
     finish_stats,
-    make_batch,
     merge_stats,
+    micro_batches,
     samples_with_advantages,
     step_denominator,
 )
@@ -54,14 +54,8 @@ def max_tokens_of(config) -> int | None:
 
 def shard_batches(groups, rank: int, world: int, std_norm: bool, reward_key, pad_id: int, max_tokens: int | None):
     """This rank's micro-batches: the samples sorted by length and dealt round-robin."""
-    items = samples_with_advantages(groups, std_norm, reward_key)
-    items.sort(key=lambda it: len(it[0].tokens))
-    mine = items[rank::world]
-    if not mine:
-        return []
-    if not max_tokens:
-        return [make_batch(mine, pad_id)]
-    return [make_batch(c, pad_id) for c in chunk_by_tokens(mine, max_tokens)]
+    items = sorted(samples_with_advantages(groups, std_norm, reward_key), key=lambda it: len(it[0].tokens))
+    return micro_batches(items[rank::world], pad_id, max_tokens)
 
 
 def step_denominators(batches) -> dict[str, float]:
@@ -78,8 +72,7 @@ def dp_train_step(model, optimizer, groups, cfg: LossConfig, clip_grad: float, *
     batches = shard_batches(groups, rank, world, std_norm, reward_key, pad_id, max_tokens)
     denoms = step_denominators(batches)
     if denoms[cfg.aggregation] == 0:  # every rank sees the same: no update (every group FAILED)
-        return {"train/grad_norm": 0.0, "train/num_micro_batches": 0, "train/num_loss_tokens": 0, "train/skipped": 1.0,
-                "train/dp_world_size": world}  # fmt: skip
+        return {**SKIPPED, "train/dp_world_size": world}
     model.train()
     optimizer.zero_grad(set_to_none=True)
     parts = accumulate_gradients(model, batches, cfg, denoms[cfg.aggregation], ref_model)
@@ -91,11 +84,7 @@ def dp_train_step(model, optimizer, groups, cfg: LossConfig, clip_grad: float, *
     gathered: list = [None] * world
     dist.all_gather_object(gathered, parts)
     every = [p for rank_parts in gathered for p in rank_parts]
-    stats = finish_stats(merge_stats(every), norm)
-    stats["train/num_micro_batches"] = len(every)
-    stats["train/num_loss_tokens"] = sum(n for _, n in every)
-    stats["train/dp_world_size"] = world
-    return stats
+    return {**finish_stats(merge_stats(every), norm, every), "train/dp_world_size": world}
 
 
 def dp_adapter_step(model, lora, optimizer, slot: int, spec: LoraSpec, groups, cfg: LossConfig, clip_grad: float, *,
@@ -127,11 +116,7 @@ def dp_adapter_step(model, lora, optimizer, slot: int, spec: LoraSpec, groups, c
     if rank != 0:
         return {}
     every = [p for rank_parts in gathered for p in rank_parts]
-    stats = apply_adapter_update(lora, optimizer, slot, merge_stats(every), clip_grad)
-    stats["train/num_micro_batches"] = len(every)
-    stats["train/num_loss_tokens"] = sum(n for _, n in every)
-    stats["train/dp_world_size"] = world
-    return stats
+    return {**apply_adapter_update(lora, optimizer, slot, every, clip_grad), "train/dp_world_size": world}
 
 
 def broadcast_state(model, optimizer) -> None:

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from asyncrl_proto import WeightsLive, WeightsPublished, decode
 from services.common import crash
 from services.common.snapshot import is_complete, remove_snapshot, snapshots_to_remove
 from services.common.versions import publish_weights
 from services.model.hf_io import save_model
+from services.model.transfer import local_address_towards
+from services.trainer.worker import NODE_IP_ENV
 from services.weights.store import WeightStore, WeightStoreError
 
 log = logging.getLogger(__name__)
@@ -150,12 +154,6 @@ def master_address(config) -> str:
     """Where the engines reach the trainer's weight transfer group: --update-weight-master-address,
     the node's address a Ray placement gave this process, or this host's address on its route to
     the NATS server (an address the other hosts of the run reach; 127.0.0.1 with a local server)."""
-    import os
-    from urllib.parse import urlsplit
-
-    from services.model.transfer import local_address_towards
-    from services.trainer.worker import NODE_IP_ENV
-
     if config.async_.update_weight_master_address:
         return config.async_.update_weight_master_address
     if os.environ.get(NODE_IP_ENV):

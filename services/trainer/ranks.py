@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from services.common import procs
 from services.trainer.core import LossConfig, std_normalization
 from services.trainer.parallel import (
     backend_for,
@@ -43,13 +44,12 @@ class DataParallel:
 
     def __init__(self, config, model, optimizer, ref_model, pad_id: int, config_file: Path, log_dir: Path):
         self.config = config
-        self.model, self.optimizer, self.ref_model, self.pad_id = model, optimizer, ref_model, pad_id
+        self.model, self.optimizer, self.ref_model = model, optimizer, ref_model
+        self.shard = {"reward_key": config.rollout.reward_key, "pad_id": pad_id, "max_tokens": max_tokens_of(config)}
         self.world = config.trainer.num_ranks
         self.procs = []
         self.actors = []
         self.runs = []  # Ray: each actor's run
-        from services.common import procs
-
         self.master_addr = connect_ray(config) if config.trainer.use_ray else "127.0.0.1"
         self.port = procs.free_port(self.master_addr)
         self.backend = backend_for(config.trainer.dist_backend)
@@ -119,17 +119,14 @@ class DataParallel:
         send_command(self.commands, ("train", _encoded(groups)))
         c = self.config
         return dp_train_step(self.model, self.optimizer, groups, cfg, c.trainer.clip_grad,
-                             std_norm=std_normalization(c),
-                             reward_key=c.rollout.reward_key, pad_id=self.pad_id,
-                             max_tokens=max_tokens_of(c), ref_model=self.ref_model)  # fmt: skip
+                             std_norm=std_normalization(c), ref_model=self.ref_model, **self.shard)  # fmt: skip
 
     def train_adapter(self, lora, optimizer, slot: int, groups, cfg: LossConfig, std_norm: bool) -> dict:
         """One step of the adapter in `slot` over every rank (multi-LoRA); rank 0's stats."""
         spec = lora.specs[slot]
         send_command(self.commands, ("lora", (slot, spec, std_norm, _encoded(groups))))
         return dp_adapter_step(self.model, lora, optimizer, slot, spec, groups, cfg, self.config.trainer.clip_grad,
-                               std_norm=std_norm, reward_key=self.config.rollout.reward_key, pad_id=self.pad_id,
-                               max_tokens=max_tokens_of(self.config))  # fmt: skip
+                               std_norm=std_norm, **self.shard)  # fmt: skip
 
     def stop(self) -> None:
         try:
@@ -140,8 +137,6 @@ class DataParallel:
         self._stop_ranks()
 
     def _stop_ranks(self) -> None:
-        from services.common import procs
-
         for p in self.procs:
             procs.stop(p)
         if self.actors:
@@ -215,11 +210,9 @@ def start_ray_workers(world: int, args: list[str], files: dict[str, bytes] | Non
             return True
 
     files_ref = ray.put(files)  # once in the object store, fetched by each rank's node
-    actors = []
-    for rank in range(1, world):
-        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundles[rank])
-        actor = Rank.options(scheduling_strategy=strategy, num_cpus=1, num_gpus=gpus).remote()
-        actors.append(actor)
+    strategies = [PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundles[rank])
+                  for rank in range(1, world)]  # fmt: skip
+    actors = [Rank.options(scheduling_strategy=s, num_cpus=1, num_gpus=gpus).remote() for s in strategies]
     nodes = ray.get([a.node_ip.remote() for a in actors], timeout=RAY_READY_TIMEOUT_S)
     runs = [actor.run.remote(["--rank", str(rank), *args], files_ref) for rank, actor in enumerate(actors, start=1)]
     return actors, nodes, runs

@@ -32,9 +32,8 @@ def rollout_metrics(samples: list, reward_key: str | None, groups: list[list]) -
     oldest = [min(s.weight_versions) for s in samples if s.weight_versions]
     if oldest:
         rec.update(statistics_of("rollout/weight_version", oldest))
-        rec["rollout/weight_version/mixed_version_ratio"] = sum(len(set(s.weight_versions)) > 1 for s in samples) / len(
-            samples
-        )
+        mixed = sum(len(set(s.weight_versions)) > 1 for s in samples)
+        rec["rollout/weight_version/mixed_version_ratio"] = mixed / len(samples)
     return rec
 
 

@@ -7,11 +7,9 @@ Produces: HF safetensors snapshots under <run_dir>/weights/v<N> and WeightsPubli
   --update-weights-interval steps; BufferCommit after each step; EvalRequest when due; one
   JSONL record per step in <run_dir>/metrics.jsonl and on `progress`; a final `done` record.
 
-One loop (services.trainer.loop) trains what the run's mode, chosen once here, says: the model
-under the run's driver (services.trainer.model_mode), or adapters on a frozen base with
---multi-lora-n-adapters (services.trainer.multi_lora). This service holds what both share: the
-model, the loss settings, the buffer link, the records, the sample check, the data-parallel
-ranks and the producers' heartbeats.
+One loop (services.trainer.loop) trains the mode chosen here: the model under the run's driver
+(services.trainer.model_mode), or adapters on a frozen base with --multi-lora-n-adapters
+(services.trainer.multi_lora). This service holds what both share.
 """
 
 from __future__ import annotations
@@ -132,8 +130,5 @@ class TrainerService(Service):
         return {**self.mode.status(), "last_record": self.records.last}
 
     def metric_values(self) -> dict[str, float]:
-        out = {"trainer/invalid_samples_total": self.check.num_invalid, **self.mode.metric_values()}
-        out.update(
-            {k: v for k, v in self.records.last.items() if isinstance(v, (int, float)) and k not in NOT_EXPORTED}
-        )
-        return out
+        last = {k: v for k, v in self.records.last.items() if isinstance(v, (int, float)) and k not in NOT_EXPORTED}
+        return {"trainer/invalid_samples_total": self.check.num_invalid, **self.mode.metric_values(), **last}

@@ -49,12 +49,12 @@ class BufferLink:
         self.bus = bus
         self.timeout_s = timeout_s
 
-    async def request(self, subject: str, msg, reply_type, what: str):
+    async def request(self, subject: str, msg, reply_type, what: str, timeout: float = 10):
         """Request/reply that rides out a restarting buffer or broker, up to --buffer-timeout-s."""
         start = time.monotonic()
         while True:
             try:
-                return await self.bus.request(subject, msg, reply_type, timeout=10)
+                return await self.bus.request(subject, msg, reply_type, timeout=timeout)
             except (TimeoutError, TransportError) as e:
                 if time.monotonic() - start > self.timeout_s:
                     raise TrainerError(
@@ -69,21 +69,11 @@ class BufferLink:
         ("No completed rollout groups for 30.0s", then 60.0s, ... as Miles logs it), fail when the
         buffer is gone for --buffer-timeout-s or no producer was seen (`producer_seen`, a monotonic
         time) for `producer_timeout_s`."""
-        t0 = time.monotonic()
-        last_progress, last_count, last_answer = t0, 0, t0
-        next_warn = t0 + warn_every_s
+        last_progress, last_count = time.monotonic(), 0
+        next_warn = last_progress + warn_every_s
         while True:
-            try:
-                reply = await self.bus.request(self.bus.subjects.buffer_get, req, BufferGetReply, req.wait_s + 5)
-                last_answer = time.monotonic()
-            except (TimeoutError, TransportError) as e:
-                if time.monotonic() - last_answer > self.timeout_s:
-                    raise TrainerError(
-                        f"the buffer service has not answered for {self.timeout_s:.0f}s ({type(e).__name__}): "
-                        "is it running?"
-                    ) from e
-                await asyncio.sleep(0.5)
-                continue
+            reply = await self.request(self.bus.subjects.buffer_get, req, BufferGetReply, f"get of step {req.step}",
+                                       timeout=req.wait_s + 5)  # fmt: skip
             if reply.error:
                 raise TrainerError(f"buffer refused get(step={req.step}): {reply.error}")
             now = time.monotonic()
@@ -146,9 +136,10 @@ class Records:
         return last + 1
 
 
-def append_trained(path: Path, step: int, groups: list[list]) -> None:
-    """trained.jsonl: the prompts (group indexes) each step trained on."""
-    with path.open("a") as f:
+def append_trained(records_dir: Path, step: int, groups: list[list]) -> None:
+    """`<records_dir>/trained.jsonl`: the prompts (group indexes) each step trained on."""
+    records_dir.mkdir(parents=True, exist_ok=True)
+    with (records_dir / "trained.jsonl").open("a") as f:
         f.write(json.dumps({"step": step, "groups": sorted(flatten_group(g)[0].group_index for g in groups)}) + "\n")
 
 

@@ -108,7 +108,7 @@ class WeightSender:
     async def _prepare(self, version: int) -> TransferReply:
         """`has`: whether `version` can be sent; one not held is read from its snapshot now, so
         that no engine waits in the broadcast while the trainer reads the disk."""
-        if self._tensors(version) is None and self._has(version):
+        if self._tensors(version) is None and is_complete(self.weights_dir / f"v{version}"):
             state = await asyncio.to_thread(self._from_disk, version)
             self.prepared = (version, state, await asyncio.to_thread(digest, state))
         return TransferReply(ok=True, version=version, gone=self._tensors(version) is None)
@@ -132,9 +132,6 @@ class WeightSender:
         self.last_send_s = time.perf_counter() - t0
         self.num_sends += 1
         return TransferReply(ok=True, version=req.version, tensor_sha256=sha)
-
-    def _has(self, version: int) -> bool:
-        return self._tensors(version) is not None or is_complete(self.weights_dir / f"v{version}")
 
     def _from_disk(self, version: int) -> dict[str, torch.Tensor]:
         """`version`'s snapshot, in the order of the model's own tensors, in host memory."""

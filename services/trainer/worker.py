@@ -1,13 +1,10 @@
 """A data-parallel trainer rank (1..K-1): `python -m services.trainer.worker --rank R ...`.
 
-Started by rank 0 (the trainer service) as a process, or as a Ray actor with --use-ray. It
-holds a replica of the model and optimizer, receives each step's groups from rank 0, computes
-the gradient of its share and applies the same update as every other rank (in multi-LoRA: it
-holds the frozen base, gets the stepped adapter's factors from rank 0 and sends it the gradient
-of its share; services/trainer/parallel.py). It talks to no
-service: rank 0 owns the bus and HTTP. A Ray actor may be on another node: it gets the config's
-content (--config-json) and the initial checkpoint's files through Ray's object store, never a
-path of rank 0's disk, and it rendezvous on rank 0's node address.
+Started by rank 0 (the trainer service) as a process, or as a Ray actor with --use-ray; it runs
+the steps of services/trainer/parallel.py with rank 0 and talks to no service (rank 0 owns the
+bus and HTTP). A Ray actor may be on another node: it gets the config's content (--config-json)
+and the initial checkpoint's files through Ray's object store, never a path of rank 0's disk,
+and it rendezvous on rank 0's node address.
 """
 
 from __future__ import annotations
@@ -83,19 +80,18 @@ def main(argv: list[str] | None = None, checkpoint_files: dict[str, bytes] | Non
     commands = init_group(a.rank, a.world_size, a.master_addr, a.master_port, a.backend)
     broadcast_state(model, optimizer)
     logging.info("rank %d of %d ready (%s)", a.rank, a.world_size, a.backend)
+    shard = {"reward_key": config.rollout.reward_key, "pad_id": pad_id, "max_tokens": max_tokens_of(config)}
     while True:
         kind, payload = next_command(commands)
         if kind == "train":
             groups = [decode(b, RolloutGroup).samples for b in payload]
             dp_train_step(model, optimizer, groups, cfg, config.trainer.clip_grad, std_norm=std_normalization(config),
-                          reward_key=config.rollout.reward_key, pad_id=pad_id,
-                          max_tokens=max_tokens_of(config), ref_model=ref_model)  # fmt: skip
+                          ref_model=ref_model, **shard)  # fmt: skip
         elif kind == "lora":
             slot, spec, std_norm, groups = payload
-            dp_adapter_step(model, lora, None, slot, spec, [decode(b, RolloutGroup).samples for b in groups], cfg,
-                            config.trainer.clip_grad, std_norm=std_norm, reward_key=config.rollout.reward_key,
-                            pad_id=pad_id,
-                            max_tokens=max_tokens_of(config))  # fmt: skip
+            groups = [decode(b, RolloutGroup).samples for b in groups]
+            dp_adapter_step(model, lora, None, slot, spec, groups, cfg, config.trainer.clip_grad, std_norm=std_norm,
+                            **shard)  # fmt: skip
         elif kind == "stop":
             break
     dist.destroy_process_group()

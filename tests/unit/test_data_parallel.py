@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from services.api import Sample
 from services.common.procs import free_port
-from services.trainer.core import LossConfig, build_micro_batches, train_step
+from services.trainer.core import LossConfig, build_step_batches, train_step
 from tests.unit.test_trainer_core import tiny_model
 
 
@@ -35,7 +35,8 @@ def one_step(model, ref, optimizer, groups, world_rank=None):
     from services.trainer.parallel import dp_train_step
 
     if world_rank is None:
-        return train_step(model, optimizer, build_micro_batches(groups, True, None, 0, 12), CFG, 1.0, ref)
+        (batches,) = build_step_batches(groups, True, None, 0, 12, num_steps=1)
+        return train_step(model, optimizer, batches, CFG, 1.0, ref)
     return dp_train_step(model, optimizer, groups, CFG, 1.0, std_norm=True, reward_key=None, pad_id=0,
                          max_tokens=12, ref_model=ref)  # fmt: skip
 

@@ -149,7 +149,7 @@ def test_old_adapter_versions_are_removed_but_those_the_engines_may_be_loading(t
 
     svc.bus.kv_get = kv_get
     trainer = trainer_of(svc)
-    t = Track(run=svc.run, spec=trainer._lora_spec(svc.run), total=9, step=9)
+    t = Track(run=svc.run, total=9, step=9)
     d = adapter_dir(svc.config.infra.run_dir, "rev", RID, 0).parent
 
     def left() -> list[int]:

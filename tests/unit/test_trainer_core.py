@@ -150,7 +150,7 @@ def test_rollout_sample_filter_may_only_mark_remove_sample():
 
 
 def test_micro_batches_give_the_same_gradient_as_one_batch():
-    from services.trainer.core import build_micro_batches, train_step
+    from services.trainer.core import build_step_batches, train_step
 
     torch.manual_seed(0)
     groups = []
@@ -166,7 +166,7 @@ def test_micro_batches_give_the_same_gradient_as_one_batch():
     for max_tokens in (None, 12):
         model = tiny_model(3)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        batches = build_micro_batches(groups, True, None, 0, max_tokens)
+        (batches,) = build_step_batches(groups, True, None, 0, max_tokens, num_steps=1)
         stats.append(train_step(model, opt, batches, LossConfig(entropy_coef=0.01), clip_grad=0.0))
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert stats[0]["train/num_micro_batches"] == 1 and stats[1]["train/num_micro_batches"] > 1
