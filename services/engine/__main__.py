@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
+import tempfile
 
 from services.common.engine_commands import TOOL_CALL_PARSERS
 
@@ -14,11 +16,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-path", required=True, help="HF checkpoint directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument(
-        "--weight-version",
-        default="default",
-        help="initial weight version (SGLang's default is 'default')",
-    )
+    p.add_argument("--weight-version", default="default", help="initial weight version (SGLang's default is 'default')")
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--random-seed", type=int, default=0)
@@ -127,8 +125,6 @@ def main(argv=None) -> None:
     keys = Keys.single(args.api_key) if args.api_key else keys_from_env(run_token_from_env())
     weights, temp_cache = None, None
     if args.nats_url:
-        import tempfile
-
         from services.engine.weights import ObjectWeights
 
         cache = args.weights_cache_dir or (temp_cache := tempfile.mkdtemp(prefix="asyncrl-engine-weights-"))
@@ -150,8 +146,6 @@ def main(argv=None) -> None:
     finally:
         sched.shutdown()
         if temp_cache:
-            import shutil
-
             shutil.rmtree(temp_cache, ignore_errors=True)
 
 

@@ -48,10 +48,6 @@ class TextView:
                     return rx.pattern
         return None
 
-    @property
-    def checks_text(self) -> bool:
-        return bool(self.stops or self.regexes)
-
     def text(self, output_ids: list[int], finish_reason: dict | None) -> str:
         """The output text; `finish_reason` None: a streamed prefix of an unfinished request."""
         matched = (finish_reason or {}).get("matched")

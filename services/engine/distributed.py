@@ -4,14 +4,12 @@ distributed): /init_weights_update_group, /update_weights_from_distributed and
 
 The engine is rank `rank_offset` of the group whose rank 0 is the trainer. Each
 update_weights_from_distributed call names a bucket of tensors (names, dtypes, shapes) and
-receives them by broadcast, one by one in that order, into new tensors beside the running
-weights. Where SGLang loads each bucket into the model as it arrives, this engine collects the
-buckets of one weight version and swaps them in only once every parameter has arrived, checked
-(shapes, finite values and, when weight-sync passes it, `weight_digest`: the digest the trainer
-announced on the bus): the model never runs half of one version and half of another, nor
-tensors that did not come from the trainer. Every answer says whether the version is now
-`complete`; one that is not says what is still missing. One group at a time: a new
-/init_weights_update_group replaces any group left over.
+receives them by broadcast, in that order, beside the running weights. Where SGLang loads each
+bucket as it arrives, this engine swaps a weight version in only once every parameter has arrived,
+checked (shapes, finite values and, when weight-sync passes it, the `weight_digest` the trainer
+announced): the model never runs half of one version and half of another, nor tensors that did
+not come from the trainer. Every answer says whether the version is now `complete`. One group at
+a time: a new /init_weights_update_group replaces any group left over.
 
 Staged loading (asyncrl's extension, `"stage": true`; /server_info says `staged_weight_loading`):
 the whole version is received and checked while the engine keeps generating, and kept aside; the
@@ -27,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.protocol import BadRequest, typed
+from services.engine.protocol import BadRequest, typed, updated_message
 from services.model.hf_io import NonFiniteWeights, check_finite
 from services.model.transfer import GROUP_TIMEOUT_S, Digest, TransferGroup, dtype_of
 
@@ -159,10 +157,7 @@ class DistributedReceiver:
             self.scheduler.abort("", True)
         res = self.scheduler.weights.update_weights_from_tensors(tensors, version)
         self.num_updates += 1
-        msg = "Succeeded to update model weights."
-        if version is not None:
-            msg += f" Weight version updated to {version}."
-        return {"success": True, "complete": True, "message": msg, "num_paused_requests": res["num_paused_requests"]}
+        return {"success": True, "complete": True, "message": updated_message(version), **res}
 
     def staged_version(self) -> str | None:
         """The name of the version a broadcast staged, waiting for its swap (None: none)."""

@@ -74,7 +74,7 @@ class Generation:
             req = EngineRequest(rid=seq.rid or self.scheduler.new_rid(), input_ids=seq.input_ids, params=seq.params,
                                 on_done=post, on_token=post if tokens else None, logprob_start=seq.logprob_start,
                                 top_logprobs_num=seq.top_logprobs_num,
-                                stop_check=view.stop_check if view.checks_text else None)  # fmt: skip
+                                stop_check=view.stop_check if view.stops or view.regexes else None)  # fmt: skip
             tracked.append(Tracked(i, seq, req, view))
         if self.loras is None:
             self.check_loras(seqs)
@@ -123,11 +123,9 @@ class Generation:
     # ---- SGLang's /generate --------------------------------------------------------------------
     def output(self, t: Tracked, n: int | None = None) -> dict:
         """The response object of one sequence: final, or (n given, not done) its first n tokens."""
-        req, seq = t.req, t.seq
-        final = t.done
+        req, seq, final = t.req, t.seq, t.done
         n = len(req.output_ids) if final else n
-        ids = req.output_ids[:n]
-        reason = req.finish_reason if final else None
+        ids, reason = req.output_ids[:n], req.finish_reason if final else None
         meta: dict[str, Any] = {"id": req.rid, "finish_reason": reason, "weight_version": self.scheduler.weight_version,
                                 "completion_tokens": n}  # fmt: skip
         if final:
@@ -138,8 +136,7 @@ class Generation:
         if seq.return_logprob:
             self._logprobs(t, n, meta)
         meta["response_sent_to_client_ts"] = time.time()
-        out = {"text": t.view.text(ids, reason) if final else t.view.text(ids, None), "output_ids": list(ids),
-               "meta_info": meta}  # fmt: skip
+        out = {"text": t.view.text(ids, reason), "output_ids": list(ids), "meta_info": meta}
         if seq.return_prompt_token_ids:
             out["prompt_token_ids"] = list(req.input_ids)
         return out
@@ -179,5 +176,12 @@ def sse(obj: Any) -> bytes:
 
 
 def weight_spans(req: EngineRequest, n: int) -> list[dict]:
-    """The weight versions that produced the first n output tokens, as spans."""
-    return [s | {"end": min(s["end"], n)} for s in req.version_spans() if s["start"] < n]
+    """The weight versions that produced the first n output tokens: [{version, start, end}] over
+    output-token positions (end exclusive), as SGLang 0.5.23."""
+    spans: list[dict] = []
+    for pos, v in enumerate(req.token_versions[:n]):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = pos + 1
+        else:
+            spans.append({"version": v, "start": pos, "end": pos + 1})
+    return spans

@@ -1,11 +1,5 @@
-"""LoRA adapters on the built-in engine, as SGLang serves them (--enable-lora).
-
-Flags (SGLang's names): --enable-lora, --max-loras-per-batch (adapters resident at once, 8),
---max-lora-rank (16), --lora-target-modules (all), --lora-paths (NAME=PATH, PATH, or the JSON
-{"lora_name", "lora_path", "pinned"}). Routes: POST /load_lora_adapter {lora_name, lora_path,
-pinned} and POST /unload_lora_adapter {lora_name}, each answering {success, error_message,
-loaded_adapters: {name: path}}; /generate's `lora_path` (one adapter name, or one per prompt,
-None for the base model); the OpenAI routes' `model` as "<adapter>" or "<served-model>:<adapter>".
+"""LoRA adapters on the built-in engine, as SGLang serves them (--enable-lora; SGLang's flags and
+routes, docs/engine.md "LoRA adapters"): /generate's `lora_path` and the OpenAI routes' `model` name them.
 
 Every resident adapter holds one slot of the model's MultiLora (services/model/lora.py), so one
 batch serves rows of several adapters. Its tensors are placed on the scheduler's thread. Unload
@@ -37,7 +31,6 @@ class Resident:
     path: str
     slot: int
     uid: int
-    pinned: bool = False
     unloading: bool = False
 
 
@@ -74,7 +67,7 @@ class EngineLoras:
     def load(self, body: dict) -> dict:
         name = typed(body, "lora_name", str, required=True)
         path = typed(body, "lora_path", str, required=True)
-        pinned = typed(body, "pinned", bool, default=False)
+        typed(body, "pinned", bool)  # accepted, and changes nothing
         if body.get("lora_id") is not None:
             typed(body, "lora_id", str)
         if not NAME.match(name):
@@ -87,7 +80,7 @@ class EngineLoras:
             if slot is None:
                 raise BadRequest(f"all {self.lora.n_slots} LoRA slots are in use (--max-loras-per-batch): "
                                  "unload an adapter first")  # fmt: skip
-            res = Resident(name, path, slot, next(self._uids), pinned, unloading=True)  # reserved, not usable yet
+            res = Resident(name, path, slot, next(self._uids), unloading=True)  # reserved, not usable yet
             self.adapters[name] = res
         try:
             spec, tensors = load_adapter(Path(path))

@@ -15,23 +15,13 @@ import socket
 import time
 import weakref
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from services.common.promexport import Buckets, LabelledProcessCollector, histogram_family
-
-
-class TimedRequest(Protocol):
-    """The stamps of a scheduler Request (wall clock, 0 for never) this module reads; the
-    scheduler imports this module, not the other way round."""
-
-    created_at: float
-    admitted_at: float
-    first_token_at: float
-    finished_at: float
-
+from services.engine.request import Request
 
 TTFT_BUCKETS_S = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
 E2E_BUCKETS_S = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400)
@@ -75,7 +65,7 @@ class RequestLatency:
         self.e2e_request_latency_seconds = Buckets(E2E_BUCKETS_S)
         self.queue_time_seconds = Buckets(QUEUE_BUCKETS_S)
 
-    def observe(self, req: TimedRequest) -> None:
+    def observe(self, req: Request) -> None:
         """A request that never reached a slot (aborted while waiting, max_new_tokens 0) counts in
         end-to-end latency only, one that produced no token not in time to first token."""
         self.e2e_request_latency_seconds.observe(max(0.0, req.finished_at - req.created_at))
@@ -91,12 +81,12 @@ class EngineMetrics:
 
     def __init__(self, server: Any, run: str, instance: str):
         self.server = server
-        self.sglang_labels = {"model_name": server.served_model_name, "engine_type": "unified",
-                              "tp_rank": "0", "pp_rank": "0"}  # fmt: skip
-        self.labels = {**self.sglang_labels, "run": run, "service": "engine", "instance": instance}
+        asyncrl = {"run": run, "service": "engine", "instance": instance}
+        self.labels = {"model_name": server.served_model_name, "engine_type": "unified", "tp_rank": "0",
+                       "pp_rank": "0", **asyncrl}  # fmt: skip
         self.registry = CollectorRegistry()
         self.registry.register(self)
-        self.registry.register(LabelledProcessCollector({"run": run, "service": "engine", "instance": instance}))
+        self.registry.register(LabelledProcessCollector(asyncrl))
 
     def collect(self) -> Iterable[Metric]:
         sched = self.server.scheduler

@@ -1,18 +1,12 @@
 """OpenAI-compatible routes of the built-in engine: GET /v1/models, POST /v1/completions and
-POST /v1/chat/completions, so that OpenAI clients and tools can use it.
+POST /v1/chat/completions (docs/engine.md, "OpenAI routes").
 
 Each request is validated field by field (an unknown or unimplemented field is a 400 that names
 it, in OpenAI's error shape), translated into the engine's sequences (the same sampling as
-/generate: services/engine/protocol.py, scheduler.py) and answered as OpenAI does, or streamed as
-server-sent events (`data: <chunk>` per step, `data: [DONE]` last; with
-`stream_options.include_usage` a last chunk with `usage` and no choices). Chat prompts are rendered
-with the chat template of the model's tokenizer (services/model/tokenizer.py, jinja2); `tools`
-reach a template that reads them (its `tools` variable, as transformers passes it), and the model's
-tool calls come back as its text, or, with `--tool-call-parser` (services/engine/tool_calls.py), as
-OpenAI's `message.tool_calls` (non-streaming answers; `tool_choice` none or auto only). An
-assistant message's tool calls reach the template with their arguments as objects.
-Beyond OpenAI's fields, SGLang's extra sampling fields are accepted (top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, no_stop_trim).
+/generate) and answered as OpenAI does, or streamed as server-sent events (`data: <chunk>` per
+step, `data: [DONE]` last). Chat prompts are rendered with the chat template of the model's
+tokenizer, `tools` included; with `--tool-call-parser` (services/engine/tool_calls.py) the model's
+tool calls come back as OpenAI's `message.tool_calls` (non-streaming answers only).
 """
 
 from __future__ import annotations
@@ -31,10 +25,9 @@ from services.engine.tool_calls import arguments_for_template, parse_tool_calls
 
 MAX_LOGPROBS = 20
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
-           "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user"}  # fmt: skip
+           "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user", "return_token_ids"}  # fmt: skip
 _SGLANG_EXTRAS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
                   "skip_special_tokens", "no_stop_trim"}  # fmt: skip
-_COMMON |= {"return_token_ids"}
 COMPLETION_FIELDS = _COMMON | _SGLANG_EXTRAS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | _SGLANG_EXTRAS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                                           "response_format", "tools", "tool_choice", "parallel_tool_calls"}  # fmt: skip
@@ -62,12 +55,17 @@ def _check(cond: bool, message: str, param: str) -> None:
         raise OpenAIError(message, param)
 
 
+def _flag(body: dict, key: str) -> bool:
+    want = body.get(key) or False
+    _check(isinstance(want, bool), f"{key} must be true or false", key)
+    return want
+
+
 def _token_ids_flag(body: dict) -> bool:
     """vLLM's `return_token_ids`: the prompt's ids and each choice's sampled ids in the answer
     (with the weight versions that produced them), so a multi-turn client can build its trajectory
     token in, token out. Not streamed."""
-    want = body.get("return_token_ids") or False
-    _check(isinstance(want, bool), "return_token_ids must be true or false", "return_token_ids")
+    want = _flag(body, "return_token_ids")
     _check(not (want and body.get("stream")), "return_token_ids is for answers that are not streamed",
            "return_token_ids")  # fmt: skip
     return want
@@ -114,17 +112,11 @@ class OpenAIRoutes:
             raise OpenAIError(msg, next((k for k in body if msg.startswith(k)), None)) from None
         return params, text, n
 
-    def _stream_flag(self, body: dict) -> tuple[bool, bool]:
-        stream = body.get("stream") or False
-        _check(isinstance(stream, bool), "stream must be true or false", "stream")
-        return stream, bool((body.get("stream_options") or {}).get("include_usage"))
-
     def completion_seqs(self, body: Any) -> tuple[list[Sequence], list[list[int]], dict]:
         raw = self._common(body, COMPLETION_FIELDS)
         for key, neutral in (("suffix", (None, "")), ("best_of", (None, body.get("n") or 1))):
             _check(body.get(key) in neutral, f"{key} is not implemented by the built-in engine", key)
-        echo = body.get("echo") or False
-        _check(isinstance(echo, bool), "echo must be true or false", "echo")
+        echo = _flag(body, "echo")
         k = _logprobs_count(body, "logprobs")
         raw.setdefault("max_new_tokens", 16)
         params, text, n = self._sampling(raw, body)
@@ -169,8 +161,7 @@ class OpenAIRoutes:
                "tool_choice")  # fmt: skip
         _check(body.get("parallel_tool_calls") in (None, True, False), "parallel_tool_calls must be true or false",
                "parallel_tool_calls")  # fmt: skip
-        want = body.get("logprobs") or False
-        _check(isinstance(want, bool), "logprobs must be true or false", "logprobs")
+        want = _flag(body, "logprobs")
         k = _logprobs_count(body, "top_logprobs")
         _check(k is None or want, "top_logprobs needs logprobs: true", "top_logprobs")
         offered = tools if body.get("tool_choice") != "none" else None
@@ -260,21 +251,6 @@ class OpenAIRoutes:
             content.append(e | {"top_logprobs": [entry(i, v) for v, i in top]})
         return {"content": content}
 
-    def completion_body(self, tracked: list[Tracked], prompts: list[list[int]], meta: dict) -> dict:
-        choices = []
-        for t in tracked:
-            reason, matched = self._finish(t)
-            prefix = t.view.decode(t.req.input_ids) if meta["echo"] else ""
-            lp = (self._completion_logprobs(t, 0, len(t.req.output_ids), 0, meta["echo"])
-                  if t.seq.return_logprob else None)  # fmt: skip
-            choices.append({"index": t.index, "text": prefix + t.view.text(t.req.output_ids, t.req.finish_reason),
-                            "logprobs": lp, "finish_reason": reason, "matched_stop": matched,
-                            **self._ids(t, meta)})  # fmt: skip
-        return {"id": meta["id"], "object": "text_completion", "created": int(time.time()),
-                "model": self.server.served_model_name, "choices": choices, "usage": self._usage(tracked, prompts),
-                **({"prompt_token_ids": prompts[0] if len(prompts) == 1 else prompts}
-                   if meta["token_ids"] else {})}  # fmt: skip
-
     def _ids(self, t: Tracked, meta: dict) -> dict:
         """With return_token_ids: the choice's sampled ids and, in SGLang's meta_info shape, the
         weight versions that produced them."""
@@ -285,39 +261,48 @@ class OpenAIRoutes:
                 "meta_info": {"weight_version": self.server.scheduler.weight_version,
                               "weight_versions": weight_spans(req, len(req.output_ids))}}  # fmt: skip
 
-    def chat_body(self, tracked: list[Tracked], prompts: list[list[int]], meta: dict) -> dict:
+    def body(self, tracked: list[Tracked], prompts: list[list[int]], meta: dict, chat: bool) -> dict:
+        """The whole answer: a chat.completion (chat) or a text_completion."""
         choices = []
         for t in tracked:
+            req = t.req
             reason, matched = self._finish(t)
-            message = {"role": "assistant", "content": t.view.text(t.req.output_ids, t.req.finish_reason)}
-            if meta.get("tool_calls"):
-                content, calls = parse_tool_calls(message["content"])
-                if calls:
-                    message = {"role": "assistant", "content": content or None, "tool_calls": calls}
-                    reason = "tool_calls" if reason == "stop" else reason
-            lp = self._chat_logprobs(t, 0, len(t.req.output_ids)) if t.seq.return_logprob else None
-            choices.append({"index": t.index, "message": message, "logprobs": lp, "finish_reason": reason,
-                            "matched_stop": matched, **self._ids(t, meta)})  # fmt: skip
-        return {"id": meta["id"], "object": "chat.completion", "created": int(time.time()),
-                "model": self.server.served_model_name, "choices": choices, "usage": self._usage(tracked, prompts),
-                **({"prompt_token_ids": prompts[0]} if meta["token_ids"] else {})}  # fmt: skip
+            text = t.view.text(req.output_ids, req.finish_reason)
+            if chat:
+                choice = {"index": t.index, "message": {"role": "assistant", "content": text}}
+                if meta["tool_calls"]:
+                    content, calls = parse_tool_calls(text)
+                    if calls:
+                        choice["message"] = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                        reason = "tool_calls" if reason == "stop" else reason
+            else:
+                choice = {"index": t.index, "text": (t.view.decode(req.input_ids) if meta["echo"] else "") + text}
+            lp, n = None, len(req.output_ids)
+            if t.seq.return_logprob:
+                lp = self._chat_logprobs(t, 0, n) if chat else self._completion_logprobs(t, 0, n, 0, meta["echo"])
+            choice |= {"logprobs": lp, "finish_reason": reason, "matched_stop": matched}
+            choices.append(choice | self._ids(t, meta))
+        kind = "chat.completion" if chat else "text_completion"
+        ids = {"prompt_token_ids": prompts[0] if len(prompts) == 1 else prompts} if meta["token_ids"] else {}
+        return {"id": meta["id"], "object": kind, "created": int(time.time()), "model": self.server.served_model_name,
+                "choices": choices, "usage": self._usage(tracked, prompts), **ids}  # fmt: skip
 
     async def stream(self, seqs, prompts, meta, chat: bool, include_usage: bool):
         """OpenAI chunks: each carries one choice's new text (and its new tokens' logprobs)."""
         queue: asyncio.Queue = asyncio.Queue()
         tracked = self.generation.submit(seqs, queue)
-        created, model = int(time.time()), self.server.served_model_name
         kind = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": meta["id"], "object": kind, "created": int(time.time()), "model": self.server.served_model_name}
         sent_text, sent_tokens = [0] * len(tracked), [0] * len(tracked)
         echoed = [t.view.decode(t.req.input_ids) if not chat and meta["echo"] else "" for t in tracked]
 
-        def chunk(choice: dict) -> bytes:
-            return sse({"id": meta["id"], "object": kind, "created": created, "model": model, "choices": [choice]})
+        def chunk(choices: list[dict], **usage) -> bytes:
+            return sse(head | {"choices": choices, **usage})
 
         if chat:
             for t in tracked:
-                yield chunk({"index": t.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None})  # fmt: skip
+                yield chunk([{"index": t.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])  # fmt: skip
         async for t, n in self.generation.progress(tracked, queue):
             i, req = t.index, t.req
             text = echoed[i] + t.view.text(req.output_ids[:n], req.finish_reason if t.done else None)
@@ -328,15 +313,10 @@ class OpenAIRoutes:
                       self._completion_logprobs(t, sent_tokens[i], n, sent_text[i] - len(delta), meta["echo"]))  # fmt: skip
             sent_tokens[i] = n
             reason, matched = self._finish(t) if t.done else (None, None)
-            if chat:
-                body = {"index": i, "delta": {"content": delta} if delta else {}, "logprobs": lp,
-                        "finish_reason": reason, "matched_stop": matched}  # fmt: skip
-            else:
-                body = {"index": i, "text": delta, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
-            yield chunk(body)
+            text = {"delta": {"content": delta} if delta else {}} if chat else {"text": delta}
+            yield chunk([{"index": i, **text, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}])
         if include_usage:
-            yield sse({"id": meta["id"], "object": kind, "created": created, "model": model, "choices": [],
-                       "usage": self._usage(tracked, prompts)})  # fmt: skip
+            yield chunk([], usage=self._usage(tracked, prompts))
         yield b"data: [DONE]\n\n"
 
     async def answer(self, request: Request, chat: bool):
@@ -348,7 +328,7 @@ class OpenAIRoutes:
             return _error(OpenAIError("invalid JSON: nested too deeply"))
         try:
             seqs, prompts, meta = self.chat_seqs(body) if chat else self.completion_seqs(body)
-            stream, include_usage = self._stream_flag(body)
+            stream, include_usage = _flag(body, "stream"), bool((body.get("stream_options") or {}).get("include_usage"))
             adapter = self._adapter(body.get("model"))
         except OpenAIError as e:
             return _error(e)
@@ -359,7 +339,7 @@ class OpenAIRoutes:
                                      media_type="text/event-stream")  # fmt: skip
         tracked = await self.generation.run(seqs)
         raise_if_failed(t.req for t in tracked)  # a 400 or 500 for a request the scheduler failed alone
-        return (self.chat_body if chat else self.completion_body)(tracked, prompts, meta)
+        return self.body(tracked, prompts, meta, chat)
 
     def _adapter(self, model: str | None) -> str | None:
         """The LoRA adapter a `model` names, as SGLang: "<adapter>" or "<served-model>:<adapter>";
@@ -370,14 +350,14 @@ class OpenAIRoutes:
         loaded = loras.loaded()
         if model in loaded:
             return model
-        _check("@" not in model, f"no LoRA adapter {model!r:.120} is loaded (loaded: "
-               f"{', '.join(sorted(loaded)) or 'none'})", "model")  # fmt: skip  (an adapter version's name: never the base)
         base, sep, adapter = model.partition(":")
-        if sep and base == self.server.served_model_name:
-            _check(adapter in loaded, f"no LoRA adapter {adapter!r:.120} is loaded (loaded: "
-                   f"{', '.join(sorted(loaded)) or 'none'})", "model")  # fmt: skip
-            return adapter
-        return None
+        if "@" in model:  # an adapter version's name: never the base
+            adapter = model
+        elif not (sep and base == self.server.served_model_name):
+            return None
+        _check(adapter in loaded, f"no LoRA adapter {adapter!r:.120} is loaded (loaded: "
+               f"{', '.join(sorted(loaded)) or 'none'})", "model")  # fmt: skip
+        return adapter
 
     def models(self) -> dict:
         card = {"id": self.server.served_model_name, "object": "model", "created": int(self.server.started_at),

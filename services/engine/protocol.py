@@ -49,29 +49,29 @@ def raise_if_failed(requests) -> None:
             raise RequestFailed(str(reason.get("message")), reason["status_code"])
 
 
+def updated_message(version) -> str:
+    """SGLang's answer to a weight update."""
+    note = f" Weight version updated to {version}." if version is not None else ""
+    return "Succeeded to update model weights." + note
+
+
 # SGLang 0.5.23 fields this engine does not implement, with the values that ask for nothing
 _NEUTRAL = (None, False, 0, [], {}, "")
-NOT_IMPLEMENTED_TOP = {
-    "input_embeds": _NEUTRAL, "token_ids_logprob": _NEUTRAL, "lora_id": _NEUTRAL,
-    "return_routed_experts": _NEUTRAL, "routed_experts_start_len": _NEUTRAL, "return_indexer_topk": _NEUTRAL,
-    "return_hidden_states": _NEUTRAL, "return_entropy": _NEUTRAL,
-    "return_sampling_mask": _NEUTRAL, "image_data": _NEUTRAL, "video_data": _NEUTRAL, "audio_data": _NEUTRAL,
-    "modalities": _NEUTRAL, "session_params": _NEUTRAL, "session_id": _NEUTRAL, "extra_key": _NEUTRAL,
-    "priority": _NEUTRAL, "routed_dp_rank": _NEUTRAL, "routing_key": _NEUTRAL, "custom_logit_processor": _NEUTRAL,
-    "custom_labels": _NEUTRAL, "background": _NEUTRAL, "bootstrap_host": _NEUTRAL, "bootstrap_port": _NEUTRAL,
-    "bootstrap_room": _NEUTRAL, "data_parallel_rank": _NEUTRAL,
+NOT_IMPLEMENTED_TOP = dict.fromkeys((
+    "input_embeds", "token_ids_logprob", "lora_id", "return_routed_experts", "routed_experts_start_len",
+    "return_indexer_topk", "return_hidden_states", "return_entropy", "return_sampling_mask", "image_data",
+    "video_data", "audio_data", "modalities", "session_params", "session_id", "extra_key", "priority",
+    "routed_dp_rank", "routing_key", "custom_logit_processor", "custom_labels", "background", "bootstrap_host",
+    "bootstrap_port", "bootstrap_room", "data_parallel_rank", "mm_hashes", "mm_content_hashes", "use_audio_in_video",
+    "video_config", "watermark", "sampling_logprobs_mode", "return_flat_raw_top_logprobs",
+    "return_flat_raw_output_top_logprobs", "return_flat_raw_top_logprobs_b64", "positional_embed_overrides",
+    "bootstrap_pair_key", "decode_tp_size", "disagg_prefill_dp_rank", "conversation_id", "http_worker_ipc",
+    "require_reasoning", "max_thinking_tokens", "return_bytes", "external_trace_header", "received_time",
+    "need_wait_for_mm_inputs", "num_items_assigned", "encoder_urls", "max_dynamic_patch", "min_dynamic_patch",
+    "image_max_dynamic_patch", "video_max_dynamic_patch", "images_config", "mm_processor_kwargs",
+    "multi_item_delimiter_indices", "token_indices_to_pool", "cache_salt", "kv_hints",
+), _NEUTRAL) | {
     "log_metrics": (None, True, False), "no_logs": (None, True, False),
-    "mm_hashes": _NEUTRAL, "mm_content_hashes": _NEUTRAL, "use_audio_in_video": _NEUTRAL, "video_config": _NEUTRAL,
-    "watermark": _NEUTRAL, "sampling_logprobs_mode": _NEUTRAL, "return_flat_raw_top_logprobs": _NEUTRAL,
-    "return_flat_raw_output_top_logprobs": _NEUTRAL, "return_flat_raw_top_logprobs_b64": _NEUTRAL,
-    "positional_embed_overrides": _NEUTRAL, "bootstrap_pair_key": _NEUTRAL, "decode_tp_size": _NEUTRAL,
-    "disagg_prefill_dp_rank": _NEUTRAL, "conversation_id": _NEUTRAL, "http_worker_ipc": _NEUTRAL,
-    "require_reasoning": _NEUTRAL, "max_thinking_tokens": _NEUTRAL, "return_bytes": _NEUTRAL,
-    "external_trace_header": _NEUTRAL, "received_time": _NEUTRAL, "need_wait_for_mm_inputs": _NEUTRAL,
-    "num_items_assigned": _NEUTRAL, "encoder_urls": _NEUTRAL, "max_dynamic_patch": _NEUTRAL,
-    "min_dynamic_patch": _NEUTRAL, "image_max_dynamic_patch": _NEUTRAL, "video_max_dynamic_patch": _NEUTRAL,
-    "images_config": _NEUTRAL, "mm_processor_kwargs": _NEUTRAL, "multi_item_delimiter_indices": _NEUTRAL,
-    "token_indices_to_pool": _NEUTRAL, "cache_salt": _NEUTRAL, "kv_hints": _NEUTRAL,
     # not SGLang's: sglang-router (the model gateway) adds `"model": null` to every /generate it forwards
     "model": (None,),
 }  # fmt: skip

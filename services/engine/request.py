@@ -73,13 +73,3 @@ class Request:
     @property
     def seq(self) -> list[int]:
         return self.input_ids + self.output_ids
-
-    def version_spans(self) -> list[dict]:
-        """[{version, start, end}] over output-token positions (end exclusive), as SGLang 0.5.23."""
-        spans: list[dict] = []
-        for pos, v in enumerate(self.token_versions):
-            if spans and spans[-1]["version"] == v:
-                spans[-1]["end"] = pos + 1
-            else:
-                spans.append({"version": v, "start": pos, "end": pos + 1})
-        return spans

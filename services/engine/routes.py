@@ -1,5 +1,5 @@
 """The built-in engine's routes, one router per protocol (services.engine.server assembles them,
-with OpenAI's from services.engine.openai): SGLang's native generation and information routes, its
+with OpenAI's from services.engine.openai): SGLang's native generation routes, its information,
 control and weight routes, and its LoRA routes. Each handler validates, hands the work to the
 scheduler thread and waits; the roles that may call each route are in
 services.common.httpauth.ENGINE_SCOPES."""
@@ -14,10 +14,12 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from services.engine.metrics import engine_metrics
+from services.engine.protocol import BadRequest, parse_generate, raise_if_failed, typed, updated_message
 from services.weights.store import SCHEME, WeightStoreError
-from services.engine.protocol import BadRequest, parse_generate, typed
 
 log = logging.getLogger(__name__)
+SGLANG_COMPAT_VERSION = "0.5.16"
 
 
 async def body_of(request: Request) -> dict:
@@ -35,9 +37,31 @@ async def body_of(request: Request) -> dict:
     return data
 
 
+def refused(message: str) -> JSONResponse:
+    return JSONResponse({"success": False, "message": message}, status_code=400)
+
+
+async def local_copy(server, path: str, adapter: bool = False) -> str:
+    """The directory to load: `path`, or a `nats-object://` snapshot (or adapter version) fetched to disk."""
+    if not path.startswith(SCHEME):
+        return path
+    if server.weights is None:
+        raise ValueError(f"{path!r:.120} is in a NATS object store, and this engine was started without "
+                         "--nats-url and --run-id (start it with them to fetch it)")  # fmt: skip
+    return str(await server.weights.local(path, adapter))
+
+
 def native_routes(server) -> APIRouter:
-    """Generation, load, health, information and asyncrl's service routes."""
+    """Generation, load and health."""
     r, sched = APIRouter(), server.scheduler
+
+    async def generated(body: dict) -> dict | list:
+        """A non-streaming /generate: the response object, or a list of them for a batch."""
+        seqs, is_batch = parse_generate(body, server.limits, server.tokenizer)
+        tracked = await server.generation.run(seqs)
+        raise_if_failed(t.req for t in tracked)
+        outs = [server.generation.output(t) for t in tracked]
+        return outs if is_batch else outs[0]
 
     @r.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
@@ -46,7 +70,7 @@ def native_routes(server) -> APIRouter:
             seqs, is_batch = parse_generate(body, server.limits, server.tokenizer)
             server.generation.check_loras(seqs)
             return StreamingResponse(server.generation.stream(seqs, is_batch), media_type="text/event-stream")
-        return JSONResponse(await server.generate(body))
+        return JSONResponse(await generated(body))
 
     @r.get("/get_load")
     async def get_load():
@@ -67,32 +91,11 @@ def native_routes(server) -> APIRouter:
             # alive and holding work: healthy while steps keep finishing
             return Response(status_code=503 if sched.stalled else 200)
         try:
-            await asyncio.wait_for(
-                server.generate(
-                    {
-                        "input_ids": [0],
-                        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-                    }
-                ),
-                20,
-            )
+            probe = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+            await asyncio.wait_for(generated(probe), 20)
         except (TimeoutError, ValueError):
             return Response(status_code=503)
         return Response(status_code=200)
-
-    @r.get("/model_info")
-    @r.get("/get_model_info")
-    async def model_info():
-        return server.model_info()
-
-    @r.get("/server_info")
-    @r.get("/get_server_info")
-    async def server_info():
-        return server.server_info()
-
-    @r.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(server.metrics_text(), media_type="text/plain; version=0.0.4")
 
     @r.api_route("/release_memory_occupation", methods=["GET", "POST"])
     @r.api_route("/resume_memory_occupation", methods=["GET", "POST"])
@@ -102,13 +105,70 @@ def native_routes(server) -> APIRouter:
     @r.get("/healthz")
     async def healthz():
         return PlainTextResponse(
-            "ok\n" if sched.alive else "scheduler thread died\n",
-            status_code=200 if sched.alive else 503,
+            "ok\n" if sched.alive else "scheduler thread died\n", status_code=200 if sched.alive else 503
         )
 
     @r.get("/readyz")
     async def readyz():
         return PlainTextResponse("ready\n" if sched.alive else "not ready\n", status_code=200 if sched.alive else 503)
+
+    return r
+
+
+def info_routes(server) -> APIRouter:
+    """Model and server information, /metrics and asyncrl's /status."""
+    r, sched = APIRouter(), server.scheduler
+
+    @r.get("/model_info")
+    @r.get("/get_model_info")
+    async def model_info():
+        cfg = sched.model.cfg
+        return {
+            "model_path": server.model_path,
+            "tokenizer_path": server.model_path if server.tokenizer is not None else None,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": sched.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": cfg.model_type,
+            "architectures": cfg.to_hf_dict()["architectures"],
+        }
+
+    @r.get("/server_info")
+    @r.get("/get_server_info")
+    async def server_info():
+        return {
+            "model_path": server.model_path,
+            "served_model_name": server.served_model_name,
+            "tp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "host": server.host,
+            "port": server.port,
+            "weight_version": sched.weight_version,
+            "enable_metrics": True,
+            "context_length": sched.context_length,
+            "max_running_requests": sched.cache.num_slots,
+            "status": "ready",
+            "max_total_num_tokens": sched.snapshot()["max_total_num_tokens"],
+            "max_req_input_len": sched.context_length - 1,
+            "internal_states": [
+                {
+                    "last_gen_throughput": sched.stats.gen_throughput,
+                    "effective_max_running_requests_per_dp": sched.cache.num_slots,
+                }
+            ],
+            "version": f"asyncrl-builtin (sglang-compatible {SGLANG_COMPAT_VERSION})",
+            "staged_weight_loading": server.staged_loading,
+            "weight_digest_check": True,
+            "weight_update_backends": server.receiver.backends(),
+            **(server.loras.info() if server.loras is not None else {"enable_lora": False}),
+        }
+
+    @r.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(engine_metrics(server).text(), media_type="text/plain; version=0.0.4")
 
     @r.get("/status")
     async def status():
@@ -135,8 +195,7 @@ def control_routes(server) -> APIRouter:
 
     @r.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
-        ok = await asyncio.to_thread(sched.flush_cache)
-        if ok:
+        if await asyncio.to_thread(sched.flush_cache):
             return PlainTextResponse(
                 "Cache flushed.\nPlease check backend logs for more details. (When there are "
                 "running or waiting requests, the operation will not be performed.)\n"
@@ -171,56 +230,36 @@ def weight_routes(server) -> APIRouter:
     weight version."""
     r, sched = APIRouter(), server.scheduler
 
-    async def local_snapshot(path: str, version) -> str:
-        """The directory to load: `path`, or a `nats-object://` snapshot fetched to local disk."""
-        if not path.startswith(SCHEME):
-            return path
-        if server.weights is None:
-            raise ValueError(f"{path!r:.120} is in a NATS object store, and this engine was started without "
-                             "--nats-url and --run-id (start it with them to fetch object-store weights)")  # fmt: skip
-        return str(await server.weights.local_path(path))
-
     @r.post("/stage_weights")
     async def stage_weights(request: Request):
         if not server.staged_loading:
             return JSONResponse({"detail": "Not Found"}, status_code=404)
-        body = await body_of(request)
-        path = typed(body, "model_path", str)
-        if not path:
-            return JSONResponse({"success": False, "message": "model_path is required"}, status_code=400)
-        version = typed(body, "weight_version", (str, int))
-        try:
-            local = await local_snapshot(path, version)
-            seconds = await asyncio.to_thread(sched.weights.stage_weights, local, version)
-        except (OSError, ValueError, WeightStoreError) as e:
-            return JSONResponse({"success": False, "message": f"Failed to stage weights: {e}"}, status_code=400)
-        return {"success": True, "message": f"Staged {path} in {seconds:.3f}s.", "stage_seconds": seconds}
+        return await from_disk(await body_of(request), stage=True)
 
     @r.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
-        body = await body_of(request)
+        return await from_disk(await body_of(request), stage=False)
+
+    async def from_disk(body: dict, stage: bool):
+        """Stage (stage) or load the snapshot at `model_path`: a directory or a `nats-object://` URI."""
         path = typed(body, "model_path", str)
         if not path:
-            return JSONResponse({"success": False, "message": "model_path is required"}, status_code=400)
+            return refused("model_path is required")
         version = typed(body, "weight_version", (str, int))
-        typed(body, "flush_cache", bool)
-        try:
-            local = await local_snapshot(path, version)
+        if not stage:
+            typed(body, "flush_cache", bool)
+        try:  # a TimeoutError (no pause, requests still in flight) is an OSError
+            local = await local_copy(server, path)
+            if stage:
+                seconds = await asyncio.to_thread(sched.weights.stage_weights, local, version)
+                return {"success": True, "message": f"Staged {path} in {seconds:.3f}s.", "stage_seconds": seconds}
             if typed(body, "abort_all_requests", bool):
                 await asyncio.to_thread(sched.abort, "", True)
             res = await asyncio.to_thread(sched.weights.update_weights_from_disk, local, version)
-        except (OSError, ValueError, TimeoutError, WeightStoreError) as e:
-            return JSONResponse({"success": False, "message": f"Failed to update weights: {e}"}, status_code=400)
+        except (OSError, ValueError, WeightStoreError) as e:
+            return refused(f"Failed to {'stage' if stage else 'update'} weights: {e}")
         server.model_path = path
-        msg = "Succeeded to update model weights."
-        if version is not None:
-            msg += f" Weight version updated to {version}."
-        return {
-            "success": True,
-            "message": msg,
-            "num_paused_requests": res["num_paused_requests"],
-            "staged": res["staged"],
-        }
+        return {"success": True, "message": updated_message(version), **res}
 
     @r.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request):
@@ -228,7 +267,7 @@ def weight_routes(server) -> APIRouter:
         try:
             return await asyncio.to_thread(server.receiver.init_group, body)
         except (RuntimeError, ValueError, OSError) as e:  # the others never joined, or a bad address
-            return JSONResponse({"success": False, "message": f"Failed to init group: {e}"}, status_code=400)
+            return refused(f"Failed to init group: {e}")
 
     @r.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request):
@@ -241,26 +280,26 @@ def weight_routes(server) -> APIRouter:
         try:
             return await asyncio.to_thread(server.receiver.update, body)
         except (ValueError, TimeoutError) as e:
-            return JSONResponse({"success": False, "message": f"Failed to update weights: {e}"}, status_code=400)
+            return refused(f"Failed to update weights: {e}")
 
     @r.post("/update_weight_version")
     async def update_weight_version(request: Request):
         body = await body_of(request)
         if typed(body, "new_version", (str, int)) is None:
-            return JSONResponse({"success": False, "message": "new_version is required"}, status_code=400)
+            return refused("new_version is required")
         if typed(body, "abort_all_requests", bool, True):
             await asyncio.to_thread(sched.abort, "", True)
         v = str(body["new_version"])
         rec = server.receiver
         if (problem := relabel_problem(sched.weight_version, v, rec.staged_version(), rec.received_since_loading())) is not None:
             log.warning("refused a weight version claim (role %s): %s", request.scope.get("asyncrl_role", "?"), problem)
-            return JSONResponse({"success": False, "message": problem}, status_code=400)
+            return refused(problem)
         if v.startswith("loading-"):
             rec.mark_loading()
         try:  # a version staged by broadcast (stage: true) is swapped in; otherwise only the name changes
             swapped = await asyncio.to_thread(server.receiver.set_version, v)
         except TimeoutError as e:
-            return JSONResponse({"success": False, "message": f"Failed to update weights: {e}"}, status_code=400)
+            return refused(f"Failed to update weights: {e}")
         if not swapped:
             await asyncio.to_thread(sched.weights.set_weight_version, v)
         return {"success": True, "message": f"Weight version updated to {v}", "new_version": v, "staged": swapped}
@@ -301,24 +340,23 @@ def lora_routes(server) -> APIRouter:
         if server.loras is None:
             return JSONResponse({"success": False, "error_message": "LoRA is not enabled on this engine: "
                                  "start it with --enable-lora", "loaded_adapters": {}}, status_code=400)  # fmt: skip
+
+        def failed(message: str) -> JSONResponse:
+            return JSONResponse({"success": False, "error_message": message, "loaded_adapters": server.loras.loaded()},
+                                status_code=400)  # fmt: skip
+
         path = body.get("lora_path") if op == "load" else None
-        if isinstance(path, str) and path.startswith(SCHEME):  # an object-store version: fetched first
-            try:
-                if server.weights is None:
-                    raise ValueError(f"{path!r:.120} is in a NATS object store, and this engine was started "
-                                     "without --nats-url and --run-id (start it with them to fetch it)")  # fmt: skip
-                body = {**body, "lora_path": str(await server.weights.local_adapter(path))}
-            except (ValueError, WeightStoreError) as e:  # not one, or not (any more) in the bucket: never loads
-                return JSONResponse({"success": False, "error_message": f"Failed to load LoRA adapter: {e}",
-                                     "loaded_adapters": server.loras.loaded()}, status_code=400)  # fmt: skip
-            except (OSError, TimeoutError) as e:  # the broker away: asked again
-                return JSONResponse({"success": False, "error_message": f"could not fetch {path!r:.200}: {e}",
-                                     "loaded_adapters": server.loras.loaded()}, status_code=400)  # fmt: skip
+        try:  # an object-store version is fetched first
+            if isinstance(path, str):
+                body = {**body, "lora_path": await local_copy(server, path, adapter=True)}
+        except (ValueError, WeightStoreError) as e:  # not one, or not (any more) in the bucket: never loads
+            return failed(f"Failed to load LoRA adapter: {e}")
+        except (OSError, TimeoutError) as e:  # the broker away: asked again
+            return failed(f"could not fetch {path!r:.200}: {e}")
         try:  # their own threads: an unload waiting for its requests never takes one from pause/continue
             fn = server.loras.load if op == "load" else server.loras.unload
             return await asyncio.get_running_loop().run_in_executor(server.lora_pool, fn, body)
         except (BadRequest, TimeoutError) as e:
-            return JSONResponse({"success": False, "error_message": str(e),
-                                 "loaded_adapters": server.loras.loaded()}, status_code=400)  # fmt: skip
+            return failed(str(e))
 
     return r

@@ -13,12 +13,10 @@ the argmax of the processed logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-SamplingParams = Any
-"""services.engine.scheduler.SamplingParams (not imported: the scheduler imports this module)."""
+from services.engine.request import SamplingParams
 
 
 @dataclass

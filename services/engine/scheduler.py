@@ -97,7 +97,6 @@ class Scheduler:
         context_length: int | None = None,
         weight_version: str = "default",
         seed: int = 0,
-        eos_token_ids: list[int] | None = None,
         on_death: Callable[[BaseException], None] | None = None,
         torch_threads: int | None = None,
     ):
@@ -109,7 +108,7 @@ class Scheduler:
         self.on_death = on_death
         self.context_length = context_length or model.cfg.max_position_embeddings
         self.cache = KVCache(model.cfg, max_running_requests, self.context_length)
-        self.eos_token_ids = eos_token_ids if eos_token_ids is not None else model.cfg.eos_ids
+        self.eos_token_ids = model.cfg.eos_ids
         self.weight_version = weight_version
         self.paused_mode: str | None = None
         self.waiting: collections.deque[Request] = collections.deque()
@@ -126,7 +125,6 @@ class Scheduler:
         self._model_lock = threading.Lock()
         self._gen = torch.Generator().manual_seed(seed)
         self.weights = EngineWeights(self)
-        """Staging, loading and naming the weights (services.engine.weight_api)."""
         self.last_progress = time.monotonic()
         """When the loop last started work or finished a step (for /health_generate)."""
         self.stall_timeout_s = 20.0
@@ -178,10 +176,9 @@ class Scheduler:
             log.critical("the engine's scheduler thread died: %r", e, exc_info=e)
             with self._work:  # nothing will ever run them: answer every request now
                 self._drain_inbox()
-                for r in list(self.waiting) + list(self.running):
-                    self.running = [x for x in self.running if x is not r]
-                    with contextlib.suppress(ValueError):
-                        self.waiting.remove(r)
+                victims, self.running = list(self.waiting) + self.running, []
+                self.waiting.clear()
+                for r in victims:
                     self._finish(r, {"type": "abort", "message": f"the engine's scheduler died: {e!r}",
                                      "status_code": 503, "err_type": "ServiceUnavailable"})  # fmt: skip
             if self.on_death is not None:
@@ -204,7 +201,12 @@ class Scheduler:
                 plan = self._plan() if job is None and steppable else []
             if job is not None:
                 fn, args, fut = job
-                self._settle(fut, fn, *args)
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:  # the caller learns of it; only an Exception is the caller's alone
+                    fut.set_exception(e)
+                    if not isinstance(e, Exception):
+                        raise
                 continue
             if plan:
                 t_step = time.perf_counter()
@@ -258,15 +260,6 @@ class Scheduler:
             self._work.notify_all()
         return fut.result()
 
-    @staticmethod
-    def _settle(fut: concurrent.futures.Future, fn: Callable, *args) -> None:
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as e:  # the caller learns of it either way; only an Exception is the caller's alone
-            fut.set_exception(e)
-            if not isinstance(e, Exception):
-                raise
-
     def _fail_jobs(self, error: BaseException) -> None:
         with self._work:
             self._shutdown = True  # nothing more will run: refuse new work from here on
@@ -314,15 +307,13 @@ class Scheduler:
             return len(victims)
 
     def _abort(self, req: Request) -> None:
+        self.stats.num_aborted_requests_total += 1
         if req in self.running:
-            self.running.remove(req)
-            self._release_slot(req)
             reason = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+            self._finish(req, reason, running=True)
         else:
             self.waiting.remove(req)
-            reason = {"type": "abort", "message": "Abort in waiting queue"}
-        self.stats.num_aborted_requests_total += 1
-        self._finish(req, reason)
+            self._finish(req, {"type": "abort", "message": "Abort in waiting queue"})
 
     # ---- pause / continue / weights ----------------------------------------------------------
     def pause(self, mode: str) -> None:
@@ -507,10 +498,8 @@ class Scheduler:
                 continue  # retracted or aborted while this step ran: its result is void
             if out.errors is not None and out.errors[i] is not None:
                 status, why = out.errors[i]
-                self.running.remove(r)
-                self._release_slot(r)
-                self._finish(r, {"type": "abort", "message": why, "status_code": status,
-                                 "err_type": "BadRequestError" if status == 400 else "InternalServerError"})  # fmt: skip
+                err = "BadRequestError" if status == 400 else "InternalServerError"
+                self._finish(r, {"type": "abort", "message": why, "status_code": status, "err_type": err}, running=True)
                 continue
             r.kv_len += len(f)
             if len(f) > 1 and r.kv_len >= len(r.input_ids):
@@ -519,9 +508,7 @@ class Scheduler:
             if out.prompt[i] is not None:
                 r.input_logprobs, r.input_top_logprobs = out.prompt[i]
             if r.params.max_new_tokens == 0:  # prompt scoring: the prompt's log-probs, no token
-                self.running.remove(r)
-                self._release_slot(r)
-                self._finish(r, {"type": "length", "length": 0})
+                self._finish(r, {"type": "length", "length": 0}, running=True)
                 continue
             if not r.output_ids:
                 r.first_token_at = time.time()
@@ -547,11 +534,13 @@ class Scheduler:
         elif n >= p.max_new_tokens or len(req.seq) >= self.context_length:
             reason = {"type": "length", "length": n}
         if reason is not None:
+            self._finish(req, reason, running=True)
+
+    def _finish(self, req: Request, reason: dict, running: bool = False) -> None:
+        """Under `_work`; running: the request is in `running` (it leaves, its slot is freed)."""
+        if running:
             self.running.remove(req)
             self._release_slot(req)
-            self._finish(req, reason)
-
-    def _finish(self, req: Request, reason: dict) -> None:
         req.finish_reason = reason
         req.finished_at = time.time()
         self.stats.latency.observe(req)

@@ -1,12 +1,9 @@
 """Tool-call parsing for /v1/chat/completions (`--tool-call-parser`, SGLang's flag and names).
 
-A model that was trained to call tools writes its calls in its own syntax; with a parser the
-engine answers them as OpenAI does: `message.tool_calls` (each with an id, the function's name
-and its arguments as a JSON string), the text around them as `content`, and finish reason
-`tool_calls`. One syntax is built in:
-
-- `qwen25` (also `hermes`): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, the
-  syntax of Qwen2.5/Qwen3 and Hermes chat templates.
+A model's calls, in its own syntax, are answered as OpenAI does: `message.tool_calls` (an id, the
+function's name, its arguments as a JSON string), the text around them as `content`, and finish
+reason `tool_calls`. One syntax is built in: `qwen25` (also `hermes`), the
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks of Qwen2.5/Qwen3 and Hermes.
 
 A block whose body is not a JSON object with a string `name` stays in the text: the client sees
 what the model wrote, as SGLang does. Parsing never touches the token ids or log-probs

@@ -14,9 +14,8 @@ from services.model.hf_io import iter_stage_weights, load_weights_into, swap_in
 
 
 class EngineWeights:
-    """What loads and names the scheduler's weights. It owns the staged copy; the model, its
-    version, the prefix-cache epoch and the work condition stay the scheduler's (a step reads
-    them), and a load changes them only under the scheduler's locks."""
+    """It owns the staged copy; the model, its version, the prefix-cache epoch and the work
+    condition stay the scheduler's (a step reads them), changed only under its locks."""
 
     def __init__(self, scheduler):
         self.s = scheduler

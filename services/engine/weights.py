@@ -15,13 +15,13 @@ from services.common.snapshot import is_complete
 from services.weights.store import WeightStore, adapter_key, parse_adapter_uri, parse_uri
 
 log = logging.getLogger(__name__)
+KEEP = 3
 
 
 class ObjectWeights:
-    def __init__(self, nats_url: str, run_id: str, cache_dir: str | Path, keep: int = 3):
+    def __init__(self, nats_url: str, run_id: str, cache_dir: str | Path):
         self.nats_url, self.run_id = nats_url, run_id
         self.cache_dir = Path(cache_dir)
-        self.keep = max(2, keep)
         self.bus = None
         self._lock = asyncio.Lock()
 
@@ -32,46 +32,32 @@ class ObjectWeights:
             self.bus = await Bus.connect(self.nats_url, self.run_id, "engine", connect_timeout_s=10)
         return WeightStore(self.bus)
 
-    async def local_adapter(self, uri: str) -> Path:
-        """The local copy of an adapter version of this run's bucket (fetched unless already here)."""
-        parsed = parse_adapter_uri(uri)
+    async def local(self, uri: str, adapter: bool = False) -> Path:
+        """The local copy of a snapshot (adapter: an adapter version) of this run's bucket,
+        fetched unless already here."""
+        parsed = parse_adapter_uri(uri) if adapter else parse_uri(uri)
         if parsed is None:
-            raise ValueError(f"{uri!r:.120} is not a nats-object://<bucket>/adapters/<name>/<registration>/v<N> URI")
-        bucket, name, rid, version = parsed
+            form = "adapters/<name>/<registration>/v<N>" if adapter else "v<N>"
+            raise ValueError(f"{uri!r:.120} is not a nats-object://<bucket>/{form} URI")
+        bucket, *key = parsed
         async with self._lock:
             store = await self._store()
             if bucket != store.bucket:
                 raise ValueError(f"{uri!r:.120} is not in this run's weights bucket {store.bucket}")
-            dest = self.cache_dir / adapter_key(name, rid, version)
+            dest = self.cache_dir / (adapter_key(*key) if adapter else f"v{key[0]}")
             if not is_complete(dest):
-                await store.fetch_adapter(name, rid, version, dest)
-                log.info("fetched adapter %s v%d from the object store into %s", name, version, dest)
-            self._prune(keep_also=dest, under=dest.parent)
+                await (store.fetch_adapter(*key, dest) if adapter else store.fetch(key[0], dest))
+                log.info("fetched %s from the object store into %s", uri, dest)
+            self._prune(dest)
             return dest
 
-    async def local_path(self, uri: str) -> Path:
-        """The local copy of a snapshot of this run's bucket (fetched unless already here)."""
-        parsed = parse_uri(uri)
-        if parsed is None:
-            raise ValueError(f"{uri!r:.120} is not a nats-object://<bucket>/v<N> URI")
-        bucket, version = parsed
-        async with self._lock:
-            store = await self._store()
-            if bucket != store.bucket:
-                raise ValueError(f"{uri!r:.120} is not in this run's weights bucket {store.bucket}")
-            dest = self.cache_dir / f"v{version}"
-            if not is_complete(dest):
-                await store.fetch(version, dest)
-                log.info("fetched weights v%d from the object store into %s", version, dest)
-            self._prune(keep_also=dest, under=self.cache_dir)
-            return dest
-
-    def _prune(self, keep_also: Path, under: Path) -> None:
-        """The newest `keep` versions (`v<N>` directories) under `under`, and `keep_also`. An
+    @staticmethod
+    def _prune(dest: Path) -> None:
+        """Keep `dest` and the newest KEEP versions (`v<N>` directories) beside it. An
         adapter version's files are in memory once loaded: a pruned one loads again by fetching."""
-        versions = sorted((p for p in under.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
-        for old in versions[: -self.keep]:
-            if old != keep_also:
+        versions = sorted((p for p in dest.parent.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
+        for old in versions[:-KEEP]:
+            if old != dest:
                 shutil.rmtree(old, ignore_errors=True)
 
     async def close(self) -> None:
