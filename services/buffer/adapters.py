@@ -20,6 +20,7 @@ from asyncrl_proto import AdapterRegistryState, Heartbeat, decode
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import AdapterRun, AdapterState
 from asyncrl_proto.subjects import ADAPTERS_KV_KEY
+from services.buffer.machine import cap_problem
 from services.buffer.out import Verdict
 from services.buffer.partition import SETTLE_OF, Bound, Partition, QueueSub, drop_dead_lettered
 from services.common import crash
@@ -127,18 +128,14 @@ class AdapterPartitions:
     async def on_heartbeat(self, msg, hb: Heartbeat) -> None:
         limit = self.svc.config.inflight_groups
         cap = hb.info.get("inflight_groups", limit)
-        if not isinstance(cap, int) or isinstance(cap, bool) or not 0 <= cap <= limit:
-            await self.svc.bus.dead_letter(msg.subject, msg.data, f"inflight_groups {cap!r:.40} is not a count in "
-                                           f"[0, {limit}]")  # fmt: skip
+        if (problem := cap_problem(cap, limit)) is not None:
+            await self.svc.bus.dead_letter(msg.subject, msg.data, problem)
             return
         states = {r.registration_id: r.state for r in self.adapters.runs}
         for rid, share in cap_shares(cap, {rid: states.get(rid) for rid in self.parts}).items():
             part = self.parts[rid]
             share = min(part.config.inflight_groups, share)
             await part.on_heartbeat(msg, msgspec.structs.replace(hb, info={**hb.info, "inflight_groups": share}))
-
-    def label(self, rid: str) -> str:
-        return f"partition {rid}: "
 
     def status(self) -> dict:
         runs = {r.registration_id: r.name for r in self.adapters.runs}
@@ -205,8 +202,7 @@ class AdapterPartitions:
                 self._registry_revision = revision
 
     def _partition(self, run: AdapterRun) -> Partition:
-        bound = Bound(lambda rid=run.registration_id: self._adapter_version(rid))
-        bound.value = run.step
+        bound = Bound(lambda rid=run.registration_id: self._adapter_version(rid), run.step)
         log.info("buffer partition of adapter %s (registration %s)", run.name, run.registration_id)
         return Partition(self.svc, adapter_config(self.svc.config, run), self.svc.bus.subjects.of(run.registration_id), bound,
                          QueueSub(), self.svc.consumer.ack_wait_s)  # fmt: skip
@@ -268,7 +264,7 @@ class AdapterPartitions:
                 if rid not in self.parts and rid not in self.closed:  # opened since the last read?
                     await self._read_registry()
                 if (part := self.parts.get(rid)) is not None:
-                    part.rollouts.put(msg)
+                    part.rollouts.put_nowait(msg)
                     continue
                 try:
                     await self._foreign(rid, msg)

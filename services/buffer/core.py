@@ -44,15 +44,6 @@ def staleness(current_version: int | None, group: Group) -> int | None:
     return current_version - oldest
 
 
-def is_aborted(group: Group) -> bool:
-    return any(s.status == SampleStatus.ABORTED for s in flatten_group(group))
-
-
-def reset_group_for_retry(group: Group) -> None:
-    for s in flatten_group(group):
-        s.reset_for_retry()
-
-
 class DataBuffer:
     """The buffer interface. A `--custom-async-data-buffer-path` class subclasses this and
     implements all three methods; it is constructed as `cls(config, recycle)`, where `recycle`
@@ -107,8 +98,7 @@ class DefaultDataBuffer(DataBuffer):
         self._cond = asyncio.Condition()
         self._latest_version: int | None = None
         # windowed counters, reset by get_metrics()
-        self._aborted = 0
-        self._stale = 0
+        self._aborted = self._stale = 0
         self._drops: collections.Counter[str] = collections.Counter()
         self._consumed_staleness: list[int] = []
         self.on_event: Callable[[str, Group, str | None], None] | None = None
@@ -128,7 +118,7 @@ class DefaultDataBuffer(DataBuffer):
         self._groups.extend(groups)
 
     async def put(self, group: Group) -> None:
-        if is_aborted(group):
+        if any(s.status == SampleStatus.ABORTED for s in flatten_group(group)):
             self._aborted += 1
             self._emit("aborted", group)
             await self._handle_unused(group)
@@ -154,12 +144,13 @@ class DefaultDataBuffer(DataBuffer):
                 f"--dynamic-sampling-filter-path {self.config.rollout.dynamic_sampling_filter_path} raised "
                 f"{type(e).__name__}: {e}"
             ) from e
-        if isinstance(out, DynamicFilterOutput) or hasattr(out, "keep"):
+        if hasattr(out, "keep"):  # a DynamicFilterOutput, or alike
             return bool(out.keep), getattr(out, "reason", None)
         return bool(out), None
 
     async def get(self, current_version: int | None = None, **context: Any) -> Group:
-        self._note_version(current_version)
+        if current_version is not None and (self._latest_version is None or current_version > self._latest_version):
+            self._latest_version = current_version
         while True:
             async with self._cond:
                 await self._cond.wait_for(lambda: len(self._groups) > 0)
@@ -167,12 +158,6 @@ class DefaultDataBuffer(DataBuffer):
                 self._cond.notify_all()
             if await self._consume(group, current_version):
                 return group
-
-    def _note_version(self, current_version: int | None) -> None:
-        if current_version is not None:
-            self._latest_version = (
-                current_version if self._latest_version is None else max(self._latest_version, current_version)
-            )
 
     async def _consume(self, group: Group, current_version: int | None) -> bool:
         """Staleness at consumption: False (and the unused-samples handler) past the limit."""
@@ -190,11 +175,16 @@ class DefaultDataBuffer(DataBuffer):
 
     async def _handle_unused(self, group: Group) -> None:
         if self.config.async_.unused_samples_handler == "retry":
-            reset_group_for_retry(group)
+            for s in flatten_group(group):
+                s.reset_for_retry()
             await self.recycle(group)
 
-    def stored_staleness(self) -> list[int]:
-        return [s for g in self._groups if (s := staleness(self._latest_version, g)) is not None]
+    def stored_staleness(self) -> dict[str, float]:
+        """The stored groups' staleness gauges (none while no group has a version)."""
+        stored = [s for g in self._groups if (s := staleness(self._latest_version, g)) is not None]
+        if not stored:
+            return {}
+        return {M + "buffer_avg_staleness": sum(stored) / len(stored), M + "buffer_max_staleness": max(stored)}
 
     def get_metrics(self) -> dict[str, float]:
         m: dict[str, float] = {
@@ -205,14 +195,10 @@ class DefaultDataBuffer(DataBuffer):
         if self._consumed_staleness:
             m[M + "avg_staleness"] = sum(self._consumed_staleness) / len(self._consumed_staleness)
             m[M + "max_staleness"] = max(self._consumed_staleness)
-        stored = self.stored_staleness()
-        if stored:
-            m[M + "buffer_avg_staleness"] = sum(stored) / len(stored)
-            m[M + "buffer_max_staleness"] = max(stored)
+        m.update(self.stored_staleness())
         for reason, count in self._drops.items():
             m[f"rollout/dynamic_filter/drop_{reason}"] = count
-        self._aborted = 0
-        self._stale = 0
+        self._aborted = self._stale = 0
         self._drops.clear()
         self._consumed_staleness = []
         return m

@@ -35,10 +35,9 @@ class LedgerConflict(RuntimeError):
 
 
 class Ledger:
-    def __init__(self, bus: Bus, fail: Callable[[BaseException], None], background: Callable,
-                 subjects: Subjects | None = None):  # fmt: skip
+    def __init__(self, bus: Bus, fail: Callable[[BaseException], None], background: Callable, subjects: Subjects):
         self.bus = bus
-        self.subjects = subjects or bus.subjects
+        self.subjects = subjects
         """The ledger subject and the snapshot key are its partition's (multi-LoRA)."""
         self._fail = fail
         self._background = background
@@ -111,20 +110,14 @@ class Ledger:
                 subject, run, part = self.subjects.ledger, self.subjects.run_id, self.subjects.partition
                 batches = chunks(events, min(LEDGER_BATCH_BYTES, self.bus.max_payload // 2))
                 items = [(subject, LedgerBatch(events=c), f"{run}{part}-L{c[0].seq}-{c[-1].seq}") for c in batches]
-                try:
-                    if part:  # one writer of the subject: nothing may come in between on it
-                        for i, item in enumerate(items):
-                            (ack,) = await self.bus.publish_durably(
-                                [item], f"{len(batches[i])} ledger events", expected_last_subject_seq=self.state.log_stream_seq
-                            )  # fmt: skip
-                            self.state.log_stream_seq = max(self.state.log_stream_seq, ack.seq)
-                            events = events[len(batches[i]):]
-                        acks = [ack]
-                    else:
-                        acks = await self.bus.publish_durably(
-                            items, f"{len(events)} ledger events",
-                            expected_last_seq=self.state.log_stream_seq,  # one writer: nothing may come in between
-                        )  # fmt: skip
+                expected = "expected_last_subject_seq" if part else "expected_last_seq"
+                try:  # one writer: nothing may come in between on the stream (a partition's: on its subject)
+                    for group in [[item] for item in items] if part else [items]:
+                        n = sum(len(batch.events) for _, batch, _ in group)
+                        expect = {expected: self.state.log_stream_seq}
+                        acks = await self.bus.publish_durably(group, f"{n} ledger events", **expect)
+                        self.state.log_stream_seq = max(self.state.log_stream_seq, acks[-1].seq)
+                        events = events[n:]
                 except SequenceConflict as e:
                     self._conflict = LedgerConflict(
                         f"the ledger holds a message this buffer did not write ({e}): another buffer is running for "
@@ -135,7 +128,6 @@ class Ledger:
                 except BaseException:
                     self._unflushed = events + self._unflushed  # not durable: nobody may read it as such
                     raise
-                self.state.log_stream_seq = max(self.state.log_stream_seq, acks[-1].seq)
             if snapshot or self.state.seq - self.snapshot_seq >= SNAPSHOT_EVERY:
                 # everything up to state.seq is durable now: a consistent snapshot, written off
                 # the critical path (a late older snapshot only means a longer replay)

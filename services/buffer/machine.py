@@ -198,7 +198,7 @@ class BufferMachine:
         and only then are they published."""
         if self.releasing:
             return []
-        return self._releasing(self._plan(min(release_allowance(self.release_state(now)), MAX_RELEASE)))
+        return self._plan(min(release_allowance(self.release_state(now)), MAX_RELEASE))
 
     def _plan(self, k: int) -> list[tuple[PromptMsg, dict]]:
         s = self.state
@@ -212,9 +212,6 @@ class BufferMachine:
             else:
                 epoch, cursor, nxt = cur["epoch"], cur["cursor"], cur["next_group_index"]
             planned.append((prompt, cur))
-        return planned
-
-    def _releasing(self, planned: list[tuple[PromptMsg, dict]]) -> list[tuple[PromptMsg, dict]]:
         self.releasing.update(group_id(p.group_index, p.attempt) for p, _ in planned)
         return planned
 
@@ -265,9 +262,10 @@ class BufferMachine:
         gid = group_id(rg.group_index, rg.attempt) if rg is not None else ""
         state = self.group_state(gid)
         if (problem := undecodable or self.group_problem(rg)) is not None:
-            if undecodable is None and state is GroupState.OUTSTANDING and claims_unpublished(rg, self.limits):
-                # honest work an engine was told a version it does not run for (weight-sync brings
-                # it back to the live version): not trained, and its prompt is not lost
+            # its only fault a weight version nobody published: honest work an engine was told a version
+            # it does not run (weight-sync brings it back to the live version): not trained, its prompt not lost
+            honest = undecodable is None and state is GroupState.OUTSTANDING
+            if honest and group_problem(rg.group_id, rg.group_index, rg.attempt, rg.samples, self.limits) is None:
                 self._record("put", outcome="aborted", recycled=True, reason=problem[:500], group_id=gid,
                              group_index=rg.group_index, attempt=rg.attempt, stream_seq=stream_seq)  # fmt: skip
                 return self._out(settle=Verdict.TERM, dead_letters=[(msg, f"{problem}: its prompt goes back")])
@@ -333,12 +331,8 @@ class BufferMachine:
     def on_decision(self, kind: str, group: list, reason: str | None) -> None:
         """The DefaultDataBuffer's decisions, synchronously as it makes them (before any other
         coroutine can get a stored group); recorded into the next Out."""
-        if kind == "stored":
-            self._record_put("stored")
-        elif kind == "filtered":
-            self._record_put("filtered", reason or "")
-        elif kind == "aborted":
-            self._record_put("aborted", recycled=self.retry)
+        if kind in ("stored", "filtered", "aborted"):
+            self._record_put(kind, reason or "", recycled=kind == "aborted" and self.retry)
         elif kind == "stale":
             gi = _group_index(group)
             gid = self.gid_of.pop(gi)
@@ -510,17 +504,14 @@ class BufferMachine:
     def on_heartbeat(self, msg: Any, hb: Heartbeat, now: float) -> Out:
         limit = self.config.inflight_groups
         cap = hb.info.get("inflight_groups", limit)
-        if not isinstance(cap, int) or isinstance(cap, bool) or not 0 <= cap <= limit:
-            problem = f"inflight_groups {cap!r:.40} is not a count in [0, {limit}]"
-        elif hb.instance_id not in self.producers and len(self.producers) >= MAX_PRODUCERS:
+        problem = cap_problem(cap, limit)
+        if problem is None and hb.instance_id not in self.producers and len(self.producers) >= MAX_PRODUCERS:
             # make room by forgetting the quietest producer that never answered: heartbeats under
             # made-up ids cannot crowd out the ones that work
-            unproven = [(t, pid) for pid, (t, _) in self.producers.items() if pid not in self.answered]
-            problem = None if unproven else f"{len(self.producers)} producers answer already (at most {MAX_PRODUCERS})"
-            if unproven:
+            if unproven := [(t, pid) for pid, (t, _) in self.producers.items() if pid not in self.answered]:
                 del self.producers[min(unproven)[1]]
-        else:
-            problem = None
+            else:
+                problem = f"{len(self.producers)} producers answer already (at most {MAX_PRODUCERS})"
         if problem is not None:
             return Out(dead_letters=[(msg, f"heartbeat of {hb.instance_id!r:.40}: {problem}")])
         if hb.info.get("stopping"):
@@ -571,10 +562,11 @@ class GroupIdentity(msgspec.Struct):
     attempt: int = 0
 
 
-def claims_unpublished(rg: RolloutGroup, limits: Limits) -> bool:
-    """A group whose only fault is a weight version nobody published: its engine was named a
-    version it does not run (through its HTTP API), so the samples are honest and their claim is not."""
-    return group_problem(rg.group_id, rg.group_index, rg.attempt, rg.samples, limits) is None
+def cap_problem(cap: Any, limit: int) -> str | None:
+    """Why a heartbeat's in-flight cap (`inflight_groups`) is not one, or None."""
+    if not isinstance(cap, int) or isinstance(cap, bool) or not 0 <= cap <= limit:
+        return f"inflight_groups {cap!r:.40} is not a count in [0, {limit}]"
+    return None
 
 
 def group_identity(data: bytes) -> GroupIdentity | None:

@@ -42,6 +42,7 @@ from services.common.config.view import for_plugins
 from services.common.plugins import load_object
 from services.common.runtime import wait_event
 from services.common.validate import limits_from_model_dir
+from services.common.versions import VersionBound
 from services.data.source import make_prompt_source
 
 log = logging.getLogger(__name__)
@@ -51,12 +52,11 @@ SETTLE_OF = {Verdict.ACK: Settle.ACK, Verdict.TERM: Settle.TERM}
 """How a ROLLOUTS message is settled on the machine's word (a PUT is acknowledged once put)."""
 
 
-class Bound:
-    """The newest version the trainer may name (VersionBound's interface): `value`, and
-    `allows(v)`, which re-reads it (`read`) when `v` is newer."""
+class Bound(VersionBound):
+    """The newest version the trainer may name, re-read with `read` (an adapter's: the registry)."""
 
-    def __init__(self, read: Callable[[], Awaitable[int]]):
-        self.value = 0
+    def __init__(self, read: Callable[[], Awaitable[int]], value: int = 0):
+        self.value = value
         self._read = read
 
     async def refresh(self) -> int:
@@ -64,27 +64,14 @@ class Bound:
             self.value = max(self.value, await self._read())
         return self.value
 
-    async def allows(self, version: int) -> bool:
-        if version > self.value:
-            await self.refresh()
-        return 0 <= version <= self.value
 
-
-class QueueSub:
+class QueueSub(asyncio.Queue):
     """A partition's share of a shared push subscription (next_batch's interface)."""
 
-    def __init__(self):
-        self._q: asyncio.Queue = asyncio.Queue()
-
-    def put(self, msg) -> None:
-        self._q.put_nowait(msg)
-
-    @property
-    def pending_msgs(self) -> int:
-        return self._q.qsize()
+    pending_msgs = property(asyncio.Queue.qsize)
 
     async def next_msg(self, timeout: float):
-        return await asyncio.wait_for(self._q.get(), timeout)
+        return await asyncio.wait_for(self.get(), timeout)
 
 
 def expiry_note(events: list, before: int) -> str | None:
@@ -119,6 +106,7 @@ class Partition:
         self.config = config
         self.s = subjects
         self.name = subjects.partition or "buffer"
+        self.log_prefix = f"{subjects.partition}: " if subjects.partition else ""
         self.buffer = make_buffer(config, self._recycle)
         self.plugin_path = config.rollout.custom_async_data_buffer_path or "services.api.DefaultDataBuffer"
         self.published = published
@@ -276,33 +264,27 @@ class Partition:
             if (expired := self.core.expire_unanswered(time.time())).events:
                 if note := expiry_note(expired.events, self.expired_total):
                     self.expired_total += sum(ev.kind == "expired" for ev in expired.events)
-                    log.warning("%s%s", f"{self.name}: " if self.s.partition else "", note)
+                    log.warning("%s%s", self.log_prefix, note)
                 await self.apply(expired, durable=True)  # and the DataBuffer's decisions it carried
             if self.reads_live and self.core.live_version is None and time.monotonic() >= self._next_live_read:
                 self._next_live_read = time.monotonic() + 1.0  # a broker round trip: once a second at most
                 await self.read_live_version()  # weight-sync may have announced before we listened
             if planned := self.core.plan_release(time.time()):
-                await self._release(planned)
+                # recorded, then published: a group can only ever answer a prompt the ledger holds (a
+                # crash in between leaves them recorded and unpublished; recover() publishes them)
+                await self.apply(self.core.on_released(planned), durable=True)
+                await self._publish_prompts([p for p, _ in planned])
             stall = self.core.stall(time.time())
             if stall is not None and stall["cause"] != self._stall_said:
-                log.warning("%sno step progress for %.0f s (step %d): %s", f"{self.name}: " if self.s.partition else "",
-                            stall["for_s"], stall["step"], stall["cause"])  # fmt: skip
+                log.warning("%sno step progress for %.0f s (step %d): %s", self.log_prefix, stall["for_s"],
+                            stall["step"], stall["cause"])  # fmt: skip
             self._stall_said = stall and stall["cause"]
-
-    def prompt_msg_id(self, gid: str) -> str:
-        return f"prompt-{self.s.partition}-{gid}" if self.s.partition else f"prompt-{gid}"
-
-    async def _release(self, planned: list) -> None:
-        """Record the release, then publish the prompts: a group can only ever answer a prompt the
-        ledger holds. A crash in between leaves them recorded and unpublished; recover() publishes
-        every outstanding prompt again."""
-        await self.apply(self.core.on_released(planned), durable=True)
-        await self._publish_prompts([p for p, _ in planned])
 
     async def _publish_prompts(self, prompts: list[PromptMsg]) -> None:
         """Deterministic message ids: a prompt published twice within PROMPTS' duplicate window is
         stored once."""
-        items = [(self.s.prompts, p, self.prompt_msg_id(group_id(p.group_index, p.attempt))) for p in prompts]
+        prefix = f"prompt-{self.s.partition}-" if self.s.partition else "prompt-"
+        items = [(self.s.prompts, p, prefix + group_id(p.group_index, p.attempt)) for p in prompts]
         await self.bus.publish_durably(items, f"{len(prompts)} prompts")
 
     # ---- get path ----------------------------------------------------------------------------
@@ -397,7 +379,6 @@ class Partition:
         }
         out.update({f"buffer/ledger/{k}_total": v for k, v in s.counters.items()})
         out["buffer/ledger/replay_skipped_total"] = len(self.ledger.problems)
-        if isinstance(self.buffer, DefaultDataBuffer) and (stored := self.buffer.stored_staleness()):
-            out["rollout/fully_async/buffer_avg_staleness"] = sum(stored) / len(stored)
-            out["rollout/fully_async/buffer_max_staleness"] = max(stored)
+        if isinstance(self.buffer, DefaultDataBuffer):
+            out.update(self.buffer.stored_staleness())
         return out

@@ -24,9 +24,9 @@ import statistics
 from dataclasses import dataclass
 
 PRODUCER_TIMEOUT_S = 10.0
+"""A producer is live while its heartbeats are at most this old."""
 STALL_STEPS, STALL_FLOOR_S = 10, 30.0
 """A run is stalled after STALL_STEPS x its median step without progress, at least STALL_FLOOR_S."""
-"""A producer is live while its heartbeats are at most this old."""
 
 
 @dataclass

@@ -60,50 +60,34 @@ PURGE_INTERVAL_S = 1.0
 """Trained payloads are purged from ROLLOUTS at most this often (two broker round trips each)."""
 
 
-class OnePartition:
+class OnePartition(Partition):
     """A single-model run's buffer layout: one partition under the run's own names, its clock the
     engines' live version (the multi-LoRA layout is services/buffer/adapters.py)."""
 
     def __init__(self, svc) -> None:
-        self.svc = svc
-        self.part = Partition(svc, svc.config, svc.bus.subjects, svc.published, None, svc.consumer.ack_wait_s)
-        self.parts = {"": self.part}
+        super().__init__(svc, svc.config, svc.bus.subjects, svc.published, None, svc.consumer.ack_wait_s)
+        self.parts = {"": self}
 
     async def setup(self) -> None:
         bus, s = self.svc.bus, self.svc.bus.subjects
-        await self.part.recover()
-        self.svc.rollouts = self.part.rollouts = await bus.consume(self.svc.consumer)
+        await self.recover()
+        self.svc.rollouts = self.rollouts = await bus.consume(self.svc.consumer)
         await bus.subscribe(s.weights_published, self.svc.on_published)  # before the bound's read: nothing missed
         await self.svc.published.refresh()
         await bus.subscribe(s.weights_live, self._on_live)
-        await self.part.read_live_version()
+        await self.read_live_version()
         await bus.subscribe(s.buffer_get, self.svc.on_get)
         await bus.subscribe(s.buffer_commit, self.svc.on_commit)
 
-    def loops(self) -> dict:
-        return self.part.loops()
-
     def stop(self) -> list[Partition]:
-        return [self.part]
+        return [self]
 
     async def part_of(self, subject: str, base: str) -> Partition:
-        return self.part
+        return self
 
     async def _on_live(self, msg) -> None:
         if (live := await self.svc.bus.decode_or_dead_letter(msg, WeightsLive)) is not None:
-            await self.part.on_live(msg, live.version)
-
-    async def on_heartbeat(self, msg, hb: Heartbeat) -> None:
-        await self.part.on_heartbeat(msg, hb)
-
-    def label(self, rid: str) -> str:
-        return ""
-
-    def status(self) -> dict:
-        return self.part.status()
-
-    def metric_values(self) -> dict[str, float]:
-        return self.part.metric_values()
+            await self.on_live(msg, live.version)
 
 
 class BufferService(Service):
@@ -127,7 +111,6 @@ class BufferService(Service):
     # what tests and the status page read (a single-model run's partition)
     parts = property(lambda self: self.layout.parts)
     part = property(lambda self: self.parts[""])
-    core = property(lambda self: self.part.core)
     buffer = property(lambda self: self.part.buffer)
     state = property(lambda self: self.part.core.state)
     live_version = property(lambda self: self.part.core.live_version)
@@ -154,24 +137,22 @@ class BufferService(Service):
 
     # ---- requests ------------------------------------------------------------------------------
     async def on_get(self, msg) -> None:
-        if (part := await self.layout.part_of(msg.subject, self.bus.subjects.buffer_get)) is None:
-            await self._no_partition(msg, BufferGetReply)
-            return
-        self.background(part.handle_get(msg), "a get request")  # a waiting get holds no other request up
+        if (part := await self._part_of(msg, self.bus.subjects.buffer_get, BufferGetReply)) is not None:
+            self.background(part.handle_get(msg), "a get request")  # a waiting get holds no other request up
 
     async def on_commit(self, msg) -> None:
-        if (part := await self.layout.part_of(msg.subject, self.bus.subjects.buffer_commit)) is None:
-            await self._no_partition(msg, BufferCommitReply)
-            return
-        if await part.handle_commit(msg) and time.monotonic() >= self._next_purge:
+        part = await self._part_of(msg, self.bus.subjects.buffer_commit, BufferCommitReply)
+        if part is not None and await part.handle_commit(msg) and time.monotonic() >= self._next_purge:
             self._next_purge = time.monotonic() + PURGE_INTERVAL_S
             self.background(self._purge_trained(), "purging trained groups")
 
-    async def _no_partition(self, msg, reply) -> None:
-        error = f"{msg.subject} {NO_PARTITION_ERROR} (an adapter registration the registry does not hold open)"
-        if msg.reply:
+    async def _part_of(self, msg, base: str, reply) -> Partition | None:
+        """The request's partition; a request for none the registry holds open is answered with an error."""
+        if (part := await self.layout.part_of(msg.subject, base)) is None and msg.reply:
+            error = f"{msg.subject} {NO_PARTITION_ERROR} (an adapter registration the registry does not hold open)"
             with contextlib.suppress(Exception):  # the requester may be gone
                 await msg.respond(encode(reply(step=-1, error=error)))
+        return part
 
     async def _purge_trained(self) -> None:
         """One purge below the oldest message still needed, not a delete per group: per-message
@@ -201,9 +182,9 @@ class BufferService(Service):
     def health_note(self) -> str | None:
         """The run's stall, with its cause (every partition's, multi-LoRA)."""
         now = time.time()
-        stalls = [(name, st) for name, p in self.parts.items() if (st := p.core.stall(now)) is not None]
-        return "; ".join(f"{self.layout.label(name)}stalled for {st['for_s']:.0f} s at step {st['step']}: "
-                         f"{st['cause']}" for name, st in stalls) or None  # fmt: skip
+        stalls = [(name and f"partition {name}: ", st) for name, p in self.parts.items() if (st := p.core.stall(now))]
+        return "; ".join(f"{label}stalled for {st['for_s']:.0f} s at step {st['step']}: {st['cause']}"
+                         for label, st in stalls) or None  # fmt: skip
 
     def metric_values(self) -> dict[str, float]:
         out = self.layout.metric_values()

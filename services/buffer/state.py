@@ -112,13 +112,11 @@ def apply(state: BufferState, ev: LedgerEvent) -> None:
         if ev.outcome == "duplicate":
             state.count("duplicate_groups")
             return
-        if ev.outcome == "rejected":  # also a message that names no outstanding prompt (forged, garbage)
+        # rejected: also a message that names no outstanding prompt (forged, garbage); foreign
+        # (multi-LoRA): its registration ended before it came back
+        if ev.outcome in ("rejected", "foreign"):
             state.outstanding.pop(ev.group_id, None)
-            state.count("rejected")
-            return
-        if ev.outcome == "foreign":  # multi-LoRA: its registration ended before it came back
-            state.outstanding.pop(ev.group_id, None)
-            state.count("foreign")
+            state.count(ev.outcome)
             return
         p = state.outstanding.pop(ev.group_id, None)
         if p is None:
@@ -290,7 +288,7 @@ class Auditor:
             if self.broken:
                 return
             try:
-                apply_checked(self.state, ev, self.terminal, self.trained_steps, self.first_release, self.problems)
+                self._apply(ev)
             except StateError as e:
                 self.problems.append(str(e))
                 self.broken = True
@@ -369,27 +367,27 @@ class Auditor:
             "balanced": not problems,
         }
 
-
-def apply_checked(state, ev, terminal, trained_steps, first_release, problems) -> None:
-    """apply() plus the per-prompt bookkeeping of the audit."""
-    if ev.kind == "released" and ev.prompt.attempt == 0:
-        if ev.prompt.group_index in first_release:
-            problems.append(f"prompt {ev.prompt.group_index} was released twice as a fresh prompt")
-        first_release.add(ev.prompt.group_index)
-    if ev.kind == "put" and ev.outcome in ("rejected", "foreign") and ev.group_id in state.outstanding:
-        terminal[ev.group_index] = ev.outcome
-    if ev.kind == "committed":
-        for step in [s for s in state.leases if s <= ev.step]:
-            for ref in state.leases[step].refs:
-                trained_steps[ref.group_index] = trained_steps.get(ref.group_index, 0) + 1
-                terminal[ref.group_index] = "failed" if ref.failed else "trained"
-    apply(state, ev)
-    gi = ev.group_index
-    if ev.kind == "put" and ev.outcome == "filtered":
-        terminal[gi] = f"filtered/{ev.reason or 'unspecified'}"
-    elif ev.kind == "put" and ev.outcome == "aborted" and not ev.recycled:
-        terminal[gi] = "aborted_dropped"
-    elif ev.kind == "stale" and not ev.recycled:
-        terminal[gi] = "stale_dropped"
-    elif ev.kind == "retired":
-        terminal[gi] = "retired_dropped"
+    def _apply(self, ev) -> None:
+        """apply() plus the per-prompt bookkeeping of the audit."""
+        state, terminal = self.state, self.terminal
+        if ev.kind == "released" and ev.prompt.attempt == 0:
+            if ev.prompt.group_index in self.first_release:
+                self.problems.append(f"prompt {ev.prompt.group_index} was released twice as a fresh prompt")
+            self.first_release.add(ev.prompt.group_index)
+        if ev.kind == "put" and ev.outcome in ("rejected", "foreign") and ev.group_id in state.outstanding:
+            terminal[ev.group_index] = ev.outcome
+        if ev.kind == "committed":
+            for step in [s for s in state.leases if s <= ev.step]:
+                for ref in state.leases[step].refs:
+                    self.trained_steps[ref.group_index] = self.trained_steps.get(ref.group_index, 0) + 1
+                    terminal[ref.group_index] = "failed" if ref.failed else "trained"
+        apply(state, ev)
+        gi = ev.group_index
+        if ev.kind == "put" and ev.outcome == "filtered":
+            terminal[gi] = f"filtered/{ev.reason or 'unspecified'}"
+        elif ev.kind == "put" and ev.outcome == "aborted" and not ev.recycled:
+            terminal[gi] = "aborted_dropped"
+        elif ev.kind == "stale" and not ev.recycled:
+            terminal[gi] = "stale_dropped"
+        elif ev.kind == "retired":
+            terminal[gi] = "retired_dropped"

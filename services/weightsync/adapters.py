@@ -56,7 +56,7 @@ def live_key(name: str) -> str:
 class AdapterSync:
     def __init__(self, bus, client: SGLangClient, run_dir: str,
                  spawn: Callable[[Awaitable, str], object] | None = None, store: WeightStore | None = None):  # fmt: skip
-        """spawn(coro, what): runs an unload in the background (the service's `background`);
+        """spawn(coro, what): runs an unload in the background, returns its task (the service's `background`);
         store: the run's weights bucket (object-store mode), where adapter versions are."""
         self.bus = bus
         self.store = store
@@ -186,11 +186,9 @@ class AdapterSync:
     def _unload_later(self, engine_name: str) -> None:
         """Unload in the background (each engine lets the version's requests finish first); a
         name already being unloaded is not asked twice."""
-        task = self._unloads.get(engine_name)
-        if task is None or task.done():
-            task = self._spawn(self._unload_everywhere(engine_name), f"unloading adapter {engine_name}")
-            if isinstance(task, asyncio.Future):
-                self._unloads[engine_name] = task
+        if (task := self._unloads.get(engine_name)) is None or task.done():
+            what = f"unloading adapter {engine_name}"
+            self._unloads[engine_name] = self._spawn(self._unload_everywhere(engine_name), what)
 
     async def _unloads_done(self, name: str, new_registration: bool) -> None:
         """The unloads under way of this adapter's versions (and, for a new registration's first

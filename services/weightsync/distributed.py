@@ -90,11 +90,6 @@ class DistributedUpdater:
             raise TransferFailed(f"the trainer refused {req.op}: {reply.error}")
         return reply
 
-    async def _builtin(self) -> dict[str, bool]:
-        """Which engines are built-in engines (they check the digest, collect a version whole and
-        stage it); an engine whose /server_info does not answer fails the transfer."""
-        return {u: await self.client.server_flag(u, "weight_digest_check") for u in self.client.urls}
-
     async def _form(self) -> TransferReply:
         urls = self.client.urls
         world = 1 + len(urls)
@@ -154,7 +149,9 @@ class DistributedUpdater:
         leaves it paused until a later one completes, never generating from half of one version
         under the name of another. (A built-in engine swaps only a whole version in.)"""
         urls = self.client.urls
-        builtin = await self._builtin()
+        # built-in engines check the digest, collect a version whole and stage it (an engine whose
+        # /server_info does not answer fails the transfer)
+        builtin = {u: await self.client.server_flag(u, "weight_digest_check") for u in urls}
         staged = all(builtin.values()) and all(
             [await self.client.server_flag(u, "staged_weight_loading") for u in urls]
         )

@@ -91,11 +91,11 @@ class WeightSyncService(Service):
         """Seconds each engine spent paused per update (pause call to continue answered), newest last."""
         self.last_pause_s = 0.0
         self.last_phases: dict[str, dict[str, float]] = {}
-        self._windows: dict[str, tuple[float, float]] = {}
-        """Per engine: (paused at, continued at) of the update in progress (WeightsLive.switched)."""
+        """Per engine: seconds of each phase of its last update (stage, pause, flush, load, continue, verify)."""
+        self._windows: dict[str, EngineSwitch] = {}
+        """Per engine: its pause in the update in progress (WeightsLive.switched)."""
         self._took: list[str] = []
         """The engines that took the update in progress."""
-        """Per engine: seconds of each phase of its last update (stage, pause, flush, load, continue, verify)."""
         self.distributed = (
             DistributedUpdater(bus, self.client, config.infra.run_id, config.async_.update_weight_buffer_size,
                                config.async_.pause_generation_mode, on_pause=self._paused,
@@ -112,7 +112,6 @@ class WeightSyncService(Service):
         """distributed: the tensor digest of the version this process made live (a catch-up load checks it)."""
 
     async def setup(self) -> None:
-        s = self.bus.subjects
         raw = await self.bus.kv_get("live_version")
         live = None
         with contextlib.suppress(MalformedMessage):
@@ -128,11 +127,10 @@ class WeightSyncService(Service):
         else:
             self.live_version = await self._engine_version()
             await self._announce(self.live_version, 0.0)
-        self._psub = await self.bus.consume(s.consumers(self.config.async_.prompt_ack_wait_s)["weight-sync"])
+        consumers = self.bus.subjects.consumers(self.config.async_.prompt_ack_wait_s)
+        self._psub = await self.bus.consume(consumers["weight-sync"])
         if self.adapters is not None:
-            self._asub = await self.bus.consume(
-                s.consumers(self.config.async_.prompt_ack_wait_s)["weight-sync-adapters"]
-            )
+            self._asub = await self.bus.consume(consumers["weight-sync-adapters"])
             await self.adapters.recover()
         await self._catch_up()
         await self._converge()
@@ -150,12 +148,7 @@ class WeightSyncService(Service):
         self.observe("weight_sync/pause_seconds", seconds)
         if url is not None:  # the engine's pause, for its EngineSwitch when the version goes live
             now = time.time()
-            self._windows[url] = (now - seconds, now)
-
-    def _switched(self, urls: list[str]) -> list[EngineSwitch]:
-        """The engines that took the version being announced, with their pauses (then forgotten)."""
-        windows, self._windows = self._windows, {}
-        return [EngineSwitch(engine=u, paused_at=windows[u][0], resumed_at=windows[u][1]) for u in urls if u in windows]
+            self._windows[url] = EngineSwitch(engine=url, paused_at=now - seconds, resumed_at=now)
 
     async def _engine_version(self, timeout_s: float = 120.0) -> int:
         versions = set()
@@ -172,19 +165,14 @@ class WeightSyncService(Service):
                         ) from e
                     log.info("waiting for engine %s (%s)", url, type(e).__name__)
                     await asyncio.sleep(1.0)
-            try:
-                versions.add(int(v))
-            except (TypeError, ValueError):
-                versions.add(0)  # SGLang's initial "default": the initial weights, version 0
+            versions.add(_version(v))
         if len(versions) != 1:
             log.warning("engines disagree on their weight version: %s; taking the lowest", versions)
         return min(versions)
 
     def loops(self):
-        loops = {"apply_updates": self._apply_updates}
-        if self.adapters is not None:
-            loops["apply_adapters"] = self._apply_adapters
-        return loops
+        adapters = {"apply_adapters": self._apply_adapters} if self.adapters is not None else {}
+        return {"apply_updates": self._apply_updates, **adapters}
 
     async def _apply_adapters(self) -> None:
         """Multi-LoRA: each announced adapter version onto every engine, in stream order; a bad one
@@ -242,44 +230,23 @@ class WeightSyncService(Service):
         engines paused. Loads the live snapshot into an engine behind it, continues the rest
         (idempotent). An engine ahead of the live version runs weights the trainer published
         whose announcement is still due (their message comes back): it is left as it is; one on a
-        version nobody published (set through its HTTP API) is brought back to the live one."""
+        version nobody published (set through its HTTP API) is brought back to the live one.
+        Distributed mode: the engines behind take the live version again by broadcast (every engine
+        is in each broadcast), once every engine answers (the catch-up waits for one that does not)."""
         live = self.live_version or 0
-        if self.distributed is not None:
-            await self._converge_distributed(live)
-            return
-        for url in self.client.urls:
-            try:
-                got = (await self.client.model_info(url)).get("weight_version")
-                if await self._behind(got, live):
-                    path = self._snapshot_uri(live)
-                    self.repeats.say(url, f"engine {url} runs weight version {got}, behind the live v{live}: loading {path}")
-                    await self._update_engine(url, path, live, self.config.async_.pause_generation_mode)
-                    self.repeats.clear(url)
-                else:
-                    await self.client.continue_generation(url)
-            except EngineError as e:
-                log.info("engine %s did not converge now (%s); again in %.0fs", url, e, CONVERGE_EVERY_S)
-
-    async def _behind(self, got, live: int) -> bool:
-        """An engine reporting `got` must take the live version again: it is behind it, on a
-        version nobody published, or `loading-<N>` (a distributed broadcast cut off inside the
-        pause: an SGLang server may hold part of it)."""
-        v = _version(got)
-        return str(got).startswith("loading-") or v < live or not await self.published.allows(v)
-
-    async def _converge_distributed(self, live: int) -> None:
-        """Distributed mode: engines behind the live version, or left `loading-<N>` by a broadcast
-        cut off inside the pause (SGLang servers may hold part of it), take the live version
-        again by broadcast (every engine is in each broadcast); the rest are continued. An
-        engine that does not answer is skipped, and the catch-up waits for it."""
         behind, away = [], []
         for url in self.client.urls:
             try:
                 got = (await self.client.model_info(url)).get("weight_version")
-                if await self._behind(got, live):
+                if not await self._behind(got, live):
+                    await self.client.continue_generation(url)
+                elif self.distributed is not None:
                     behind.append((url, got))
                 else:
-                    await self.client.continue_generation(url)
+                    path = self._snapshot_uri(live)
+                    self.repeats.say(url, f"engine {url} runs weight version {got}, behind the live v{live}: loading {path}")
+                    await self._update_engine(url, path, live, self.config.async_.pause_generation_mode)
+                    self.repeats.clear(url)
             except EngineError as e:
                 away.append(url)
                 log.info("engine %s did not converge now (%s); again in %.0fs", url, e, CONVERGE_EVERY_S)
@@ -289,6 +256,13 @@ class WeightSyncService(Service):
                 await self.distributed.update(live, self.live_digest)
             except (TransferFailed, VersionGone, EngineError, OSError) as e:
                 log.info("catching up to v%d failed now (%s); again in %.0fs", live, e, CONVERGE_EVERY_S)
+
+    async def _behind(self, got, live: int) -> bool:
+        """An engine reporting `got` must take the live version again: it is behind it, on a
+        version nobody published, or `loading-<N>` (a distributed broadcast cut off inside the
+        pause: an SGLang server may hold part of it)."""
+        v = _version(got)
+        return str(got).startswith("loading-") or v < live or not await self.published.allows(v)
 
     async def _apply_updates(self) -> None:
         next_converge = time.monotonic() + CONVERGE_EVERY_S
@@ -348,19 +322,18 @@ class WeightSyncService(Service):
                 return f"weights v{pub.version}: {e}"
             if manifest is None:
                 return f"weights v{pub.version}: the object store has no complete snapshot of it"
-            if not pub.sha256 or manifest.get("sha256") != pub.sha256:
-                return f"weights v{pub.version}: the snapshot's digest differs from the announced one"
-            return None
-        path = resolved(pub.uri)
-        expected = (Path(self.config.infra.run_dir) / "weights" / f"v{pub.version}").resolve()
-        if path is None or path != expected:
-            return f"weights v{pub.version} point at {pub.uri!r:.200}, not the run's {expected}"
-        if not is_complete(path):
-            return f"weights v{pub.version}: the snapshot {path} is missing or incomplete"
-        try:
-            digest = json.loads((path / COMPLETE_MARKER).read_text()).get("sha256")
-        except (OSError, ValueError):
-            digest = None
+            digest = manifest.get("sha256")
+        else:
+            path = resolved(pub.uri)
+            expected = (Path(self.config.infra.run_dir) / "weights" / f"v{pub.version}").resolve()
+            if path is None or path != expected:
+                return f"weights v{pub.version} point at {pub.uri!r:.200}, not the run's {expected}"
+            if not is_complete(path):
+                return f"weights v{pub.version}: the snapshot {path} is missing or incomplete"
+            try:
+                digest = json.loads((path / COMPLETE_MARKER).read_text()).get("sha256")
+            except (OSError, ValueError):
+                digest = None
         if not pub.sha256 or digest != pub.sha256:
             return f"weights v{pub.version}: the snapshot's digest differs from the announced one"
         return None
@@ -397,9 +370,8 @@ class WeightSyncService(Service):
                 *(self._update_engine(url, pub.uri, pub.version, mode) for url in pending), return_exceptions=True
             )
             failed = [(url, r) for url, r in zip(pending, results, strict=True) if isinstance(r, BaseException)]
-            for _, r in failed:
-                if not isinstance(r, (EngineError, OSError)):
-                    raise r
+            if unforeseen := [r for _, r in failed if not isinstance(r, (EngineError, OSError))]:
+                raise unforeseen[0]
             for url, r in failed:
                 if isinstance(r, FlushRefused):  # abandoned there: it runs its old version, convergence retries
                     log.error("weights v%d abandoned on %s: %s; it resumes on its old version, and is brought to "
@@ -481,8 +453,9 @@ class WeightSyncService(Service):
     async def _announce(self, version: int, duration_s: float, pause_s: float = 0.0) -> None:
         self.live_version = version
         took, self._took = self._took, []
+        windows, self._windows = self._windows, {}
         live = WeightsLive(
-            switched=self._switched(took),
+            switched=[windows[u] for u in took if u in windows],  # the engines that took it, with their pauses
             version=version,
             engines=list(self.client.urls),
             updated_at=time.time(),

@@ -67,7 +67,7 @@ def test_a_closed_partition_drops_its_stored_groups_as_retired_and_late_ones_as_
                     n_samples_per_prompt=1, driver="async", fully_async=True, num_rollout=3)  # fmt: skip
     m = BufferMachine(cfg, make_prompt_source(cfg), limits_from_model_dir(cfg.data.hf_checkpoint, 1, None),
                       published=lambda: 0, metrics=lambda: {}, observed=True, plugin_path="default")  # fmt: skip
-    events = m.on_released(m._releasing(m._plan(3))).events
+    events = m.on_released(m._plan(3)).events
     for gi, seq in ((0, 4), (2, 5)):
         stored = RolloutGroup(group_id=group_id(gi, 0), group_index=gi,
                               samples=[Sample(index=gi, group_index=gi, tokens=[1, 2], response_length=1, reward=1.0,
