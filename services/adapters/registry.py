@@ -144,9 +144,7 @@ class AdapterRegistry:
         self.num_slots = num_slots
         self.state = state if state is not None else AdapterRegistryState()
         # never shrink: a slot's version never resets, even across a restart with fewer slots
-        missing = num_slots - len(self.state.slot_versions)
-        if missing > 0:
-            self.state.slot_versions.extend([0] * missing)
+        self.state.slot_versions.extend([0] * (num_slots - len(self.state.slot_versions)))
         self.clock = clock
         self.new_id = new_id
 
@@ -180,10 +178,7 @@ class AdapterRegistry:
 
     def counts(self) -> dict[str, int]:
         """Registrations per state (every state named, 0 included)."""
-        out = {s.value: 0 for s in AdapterState}
-        for r in self.state.runs:
-            out[r.state.value] += 1
-        return out
+        return {s.value: sum(r.state is s for r in self.state.runs) for s in AdapterState}
 
     # ---- transitions ----------------------------------------------------------------------------
     def register(self, name: str, spec: AdapterSpec) -> AdapterRun:
@@ -286,16 +281,12 @@ class AdapterRegistry:
 
     def apply(self, req: AdapterControl) -> AdapterRun:
         """One trainer request (asyncrl_proto.AdapterControl)."""
-        if req.op == "activate":
-            return self.activate(req.name, req.registration_id)
+        if req.op in ("activate", "cleanup", "complete"):
+            return getattr(self, req.op)(req.name, req.registration_id)
         if req.op == "stepped":
             return self.stepped(req.name, req.step, req.registration_id)
         if req.op == "retire":
             return self.retire(req.name, req.reason or "by the trainer", req.registration_id)
-        if req.op == "cleanup":
-            return self.cleanup(req.name, req.registration_id)
-        if req.op == "complete":
-            return self.complete(req.name, req.registration_id)
         raise RegistryError(f"unknown op {req.op!r:.40}: one of {', '.join(OPS)}", 400)
 
     # ---- inside ----------------------------------------------------------------------------------
@@ -334,8 +325,7 @@ class AdapterRegistry:
                 break
             drop.add(id(r))
             size -= len(encode(r))
-        if drop:
-            self.state.runs = [r for r in self.state.runs if id(r) not in drop]
+        self.state.runs = [r for r in self.state.runs if id(r) not in drop]
 
     def _changed(self, now: float) -> None:
         self.state.revision += 1

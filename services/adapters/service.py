@@ -28,14 +28,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import yaml
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from msgspec import to_builtins
 
-from asyncrl_proto import AdapterControl, AdapterControlReply, AdapterRun, AdapterSpec, encode
+from asyncrl_proto import AdapterControl, AdapterControlReply, AdapterRun, AdapterSpec, decode, encode
+from asyncrl_proto.codec import MalformedMessage
+from asyncrl_proto.messages import AdapterRegistryState
+from asyncrl_proto.subjects import ADAPTERS_KV_KEY
 from services.adapters.registry import LIVE, AdapterRegistry, RegistryError, SpecError, parse_spec
-from services.adapters.store import RegistryStore
 from services.common import crash
 from services.common.bus import BusError, SequenceConflict, TransportError
 from services.common.config import ConfigError, DataSection, MultiLoraSection, RolloutSection
@@ -49,20 +51,16 @@ CAS_ATTEMPTS = 5
 the while) is answered 503."""
 
 
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
 def read_spec_file(path: str) -> Any:
     """The mapping of an adapter's YAML file."""
     try:
         return yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:
         raise ConfigError(f"cannot read the adapter spec {path}: {e}") from None
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message}}, status_code=status)
-
-
-def _json(obj) -> Any:
-    return msgspec.to_builtins(obj)
 
 
 class AdapterService(Service):
@@ -75,7 +73,6 @@ class AdapterService(Service):
                               "to give; set it to the number of adapter slots")  # fmt: skip
         super().__init__(config, bus, **kw)
         config = self.config  # its own sections from here on (services.common.config.view)
-        self.store = RegistryStore(bus)
         self.adapters = AdapterRegistry(config.multi_lora.n_adapters)
         """The registry (`self.registry` is the runtime's Prometheus registry)."""
         self.kv_revision = 0
@@ -107,7 +104,15 @@ class AdapterService(Service):
                  self.kv_revision)  # fmt: skip
 
     async def _load(self) -> None:
-        state, self.kv_revision = await self.store.read()
+        """The stored state and its KV revision, from one read (so a write expecting that revision
+        fails if anyone wrote after it); revision 0, an empty registry, when nothing is stored yet."""
+        raw, self.kv_revision = await self.bus.kv_entry(ADAPTERS_KV_KEY)
+        try:
+            state = decode(raw, AdapterRegistryState) if raw is not None else None
+        except MalformedMessage as e:
+            raise BusError(f"KV {ADAPTERS_KV_KEY} of bucket {self.bus.subjects.kv_bucket} holds no adapter registry "
+                           f"state ({e}); the registry will not overwrite it: inspect it, then delete the key to start "
+                           "an empty registry") from None  # fmt: skip
         self.adapters = AdapterRegistry(self.config.multi_lora.n_adapters, state)
 
     async def _register_waiting(self, fatal: bool = False) -> None:
@@ -115,24 +120,21 @@ class AdapterService(Service):
         the registry refuses for another reason than a full house is fatal at start (the flags
         and the stored state disagree), and later dropped with an error in the log."""
         async with self._waiting_lock:
-            await self._register_waiting_now(fatal)
-
-    async def _register_waiting_now(self, fatal: bool) -> None:
-        while self.waiting and self.adapters.free_slots():
-            name, spec = self.waiting[0]
-            if self.adapters.current(name) is None:
-                try:
-                    run = await self._change(lambda r, n=name, s=spec: r.register(n, s))
-                    log.info("registered adapter %s from --multi-lora-adapter in slot %d", name, run.slot)
-                except RegistryError as e:
-                    if e.status == 409 and not self.adapters.free_slots():
-                        return  # the slot went to another registration meanwhile: wait for the next
-                    if fatal:
-                        raise ConfigError(f"--multi-lora-adapter {name}: {e}") from None
-                    log.error("--multi-lora-adapter %s cannot be registered, dropped: %s", name, e)
-            self.waiting.pop(0)
-        if self.waiting:
-            log.info("adapters waiting for a free slot: %s", [n for n, _ in self.waiting])
+            while self.waiting and self.adapters.free_slots():
+                name, spec = self.waiting[0]
+                if self.adapters.current(name) is None:
+                    try:
+                        run = await self._change(lambda r, n=name, s=spec: r.register(n, s))
+                        log.info("registered adapter %s from --multi-lora-adapter in slot %d", name, run.slot)
+                    except RegistryError as e:
+                        if e.status == 409 and not self.adapters.free_slots():
+                            return  # the slot went to another registration meanwhile: wait for the next
+                        if fatal:
+                            raise ConfigError(f"--multi-lora-adapter {name}: {e}") from None
+                        log.error("--multi-lora-adapter %s cannot be registered, dropped: %s", name, e)
+                self.waiting.pop(0)
+            if self.waiting:
+                log.info("adapters waiting for a free slot: %s", [n for n, _ in self.waiting])
 
     # ---- changes ------------------------------------------------------------------------------
     async def _change(self, op: Callable[[AdapterRegistry], AdapterRun | None], force: bool = False):
@@ -146,7 +148,7 @@ class AdapterService(Service):
                 if trial.revision == self.adapters.revision and not force:
                     return result
                 try:
-                    self.kv_revision = await self.store.write(trial.state, self.kv_revision)
+                    self.kv_revision = await self.bus.kv_update(ADAPTERS_KV_KEY, encode(trial.state), self.kv_revision)
                 except SequenceConflict as e:
                     self.num_conflicts += 1
                     log.warning("%s; reading it again", e)
@@ -155,11 +157,8 @@ class AdapterService(Service):
                     continue
                 self.adapters = trial
                 return result
-        raise RegistryError(f"KV {self.store.key} changed under every one of {CAS_ATTEMPTS} attempts (another "
+        raise RegistryError(f"KV {ADAPTERS_KV_KEY} changed under every one of {CAS_ATTEMPTS} attempts (another "
                             "registry writes it): try again", 503)  # fmt: skip
-
-    async def register(self, name: str, spec: AdapterSpec) -> AdapterRun:
-        return await self._change(lambda r: r.register(name, spec))
 
     async def control(self, req: AdapterControl) -> AdapterRun:
         run = await self._change(lambda r: r.apply(req))
@@ -235,7 +234,7 @@ class AdapterService(Service):
     def add_routes(self, app: FastAPI) -> None:
         async def answer(work, status: int = 200) -> JSONResponse:
             try:
-                return JSONResponse(_json(await work()), status_code=status)
+                return JSONResponse(to_builtins(await work()), status_code=status)
             except RegistryError as e:
                 if e.status != 404:
                     self.num_rejected += 1
@@ -250,11 +249,11 @@ class AdapterService(Service):
 
         @app.get("/adapter_runs")
         async def list_runs() -> JSONResponse:
-            return JSONResponse({"revision": self.adapters.revision, "runs": _json(self.adapters.state.runs)})
+            return JSONResponse({"revision": self.adapters.revision, "runs": to_builtins(self.adapters.state.runs)})
 
         @app.get("/adapter_runs/state")
         async def whole_state() -> JSONResponse:
-            return JSONResponse(_json(self.adapters.state))
+            return JSONResponse(to_builtins(self.adapters.state))
 
         @app.get("/adapter_runs/{name}")
         async def get_run(name: str) -> JSONResponse:
@@ -274,7 +273,7 @@ class AdapterService(Service):
                 name, raw = self._split_body(body)
                 spec = await asyncio.to_thread(lambda: self._fits(parse_spec(raw, file_exists=os.path.isfile),
                                                                   over_http=True))  # fmt: skip
-                run = await self.register(name, spec)
+                run = await self._change(lambda r: r.register(name, spec))
                 log.info("registered adapter %s in slot %d over HTTP", name, run.slot)
                 return run
 
@@ -323,13 +322,12 @@ class AdapterService(Service):
         return {"revision": self.adapters.revision}
 
     def metric_values(self) -> dict[str, float]:
-        out: dict[str, float] = {f"multi_lora/adapters_{s}": n for s, n in self.adapters.counts().items()}
-        out.update({
+        return {
+            **{f"multi_lora/adapters_{s}": n for s, n in self.adapters.counts().items()},
             "multi_lora/slots": self.adapters.num_slots,
             "multi_lora/free_slots": len(self.adapters.free_slots()),
             "multi_lora/waiting_adapters": len(self.waiting),
             "multi_lora/registry_revision": self.adapters.revision,
             "multi_lora/rejected_total": self.num_rejected,
             "multi_lora/kv_conflicts_total": self.num_conflicts,
-        })  # fmt: skip
-        return out
+        }

@@ -2,15 +2,13 @@
 every turn recorded token in, token out.
 
 The producer serves `/v1/chat/completions` on a local port (one per producer, started with the
-first episode). Each request names its episode in `model`; the request goes on to an engine with
-`return_token_ids` and `logprobs`, and the engine's answer (the prompt's ids, the sampled ids and
-their log-probs, the weight versions) is recorded under that episode before the client sees it.
-`assemble` then builds the sample from the recorded turns: turn k's prompt must begin with
-everything before it (prompt, earlier turns, what the environment said); what it adds is the
-environment's (loss mask 0), what the engine sampled is the model's (loss mask 1). Nothing is
-re-tokenized. A conversation whose template re-renders an earlier turn differently breaks that
-prefix; it cannot be trained as one sequence and fails with that reason. `recorded_turn` and
-`assemble` also serve --env nemogym (services/envs/nemogym.py), which asks the engine directly.
+first episode). Each request names its episode in `model` and goes on to an engine with
+`return_token_ids` and `logprobs`; the answer is recorded under that episode before the client
+sees it. `assemble` builds the sample from the recorded turns: turn k's prompt must begin with
+everything before it; what it adds is the environment's (loss mask 0), what the engine sampled
+the model's (loss mask 1). Nothing is re-tokenized: a template that re-renders an earlier turn
+differently breaks that prefix, and the sample fails with that reason. `recorded_turn` and
+`assemble` also serve --env nemogym, which asks the engine directly.
 """
 
 from __future__ import annotations
@@ -48,15 +46,10 @@ class ChatRecorder:
     async def for_engine(cls, engine) -> ChatRecorder:
         """One recorder per engine client in this process, started on first use."""
         if engine.client not in cls._shared:
-            rec = cls(engine.client)
-            cls._shared[engine.client] = asyncio.ensure_future(rec._started())
+            cls._shared[engine.client] = asyncio.ensure_future(cls(engine.client).start())
         return await asyncio.shield(cls._shared[engine.client])
 
-    async def _started(self) -> ChatRecorder:
-        await self.start()
-        return self
-
-    async def start(self) -> None:
+    async def start(self) -> ChatRecorder:
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_post("/v1/chat/completions", self._chat)
         self._runner = web.AppRunner(app, access_log=None)
@@ -65,6 +58,7 @@ class ChatRecorder:
         sock.bind(("127.0.0.1", 0))  # a free port, ours before anyone else can take it
         await web.SockSite(self._runner, sock).start()
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        return self
 
     async def close(self) -> None:
         self._shared.pop(self.client, None)

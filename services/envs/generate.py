@@ -35,15 +35,8 @@ class EngineHandle:
         return EngineHandle(self.client, self.tokenizer, self.context_length, **self.fields, **fields)
 
     async def generate(self, input_ids: list[int], sampling_params: dict, **extra) -> dict:
-        return await self.client.generate(
-            {
-                "input_ids": input_ids,
-                "sampling_params": sampling_params,
-                "return_logprob": True,
-                **extra,
-                **self.fields,
-            }
-        )
+        body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True}
+        return await self.client.generate({**body, **extra, **self.fields})
 
 
 async def default_generate(config, sample: Sample, engine: EngineHandle, sampling_params: dict) -> Sample:

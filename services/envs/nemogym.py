@@ -1,35 +1,29 @@
 """NeMo Gym resources servers in the loop: `--env nemogym:URL`.
 
 A NeMo Gym environment is a resources server speaking its seed/verify protocol over HTTP, its
-episode state kept under a session cookie that the server sets and the client sends back. Each
-trajectory is one session:
+episode state kept under a session cookie. Each trajectory is one session:
 
     POST /seed_session  the task's row, {"responses_create_params": {"input", "tools", ...}, ...}
     -> the model's turn (a chat request to the engine, with the row's tools)
     -> each tool call it makes: POST /<tool name> with the call's arguments (a JSON object); the
        answer's body, whatever its status, is the tool's output the model reads next
     -> ... until a reply calls no tool, or --env-max-turns, or the token budget, or the context
-    POST /verify        the row plus "response": the episode as a Responses API object (its
-                        `output`: the assistant messages, function_call and function_call_output
-                        items); the answer's "reward" is the episode's reward
+    POST /verify        the row plus "response": the episode as a Responses API object; the
+                        answer's "reward" is the episode's reward
 
-The row is the sample's metadata when it holds `responses_create_params` (a NeMo Gym dataset row,
-whole); else it is built: the prompt (text, or chat messages) as its input, the row's tools
-(--tool-key) as its tools, the other metadata fields as the row's own (what /verify reads).
+The row is the sample's metadata when it holds `responses_create_params` (a NeMo Gym dataset row);
+else it is built from the prompt, the row's tools (--tool-key) and the other metadata fields.
 
-The model's turns go through the engine's /v1/chat/completions with `return_token_ids`, so the
+The model's turns go through the engine's /v1/chat/completions with `return_token_ids`, and the
 sample is built from the ids the engine saw and sampled (services/envs/chat.py's `assemble`): the
-model's replies, tool calls included, in the loss; the tool outputs, as the chat template renders
-them, out of it. Tool calls reach this connector as OpenAI `tool_calls` only from engines that
-parse them (--sglang-tool-call-parser). A turn the engine aborted (a weight update's pause) ends
-the sample there, ABORTED, and nothing is verified. The reward is metadata["env_reward"] (the
-sample's reward by default); the verify answer's other scalar fields are kept in
-metadata["env_verify"].
+model's replies in the loss, the tool outputs out of it. Tool calls arrive as OpenAI `tool_calls`
+only from engines that parse them (--sglang-tool-call-parser). A turn the engine aborted ends the
+sample there, ABORTED, unverified. The reward is metadata["env_reward"]; the verify answer's other
+scalar fields are kept in metadata["env_verify"].
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import re
@@ -42,7 +36,7 @@ from asyncrl_proto.messages import Sample, SampleStatus
 from services.common.engine_commands import tool_call_parser
 from services.common.sglang_client import EngineError
 from services.envs.chat import assemble, has_token_ids, recorded_turn
-from services.envs.trajectory import session_gate
+from services.envs.trajectory import EnvError, gated
 
 CALL_TIMEOUT_S = 300.0
 """A resources server that takes longer to answer one request fails the episode (its group is retried)."""
@@ -50,13 +44,6 @@ MAX_ANSWER_BYTES = 16 * 2**20
 ROUTES = frozenset({"seed_session", "verify", "aggregate_metrics", "reverify_mode", "mcp"})
 """A resources server's own routes: never a tool's."""
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_sessions: dict[tuple[asyncio.AbstractEventLoop, int], asyncio.Semaphore] = {}
-"""--env-max-sessions, per event loop (one per process in a service) and limit."""
-
-
-class EnvError(RuntimeError):
-    """The resources server refused or broke an episode, or the row cannot be run: the sample
-    fails with this reason."""
 
 
 def check(config) -> None:
@@ -276,11 +263,6 @@ def _client() -> aiohttp.ClientSession:
 # ---- the episode -------------------------------------------------------------------------------
 
 
-async def generate(config, sample: Sample, engine, sampling_params: dict) -> Sample:
-    async with session_gate(config, _sessions):
-        return await _episode(config, sample, engine, sampling_params)
-
-
 async def _ask(engine, body: dict) -> dict | None:
     """One chat turn on an engine; None when the conversation no longer fits the model's context."""
     try:
@@ -359,3 +341,6 @@ async def _episode(config, sample: Sample, engine, sampling_params: dict) -> Sam
     if stop == "context":
         out.status = SampleStatus.TRUNCATED
     return out
+
+
+generate = gated(_episode)

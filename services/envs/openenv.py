@@ -9,11 +9,9 @@ HTTP /reset and /step build a fresh environment per call), so each trajectory op
     -> observation ... until the environment says done, or --env-max-turns, or the token budget,
        or the model's context length (the sample is then TRUNCATED, its last observation cut).
 
-Token in, token out: the model's turns are the ids the engine sampled; an observation's text is
-tokenized once, when it is appended, and never re-read. The episode's reward is the sum of the
-step rewards (metadata["env_reward"], the sample's reward by default). A process keeps at most
---env-max-sessions episodes open; the server must allow that many per process (its
-max_concurrent_envs).
+Token in, token out: an observation's text is tokenized once, when it is appended. The episode's
+reward is the sum of the step rewards (metadata["env_reward"]). A process keeps at most
+--env-max-sessions episodes open; the server must allow that many (its max_concurrent_envs).
 """
 
 from __future__ import annotations
@@ -24,17 +22,11 @@ import json
 import uuid
 
 from asyncrl_proto.messages import Sample, SampleStatus
-from services.envs.trajectory import Trajectory, session_gate
+from services.envs.trajectory import EnvError, Trajectory, gated
 
 MAX_MESSAGE_BYTES = 16 * 2**20
 CALL_TIMEOUT_S = 300.0
 """An environment that takes longer to answer reset or step fails the episode (its group is retried)."""
-_sessions: dict[tuple[asyncio.AbstractEventLoop, int], asyncio.Semaphore] = {}
-"""--env-max-sessions, per event loop (one per process in a service) and limit."""
-
-
-class EnvError(RuntimeError):
-    """The environment refused or broke an episode: the sample fails with this reason."""
 
 
 def _ws_url(url: str) -> str:
@@ -56,25 +48,20 @@ def observation_text(observation: dict, key: str | None) -> str:
     return texts[0] if len(texts) == 1 else json.dumps(observation, sort_keys=True)
 
 
-class Session:
-    """One OpenEnv WebSocket session: request, answer, strictly in turn."""
-
-    def __init__(self, ws):
-        self.ws = ws
-
-    async def call(self, kind: str, data: dict | None = None) -> dict:
-        await self.ws.send(json.dumps({"type": kind, "data": data or {}}))
-        try:
-            answer = json.loads(await asyncio.wait_for(self.ws.recv(), CALL_TIMEOUT_S))
-        except TimeoutError:
-            raise EnvError(f"the environment did not answer {kind} within {CALL_TIMEOUT_S:.0f}s") from None
-        if answer.get("type") == "error":
-            err = answer.get("data") or {}
-            raise EnvError(f"the environment answered {kind} with {err.get('code', 'an error')}: "
-                           f"{str(err.get('message'))[:300]}")  # fmt: skip
-        if answer.get("type") != "observation" or not isinstance(answer.get("data"), dict):
-            raise EnvError(f"the environment answered {kind} with {str(answer)[:200]}")
-        return answer["data"]
+async def call(ws, kind: str, data: dict | None = None) -> dict:
+    """One request of an OpenEnv WebSocket session and its answer (strictly in turn)."""
+    await ws.send(json.dumps({"type": kind, "data": data or {}}))
+    try:
+        answer = json.loads(await asyncio.wait_for(ws.recv(), CALL_TIMEOUT_S))
+    except TimeoutError:
+        raise EnvError(f"the environment did not answer {kind} within {CALL_TIMEOUT_S:.0f}s") from None
+    if answer.get("type") == "error":
+        err = answer.get("data") or {}
+        raise EnvError(f"the environment answered {kind} with {err.get('code', 'an error')}: "
+                       f"{str(err.get('message'))[:300]}")  # fmt: skip
+    if answer.get("type") != "observation" or not isinstance(answer.get("data"), dict):
+        raise EnvError(f"the environment answered {kind} with {str(answer)[:200]}")
+    return answer["data"]
 
 
 def _connect(url: str):
@@ -88,11 +75,6 @@ def _connect(url: str):
 def check(config) -> None:
     """At start-up: the client this connector needs is installed."""
     _connect(config.rollout.env_spec.url)
-
-
-async def generate(config, sample: Sample, engine, sampling_params: dict) -> Sample:
-    async with session_gate(config, _sessions):
-        return await _episode(config, sample, engine, sampling_params)
 
 
 async def _episode(config, sample: Sample, engine, sampling_params: dict) -> Sample:
@@ -116,8 +98,7 @@ async def _episode(config, sample: Sample, engine, sampling_params: dict) -> Sam
             traj.env_turn(ids, text)
 
     async with _connect(url) as ws:
-        env = Session(ws)
-        first = await env.call("reset", dict(sample.metadata.get("env_reset") or {}))
+        first = await call(ws, "reset", dict(sample.metadata.get("env_reset") or {}))
         observe(first)
         done = bool(first.get("done"))
         for turn in range(r.env_max_turns):
@@ -132,7 +113,7 @@ async def _episode(config, sample: Sample, engine, sampling_params: dict) -> Sam
             if traj.aborted:
                 break
             text = tok.decode(ids, skip_special_tokens=True)
-            result = await env.call("step", {r.env_action_key: text})
+            result = await call(ws, "step", {r.env_action_key: text})
             reward += float(result.get("reward") or 0.0)
             done = bool(result.get("done"))
             if not done:
@@ -144,3 +125,6 @@ async def _episode(config, sample: Sample, engine, sampling_params: dict) -> Sam
     if cut and not traj.aborted:
         traj.sample.status = SampleStatus.TRUNCATED
     return traj.finish()
+
+
+generate = gated(_episode)

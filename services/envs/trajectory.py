@@ -91,11 +91,22 @@ def tool_call_metrics(name: str, samples: list) -> dict[str, float]:
     return {name: sum(c > 0 for c in counted) / len(counted)} if counted else {}
 
 
-def session_gate(config, sessions: dict) -> asyncio.Semaphore:
-    """The semaphore that holds a connector's open episodes at --env-max-sessions: one per event
-    loop (one per process in a service) and limit, kept in the connector's `sessions`."""
-    limit = config.rollout.env_max_sessions
-    return sessions.setdefault((asyncio.get_running_loop(), limit), asyncio.Semaphore(limit))
+def gated(episode):
+    """`episode` as a connector's generate function whose open episodes are held at
+    --env-max-sessions: one semaphore per event loop (one per process in a service) and limit."""
+    sessions: dict[tuple[asyncio.AbstractEventLoop, int], asyncio.Semaphore] = {}
+
+    async def generate(config, sample: Sample, engine, sampling_params: dict) -> Sample:
+        limit = config.rollout.env_max_sessions
+        async with sessions.setdefault((asyncio.get_running_loop(), limit), asyncio.Semaphore(limit)):
+            return await episode(config, sample, engine, sampling_params)
+
+    return generate
+
+
+class EnvError(RuntimeError):
+    """The environment refused or broke an episode, or the row cannot be run: the sample fails
+    with this reason."""
 
 
 async def env_reward(config, sample: Sample) -> float:

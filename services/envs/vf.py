@@ -1,25 +1,20 @@
 """verifiers environments in the loop: `--env verifiers:MODULE:TASK`.
 
-TASK names a verifiers (>= 0.4, `verifiers.v1`) Task class. Each prompt row becomes one task:
-its data type (`TASK.data_type()`) is built from the row's prompt and its metadata's `task` object
-(e.g. `{"answer": "5"}`; a field named `answer` takes the row's label when the object has none).
-An episode is `vf.Agent(...).run(task)`, offline: the subprocess runtime (no sandbox, no
-account) and an in-process chat harness (`asyncrl_chat`: verifiers' stock harnesses install their
-programs with uv). Every model call of the harness goes, through verifiers' interception server,
-to the producer's recording chat endpoint (services/envs/chat.py) and on to the engines; the
-sample is assembled from the ids the engine saw and sampled, never from the conversation's text.
-The episode's reward is the task's weighted reward (`trace.reward`, metadata["env_reward"]);
-its reward and metrics are kept in metadata["env_rewards"]. An episode the task could not score
-(no reward, or errors) fails its sample with verifiers' reasons (the group retry path takes over);
-one whose model turn the engine aborted (a weight update's pause) ends there, ABORTED, unscored.
+TASK names a verifiers (>= 0.4, `verifiers.v1`) Task class. Each prompt row becomes one task of
+its data type (`TASK.data_type()`), built from the row's prompt and its metadata's `task` object
+(a field named `answer` takes the row's label when the object has none). An episode is
+`vf.Agent(...).run(task)`, offline: the subprocess runtime and an in-process chat harness
+(`asyncrl_chat`: verifiers' stock harnesses install their programs with uv). Every model call goes
+through the producer's recording chat endpoint (services/envs/chat.py) to the engines; the sample
+is assembled from the ids the engine saw and sampled. The episode's reward is the task's
+(`trace.reward`, metadata["env_reward"]; its parts in metadata["env_rewards"]). An episode the
+task could not score fails its sample with verifiers' reasons; one whose model turn the engine
+aborted ends there, ABORTED, unscored.
 
-Tools: the task's verifiers Toolsets are MCP servers (verifiers starts them); the harness offers
-their tools to the model (`name` or `<server>_<name>`, as verifiers' own chat loop names them),
-runs each call the model's reply makes on its server and sends the result back as a tool message,
-until a reply calls nothing or the turn limit (`--env-max-turns`) ends the episode. The model's
-calls reach the harness as OpenAI `tool_calls` only from an engine that parses them:
-`--sglang-tool-call-parser qwen25` (SGLang's flag; the built-in engine knows it too). The tool
-messages' tokens are the environment's (loss mask 0), as the chat template renders them.
+Tools: the task's Toolsets are MCP servers (verifiers starts them); the harness offers their tools
+to the model, runs each call on its server and sends the result back as a tool message, until a
+reply calls nothing or --env-max-turns. The calls arrive as OpenAI `tool_calls` only from an engine
+that parses them (`--sglang-tool-call-parser qwen25`). Tool messages are out of the loss.
 """
 
 from __future__ import annotations
@@ -159,15 +154,6 @@ def check(config) -> None:
                          "matches the model's chat template)")  # fmt: skip
 
 
-def task_of(task_cls, sample: Sample):
-    """The verifiers task of a prompt row."""
-    fields = dict(sample.metadata.get("task") or {})
-    data_type = task_cls.data_type()
-    if "answer" in data_type.model_fields and "answer" not in fields and sample.label is not None:
-        fields["answer"] = sample.label
-    return task_cls(data_type(prompt=sample.prompt, **fields))
-
-
 async def generate(config, sample: Sample, engine, sampling_params: dict) -> Sample:
     vf = _verifiers()
     _register_harness(vf)
@@ -178,15 +164,17 @@ async def generate(config, sample: Sample, engine, sampling_params: dict) -> Sam
     sampling = {"temperature": sampling_params.get("temperature", 1.0), "top_p": sampling_params.get("top_p", 1.0),
                 "max_tokens": sampling_params.get("max_new_tokens", r.max_response_len),
                 "top_k": sampling_params.get("top_k", -1)}  # fmt: skip
-    prompt_ids = sample.metadata.pop("_input_ids", None)
+    sample.metadata.pop("_input_ids", None)  # the chat template renders the prompt: the first turn's ids start it
     with recorder.episode() as episode:
         agent = vf.Agent(vf.AgentConfig(
             model=episode, client=vf.EvalClientConfig(base_url=recorder.url + "/v1", api_key_var=KEY_VAR),
             runtime=vf.SubprocessConfig(), harness={"id": HARNESS_ID}, sampling=vf.SamplingConfig(**sampling),
             max_turns=r.env_max_turns))  # fmt: skip
-        trace = await agent.run(task_of(task_cls, sample))
+        fields, data_type = dict(sample.metadata.get("task") or {}), task_cls.data_type()  # the row's task
+        if "answer" in data_type.model_fields and "answer" not in fields and sample.label is not None:
+            fields["answer"] = sample.label
+        trace = await agent.run(task_cls(data_type(prompt=sample.prompt, **fields)))
         turns = list(recorder.turns[episode])
-    del prompt_ids  # the chat template renders the prompt: the first turn's ids are the sample's start
     errors = [str(getattr(e, "message", e))[:300] for e in trace.errors or []][:3]
     if not turns:
         raise RuntimeError(f"the verifiers episode made no model call: {errors or 'no error given'}")

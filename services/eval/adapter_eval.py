@@ -3,31 +3,23 @@
     asyncrl eval-adapter --hf-checkpoint MODEL_DIR --adapter DIR [--adapter DIR ...] [--base]
         --prompt-data FILE.jsonl [--rm-type NAME | --custom-rm-path mod.fn] [--tool-key KEY] [--json OUT]
 
-Reads the base model and its tokenizer (an HF checkpoint directory), PEFT LoRA directories (as
-services/model/lora.py `save_adapter` writes them: what the trainer publishes under
-`<run_dir>/adapters/<name>/<registration>/v<version>`), a JSONL prompt file and a reward. As in
-the producer and the eval service, a row's `metadata.rm_type` picks its own reward (the reward
-hub, services/rewards/hub.py; --rm-type scores the rows that name none, and may be left
-out when every row names one; --custom-rm-path scores every row), and with --tool-key a row's
-tool schemas reach the chat template (--apply-chat-template) as `tools` and its metadata as
-`metadata.tools`.
-Produces, per adapter (and for the base model alone with --base): prompts, samples, the mean
-reward and the failed samples, as a table on stdout and, with --json, as a JSON file.
+Reads the base model (an HF checkpoint directory), PEFT LoRA directories (as `save_adapter`
+writes them under `<run_dir>/adapters/<name>/<registration>/v<version>`), a JSONL prompt file and
+a reward, read as the producer reads them (a row's `metadata.rm_type` picks its reward; --rm-type
+scores the rows that name none; --custom-rm-path scores every row; --tool-key's tools reach the
+chat template). Produces, per adapter (and the base alone with --base), the mean reward and the
+failed samples: a table on stdout and, with --json, a JSON file.
 
 Generation runs in this process, on CPU, with no engine: every adapter in turn sits in slot 0 of
-a `MultiLora` on the one base model, and each batch runs `forward_cached` over a KV cache inside
-`lora.rows([0] * batch)`. Prompts become token ids as the rollout producer makes them
-(`Tokenizer.prompt_ids`, --apply-chat-template, the row's tools); a sample ends at an EOS token (SGLang's "stop")
-or at --rollout-max-response-len or the context length ("length": TRUNCATED). The token choice is
-the engine's: greedy below temperature 1e-6, else a draw from softmax(logits / T), here with one
+a `MultiLora` on the one base model. A sample ends at an EOS token ("stop") or at
+--rollout-max-response-len or the context length ("length": TRUNCATED). The token choice is the
+engine's (greedy below temperature 1e-6, else a draw from softmax(logits / T)), with one
 generator per sample seeded from (--seed, sample index), so that a sample's draws do not depend on
 the other samples of its batch, and the base and an adapter that adds nothing (B = 0) give the
-very same samples. Rewards go through `score_sample`, as in the producer; the mean is over every
-sample, a failed one counting 0, as the eval service's `eval/<set>`.
+very same samples. The mean is over every sample, a failed one counting 0, as `eval/<set>`.
 
-Flags are checked, and the reward, prompts and adapter files read, before the model is loaded;
-anything wrong exits with 2 and one line that says what to do. torch is imported only then, so
-`--help` is instant.
+Flags, reward, prompts and adapter files are checked before the model is loaded; anything wrong
+exits with 2 and one line that says what to do. torch is imported only then: `--help` is instant.
 """
 
 from __future__ import annotations
@@ -37,7 +29,7 @@ import asyncio
 import contextlib
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 PROG = "asyncrl eval-adapter"
@@ -62,8 +54,7 @@ class AdapterScore:
     """The scored Samples (not written to JSON)."""
 
     def row(self) -> dict:
-        return {"adapter": self.adapter, "prompts": self.prompts, "samples": self.samples,
-                "mean_reward": self.mean_reward, "failed": self.failed, "truncated": self.truncated}  # fmt: skip
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.repr}
 
 
 @dataclass
@@ -145,15 +136,6 @@ def run_config(a: argparse.Namespace):
                          rollout_temperature=a.rollout_temperature)  # fmt: skip
     except (ConfigError, ValueError) as e:
         raise AdapterEvalError(" ".join(str(e).split())) from None
-
-
-def reward_function(config):
-    from services.rewards import resolve_reward
-
-    try:
-        return resolve_reward(config)
-    except ValueError as e:
-        raise AdapterEvalError(str(e)) from None
 
 
 def load_prompts(config, max_prompts: int | None) -> list[dict]:
@@ -340,7 +322,12 @@ def evaluate(a: argparse.Namespace) -> list[AdapterScore]:
     """Every check, then every adapter's score (the base's first with --base)."""
     check_args(a)
     config = run_config(a)
-    reward_fn = reward_function(config)
+    from services.rewards import resolve_reward
+
+    try:
+        reward_fn = resolve_reward(config)
+    except ValueError as e:
+        raise AdapterEvalError(str(e)) from None
     rows = load_prompts(config, a.max_prompts)
     adapters = read_adapters(a.adapter)
 

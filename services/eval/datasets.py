@@ -24,9 +24,6 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-FIELDS = ("path", "rm_type", "input_key", "label_key", "metadata_key", "n_samples_per_eval_prompt", "temperature",
-          "top_p", "top_k", "max_response_len", "stop_token_ids", "metadata_overrides")  # fmt: skip
-
 
 @dataclasses.dataclass
 class EvalDataset:
@@ -47,6 +44,10 @@ class EvalDataset:
     def sampling_params(self) -> dict:
         return {"max_new_tokens": self.max_response_len, "temperature": self.temperature, "top_p": self.top_p,
                 "top_k": self.top_k, "stop_token_ids": list(self.stop_token_ids)}  # fmt: skip
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(EvalDataset) if f.name != "name")
+"""A dataset's settings (--eval-config), in the order they resolve."""
 
 
 def read_document(spec: str) -> dict:
@@ -80,12 +81,10 @@ def dataset_entries(doc: dict) -> tuple[list[dict], dict]:
     raw = eval_cfg.get("datasets")
     if isinstance(raw, dict):
         entries = [{**(cfg or {}), "name": cfg.get("name", name) if cfg else name} for name, cfg in raw.items()]
-    elif isinstance(raw, list):
-        entries = [dict(item or {}) for item in raw]
+    else:
+        entries = [dict(item or {}) for item in raw] if isinstance(raw, list) else []
         if any("name" not in e for e in entries):
             raise ValueError("Each evaluation dataset entry must include a `name` field.")
-    else:
-        raise ValueError("--eval-config does not define any datasets under `eval.datasets`.")
     if not entries:
         raise ValueError("--eval-config does not define any datasets under `eval.datasets`.")
     if not isinstance(defaults, dict):

@@ -30,18 +30,10 @@ OFF_FOR_EVAL = ("--enable-return-routed-experts", "--enable-return-indexer-topk"
 def parse_flags(args: list[str]) -> dict[str, str | None]:
     """['--a', '1', '--b', '--c=2'] -> {'--a': '1', '--b': None, '--c': '2'} (order kept)."""
     out: dict[str, str | None] = {}
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if "=" in arg:
-            k, v = arg.split("=", 1)
-            out[k] = v
-        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
-            out[arg] = args[i + 1]
-            i += 1
-        else:
-            out[arg] = None
-        i += 1
+    rest = list(args)
+    while rest:
+        k, eq, v = rest.pop(0).partition("=")
+        out[k] = v if eq else rest.pop(0) if rest and not rest[0].startswith("--") else None
     return out
 
 
@@ -63,10 +55,7 @@ def fleet_server_args(rollout_args: list[str], overrides: list[str], rollout_tp:
         else:
             flags[k] = v
     flags["--tp-size"] = str(eval_tp)
-    out: list[str] = []
-    for k, v in flags.items():
-        out += [k] if v is None else [k, v]
-    return out
+    return [x for k, v in flags.items() for x in ([k] if v is None else [k, v])]
 
 
 # the built-in engine's own flags (a subset of SGLang's names) that a fleet engine inherits

@@ -33,17 +33,8 @@ import shutil
 import time
 from pathlib import Path
 
-from asyncrl_proto import (
-    ControlMsg,
-    EvalRequest,
-    EvalResult,
-    MalformedMessage,
-    Sample,
-    SampleStatus,
-    WeightsLive,
-    decode,
-)
-from asyncrl_proto.messages import scalar_reward
+from asyncrl_proto import ControlMsg, EvalRequest, EvalResult, MalformedMessage, WeightsLive, decode
+from asyncrl_proto.messages import Sample, SampleStatus, scalar_reward
 from services.common import crash, procs
 from services.common.bus import Settle, fetch_some, keep_alive, settle
 from services.common.config import AsyncSection, DataSection, EvalSection, RolloutSection, TrainerSection
@@ -69,12 +60,6 @@ FLEET_START_TIMEOUT_S = 900.0
 HEALTH_TIMEOUT_S = 30.0
 PAUSE_RENEW_S = 15.0
 """The shared backend renews its pause of submission this often (producers let it lapse after 60 s)."""
-
-
-class SkipPoint(Exception):
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
 
 
 def point_name(req: EvalRequest) -> int:
@@ -120,22 +105,21 @@ class EvalService(Service):
         self.results: list[dict] = []
         self.busy = False
         self.published = VersionBound(bus)  # the newest weight version the trainer published
-        self._psub = None
 
     # ---- setup -----------------------------------------------------------------------------
     async def setup(self) -> None:
         s = self.bus.subjects
         await self.bus.subscribe(s.weights_live, self._on_live)  # before the KV read: no gap
-        raw = await self.bus.kv_get("live_version")
-        if raw is not None and self.live_version is None:
-            await self._kv_live(raw)
+        await self._kv_live()
         if self.backend == "fleet":
             await self._start_fleet()
         self._psub = await self.bus.consume(s.consumers(self.config.async_.prompt_ack_wait_s)["eval"])
 
-    async def _kv_live(self, raw: bytes) -> None:
+    async def _kv_live(self) -> None:
         """KV live_version, checked like a message: only a version the trainer published counts
         (a forged 10**9 would have every point evaluated at once on weights not yet live)."""
+        if (raw := await self.bus.kv_get("live_version")) is None:
+            return
         with contextlib.suppress(MalformedMessage):
             version = decode(raw, WeightsLive).version
             if await self.published.allows(version):
@@ -235,20 +219,14 @@ class EvalService(Service):
     async def _run_point(self, req: EvalRequest, msg) -> EvalResult:
         t0 = time.perf_counter()
         self.busy = True
-        skipped = None
-        metrics: dict[str, float] = {}
+        skipped, metrics = None, {}
         try:
-            if self.backend == "shared":
-                metrics = await self._shared(req, msg)
-            elif self.backend == "fleet":
-                metrics = await self._fleet(req)
-            else:
-                metrics = await self._external(req)
+            metrics = await {"shared": self._shared, "fleet": self._fleet}.get(self.backend, self._external)(req, msg)
             crash.point("eval", "mid_point")
             metrics, dropped = finite_metrics(metrics)
             if dropped:
                 log.warning("eval at step %d: metrics %s are not finite numbers; left out", req.step, dropped)
-        except SkipPoint as e:
+        except EvalSkip as e:  # the service's own skips too
             skipped = e.reason
         except Exception as e:
             log.exception("eval at step %d crashed: %s", req.step, e)
@@ -285,9 +263,7 @@ class EvalService(Service):
         while self.live_version is None or self.live_version < req.version:
             self._live_changed.clear()
             if not await wait_event(self._live_changed, 10.0):
-                raw = await self.bus.kv_get("live_version")
-                if raw is not None:
-                    await self._kv_live(raw)
+                await self._kv_live()
                 await settle(msg, Settle.IN_PROGRESS)
         token = f"eval-{req.step}"  # the same for a redelivered point: it resumes what a killed one paused
         await self._control("pause_submission", token)
@@ -308,24 +284,24 @@ class EvalService(Service):
     def _snapshot(self, req: EvalRequest) -> str:
         path = resolved(req.snapshot_uri) if req.snapshot_uri else None
         if path is None or not path.is_dir():
-            raise SkipPoint("ckpt_missing")
+            raise EvalSkip("ckpt_missing")
         # the initial --hf-checkpoint was not written by this run, so it has no marker to wait for
         if not is_complete(path) and path.resolve() != Path(self.config.data.hf_checkpoint).resolve():
-            raise SkipPoint("ckpt_missing")
+            raise EvalSkip("ckpt_missing")
         return str(path)
 
-    async def _fleet(self, req: EvalRequest) -> dict[str, float]:
+    async def _fleet(self, req: EvalRequest, msg) -> dict[str, float]:
         snapshot = self._snapshot(req)
         c = self.fleet_client
         health = await asyncio.gather(*(c.health_generate(u, HEALTH_TIMEOUT_S) for u in c.urls))
         if not all(health):
-            raise SkipPoint("unhealthy")
+            raise EvalSkip("unhealthy")
         pinned = await asyncio.gather(*(c.pin(u, snapshot, str(point_name(req))) for u in c.urls))
         if not all(pinned):
-            raise SkipPoint("pin_violation")
+            raise EvalSkip("pin_violation")
         return await self._evaluate_all(c, req)
 
-    async def _external(self, req: EvalRequest) -> dict[str, float]:
+    async def _external(self, req: EvalRequest, msg) -> dict[str, float]:
         snapshot = self._snapshot(req)
         inp = {
             "step": point_name(req),
@@ -338,29 +314,19 @@ class EvalService(Service):
                                         "sampling_params": ds.sampling_params(), "rm_type": ds.rm_type}
                                  for name, (ds, _) in self.sets.items()},
         }  # fmt: skip
-        try:
-            out = self.evaluator.evaluate_checkpoint(snapshot, inp)
-            if inspect.isawaitable(out):
-                out = await out
-        except EvalSkip as e:
-            raise SkipPoint(e.reason) from None
+        out = self.evaluator.evaluate_checkpoint(snapshot, inp)
+        if inspect.isawaitable(out):
+            out = await out
         return {(k if k.startswith("eval/") else f"eval/{k}"): float(v) for k, v in (out or {}).items()}
 
     # ---- generation and scoring ----------------------------------------------------------------
     async def _evaluate_all(self, client: SGLangClient, req: EvalRequest) -> dict[str, float]:
-        data = {
-            name: await generate_dataset(
-                client,
-                self.tokenizer,
-                self.reward_fns[name],
-                for_plugins(self.config),
-                rows,
-                ds.sampling_params(),
-                ds.n_samples_per_eval_prompt,
-                self.generate_fn,
-            )  # fmt: skip
-            for name, (ds, rows) in self.sets.items()
-        }
+        c, data = for_plugins(self.config), {}
+        for name, (ds, rows) in self.sets.items():  # one set after another
+            params, n = ds.sampling_params(), ds.n_samples_per_eval_prompt
+            data[name] = await generate_dataset(
+                client, self.tokenizer, self.reward_fns[name], c, rows, params, n, self.generate_fn
+            )
         if self.eval_log_fn is not None and await self._custom_eval_log(req, data):
             return {}
         return {k: v for name, samples in data.items() for k, v in dataset_metrics(self.config, name, samples).items()}

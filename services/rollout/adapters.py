@@ -11,6 +11,7 @@ judges staleness by.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -48,13 +49,49 @@ class Closed(Exception):
     """The registration is not open (retired, or never registered)."""
 
 
-class AdapterRoutes:
-    def __init__(self, bus, config):
+@dataclasses.dataclass
+class AdapterContext(GroupContext):
+    """A group of one adapter: generated through its live version, every sample stamped with it."""
+
+    version: int = 0
+
+    def finish(self, group: list) -> None:
+        for s in flatten_group(group):  # generated under that adapter version, whatever the base's
+            s.weight_versions = [self.version]
+            spans: list[list[int]] = []
+            for a, b, _ in s.version_spans:  # the same tokens, under the adapter's version
+                if spans and spans[-1][1] == a:
+                    spans[-1][1] = b
+                else:
+                    spans.append([a, b, self.version])
+            s.version_spans = spans
+
+
+class AdapterMode:
+    """Multi-LoRA: a prompt on `prompts.<registration>` is generated with that adapter's live
+    version and reward, in a group of its adapter's size (which the buffer writes into the
+    prompt, at most the run's --n-samples-per-prompt: the producers' credit unit), and published
+    to `rollouts.<registration>`."""
+
+    partitioned = True
+
+    def __init__(self, config, bus, engine, counters: dict[str, int]):
+        self.n = config.rollout.n_samples_per_prompt
         self.bus = bus
         self.config = config
+        self.engine = engine
+        self.counters = counters
         self.runs: dict[str, AdapterRun] = {}
         self._read_at = 0.0
         self._rewards: dict[str, Callable] = {}
+
+    def group_size(self, prompt: PromptMsg) -> int:
+        return prompt.n_samples if 1 <= prompt.n_samples <= self.n else self.n
+
+    def check(self, prompt: PromptMsg) -> None:
+        if not 1 <= prompt.n_samples <= self.n:
+            raise PromptError(f"n_samples {prompt.n_samples} is outside 1..{self.n} (--n-samples-per-prompt, "
+                              "the largest adapter group of this run)")  # fmt: skip
 
     async def _read_registry(self) -> None:
         if time.monotonic() - self._read_at < REREAD_S:
@@ -87,63 +124,18 @@ class AdapterRoutes:
         return live
 
     def reward(self, run: AdapterRun) -> Callable:
-        rid = run.registration_id
-        if rid not in self._rewards:
-            spec = run.spec
-            self._rewards[rid] = reward_function(self.config, spec.rm_type, spec.custom_rm_path)
+        if (rid := run.registration_id) not in self._rewards:
+            self._rewards[rid] = reward_function(self.config, run.spec.rm_type, run.spec.custom_rm_path)
         return self._rewards[rid]
-
-
-class AdapterContext(GroupContext):
-    """A group of one adapter: generated through its live version, every sample stamped with it."""
-
-    def __init__(self, engine, reward_fn: Callable, version: int):
-        super().__init__(engine, reward_fn)
-        self.version = version
-
-    def finish(self, group: list) -> None:
-        for s in flatten_group(group):  # generated under that adapter version, whatever the base's
-            s.weight_versions = [self.version]
-            spans: list[list[int]] = []
-            for a, b, _ in s.version_spans:  # the same tokens, under the adapter's version
-                if spans and spans[-1][1] == a:
-                    spans[-1][1] = b
-                else:
-                    spans.append([a, b, self.version])
-            s.version_spans = spans
-
-
-class AdapterMode:
-    """Multi-LoRA: a prompt on `prompts.<registration>` is generated with that adapter's live
-    version and reward, in a group of its adapter's size (which the buffer writes into the
-    prompt, at most the run's --n-samples-per-prompt: the producers' credit unit), and published
-    to `rollouts.<registration>`."""
-
-    partitioned = True
-
-    def __init__(self, config, bus, engine, counters: dict[str, int]):
-        self.n = config.rollout.n_samples_per_prompt
-        self.subjects = bus.subjects
-        self.engine = engine
-        self.routes = AdapterRoutes(bus, config)
-        self.counters = counters
-
-    def group_size(self, prompt: PromptMsg) -> int:
-        return prompt.n_samples if 1 <= prompt.n_samples <= self.n else self.n
-
-    def check(self, prompt: PromptMsg) -> None:
-        if not 1 <= prompt.n_samples <= self.n:
-            raise PromptError(f"n_samples {prompt.n_samples} is outside 1..{self.n} (--n-samples-per-prompt, "
-                              "the largest adapter group of this run)")  # fmt: skip
 
     async def context(self, msg, prompt: PromptMsg) -> GroupContext:
         rid = rid_of(msg)
         try:
-            run = await self.routes.run(rid)
-            live = await self.routes.live(run)
+            run = await self.run(rid)
+            live = await self.live(run)
             if prompt.n_samples != run.spec.n_samples_per_prompt:
                 raise Closed(f"n_samples {prompt.n_samples} differs from the adapter's {run.spec.n_samples_per_prompt}")
-            reward = self.routes.reward(run)
+            reward = self.reward(run)
         except NotYet as e:
             if msg.metadata.num_delivered < MAX_NOT_YET_DELIVERIES:
                 raise Requeue(str(e), 0.5) from None
@@ -153,11 +145,11 @@ class AdapterMode:
         except Exception as e:  # the broker away, a reward module that fails to import: later
             log.warning("prompt of adapter registration %s: %s; it goes back to the queue", rid[:64], e)
             raise Requeue(str(e), 1.0) from None
-        return AdapterContext(self.engine.with_fields(lora_path=live.engine_name), reward, live.version)
+        return AdapterContext(self.engine.with_fields(lora_path=live.engine_name), reward, version=live.version)
 
     def destination(self, msg, gid: str) -> tuple[str, str]:
         rid = rid_of(msg)
-        return self.subjects.of(rid).rollouts, f"{rid}-{gid}"
+        return self.bus.subjects.of(rid).rollouts, f"{rid}-{gid}"
 
     async def requeue_after(self, msg, error: Exception) -> float | None:
         """The engine lacks the adapter version KV `adapter_live` names (replaced meanwhile, or an

@@ -11,6 +11,7 @@ returns exactly the credits taken.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import re
 import time
@@ -63,11 +64,9 @@ class Credits:
         self._give(self.n - given_back_already)
 
     async def wait_changed(self, timeout: float) -> None:
-        try:
+        with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 await self._changed.wait()
-        except TimeoutError:
-            pass
         self._changed.clear()
 
 

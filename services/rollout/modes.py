@@ -13,7 +13,9 @@ A producer asks its mode four things about each prompt, and nothing else about t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 from asyncrl_proto import PromptMsg
 
@@ -34,14 +36,14 @@ class Refuse(Exception):
     """The prompt will never be generated here: its group is published as FAILED with the reason."""
 
 
+@dataclasses.dataclass
 class GroupContext:
     """What one group is generated with: the engine handle and the reward; `group_rm`: the reward
     scores the whole group at once (--group-rm with --custom-rm-path)."""
 
-    def __init__(self, engine, reward_fn: Callable, group_rm: bool = False):
-        self.engine = engine
-        self.reward_fn = reward_fn
-        self.group_rm = group_rm
+    engine: Any
+    reward_fn: Callable
+    group_rm: bool = False
 
     def finish(self, group: list) -> None:
         """Anything the mode stamps on a generated group before it is checked and published."""

@@ -57,28 +57,22 @@ class RolloutService(Service):
     def __init__(self, config, bus, **kw):
         super().__init__(config, bus, **kw)
         config = self.config  # its own sections from here on (services.common.config.view)
-        self.n = config.rollout.n_samples_per_prompt
+        a, r = config.async_, config.rollout
+        self.n = r.n_samples_per_prompt
         self.credits = Credits(config.inflight_groups, self.n, config.submission_granularity)
         self.tokenizer = Tokenizer(config.data.hf_checkpoint)
-        self.limits = limits_from_model_dir(
-            config.data.hf_checkpoint,
-            config.rollout.n_samples_per_prompt,
-            config.rollout.reward_key,
-            config.rollout.max_abs_reward,
-        )
+        self.limits = limits_from_model_dir(config.data.hf_checkpoint, self.n, r.reward_key, r.max_abs_reward)
         self.reward_fn = resolve_reward(config)
         self.generate_fn = generate_function(config)
         routed = bool(config.infra.rollout_router_url)  # a router spreads over every engine: their slots together
         self.client = SGLangClient(
             [config.infra.rollout_router_url] if routed else config.infra.rollout_engine_urls,
             api_key=self.engine_token,
-            max_concurrency=config.rollout.sglang_server_concurrency
-            * (max(1, config.infra.rollout_num_engines) if routed else 1),
+            max_concurrency=r.sglang_server_concurrency * (max(1, config.infra.rollout_num_engines) if routed else 1),
         )
         self.engine = EngineHandle(self.client, self.tokenizer, self.limits.context_length)
         self.submission_open = asyncio.Event()
         self.submission_open.set()
-        a, r = config.async_, config.rollout
         points = (r.total_steps, config.eval.interval, r.num_rollout_per_epoch, config.infra.mode)
         self.repeats = Repeats(log)
         self.pauses = Pauses(PAUSE_TTL_S, a.submission_pause_max_s, lambda step: is_eval_point(step, *points),
@@ -86,30 +80,24 @@ class RolloutService(Service):
         self.groups_in_flight: dict[int, tuple[object, float, int]] = {}
         """id(msg) -> (msg, when it started, the group index it generates: named in heartbeats)."""
         self.failures: dict[str, int] = {}  # group id -> generation failures seen here
-        self.counters = {
-            "groups_published": 0,
-            "samples_generated": 0,
-            "reward_failures": 0,
-            "group_failures": 0,
-            "bad_prompts": 0,
-            "adapter_not_loaded_requeued": 0,
-            "input_full": 0,
-        }
+        self.counters = dict.fromkeys(
+            ("groups_published", "samples_generated", "reward_failures", "group_failures", "bad_prompts",
+             "adapter_not_loaded_requeued", "input_full"),
+            0,
+        )  # fmt: skip
         self._input_full_from: int | None = None
         """The input_full count when the buffer's input stream last filled (None: it has room)."""
         self.mode = (AdapterMode(config, bus, self.engine, self.counters) if config.multi_lora.n_adapters > 0
                      else SingleModel(config, bus.subjects, self.engine, self.reward_fn))  # fmt: skip
-        self._psub = None
 
     def sampling_params(self) -> dict:
         c = self.config
-        stop = list(c.rollout.stop_token_ids)
         return {
             "max_new_tokens": c.rollout.max_response_len,
             "temperature": c.rollout.temperature,
             "top_p": c.rollout.top_p,
             "top_k": c.rollout.top_k,
-            "stop_token_ids": stop,
+            "stop_token_ids": list(c.rollout.stop_token_ids),
             "no_stop_trim": True,
             "skip_special_tokens": True,
         }
@@ -133,43 +121,38 @@ class RolloutService(Service):
 
     def loops(self):
         loops = {"submit": self._submit_loop, "keep_prompts": self._keep_prompts_alive, "pauses": self._lapse_pauses}
-        if self.config.async_.rollout_health_check_interval > 0:
-            loops["engine_health"] = self._engine_health
+        if (a := self.config.async_).rollout_health_check_interval > 0:
+            loops["engine_health"] = lambda: self.client.monitor_health(
+                a.rollout_health_check_interval, a.rollout_health_check_timeout
+            )
         return loops
-
-    async def _engine_health(self) -> None:
-        c = self.config
-        await self.client.monitor_health(c.async_.rollout_health_check_interval, c.async_.rollout_health_check_timeout)
 
     # ---- submission --------------------------------------------------------------------------
     async def _submit_loop(self) -> None:
         tasks: set[asyncio.Task] = set()
         try:
-            await self._submit(tasks)
+            while True:
+                await self.submission_open.wait()
+                free = self.credits.free_groups
+                if free == 0:
+                    await self.credits.wait_changed(1.0)
+                    continue
+                for msg in await fetch_some(self._psub, free, 1.0):
+                    # a fetch can also return late messages of an earlier, expired fetch: never go
+                    # over the cap, and never hold a prompt while submission is paused
+                    if not self.submission_open.is_set() or self.credits.free_groups == 0:
+                        await settle(msg, Settle.NAK)
+                        continue
+                    self.credits.take_group()
+                    t = asyncio.create_task(self._run_group(msg))
+                    tasks.add(t)
+                    t.add_done_callback(tasks.discard)
         finally:  # shutting down: in-flight groups are cancelled and their prompts given back
             for t in tasks:
                 t.cancel()
             if tasks:  # the runtime re-cancels this loop every second: the naks are sent by then
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.wait(tasks, timeout=1.0)
-
-    async def _submit(self, tasks: set[asyncio.Task]) -> None:
-        while True:
-            await self.submission_open.wait()
-            free = self.credits.free_groups
-            if free == 0:
-                await self.credits.wait_changed(1.0)
-                continue
-            for msg in await fetch_some(self._psub, free, 1.0):
-                # a fetch can also return late messages of an earlier, expired fetch: never go
-                # over the cap, and never hold a prompt while submission is paused
-                if not self.submission_open.is_set() or self.credits.free_groups == 0:
-                    await settle(msg, Settle.NAK)
-                    continue
-                self.credits.take_group()
-                t = asyncio.create_task(self._run_group(msg))
-                tasks.add(t)
-                t.add_done_callback(tasks.discard)
 
     async def _run_group(self, msg) -> None:
         if (prompt := await self.bus.decode_or_dead_letter(msg, PromptMsg, jetstream=True)) is None:
@@ -222,8 +205,7 @@ class RolloutService(Service):
             self.failures.pop(rg.group_id, None)
             crash.point("rollout", "generated_before_publish")
             try:
-                subject, msg_id = self.mode.destination(msg, rg.group_id)
-                await self._publish_group(msg, subject, rg, msg_id)
+                await self._publish_group(msg, rg)
             except Exception as e:  # the broker is away: the finished work is not a failure
                 log.warning("publishing group %s failed (%s); its prompt goes back to the queue", rg.group_id, e)
                 await settle(msg, Settle.NAK, delay=1.0)
@@ -236,7 +218,7 @@ class RolloutService(Service):
             self.groups_in_flight.pop(id(msg), None)
             self.credits.group_done(given_back[0])
 
-    async def _publish_group(self, msg, subject: str, rg: RolloutGroup, msg_id: str) -> None:
+    async def _publish_group(self, msg, rg: RolloutGroup) -> None:
         """Publish a finished group, holding its prompt: while the buffer's input stream holds its
         message cap (the buffer is behind, or a flood filled it), wait and try again, counted
         (rollout/producer/input_full_total): the work is never dropped. Logged when the stream
@@ -248,6 +230,7 @@ class RolloutService(Service):
                 self._input_full_from = self.counters["input_full"] - 1
                 log.warning("the buffer's input stream is full (%s): finished groups wait for room", error)
 
+        subject, msg_id = self.mode.destination(msg, rg.group_id)
         async with keep_alive(msg):
             await until_room(lambda: self.bus.publish(subject, rg, msg_id=msg_id), full)
         if self._input_full_from is not None:
@@ -297,8 +280,7 @@ class RolloutService(Service):
                    for i in range(self.mode.group_size(prompt))]  # fmt: skip
         rg = self._group(prompt, samples, started)
         try:
-            subject, msg_id = self.mode.destination(msg, rg.group_id)
-            await self._publish_group(msg, subject, rg, msg_id)
+            await self._publish_group(msg, rg)
         except Exception as e:  # the broker is away: the prompt comes back and fails once more
             log.error("publishing failed group %s: %s", rg.group_id, e)
             await settle(msg, Settle.NAK, delay=1.0)
@@ -398,14 +380,6 @@ class RolloutService(Service):
             self.pauses.resume(token)
         self._gate()
 
-    def apply_control(self, command: str, token: str = "http") -> None:
-        """The admin's HTTP routes: a pause that holds until resumed."""
-        if command == "pause_submission":
-            self.pauses.pause_by_admin(token)
-        elif command == "resume_submission":
-            self.pauses.resume(token)
-        self._gate()
-
     def _gate(self) -> None:
         """Submission is open exactly while no pause holds."""
         if self.pauses.paused:
@@ -424,13 +398,15 @@ class RolloutService(Service):
 
     def add_routes(self, app: FastAPI) -> None:
         @app.post("/control/pause_submission")
-        async def pause_submission():
-            self.apply_control("pause_submission", "http")
+        async def pause_submission():  # the admin's: a pause that holds until resumed
+            self.pauses.pause_by_admin("http")
+            self._gate()
             return {"paused": True}
 
         @app.post("/control/resume_submission")
         async def resume_submission():
-            self.apply_control("resume_submission", "http")
+            self.pauses.resume("http")
+            self._gate()
             return {"paused": not self.submission_open.is_set()}
 
     def heartbeat_info(self) -> dict:

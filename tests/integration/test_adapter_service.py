@@ -17,7 +17,6 @@ import pytest
 from asyncrl_proto import AdapterControl, AdapterControlReply, AdapterRegistryState, decode
 from asyncrl_proto.subjects import ADAPTERS_KV_KEY
 from services.adapters.service import AdapterService
-from services.adapters.store import RegistryStore
 from services.cli import check_argv
 from services.common.bus import SequenceConflict
 from services.common.config import RunConfig
@@ -226,11 +225,10 @@ async def test_two_registries_never_both_win_a_write(server, files):
             assert r3.status_code == 409 and "already registered" in r3.json()["error"]["message"]
         assert b.service.num_conflicts == 1 and a.service.num_conflicts == 1
         assert [r.name for r in (await stored(admin)).runs] == ["x", "y"]
-        store = RegistryStore(a.service.bus)
-        state, revision = await store.read()
-        await store.write(state, revision)
+        raw, revision = await a.service.bus.kv_entry(ADAPTERS_KV_KEY)  # the registry's compare-and-set write
+        await a.service.bus.kv_update(ADAPTERS_KV_KEY, raw, revision)
         with pytest.raises(SequenceConflict):
-            await store.write(state, revision)  # the revision it read is gone
+            await a.service.bus.kv_update(ADAPTERS_KV_KEY, raw, revision)  # the revision it read is gone
     finally:
         await a.stop()
         await b.stop()
