@@ -29,8 +29,7 @@ def _field_kind(annotation) -> tuple[str, tuple | None]:
     args = typing.get_args(annotation)
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
-        non_none = [a for a in args if a is not type(None)]
-        return _field_kind(non_none[0])
+        return _field_kind(next(a for a in args if a is not type(None)))
     if origin is typing.Literal:
         return "str", tuple(args)
     if origin is list:
@@ -66,23 +65,18 @@ def split_passthrough(argv: list[str]) -> tuple[list[str], dict[str, list[str]]]
     found: dict[str, list[str]] = {field: [] for field in PASSTHROUGH.values()}
     i = 0
     while i < len(argv):
-        arg = argv[i]
+        arg, i = argv[i], i + 1
         flag = arg.split("=", 1)[0]
         prefix = next((p for p in PASSTHROUGH if flag.startswith(p)), None)
         if prefix is None or flag in own or flag.replace("--no-", "--") in own:
             rest.append(arg)
-            i += 1
-            continue
-        target = found[PASSTHROUGH[prefix]]
-        if prefix.startswith("--no-"):  # a boolean turned off: recorded as --no-<flag>, no value
-            target.append("--no-" + arg[len(prefix) :])
-            i += 1
-            continue
-        target.append("--" + arg[len(prefix) :])
-        if "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            target.append(argv[i + 1])
-            i += 1
-        i += 1
+        elif prefix.startswith("--no-"):  # a boolean turned off: recorded as --no-<flag>, no value
+            found[PASSTHROUGH[prefix]].append("--no-" + arg[len(prefix) :])
+        else:
+            found[PASSTHROUGH[prefix]].append("--" + arg[len(prefix) :])
+            if "=" not in arg and i < len(argv) and not argv[i].startswith("--"):
+                found[PASSTHROUGH[prefix]].append(argv[i])
+                i += 1
     return rest, found
 
 
@@ -143,12 +137,10 @@ def env_overrides(environ: dict[str, str]) -> dict:
         if key not in environ:
             continue
         kind, _ = _field_kind(info.annotation)
-        raw = environ[key]
         if kind.startswith("list"):
-            elem = "int" if kind == "list_int" else "str"
-            out[name] = [_parse_scalar(elem, t) for t in raw.split()]
+            out[name] = [_parse_scalar(kind.removeprefix("list_"), t) for t in environ[key].split()]
         else:
-            out[name] = _parse_scalar(kind, raw)
+            out[name] = _parse_scalar(kind, environ[key])
     return out
 
 
@@ -159,13 +151,9 @@ def resolve_config(cli: dict, config_file: str | None = None, environ: dict[str,
         merged.update(read_config_file(config_file))
     merged.update(env_overrides(environ if environ is not None else dict(os.environ)))
     merged.update(cli)
-    unknown = sorted(set(merged) - set(FLAGS))
-    if unknown:
-        raise ConfigError(
-            "unknown settings: "
-            + ", ".join(flag_name(u) for u in unknown)
-            + " (see `asyncrl train-async --help` for the flags)"
-        )
+    if unknown := sorted(set(merged) - set(FLAGS)):
+        names = ", ".join(flag_name(u) for u in unknown)
+        raise ConfigError(f"unknown settings: {names} (see `asyncrl train-async --help` for the flags)")
     try:
         return RunConfig(**merged)
     except ValidationError as e:

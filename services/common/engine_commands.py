@@ -35,23 +35,20 @@ def builtin_engine_flags(config, seed: int, instance: str,
     """The built-in engine settings a run gives every engine it starts; `instance` (engine-0,
     eval-engine-0, ...) and the run id label its /metrics; `lora_rank` (adapters, max rank): a
     multi-LoRA run's engines."""
-    lora = {}
+    flags: dict[str, str | None] = {
+        "--max-running-requests": str(config.infra.engine_max_running_requests),
+        "--torch-num-threads": str(config.infra.torch_num_threads),
+        "--random-seed": str(seed),
+        "--instance-id": instance,
+    }
+    if config.infra.run_id:
+        flags["--run-id"] = config.infra.run_id
     if lora_rank and lora_rank[0] > 0:  # two versions of every adapter while one replaces the other
-        lora = {"--enable-lora": None, "--max-loras-per-batch": str(2 * lora_rank[0]),
-                "--max-lora-rank": str(lora_rank[1])}  # fmt: skip
-    parser = tool_call_parser(config.infra.sglang_server_args)  # the built-in engine knows SGLang's flag
-    tools = {"--tool-call-parser": parser} if parser else {}
-    return (
-        {
-            "--max-running-requests": str(config.infra.engine_max_running_requests),
-            "--torch-num-threads": str(config.infra.torch_num_threads),
-            "--random-seed": str(seed),
-            "--instance-id": instance,
-        }
-        | ({"--run-id": config.infra.run_id} if config.infra.run_id else {})
-        | lora
-        | tools
-    )
+        flags |= {"--enable-lora": None, "--max-loras-per-batch": str(2 * lora_rank[0]),
+                  "--max-lora-rank": str(lora_rank[1])}  # fmt: skip
+    if parser := tool_call_parser(config.infra.sglang_server_args):  # the built-in engine knows SGLang's flag
+        flags["--tool-call-parser"] = parser
+    return flags
 
 
 def sglang_server_command(model_path: str, port: int, seed: int, args: list[str]) -> list[str]:

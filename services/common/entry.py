@@ -20,7 +20,7 @@ import logging
 import sys
 import time
 
-from services.common.procs import EXIT_FATAL  # light: the standard library only
+from services.common.procs import EXIT_FATAL, apply_cpu_affinity_from_env  # light: the standard library only
 
 SERVICES = {
     "buffer": "services.buffer.service:BufferService",
@@ -52,12 +52,7 @@ def service_parser(name: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=0, help="port for HTTP (0: any free port)")
     p.add_argument("--instance-id", default=None, help="unique id of this replica")
     p.add_argument("--config-file", default=None, help="resolved run config (default: read from the run's KV)")
-    p.add_argument(
-        "--config-wait-s",
-        type=float,
-        default=60.0,
-        help="how long to wait for the run config in KV",
-    )
+    p.add_argument("--config-wait-s", type=float, default=60.0, help="how long to wait for the run config in KV")
     return p
 
 
@@ -94,29 +89,19 @@ async def _run(name: str, args) -> None:
     setup_logging(config.infra.log_level, name)
     module_name, cls_name = SERVICES[name].split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
-    service = cls(
-        config,
-        bus,
-        instance_id=args.instance_id,
-        http_host=args.http_host,
-        http_port=args.http_port,
-    )
-    await service.run()
+    await cls(config, bus, instance_id=args.instance_id, http_host=args.http_host, http_port=args.http_port).run()
 
 
 def service_main(name: str, argv: list[str] | None = None) -> None:
     if name not in SERVICES:
         raise SystemExit(f"unknown service {name!r}: choose one of {', '.join(SERVICES)}")
     args = service_parser(name).parse_args(argv)
-    from services.common.procs import apply_cpu_affinity_from_env
+    from asyncrl_proto.subjects import check_run_id
+    from services.common.secrets import install_log_redaction
 
     apply_cpu_affinity_from_env()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [{name}] %(message)s")
-    from asyncrl_proto.subjects import check_run_id
-
     check_run_id(args.run_id)
-    from services.common.secrets import install_log_redaction
-
     install_log_redaction()
     try:
         run_event_loop(_run(name, args))

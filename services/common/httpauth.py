@@ -149,14 +149,8 @@ class BearerAuth:
         self.app, self.keys, self.open_paths, self.scopes = app, keys, frozenset(open_paths), scopes
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open_paths:
-            await self.app(scope, receive, send)
-            return
-        refusal = self._refusal(scope)
-        if refusal is None:
-            await self.app(scope, receive, send)
-        else:
-            await refusal(scope, receive, send)
+        refusal = None if scope["type"] != "http" or scope["path"] in self.open_paths else self._refusal(scope)
+        await (self.app if refusal is None else refusal)(scope, receive, send)
 
     def _refusal(self, scope) -> JSONResponse | None:
         keys = self.keys()

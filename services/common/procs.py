@@ -13,6 +13,8 @@ import signal
 import socket
 import subprocess
 import time
+from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
@@ -38,18 +40,11 @@ def _die_with_parent() -> None:
 
 
 def spawn(
-    cmd: list[str],
-    log_path: str | Path | None = None,
-    env: dict[str, str] | None = None,
-    cwd: str | Path | None = None,
+    cmd: list[str], log_path: str | Path | None = None, env: dict[str, str] | None = None, cwd: str | Path | None = None
 ) -> subprocess.Popen:
     # a log may quote a secret a child prints (SGLang logs its --api-key): only its owner reads it
-    out = (
-        os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
-        if log_path
-        else subprocess.DEVNULL
-    )
-    try:
+    log = open(log_path, "ab", opener=partial(os.open, mode=0o600)) if log_path else nullcontext(subprocess.DEVNULL)
+    with log as out:
         return subprocess.Popen(
             cmd,
             stdout=out,
@@ -59,9 +54,6 @@ def spawn(
             cwd=cwd,
             preexec_fn=_die_with_parent,
         )
-    finally:
-        if log_path:
-            out.close()
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 10.0) -> int | None:

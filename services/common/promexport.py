@@ -21,9 +21,6 @@ from collections.abc import Callable, Iterable, Sequence
 from prometheus_client import ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-LABELS = ("run", "service", "instance")
-"""The labels on every sample asyncrl exports."""
-
 _PROM_BAD = re.compile(r"[^a-zA-Z0-9_]")
 
 LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -59,14 +56,10 @@ class Buckets:
         with self._lock:
             counts, total = list(self._counts), self._sum
         out, running = [], 0
-        for bound, n in zip((*(_le(b) for b in self.bounds), "+Inf"), counts, strict=True):
+        for bound, n in zip((*(repr(b) for b in self.bounds), "+Inf"), counts, strict=True):
             running += n
             out.append((bound, float(running)))
         return out, total, running
-
-
-def _le(bound: float) -> str:
-    return repr(float(bound))
 
 
 def histogram_family(name: str, doc: str, labels: dict[str, str], buckets: Buckets) -> HistogramMetricFamily:
@@ -74,14 +67,6 @@ def histogram_family(name: str, doc: str, labels: dict[str, str], buckets: Bucke
     counts, total, _ = buckets.snapshot()
     fam.add_metric(list(labels.values()), buckets=counts, sum_value=total)
     return fam
-
-
-def with_labels(families: Iterable[Metric], labels: dict[str, str]) -> Iterable[Metric]:
-    """The same families, every sample with `labels` added (a sample's own labels win)."""
-    for fam in families:
-        out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
-        out.samples = [s._replace(labels={**labels, **s.labels}) for s in fam.samples]
-        yield out
 
 
 class LabelledProcessCollector:
@@ -92,7 +77,11 @@ class LabelledProcessCollector:
         self._process = ProcessCollector(registry=None)
 
     def collect(self) -> Iterable[Metric]:
-        return with_labels(self._process.collect(), self._labels)
+        """The process families, every sample with our labels added (a sample's own labels win)."""
+        for fam in self._process.collect():
+            out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            out.samples = [s._replace(labels={**self._labels, **s.labels}) for s in fam.samples]
+            yield out
 
 
 class ServiceCollector:

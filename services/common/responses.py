@@ -6,18 +6,13 @@ from __future__ import annotations
 
 from asyncrl_proto.messages import Sample, SampleStatus
 
-FINISH_STATUS = {
-    "stop": SampleStatus.COMPLETED,
-    "length": SampleStatus.TRUNCATED,
-    "abort": SampleStatus.ABORTED,
-}
+FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 
 
 def versions_of(meta: dict) -> list[int]:
     """The weight versions an engine reports for one /generate call: its version spans, else
     its weight_version; an unparsable one (SGLang's initial "default") is unknown."""
-    spans = meta.get("weight_versions")
-    if spans:
+    if spans := meta.get("weight_versions"):
         return [int(s["version"]) for s in spans]
     v = meta.get("weight_version")
     try:
@@ -29,8 +24,7 @@ def versions_of(meta: dict) -> list[int]:
 def spans_of(meta: dict, n: int) -> list[tuple[int, int, int]]:
     """(start, end, version) of one /generate call's n output tokens: the engine's version spans,
     else its one weight_version over all of them; none when the version is unknown."""
-    spans = meta.get("weight_versions")
-    if spans:
+    if spans := meta.get("weight_versions"):
         out = [(max(0, int(s["start"])), min(n, int(s["end"])), int(s["version"])) for s in spans]
         return [x for x in out if x[1] > x[0]]  # within the n tokens this call returned
     known = versions_of(meta)

@@ -20,11 +20,8 @@ def admin_credentials(run_dir: Path):
     from services.common.secrets import NatsCredentials, load_roles_file
 
     path = run_dir / "secrets" / "nats.json"
-    if path.exists():
-        admin = load_roles_file(path).get("admin")
-        if admin:
-            return NatsCredentials(**admin)
-    return NatsCredentials.from_env("admin")
+    admin = load_roles_file(path).get("admin") if path.exists() else None
+    return NatsCredentials(**admin) if admin else NatsCredentials.from_env("admin")
 
 
 def run_config(run_dir: Path) -> dict:
@@ -38,9 +35,8 @@ def run_config(run_dir: Path) -> dict:
 def store_server(run_dir: Path, store: Path | None = None, log_name: str = "audit-nats-server",
                  log_dir: Path | None = None):  # fmt: skip
     """A nats-server on a stopped run's store (RUN_DIR/nats, or `store`: a copy of it; its log in
-    `log_dir`, by default RUN_DIR/logs), behind the
-    run's own users (its secrets directory), on free ports: the same server or cluster the
-    launcher ran (a cluster's nodes find each other again)."""
+    `log_dir`, by default RUN_DIR/logs), behind the run's own users (its secrets directory), on
+    free ports: the same server or cluster the launcher ran (a cluster's nodes find each other again)."""
     cfg = run_config(run_dir)
     url, run_id = cfg.get("nats_url"), cfg["run_id"]
     store = store or run_dir / "nats"
@@ -50,12 +46,9 @@ def store_server(run_dir: Path, store: Path | None = None, log_name: str = "audi
     from services.common.natsserver import local_nats
     from services.common.secrets import load_roles_file
 
-    roles = run_dir / "secrets" / "nats.json"
-    auth = (
-        server_auth_conf(run_id, {r: e["password"] for r, e in load_roles_file(roles).items()})
-        if roles.exists()
-        else ""
-    )
+    auth = ""
+    if (roles := run_dir / "secrets" / "nats.json").exists():
+        auth = server_auth_conf(run_id, {r: e["password"] for r, e in load_roles_file(roles).items()})
     with local_nats(store, log_dir or run_dir / "logs", auth, nodes=cfg.get("nats_cluster", 1), run_id=run_id,
                     max_file_store=cfg.get("nats_max_file_store"), log_name=log_name) as srv:  # fmt: skip
         yield srv

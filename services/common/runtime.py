@@ -55,11 +55,9 @@ async def wait_event(event: asyncio.Event, timeout: float) -> bool:
     """Wait for an event up to `timeout`; True if it is set. Uses asyncio.timeout(), because
     Python 3.11's asyncio.wait_for can swallow a cancellation that races with completion,
     which leaves a service unable to stop."""
-    try:
+    with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(timeout):
             await event.wait()
-    except TimeoutError:
-        pass
     return event.is_set()
 
 
@@ -69,15 +67,6 @@ class _QuietServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
         yield
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    sock.setblocking(False)
-    return sock
 
 
 class Service:
@@ -204,7 +193,8 @@ class Service:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.stop)
-        sock = bind_socket(self.http_host, self.http_port)
+        sock = socket.create_server((self.http_host, self.http_port), backlog=128)  # SO_REUSEADDR set
+        sock.setblocking(False)
         self.http_port = sock.getsockname()[1]
         self.http_url = f"http://{self.http_host}:{self.http_port}"
         server = _QuietServer(uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False))

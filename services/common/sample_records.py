@@ -68,12 +68,6 @@ def segments(sample, decode) -> list[list]:
     return out
 
 
-def _fate(s) -> str:
-    if s.status == SampleStatus.FAILED:
-        return "failed"
-    return "removed" if s.remove_sample else "trained"
-
-
 def step_record(step: int, version: int, groups: list[list], advantages: dict[int, float],
                 refs: dict[int, Any], decode) -> dict:  # fmt: skip
     """The record of one step. `advantages`: by id() of each sample; `refs`: the lease's GroupRef
@@ -94,7 +88,7 @@ def step_record(step: int, version: int, groups: list[list], advantages: dict[in
                 "reward": s.reward,
                 "advantage": advantages.get(id(s)),
                 "status": s.status.value,
-                "fate": _fate(s),
+                "fate": "failed" if s.status == SampleStatus.FAILED else "removed" if s.remove_sample else "trained",
                 "weight_versions": list(s.weight_versions),
                 "response_length": s.response_length,
                 "segments": segments(s, decode),
@@ -108,8 +102,7 @@ def write(run_dir: str | Path, record: dict, keep: int) -> None:
     the one that falls out of the newest `keep` steps."""
     if keep <= 0:
         return
-    d = records_dir(run_dir)
-    d.mkdir(parents=True, exist_ok=True)
+    records_dir(run_dir).mkdir(parents=True, exist_ok=True)
     path = _path(run_dir, record["step"])
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(gzip.compress(json.dumps(record, separators=(",", ":")).encode(), compresslevel=5))

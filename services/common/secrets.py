@@ -20,12 +20,13 @@ The launcher makes a run token and, for the embedded nats-server, one NATS ident
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import secrets
 import ssl
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -109,19 +110,13 @@ class NatsCredentials:
         one, else the ASYNCRL_NATS_* variables; TLS settings always from the variables."""
         env = os.environ if environ is None else environ
         values = {name: env.get(var) or None for name, var in NATS_ENV.items()}
-        roles_file = env.get(ROLES_FILE_ENV)
-        if roles_file and role:
-            entry = load_roles_file(roles_file).get(role)
-            if entry is not None:
-                for k in ("user", "password", "token", "creds_file", "nkey_file"):
-                    values[k] = entry.get(k)
+        entry = load_roles_file(env[ROLES_FILE_ENV]).get(role) if env.get(ROLES_FILE_ENV) and role else None
+        if entry is not None:
+            values |= {k: entry.get(k) for k in _ROLE_KEYS.values()}
         return cls(**values)
 
     def with_tls(self, ca: str | None, cert: str | None, key: str | None) -> NatsCredentials:
-        return NatsCredentials(**{**self._values(), "tls_ca": ca, "tls_cert": cert, "tls_key": key})
-
-    def _values(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(self, tls_ca=ca, tls_cert=cert, tls_key=key)
 
     @property
     def uses_tls(self) -> bool:
@@ -129,7 +124,7 @@ class NatsCredentials:
 
     def env(self) -> dict[str, str]:
         """The ASYNCRL_NATS_* variables that give a child process these credentials."""
-        return {NATS_ENV[k]: v for k, v in self._values().items() if v}
+        return {NATS_ENV[k]: v for k, v in asdict(self).items() if v}
 
     def describe(self) -> str:
         """What kind of identity this is, for error messages (no secret in it)."""
@@ -147,24 +142,15 @@ class NatsCredentials:
 
     def connect_kwargs(self) -> dict:
         """Keyword arguments of nats.connect() for these credentials."""
-        kw: dict = {}
-        if self.user:
-            kw["user"] = self.user
-        if self.password:
-            kw["password"] = self.password
-        if self.token:
-            kw["token"] = self.token
-        if self.creds_file:
-            kw["user_credentials"] = self.creds_file
-        if self.nkey_file:
-            kw["nkeys_seed"] = self.nkey_file
+        renamed = {"creds_file": "user_credentials", "nkey_file": "nkeys_seed"}
+        kw: dict = {renamed.get(f, f): v for f, v in asdict(self).items() if v and not f.startswith("tls_")}
         if self.uses_tls:
             kw["tls"] = self.ssl_context()
         return kw
 
     def ssl_context(self) -> ssl.SSLContext:
         try:
-            ctx = ssl.create_default_context(cafile=self.tls_ca) if self.tls_ca else ssl.create_default_context()
+            ctx = ssl.create_default_context(cafile=self.tls_ca)
             if self.tls_cert:
                 ctx.load_cert_chain(self.tls_cert, self.tls_key)
         except (OSError, ssl.SSLError) as e:
@@ -274,29 +260,12 @@ def without_identity(environ: dict[str, str] | None = None) -> dict[str, str]:
     return {k: v for k, v in env.items() if not k.startswith(drop)}
 
 
-def without_nats_identity(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """An environment for a child that talks to no NATS server (an engine): ours without the
-    NATS identity (it keeps the run token, its API key)."""
-    env = os.environ if environ is None else environ
-    return {k: v for k, v in env.items() if not k.startswith("ASYNCRL_NATS_")}
-
-
-def known_secrets(environ: dict[str, str] | None = None) -> list[str]:
-    """Every secret this process holds through its environment."""
-    env = os.environ if environ is None else environ
-    out = [env[k] for k in SECRET_ENV if env.get(k)]
-    token = None
-    try:
-        token = run_token_from_env(env)
-    except SecretError:
-        pass
-    if token:
-        out.append(token)
-    return out
-
-
 def install_log_redaction(extra: list[str] | None = None) -> None:
-    """Add the redacting filter to every handler of the root logger."""
-    flt = RedactingFilter(known_secrets() + list(extra or []))
+    """Add the redacting filter, for every secret this process holds through its environment and
+    `extra`, to every handler of the root logger."""
+    known = [os.environ[k] for k in SECRET_ENV if os.environ.get(k)]
+    with contextlib.suppress(SecretError):
+        known.append(run_token_from_env() or "")
+    flt = RedactingFilter(known + list(extra or []))
     for handler in logging.getLogger().handlers:
         handler.addFilter(flt)

@@ -13,6 +13,7 @@ against the built-in engine), which would make the client, not the engine, the b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -90,9 +91,8 @@ class SGLangClient:
             await self._session.close()
 
     def pick(self, exclude: set[str] = frozenset()) -> str:
-        candidates = [u for u in self.urls if self.healthy[u] and u not in exclude]
-        if not candidates:
-            candidates = [u for u in self.urls if u not in exclude] or self.urls
+        candidates = [u for u in self.urls if u not in exclude]
+        candidates = [u for u in candidates if self.healthy[u]] or candidates or self.urls
         return min(candidates, key=lambda u: self.outstanding[u])
 
     def _down_event(self, url: str) -> asyncio.Event:
@@ -169,9 +169,7 @@ class SGLangClient:
             self.outstanding[url] -= 1
 
     async def _post_in_slot(self, url: str, body: dict) -> dict:
-        if url not in self._slots:
-            return await self._post_generate(url, body)
-        async with self._slots[url]:
+        async with self._slots.get(url) or contextlib.nullcontext():
             return await self._post_generate(url, body)
 
     async def _post_generate(self, url: str, body: dict) -> dict:
@@ -203,8 +201,15 @@ class SGLangClient:
                     raise EngineError(f"{url}{path} returned {r.status}: {text[:300]}")
         except (TimeoutError, aiohttp.ClientConnectionError) as e:
             raise EngineError(f"{url}{path} failed: {type(e).__name__}: {e}") from e
-
         return json.loads(text) if text.strip().startswith(("{", "[")) else text
+
+    async def _succeeds(self, method: str, url: str, path: str, body: dict | None, timeout: float) -> bool:
+        """Whether the call was answered with 200 (False when the engine refused or is away)."""
+        try:
+            await self._call(method, url, path, body, timeout=timeout)
+        except EngineError:
+            return False
+        return True
 
     async def chat_completions(self, url: str, body: dict) -> dict:
         """POST /v1/chat/completions on one engine (services/envs/chat.py records its turns)."""
@@ -219,11 +224,7 @@ class SGLangClient:
     async def update_weights_from_disk(
         self, url: str, model_path: str, weight_version: str, flush_cache: bool = True
     ) -> dict:
-        body = {
-            "model_path": model_path,
-            "weight_version": weight_version,
-            "flush_cache": flush_cache,
-        }
+        body = {"model_path": model_path, "weight_version": weight_version, "flush_cache": flush_cache}
         return await self._call("POST", url, "/update_weights_from_disk", body)
 
     async def stage_weights(self, url: str, model_path: str, weight_version: str) -> bool:
@@ -259,11 +260,7 @@ class SGLangClient:
 
     async def destroy_weights_update_group(self, url: str, group_name: str) -> bool:
         """False when there was no such group (or the engine is away): nothing to tear down."""
-        try:
-            await self._call("POST", url, "/destroy_weights_update_group", {"group_name": group_name}, timeout=60.0)
-        except EngineError:
-            return False
-        return True
+        return await self._succeeds("POST", url, "/destroy_weights_update_group", {"group_name": group_name}, 60.0)
 
     async def update_weights_from_distributed(self, url: str, names: list[str], dtypes: list[str],
                                               shapes: list[list[int]], group_name: str, weight_version: str | None,
@@ -300,11 +297,7 @@ class SGLangClient:
         return False
 
     async def flush_cache(self, url: str) -> bool:
-        try:
-            await self._call("POST", url, "/flush_cache", timeout=60.0)
-        except EngineError:
-            return False
-        return True
+        return await self._succeeds("POST", url, "/flush_cache", None, 60.0)
 
     async def flush_cache_within(self, url: str, timeout_s: float, every_s: float = 1.0) -> None:
         """Flush a paused engine's prefix cache, asking again every `every_s` (an SGLang server
@@ -340,8 +333,4 @@ class SGLangClient:
         return await self._call("GET", url, "/model_info", timeout=30.0)
 
     async def health_generate(self, url: str, timeout: float = 30.0) -> bool:
-        try:
-            await self._call("GET", url, "/health_generate", timeout=timeout)
-        except EngineError:
-            return False
-        return True
+        return await self._succeeds("GET", url, "/health_generate", None, timeout)

@@ -52,13 +52,10 @@ def axis_of(key: str) -> str:
 
 def scalars(record: dict) -> dict[str, float]:
     """The finite numbers of a record (booleans as 0/1), without the axes themselves."""
-    out = {}
-    for k, v in record.items():
-        if isinstance(v, bool):
-            v = float(v)
-        if isinstance(v, (int, float)) and math.isfinite(v) and k not in (DEFAULT_AXIS, *AXES.values()):
-            out[k] = float(v)
-    return out
+    axes = (DEFAULT_AXIS, *AXES.values())
+    return {
+        k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v) and k not in axes
+    }
 
 
 class TensorBoardSink:
@@ -90,7 +87,6 @@ class WandbSink:
             raise SinkError(f"--use-wandb needs the wandb package: pip install wandb ({e})") from e
         if config.trainer.wandb_host:
             os.environ["WANDB_BASE_URL"] = config.trainer.wandb_host
-        self.wandb = wandb
         directory = Path(config.trainer.wandb_dir or run_dir)
         directory.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(

@@ -3,7 +3,6 @@ reader never takes a half-written one. Free of torch, for the launcher and the e
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 from pathlib import Path
 
@@ -17,8 +16,7 @@ def is_complete(path: str | Path) -> bool:
 def remove_snapshot(path: str | Path) -> None:
     """Delete a snapshot, its marker first: whoever reads or links it meanwhile finds it
     incomplete instead of taking a directory whose files are going."""
-    with contextlib.suppress(FileNotFoundError):
-        (Path(path) / COMPLETE_MARKER).unlink()
+    (Path(path) / COMPLETE_MARKER).unlink(missing_ok=True)
     shutil.rmtree(path, ignore_errors=True)
 
 

@@ -88,9 +88,7 @@ def reward_problem(reward: Any, reward_key: str | None, max_abs: float = 1e6) ->
 def sample_problem(s: Any, limits: Limits) -> str | None:
     """The first reason this sample cannot be trained on, or None."""
     if s.status == SampleStatus.FAILED:
-        if s.reward is not None and (p := reward_problem(s.reward, limits.reward_key, limits.max_abs_reward)):
-            return p
-        return None
+        return None if s.reward is None else reward_problem(s.reward, limits.reward_key, limits.max_abs_reward)
     if s.status == SampleStatus.PENDING:
         return "status is PENDING: a finished group holds finished samples"
     tokens = s.tokens

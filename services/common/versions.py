@@ -48,38 +48,34 @@ async def published_announcement(bus: Bus, version: int, scan: int = 64) -> Weig
     message back (at most `scan` messages): what a reader that never consumed it (lost, taken by
     another consumer, acknowledged by a predecessor that died) catches up from. None when it is
     not there."""
+    async for pub in _announcements(bus, scan):
+        if pub.version == version:
+            return pub
+    return None
+
+
+async def _newest_on_weights(bus: Bus, at_least: int, scan: int) -> int:
+    newest = 0
+    async for pub in _announcements(bus, scan):
+        newest = max(newest, pub.version)
+        if newest >= max(at_least, 1):
+            break
+    return newest
+
+
+async def _announcements(bus: Bus, scan: int):
+    """The announcements that decode among the last `scan` messages of WEIGHTS, newest first."""
     s = bus.subjects
     raw = await bus.get_last(s.weights_stream, s.weights_published)
     seq = raw.seq if raw is not None else 0
     for _ in range(scan):
         if raw is not None and raw.subject == s.weights_published:
             with contextlib.suppress(MalformedMessage):
-                pub = decode(raw.data or b"", WeightsPublished)
-                if pub.version == version:
-                    return pub
+                yield decode(raw.data or b"", WeightsPublished)
         seq -= 1
         if seq < 1:
-            return None
+            return
         raw = await bus.get_msg(s.weights_stream, seq)
-    return None
-
-
-async def _newest_on_weights(bus: Bus, at_least: int, scan: int) -> int:
-    s = bus.subjects
-    if (raw := await bus.get_last(s.weights_stream, s.weights_published)) is None:
-        return 0
-    newest, seq = 0, raw.seq
-    for _ in range(scan):
-        if raw is not None and raw.subject == s.weights_published:
-            with contextlib.suppress(MalformedMessage):
-                newest = max(newest, decode(raw.data or b"", WeightsPublished).version)
-            if newest >= max(at_least, 1):
-                break
-        seq -= 1
-        if seq < 1:
-            break
-        raw = await bus.get_msg(s.weights_stream, seq)
-    return newest
 
 
 class VersionBound:

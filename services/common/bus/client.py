@@ -1,16 +1,11 @@
-"""One service's connection to the NATS bus (services/common/bus/__init__.py).
-
-A thin wrapper over nats-py: typed publish/request with the msgpack codec, idempotent stream
-and KV setup from the names in asyncrl_proto.subjects, pull consumers, direct gets, and
-dead-lettering. The connection reconnects forever, so a restarted nats-server (file storage) is
-survived by every service.
-"""
+"""One service's connection to the NATS bus: a thin wrapper over nats-py (services/common/bus/__init__.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import time
@@ -35,8 +30,7 @@ from services.common.bus.errors import (
     StreamFull,
     StreamSetupError,
     fatal_connect_error,
-    raise_if_conflict,
-    raise_if_store_full,
+    raise_if_final,
     through_outage,
 )
 from services.common.bus.objects import ObjectStore
@@ -49,14 +43,6 @@ T = TypeVar("T")
 DEAD_LETTER_DATA_BYTES = 64 * 1024
 """A dead letter keeps this much of the message (and its size and digest): one near the payload
 limit would not fit inside another."""
-
-_RETENTION = {
-    "workqueue": api.RetentionPolicy.WORK_QUEUE,
-    "limits": api.RetentionPolicy.LIMITS,
-    "interest": api.RetentionPolicy.INTEREST,
-}
-_STORAGE = {"file": api.StorageType.FILE, "memory": api.StorageType.MEMORY}
-_DISCARD = {"old": api.DiscardPolicy.OLD, "new": api.DiscardPolicy.NEW}
 
 
 class Bus:
@@ -79,12 +65,7 @@ class Bus:
 
     @classmethod
     async def connect(
-        cls,
-        url: str,
-        run_id: str,
-        service: str,
-        connect_timeout_s: float = 30.0,
-        creds: NatsCredentials | None = None,
+        cls, url: str, run_id: str, service: str, connect_timeout_s: float = 30.0, creds: NatsCredentials | None = None
     ) -> Bus:
         """Connect as `service`'s role (its NATS identity, by default from the environment; see
         services.common.secrets). A server that is not up yet is waited for up to
@@ -95,7 +76,7 @@ class Bus:
         if creds is None:
             creds = NatsCredentials.from_env(role)
             if in_url and not (creds.user or creds.token or creds.creds_file or creds.nkey_file):
-                creds = NatsCredentials(**{**creds._values(), **in_url})
+                creds = dataclasses.replace(creds, **in_url)
         bus: Bus | None = None  # the callbacks read it once it exists
         connecting = True
 
@@ -170,9 +151,9 @@ class Bus:
         what exists."""
         for spec in self.subjects.stream_specs(partitioned, rollouts_max_msgs):
             spec = dict(spec)
-            spec["retention"] = _RETENTION[spec["retention"]]
-            spec["storage"] = _STORAGE[spec["storage"]]
-            spec["discard"] = _DISCARD[spec["discard"]]
+            spec["retention"] = api.RetentionPolicy(spec["retention"])
+            spec["storage"] = api.StorageType(spec["storage"])
+            spec["discard"] = api.DiscardPolicy(spec["discard"])
             cfg = api.StreamConfig(**spec, num_replicas=replicas)
             await through_outage(lambda cfg=cfg: self._add_or_update_stream(cfg), cfg.name, 120.0, "create")
         bucket = self.subjects.kv_bucket
@@ -236,12 +217,7 @@ class Bus:
         return self._kv
 
     async def kv_get(self, key: str) -> bytes | None:
-        kv = await self.kv()
-        try:
-            entry = await kv.get(key)
-        except nats.js.errors.KeyNotFoundError:
-            return None
-        return entry.value
+        return (await self.kv_entry(key))[0]
 
     async def kv_entry(self, key: str) -> tuple[bytes | None, int]:
         """(value, revision) of a key from one read; (None, 0) when it does not exist (or was deleted)."""
@@ -264,8 +240,7 @@ class Bus:
         except nats.js.errors.KeyWrongLastSequenceError as e:
             raise SequenceConflict(f"KV {key} moved past revision {last_revision}: another writer wrote it") from e
         except nats.js.errors.APIError as e:
-            raise_if_conflict(e, f"KV {key}")
-            raise_if_store_full(e, f"KV {key}")
+            raise_if_final(e, f"KV {key}")
             raise
 
     async def kv_put(self, key: str, value: bytes) -> None:
@@ -273,7 +248,7 @@ class Bus:
         try:
             await kv.put(key, value)
         except nats.js.errors.APIError as e:
-            raise_if_store_full(e, f"KV {key}")
+            raise_if_final(e, f"KV {key}")
             raise
 
     # ---- messaging -------------------------------------------------------------------------
@@ -283,7 +258,7 @@ class Bus:
         try:
             return await self.js.publish(subject, encode(msg), headers=headers)
         except nats.js.errors.APIError as e:
-            raise_if_store_full(e, subject)
+            raise_if_final(e, subject)
             raise
 
     async def publish_batch(
@@ -322,14 +297,12 @@ class Bus:
         if not pending:
             for f in futures:
                 if (e := f.exception()) is not None:
-                    raise_if_store_full(e, items[0][0])
-                    raise_if_conflict(e, items[0][0])
+                    raise_if_final(e, items[0][0])
             return [f.result() for f in futures]
         for f in pending:
             f.cancel()
         if refusal.is_set():  # a publish was refused while these waited (maybe one of them: retry them)
-            raise_if_store_full(self.refused, items[0][0])
-            raise_if_conflict(self.refused, items[0][0])
+            raise_if_final(self.refused, items[0][0])
             raise BusError(f"the server refused a publish on {items[0][0]}: {self.refused}")
         raise BusError(f"{len(pending)} of {len(futures)} publishes were not acknowledged within {timeout_s}s")
 
@@ -376,39 +349,28 @@ class Bus:
             return None
         return st.first_seq, st.last_seq, st.messages
 
-    async def get_msg(self, stream: str, seq: int, *, direct: bool = False):
-        """The stored message `seq` of `stream` (.subject, .data, .seq); None when there is none
-        (deleted, purged, acknowledged on a work queue). A direct get that finds none asks the
-        stream's leader: on a cluster any replica answers a direct get, one behind the leader too."""
-        try:
-            return await self.js.get_msg(stream, seq=seq, direct=direct)
-        except nats.js.errors.NotFoundError:
-            if not direct:
-                return None
-        try:
-            return await self.js.get_msg(stream, seq=seq, direct=False)
-        except nats.js.errors.NotFoundError:
-            return None
-
-    async def get_last(self, stream: str, subject: str, *, direct: bool = False):
-        """The last message of `stream` on `subject` (.subject, .data, .seq); None when none. A
-        direct get that finds none asks the leader (a replica may be behind)."""
+    async def _get(self, stream: str, direct: bool, **kw):
+        """A stored message (.subject, .data, .seq), None when there is none. A direct get that
+        finds none asks the stream's leader: on a cluster any replica answers a direct get, one
+        behind the leader too."""
         for d in (True, False) if direct else (False,):
             try:
-                return await self.js.get_msg(stream, subject=subject, direct=d)
+                return await self.js.get_msg(stream, direct=d, **kw)
             except nats.js.errors.NotFoundError:
                 continue
         return None
 
+    async def get_msg(self, stream: str, seq: int, *, direct: bool = False):
+        """Message `seq` of `stream`; None when deleted, purged or acknowledged on a work queue."""
+        return await self._get(stream, direct, seq=seq)
+
+    async def get_last(self, stream: str, subject: str, *, direct: bool = False):
+        """The last message of `stream` on `subject`."""
+        return await self._get(stream, direct, subject=subject)
+
     async def get_next(self, stream: str, subject: str, seq: int):
-        """The first message of `stream` on `subject` at or after `seq`, by direct get (the
-        leader's answer when a replica has none); None when there is none."""
-        for d in (True, False):
-            try:
-                return await self.js.get_msg(stream, seq=seq, subject=subject, direct=d, next=True)
-            except nats.js.errors.NotFoundError:
-                continue
-        return None
+        """The first message of `stream` on `subject` at or after `seq`, by direct get."""
+        return await self._get(stream, True, seq=seq, subject=subject, next=True)
 
     async def read_stream(self, stream: str, subject: str | None = None, deadline_s: float = 60.0,
                           only: str | None = None) -> list[bytes]:  # fmt: skip
@@ -525,10 +487,7 @@ class Bus:
             return decode(msg.data, tp)
         except MalformedMessage as e:
             reason = f"undecodable {tp.__name__}: {e}"
-        if jetstream:
-            await self.dead_letter_msg(msg, reason)
-        else:
-            await self.dead_letter(msg.subject, msg.data, reason)
+        await (self.dead_letter_msg(msg, reason) if jetstream else self.dead_letter(msg.subject, msg.data, reason))
         return None
 
 

@@ -35,12 +35,10 @@ async def fetch_some(psub, batch: int, timeout_s: float) -> list:
     if batch > 1:
         try:
             msgs += await psub.fetch(batch - 1, timeout=0.002)
-        except (TimeoutError, nats.errors.TimeoutError):
-            pass  # nothing else ready; a late delivery is picked up by the next fetch
         except nats.errors.ConnectionClosedError:
             raise
-        except (nats.errors.Error, nats.js.errors.Error, OSError):
-            pass
+        except (TimeoutError, nats.errors.Error, nats.js.errors.Error, OSError):
+            pass  # nothing else ready (a late delivery is picked up by the next fetch), or the connection is down
     return msgs
 
 
@@ -77,7 +75,7 @@ async def keep_alive(msg, every_s: float = 3.0):
 
 
 class Settle(str, enum.Enum):
-    """How a consumed JetStream message is settled."""
+    """How a consumed JetStream message is settled (each value names the message's method)."""
 
     ACK = "ack"  # done: never redelivered
     NAK = "nak"  # redeliver (after `delay`)
@@ -85,14 +83,10 @@ class Settle(str, enum.Enum):
     IN_PROGRESS = "in_progress"  # still ours: its ack wait starts again
 
 
-_SETTLE = {Settle.ACK: lambda m, **kw: m.ack(), Settle.NAK: lambda m, **kw: m.nak(**kw),
-           Settle.TERM: lambda m, **kw: m.term(), Settle.IN_PROGRESS: lambda m, **kw: m.in_progress()}  # fmt: skip
-
-
 async def settle(msg, how: Settle = Settle.ACK, **kw) -> None:
     """Settle a message in a way that never fails the caller: a lost acknowledgement only means
     a redelivery, which every consumer recognises."""
     try:
-        await _SETTLE[how](msg, **kw)
+        await getattr(msg, how.value)(**kw)
     except (TimeoutError, nats.errors.Error, nats.js.errors.Error, OSError) as e:
         log.warning("%s failed (%s); the message will be redelivered", how.value, type(e).__name__)

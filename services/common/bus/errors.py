@@ -36,21 +36,21 @@ class StreamFull(BusError):
     is behind. Not fatal: room comes back as the reader catches up (`until_room`)."""
 
 
-STREAM_FULL_CODE = 10077  # "maximum messages exceeded"
-
-
 STORE_DIR_ENV = "ASYNCRL_NATS_STORE_DIR"
 """Where the NATS server keeps its store, when we know it (the launcher's embedded server)."""
 STORE_FULL_CODES = {10023, 10028, 10047}  # insufficient resources, max bytes / storage exceeded
 
 
-def raise_if_store_full(e: BaseException, subject: str) -> None:
+def raise_if_final(e: BaseException, subject: str) -> None:
     """StoreFull, naming the store, when `e` is the server saying it cannot store more;
-    StreamFull when the stream holds its message cap."""
+    StreamFull when the stream holds its message cap; SequenceConflict when another writer's
+    message stands where the publish expected the stream to end."""
     if not isinstance(e, nats.js.errors.APIError):
         return
     desc = (e.description or "").lower()
-    if e.err_code == STREAM_FULL_CODE or "maximum messages exceeded" in desc:
+    if e.err_code == 10071 or "wrong last sequence" in desc:
+        raise SequenceConflict(f"{subject}: {e.description}") from e
+    if e.err_code == 10077 or "maximum messages exceeded" in desc:
         raise StreamFull(f"{subject}: the stream holds its message cap ({e.description}): its reader is behind") from e
     if e.err_code in STORE_FULL_CODES or "insufficient resources" in desc or "bytes exceeded" in desc:
         store = os.environ.get(STORE_DIR_ENV)
@@ -71,13 +71,6 @@ STREAM_EXISTS_DIFFERENTLY = 10058  # "stream name already in use with a differen
 
 class SequenceConflict(BusError):
     """A publish that expected the stream to end at a sequence found another writer's message."""
-
-
-def raise_if_conflict(e: BaseException, subject: str) -> None:
-    if isinstance(e, nats.js.errors.APIError) and (
-        e.err_code == 10071 or "wrong last sequence" in (e.description or "")
-    ):
-        raise SequenceConflict(f"{subject}: {e.description}") from e
 
 
 class BusAuthError(BusError):

@@ -6,20 +6,14 @@ from services.common.config.base import ConfigError, Section
 from services.common.config.data import DataSection
 from services.common.config.eval import EvalSection
 from services.common.config.infra import InfraSection
-from services.common.config.multi_lora import (
-    ADAPTER_NAME,
-    MULTI_LORA_IGNORES,
-    MultiLoraSection,
-    adapter_name_problem,
-    adapter_pairs,
-)
+from services.common.config.multi_lora import MultiLoraSection, adapter_name_problem, adapter_pairs
 from services.common.config.rollout import RolloutSection
-from services.common.config.run import FLAGS, SECTION_NAMES, SECTIONS, RunConfig, joins
+from services.common.config.run import FLAGS, SECTION_NAMES, SECTIONS, RunConfig
 from services.common.config.trainer import TrainerSection
 from services.common.config.view import ConfigView, FlatConfig
 
 __all__ = [
-    "ADAPTER_NAME", "FLAGS", "MULTI_LORA_IGNORES", "SECTIONS", "SECTION_NAMES", "AsyncSection", "ConfigError", "ConfigView", "FlatConfig",
-    "DataSection", "EvalSection", "InfraSection", "MultiLoraSection", "RolloutSection", "RunConfig", "Section",
-    "TrainerSection", "adapter_name_problem", "adapter_pairs", "joins",
+    "FLAGS", "SECTIONS", "SECTION_NAMES", "AsyncSection", "ConfigError", "ConfigView", "FlatConfig", "DataSection",
+    "EvalSection", "InfraSection", "MultiLoraSection", "RolloutSection", "RunConfig", "Section", "TrainerSection",
+    "adapter_name_problem", "adapter_pairs",
 ]  # fmt: skip

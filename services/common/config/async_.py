@@ -26,8 +26,7 @@ class AsyncSection(Section):
         "drop", description="What happens to aborted and stale groups: drop, or retry the prompt."
     )
     max_concurrent_samples: int | None = Field(
-        None,
-        description="In-flight cap in samples (>= n); groups = max(1, this // n). Default B groups.",
+        None, description="In-flight cap in samples (>= n); groups = max(1, this // n). Default B groups."
     )
     rollout_submission_granularity: Literal["sample", "group"] | None = Field(
         None,
@@ -101,9 +100,7 @@ class AsyncSection(Section):
         30.0, gt=0, description="An engine whose /health_generate takes longer than this is unhealthy."
     )
     prompt_ack_wait_s: float = Field(
-        30.0,
-        gt=0,
-        description="A producer that holds a prompt this long without a heartbeat loses it to another.",
+        30.0, gt=0, description="A producer that holds a prompt this long without a heartbeat loses it to another."
     )
     prompt_deadline_s: float = Field(
         900.0,

@@ -67,17 +67,13 @@ class DataSection(Section):
     seed: int = Field(1234, ge=0, description="Seed for model init and the trainer.")
 
     def problems(self) -> list[str]:
-        errs = []
-        if self.rg_config is not None:
-            try:
-                options = json.loads(self.rg_config)
-            except ValueError as e:
-                options, problem = None, f"not JSON ({e})"
-            else:
-                problem = None if isinstance(options, dict) else "not a JSON object"
-            if problem:
-                errs.append(f"--rg-config {self.rg_config!r:.80}: {problem}; e.g. '{{\"max_word_len\": 5}}'")
-        return errs
+        if self.rg_config is None:
+            return []
+        try:
+            problem = None if isinstance(json.loads(self.rg_config), dict) else "not a JSON object"
+        except ValueError as e:
+            problem = f"not JSON ({e})"
+        return [f"--rg-config {self.rg_config!r:.80}: {problem}; e.g. '{{\"max_word_len\": 5}}'"] if problem else []
 
     @property
     def rg_options(self) -> dict:

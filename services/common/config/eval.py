@@ -37,9 +37,7 @@ class EvalSection(Section):
     function_path: str | None = Field(
         None, description="module.Class: a services.api.CheckpointEvalFn subclass that evaluates each snapshot."
     )
-    hf_dir: str | None = Field(
-        None, description="Export a fresh HF snapshot per eval point here (snapshot backends)."
-    )
+    hf_dir: str | None = Field(None, description="Export a fresh HF snapshot per eval point here (snapshot backends).")
     max_in_flight: int = Field(2, ge=1, description="Eval points that may be pending at once.")
     overflow_policy: Literal["backpressure", "skip"] = Field(
         "backpressure",
@@ -78,8 +76,7 @@ class EvalSection(Section):
     def problems(self) -> list[str]:
         """Every eval combination that cannot work, with what to set."""
         errs = []
-        fleet = self.num_gpus > 0 or bool(self.engine_urls)
-        if fleet and self.function_path:
+        if self.backend == "fleet" and self.function_path:
             errs.append(
                 "--eval-num-gpus (a dedicated eval fleet) and --eval-function-path (an external evaluator) each "
                 "select an eval backend: pass one of them"

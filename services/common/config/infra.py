@@ -31,8 +31,7 @@ class InfraSection(Section):
         return v if v is None else check_run_id(v)
 
     run_dir: str | None = Field(
-        None,
-        description="Directory for snapshots, checkpoints, metrics and logs; default runs/<run-id>.",
+        None, description="Directory for snapshots, checkpoints, metrics and logs; default runs/<run-id>."
     )
     nats_url: str | None = Field(
         None,
@@ -53,9 +52,7 @@ class InfraSection(Section):
         "printed or put on a child's command line.",
     )
     nats_token: SecretStr | None = Field(
-        None,
-        exclude=True,
-        description="NATS token. Secret: prefer $ASYNCRL_NATS_TOKEN; never stored or printed.",
+        None, exclude=True, description="NATS token. Secret: prefer $ASYNCRL_NATS_TOKEN; never stored or printed."
     )
     nats_creds: str | None = Field(
         None, exclude=True, description="NATS user credentials file (.creds: JWT and NKey seed)."
@@ -133,8 +130,7 @@ class InfraSection(Section):
     )
     rollout_num_engines: int = Field(1, ge=0, description="Number of engines the launcher starts.")
     rollout_external_engine_addrs: list[str] = Field(
-        default_factory=list,
-        description="Attach to running engines (host:port or URLs) instead of launching any.",
+        default_factory=list, description="Attach to running engines (host:port or URLs) instead of launching any."
     )
     rollout_engine_urls: list[str] = Field(
         default_factory=list,

@@ -15,8 +15,6 @@ GRADED = ("math", "dapo", "deepscaler", "f1", "gpqa", "reasoning_gym", "ifbench"
 """Graded in a worker process by services/rewards/graders.py; each also as `boxed_<name>`."""
 HUB = ("remote_rm", "random", *GRADED)
 """Miles's reward hub (rm_hub), with `remote_rm` needing --rm-url."""
-REFUSED: dict[str, str] = {}
-"""Miles's rm types that cannot be graded here, each with the reason (none at present)."""
 
 
 def split_rm_type(name: str) -> tuple[bool, str]:
@@ -28,8 +26,6 @@ def split_rm_type(name: str) -> tuple[bool, str]:
 def rm_type_problem(name: str, has_url: bool = True) -> str | None:
     """Why `name` cannot score a sample, or None."""
     boxed, base = split_rm_type(name)
-    if base in REFUSED:
-        return f"rm_type {name!r} is refused: {REFUSED[base]}"
     if base in TASK_REWARDS and not boxed:
         return None
     if base not in HUB:

@@ -50,9 +50,7 @@ class RolloutSection(Section):
     stop_token_ids: list[int] = Field(default_factory=list, description="Stop token ids in addition to EOS.")
     num_rollout: int | None = Field(None, ge=1, description="Training steps to run (a run needs this or --num-epoch).")
     num_epoch: int | None = Field(
-        None,
-        ge=1,
-        description="Epochs over --prompt-data when --num-rollout is unset: (prompts // B) x this steps.",
+        None, ge=1, description="Epochs over --prompt-data when --num-rollout is unset: (prompts // B) x this steps."
     )
     num_rollout_per_epoch: int | None = Field(
         None,
@@ -135,8 +133,7 @@ class RolloutSection(Section):
         "it is rejected with what to use instead (--custom-generate-function-path, --custom-rm-path).",
     )
     dynamic_sampling_filter_path: str | None = Field(
-        None,
-        description="module.fn: fn(config, group) -> DynamicFilterOutput | bool, applied at put.",
+        None, description="module.fn: fn(config, group) -> DynamicFilterOutput | bool, applied at put."
     )
     sample_filter_path: str | None = Field(
         None, description="module.fn: fn(config, batch) marking remove_sample, applied per step."

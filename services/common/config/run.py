@@ -157,11 +157,8 @@ class RunConfig(BaseModel):
         """Flat, by flag name (the stored config, config.json, a child's command line)."""
         if kw.keys() & {"include", "exclude"}:
             raise TypeError("RunConfig.model_dump() is flat by flag name: filter its dict, not its fields")
-        out = {}
-        for attr in SECTION_NAMES.values():
-            for field, value in getattr(self, attr).model_dump(**kw).items():
-                out[FLAG_OF[(attr, field)]] = value
-        return out
+        sections = {attr: getattr(self, attr).model_dump(**kw) for attr in SECTION_NAMES.values()}
+        return {FLAG_OF[(attr, field)]: v for attr, dump in sections.items() for field, v in dump.items()}
 
     def model_dump_json(self, **kw) -> str:
         """model_dump(mode="json") as JSON text."""
@@ -391,15 +388,12 @@ class RunConfig(BaseModel):
                 "Snapshot eval from --save-hf checkpoints needs --save-interval (without it nothing is saved): "
                 "set --save-interval, or --eval-hf-dir to export a snapshot per eval point"
             )
-        elif not e.hf_dir and t.save_hf and e.interval:
-            save_every = t.save_interval
-            if e.interval % save_every:
-                errs.append(
-                    f"Snapshot eval from --save-hf checkpoints needs --eval-interval ({e.interval}) to be "
-                    f"a multiple of --save-interval ({save_every}): set --eval-interval "
-                    f"{save_every * max(1, e.interval // save_every)} or --eval-hf-dir to export a "
-                    "snapshot per eval point"
-                )
+        elif not e.hf_dir and t.save_hf and e.interval and e.interval % (every := t.save_interval):
+            errs.append(
+                f"Snapshot eval from --save-hf checkpoints needs --eval-interval ({e.interval}) to be "
+                f"a multiple of --save-interval ({every}): set --eval-interval "
+                f"{every * max(1, e.interval // every)} or --eval-hf-dir to export a snapshot per eval point"
+            )
         return errs
 
     @joins(MultiLoraSection, TrainerSection, EvalSection, AsyncSection, InfraSection, RolloutSection)
