@@ -100,11 +100,7 @@ def _parquet_rows(path: Path):
         parquet = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: not a readable Parquet file ({str(e)[:200]})") from None
-    n = 0
-    for batch in parquet.iter_batches():
-        for obj in batch.to_pylist():
-            n += 1
-            yield n, obj
+    yield from enumerate((obj for batch in parquet.iter_batches() for obj in batch.to_pylist()), 1)
 
 
 def _row(path: Path, lineno: int, obj, input_key: str, label_key: str | None, metadata_key: str | None,
@@ -163,11 +159,8 @@ class PromptSource:
         self.rows = rows
         self.n = config.rollout.n_samples_per_prompt
         self._orders: dict[int, list[int]] = {}
-        self.buffer_filter = (
-            load_object(config.rollout.buffer_filter_path, "--buffer-filter-path")
-            if config.rollout.buffer_filter_path
-            else None
-        )
+        path = config.rollout.buffer_filter_path
+        self.buffer_filter = load_object(path, "--buffer-filter-path") if path else None
 
     @property
     def epoch_size(self) -> int:
@@ -188,18 +181,9 @@ class PromptSource:
         if recycled:
             return msgspec.structs.replace(recycled[self.pick_recycled(recycled)], released_at=time.time()), {}
         epoch, cursor, row_id, row = self._row(epoch, cursor)
-        msg = PromptMsg(
-            group_index=next_group_index,
-            prompt=row["prompt"],
-            label=row["label"],
-            metadata=dict(row["metadata"]),
-            tools=row.get("tools"),
-            attempt=0,
-            epoch=epoch,
-            row=row_id,
-            n_samples=self.n,
-            released_at=time.time(),
-        )
+        msg = PromptMsg(group_index=next_group_index, prompt=row["prompt"], label=row["label"],
+                        metadata=dict(row["metadata"]), tools=row.get("tools"), attempt=0, epoch=epoch, row=row_id,
+                        n_samples=self.n, released_at=time.time())  # fmt: skip
         return msg, {"epoch": epoch, "cursor": cursor + 1, "next_group_index": next_group_index + 1}
 
     def _row(self, epoch: int, cursor: int) -> tuple[int, int, int, dict]:
@@ -223,10 +207,8 @@ class PromptSource:
             gi = flatten_group(picked[0])[0].group_index
             return next(i for i, p in enumerate(recycled) if p.group_index == gi)
         except Exception as e:
-            raise DataError(
-                f"--buffer-filter-path {self.config.rollout.buffer_filter_path} must return one of the groups it "
-                f"is given ({type(e).__name__}: {e})"
-            ) from e
+            raise DataError(f"--buffer-filter-path {self.config.rollout.buffer_filter_path} must return one of the "
+                            f"groups it is given ({type(e).__name__}: {e})") from e  # fmt: skip
 
 
 class CustomPromptSource(PromptSource):
@@ -249,9 +231,8 @@ class CustomPromptSource(PromptSource):
             if not groups or not flatten_group(groups[0]):
                 raise DataError(f"--data-source-path {path}: get_samples(1) returned no group: the source is exhausted")
             s = flatten_group(groups[0])[0]
-            if not (
-                isinstance(s.prompt, str) or (isinstance(s.prompt, list) and all(isinstance(t, int) for t in s.prompt))
-            ):
+            ids = isinstance(s.prompt, list) and all(isinstance(t, int) for t in s.prompt)
+            if not (isinstance(s.prompt, str) or ids):
                 raise DataError(f"--data-source-path {path}: a sample's prompt must be text or token ids")
             self.drawn.append({"prompt": s.prompt, "label": s.label, "metadata": dict(s.metadata or {})})
         return 0, cursor, cursor, self.drawn[cursor]

@@ -22,12 +22,7 @@ from services.common import crash
 from services.common.snapshot import COMPLETE_MARKER
 from services.model.llama import CausalLM, ModelConfig
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 def read_config(path: str | Path) -> ModelConfig:
@@ -113,9 +108,8 @@ def iter_stage_weights(model: CausalLM, path: str | Path) -> Generator[None, Non
     missing = sorted(set(own) - set(where))
     unexpected = sorted(set(where) - set(own) - {"lm_head.weight"})
     if missing or unexpected:
-        raise ValueError(
-            f"snapshot {path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
+        raise ValueError(f"snapshot {path} does not match the model: missing {missing[:5]}, unexpected "
+                         f"{unexpected[:5]}")  # fmt: skip
     wrong = [n for n, p in own.items() if shapes[n] != tuple(p.shape)]
     if wrong:
         raise ValueError(f"snapshot {path} does not match the model: {wrong[0]} has shape "
@@ -159,8 +153,7 @@ def save_model(model: CausalLM, out_dir: str | Path, tokenizer_dir: str | Path |
     check_finite(state, f"refusing to write {out}")
     out.mkdir(parents=True, exist_ok=True)
     marker = out / COMPLETE_MARKER
-    if marker.exists():
-        marker.unlink()
+    marker.unlink(missing_ok=True)
     weights = out / "model.safetensors"
     tmp = out / "model.safetensors.tmp"
     save_file(state, str(tmp), metadata={"format": "pt"})

@@ -20,6 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta")  # fmt: skip
+"""The fields a config.json holds under their own names, in its order."""
+
 
 @dataclass
 class ModelConfig:
@@ -57,53 +61,25 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict) -> ModelConfig:
         model_type = d.get("model_type", "llama")
         if model_type not in ("llama", "qwen2"):
-            raise ValueError(
-                f"model_type {model_type!r} is not supported by the built-in engine and trainer "
-                "(llama, qwen2); use --engine sglang for other architectures"
-            )
+            raise ValueError(f"model_type {model_type!r} is not supported by the built-in engine and trainer "
+                             "(llama, qwen2); use --engine sglang for other architectures")  # fmt: skip
         rope = d.get("rope_parameters") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if (d.get("rope_scaling") or {}).get("rope_type", "default") != "default" or rope_type != "default":
             raise ValueError("only default RoPE is supported by the built-in model")
-        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-        known = {
-            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "max_position_embeddings", "rms_norm_eps",
-            "tie_word_embeddings", "head_dim", "bos_token_id", "eos_token_id", "pad_token_id",
-        }  # fmt: skip
-        kwargs = {k: d[k] for k in known if k in d and d[k] is not None}
-        return cls(
-            **kwargs,
-            num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
-            rope_theta=float(theta),
-            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
-            model_type=model_type,
-        )
+        keys = _HF_KEYS + ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+        kwargs = {k: d[k] for k in keys if d.get(k) is not None}
+        kwargs["num_key_value_heads"] = d.get("num_key_value_heads") or d["num_attention_heads"]
+        kwargs["rope_theta"] = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+        return cls(**kwargs, attention_bias=bool(d.get("attention_bias", model_type == "qwen2")), model_type=model_type)
 
     def to_hf_dict(self) -> dict:
         arch = "Qwen2ForCausalLM" if self.model_type == "qwen2" else "LlamaForCausalLM"
-        d = {
-            "architectures": [arch],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
-            "attention_dropout": 0.0,
-            "torch_dtype": "float32",
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
-        }
+        d = {"architectures": [arch], "model_type": self.model_type, **{k: getattr(self, k) for k in _HF_KEYS},
+             "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+             "tie_word_embeddings": self.tie_word_embeddings, "hidden_act": "silu", "attention_dropout": 0.0,
+             "torch_dtype": "float32", "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+             "pad_token_id": self.pad_token_id}  # fmt: skip
         if self.model_type == "llama":
             d["attention_bias"] = self.attention_bias
             d["mlp_bias"] = False
@@ -131,15 +107,9 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
     return emb.cos(), emb.sin()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x_bhtd: torch.Tensor, cos_btd: torch.Tensor, sin_btd: torch.Tensor) -> torch.Tensor:
-    cos = cos_btd[:, None].to(x_bhtd.dtype)
-    sin = sin_btd[:, None].to(x_bhtd.dtype)
-    return x_bhtd * cos + _rotate_half(x_bhtd) * sin
+    x1, x2 = x_bhtd.chunk(2, dim=-1)  # rotate_half: (-x2, x1)
+    return x_bhtd * cos_btd[:, None].to(x_bhtd.dtype) + torch.cat((-x2, x1), dim=-1) * sin_btd[:, None].to(x_bhtd.dtype)
 
 
 class KVCache:
@@ -272,13 +242,8 @@ class CausalLM(nn.Module):
         return self.lm_head(self.model.norm(x))
 
     @torch.no_grad()
-    def forward_cached(
-        self,
-        input_ids_nt: torch.Tensor,
-        cache: KVCache,
-        slots_n: torch.Tensor,
-        start_pos_n: torch.Tensor,
-    ) -> torch.Tensor:
+    def forward_cached(self, input_ids_nt: torch.Tensor, cache: KVCache, slots_n: torch.Tensor,
+                       start_pos_n: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """Logits [N, T, V] for T new tokens per request, each at start_pos[i] + t, attending to
         the request's cached positions < start_pos[i] and to its new tokens causally."""
         n, t = input_ids_nt.shape

@@ -21,9 +21,6 @@ On disk an adapter is a PEFT LoRA directory, the format SGLang's `/load_lora_ada
 `--lora-paths` read: `adapter_config.json` (peft_type LORA, r, lora_alpha, target_modules) and
 `adapter_model.safetensors` with `base_model.model.model.layers.{i}.{self_attn|mlp}.{m}.lora_A.weight`
 [r, in] and `...lora_B.weight` [out, r]; the `.complete` marker is written last.
-
-`SlotAdamW` is AdamW over the factors with its moments and step count per slot, so that only the
-adapters whose batch completed take a step, and a slot's state is zeroed when it is freed.
 """
 
 from __future__ import annotations
@@ -248,7 +245,7 @@ class MultiLora(nn.Module):
         self._check_spec(spec)
         self.clear_slot(slot)
         gen = torch.Generator().manual_seed(seed)
-        for key in self._keys(spec):
+        for key in (f"l{i}_{m}" for i in range(self.num_layers) for m in spec.target_modules):
             a = self.A[key]
             bound = 1.0 / math.sqrt(a.shape[-1])
             a[slot, : spec.rank] = (torch.rand(spec.rank, a.shape[-1], generator=gen) * 2 - 1) * bound
@@ -269,9 +266,6 @@ class MultiLora(nn.Module):
             self.B[key][slot].zero_()
         self.scale[slot] = 0.0
         self.specs[slot] = None
-
-    def _keys(self, spec: LoraSpec) -> list[str]:
-        return [f"l{i}_{m}" for i in range(self.num_layers) for m in spec.target_modules]
 
     def slot_tensors(self, slot: int) -> dict[str, torch.Tensor]:
         """The slot's adapter under PEFT names, trimmed to its rank (copies)."""
@@ -294,9 +288,8 @@ class MultiLora(nn.Module):
         want = {peft_key(i, m, f) for i in range(self.num_layers) for m in spec.target_modules for f in "AB"}
         missing, unexpected = sorted(want - set(tensors)), sorted(set(tensors) - want)
         if missing or unexpected:
-            raise LoraError(
-                f"the adapter does not match rank/targets: missing {missing[:3]}, unexpected {unexpected[:3]}"
-            )
+            raise LoraError(f"the adapter does not match rank/targets: missing {missing[:3]}, unexpected "
+                            f"{unexpected[:3]}")  # fmt: skip
         placed = {}
         for name, t in tensors.items():
             layer, _, module, factor = _PEFT_KEY.match(name).groups()
@@ -362,8 +355,9 @@ def load_adapter(path: str | Path) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
 
 # ---- per-slot AdamW --------------------------------------------------------------------------------
 class SlotAdamW:
-    """AdamW on a MultiLora's factors, per slot: `step(slots)` updates only those slots, each with
-    its own step count (bias correction), and `reset(slot)` zeroes a slot's moments."""
+    """AdamW on a MultiLora's factors, per slot: `step(slots)` updates only those slots (the adapters
+    whose batch completed), each with its own step count (bias correction), and `reset(slot)`
+    zeroes a slot's moments (when it is freed)."""
 
     def __init__(self, lora: MultiLora, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
         self.params = list(lora.A.values()) + list(lora.B.values())

@@ -27,8 +27,6 @@ class Tokenizer:
         model_cfg_path = self.model_dir / "config.json"
         model_cfg = json.loads(model_cfg_path.read_text()) if model_cfg_path.exists() else {}
         self.eos_token_id = self._special_id("eos_token", model_cfg.get("eos_token_id"))
-        self.bos_token_id = self._special_id("bos_token", model_cfg.get("bos_token_id"))
-        self.pad_token_id = self._special_id("pad_token", model_cfg.get("pad_token_id"))
         self._template = None
 
     def _special_id(self, key: str, fallback):
@@ -67,10 +65,8 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict] | str, tools: list[dict] | None = None) -> str:
         if not self.has_chat_template:
-            raise ValueError(
-                f"--apply-chat-template: the tokenizer in {self.model_dir} has no chat template; "
-                "drop the flag or use a checkpoint whose tokenizer_config.json has one"
-            )
+            raise ValueError(f"--apply-chat-template: the tokenizer in {self.model_dir} has no chat template; drop the "
+                             "flag or use a checkpoint whose tokenizer_config.json has one")  # fmt: skip
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         return self.render_chat(messages, add_generation_prompt=True, tools=tools)
@@ -82,10 +78,8 @@ class Tokenizer:
         template fails or calls raise_exception."""
         if self._template is None:
             self._template = _compile_template(self._cfg.get("chat_template"))
-        specials = {}
-        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
-            tok = self._cfg.get(key)
-            specials[key] = tok.get("content") if isinstance(tok, dict) else tok
+        specials = {key: tok.get("content") if isinstance(tok := self._cfg.get(key), dict) else tok
+                    for key in ("bos_token", "eos_token", "pad_token", "unk_token")}  # fmt: skip
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                          **specials)  # fmt: skip
@@ -110,7 +104,6 @@ class Tokenizer:
 
 def _compile_template(source):
     import datetime
-    import json as _json
 
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -123,7 +116,7 @@ def _compile_template(source):
         raise ValueError(message)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, sort_keys=False: _json.dumps(
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, sort_keys=False: json.dumps(
         x, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys
     )
     env.globals["raise_exception"] = raise_exception

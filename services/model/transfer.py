@@ -23,12 +23,7 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
+DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 """The dtype names SGLang's update_weights_from_distributed takes (torch's names without `torch.`)."""
 
 BACKENDS = ("gloo", "nccl")
@@ -37,9 +32,8 @@ GROUP_TIMEOUT_S = 30.0
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    for name, dt in DTYPES.items():
-        if dt == dtype:
-            return name
+    if dtype in DTYPES.values():
+        return str(dtype).removeprefix("torch.")
     raise ValueError(f"weights of dtype {dtype} cannot be transferred (one of {', '.join(DTYPES)})")
 
 

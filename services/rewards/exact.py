@@ -211,15 +211,10 @@ class _Reader:
         raise Refused(f"unexpected {tok!r}")
 
     def group(self) -> Value:
-        if self.peek() == "{":
-            self.take()
-            return self.bracketed("{")
-        tok = self.take()
-        if tok[0].isdigit():
-            return self._number(tok)
-        if tok.isalpha():
-            return self.variables[tok]
-        raise Refused("not a group")
+        tok = self.peek()
+        if tok is None or not (tok == "{" or tok[0].isdigit() or tok.isalpha()):
+            raise Refused("not a group")
+        return self.primary()
 
     def root(self) -> Value:
         if self.peek() == "[":
@@ -280,10 +275,7 @@ def value(normalized: str):
     if _SCIENTIFIC.fullmatch(normalized):
         return (Fraction(normalized),) * POINTS
     try:
-        reader = _Reader(_tokens(normalized))
-        items = reader.listing(())
-        if reader.peek() is not None:
-            return None
+        items = _Reader(_tokens(normalized)).listing(())
         return items[0] if len(items) == 1 else Collection("set", tuple(items))
     except TooLarge:
         return HUGE
@@ -298,8 +290,7 @@ def approximate(normalized: str) -> Value | None:
     if not normalized or len(normalized) > MAX_LENGTH:
         return None
     try:
-        reader = _Reader(_tokens(normalized), near=True)
-        items = reader.listing(())
+        items = _Reader(_tokens(normalized), near=True).listing(())
         return items[0] if len(items) == 1 and not isinstance(items[0], Collection) else None
     except (Refused, RecursionError, ZeroDivisionError, OverflowError, ValueError):
         return None

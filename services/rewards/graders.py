@@ -49,20 +49,17 @@ from functools import lru_cache
 from typing import Any
 
 from services.rewards.answers import decide, nesting
-from services.rewards.ifbench import ifbench_compare, ifbench_extract
+from services.rewards.ifbench import followed
+
+_BOXED = re.compile(r"\\boxed *\{")
 
 
 def last_boxed(text: str) -> str | None:
     """The content of the last `\\boxed{...}` (nested braces allowed), or None."""
-    start = text.rfind("\\boxed")
-    if start < 0:
+    m = _BOXED.match(text, text.rfind("\\boxed"))
+    if m is None:
         return None
-    i = start + len("\\boxed")
-    while i < len(text) and text[i] == " ":
-        i += 1
-    if i >= len(text) or text[i] != "{":
-        return None
-    depth = 0
+    i, depth = m.end() - 1, 0
     for j in range(i, len(text)):
         if text[j] == "{":
             depth += 1
@@ -102,15 +99,11 @@ def _symbolic(answer: str, gold: str) -> bool:
     if any(len(t) > _MV_MAX_LENGTH or nesting(t) > _MV_MAX_NESTING or _HEAVY.search(t) for t in (answer, gold)):
         return False
     parsed_gold, parsed = _parse(gold), _parse(answer)
-    if not parsed_gold or not parsed:
-        return False
-    return bool(verify(parsed_gold, parsed))
+    return bool(parsed_gold and parsed and verify(parsed_gold, parsed))
 
 
 def same_answer(answer: str, label: Any) -> bool:
-    """Whether an answer equals the label (a `\\boxed{}` label is unboxed): the same text, the
-    same normalised text or exact value (answers.py, exact.py), else math-verify's equivalence
-    within its bounds."""
+    """Whether an answer equals the label (a `\\boxed{}` label is unboxed), by the module's `math` rule."""
     gold = str(label).strip() if label is not None else ""
     answer = answer.strip()
     if not gold or not answer:
@@ -120,6 +113,11 @@ def same_answer(answer: str, label: Any) -> bool:
         return True
     verdict = decide(answer, gold)
     return verdict if verdict is not None else _symbolic(answer, gold)
+
+
+def after_think(response: str) -> str:
+    """The answer of `gpqa` and `ifbench`: the text after the last `</think>`, else the whole response."""
+    return response.rsplit("</think>", 1)[-1]
 
 
 def math_compare(answer: str, label: Any, metadata: dict) -> float:
@@ -278,10 +276,6 @@ def chosen_letter(text: str, letters: str) -> str | None:
     return standalone[-1] if standalone else None
 
 
-def gpqa_extract(response: str) -> str | None:
-    return response.rsplit("</think>", 1)[-1]
-
-
 def gpqa_compare(answer: str, label: Any, metadata: dict) -> float:
     letters = _letters(metadata)
     correct, chosen = _correct_letter(label, metadata, letters), chosen_letter(answer, letters)
@@ -316,8 +310,7 @@ def reasoning_gym_extract(response: str) -> str:
     tagged = _ANSWER_TAG.findall(response)
     if tagged:
         return tagged[-1].strip()
-    rest = response.rsplit("</think>", 1)[-1]
-    return next((line.strip() for line in rest.splitlines() if line.strip()), "")
+    return next((line.strip() for line in after_think(response).splitlines() if line.strip()), "")
 
 
 def reasoning_gym_score(answer: str, label: Any, metadata: dict, prompt: Any) -> float:
@@ -368,8 +361,8 @@ GRADERS: dict[str, Grader] = {
     "deepscaler": Grader(deepscaler_extract, math_compare, 0.0),
     "dapo": Grader(dapo_extract, dapo_compare, {"score": -1.0, "acc": 0.0}),
     "f1": Grader(lambda r: r, f1_compare, 0.0),
-    "gpqa": Grader(gpqa_extract, gpqa_compare, 0.0),
-    "ifbench": Grader(ifbench_extract, ifbench_compare, 0.0),
+    "gpqa": Grader(after_think, gpqa_compare, 0.0),
+    "ifbench": Grader(after_think, lambda answer, _label, metadata: float(all(followed(answer, metadata))), 0.0),
 }
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from asyncrl_proto.messages import Sample
 from services.envs.trajectory import Trajectory
-from services.tasks.reverse_digits import score, write_split
+from services.tasks.reverse_digits import distinct_rows, score, write_split
 
 NAME = "calculator"
 CALL_OPEN, CALL_CLOSE, RESULT_END = "<", ">", "|"
@@ -46,16 +46,8 @@ _CALL = re.compile(r"\s*(\d{1,6})\s*([+-])\s*(\d{1,6})\s*")
 
 def make_rows(num: int, seed: int, exclude: set[str] = frozenset()) -> list[dict]:
     """`num` distinct sums "a+b=", none of whose prompts is in `exclude`."""
-    rng = random.Random(seed)
-    rows, seen = [], set(exclude)
-    while len(rows) < num:
-        a, b = rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)
-        prompt = f"{a}+{b}="
-        if prompt in seen:
-            continue
-        seen.add(prompt)
-        rows.append({"prompt": prompt, "label": str(a + b)})
-    return rows
+    return distinct_rows(num, seed, exclude, lambda p: {"prompt": p, "label": calculate("", p)},
+                         lambda rng: f"{rng.randint(0, MAX_OPERAND)}+{rng.randint(0, MAX_OPERAND)}=")  # fmt: skip
 
 
 def write_datasets(data_dir: str | Path, seed: int = 0) -> tuple[Path, Path]:
@@ -78,13 +70,8 @@ def calculate(call: str, question: str) -> str:
 def warm_start_pairs(rows: list[dict], seed: int) -> list[tuple[str, str]]:
     """(prompt, answer) pairs of right answers, CALL_SHARE of them through a call of the question."""
     rng = random.Random(seed)
-    pairs = []
-    for r in rows:
-        answer = r["label"]
-        through_call = rng.random() < CALL_SHARE
-        pairs.append((r["prompt"], f"{CALL_OPEN}{CALL_CLOSE}{answer}{RESULT_END}{answer}" if through_call
-                      else answer))  # fmt: skip
-    return pairs
+    call = CALL_OPEN + CALL_CLOSE + "{0}" + RESULT_END + "{0}"
+    return [(r["prompt"], call.format(r["label"]) if rng.random() < CALL_SHARE else r["label"]) for r in rows]
 
 
 async def generate(config, sample: Sample, engine, sampling_params: dict) -> Sample:

@@ -4,7 +4,7 @@ puzzles). Like the digit task's model it is built locally, no download, and warm
 a few supervised steps on (prompt, answer) pairs so that RL starts from a policy that writes the
 answer's format.
 
-This module imports torch only inside `build_char_model`.
+This module imports torch only inside `build_tiny_model` and `warm_start`.
 """
 
 from __future__ import annotations
@@ -37,9 +37,7 @@ def build_char_tokenizer(out_dir: str | Path, context: int, alphabet: str = ALPH
                          chat_template: str = CHAT_TEMPLATE) -> None:  # fmt: skip
     """A fast tokenizer with one token a character of `alphabet` (after SPECIAL), saved with its
     config: BOS added to plain text, the chat template given."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL)}
-    for c in alphabet:
-        vocab[c] = len(vocab)
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL, *alphabet])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS_ID)])
@@ -63,30 +61,40 @@ def build_char_model(out_dir: str | Path, pairs: list[tuple[str, str]], seed: in
                      context: int = 128, hidden: int = 128, layers: int = 2, log=print) -> dict:  # fmt: skip
     """Build and save (HF format) a character-level Llama warm-started on `pairs` of (prompt,
     answer): teacher-forced cross-entropy on the answer and its end-of-sequence token."""
+    ids = [([BOS_ID] + encode(p), encode(a) + [EOS_ID]) for p, a in pairs]
+    summary = build_tiny_model(out_dir, len(ALPHABET), context, (lambda rng: rng.choice(ids)) if ids else None,
+                               warmup_sft_steps, seed, 2e-3, lambda out: build_char_tokenizer(out, context), hidden,
+                               layers)  # fmt: skip
+    log(f"built character model: {summary['params']:,} parameters, {warmup_sft_steps} warm-start steps in "
+        f"{summary['warmup_s']:.1f}s")  # fmt: skip
+    return summary
+
+
+def build_tiny_model(out_dir: str | Path, alphabet_size: int, context: int, next_pair, steps: int, seed: int, lr: float,
+                     build_tokenizer: Callable[[Path], None], hidden: int = 128, layers: int = 2) -> dict:  # fmt: skip
+    """A Llama over SPECIAL and `alphabet_size` characters, warm-started (warm_start, at `lr`) for
+    `steps` steps on pairs drawn by `next_pair` (None: no warm start), saved in HF format with
+    the tokenizer `build_tokenizer` writes. Returns a summary dict."""
     import torch
 
     from services.model.hf_io import save_model
     from services.model.llama import CausalLM, ModelConfig
 
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=len(SPECIAL) + len(ALPHABET), hidden_size=hidden, intermediate_size=4 * hidden,
+    cfg = ModelConfig(vocab_size=len(SPECIAL) + alphabet_size, hidden_size=hidden, intermediate_size=4 * hidden,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
                       max_position_embeddings=context, bos_token_id=BOS_ID, eos_token_id=STOP_IDS,
                       pad_token_id=PAD_ID)  # fmt: skip
     model = CausalLM(cfg)
     model.init_weights(seed)
     t0 = time.perf_counter()
-    if warmup_sft_steps > 0 and pairs:
-        ids = [([BOS_ID] + encode(p), encode(a) + [EOS_ID]) for p, a in pairs]
-        warm_start(model, lambda rng: rng.choice(ids), warmup_sft_steps, seed, lr=2e-3)
+    if steps > 0 and next_pair is not None:
+        warm_start(model, next_pair, steps, seed, lr=lr)
     out = Path(out_dir)
-    build_char_tokenizer(out, context)
+    build_tokenizer(out)
     info = save_model(model, out)
     n_params = sum(p.numel() for p in model.parameters())
-    summary = {"params": n_params, "warmup_sft_steps": warmup_sft_steps, "warmup_s": time.perf_counter() - t0, **info}
-    log(f"built character model: {n_params:,} parameters, {warmup_sft_steps} warm-start steps in "
-        f"{summary['warmup_s']:.1f}s")  # fmt: skip
-    return summary
+    return {"params": n_params, "warmup_sft_steps": steps, "warmup_s": time.perf_counter() - t0, **info}
 
 
 def warm_start(model, next_pair: Callable[[random.Random], tuple[list[int], list[int]]], steps: int, seed: int,

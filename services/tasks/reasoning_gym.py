@@ -29,15 +29,6 @@ class MissingExtra(RuntimeError):
     pass
 
 
-def _reasoning_gym():
-    try:
-        import reasoning_gym
-    except ImportError:
-        raise MissingExtra("--task reasoning-gym needs the reasoning extra: pip install 'asyncrl[reasoning]' "
-                           "(reasoning-gym; a C compiler builds its pycosat dependency)") from None  # fmt: skip
-    return reasoning_gym
-
-
 def _row(entry: dict, origin: dict, scoring: str) -> dict:
     """A row of `entry`; its metadata says where the entry came from (`rg_origin`: dataset size,
     seed and settings), so that the scorer gets the entry itself back, exact types and all (JSON
@@ -52,7 +43,11 @@ def make_rows(dataset: str, options: dict, size: int, seed: int, exclude: set[st
     """`size` rows of `dataset`'s generator with `seed`; with `exclude`, distinct questions none of
     which is in it (drawn from 4x as many entries). `scoring` (--rg-scoring) rides in each row's
     metadata for the grader."""
-    rg = _reasoning_gym()
+    try:
+        import reasoning_gym as rg
+    except ImportError:
+        raise MissingExtra("--task reasoning-gym needs the reasoning extra: pip install 'asyncrl[reasoning]' "
+                           "(reasoning-gym; a C compiler builds its pycosat dependency)") from None  # fmt: skip
     if exclude is None:
         origin = {"size": size, "seed": seed, "options": options}
         return [_row(e, origin, scoring) for e in rg.create_dataset(dataset, size=size, seed=seed, **options)]

@@ -14,7 +14,7 @@ import json
 import random
 from pathlib import Path
 
-from services.tasks.char_model import BOS_ID, EOS_ID, PAD_ID, SPECIAL, STOP_IDS, build_char_tokenizer, warm_start
+from services.tasks.char_model import BOS_ID, EOS_ID, SPECIAL, build_char_tokenizer, build_tiny_model
 
 NAME = "reverse-digits"
 ALPHABET = "0123456789+="
@@ -93,58 +93,20 @@ async def reward(config, sample) -> float:
 # ---- the tiny model ------------------------------------------------------------------------
 
 
-def build_model(
-    out_dir: str | Path, seed: int = 1234, warmup_sft_steps: int = 20, log=print, max_position_embeddings: int = 64,
-    digits=None,
-) -> dict:
+def build_model(out_dir: str | Path, seed: int = 1234, warmup_sft_steps: int = 20, log=print,
+                max_position_embeddings: int = 64, digits=None) -> dict:  # fmt: skip
     """Build the 0.5M-parameter Llama, warm-start it with a few supervised steps on correct
     answers (digit strings from `digits(rng)`, this task's by default), and save it as an HF
     checkpoint. Returns a summary dict."""
-    import time
-
-    import torch
-
-    from services.model.hf_io import save_model
-    from services.model.llama import CausalLM, ModelConfig
-
-    torch.manual_seed(seed)
-    cfg = ModelConfig(
-        vocab_size=len(SPECIAL) + len(ALPHABET),
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=max_position_embeddings,
-        bos_token_id=BOS_ID,
-        eos_token_id=STOP_IDS,  # every special token ends an answer (char_model.STOP_IDS)
-        pad_token_id=PAD_ID,
-    )
-    model = CausalLM(cfg)
-    model.init_weights(seed)
-    t0 = time.perf_counter()
-    if warmup_sft_steps > 0:
-        _supervised_warm_start(model, warmup_sft_steps, seed, digits or _digits)
-    out = Path(out_dir)
-    build_tokenizer(out)
-    info = save_model(model, out)
-    n_params = sum(p.numel() for p in model.parameters())
-    summary = {
-        "params": n_params,
-        "warmup_sft_steps": warmup_sft_steps,
-        "warmup_s": time.perf_counter() - t0,
-        **info,
-    }
-    log(f"built tiny model: {n_params:,} parameters, {warmup_sft_steps} warm-start steps in {summary['warmup_s']:.2f}s")
-    return summary
-
-
-def _supervised_warm_start(model, steps: int, seed: int, digits) -> None:
-    """Teacher-forced cross-entropy on the answer tokens of random training prompts."""
     vocab = {c: len(SPECIAL) + i for i, c in enumerate(ALPHABET)}
+    digits = digits or _digits
 
-    def pair(rng: random.Random) -> tuple[list[int], list[int]]:
+    def pair(rng: random.Random) -> tuple[list[int], list[int]]:  # teacher-forced on the answer tokens
         d = digits(rng)
         return [BOS_ID] + [vocab[c] for c in d] + [vocab["="]], [vocab[c] for c in d[::-1]] + [EOS_ID]
 
-    warm_start(model, pair, steps, seed, lr=1e-3)
+    summary = build_tiny_model(out_dir, len(ALPHABET), max_position_embeddings, pair, warmup_sft_steps, seed, 1e-3,
+                               build_tokenizer)  # fmt: skip
+    log(f"built tiny model: {summary['params']:,} parameters, {warmup_sft_steps} warm-start steps in "
+        f"{summary['warmup_s']:.2f}s")  # fmt: skip
+    return summary

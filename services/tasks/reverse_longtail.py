@@ -43,14 +43,10 @@ the few longer strings would double its time without changing what it teaches (s
 digits as the prompt had)."""
 
 
-def length(rng: random.Random) -> int:
-    if rng.random() < LONG_SHARE:
-        return min(MAX_DIGITS, int(LONG_MIN * rng.paretovariate(ALPHA)))
-    return rng.randint(MIN_DIGITS, SHORT_MAX)
-
-
 def digits(rng: random.Random) -> str:
-    return "".join(rng.choice("0123456789") for _ in range(length(rng)))
+    long = rng.random() < LONG_SHARE
+    n = min(MAX_DIGITS, int(LONG_MIN * rng.paretovariate(ALPHA))) if long else rng.randint(MIN_DIGITS, SHORT_MAX)
+    return "".join(rng.choice("0123456789") for _ in range(n))
 
 
 def make_rows(num: int, seed: int, exclude: set[str] = frozenset()) -> list[dict]:

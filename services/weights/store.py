@@ -44,10 +44,6 @@ class WeightStoreError(RuntimeError):
     """A version that is missing, incomplete or whose bytes are not the ones announced."""
 
 
-def uri_of(bucket: str, version: int) -> str:
-    return f"{SCHEME}{bucket}/v{version}"
-
-
 def parse_uri(uri: str) -> tuple[str, int] | None:
     """(bucket, version) of a `nats-object://<bucket>/v<N>` URI; None for anything else."""
     if not uri.startswith(SCHEME):
@@ -95,7 +91,7 @@ class WeightStore:
         self.chunk_size = max(4096, min(chunk_size, max_payload // 2))
 
     def uri(self, version: int) -> str:
-        return uri_of(self.bucket, version)
+        return f"{SCHEME}{self.bucket}/v{version}"
 
     # ---- writing (trainer) -------------------------------------------------------------------
     async def upload(self, version: int, snapshot_dir: str | Path) -> dict:
@@ -215,26 +211,23 @@ class WeightStore:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            return await self._fetch_into(key, what, weights_file, manifest, tmp, out)
+            for name in manifest["files"]:
+                if not isinstance(name, str) or name != Path(name).name or name in ("", ".", "..", COMPLETE_MARKER):
+                    raise WeightStoreError(f"{what}: the manifest names a file {name!r:.80}")
+                info = await self._info(f"{key}/{name}")
+                if info is None:
+                    raise WeightStoreError(f"{what}: {name} is missing from the object store")
+                with (tmp / name).open("wb") as fh:
+                    await self._read_object(info, fh)
+            weights = tmp / weights_file
+            if not weights.exists():
+                raise WeightStoreError(f"{what}: the manifest has no {weights_file}")
+            digest = await asyncio.to_thread(lambda: hashlib.sha256(weights.read_bytes()).hexdigest())
+            if digest != manifest.get("sha256"):
+                raise WeightStoreError(f"{what}: the weights file's digest differs from the manifest's")
+            (tmp / COMPLETE_MARKER).write_text(json.dumps({"sha256": digest}))
+            shutil.rmtree(out, ignore_errors=True)
+            os.replace(tmp, out)
+            return out
         finally:  # a fetch cut off (the version retired meanwhile, a lost connection) leaves nothing
             shutil.rmtree(tmp, ignore_errors=True)
-
-    async def _fetch_into(self, key: str, what: str, weights_file: str, manifest: dict, tmp: Path, out: Path) -> Path:
-        for name in manifest["files"]:
-            if not isinstance(name, str) or name != Path(name).name or name in ("", ".", "..", COMPLETE_MARKER):
-                raise WeightStoreError(f"{what}: the manifest names a file {name!r:.80}")
-            info = await self._info(f"{key}/{name}")
-            if info is None:
-                raise WeightStoreError(f"{what}: {name} is missing from the object store")
-            with (tmp / name).open("wb") as fh:
-                await self._read_object(info, fh)
-        weights = tmp / weights_file
-        if not weights.exists():
-            raise WeightStoreError(f"{what}: the manifest has no {weights_file}")
-        digest = await asyncio.to_thread(lambda: hashlib.sha256(weights.read_bytes()).hexdigest())
-        if digest != manifest.get("sha256"):
-            raise WeightStoreError(f"{what}: the weights file's digest differs from the manifest's")
-        (tmp / COMPLETE_MARKER).write_text(json.dumps({"sha256": digest}))
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-        return out

@@ -21,22 +21,17 @@ from typing import Any
 from services.rewards.ifbench import classic, counts, formats  # noqa: F401 - they fill CHECKERS
 from services.rewards.ifbench.text import CHECKERS, MissingResource, bind
 
-__all__ = ["CHECKERS", "MissingResource", "followed", "ifbench_compare", "ifbench_extract", "instructions"]
+__all__ = ["CHECKERS", "MissingResource", "followed", "instructions"]
 
 
 def _kwargs_list(raw: Any, n: int) -> list[dict]:
     """One kwargs dict per instruction, as Miles coerces them."""
     if isinstance(raw, str) and raw.strip():
         raw = json.loads(raw)
-    if isinstance(raw, (list, tuple)):
-        out = [dict(e) if isinstance(e, dict) else {} for e in raw]
-    elif isinstance(raw, dict):
-        out = [dict(raw) for _ in range(n)]
-    else:
-        out = [{} for _ in range(n)]
-    if len(out) < n:
-        tail = out[-1] if out else {}
-        out += [dict(tail) for _ in range(n - len(out))]
+    if isinstance(raw, dict):  # one dict for every instruction
+        raw = [raw]
+    out = [dict(e) if isinstance(e, dict) else {} for e in raw] if isinstance(raw, (list, tuple)) else []
+    out += [dict(out[-1] if out else {}) for _ in range(n - len(out))]
     return [{k: v for k, v in e.items() if v is not None} for e in out[:n]]
 
 
@@ -66,12 +61,3 @@ def followed(response: str, metadata: dict) -> list[bool]:
         out.append(bool(response.strip()) and bool(fn(response, **kwargs)))
     return out
 
-
-def ifbench_extract(response: str) -> str:
-    """The answer: the text after the last `</think>`, else the whole response."""
-    return response.rsplit("</think>", 1)[-1]
-
-
-def ifbench_compare(answer: str, label: Any, metadata: dict) -> float:
-    """1.0 when the answer follows every instruction, else 0.0 (the label is not read)."""
-    return 1.0 if all(followed(answer, metadata)) else 0.0

@@ -63,6 +63,10 @@ def response_language(text: str, *, language) -> bool:
     """langdetect's language is the one asked (no language detected: followed, as IFEval has it)."""
     if language not in LANGUAGES:
         raise ValueError(f"ifbench language {language!r:.20} is not one of IFEval's: {', '.join(LANGUAGES)}")
+    return _in_language(text, language)
+
+
+def _in_language(text: str, language: str) -> bool:
     try:
         return detect_language(text) == language
     except UndetectableLanguage:
@@ -71,18 +75,12 @@ def response_language(text: str, *, language) -> bool:
 
 @checker("change_case:english_capital")
 def english_capital(text: str) -> bool:
-    try:
-        return text.isupper() and detect_language(text) == "en"
-    except UndetectableLanguage:
-        return True
+    return text.isupper() and _in_language(text, "en")
 
 
 @checker("change_case:english_lowercase")
 def english_lowercase(text: str) -> bool:
-    try:
-        return text.islower() and detect_language(text) == "en"
-    except UndetectableLanguage:
-        return True
+    return text.islower() and _in_language(text, "en")
 
 
 @checker("change_case:capital_word_frequency")

@@ -237,10 +237,8 @@ def vowel(text: str) -> bool:
 @checker("words:consonants")
 def consonants(text: str) -> bool:
     """Every whitespace word holds two consonants in a row."""
-    for word in text.lower().strip().split():
-        if not any(a in _CONSONANTS and b in _CONSONANTS for a, b in zip(word, word[1:], strict=False)):
-            return False
-    return True
+    words = text.lower().strip().split()
+    return all(any(a in _CONSONANTS and b in _CONSONANTS for a, b in zip(w, w[1:], strict=False)) for w in words)
 
 
 @checker("words:palindrome")

@@ -144,17 +144,11 @@ def bullet_marker(text: str, *, sep) -> bool:
 @checker("format:thesis")
 def thesis(text: str) -> bool:
     """An italic thesis (`<i>` or `<em>`), not empty, followed by more text."""
-    start = text.find("<i>")
-    if start == -1:
-        start = text.find("<em>")
-        if start == -1:
-            return False
+    start = text.find("<i>") if "<i>" in text else text.find("<em>")
     value = text[start:]
-    end = value.find("</i>")
-    if end == -1:
-        end = value.find("</em>")
-        if end == -1:
-            return False
+    end = value.find("</i>") if "</i>" in value else value.find("</em>")
+    if start == -1 or end == -1:
+        return False
     return value[3:end].strip() != "" and value[end + 4 :].strip() != ""
 
 
@@ -330,14 +324,8 @@ def csv_quotes(text: str, **_) -> bool:
     if not _STUDENT_HEADER.match(text.split("\n")[0].strip()):
         return False
     rows = _csv_rows(text.replace('"', '"""'), "\t")
-    if len(rows) != 4:
-        return False
-    for row in rows:
-        if len(row) != 5:
-            return False
-        if not all(field.strip()[:1] == '"' and field.strip()[-1:] == '"' for field in row):
-            return False
-    return True
+    quoted = all(len(row) == 5 and all(f.strip()[:1] == '"' and f.strip()[-1:] == '"' for f in row) for row in rows)
+    return len(rows) == 4 and quoted
 
 
 @checker("custom:date_format_list")
