@@ -21,6 +21,7 @@ Imports stay light until a command runs, so --help is instant.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 
@@ -63,10 +64,13 @@ def _resolve(prog: str, argv: list[str], sync: bool):
     return config
 
 
+def _init_run_config(argv: list[str]):
+    """init-run's config: --driver-sync (a synchronous run's) is its own flag."""
+    return _resolve("asyncrl init-run", [a for a in argv if a != "--driver-sync"], "--driver-sync" in argv)
+
+
 def _cmd_init_run(argv: list[str]) -> int:
-    sync = "--driver-sync" in argv
-    argv = [a for a in argv if a != "--driver-sync"]
-    config = _resolve("asyncrl init-run", argv, sync)
+    config = _init_run_config(argv)
     from services.prepare import LaunchError, init_run
 
     try:
@@ -163,7 +167,7 @@ def check_argv(argv: list[str]) -> None:
     if cmd in ("train", "train-async"):
         _resolve(f"asyncrl {cmd}", rest, cmd == "train")
     elif cmd == "init-run":
-        _resolve("asyncrl init-run", [a for a in rest if a != "--driver-sync"], "--driver-sync" in rest)
+        _init_run_config(rest)
     elif cmd == "service":
         from services.common.entry import SERVICES, service_parser
 
@@ -171,17 +175,9 @@ def check_argv(argv: list[str]) -> None:
             raise SystemExit(f"unknown service {rest[:1]}")
         service_parser(rest[0]).parse_args(rest[1:])
     elif cmd == "engine":
-        from services.engine.__main__ import parse_args
-
-        parse_args(rest)
-    elif cmd == "eval-adapter":
-        from services.eval.adapter_eval import parser
-
-        parser().parse_args(rest)
-    elif cmd == "dashboard":
-        from services.dashboard.__main__ import parser
-
-        parser().parse_args(rest)
+        importlib.import_module(COMMANDS[cmd]).parse_args(rest)
+    elif cmd in ("eval-adapter", "dashboard"):
+        importlib.import_module(COMMANDS[cmd]).parser().parse_args(rest)
     elif cmd == "secrets":
         if "-h" in rest or "--help" in rest or "--run-id" not in rest:
             raise SystemExit("asyncrl secrets needs --run-id")
@@ -189,72 +185,50 @@ def check_argv(argv: list[str]) -> None:
         raise SystemExit(f"unknown command {cmd!r}")
 
 
+def _cmd_service(argv: list[str]) -> int:
+    from services.common.entry import SERVICES, service_main
+
+    if not argv or argv[0] not in SERVICES:
+        asked = bool(argv) and argv[0] in ("-h", "--help")
+        print(
+            f"usage: asyncrl service {{{','.join(SERVICES)}}} --nats-url URL --run-id ID\n\n"
+            "Runs one service alone against a NATS server (docker compose, Kubernetes). "
+            "`asyncrl service NAME --help` lists its flags.",
+            file=sys.stdout if asked else sys.stderr,
+        )
+        return 0 if asked else 2
+    service_main(argv[0], argv[1:])
+    return 0
+
+
+COMMANDS = {
+    "train": lambda argv: _cmd_train(argv, sync=True),
+    "train-async": lambda argv: _cmd_train(argv, sync=False),
+    "init-run": _cmd_init_run,
+    "service": _cmd_service,
+    "engine": "services.engine.__main__",
+    "audit": "services.audit",
+    "status": "services.dashboard.status",
+    "dashboard": "services.dashboard.__main__",
+    "build-model": _cmd_build_model,
+    "eval-adapter": "services.eval.adapter_eval",
+    "secrets": _cmd_secrets,
+}
+"""Each command: its function, or the module whose main(argv) runs it (imported only then)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = (
-        "train",
-        "train-async",
-        "init-run",
-        "service",
-        "engine",
-        "audit",
-        "status",
-        "dashboard",
-        "build-model",
-        "eval-adapter",
-        "secrets",
-    )
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0
-    cmd, rest = argv[0], argv[1:]
-    if cmd == "train":
-        return _cmd_train(rest, sync=True)
-    if cmd == "train-async":
-        return _cmd_train(rest, sync=False)
-    if cmd == "init-run":
-        return _cmd_init_run(rest)
-    if cmd == "service":
-        from services.common.entry import SERVICES, service_main
-
-        if not rest or rest[0] not in SERVICES:
-            asked = bool(rest) and rest[0] in ("-h", "--help")
-            print(
-                f"usage: asyncrl service {{{','.join(SERVICES)}}} --nats-url URL --run-id ID\n\n"
-                "Runs one service alone against a NATS server (docker compose, Kubernetes). "
-                "`asyncrl service NAME --help` lists its flags.",
-                file=sys.stdout if asked else sys.stderr,
-            )
-            return 0 if asked else 2
-        service_main(rest[0], rest[1:])
-        return 0
-    if cmd == "engine":
-        from services.engine.__main__ import main as engine_main
-
-        engine_main(rest)
-        return 0
-    if cmd == "build-model":
-        return _cmd_build_model(rest)
-    if cmd == "eval-adapter":
-        from services.eval.adapter_eval import main as eval_adapter_main
-
-        return eval_adapter_main(rest)
-    if cmd == "secrets":
-        return _cmd_secrets(rest)
-    if cmd == "audit":
-        from services.audit import main as audit_main
-
-        return audit_main(rest)
-    if cmd == "status":
-        from services.dashboard.status import main as status_main
-
-        return status_main(rest)
-    if cmd == "dashboard":
-        from services.dashboard.__main__ import main as dashboard_main
-
-        return dashboard_main(rest)
-    print(f"asyncrl: unknown command {cmd!r}; commands: {', '.join(commands)}", file=sys.stderr)
-    return 2
+    run = COMMANDS.get(argv[0])
+    if run is None:
+        print(f"asyncrl: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    if isinstance(run, str):
+        run = importlib.import_module(run).main
+    return run(argv[1:]) or 0
 
 
 if __name__ == "__main__":

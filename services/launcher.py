@@ -44,7 +44,7 @@ from services.common.secrets import RM_TOKEN_ENV, NatsCredentials, without_ident
 from services.common.snapshot import COMPLETE_MARKER, is_complete
 from services.common.validate import EvalPoints, eval_result_problem, finite_metrics
 from services.common.versions import VersionBound
-from services.prepare import Prepared, prepare_launch
+from services.prepare import Prepared, create_streams, prepare_launch
 from services.raycluster import Placement
 from services.supervisor import LaunchError, Supervisor
 
@@ -132,9 +132,6 @@ class Launcher:
         env = {**self._env(role), **(extra_env or {})}
         return self.procs.spawn(name, cmd, env, health_url=health, essential=essential).proc
 
-    def child(self, name: str):
-        return self.procs.child(name)
-
     def _address(self, name: str, side: str) -> tuple[str, int]:
         """Where a child binds: with --use-ray its host's node IP and a free port there (`side`:
         trainer or rollout), else 127.0.0.1. Its command is the same either way (_placed)."""
@@ -169,7 +166,6 @@ class Launcher:
             return [normalize_url(a) for a in c.infra.rollout_external_engine_addrs]
         if c.infra.engine == "sglang":
             return self._start_sglang()
-        urls = []
         pins = procs.split_cpus(c.infra.rollout_num_engines) if c.infra.pin_cpus and not self.placement else None
         for i in range(c.infra.rollout_num_engines):
             host, port = self._address(f"engine-{i}", "rollout")
@@ -185,9 +181,8 @@ class Launcher:
             url = f"http://{host}:{port}"
             self._spawn(f"engine-{i}", cmd, role=role, extra_env={procs.CPU_ENV: pins[0][i]} if pins else None,
                         health=url + "/health_generate")  # fmt: skip
-            urls.append(url)
-            self.services[f"engine-{i}"] = urls[-1]
-        return urls
+            self.services[f"engine-{i}"] = url
+        return [self.services[f"engine-{i}"] for i in range(c.infra.rollout_num_engines)]
 
     def _start_sglang(self) -> list[str]:
         import importlib.util
@@ -253,7 +248,7 @@ class Launcher:
         with httpx.Client(timeout=2.0, headers=self.procs.headers) as http:
             while pending:
                 self.check_children()
-                for label in [x for x in pending if self.child(x).given_up]:  # the run goes on without it
+                for label in [x for x in pending if self.procs.child(x).given_up]:  # the run goes on without it
                     del pending[label]
                 for label, url in list(pending.items()):
                     path = {"engine": "/health_generate", "router": "/health"}.get(label.split("-")[0], "/readyz")
@@ -302,17 +297,14 @@ class Launcher:
         (self.run_dir / "config.json").write_text(json.dumps(c.model_dump(mode="json"), indent=2))
         bus = await Bus.connect(self.nats_url, c.infra.run_id, "launcher", creds=self.creds["admin"])
         try:
-            lora = c.multi_lora.n_adapters > 0
-            await bus.ensure_streams(c.infra.stream_replicas, lora, c.rollouts_max_msgs)
-            await bus.ensure_consumers(c.async_.prompt_ack_wait_s, lora)
-            await bus.kv_put("config", json.dumps(c.model_dump(mode="json")).encode())
+            await create_streams(bus, c)
             await asyncio.to_thread(self.wait_ready)  # engines first: every service talks to them
             await bus.subscribe(bus.subjects.progress, self._on_progress)
             self.published = VersionBound(bus)
             await bus.subscribe(bus.subjects.weights_live, self._on_live)
             await bus.subscribe(bus.subjects.eval_requests, self._on_eval_request)
             await bus.subscribe(bus.subjects.eval_results, self._on_eval)
-            for name in ("buffer", "weight-sync", "eval") + (("adapters",) if lora else ()):
+            for name in ("buffer", "weight-sync", "eval") + (("adapters",) if self.multi_lora else ()):
                 self.start_service(name)
             for i in range(c.infra.rollout_num_producers):
                 self.start_service("rollout", f"rollout-{i}")
@@ -340,15 +332,12 @@ class Launcher:
                             paused.append(label)
         return paused
 
-    def _final_version(self) -> int:
-        return int(self.done.record.get("weight_version", 0)) if self.done else 0
-
     async def _watch(self, bus) -> None:
         async with httpx.AsyncClient() as http:
             while self.done is None:
                 self.check_children(allow_exit=("trainer",))
                 await self.procs.check_health(http)
-                if self.child("trainer").proc.poll() == 0 and self.done is None:
+                if self.procs.child("trainer").proc.poll() == 0 and self.done is None:
                     await self._read_final_progress(bus)  # finished while we were cut off from NATS?
                     if self.done is None:
                         raise LaunchError("the trainer exited without its final record; see logs/trainer.log")
@@ -356,11 +345,15 @@ class Launcher:
         if self.done.error:
             raise LaunchError(f"trainer failed: {self.done.error}")
 
+    def _is_last(self, rec: ProgressRecord) -> bool:
+        """The trainer's last record: done after the last step (multi-LoRA: every adapter completed)."""
+        return rec.done and (rec.step == self.config.rollout.total_steps or self.multi_lora)
+
     async def _read_final_progress(self, bus) -> None:
         raw = await bus.get_last(bus.subjects.progress_stream, bus.subjects.progress)
         with contextlib.suppress(MalformedMessage):
             rec = decode(raw.data, ProgressRecord) if raw is not None else None
-            if rec is not None and rec.done and (rec.step == self.config.rollout.total_steps or self.multi_lora):
+            if rec is not None and self._is_last(rec):
                 self.done = rec
 
     async def _wait_last_eval(self) -> None:
@@ -406,7 +399,7 @@ class Launcher:
     async def _on_progress(self, msg) -> None:
         with contextlib.suppress(MalformedMessage):
             rec = decode(msg.data, ProgressRecord)
-            if rec.done and (rec.step == self.config.rollout.total_steps or self.multi_lora):  # its last record
+            if self._is_last(rec):
                 self.done = rec
             elif not rec.done and self.multi_lora:  # adapter steps: each on its own axis
                 name = rec.record.get("adapter", "")
@@ -448,7 +441,7 @@ class Launcher:
         self.out(f"run {self.config.infra.run_id} in {self.run_dir}")
         self.out(f"  nats: {self.nats_url}")
         for label, url in self.services.items():
-            pid = self.child(label).proc.pid
+            pid = self.procs.child(label).proc.pid
             self.out(f"  {label:<12} pid {pid:<7} {url}")
         (self.run_dir / "services.json").write_text(json.dumps(self.services, indent=2))
         if "dashboard" in self.services:
@@ -467,7 +460,7 @@ class Launcher:
             "mode": self.config.infra.mode,
             "steps": self.config.rollout.total_steps,
             "wall_s": time.time() - self.t0,
-            "final_weight_version": self._final_version(),
+            "final_weight_version": int(self.done.record.get("weight_version", 0)) if self.done else 0,
             "heldout_dataset": self.config.eval.prompt_data[0] if self.config.eval.prompt_data else None,
             "heldout_reward_step0": r0,
             "heldout_reward_final": r1,
@@ -480,11 +473,8 @@ class Launcher:
         return result
 
     # ---- stop --------------------------------------------------------------------------------
-    def stop_services(self) -> None:
-        self.procs.stop_all()
-
     def shutdown(self) -> None:
-        self.stop_services()
+        self.procs.stop_all()
         if self.placement:
             self.placement.close()
         if self.nats:
@@ -513,9 +503,9 @@ def link_snapshot(src: Path, dst: Path) -> bool:
 
 
 def format_progress(step: int, total: int, rec: dict) -> str:
-    def f(key, fmt="{:.3f}", default="-"):
+    def f(key, fmt="{:.3f}"):
         v = rec.get(key)
-        return fmt.format(v) if isinstance(v, (int, float)) else default
+        return fmt.format(v) if isinstance(v, (int, float)) else "-"
 
     return (
         f"[step {step + 1:>4}/{total}] reward {f('rollout/reward/mean')}"
@@ -565,7 +555,7 @@ def launch(config: RunConfig, out=print, progress=None) -> dict:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         result = asyncio.run(launcher.run())
-        launcher.stop_services()
+        launcher.procs.stop_all()
         from services.audit import collect
 
         report = asyncio.run(
@@ -574,16 +564,16 @@ def launch(config: RunConfig, out=print, progress=None) -> dict:
         (launcher.run_dir / "audit.json").write_text(json.dumps(report, indent=2))
         # result.json again, now with the audit's answer: scripts read the same verdict the console shows
         result["ledger_balanced"] = report["balanced"]
-        if "adapters" in report:
-            result["ledger"] = {name: ledger_counts(part) | {"balanced": part["balanced"]}
-                                for name, part in report["adapters"].items()}  # fmt: skip
-        else:
-            result["ledger"] = ledger_counts(report)
+        adapters = report.get("adapters")  # multi-LoRA: the ledger of every adapter registration
+        result["ledger"] = (
+            ledger_counts(report)
+            if adapters is None
+            else {name: ledger_counts(part) | {"balanced": part["balanced"]} for name, part in adapters.items()}
+        )
         (launcher.run_dir / "result.json").write_text(json.dumps(result, indent=2))
-        if "adapters" in report:  # multi-LoRA: the ledger of every adapter registration
-            for name, part in report["adapters"].items():
-                out(f"ledger of adapter {name}: {ledger_line(part)} ({'balanced' if part['balanced'] else 'NOT balanced'})")
-        else:
+        for name, part in (adapters or {}).items():
+            out(f"ledger of adapter {name}: {ledger_line(part)} ({'balanced' if part['balanced'] else 'NOT balanced'})")
+        if adapters is None:
             out(f"ledger: {ledger_line(report)} ({'balanced' if report['balanced'] else 'NOT balanced'}; "
                 f"asyncrl audit {launcher.run_dir})")  # fmt: skip
         if not report["balanced"]:

@@ -39,13 +39,9 @@ BUNDLED = {
 (build_model); the calculator builds the character model itself (build_task_model)."""
 
 
-def default_run_id() -> str:
-    return time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:4]
-
-
 def prepare_run(config: RunConfig, log=print) -> RunConfig:
     """Resolve run id and directory, write the task's data and build its model when needed."""
-    run_id = check_run_id(config.infra.run_id or default_run_id())
+    run_id = check_run_id(config.infra.run_id or time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:4])
     run_dir = Path(config.infra.run_dir or Path("runs") / run_id).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
@@ -55,28 +51,28 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
             updates[field] = str(Path(config.flag(field)).resolve())
     if config.eval.config:  # inlined, with absolute paths: every service reads the same document
         updates.update(inline_eval_config(config))
+    d = config.data
     given_eval = bool(config.eval.prompt_data or config.eval.config)
-    if config.data.task in BUNDLED and (config.data.prompt_data is None or not given_eval):
-        task = importlib.import_module(BUNDLED[config.data.task])
-        train, held_out = task.write_datasets(run_dir / "data", seed=config.data.rollout_seed)
-        if config.data.prompt_data is None:
-            updates["prompt_data"] = str(train)
-        if not given_eval:
-            updates["eval_prompt_data"] = [task.NAME, str(held_out)]
-    if config.data.task == "reasoning-gym" and (config.data.prompt_data is None or not given_eval):
+    written = None  # (the held-out set's name, the training file, the held-out file)
+    if d.task in BUNDLED and (d.prompt_data is None or not given_eval):
+        task = importlib.import_module(BUNDLED[d.task])
+        written = (task.NAME, *task.write_datasets(run_dir / "data", seed=d.rollout_seed))
+    elif d.task == "reasoning-gym" and (d.prompt_data is None or not given_eval):
         from services.tasks import reasoning_gym
 
-        d = config.data
         try:
             train, held_out = reasoning_gym.write_datasets(run_dir / "data", d.rg_dataset, d.rg_options, d.rg_size,
-                                                           d.rg_eval_size, config.data.rollout_seed, d.rg_scoring)  # fmt: skip
+                                                           d.rg_eval_size, d.rollout_seed, d.rg_scoring)  # fmt: skip
         except (reasoning_gym.MissingExtra, ValueError, TypeError, KeyError) as e:
             raise LaunchError(f"--task reasoning-gym --rg-dataset {d.rg_dataset}: {e}") from None
         log(f"reasoning-gym {d.rg_dataset}: {d.rg_size} training and {d.rg_eval_size} held-out prompts")
-        if config.data.prompt_data is None:
+        written = (d.rg_dataset, train, held_out)
+    if written:
+        name, train, held_out = written
+        if d.prompt_data is None:
             updates["prompt_data"] = str(train)
         if not given_eval:
-            updates["eval_prompt_data"] = [d.rg_dataset, str(held_out)]
+            updates["eval_prompt_data"] = [name, str(held_out)]
     rows = check_datasets(config.model_copy(update=updates))
     check_sinks(config)
     if config.rollout.num_rollout is None and config.rollout.data_source_path:
@@ -85,13 +81,13 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
         updates["num_rollout"] = steps_of_epochs(config, rows)
         updates["num_rollout_per_epoch"] = rows // config.rollout.batch_size
         log(f"--num-epoch {config.rollout.num_epoch}: {rows} prompts per epoch -> {updates['num_rollout']} steps")
-    if config.data.hf_checkpoint is None:
+    if d.hf_checkpoint is None:
         model_dir = run_dir / "model" / "initial"
         if not (model_dir / ".complete").exists():
             build_task_model(config.model_copy(update=updates), model_dir, log)
         updates["hf_checkpoint"] = str(model_dir)
     else:
-        updates["hf_checkpoint"] = str(Path(config.data.hf_checkpoint).resolve())
+        updates["hf_checkpoint"] = str(Path(d.hf_checkpoint).resolve())
     return config.model_copy(update=updates)
 
 
@@ -100,27 +96,22 @@ def build_task_model(config: RunConfig, model_dir: Path, log) -> None:
     warm-started on training (question, answer) pairs, its context fitting the longest pair; for
     the calculator a character-level one warm-started on right answers, some through a call."""
     d = config.data
-    if d.task == "calculator":
-        from services.data.source import load_rows
-        from services.tasks.calculator import warm_start_pairs
-        from services.tasks.char_model import build_char_model
-
-        pairs = warm_start_pairs(load_rows(d.prompt_data, d.input_key, d.label_key, None), d.seed)
-        build_char_model(model_dir, pairs, seed=d.seed, warmup_sft_steps=d.warmup_sft_steps, context=64, log=log)
-        return
-    if d.task == "reasoning-gym":
+    if d.task in ("calculator", "reasoning-gym"):
         from services.data.source import load_rows
         from services.tasks.char_model import build_char_model
 
         rows = load_rows(d.prompt_data, d.input_key, d.label_key, None)
-        pairs = [(str(r["prompt"]), str(r["label"])) for r in rows]
-        held_out = [str(r["prompt"]) for f in config.eval.prompt_data[1::2]  # NAME PATH pairs
-                    for r in load_rows(f, "prompt", None, None)]  # its prompts must fit too  # fmt: skip
-        prompts = [p for p, _ in pairs] + held_out
-        longest = max(map(len, prompts)) + max(len(a) for _, a in pairs) + config.rollout.max_response_len
-        context = 128
-        while context < longest + 2:
-            context *= 2
+        if d.task == "calculator":
+            from services.tasks.calculator import warm_start_pairs
+
+            pairs, context = warm_start_pairs(rows, d.seed), 64
+        else:
+            pairs = [(str(r["prompt"]), str(r["label"])) for r in rows]
+            held_out = [str(r["prompt"]) for f in config.eval.prompt_data[1::2]  # NAME PATH pairs
+                        for r in load_rows(f, "prompt", None, None)]  # its prompts must fit too  # fmt: skip
+            prompts = [p for p, _ in pairs] + held_out
+            longest = max(map(len, prompts)) + max(len(a) for _, a in pairs) + config.rollout.max_response_len
+            context = max(128, 1 << (longest + 1).bit_length())  # the least power of two >= longest + 2
         build_char_model(model_dir, pairs, seed=d.seed, warmup_sft_steps=d.warmup_sft_steps, context=context, log=log)
         return
     task = importlib.import_module(BUNDLED[d.task])
@@ -216,20 +207,6 @@ def role_credentials(config: RunConfig, roles: tuple[str, ...] = ROLES) -> dict[
     return dict.fromkeys(roles, one)
 
 
-def run_token(config: RunConfig, secrets_dir: Path) -> str:
-    """The run token: given (--run-token, $ASYNCRL_RUN_TOKEN or $ASYNCRL_RUN_TOKEN_FILE), kept
-    from an earlier start of the same run directory, or new; always in <run_dir>/secrets/run-token
-    (0600) for the operator."""
-    given = config.infra.run_token.get_secret_value() if config.infra.run_token else run_token_from_env()
-    return keep_or_make_token(secrets_dir / "run-token", given)
-
-
-def role_passwords(secrets_dir: Path) -> dict[str, str]:
-    """The embedded server's per-role passwords, kept across restarts of the same run directory
-    (its store and its services must still match)."""
-    return keep_or_make_passwords(secrets_dir / "nats.json", ROLES)
-
-
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """Everything a launched run needs before its first process starts."""
@@ -251,7 +228,10 @@ def prepare_launch(config: RunConfig, log=print) -> Prepared:
     config = prepare_run(with_ray_defaults(config), log=log)
     infra = config.infra
     secrets_dir = Path(infra.run_dir) / "secrets"
-    token = run_token(config, secrets_dir)
+    # the run token: given (--run-token, $ASYNCRL_RUN_TOKEN or $ASYNCRL_RUN_TOKEN_FILE), kept from an earlier
+    # start of the same run directory, or new; always in <run_dir>/secrets/run-token (0600) for the operator
+    given = infra.run_token.get_secret_value() if infra.run_token else run_token_from_env()
+    token = keep_or_make_token(secrets_dir / "run-token", given)
     if infra.nats_url:
         if infra.nats_cluster > 1:
             raise LaunchError("--nats-cluster starts an embedded cluster; with --nats-url the cluster is yours: "
@@ -259,7 +239,8 @@ def prepare_launch(config: RunConfig, log=print) -> Prepared:
         # the registry's identity is needed only with multi-LoRA (older roles files lack it)
         roles = tuple(r for r in ROLES if r != "adapters" or config.multi_lora.n_adapters > 0)
         return Prepared(config, token, role_credentials(config, roles), None)
-    passwords = role_passwords(secrets_dir)
+    # kept across restarts of the same run directory (its store and its services must still match)
+    passwords = keep_or_make_passwords(secrets_dir / "nats.json", ROLES)
     creds = {r: NatsCredentials(user=r, password=p) for r, p in passwords.items()}
     return Prepared(config, token, creds, server_auth_conf(infra.run_id, passwords))
 
@@ -272,13 +253,17 @@ async def publish_run_config(config: RunConfig) -> None:
     creds = role_credentials(config, ("admin",))["admin"]
     bus = await Bus.connect(config.infra.nats_url, config.infra.run_id, "init-run", connect_timeout_s=120, creds=creds)
     try:
-        await bus.ensure_streams(
-            config.infra.stream_replicas, config.multi_lora.n_adapters > 0, config.rollouts_max_msgs
-        )
-        await bus.ensure_consumers(config.async_.prompt_ack_wait_s, config.multi_lora.n_adapters > 0)
-        await bus.kv_put("config", json.dumps(config.model_dump(mode="json")).encode())
+        await create_streams(bus, config)
     finally:
         await bus.close()
+
+
+async def create_streams(bus, config: RunConfig) -> None:
+    """The run's streams and consumers, and its resolved config in KV, where every service reads it."""
+    lora = config.multi_lora.n_adapters > 0
+    await bus.ensure_streams(config.infra.stream_replicas, lora, config.rollouts_max_msgs)
+    await bus.ensure_consumers(config.async_.prompt_ack_wait_s, lora)
+    await bus.kv_put("config", json.dumps(config.model_dump(mode="json")).encode())
 
 
 def init_run(config: RunConfig, log=print) -> RunConfig:

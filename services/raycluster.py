@@ -1,34 +1,26 @@
 """Placement over a Ray cluster (--use-ray): where the launcher's engines, producers and trainer run.
 
 The launcher builds every child's command line the same way with or without Ray; only where it
-runs differs. With --use-ray it connects to the cluster at $RAY_ADDRESS (unset: it starts a local
-one for the run) and reserves one placement group of two bundles, strategy SPREAD:
-
-- bundle 0, the trainer side: one CPU (and one GPU when the cluster has GPUs) per trainer rank;
-- bundle 1, the rollout side: one CPU per engine and producer, one GPU per engine on GPUs.
-
-Ray puts the two bundles on two different nodes whenever the cluster can. Each placed child gets a
-`ChildHost` actor in its side's bundle, named `<child>` in the run's namespace. The launcher asks
-the host for its node's IP and a free port there, builds the child's command with that address
-(an engine binds `--host <node ip>`, a service `--http-host <node ip>`; producers and weight-sync
-get the engines' `http://<node ip>:<port>` URLs) and starts, as its supervised child, a local
-attachment: `python -m services.raycluster attach --actor <child> ... -- <command>`. The
-attachment has the host run the command as a subprocess on its node, relays its output into the
-child's log and exits with its exit code; stopped (SIGTERM), it stops the remote command first.
-So the launcher's supervision is unchanged: a child that exits or fails its health check (polled
-at its node's address) is restarted by restarting its attachment, which runs the command again in
-the same host. The trainer's ranks 1..K-1 join the trainer's bundle (services/trainer/ranks.py):
-the host tells the trainer its node's IP and the bundle through its environment, and the ranks
-rendezvous on that IP.
+runs differs. It joins the cluster at $RAY_ADDRESS (unset: a local one for the run) and reserves
+one placement group, SPREAD (two nodes whenever the cluster can), of two bundles: the trainer side
+(one CPU, and one GPU on GPUs, per rank) and the rollout side (one CPU per engine and producer,
+one GPU per engine on GPUs). Each placed child gets a `ChildHost` actor named `<child>` in its
+side's bundle, which gives its node's IP and a free port there; the child's command binds that
+address, and the launcher supervises a local attachment (`python -m services.raycluster attach
+--actor <child> ... -- <command>`) that has the host run the command, relays its output into the
+child's log and exits with its exit code (SIGTERM stops the remote command first). So supervision
+is unchanged: an exit or a failed health check (polled at the node's address) restarts the
+attachment, which runs the command again in the same host. The trainer learns its node's IP and
+bundle from its host's environment; its ranks 1..K-1 join that bundle and rendezvous on that IP
+(services/trainer/ranks.py).
 
 What Ray changes: the buffer, weight-sync and eval stay processes of the launcher; a lost Ray node
 is not replaced (the restarts of its children fail and the run stops with their error); the host
 passes the child's environment (its NATS identity and the run token) as a Ray call argument, so an
 untrusted network between nodes needs Ray's TLS. Every node must have asyncrl installed at the
-same path and reach the NATS server (give --nats-url with an address the nodes reach; the embedded
-server listens on 127.0.0.1) and read --hf-checkpoint (the engines' and producers' initial model
-and tokenizer); weights after that come from the run's object bucket (object-store, the default
-with --use-ray) or by broadcast from the trainer's node address (distributed).
+same path, reach the NATS server (give --nats-url with an address the nodes reach; the embedded
+server listens on 127.0.0.1) and read --hf-checkpoint; later weights come from the run's object
+bucket (object-store, the default with --use-ray) or by broadcast from the trainer's node (distributed).
 Outputs: RUN_DIR/ray.json (the cluster, the bundles' nodes, each child's node IP and URL).
 """
 
@@ -36,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -49,7 +40,7 @@ import time
 from pathlib import Path
 
 from services.common import procs
-from services.supervisor import LaunchError
+from services.supervisor import LaunchError, write_json
 from services.trainer.worker import NODE_IP_ENV, PLACEMENT_ENV
 
 READY_TIMEOUT_S = 120.0
@@ -135,9 +126,7 @@ class Placement:
         info = {"address": self.address, "namespace": self.namespace, "placement_group": self.pg_name,
                 "strategy": "SPREAD", "bundles": {s: {"index": i, **self.pg.bundle_specs[i]} for s, i in self.bundles.items()},
                 "children": self.children}  # fmt: skip
-        tmp = self.run_dir / "ray.json.tmp"
-        tmp.write_text(json.dumps(info, indent=2))
-        tmp.replace(self.run_dir / "ray.json")
+        write_json(self.run_dir / "ray.json", info)
 
     def close(self) -> None:
         """The hosts and the placement group go (their subprocesses die with them), then our driver."""

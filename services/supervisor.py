@@ -34,6 +34,13 @@ class LaunchError(RuntimeError):
     pass
 
 
+def write_json(path: Path, obj) -> None:
+    """`path` replaced whole (written beside it, then renamed): a reader never sees it half-written."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    tmp.replace(path)
+
+
 @dataclass
 class Child:
     name: str
@@ -86,7 +93,6 @@ class Supervisor:
         self.budget = RestartBudget(max_restarts, restart_window_s)
         self.run_dir = run_dir
         self.secrets = secrets or []
-        self.max_restarts = max_restarts
         self.health_restart_s = health_restart_s
         self.out = out
         self.headers = headers or {}
@@ -110,11 +116,8 @@ class Supervisor:
         return next(c for c in self.children if c.name == name)
 
     def write_pids(self) -> None:
-        """pids.json, replaced whole (written beside it, then renamed): a reader never sees it half-written."""
         pids = {c.name: c.proc.pid for c in self.children} | self.extra_pids | {"launcher": os.getpid()}
-        tmp = self.run_dir / "pids.json.tmp"
-        tmp.write_text(json.dumps(pids, indent=2))
-        tmp.replace(self.run_dir / "pids.json")
+        write_json(self.run_dir / "pids.json", pids)
 
     def record_exits(self, stopped: dict[str, subprocess.Popen | None]) -> None:
         """exits.json, replaced whole: the pid and exit code of each process in `stopped` that has
@@ -122,9 +125,7 @@ class Supervisor:
         ended = {n: p for n, p in stopped.items() if p is not None and p.returncode is not None}
         self.exits |= {n: {"pid": p.pid, "code": p.returncode} for n, p in ended.items()}
         if self.exits:
-            tmp = self.run_dir / f"{procs.EXITS_FILE}.tmp"
-            tmp.write_text(json.dumps(self.exits, indent=2))
-            tmp.replace(self.run_dir / procs.EXITS_FILE)
+            write_json(self.run_dir / procs.EXITS_FILE, self.exits)
 
     def tail(self, name: str, n: int = 15) -> str:
         try:
@@ -152,9 +153,7 @@ class Supervisor:
 
     def _give_up(self, c: Child, why: str) -> None:
         c.given_up = True
-        if c.proc.poll() is None:
-            c.proc.kill()
-            c.proc.wait(timeout=10)
+        _kill(c)
         self.record_exits({c.name: c.proc})
         self.out(f"  {c.name} (pid {c.proc.pid}) {why}; not restarted again (the run goes on without it; "
                  f"see {self.log_path(c.name)})")  # fmt: skip
@@ -165,16 +164,14 @@ class Supervisor:
                 self._give_up(c, why)
                 return
             raise LaunchError(
-                f"{c.name} (pid {c.proc.pid}) {why}, its {self.max_restarts + 1}th time in "
+                f"{c.name} (pid {c.proc.pid}) {why}, its {self.budget.max_restarts + 1}th time in "
                 f"{self.budget.window_s:.0f}s; last log lines:\n{self.tail(c.name)}"
             )
         c.restarts += 1
         c.env = {k: v for k, v in c.env.items() if k != crash.ENV}  # an injected crash fires once per run
-        self.out(f"  {c.name} (pid {c.proc.pid}) {why}; restarting ({len(c.recent)}/{self.max_restarts} "
+        self.out(f"  {c.name} (pid {c.proc.pid}) {why}; restarting ({len(c.recent)}/{self.budget.max_restarts} "
                  f"in {self.budget.window_s:.0f}s)")  # fmt: skip
-        if c.proc.poll() is None:
-            c.proc.kill()  # unhealthy but alive: it would not answer a SIGTERM in time either
-            c.proc.wait(timeout=10)
+        _kill(c)  # unhealthy but alive: it would not answer a SIGTERM in time either
         with (self.run_dir / procs.RESTARTS_FILE).open("a") as f:  # the dashboard's and `asyncrl status`'s record
             f.write(json.dumps({"name": c.name, "at": time.time(), "pid": c.proc.pid, "why": why}) + "\n")
         if self.before_restart is not None:
@@ -218,3 +215,9 @@ class Supervisor:
         for c in reversed(self.children):
             procs.stop(c.proc, timeout_s=15.0)
         self.record_exits({c.name: c.proc for c in self.children})
+
+
+def _kill(c: Child) -> None:
+    if c.proc.poll() is None:
+        c.proc.kill()
+        c.proc.wait(timeout=10)

@@ -51,11 +51,10 @@ def main(argv: list[str]) -> int:
     if not (run_dir / "config.json").exists():
         print(f"asyncrl dashboard: {run_dir / 'config.json'} not found: is {run_dir} a run directory?", file=sys.stderr)
         return 2
-    from services.dashboard.data import is_live
+    from services.dashboard.data import _json, is_live
 
     if not a.live and is_live(run_dir):
-        url = (json.loads((run_dir / "services.json").read_text()) if (run_dir / "services.json").exists()
-               else {}).get("dashboard")  # fmt: skip
+        url = (_json(run_dir / "services.json") or {}).get("dashboard")
         print(f"asyncrl dashboard: {run_dir} is still running: open its live dashboard"
               + (f" at {url}" if url else " (the URL the launcher printed)"), file=sys.stderr)  # fmt: skip
         return 2

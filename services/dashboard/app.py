@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import logging
 import time
 from pathlib import Path
 from urllib.parse import quote
@@ -25,8 +24,6 @@ from fastapi.staticfiles import StaticFiles
 from services.common.httpauth import ADMIN, Keys
 from services.dashboard.data import RunData
 from services.dashboard.routes import api_routes, open_routes, page_routes
-
-log = logging.getLogger(__name__)
 
 COOKIE = "asyncrl_dashboard"
 OPEN = ("/healthz", "/readyz", "/login")

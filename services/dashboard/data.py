@@ -212,27 +212,11 @@ class RunData:
         for part in list(self.partitions.values()):
             part.trained.refresh()
 
-    @property
-    def auditor(self) -> Auditor:
-        return self.main.auditor
-
-    @property
-    def prompt_events(self) -> dict[int, list[dict]]:
-        return self.main.prompt_events
-
-    @property
-    def step_staleness(self) -> dict[int, collections.Counter]:
-        return self.main.step_staleness
-
     def part(self, key: str = "") -> Partition:
         """A partition by key; KeyError names the ones there are."""
         if key not in self.partitions:
             raise KeyError(f"no partition {key!r}: {sorted(self.partitions)}")
         return self.partitions[key]
-
-    @property
-    def total_steps(self) -> int | None:
-        return self.config.get("num_rollout")
 
     @property
     def capacity(self) -> int:
@@ -244,11 +228,6 @@ class RunData:
     def run_id(self) -> str:
         return str(self.config.get("run_id", ""))
 
-    @property
-    def mode(self) -> str:
-        c = self.config
-        return "sync" if c.get("driver") == "sync" else "fully_async" if c.get("fully_async") else "one_step"
-
     def heldout_key(self) -> str | None:
         sets = self.config.get("eval_prompt_data") or []
         return f"eval/{sets[0]}" if sets else None
@@ -259,9 +238,9 @@ class RunData:
 
     def summary(self) -> dict:
         """The one-screen facts: progress, rewards, staleness, the buffer, the balance."""
-        rows, evals = self.metrics.rows, self.evals.rows
+        rows, evals, c = self.metrics.rows, self.evals.rows, self.config
         last = rows[-1] if rows else {}
-        total = self.total_steps
+        total = c.get("num_rollout")
         step = int(last["step"]) + 1 if "step" in last else 0
         eta = None
         if len(rows) >= 2 and total:
@@ -273,11 +252,10 @@ class RunData:
         ]
         result = _json(self.run_dir / "result.json")
         live = self.live_now()
-        diagnosis = diagnose(rows, self.config, live=live)
-        length = length_guard(rows, self.config)
+        diagnosis = diagnose(rows, c, live=live)
         return {
             "run_id": self.run_id,
-            "mode": self.mode,
+            "mode": "sync" if c.get("driver") == "sync" else "fully_async" if c.get("fully_async") else "one_step",
             "live": live,
             "step": step,
             "total": total,
@@ -293,7 +271,7 @@ class RunData:
             "result": result,
             "diagnosis": diagnosis.line,
             "diagnosis_kind": diagnosis.kind,
-            "length_warning": length,
+            "length_warning": length_guard(rows, c),
         }
 
     def services(self) -> list[dict]:
@@ -376,9 +354,6 @@ class RunData:
                     self.dead_letters.append({"subject": d.original_subject, "reason": d.reason[:500],
                                               "service": d.service, "at": d.ts, "bytes": d.num_bytes})  # fmt: skip
 
-    def _index(self, ev) -> None:
-        self.main.index(ev)
-
     def audit(self, key: str = "") -> dict:
         return self.part(key).audit()
 
@@ -410,8 +385,6 @@ class RunData:
         engines: dict[str, list[tuple[float, int]]] = collections.defaultdict(list)
         pauses: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
         for w in self.live:
-            if not w["switched"]:
-                continue
             for e in w["switched"]:
                 engines[e["engine"]].append((e["resumed_at"], w["version"]))
                 pauses[e["engine"]].append((e["paused_at"], e["resumed_at"]))

@@ -4,19 +4,11 @@ a nats-server of its own on a copy of the run's store (the run's files are never
 from __future__ import annotations
 
 import contextlib
-import logging
 import shutil
 import tempfile
 from pathlib import Path
 
 from services.common.run_store import admin_credentials, store_server
-
-log = logging.getLogger(__name__)
-
-
-def _skip_objects(directory: str, names: list[str]) -> list[str]:
-    """Weight snapshots (the object bucket's stream) are not what a dashboard reads: not copied."""
-    return [n for n in names if n.startswith("OBJ_")]
 
 
 class StreamSource:
@@ -35,7 +27,8 @@ class StreamSource:
         store = self.run_dir / "nats"
         if not store.exists():
             raise RuntimeError(f"{store} does not exist: the run's streams are not on this machine")
-        shutil.copytree(store, tmp / "nats", ignore=_skip_objects)
+        # weight snapshots (the object bucket's stream) are not what a dashboard reads: not copied
+        shutil.copytree(store, tmp / "nats", ignore=shutil.ignore_patterns("OBJ_*"))
         srv = self._stack.enter_context(store_server(self.run_dir, tmp / "nats", log_name="nats-server",
                                                      log_dir=tmp))  # nothing written into the run  # fmt: skip
         self.url = srv.url

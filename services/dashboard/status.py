@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from services.dashboard.data import RunData, is_live
+from services.dashboard.views import num as _f
 
 
 def _dur(s: float | None) -> str:
@@ -24,10 +25,6 @@ def _dur(s: float | None) -> str:
         return "-"
     s = int(s)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
-def _f(v, fmt="{:.3f}") -> str:
-    return fmt.format(v) if isinstance(v, (int, float)) else "-"
 
 
 def render(data: RunData, ledger: dict | None, ledger_note: str = "") -> str:

@@ -5,14 +5,18 @@ reader reads (never a Python repr). The pages themselves are the templates in te
 
 from __future__ import annotations
 
+import collections
 import signal
 import time
 
 from services.dashboard.data import MAX_POINTS, RunData, series
 
-ADAPTER_KEYS = {"reward": "raw_reward_mean", "step_time": "perf/step_time_s", "num_samples": "rollout/num_samples",
-                "entropy": "train/entropy", "clipfrac": "train/pg_clipfrac", "kl": "train/ppo_kl"}  # fmt: skip
-"""Multi-LoRA: an adapter's own names for the overview's curves (its records' `<name>/...`)."""
+CURVE_KEYS = {"reward": "rollout/reward/mean", "step_time": "perf/step_time_s", "rollout_wait": "perf/rollout_wait_s",
+              "train_time": "perf/train_time_s", "entropy": "train/entropy", "clipfrac": "train/pg_clipfrac",
+              "kl": "train/ppo_kl", "num_samples": "rollout/num_samples"}  # fmt: skip
+"""Each curve of the overview (and the samples per second's count): its metrics key."""
+ADAPTER_KEYS = CURVE_KEYS | {"reward": "raw_reward_mean", "rollout_wait": None, "train_time": None}
+"""Multi-LoRA: an adapter's own names for the curves (its records' `<name>/...`; None: it has none)."""
 AUDIT_KEYS = ("released_prompts", "trained", "failed", "filtered", "aborted_dropped", "stale_dropped", "rejected",
               "recycled", "in_flight_at_end", "lost", "trained_twice", "events")  # fmt: skip
 """The ledger's figures in the overview's audit table, in this order."""
@@ -21,41 +25,28 @@ AUDIT_KEYS = ("released_prompts", "trained", "failed", "filtered", "aborted_drop
 def curves(data: RunData, x: str = "step", adapter: str = "") -> dict:
     """Every curve of the overview, downsampled, over steps or wall-clock time (x=time); with
     `adapter` (a multi-LoRA partition's key), that adapter registration's, on its own step axis."""
-    if adapter:
-        part = data.part(adapter)
-        rid = adapter.partition("@")[2]
-        n = part.name
-        rows = [r for r in data.metrics.rows if r.get("adapter") == n and str(r.get("registration", "")).startswith(rid)]
-        xk = "time" if x == "time" else f"{n}/step"
-        rate = [{xk: b[xk], "v": b.get(f"{n}/{ADAPTER_KEYS['num_samples']}", 0) / (b["time"] - a["time"])}
-                for a, b in zip(rows, rows[1:], strict=False) if b.get("time", 0) > a.get("time", 0)]  # fmt: skip
-        out = {k: series(rows, f"{n}/{v}", xk) for k, v in ADAPTER_KEYS.items() if k != "num_samples"}
-        return {"x": "time" if x == "time" else "step", **out, "heldout": ([], []), "rollout_wait": ([], []),
-                "train_time": ([], []), "samples_per_s": series(rate, "v", xk)}  # fmt: skip
-    rows = data.metrics.rows
     xk = "time" if x == "time" else "step"
-    key = data.heldout_key()
-    evals = [e for e in data.evals.rows if key and e.get(key) is not None and not e.get("skipped")]
-    if xk == "time":  # an eval point is placed at the time of the step it follows
+    rows, evals, key = data.metrics.rows, [], data.heldout_key()
+    keys, rx = CURVE_KEYS, xk  # the metrics keys, and the rows' key for x
+    if adapter:
+        n, rid = data.part(adapter).name, adapter.partition("@")[2]
+        rows = [r for r in rows if r.get("adapter") == n and str(r.get("registration", "")).startswith(rid)]
+        keys = {k: v and f"{n}/{v}" for k, v in ADAPTER_KEYS.items()}
+        rx = "time" if x == "time" else f"{n}/step"
+    elif key:
+        evals = [e for e in data.evals.rows if e.get(key) is not None and not e.get("skipped")]
+    if evals and xk == "time":  # an eval point is placed at the time of the step it follows
         at = {r["step"]: r["time"] for r in rows if "step" in r and "time" in r}
         evals = [dict(e, time=at.get(e.get("step", 0) - 1, at.get(0))) for e in evals if at]
         evals = [e for e in evals if e.get("time") is not None]
-    rate = []
-    for a, b in zip(rows, rows[1:], strict=False):
-        if "time" in a and "time" in b and b["time"] > a["time"]:
-            rate.append({xk: b[xk], "v": b.get("rollout/num_samples", 0) / (b["time"] - a["time"])})
-    return {
-        "x": xk,
-        "reward": series(rows, "rollout/reward/mean", xk),
-        "heldout": series(evals, key, xk) if key else ([], []),
-        "step_time": series(rows, "perf/step_time_s", xk),
-        "rollout_wait": series(rows, "perf/rollout_wait_s", xk),
-        "train_time": series(rows, "perf/train_time_s", xk),
-        "samples_per_s": series(rate, "v", xk),
-        "entropy": series(rows, "train/entropy", xk),
-        "clipfrac": series(rows, "train/pg_clipfrac", xk),
-        "kl": series(rows, "train/ppo_kl", xk),
-    }
+    rate = [
+        {rx: b[rx], "v": b.get(keys["num_samples"], 0) / (b["time"] - a["time"])}
+        for a, b in zip(rows, rows[1:], strict=False)
+        if "time" in a and "time" in b and b["time"] > a["time"]
+    ]
+    out = {k: series(rows, v, rx) if v else ([], []) for k, v in keys.items() if k != "num_samples"}
+    out["heldout"] = series(evals, key, xk) if evals else ([], [])
+    return {"x": xk, **out, "samples_per_s": series(rate, "v", rx)}
 
 
 def staleness_columns(data: RunData, max_columns: int = 300, adapter: str = "") -> list[tuple[int, dict[int, int]]]:
@@ -68,11 +59,10 @@ def staleness_columns(data: RunData, max_columns: int = 300, adapter: str = "") 
     per = max(1, -(-len(steps) // max_columns))
     out = []
     for k in range(0, len(steps), per):
-        merged: dict[int, int] = {}
+        merged = collections.Counter()
         for s in steps[k : k + per]:
-            for v, n in per_step[s].items():
-                merged[v] = merged.get(v, 0) + n
-        out.append((steps[k], merged))
+            merged.update(per_step[s])
+        out.append((steps[k], dict(merged)))
     return out
 
 

@@ -245,9 +245,9 @@ def test_every_page_loads_within_2s_on_a_10000_step_run(tmp_path):
                                       step=s, staleness=g % 3, stream_seq=gi + 1, ts=t0 + s * 0.3))  # fmt: skip
         events.append(LedgerEvent(seq=(seq := seq + 1), kind="lease_complete", step=s, ts=t0 + s * 0.3))
         events.append(LedgerEvent(seq=(seq := seq + 1), kind="committed", step=s, ts=t0 + s * 0.3))
-    dash.data.auditor.feed(events)
+    dash.data.main.auditor.feed(events)
     for ev in events:
-        dash.data._index(ev)
+        dash.data.main.index(ev)
     with TestClient(build_app(dash)) as client:
         auth = {"Authorization": f"Bearer {token}"}
         for path in (*DATA_ROUTES, "/api/step/9999", "/api/prompt/39999", *PAGES, "/step/9999", "/prompt/39999"):

@@ -81,9 +81,9 @@ def client(run_dir):
                                       step=s, staleness=g, stream_seq=gi + 1, ts=T0 + s))  # fmt: skip
         events.append(LedgerEvent(seq=(seq := seq + 1), kind="lease_complete", step=s, ts=T0 + s))
         events.append(LedgerEvent(seq=(seq := seq + 1), kind="committed", step=s, ts=T0 + s))
-    dash.data.auditor.feed(events)
+    dash.data.main.auditor.feed(events)
     for ev in events:
-        dash.data._index(ev)
+        dash.data.main.index(ev)
     dash.data.live = [{"version": v, "at": T0 + v, "pause_s": 0.2, "switched": [
         {"engine": "engine-0", "paused_at": T0 + v, "resumed_at": T0 + v + 0.2}]} for v in range(1, STEPS)]  # fmt: skip
     with TestClient(build_app(dash)) as c:
