@@ -265,7 +265,8 @@ def install_log_redaction(extra: list[str] | None = None) -> None:
     `extra`, to every handler of the root logger."""
     known = [os.environ[k] for k in SECRET_ENV if os.environ.get(k)]
     with contextlib.suppress(SecretError):
-        known.append(run_token_from_env() or "")
+        if token := run_token_from_env():
+            known.append(token)
     flt = RedactingFilter(known + list(extra or []))
     for handler in logging.getLogger().handlers:
         handler.addFilter(flt)

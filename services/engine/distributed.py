@@ -157,7 +157,8 @@ class DistributedReceiver:
             self.scheduler.abort("", True)
         res = self.scheduler.weights.update_weights_from_tensors(tensors, version)
         self.num_updates += 1
-        return {"success": True, "complete": True, "message": updated_message(version), **res}
+        return {"success": True, "complete": True, "message": updated_message(version),
+                "num_paused_requests": res["num_paused_requests"]}  # fmt: skip
 
     def staged_version(self) -> str | None:
         """The name of the version a broadcast staged, waiting for its swap (None: none)."""

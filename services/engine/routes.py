@@ -46,8 +46,9 @@ async def local_copy(server, path: str, adapter: bool = False) -> str:
     if not path.startswith(SCHEME):
         return path
     if server.weights is None:
+        what = "it" if adapter else "object-store weights"
         raise ValueError(f"{path!r:.120} is in a NATS object store, and this engine was started without "
-                         "--nats-url and --run-id (start it with them to fetch it)")  # fmt: skip
+                         f"--nats-url and --run-id (start it with them to fetch {what})")  # fmt: skip
     return str(await server.weights.local(path, adapter))
 
 
@@ -259,7 +260,8 @@ def weight_routes(server) -> APIRouter:
         except (OSError, ValueError, WeightStoreError) as e:
             return refused(f"Failed to {'stage' if stage else 'update'} weights: {e}")
         server.model_path = path
-        return {"success": True, "message": updated_message(version), **res}
+        return {"success": True, "message": updated_message(version),
+                "num_paused_requests": res["num_paused_requests"], "staged": res["staged"]}  # fmt: skip
 
     @r.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request):

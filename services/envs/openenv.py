@@ -11,7 +11,7 @@ HTTP /reset and /step build a fresh environment per call), so each trajectory op
 
 Token in, token out: an observation's text is tokenized once, when it is appended. The episode's
 reward is the sum of the step rewards (metadata["env_reward"]). A process keeps at most
---env-max-sessions episodes open; the server must allow that many (its max_concurrent_envs).
+--env-max-sessions episodes open; the server must allow that many per process (its max_concurrent_envs).
 """
 
 from __future__ import annotations

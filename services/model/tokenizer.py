@@ -27,6 +27,8 @@ class Tokenizer:
         model_cfg_path = self.model_dir / "config.json"
         model_cfg = json.loads(model_cfg_path.read_text()) if model_cfg_path.exists() else {}
         self.eos_token_id = self._special_id("eos_token", model_cfg.get("eos_token_id"))
+        self.bos_token_id = self._special_id("bos_token", model_cfg.get("bos_token_id"))
+        self.pad_token_id = self._special_id("pad_token", model_cfg.get("pad_token_id"))
         self._template = None
 
     def _special_id(self, key: str, fallback):

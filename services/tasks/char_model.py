@@ -62,9 +62,11 @@ def build_char_model(out_dir: str | Path, pairs: list[tuple[str, str]], seed: in
     """Build and save (HF format) a character-level Llama warm-started on `pairs` of (prompt,
     answer): teacher-forced cross-entropy on the answer and its end-of-sequence token."""
     ids = [([BOS_ID] + encode(p), encode(a) + [EOS_ID]) for p, a in pairs]
-    summary = build_tiny_model(out_dir, len(ALPHABET), context, (lambda rng: rng.choice(ids)) if ids else None,
-                               warmup_sft_steps, seed, 2e-3, lambda out: build_char_tokenizer(out, context), hidden,
-                               layers)  # fmt: skip
+    summary = build_tiny_model(
+        out_dir, alphabet_size=len(ALPHABET), context=context,
+        next_pair=(lambda rng: rng.choice(ids)) if ids else None, steps=warmup_sft_steps, seed=seed, lr=2e-3,
+        build_tokenizer=lambda out: build_char_tokenizer(out, context), hidden=hidden, layers=layers,
+    )  # fmt: skip
     log(f"built character model: {summary['params']:,} parameters, {warmup_sft_steps} warm-start steps in "
         f"{summary['warmup_s']:.1f}s")  # fmt: skip
     return summary

@@ -105,8 +105,8 @@ def build_model(out_dir: str | Path, seed: int = 1234, warmup_sft_steps: int = 2
         d = digits(rng)
         return [BOS_ID] + [vocab[c] for c in d] + [vocab["="]], [vocab[c] for c in d[::-1]] + [EOS_ID]
 
-    summary = build_tiny_model(out_dir, len(ALPHABET), max_position_embeddings, pair, warmup_sft_steps, seed, 1e-3,
-                               build_tokenizer)  # fmt: skip
+    summary = build_tiny_model(out_dir, alphabet_size=len(ALPHABET), context=max_position_embeddings, next_pair=pair,
+                               steps=warmup_sft_steps, seed=seed, lr=1e-3, build_tokenizer=build_tokenizer)  # fmt: skip
     log(f"built tiny model: {summary['params']:,} parameters, {warmup_sft_steps} warm-start steps in "
         f"{summary['warmup_s']:.2f}s")  # fmt: skip
     return summary

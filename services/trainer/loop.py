@@ -68,9 +68,7 @@ class Work:
 
 
 class Mode:
-    """What the loop asks of the trainee; the base does nothing where a mode has nothing to do.
-    Every mode has `train`, `record` (the step's metrics record), `after_records` (the steps of
-    the module docstring) and `finish(error)` (the run is over, or failed with `error`)."""
+    """What the loop asks of the trainee; the base does nothing where a mode has nothing to do."""
 
     async def setup(self) -> None:
         """At the service's start, before the loop (resume)."""
@@ -82,8 +80,24 @@ class Mode:
         """The leases to train now ([]: none yet), or None once the run is over."""
         raise NotImplementedError
 
+    async def train(self, w: Work) -> None:
+        """Train the lease's batch."""
+        raise NotImplementedError
+
     async def before_records(self, w: Work) -> None:
         """What the step's record reports and must happen before it."""
+
+    async def record(self, w: Work) -> dict:
+        """The step's metrics record."""
+        raise NotImplementedError
+
+    async def after_records(self, w: Work, record: dict) -> None:
+        """The steps of the module docstring that follow the records."""
+        raise NotImplementedError
+
+    async def finish(self, error: str | None = None) -> None:
+        """The run is over, or failed with `error`."""
+        raise NotImplementedError
 
     def cancel(self) -> None:
         """Drop what is in flight (fetches ahead, gets)."""

@@ -39,6 +39,8 @@ class StreamFull(BusError):
 STORE_DIR_ENV = "ASYNCRL_NATS_STORE_DIR"
 """Where the NATS server keeps its store, when we know it (the launcher's embedded server)."""
 STORE_FULL_CODES = {10023, 10028, 10047}  # insufficient resources, max bytes / storage exceeded
+WRONG_LAST_SEQUENCE_CODE = 10071
+STREAM_FULL_CODE = 10077  # maximum messages exceeded
 
 
 def raise_if_final(e: BaseException, subject: str) -> None:
@@ -48,9 +50,9 @@ def raise_if_final(e: BaseException, subject: str) -> None:
     if not isinstance(e, nats.js.errors.APIError):
         return
     desc = (e.description or "").lower()
-    if e.err_code == 10071 or "wrong last sequence" in desc:
+    if e.err_code == WRONG_LAST_SEQUENCE_CODE or "wrong last sequence" in desc:
         raise SequenceConflict(f"{subject}: {e.description}") from e
-    if e.err_code == 10077 or "maximum messages exceeded" in desc:
+    if e.err_code == STREAM_FULL_CODE or "maximum messages exceeded" in desc:
         raise StreamFull(f"{subject}: the stream holds its message cap ({e.description}): its reader is behind") from e
     if e.err_code in STORE_FULL_CODES or "insufficient resources" in desc or "bytes exceeded" in desc:
         store = os.environ.get(STORE_DIR_ENV)
