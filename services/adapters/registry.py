@@ -124,11 +124,6 @@ def spec_problems(spec: AdapterSpec) -> list[str]:
     return errs
 
 
-def _same_dir(a: str, b: str) -> bool:
-    """The same directory once resolved (`~`, `..`, doubled slashes, symlinks)."""
-    return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
-
-
 class AdapterRegistry:
     """The registry's state and every transition of it. `clock` and `new_id` are injected so
     that tests are deterministic."""
@@ -203,9 +198,11 @@ class AdapterRegistry:
                 f"GET /adapter_runs/{name} says completed"
             )
         # a save directory belongs to one name: a registration of another name would resume from its
-        # saves and overwrite them (the name's own later registrations resume from it on purpose)
+        # saves and overwrite them (the name's own later registrations resume from it on purpose);
+        # the same directory once resolved (`~`, `..`, doubled slashes, symlinks)
+        save = os.path.realpath(os.path.expanduser(spec.save))
         for other in [*self.holding(), *(r for r in self.state.runs if r.name != name)]:
-            if _same_dir(other.spec.save, spec.save):
+            if os.path.realpath(os.path.expanduser(other.spec.save)) == save:
                 raise RegistryError(
                     f"save directory {spec.save!r} is used by adapter {other.name!r} ({other.state.value}): give "
                     "each adapter its own save directory"
@@ -320,7 +317,7 @@ class AdapterRegistry:
         self.state.runs = [r for r in self.state.runs if id(r) not in old]
         size = len(encode(self.state))
         drop = set()
-        for r in done[len(old):]:
+        for r in done[len(old) :]:
             if size <= MAX_STATE_BYTES:
                 break
             drop.add(id(r))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,8 +40,8 @@ from services.adapters.registry import LIVE, AdapterRegistry, RegistryError, Spe
 from services.common import crash
 from services.common.bus import BusError, SequenceConflict, TransportError
 from services.common.config import ConfigError, DataSection, MultiLoraSection, RolloutSection
-from services.data.source import DataError, data_size, load_rows
 from services.common.runtime import Service
+from services.data.source import DataError, data_size, load_rows
 
 log = logging.getLogger(__name__)
 
@@ -195,11 +194,7 @@ class AdapterService(Service):
         """What this run can serve: the engines' largest rank, the producers' largest group, the
         run's batch, a prompt file of a bounded size; over HTTP, only an allowed custom reward."""
         c = self.config
-        if (
-            over_http
-            and spec.custom_rm_path is not None
-            and spec.custom_rm_path not in c.multi_lora.custom_rm_paths
-        ):
+        if over_http and spec.custom_rm_path not in (None, *c.multi_lora.custom_rm_paths):
             allowed = ", ".join(c.multi_lora.custom_rm_paths) or "none"
             raise SpecError(f"custom_rm_path {spec.custom_rm_path!r} is not one the run allows over HTTP (allowed: "
                             f"{allowed}; the operator lists them with --multi-lora-custom-rm-paths): use an rm_type "
@@ -216,9 +211,7 @@ class AdapterService(Service):
             raise SpecError(f"data {spec.data} is {size / 2**20:.0f} MiB, above the run's --multi-lora-max-data-mb "
                             f"{c.multi_lora.max_data_mb:g}")  # fmt: skip
         if spec.rank > c.multi_lora.max_rank:
-            raise SpecError(
-                f"rank {spec.rank} is above the engines' --multi-lora-max-rank {c.multi_lora.max_rank}"
-            )
+            raise SpecError(f"rank {spec.rank} is above the engines' --multi-lora-max-rank {c.multi_lora.max_rank}")
         if spec.n_samples_per_prompt > c.rollout.n_samples_per_prompt:
             raise SpecError(f"n_samples_per_prompt {spec.n_samples_per_prompt} is above the run's "
                             f"--n-samples-per-prompt {c.rollout.n_samples_per_prompt} (the largest group the producers "
@@ -271,8 +264,7 @@ class AdapterService(Service):
 
             async def work():
                 name, raw = self._split_body(body)
-                spec = await asyncio.to_thread(lambda: self._fits(parse_spec(raw, file_exists=os.path.isfile),
-                                                                  over_http=True))  # fmt: skip
+                spec = await asyncio.to_thread(lambda: self._fits(parse_spec(raw), over_http=True))
                 run = await self._change(lambda r: r.register(name, spec))
                 log.info("registered adapter %s in slot %d over HTTP", name, run.slot)
                 return run

@@ -21,7 +21,7 @@ import uuid
 from aiohttp import web
 
 from asyncrl_proto.messages import Sample
-from services.envs.trajectory import Trajectory
+from services.envs.trajectory import EnvError, Trajectory
 
 EPISODE_PREFIX = "episode-"
 
@@ -85,26 +85,26 @@ class ChatRecorder:
                                      status=400)  # fmt: skip
         body = {**body, "model": None, "return_token_ids": True, "logprobs": True, "top_logprobs": None}
         body = {k: v for k, v in body.items() if v is not None}
-        url = self.client.pick()
         try:
-            answer = await self.client.chat_completions(url, body)
-        except Exception as e:  # the client sees the engine's refusal as an HTTP error
+            answer = await ask_engine(self.client, body, "verifiers")
+        except Exception as e:  # the client sees the engine's refusal (or an answer without ids) as an HTTP error
             return web.json_response({"error": {"message": str(e)[:500]}}, status=502)
-        if not has_token_ids(answer):
-            return web.json_response({"error": {"message": "the engine did not return token ids: --env verifiers "
-                                                "needs an engine that answers return_token_ids (the built-in one)"}},
-                                     status=502)  # fmt: skip
         self.turns[name].append(recorded_turn(answer, bool(body.get("tools"))))
         return web.json_response(answer)
 
 
-def has_token_ids(answer: dict) -> bool:
-    """The engine answered a chat request with `return_token_ids` (the prompt's and the sampled ids)."""
-    return "prompt_token_ids" in answer and "token_ids" in (answer.get("choices") or [{}])[0]
+async def ask_engine(client, body: dict, env: str) -> dict:
+    """One chat request on an engine; EnvError unless it answers with `return_token_ids` (the
+    prompt's and the sampled ids)."""
+    answer = await client.chat_completions(client.pick(), body)
+    if "prompt_token_ids" not in answer or "token_ids" not in (answer.get("choices") or [{}])[0]:
+        raise EnvError(f"the engine did not return token ids: --env {env} needs an engine that answers "
+                       "return_token_ids (the built-in one)")  # fmt: skip
+    return answer
 
 
 def recorded_turn(answer: dict, tools_offered: bool) -> dict:
-    """One chat answer with token ids (has_token_ids) as the turn `assemble` reads: the prompt's
+    """One chat answer with token ids (ask_engine) as the turn `assemble` reads: the prompt's
     and the sampled ids, their log-probs, the weight versions and the finish reason, the reply's
     text (None for a reply of tool calls: it is decoded from its ids) and, where tools were
     offered, how many calls the reply made."""

@@ -35,7 +35,7 @@ import aiohttp
 from asyncrl_proto.messages import Sample, SampleStatus
 from services.common.engine_commands import tool_call_parser
 from services.common.sglang_client import EngineError
-from services.envs.chat import assemble, has_token_ids, recorded_turn
+from services.envs.chat import ask_engine, assemble, recorded_turn
 from services.envs.trajectory import EnvError, gated
 
 CALL_TIMEOUT_S = 300.0
@@ -266,15 +266,11 @@ def _client() -> aiohttp.ClientSession:
 async def _ask(engine, body: dict) -> dict | None:
     """One chat turn on an engine; None when the conversation no longer fits the model's context."""
     try:
-        answer = await engine.client.chat_completions(engine.client.pick(), body)
+        return await ask_engine(engine.client, body, "nemogym")
     except EngineError as e:
         if "context length" in str(e):
             return None
         raise
-    if not has_token_ids(answer):
-        raise EnvError("the engine did not return token ids: --env nemogym needs an engine that answers "
-                       "return_token_ids (the built-in one)")  # fmt: skip
-    return answer
 
 
 async def _episode(config, sample: Sample, engine, sampling_params: dict) -> Sample:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import uuid
 
 from asyncrl_proto.messages import Sample, SampleStatus
@@ -30,10 +31,7 @@ CALL_TIMEOUT_S = 300.0
 
 
 def _ws_url(url: str) -> str:
-    url = url.rstrip("/")
-    for http, ws in (("http://", "ws://"), ("https://", "wss://")):
-        if url.startswith(http):
-            url = ws + url[len(http) :]
+    url = re.sub(r"^http(s?)://", r"ws\1://", url.rstrip("/"))
     return url if url.endswith("/ws") else url + "/ws"
 
 

@@ -58,9 +58,7 @@ def _register_harness(vf) -> None:
         id: str = HARNESS_ID
 
     class ChatHarness(vf.Harness[ChatHarnessConfig]):
-        """The chat loop, in this process, through the interception endpoint: the task's tools
-        (its Toolsets' MCP servers) are offered to the model, each call it makes is run on its
-        server and answered with a tool message, until a reply calls nothing."""
+        """The chat loop (_chat_loop), in this process, through the interception endpoint."""
 
         APPENDS_SYSTEM_PROMPT = True
         SUPPORTS_MCP = True

@@ -35,6 +35,7 @@ from pathlib import Path
 PROG = "asyncrl eval-adapter"
 GEN_BATCH_ROWS = 64
 """Samples generated together, in one KV cache."""
+NOT_RUN_FLAGS = ("adapter", "base", "max_prompts", "seed", "json_out")
 
 
 class AdapterEvalError(ValueError):
@@ -122,22 +123,6 @@ def check_args(a: argparse.Namespace) -> None:
         raise AdapterEvalError(f"--json {a.json_out}: its directory does not exist (create it first)")
 
 
-def run_config(a: argparse.Namespace):
-    """The RunConfig a reward function receives (the flags of this command; defaults elsewhere)."""
-    from services.common.config import ConfigError, RunConfig
-
-    try:
-        return RunConfig(hf_checkpoint=a.hf_checkpoint, prompt_data=a.prompt_data, rm_type=a.rm_type,
-                         custom_rm_path=a.custom_rm_path, reward_key=a.reward_key, rm_url=a.rm_url,
-                         input_key=a.input_key, label_key=a.label_key, metadata_key=a.metadata_key,
-                         tool_key=a.tool_key, apply_chat_template=a.apply_chat_template,
-                         n_samples_per_prompt=a.n_samples_per_prompt,
-                         rollout_max_response_len=a.rollout_max_response_len,
-                         rollout_temperature=a.rollout_temperature)  # fmt: skip
-    except (ConfigError, ValueError) as e:
-        raise AdapterEvalError(" ".join(str(e).split())) from None
-
-
 def load_prompts(config, max_prompts: int | None) -> list[dict]:
     """The prompt rows, each with its metadata (its rm_type picks its reward) and, with --tool-key,
     its tools, as the producer reads them; a row whose rm_type cannot score is refused with its
@@ -203,16 +188,7 @@ def prompt_ids(tokenizer, rows: list[dict], chat_template: bool, vocab_size: int
 # ---- generation ------------------------------------------------------------------------------------
 def generate(model, lora, slot: int, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int,
              temperature: float, eos_ids: set[int], context_length: int) -> list[Generated]:  # fmt: skip
-    """One response per prompt, GEN_BATCH_ROWS at a time, with adapter `slot` (-1: the base)."""
-    out: list[Generated] = []
-    for start in range(0, len(prompts), GEN_BATCH_ROWS):
-        end = start + GEN_BATCH_ROWS
-        out += _generate_batch(model, lora, slot, prompts[start:end], seeds[start:end], max_new_tokens,
-                               temperature, eos_ids, context_length)  # fmt: skip
-    return out
-
-
-def _generate_batch(model, lora, slot, prompts, seeds, max_new_tokens, temperature, eos_ids, context_length):
+    """One response per prompt, all in one KV cache, with adapter `slot` (-1: the base)."""
     import torch
 
     from services.model.llama import KVCache
@@ -274,12 +250,6 @@ def _choose(logits_nv, temperature: float, gens: list) -> tuple[list[int], list[
 
 
 # ---- scoring ---------------------------------------------------------------------------------------
-def sample_seed(seed: int, index: int) -> int:
-    """The seed of sample `index`'s generator. torch seeds its CPU generator with the low 32 bits
-    only, so the two are mixed within them (1_000_003 is odd: another --seed, another stream)."""
-    return (seed * 1_000_003 + index) % 2**32
-
-
 def score_model(model, lora, slot: int, tokenizer, rows: list[dict], ids: list[list[int]], config, reward_fn,
                 seed: int, adapter: str | None) -> AdapterScore:  # fmt: skip
     """Generate n samples per prompt with one adapter (or the base) and score them."""
@@ -295,10 +265,13 @@ def score_model(model, lora, slot: int, tokenizer, rows: list[dict], ids: list[l
                                   metadata=dict(row["metadata"])))  # fmt: skip
             prompts.append(ids[p])
     eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-    results = generate(model, lora, slot, prompts, [sample_seed(seed, s.index) for s in samples],
-                       max_new_tokens=config.rollout.max_response_len,
-                       temperature=config.rollout.temperature,
-                       eos_ids=eos, context_length=model.cfg.max_position_embeddings)  # fmt: skip
+    # each sample's generator: torch seeds it with the low 32 bits only, so --seed and the index
+    # are mixed within them (1_000_003 is odd: another --seed, another stream)
+    seeds, results = [(seed * 1_000_003 + s.index) % 2**32 for s in samples], []
+    for i in range(0, len(prompts), GEN_BATCH_ROWS):
+        results += generate(model, lora, slot, prompts[i : i + GEN_BATCH_ROWS], seeds[i : i + GEN_BATCH_ROWS],
+                            max_new_tokens=config.rollout.max_response_len, temperature=config.rollout.temperature,
+                            eos_ids=eos, context_length=model.cfg.max_position_embeddings)  # fmt: skip
     for s, p_ids, g in zip(samples, prompts, results, strict=True):
         text_ids = g.output_ids[:-1] if g.finish == "stop" else g.output_ids  # a stop token is not text (SGLang)
         s.tokens = list(p_ids) + g.output_ids
@@ -321,13 +294,14 @@ def score_model(model, lora, slot: int, tokenizer, rows: list[dict], ids: list[l
 def evaluate(a: argparse.Namespace) -> list[AdapterScore]:
     """Every check, then every adapter's score (the base's first with --base)."""
     check_args(a)
-    config = run_config(a)
+    from services.common.config import RunConfig
     from services.rewards import resolve_reward
 
-    try:
+    try:  # the RunConfig a reward receives: every flag but these is a run flag (--seed seeds the draws)
+        config = RunConfig(**{k: v for k, v in vars(a).items() if k not in NOT_RUN_FLAGS})
         reward_fn = resolve_reward(config)
-    except ValueError as e:
-        raise AdapterEvalError(str(e)) from None
+    except ValueError as e:  # a ConfigError too
+        raise AdapterEvalError(" ".join(str(e).split())) from None
     rows = load_prompts(config, a.max_prompts)
     adapters = read_adapters(a.adapter)
 

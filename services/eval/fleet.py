@@ -69,23 +69,19 @@ def launch_fleet(config, log_dir: Path, token: str | None) -> tuple[list[subproc
     env = without_identity()
     if token:
         env.update(Keys.single(token).env())
-    n = config.eval.num_gpus // max(config.eval.num_gpus_per_engine, 1)
+    i_, e_, model = config.infra, config.eval, config.data.hf_checkpoint
+    if i_.engine == "sglang":
+        args = fleet_server_args(list(i_.sglang_server_args), list(e_.sglang_args),
+                                 i_.rollout_num_gpus_per_engine, e_.num_gpus_per_engine)  # fmt: skip
+        args += ["--api-key", token] if token else []  # SGLang takes its key on its command line only
+    extra = {k: v for k, v in parse_flags(list(e_.sglang_args)).items() if k in BUILTIN_FLAGS}
     children, urls = [], []
-    for i in range(n):
-        port = procs.free_port()
-        if config.infra.engine == "sglang":
-            i_, e_ = config.infra, config.eval
-            args = fleet_server_args(list(i_.sglang_server_args), list(e_.sglang_args),
-                                     i_.rollout_num_gpus_per_engine, e_.num_gpus_per_engine)  # fmt: skip
-            cmd = sglang_server_command(config.data.hf_checkpoint, port, config.data.seed + 100 + i, args)
-            if token:
-                cmd += ["--api-key", token]  # SGLang takes its key on its command line only
+    for i in range(e_.num_gpus // max(e_.num_gpus_per_engine, 1)):
+        port, seed = procs.free_port(), config.data.seed + 100 + i
+        if i_.engine == "sglang":
+            cmd = sglang_server_command(model, port, seed, args)
         else:
-            flags = builtin_engine_flags(config, config.data.seed + 100 + i, f"eval-engine-{i}")
-            flags.update(
-                {k: v for k, v in parse_flags(list(config.eval.sglang_args)).items() if k in BUILTIN_FLAGS}
-            )
-            cmd = builtin_engine_command(config.data.hf_checkpoint, port, flags)
+            cmd = builtin_engine_command(model, port, builtin_engine_flags(config, seed, f"eval-engine-{i}") | extra)
         children.append(procs.spawn(cmd, log_path=log_dir / f"eval-engine-{i}.log", env=env))
         urls.append(f"http://127.0.0.1:{port}")
     return children, urls

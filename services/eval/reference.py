@@ -48,8 +48,8 @@ class SGLangServerEval(CheckpointEvalFn):
                 settings = input.get("dataset_settings", {}).get(name, {})
                 params = settings.get("sampling_params", input["sampling_params"])
                 n = settings.get("n_samples_per_eval_prompt", input["n_samples_per_prompt"])
-                metrics.update(await evaluate_dataset(client, self.tokenizer, self.reward_fn, for_plugins(self.config), name, rows,
-                                                      params, n))  # fmt: skip
+                metrics.update(await evaluate_dataset(client, self.tokenizer, self.reward_fn, for_plugins(self.config),
+                                                      name, rows, params, n))  # fmt: skip
             return metrics
         finally:
             await client.close()

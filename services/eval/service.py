@@ -417,8 +417,7 @@ def dataset_metrics(config, name: str, samples: list[Sample]) -> dict[str, float
 
 
 async def evaluate_dataset(
-    client, tokenizer, reward_fn, config, name: str, rows: list[dict], params: dict, n: int | None = None
+    client, tokenizer, reward_fn, config, name: str, rows: list[dict], params: dict, n: int
 ) -> dict:
-    n = n if n is not None else config.eval.n_samples_per_eval_prompt
     samples = await generate_dataset(client, tokenizer, reward_fn, config, rows, params, n)
     return dataset_metrics(config, name, samples)
