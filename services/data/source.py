@@ -41,7 +41,10 @@ def load_rows(path: str | Path, input_key: str, label_key: str | None, metadata_
     path = Path(path)
     if not path.exists():
         raise DataError(f"--prompt-data {path}: no such file")
-    objects = _parquet_rows(path) if path.suffix.lower() == ".parquet" else _jsonl_rows(path)
+    if path.suffix.lower() == ".parquet":
+        objects = enumerate((obj for batch in _parquet_batches(path) for obj in batch.to_pylist()), 1)
+    else:
+        objects = _jsonl_rows(path)
     rows = []
     for n, obj in objects:
         rows.append(row := _row(path, n, obj, input_key, label_key, metadata_key, tool_key))
@@ -60,17 +63,11 @@ def data_size(path: str | Path, stop_above: float = float("inf")) -> int:
     path = Path(path)
     if path.suffix.lower() != ".parquet":
         return path.stat().st_size
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     total = 0
-    try:
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-            total += batch.nbytes
-            if total > stop_above:
-                break
-    except (pa.ArrowException, OSError) as e:
-        raise DataError(f"{path}: not a readable Parquet file ({str(e)[:200]})") from None
+    for batch in _parquet_batches(path, batch_size=1024):
+        total += batch.nbytes
+        if total > stop_above:
+            break
     return max(total, path.stat().st_size)
 
 
@@ -92,15 +89,14 @@ def _jsonl_rows(path: Path):
         raise DataError(f"{path}:{lineno + 1}: not UTF-8 text ({e.reason})") from None
 
 
-def _parquet_rows(path: Path):
+def _parquet_batches(path: Path, **kwargs):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        parquet = pq.ParquetFile(path)
+        yield from pq.ParquetFile(path).iter_batches(**kwargs)
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: not a readable Parquet file ({str(e)[:200]})") from None
-    yield from enumerate((obj for batch in parquet.iter_batches() for obj in batch.to_pylist()), 1)
 
 
 def _row(path: Path, lineno: int, obj, input_key: str, label_key: str | None, metadata_key: str | None,
@@ -157,22 +153,11 @@ class PromptSource:
     def __init__(self, config: RunConfig, rows: list[dict]):
         self.config = config
         self.rows = rows
+        self.epoch_size = len(rows)  # 0 for a custom source: unknown
         self.n = config.rollout.n_samples_per_prompt
         self._orders: dict[int, list[int]] = {}
         path = config.rollout.buffer_filter_path
         self.buffer_filter = load_object(path, "--buffer-filter-path") if path else None
-
-    @property
-    def epoch_size(self) -> int:
-        return len(self.rows)
-
-    def order(self, epoch: int) -> list[int]:
-        if epoch not in self._orders:
-            order = list(range(len(self.rows)))
-            if self.config.data.rollout_shuffle:
-                random.Random(self.config.data.rollout_seed + epoch).shuffle(order)
-            self._orders = {epoch: order}  # one epoch at a time is all we ever need
-        return self._orders[epoch]
 
     def next_release(self, epoch: int, cursor: int, next_group_index: int, recycled: list[PromptMsg]):
         """The next prompt and the cursor after it: a recycled prompt (original group_index,
@@ -189,7 +174,12 @@ class PromptSource:
     def _row(self, epoch: int, cursor: int) -> tuple[int, int, int, dict]:
         if cursor >= len(self.rows):
             epoch, cursor = epoch + 1, 0
-        row_id = self.order(epoch)[cursor]
+        if epoch not in self._orders:
+            order = list(range(len(self.rows)))
+            if self.config.data.rollout_shuffle:
+                random.Random(self.config.data.rollout_seed + epoch).shuffle(order)
+            self._orders = {epoch: order}  # one epoch at a time is all we ever need
+        row_id = self._orders[epoch][cursor]
         return epoch, cursor, row_id, self.rows[row_id]
 
     def pick_recycled(self, recycled: list[PromptMsg]) -> int:
@@ -219,10 +209,6 @@ class CustomPromptSource(PromptSource):
         super().__init__(config, [])
         self.source = source
         self.drawn: list[dict] = []
-
-    @property
-    def epoch_size(self) -> int:
-        return 0  # unknown: a custom source has no epochs
 
     def _row(self, epoch: int, cursor: int) -> tuple[int, int, int, dict]:
         path = self.config.rollout.data_source_path

@@ -1,17 +1,8 @@
 """A final answer's text made comparable before any parsing (graders.py, `math` and
 `deepscaler`): the string rules of the MATH normaliser that Miles's `grade_answer` applies
 (Hendrycks et al. 2021, and the answer normalisation that follows it), so that `\\$20` and `20`,
-`\\text{East}` and `east`, `50\\%` and `50`, `\\dfrac12` and `\\frac{1}{2}` are one string.
-
-- `normalize(text)`: the comparable string (lower case, no spaces, no dollars, percent signs,
-  degree marks, `\\left`/`\\right`, spacing commands, thousands separators or enclosing
-  `\\text{}`), with its units apart: ("5", {"cm"}) for `5\\text{ cm}`.
-- `is_words(text)`: a normalised answer that is a word or a phrase (`east`, `no solution`), which
-  a parser would read as a product of letters (`tea` = t*e*a = `eat`): compared as a string only.
-- `decide(answer, gold)`: equal or not by the normalised strings and exact values (exact.py), or
-  None when only a symbolic parser can tell.
-- `nesting(text)`: how deep its brackets and braces nest (math-verify's parser is exponential in
-  the depth of plain groups, so deep answers are not sent to it).
+`\\text{East}` and `east`, `50\\%` and `50`, `\\dfrac12` and `\\frac{1}{2}` are one string;
+`decide` compares two answers by them and by their exact values (exact.py).
 """
 
 from __future__ import annotations
@@ -119,7 +110,9 @@ def _mixed(text: str) -> str:
 
 @lru_cache(maxsize=4096)
 def normalize(text: str) -> tuple[str, frozenset[str]]:
-    """The comparable form of an answer and its units (see the module's docstring)."""
+    """The comparable string (lower case, no spaces, no dollars, percent signs, degree marks,
+    `\\left`/`\\right`, spacing commands, thousands separators or enclosing `\\text{}`), with its
+    units apart: ("5", {"cm"}) for `5\\text{ cm}`."""
     text = _unwrap(str(text))
     for old, new in _UNICODE.items():
         text = text.replace(old, new)
@@ -143,12 +136,14 @@ def normalize(text: str) -> tuple[str, frozenset[str]]:
 
 
 def is_words(normalized: str) -> bool:
-    """A word or a phrase: a run of three letters or more outside LaTeX commands."""
+    """A word or a phrase (`east`, `no solution`: a run of three letters or more outside LaTeX
+    commands), which a parser would read as a product of letters (`tea` = t*e*a = `eat`)."""
     return _WORD.search(_COMMAND.sub(" ", normalized)) is not None
 
 
 def nesting(text: str) -> int:
-    """How deep brackets and braces nest in the text."""
+    """How deep brackets and braces nest in the text (math-verify's parser is exponential in the
+    depth of plain groups, so deep answers are not sent to it)."""
     depth = deepest = 0
     for ch in text:
         if ch in "([{":
@@ -186,6 +181,4 @@ def decide(answer: str, gold: str) -> bool | None:
     return None
 
 
-@lru_cache(maxsize=4096)
-def _near(normalized: str):
-    return approximate(normalized)
+_near = lru_cache(maxsize=4096)(approximate)

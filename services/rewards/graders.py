@@ -50,6 +50,7 @@ from typing import Any
 
 from services.rewards.answers import decide, nesting
 from services.rewards.ifbench import followed
+from services.rewards.ifbench.text import no_punctuation
 
 _BOXED = re.compile(r"\\boxed *\{")
 
@@ -184,13 +185,8 @@ def dapo_compare(answer: str, label: Any, metadata: dict) -> dict[str, float]:
 # ---- f1 -------------------------------------------------------------------------------------
 
 
-_NO_PUNCTUATION = str.maketrans("", "", string.punctuation)
-
-
 def _normalize_words(text: str) -> str:
-    text = text.lower().translate(_NO_PUNCTUATION)
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return " ".join(text.split())
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", no_punctuation(text.lower())).split())
 
 
 def f1_compare(answer: str, label: Any, metadata: dict) -> float:

@@ -27,21 +27,17 @@ class RewardModelError(RuntimeError):
     """The reward model gave no usable answer for a sample (the sample is FAILED with this)."""
 
 
-class _Retry(Exception):
-    pass
-
-
 _limits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Per event loop: {concurrency: semaphore}, shared by every RemoteRewardModel on that loop."""
 
 
 class RemoteRewardModel:
-    def __init__(self, url: str, timeout_s: float, concurrency: int, retries: int, token: str | None = None):
+    def __init__(self, url: str, timeout_s: float, concurrency: int, retries: int):
         self.url = url
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.concurrency = concurrency
         self.retries = retries
-        token = token if token is not None else os.environ.get(RM_TOKEN_ENV)
+        token = os.environ.get(RM_TOKEN_ENV)
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
 
     async def score(self, prompt: Any, response: str, label: Any) -> Any:
@@ -54,24 +50,20 @@ class RemoteRewardModel:
                 if attempt:
                     await asyncio.sleep(min(0.25 * 2**attempt, 8.0) * random.uniform(0.5, 1.0))
                 try:
-                    return await self._post(body)
-                except _Retry as e:
-                    problem = str(e)
+                    async with (
+                        aiohttp.ClientSession(timeout=self.timeout, headers=self.headers) as session,
+                        session.post(self.url, json=body) as resp,
+                    ):
+                        if resp.status >= 500:
+                            problem = f"HTTP {resp.status}"
+                            continue
+                        if resp.status >= 400:
+                            raise RewardModelError(f"the reward model at {self.url} answered HTTP {resp.status}: "
+                                                   f"{(await resp.text())[:200]}")  # fmt: skip
+                        try:
+                            return await resp.json(content_type=None)
+                        except ValueError as e:
+                            raise RewardModelError(f"the reward model at {self.url} answered no JSON ({e})") from None
                 except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
                     problem = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         raise RewardModelError(f"the reward model at {self.url} failed {self.retries + 1} time(s); last: {problem}")
-
-    async def _post(self, body: dict) -> Any:
-        async with (
-            aiohttp.ClientSession(timeout=self.timeout, headers=self.headers) as session,
-            session.post(self.url, json=body) as resp,
-        ):
-            if resp.status >= 500:
-                raise _Retry(f"HTTP {resp.status}")
-            if resp.status >= 400:
-                text = (await resp.text())[:200]
-                raise RewardModelError(f"the reward model at {self.url} answered HTTP {resp.status}: {text}")
-            try:
-                return await resp.json(content_type=None)
-            except ValueError as e:
-                raise RewardModelError(f"the reward model at {self.url} answered no JSON ({e})") from None

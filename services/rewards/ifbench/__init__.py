@@ -21,7 +21,7 @@ from typing import Any
 from services.rewards.ifbench import classic, counts, formats  # noqa: F401 - they fill CHECKERS
 from services.rewards.ifbench.text import CHECKERS, MissingResource, bind
 
-__all__ = ["CHECKERS", "MissingResource", "followed", "instructions"]
+__all__ = ["CHECKERS", "MissingResource", "followed"]
 
 
 def _kwargs_list(raw: Any, n: int) -> list[dict]:
@@ -35,9 +35,9 @@ def _kwargs_list(raw: Any, n: int) -> list[dict]:
     return [{k: v for k, v in e.items() if v is not None} for e in out[:n]]
 
 
-def instructions(metadata: dict) -> list[tuple[str, dict]]:
-    """(instruction id, its kwargs) for each instruction the row names; ValueError when it names
-    none, or one that is unknown."""
+def followed(response: str, metadata: dict) -> list[bool]:
+    """Whether the response follows each instruction the row names (an empty response follows
+    none); ValueError when it names none, or one that is unknown."""
     raw_ids = metadata.get("instruction_id_list")
     if isinstance(raw_ids, str):
         raw_ids = json.loads(raw_ids) if raw_ids.strip().startswith("[") else [raw_ids]
@@ -49,15 +49,8 @@ def instructions(metadata: dict) -> list[tuple[str, dict]]:
     if unknown:
         raise ValueError(f"rm_type ifbench does not know the instruction {', '.join(map(repr, unknown))}: IFBench's "
                          "ids are listed in docs/tasks.md")  # fmt: skip
-    return list(zip(ids, _kwargs_list(metadata.get("kwargs"), len(ids)), strict=True))
-
-
-def followed(response: str, metadata: dict) -> list[bool]:
-    """Whether the response follows each instruction (an empty response follows none)."""
     out = []
-    for instruction_id, kwargs in instructions(metadata):
-        fn = CHECKERS[instruction_id]
-        bind(instruction_id, fn, kwargs)
+    for instruction_id, kwargs in zip(ids, _kwargs_list(metadata.get("kwargs"), len(ids)), strict=True):
+        fn = bind(instruction_id, kwargs)
         out.append(bool(response.strip()) and bool(fn(response, **kwargs)))
     return out
-

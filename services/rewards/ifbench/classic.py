@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from itertools import takewhile
 
 from services.rewards.ifbench.text import (
-    UndetectableLanguage,
     checker,
     count,
     count_words,
-    detect_language,
+    in_language,
     relation_holds,
     sentences,
     word_tokens,
@@ -24,6 +24,13 @@ LANGUAGES = ("en", "es", "pt", "ar", "hi", "fr", "ru", "de", "ja", "it", "bn", "
              "ko", "pl", "he", "fa", "vi", "ne", "sw", "kn", "mr", "gu", "pa", "ml", "fi")  # fmt: skip
 """The language codes IFEval's `language:response_language` takes."""
 CONSTRAINED_RESPONSES = ("My answer is yes.", "My answer is no.", "My answer is maybe.")
+
+
+def _parts(parts: list[str]) -> list[str] | None:
+    """The non-empty parts of a divided response; None where an empty one is not first or last."""
+    if any(not p.strip() for p in parts[1:-1]):
+        return None
+    return [p for p in parts if p.strip()]
 
 
 # ---- keywords -------------------------------------------------------------------------------
@@ -63,24 +70,17 @@ def response_language(text: str, *, language) -> bool:
     """langdetect's language is the one asked (no language detected: followed, as IFEval has it)."""
     if language not in LANGUAGES:
         raise ValueError(f"ifbench language {language!r:.20} is not one of IFEval's: {', '.join(LANGUAGES)}")
-    return _in_language(text, language)
-
-
-def _in_language(text: str, language: str) -> bool:
-    try:
-        return detect_language(text) == language
-    except UndetectableLanguage:
-        return True
+    return in_language(text, language)
 
 
 @checker("change_case:english_capital")
 def english_capital(text: str) -> bool:
-    return text.isupper() and _in_language(text, "en")
+    return text.isupper() and in_language(text, "en")
 
 
 @checker("change_case:english_lowercase")
 def english_lowercase(text: str) -> bool:
-    return text.islower() and _in_language(text, "en")
+    return text.islower() and in_language(text, "en")
 
 
 @checker("change_case:capital_word_frequency")
@@ -104,16 +104,9 @@ def number_words(text: str, *, num_words, relation) -> bool:
 
 @checker("length_constraints:number_paragraphs")
 def number_paragraphs(text: str, *, num_paragraphs) -> bool:
-    """Paragraphs split by the markdown divider `***`; an empty one is allowed only first or last."""
-    paragraphs = re.split(r"\s?\*\*\*\s?", text)
-    found = len(paragraphs)
-    for i, paragraph in enumerate(paragraphs):
-        if not paragraph.strip():
-            if i in (0, len(paragraphs) - 1):
-                found -= 1
-            else:
-                return False
-    return found == count("num_paragraphs", num_paragraphs)
+    """Paragraphs split by the markdown divider `***`."""
+    paragraphs = _parts(re.split(r"\s?\*\*\*\s?", text))
+    return paragraphs is not None and len(paragraphs) == count("num_paragraphs", num_paragraphs)
 
 
 @checker("length_constraints:nth_paragraph_first_word")
@@ -132,11 +125,7 @@ def nth_paragraph_first_word(text: str, *, num_paragraphs, nth_paragraph, first_
     if not paragraph:
         return False
     word = paragraph.split()[0].strip().lstrip("'").lstrip('"')
-    first = ""
-    for letter in word:
-        if letter in ".,?!'\"":
-            break
-        first += letter.lower()
+    first = "".join(letter.lower() for letter in takewhile(lambda c: c not in ".,?!'\"", word))
     return found == num_paragraphs and first == first_word.lower()
 
 
@@ -151,12 +140,8 @@ def number_placeholders(text: str, *, num_placeholders) -> bool:
 @checker("detectable_content:postscript")
 def postscript(text: str, *, postscript_marker) -> bool:
     marker = postscript_marker.strip()
-    if marker == "P.P.S":
-        pattern = r"\s*p\.\s?p\.\s?s.*$"
-    elif marker == "P.S.":
-        pattern = r"\s*p\.\s?s\..*$"
-    else:
-        pattern = r"\s*" + marker.lower() + r".*$"
+    special = {"P.P.S": r"\s*p\.\s?p\.\s?s.*$", "P.S.": r"\s*p\.\s?s\..*$"}
+    pattern = special.get(marker, r"\s*" + marker.lower() + r".*$")
     return bool(re.findall(pattern, text.lower(), flags=re.MULTILINE))
 
 
@@ -209,15 +194,9 @@ def title(text: str) -> bool:
 
 @checker("combination:two_responses")
 def two_responses(text: str) -> bool:
-    """Two different responses separated by `******` (an empty part only first or last)."""
-    parts = text.split("******")
-    responses = []
-    for i, part in enumerate(parts):
-        if part.strip():
-            responses.append(part)
-        elif i not in (0, len(parts) - 1):
-            return False
-    return len(responses) == 2 and responses[0].strip() != responses[1].strip()
+    """Two different responses separated by `******`."""
+    responses = _parts(text.split("******"))
+    return responses is not None and len(responses) == 2 and responses[0].strip() != responses[1].strip()
 
 
 @checker("combination:repeat_prompt")

@@ -7,10 +7,10 @@ purpose from one instruction to the next."""
 from __future__ import annotations
 
 import re
+import string
 from collections import Counter
 
 from services.rewards.ifbench.text import (
-    PUNCTUATION,
     PUNCTUATION_SPACE,
     checker,
     count,
@@ -41,10 +41,6 @@ PRONOUNS = frozenset((
 PRIMES = frozenset((2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83, 89, 97))
 _JAPANESE = re.compile(r"[\u3040-\u30ff\u4e00-\u9fff]")
 _CONSONANTS = frozenset("bcdfghjklmnpqrstvwxyz")
-
-
-def _keyword_in(keyword: str, text: str) -> bool:
-    return re.search(rf"\b{re.escape(keyword)}\b", text, re.IGNORECASE) is not None
 
 
 # ---- count: ---------------------------------------------------------------------------------
@@ -196,7 +192,7 @@ def sentence_keyword(text: str, *, word, N) -> bool:
         raise ValueError("ifbench argument word must be a word (IFBench draws it at random otherwise)")
     found = sentences(text)
     n = count("N", N, 1)
-    return len(found) >= n and _keyword_in(word, found[int(n) - 1])
+    return len(found) >= n and re.search(rf"\b{re.escape(word)}\b", found[int(n) - 1], re.IGNORECASE) is not None
 
 
 @checker("sentence:increment")
@@ -216,15 +212,8 @@ def alphabet(text: str) -> bool:
     words = no_punctuation(text).strip(PUNCTUATION_SPACE).split()
     if not words or not "a" <= words[0][0].lower() <= "z":
         return False
-    letter = words[0][0].lower()
-    for word in words[1:]:
-        word = word.strip(PUNCTUATION_SPACE).lower()
-        if not word:
-            continue
-        letter = chr((ord(letter) - ord("a") + 1) % 26 + ord("a"))
-        if word[0] != letter:
-            return False
-    return True
+    first = words[0][0].lower()
+    return all(w.lower()[0] == chr((ord(first) - ord("a") + i) % 26 + ord("a")) for i, w in enumerate(words[1:], 1))
 
 
 @checker("words:vowel")
@@ -318,6 +307,6 @@ def words_position(text: str, *, keyword) -> bool:
     words, keyword = word_tokens(text), keyword.strip().lower()
     if len(words) < 2:
         return False
-    if words[-1] in PUNCTUATION:
+    if words[-1] in string.punctuation:
         return len(words) >= 3 and words[1].lower() == words[-3].lower() == keyword
     return words[1].lower() == words[-2].lower() == keyword

@@ -13,7 +13,6 @@ import string
 import unicodedata
 
 from services.rewards.ifbench.text import (
-    PUNCTUATION,
     PUNCTUATION_SPACE,
     checker,
     is_emoji,
@@ -65,17 +64,15 @@ def parentheses(text: str) -> bool:
 @checker("format:quotes")
 def quotes(text: str) -> bool:
     """Quotes (`"` and `'`) nested at least three deep, then closed three levels."""
-    open_, reached, depth = [], 0, 0
+    open_, reached = [], 0
     for char in text:
         if open_ and char == open_[-1]:
             open_.pop()
-            depth -= 1
-            if reached - depth >= 3:
+            if reached - len(open_) >= 3:
                 return True
         elif char in "\"'":
             open_.append(char)
-            depth += 1
-            reached = max(reached, depth)
+            reached = max(reached, len(open_))
     return False
 
 
@@ -132,7 +129,7 @@ def quote_unquote(text: str) -> bool:
     value = "".join(text.replace("'\"'", "").split())
     if '""' in value:
         return False
-    bare = value.strip(string.digits + PUNCTUATION.replace('"', ""))
+    bare = value.strip(string.digits + string.punctuation.replace('"', ""))
     return not (bare and bare[-1] == '"')
 
 
@@ -181,18 +178,8 @@ def no_bullets_bullets(text: str) -> bool:
 @checker("format:title_case")
 def title_case(text: str) -> bool:
     """No NLTK token that starts with a letter is lower case where a title would capitalise it."""
-    for word in word_tokens(text):
-        if not word or not word[0].isalpha():
-            continue
-        if len(word) == 1:
-            if word[0].islower():
-                return False
-            continue
-        if word[0].isupper() and word[1:].islower():
-            continue
-        if word[0].islower() and (word[1:].isupper() or word[1:].islower()):
-            return False
-    return True
+    return not any(w[:1].isalpha() and w[0].islower() and (len(w) == 1 or w[1:].isupper() or w[1:].islower())
+                   for w in word_tokens(text))  # fmt: skip
 
 
 @checker("format:output_template")
@@ -216,12 +203,11 @@ def multiples(text: str, **_) -> bool:
 
 def _mcq_question(question: str) -> tuple[int, int]:
     """(options, length of the question text) of one question."""
-    text, options, in_options = "", 0, False
+    text, options = "", 0
     for line in question.split("\n"):
         if re.match(r"^[A-Ea-e][\.|\)]\s*\w+", line.strip()):
             options += 1
-            in_options = True
-        elif not in_options:
+        elif not options:  # the question's text ends at its first option
             text += " " + line.strip()
     return options, len(text.strip())
 
@@ -231,10 +217,7 @@ def mcq_count_length(text: str, **_) -> bool:
     """Starts with `Question`: four questions of five options each, each question longer than the one before."""
     if text[text.find("Question") :] != text:
         return False
-    parts = re.split(r"\n*(?:Question \d+[\.|\):;]?\s*)", text)
-    if parts[0] == "":
-        parts = parts[1:]
-    questions = [q.strip() for q in parts if q.strip()]
+    questions = [q.strip() for q in re.split(r"\n*(?:Question \d+[\.|\):;]?\s*)", text) if q.strip()]
     if len(questions) != 4:
         return False
     read = [_mcq_question(q) for q in questions]
@@ -269,20 +252,13 @@ def character_reverse(text: str, **_) -> bool:
 @checker("custom:sentence_alphabet")
 def sentence_alphabet(text: str, **_) -> bool:
     """26 sentences, the i-th starting with the i-th letter."""
-    found = sentences(text)
-    if len(found) != 26:
-        return False
-    for i, sentence in enumerate(found):
-        words = sentence.lstrip().split()
-        if not words or words[0].lower()[0] != chr(ord("a") + i):
-            return False
-    return True
+    firsts = [s.split()[0].lower()[0] if s.split() else "" for s in sentences(text)]
+    return firsts == list(string.ascii_lowercase)
 
 
 @checker("custom:european_capitals_sort")
 def european_capitals_sort(text: str, **_) -> bool:
-    capitals = [c for c in _ascii(text).split(",") if c.strip()]
-    return [c.strip() for c in capitals] == list(EUROPEAN_CAPITALS)
+    return [c.strip() for c in _ascii(text).split(",") if c.strip()] == list(EUROPEAN_CAPITALS)
 
 
 def _csv_rows(text: str, delimiter: str = ",") -> list[list[str]]:

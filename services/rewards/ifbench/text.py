@@ -21,7 +21,6 @@ from collections.abc import Callable
 from functools import lru_cache
 
 EXTRA = "pip install 'asyncrl[ifbench]'"
-PUNCTUATION = string.punctuation
 PUNCTUATION_SPACE = string.punctuation + " "
 _NO_PUNCTUATION = str.maketrans("", "", string.punctuation)
 
@@ -96,18 +95,15 @@ def pos_tags(tokens: list[str]) -> list[tuple[str, str]]:
     return _nltk_data("averaged_perceptron_tagger_eng", "taggers/averaged_perceptron_tagger_eng/").pos_tag(tokens)
 
 
-class UndetectableLanguage(Exception):
-    """langdetect found no language (no letters): IFEval counts that as followed."""
-
-
-def detect_language(text: str) -> str:
-    """langdetect's language code, seeded (langdetect samples at random; a reward must not)."""
+def in_language(text: str, language: str) -> bool:
+    """langdetect's language (seeded: langdetect samples at random; a reward must not) is
+    `language`; no language detected (no letters) counts as followed, as IFEval has it."""
     langdetect = _require("langdetect")
     langdetect.DetectorFactory.seed = 0
     try:
-        return langdetect.detect(text)
-    except langdetect.LangDetectException as e:
-        raise UndetectableLanguage(str(e)) from e
+        return langdetect.detect(text) == language
+    except langdetect.LangDetectException:
+        return True
 
 
 def is_emoji(char: str) -> bool:
@@ -140,8 +136,9 @@ def checker(instruction_id: str) -> Callable[[Checker], Checker]:
     return register
 
 
-def bind(instruction_id: str, fn: Checker, kwargs: dict) -> dict:
-    """The checker's kwargs, or ValueError naming the unknown or missing ones."""
+def bind(instruction_id: str, kwargs: dict) -> Checker:
+    """The instruction's checker, or ValueError naming the kwargs it does not take or lacks."""
+    fn = CHECKERS[instruction_id]
     params = inspect.signature(fn).parameters
     accepted = [name for name, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -153,7 +150,7 @@ def bind(instruction_id: str, fn: Checker, kwargs: dict) -> dict:
     if missing:
         raise ValueError(f"ifbench instruction {instruction_id!r} needs {', '.join(missing)} in its kwargs (IFBench "
                          "draws a missing one at random, which grades nothing)")  # fmt: skip
-    return kwargs
+    return fn
 
 
 def count(name: str, value, minimum: int = 0):
