@@ -37,20 +37,17 @@ def _field_kind(annotation) -> tuple[str, tuple | None]:
     return {bool: "bool", int: "int", float: "float"}.get(annotation, "str"), None
 
 
+_BOOLS = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off"), False)
+
+
 def _parse_scalar(kind: str, text: str):
     if text.lower() in ("none", "null") and kind != "str":
         return None
-    if kind == "int":
-        return int(text)
-    if kind == "float":
-        return float(text)
-    if kind == "bool":
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
+    if kind != "bool":
+        return {"int": int, "float": float}.get(kind, str)(text)
+    if text.lower() not in _BOOLS:
         raise ValueError(f"not a boolean: {text!r}")
-    return text
+    return _BOOLS[text.lower()]
 
 
 PASSTHROUGH = {"--eval-sglang-": "eval_sglang_args", "--no-eval-sglang-": "eval_sglang_args",

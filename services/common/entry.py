@@ -34,16 +34,6 @@ SERVICES = {
 log = logging.getLogger("asyncrl.entry")
 
 
-def run_event_loop(coro):
-    """asyncio.run, on uvloop where it is installed: the services' work is mostly small
-    messages, where uvloop's cheaper event loop and sockets shorten every hop."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def service_parser(name: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"asyncrl service {name or '<name>'}")
     p.add_argument("--nats-url", required=True, help="NATS server URL")
@@ -103,8 +93,12 @@ def service_main(name: str, argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [{name}] %(message)s")
     check_run_id(args.run_id)
     install_log_redaction()
+    try:  # uvloop where installed: its cheaper loop and sockets shorten each hop of the services' small messages
+        from uvloop import run
+    except ImportError:
+        run = asyncio.run
     try:
-        run_event_loop(_run(name, args))
+        run(_run(name, args))
     except KeyboardInterrupt:
         pass
     except Exception as e:

@@ -25,7 +25,10 @@ same block for docker compose and Kubernetes.
 
 from __future__ import annotations
 
+import base64
 import json
+from pathlib import Path
+from urllib.parse import quote
 
 from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX, ADAPTERS_KV_KEY, Subjects, inbox_prefix
 
@@ -121,10 +124,8 @@ def server_auth_conf(run_id: str, passwords: dict[str, str] | None = None) -> st
     variables ASYNCRL_NATS_PASSWORD_<ROLE> (docker compose, Kubernetes)."""
     users = []
     for role in ROLES:
-        if passwords is None:
-            password = "$ASYNCRL_NATS_PASSWORD_" + role.upper().replace("-", "_")
-        else:
-            password = json.dumps(passwords[role])
+        from_env = "$ASYNCRL_NATS_PASSWORD_" + role.upper().replace("-", "_")
+        password = from_env if passwords is None else json.dumps(passwords[role])
         perms = json.dumps(role_permissions(run_id, role), indent=None)
         users.append(f"    {{user: {json.dumps(role)}, password: {password}, permissions: {perms}}}")
     return "authorization {\n  users = [\n" + "\n".join(users) + "\n  ]\n}\n"
@@ -140,8 +141,6 @@ def routes_conf(password: str, routes: list[str]) -> str:
     """What goes inside a nats-server `cluster { }` block besides its name and listen address:
     the route user its peers must present, and the routes to them with that user (nats-server
     takes a route's credentials from its URL only). A node's route to itself is ignored."""
-    from urllib.parse import quote
-
     pw = json.dumps(quote(password, safe=""))[1:-1]
     urls = ", ".join(f'"nats-route://route:{pw}@{r}"' for r in routes)
     return f"authorization {{ user: route, password: {json.dumps(password)} }}\nroutes: [{urls}]\n"
@@ -155,8 +154,6 @@ def write_deploy_secrets(run_id: str, out_dir) -> dict[str, str]:
       routes.conf              a 3-node cluster's route user and routes (deploy/nats-cluster.conf)
       roles/<role>/            what one service may see: its own identity (nats.json) and the
                                run token (roles/engine/: the read-only weights identity)."""
-    from pathlib import Path
-
     from services.common.secrets import keep_or_make_passwords, keep_or_make_token, write_roles_file, write_secret_file
 
     out = Path(out_dir)
@@ -177,8 +174,6 @@ def k8s_secrets(run_id: str) -> str:
     asyncrl-nats-auth (auth.conf for the nats pod), asyncrl-run-token, and one
     asyncrl-nats-<role> per role holding only that role's password. New secrets every call: apply
     it once per run (applying it again rotates every password; restart nats and the pods then)."""
-    import base64
-
     from services.common.secrets import new_secret
 
     def secret(name: str, data: dict[str, str]) -> str:

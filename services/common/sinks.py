@@ -5,12 +5,9 @@ step's record (rollout/*, perf/*, train/*, the buffer's metrics) on `rollout/ste
 point's metrics on `eval/step` (the rollout id the point was dispatched at), so eval points land
 at the step they evaluate, whenever they finish.
 
-- `--use-tensorboard`: event files under $TENSORBOARD_DIR if set, else
-  <run_dir>/tensorboard[/<--tb-project-name>[/<--tb-experiment-name>]] (pip install tensorboard).
-- `--use-wandb`: one W&B run (--wandb-project, --wandb-group, --wandb-team, --wandb-run-id,
-  --wandb-host, --wandb-mode online/offline/disabled, files under --wandb-dir, default the run
-  directory); the API key comes from $WANDB_API_KEY, never from a flag. `offline` writes
-  everything locally (nothing leaves the machine; `wandb sync` uploads it later). pip install wandb.
+`--use-tensorboard` and `--use-wandb` (one W&B run, set by the --wandb-* flags) turn them on; their
+flags' help says where each writes. W&B's API key comes from $WANDB_API_KEY, never from a flag;
+`--wandb-mode offline` keeps everything local (`wandb sync` uploads it later).
 """
 
 from __future__ import annotations

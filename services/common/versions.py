@@ -40,7 +40,12 @@ async def last_published_version(bus: Bus, at_least: int = 0, scan: int = 64) ->
         kv = int((await bus.kv_get(PUBLISHED_VERSION_KEY) or b"0").decode())
     if at_least > 0 and kv >= at_least:
         return kv  # what the caller needs to know: one read, not a scan of WEIGHTS at every version
-    return max(kv, await _newest_on_weights(bus, max(at_least, kv + 1), scan))
+    newest, wanted = max(kv, 0), max(at_least, kv + 1, 1)
+    async for pub in _announcements(bus, scan):
+        newest = max(newest, pub.version)
+        if newest >= wanted:
+            break
+    return newest
 
 
 async def published_announcement(bus: Bus, version: int, scan: int = 64) -> WeightsPublished | None:
@@ -52,15 +57,6 @@ async def published_announcement(bus: Bus, version: int, scan: int = 64) -> Weig
         if pub.version == version:
             return pub
     return None
-
-
-async def _newest_on_weights(bus: Bus, at_least: int, scan: int) -> int:
-    newest = 0
-    async for pub in _announcements(bus, scan):
-        newest = max(newest, pub.version)
-        if newest >= max(at_least, 1):
-            break
-    return newest
 
 
 async def _announcements(bus: Bus, scan: int):

@@ -1,9 +1,9 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import AfterValidator, Field, SecretStr
 
 from asyncrl_proto.subjects import check_run_id
 from services.common.config.base import Section
@@ -21,15 +21,9 @@ class InfraSection(Section):
     fully_async: bool = Field(
         False, description="Fully async: producers fill the buffer continuously (train-async only)."
     )
-    run_id: str | None = Field(
+    run_id: Annotated[str, AfterValidator(check_run_id)] | None = Field(
         None, description="Run id used in every NATS name; default: derived from the start time."
     )
-
-    @field_validator("run_id")
-    @classmethod
-    def _run_id_pattern(cls, v: str | None) -> str | None:
-        return v if v is None else check_run_id(v)
-
     run_dir: str | None = Field(
         None, description="Directory for snapshots, checkpoints, metrics and logs; default runs/<run-id>."
     )

@@ -123,29 +123,17 @@ class MultiLoraSection(Section):
         return errs
 
 
-MULTI_LORA_IGNORES = [
-    (
-        "num_steps_per_rollout",
-        "takes one optimizer step per adapter batch",
-        "drop --num-steps-per-rollout (--global-batch-size sets how many samples a batch coalesces)",
-    ),
-    ("keep_old_actor", "trains adapters on a frozen base, with no old actor to keep", "drop --keep-old-actor"),
-    (
-        "save_interval",
-        "saves each adapter in its own `save` directory (its YAML) when it retires; the base never changes",
-        "drop --save-interval",
-    ),
-    ("save_hf", "saves adapters as PEFT directories in their `save` directories", "drop --save-hf"),
-    (
-        "save_trigger_sentinel",
-        "saves each adapter when it retires (DELETE /adapter_runs/{name} retires one now)",
-        "drop --save-trigger-sentinel",
-    ),
-    ("load", "resumes each adapter from the newest save in its `save` directory", "drop --load"),
-    (
-        "custom_rollout_log_function_path",
-        "records each adapter's steps on its own axis and does not call a rollout log function",
-        "drop --custom-rollout-log-function-path",
-    ),
-]
-"""Flags of the single-model run that multi-LoRA would silently ignore: (field, why, what to do)."""
+MULTI_LORA_IGNORES = {
+    "num_steps_per_rollout": "takes one optimizer step per adapter batch (--global-batch-size sets how many "
+    "samples a batch coalesces)",
+    "keep_old_actor": "trains adapters on a frozen base, with no old actor to keep",
+    "save_interval": "saves each adapter in its own `save` directory (its YAML) when it retires; the base never "
+    "changes",
+    "save_hf": "saves adapters as PEFT directories in their `save` directories",
+    "save_trigger_sentinel": "saves each adapter when it retires (DELETE /adapter_runs/{name} retires one now)",
+    "load": "resumes each adapter from the newest save in its `save` directory",
+    "custom_rollout_log_function_path": "records each adapter's steps on its own axis and does not call a rollout "
+    "log function",
+}
+"""Flags of the single-model run (TrainerSection fields) that multi-LoRA would silently ignore, and why: each
+is refused (drop it)."""

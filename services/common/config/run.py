@@ -4,8 +4,7 @@ join them, each naming the sections it joins.
 
 Flags use Miles's names in kebab case on the command line (`--rollout-batch-size`); a field
 inside its section drops the section's name (`rollout.batch_size`), and FLAGS is the one table
-from flag to field. Precedence: defaults < config file (YAML/JSON/TOML) < environment
-(`ASYNCRL_<NAME>`) < command line. RunConfig(**flags) builds one from flag names;
+from flag to field (config_load.py loads them). RunConfig(**flags) builds one from flag names;
 `model_dump()` and the stored config are flat, by flag name, so a run directory reads as the
 command line did. Plugins get a flat read-only view (`FlatConfig`). Each section's own rules are
 its `problems()`. This package imports no torch.
@@ -15,8 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
-from typing import Any, ClassVar, Literal, NamedTuple, TypeVar
+from typing import Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -60,10 +58,8 @@ MILES_NAMES: dict[tuple[str, str], str] = {
 
 class Flag(NamedTuple):
     section: type[Section]
-    attr: str
-    """The section's attribute on RunConfig."""
-    field: str
-    """The field's name in its section."""
+    attr: str  # the section's attribute on RunConfig
+    field: str  # the field's name in its section
 
 
 FLAGS: dict[str, Flag] = {
@@ -87,14 +83,12 @@ def home_of(name: str) -> str | None:
         return f"config.{FLAGS[name].attr}.{FLAGS[name].field}"
     return f"config.{DERIVED[name]}.{name}" if name in DERIVED else None
 
-F = TypeVar("F", bound=Callable)
 
-
-def joins(*sections: type[Section]) -> Callable[[F], F]:
+def joins(*sections: type[Section]):
     """Marks a derived value or a rule as joining these sections (and only these: a test reads its
     body and fails on a section it reads without naming it here)."""
 
-    def mark(fn: F) -> F:
+    def mark(fn):
         fn.joins = sections
         return fn
 
@@ -137,10 +131,8 @@ class RunConfig(BaseModel):
             from services.common.secrets import url_credentials
 
             url, found = url_credentials(str(flat["nats_url"]))
-            if found:
-                flat["nats_url"] = url
-                for key, value in found.items():
-                    flat.setdefault(f"nats_{key}", value)
+            if found:  # the URL's credentials, unless given as flags too
+                flat = {f"nats_{key}": value for key, value in found.items()} | flat | {"nats_url": url}
         out = {k: v for k, v in data.items() if k in SECTION_NAMES.values()}
         for attr, fields in by_section(flat).items():
             given = out.get(attr, {})
@@ -413,8 +405,8 @@ class RunConfig(BaseModel):
         if self.eval.interval is not None:
             errs.append("Multi-LoRA async (--multi-lora-n-adapters) does not support in-loop evaluation: unset "
                         "--eval-interval (evaluate each adapter from its saves)")  # fmt: skip
-        errs += [f"Multi-LoRA async (--multi-lora-n-adapters) {why}: {fix}"
-                 for flag, why, fix in MULTI_LORA_IGNORES if getattr(self.trainer, flag)]  # fmt: skip
+        errs += [f"Multi-LoRA async (--multi-lora-n-adapters) {why}: drop --{flag.replace('_', '-')}"
+                 for flag, why in MULTI_LORA_IGNORES.items() if getattr(self.trainer, flag)]  # fmt: skip
         if self.async_.update_weights_interval > 1:
             errs.append("Multi-LoRA async (--multi-lora-n-adapters) pushes every adapter version it trains (its "
                         "staleness is counted in its own steps): drop --update-weights-interval")  # fmt: skip

@@ -2,7 +2,7 @@
 (`Service.reads`), as typed read-only objects, and the values that join only those sections
 (`config.buffer_capacity`). Any other section, or a flag read around its section, is an
 AttributeError that says which declaration is missing. Plugins get the flat read-only config that
-docs/tasks.md promises them (FlatConfig), through `for_plugins()`, built from this view's sections.
+docs/tasks.md promises them (FlatConfig), through `for_plugins`, built from this view's sections.
 
 A multi-LoRA partition is a view whose sections carry that adapter's values (`replace`), not a
 copy of the whole config."""
@@ -72,11 +72,6 @@ class ConfigView:
             object.__setattr__(self, "_flat", RunConfig.model_construct(**parts))
         return self._flat
 
-    def for_plugins(self) -> FlatConfig:
-        """The flat, read-only config of docs/tasks.md, with this view's section values: for a
-        plugin (custom generate, reward, buffer, filter and log functions) only."""
-        return FlatConfig(self.whole())
-
     def model_dump(self, **kw) -> dict:
         """The flat config's fields (as RunConfig.model_dump), for a process this service starts."""
         return self.whole().model_dump(**kw)
@@ -119,7 +114,8 @@ def view(config: RunConfig | ConfigView, reads: tuple[type[Section], ...], owner
 
 
 def for_plugins(config: RunConfig | ConfigView | FlatConfig) -> FlatConfig:
-    """The flat config a plugin gets, from a service's view or a whole config alike."""
+    """The flat, read-only config of docs/tasks.md a plugin (custom generate, reward, buffer, filter
+    and log functions) gets, from a service's view (its section values) or a whole config alike."""
     if isinstance(config, FlatConfig):
         return config
-    return config.for_plugins() if isinstance(config, ConfigView) else FlatConfig(config)
+    return FlatConfig(config.whole() if isinstance(config, ConfigView) else config)
