@@ -11,12 +11,7 @@
 """
 
 from asyncrl_proto.messages import Sample, SampleStatus
-from services.buffer.core import (
-    DataBuffer,
-    DefaultDataBuffer,
-    DynamicFilterOutput,
-    check_reward_nonzero_std,
-)
+from services.buffer.core import DataBuffer, DefaultDataBuffer, DynamicFilterOutput, check_reward_nonzero_std
 from services.common.config import FlatConfig, RunConfig
 from services.data.source import DataSource
 from services.eval.contract import CheckpointEvalFn, EvalSkip

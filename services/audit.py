@@ -121,11 +121,8 @@ def _answers(url: str) -> bool:
 
     for one in url.split(","):  # a cluster: any node will do
         u = urlparse(one.strip())
-        try:
-            with socket.create_connection((u.hostname or "127.0.0.1", u.port or 4222), timeout=1.0):
-                return True
-        except OSError:
-            continue
+        with contextlib.suppress(OSError), socket.create_connection((u.hostname or "127.0.0.1", u.port or 4222), 1.0):
+            return True
     return False
 
 

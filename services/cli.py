@@ -26,8 +26,10 @@ import json
 import sys
 
 
-def _train_parser(prog: str, sync: bool) -> argparse.ArgumentParser:
-    from services.common.config_load import add_config_arguments
+def _resolve(prog: str, argv: list[str], sync: bool):
+    """Parse and validate a training command line; returns a RunConfig or exits with 2."""
+    from services.common.config import ConfigError
+    from services.common.config_load import add_config_arguments, resolve_config, split_passthrough
 
     desc = (
         "Synchronous RL: generate B groups on the current weights, train, push weights, repeat."
@@ -37,16 +39,8 @@ def _train_parser(prog: str, sync: bool) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=desc)
     p.add_argument("--config", dest="config_file", default=None, help="YAML, TOML or JSON file of flag values")
     add_config_arguments(p, skip=("driver",))
-    return p
-
-
-def _resolve(prog: str, argv: list[str], sync: bool):
-    """Parse and validate a training command line; returns a RunConfig or exits with 2."""
-    from services.common.config import ConfigError
-    from services.common.config_load import resolve_config, split_passthrough
-
     argv, passthrough = split_passthrough(argv)
-    args = vars(_train_parser(prog, sync).parse_args(argv))
+    args = vars(p.parse_args(argv))
     for field, extra in passthrough.items():
         if extra:
             args[field] = list(args.get(field, [])) + extra
@@ -118,16 +112,14 @@ def _cmd_train(argv: list[str], sync: bool) -> int:
 
 def _cmd_build_model(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="asyncrl build-model", description="Build the bundled task's tiny model.")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", dest="out_dir", metavar="OUT", required=True)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--warmup-sft-steps", type=int, default=20)
     p.add_argument("--max-position-embeddings", type=int, default=64, help="context length of the model")
     a = p.parse_args(argv)
     from services.tasks.reverse_digits import build_model
 
-    build_model(
-        a.out, seed=a.seed, warmup_sft_steps=a.warmup_sft_steps, max_position_embeddings=a.max_position_embeddings
-    )
+    build_model(**vars(a))
     return 0
 
 

@@ -13,6 +13,8 @@ import os
 import sys
 from collections.abc import Callable
 
+from services.dashboard.views import num
+
 BAR = "{l_bar}{bar:20}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}"
 """The progress line: percent, bar, step/total, elapsed<ETA, then progress_fields."""
 
@@ -66,11 +68,6 @@ def _size(stream) -> tuple[int, int]:
 
 def progress_fields(rec: dict, heldout: float | None) -> str:
     """The progress line's figures: reward, held-out, staleness, queue."""
-
-    def f(key: str, fmt: str) -> str:
-        v = rec.get(key)
-        return fmt.format(v) if isinstance(v, (int, float)) else "-"
-
-    held = "-" if heldout is None else f"{heldout:.3f}"
-    staleness, queue = f("rollout/fully_async/avg_staleness", "{:.2f}"), f("rollout/fully_async/queue_size", "{:.0f}")
-    return f"reward {f('rollout/reward/mean', '{:.3f}')} | held-out {held} | staleness {staleness} | queue {queue}"
+    reward, staleness = num(rec.get("rollout/reward/mean")), num(rec.get("rollout/fully_async/avg_staleness"), "{:.2f}")
+    queue = num(rec.get("rollout/fully_async/queue_size"), "{:.0f}")
+    return f"reward {reward} | held-out {num(heldout)} | staleness {staleness} | queue {queue}"

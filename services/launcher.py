@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,6 +43,7 @@ from services.common.secrets import RM_TOKEN_ENV, NatsCredentials, without_ident
 from services.common.snapshot import COMPLETE_MARKER, is_complete
 from services.common.validate import EvalPoints, eval_result_problem, finite_metrics
 from services.common.versions import VersionBound
+from services.dashboard.views import num
 from services.prepare import Prepared, create_streams, prepare_launch
 from services.raycluster import Placement
 from services.supervisor import LaunchError, Supervisor
@@ -127,10 +127,12 @@ class Launcher:
                 env[STORE_DIR_ENV] = str(self.nats.jetstream_dir)
         return env
 
-    def _spawn(self, name: str, cmd: list[str], role: str | None = None, extra_env: dict | None = None,
-               health: str | None = None, essential: bool = True) -> subprocess.Popen:  # fmt: skip
+    def _spawn(self, name: str, cmd: list[str], url: str, health: str, role: str | None = None,
+               extra_env: dict | None = None, essential: bool = True) -> None:  # fmt: skip
+        """Start child `name`, listening at `url` (services.json) and health-checked at url + `health`."""
         env = {**self._env(role), **(extra_env or {})}
-        return self.procs.spawn(name, cmd, env, health_url=health, essential=essential).proc
+        self.procs.spawn(name, cmd, env, health_url=url + health, essential=essential)
+        self.services[name] = url
 
     def _address(self, name: str, side: str) -> tuple[str, int]:
         """Where a child binds: with --use-ray its host's node IP and a free port there (`side`:
@@ -178,10 +180,8 @@ class Launcher:
                           "--weights-cache-dir": str(self.run_dir / "engine-cache" / f"engine-{i}")}  # fmt: skip
                 role = "engine"
             cmd = self._placed(f"engine-{i}", builtin_engine_command(c.data.hf_checkpoint, port, flags))
-            url = f"http://{host}:{port}"
-            self._spawn(f"engine-{i}", cmd, role=role, extra_env={procs.CPU_ENV: pins[0][i]} if pins else None,
-                        health=url + "/health_generate")  # fmt: skip
-            self.services[f"engine-{i}"] = url
+            self._spawn(f"engine-{i}", cmd, f"http://{host}:{port}", "/health_generate", role=role,
+                        extra_env={procs.CPU_ENV: pins[0][i]} if pins else None)  # fmt: skip
         return [self.services[f"engine-{i}"] for i in range(c.infra.rollout_num_engines)]
 
     def _start_sglang(self) -> list[str]:
@@ -199,10 +199,8 @@ class Launcher:
         for i, (cmd, env) in enumerate(
             sglang_engine_commands(c, [procs.free_port() for _ in range(c.infra.rollout_num_engines)])
         ):
-            url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
-            self._spawn(f"engine-{i}", cmd + key, extra_env=env, health=url + "/health")
-            urls.append(url)
-            self.services[f"engine-{i}"] = urls[-1]
+            urls.append(f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}")
+            self._spawn(f"engine-{i}", cmd + key, urls[-1], "/health", extra_env=env)
         if c.infra.use_sglang_router:
             if importlib.util.find_spec("sglang_router") is None:
                 raise LaunchError("--use-sglang-router needs the sglang-router package (pip install sglang-router)")
@@ -210,8 +208,7 @@ class Launcher:
             self.router_url = f"http://127.0.0.1:{port}"
             self._spawn("router", [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                                    "--port", str(port), "--worker-urls", *urls, *c.infra.sglang_router_args, *key],
-                        health=self.router_url + "/health")  # fmt: skip
-            self.services["router"] = self.router_url
+                        self.router_url, "/health")  # fmt: skip
         return urls
 
     def start_service(self, name: str, instance: str | None = None) -> None:
@@ -220,12 +217,11 @@ class Launcher:
         host, port = self._address(label, name) if placed else ("127.0.0.1", procs.free_port())
         infra = self.config.infra
         pins = procs.split_cpus(infra.rollout_num_engines) if infra.pin_cpus and name == "trainer" else None
-        url = f"http://{host}:{port}"
         self._spawn(label, self._placed(label, [
             sys.executable, "-m", SERVICE_MODULES[name], "--nats-url", self.nats_url, "--run-id",
             self.config.infra.run_id, "--http-host", host, "--http-port", str(port), "--instance-id", label,
-        ]), role=name, extra_env={procs.CPU_ENV: pins[1]} if pins and not placed else None, health=url + "/healthz")  # fmt: skip
-        self.services[label] = url
+        ]), f"http://{host}:{port}", "/healthz", role=name,
+            extra_env={procs.CPU_ENV: pins[1]} if pins and not placed else None)  # fmt: skip
 
     def start_dashboard(self) -> None:
         """The run's dashboard (services/dashboard): read-only, behind the run token, with the admin's
@@ -237,8 +233,7 @@ class Launcher:
         url = f"http://{'127.0.0.1' if infra.http_host in ('0.0.0.0', '::') else infra.http_host}:{port}"
         self._spawn("dashboard", [sys.executable, "-m", "services.dashboard", str(self.run_dir), "--live",
                                   "--http-host", infra.http_host, "--http-port", str(port)],
-                    extra_env=self.creds["admin"].env(), health=url + "/healthz", essential=False)  # fmt: skip
-        self.services["dashboard"] = url
+                    url, "/healthz", extra_env=self.creds["admin"].env(), essential=False)  # fmt: skip
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         if timeout_s is None:  # an SGLang server loads and captures CUDA graphs: minutes, not seconds
@@ -255,7 +250,7 @@ class Launcher:
                     with contextlib.suppress(httpx.HTTPError):
                         if http.get(url + path).status_code == 200:
                             del pending[label]
-                            self.procs.mark_healthy(label)
+                            self.procs.child(label).healthy_once = True
                 if pending and time.monotonic() > deadline:
                     raise LaunchError(f"not ready after {timeout_s:.0f}s: {sorted(pending)} (see {self.run_dir}/logs)")
                 if pending:
@@ -273,7 +268,7 @@ class Launcher:
         """A nats-server node that exited comes back on its own store and ports (in a cluster it
         catches up with the others; clients moved to them meanwhile)."""
         name = self.nats.pid_name(i)
-        if not self.procs.budget.take(self.nats_restarts.setdefault(i, [])):
+        if not self.procs.take_restart(self.nats_restarts.setdefault(i, [])):
             raise LaunchError(
                 f"{name} exited {self.config.infra.service_restarts + 1} times in "
                 f"{self.config.infra.restart_window_s:.0f}s; "
@@ -504,8 +499,7 @@ def link_snapshot(src: Path, dst: Path) -> bool:
 
 def format_progress(step: int, total: int, rec: dict) -> str:
     def f(key, fmt="{:.3f}"):
-        v = rec.get(key)
-        return fmt.format(v) if isinstance(v, (int, float)) else "-"
+        return num(rec.get(key), fmt)
 
     return (
         f"[step {step + 1:>4}/{total}] reward {f('rollout/reward/mean')}"
@@ -514,10 +508,6 @@ def format_progress(step: int, total: int, rec: dict) -> str:
         f" | v{rec.get('weight_version', '-')}"
         f" | {f('perf/step_time_s', '{:.2f}')}s/step (wait {f('perf/rollout_wait_s', '{:.2f}')}s, train {f('perf/train_time_s', '{:.2f}')}s)"
     )
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
 
 
 def ledger_counts(r: dict) -> dict:
@@ -550,7 +540,7 @@ def launch(config: RunConfig, out=print, progress=None) -> dict:
     (RUN_DIR/audit.json)."""
     launcher = Launcher(prepare_launch(config, log=out), out=out, progress=progress)
     old_term, old_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the run the way Ctrl-C does
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the run the way Ctrl-C does
     # and so does SIGINT, even when a shell started this run in the background (which ignores it)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:

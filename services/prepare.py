@@ -43,8 +43,7 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
     """Resolve run id and directory, write the task's data and build its model when needed."""
     run_id = check_run_id(config.infra.run_id or time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:4])
     run_dir = Path(config.infra.run_dir or Path("runs") / run_id).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "logs").mkdir(exist_ok=True)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     updates: dict = {"run_id": run_id, "run_dir": str(run_dir)}
     for field in ("save", "save_hf", "load", "eval_hf_dir", "prompt_data"):  # services may run elsewhere
         if config.flag(field):

@@ -1,17 +1,13 @@
 """Placement over a Ray cluster (--use-ray): where the launcher's engines, producers and trainer run.
 
 The launcher builds every child's command line the same way with or without Ray; only where it
-runs differs. It joins the cluster at $RAY_ADDRESS (unset: a local one for the run) and reserves
-one placement group, SPREAD (two nodes whenever the cluster can), of two bundles: the trainer side
-(one CPU, and one GPU on GPUs, per rank) and the rollout side (one CPU per engine and producer,
-one GPU per engine on GPUs). Each placed child gets a `ChildHost` actor named `<child>` in its
-side's bundle, which gives its node's IP and a free port there; the child's command binds that
-address, and the launcher supervises a local attachment (`python -m services.raycluster attach
---actor <child> ... -- <command>`) that has the host run the command, relays its output into the
-child's log and exits with its exit code (SIGTERM stops the remote command first). So supervision
-is unchanged: an exit or a failed health check (polled at the node's address) restarts the
-attachment, which runs the command again in the same host. The trainer learns its node's IP and
-bundle from its host's environment; its ranks 1..K-1 join that bundle and rendezvous on that IP
+runs differs (docs/services.md, "Ray placement"). It joins $RAY_ADDRESS (unset: a local cluster for
+the run) and reserves one SPREAD placement group of two bundles, the trainer side and the rollout
+side; each placed child gets a `ChildHost` actor named `<child>` in its side's bundle, which gives
+its node's IP and a free port there. The launcher supervises a local attachment (`python -m
+services.raycluster attach`) that has the host run the command and exits with its exit code, so an
+exit or a failed health check restarts it as any child, in the same host. The trainer's ranks
+1..K-1 join its bundle and rendezvous on its node's IP, both from its host's environment
 (services/trainer/ranks.py).
 
 What Ray changes: the buffer, weight-sync and eval stay processes of the launcher; a lost Ray node

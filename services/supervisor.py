@@ -48,9 +48,8 @@ class Child:
     env: dict[str, str]
     proc: subprocess.Popen
     health_url: str | None = None
-    restarts: int = 0
-    """Restarts in all; `recent` holds the times of those inside the window."""
     recent: list[float] = field(default_factory=list)
+    """The times of its restarts inside the window."""
     healthy_once: bool = False
     """Passed a health check since its last (re)start: only then do failures count."""
     failing_since: float | None = None
@@ -62,26 +61,6 @@ class Child:
     stopped, said once, and the run goes on."""
     given_up: bool = False
 
-    def __post_init__(self) -> None:
-        self.launch_cmd = self.launch_cmd or list(self.cmd)
-
-
-@dataclass
-class RestartBudget:
-    """At most `max_restarts` restarts within any `window_s` seconds."""
-
-    max_restarts: int
-    window_s: float
-
-    def take(self, recent: list[float], now: float | None = None) -> bool:
-        """Record a restart in `recent` (times, pruned to the window) if the budget allows it."""
-        now = time.monotonic() if now is None else now
-        recent[:] = [t for t in recent if now - t < self.window_s]
-        if len(recent) >= self.max_restarts:
-            return False
-        recent.append(now)
-        return True
-
 
 class Supervisor:
     def __init__(self, run_dir: Path, max_restarts: int, health_restart_s: float, out=print,
@@ -90,7 +69,7 @@ class Supervisor:
         """secrets: never quoted from a child's log (an SGLang server logs its API key);
         before_restart(child) -> the command to restart it with (e.g. an engine on newer weights)."""
         self.before_restart = before_restart
-        self.budget = RestartBudget(max_restarts, restart_window_s)
+        self.max_restarts, self.window_s = max_restarts, restart_window_s
         self.run_dir = run_dir
         self.secrets = secrets or []
         self.health_restart_s = health_restart_s
@@ -107,7 +86,7 @@ class Supervisor:
     def spawn(self, name: str, cmd: list[str], env: dict[str, str], health_url: str | None = None,
               essential: bool = True) -> Child:  # fmt: skip
         proc = procs.spawn(cmd, log_path=self.log_path(name), env=env)
-        child = Child(name, cmd, env, proc, health_url, essential=essential)
+        child = Child(name, cmd, env, proc, health_url, launch_cmd=list(cmd), essential=essential)
         self.children.append(child)
         self.write_pids()
         return child
@@ -141,36 +120,41 @@ class Supervisor:
             code = c.proc.poll()
             if code is None or (c.name in allow_exit and code == 0) or c.given_up:
                 continue
-            if code == EXIT_FATAL and not c.essential:
-                self._give_up(c, f"exited with code {code}")
-                continue
-            if code == EXIT_FATAL:
+            if code == EXIT_FATAL and c.essential:
                 raise LaunchError(
                     f"{c.name} (pid {c.proc.pid}) stopped on an error a restart cannot fix; last log lines:\n"
                     f"{self.tail(c.name)}"
                 )
-            self.restart(c, f"exited with code {code}")
+            self.restart(c, f"exited with code {code}", fatal=code == EXIT_FATAL)
 
-    def _give_up(self, c: Child, why: str) -> None:
-        c.given_up = True
-        _kill(c)
-        self.record_exits({c.name: c.proc})
-        self.out(f"  {c.name} (pid {c.proc.pid}) {why}; not restarted again (the run goes on without it; "
-                 f"see {self.log_path(c.name)})")  # fmt: skip
+    def take_restart(self, recent: list[float]) -> bool:
+        """Record a restart in `recent` (times, pruned to the window) if at most `max_restarts`
+        restarts within any `window_s` seconds allow it."""
+        now = time.monotonic()
+        recent[:] = [t for t in recent if now - t < self.window_s]
+        if len(recent) >= self.max_restarts:
+            return False
+        recent.append(now)
+        return True
 
-    def restart(self, c: Child, why: str) -> None:
-        if not self.budget.take(c.recent):
+    def restart(self, c: Child, why: str, fatal: bool = False) -> None:
+        """Restart `c`, unless its restarts are spent (or a restart cannot help: `fatal`): then a
+        child the run needs fails it, and one it does not (the dashboard) is left stopped."""
+        if fatal or not self.take_restart(c.recent):
             if not c.essential:
-                self._give_up(c, why)
+                c.given_up = True
+                _kill(c)
+                self.record_exits({c.name: c.proc})
+                self.out(f"  {c.name} (pid {c.proc.pid}) {why}; not restarted again (the run goes on without it; "
+                         f"see {self.log_path(c.name)})")  # fmt: skip
                 return
             raise LaunchError(
-                f"{c.name} (pid {c.proc.pid}) {why}, its {self.budget.max_restarts + 1}th time in "
-                f"{self.budget.window_s:.0f}s; last log lines:\n{self.tail(c.name)}"
+                f"{c.name} (pid {c.proc.pid}) {why}, its {self.max_restarts + 1}th time in "
+                f"{self.window_s:.0f}s; last log lines:\n{self.tail(c.name)}"
             )
-        c.restarts += 1
         c.env = {k: v for k, v in c.env.items() if k != crash.ENV}  # an injected crash fires once per run
-        self.out(f"  {c.name} (pid {c.proc.pid}) {why}; restarting ({len(c.recent)}/{self.budget.max_restarts} "
-                 f"in {self.budget.window_s:.0f}s)")  # fmt: skip
+        self.out(f"  {c.name} (pid {c.proc.pid}) {why}; restarting ({len(c.recent)}/{self.max_restarts} "
+                 f"in {self.window_s:.0f}s)")  # fmt: skip
         _kill(c)  # unhealthy but alive: it would not answer a SIGTERM in time either
         with (self.run_dir / procs.RESTARTS_FILE).open("a") as f:  # the dashboard's and `asyncrl status`'s record
             f.write(json.dumps({"name": c.name, "at": time.time(), "pid": c.proc.pid, "why": why}) + "\n")
@@ -206,9 +190,6 @@ class Supervisor:
         except httpx.HTTPError as e:
             return f"{type(e).__name__}"
         return None if r.status_code == 200 else f"HTTP {r.status_code}"
-
-    def mark_healthy(self, name: str) -> None:
-        self.child(name).healthy_once = True
 
     # ---- stop ------------------------------------------------------------------------------------
     def stop_all(self) -> None:

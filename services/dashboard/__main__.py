@@ -10,7 +10,6 @@ RUN_DIR/secrets/run-token.
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import sys
 from pathlib import Path
@@ -51,7 +50,7 @@ def main(argv: list[str]) -> int:
     if not (run_dir / "config.json").exists():
         print(f"asyncrl dashboard: {run_dir / 'config.json'} not found: is {run_dir} a run directory?", file=sys.stderr)
         return 2
-    from services.dashboard.data import _json, is_live
+    from services.dashboard.data import StreamSource, _json, is_live
 
     if not a.live and is_live(run_dir):
         url = (_json(run_dir / "services.json") or {}).get("dashboard")
@@ -61,10 +60,8 @@ def main(argv: list[str]) -> int:
     import uvicorn
 
     from services.dashboard.app import Dashboard, build_app
-    from services.dashboard.source import StreamSource
 
-    cfg = json.loads((run_dir / "config.json").read_text())
-    source = StreamSource(run_dir, a.live, cfg.get("nats_url"), cfg["run_id"])
+    source = StreamSource(run_dir, a.live)
     try:
         source.start()
     except (OSError, RuntimeError) as e:  # no store here (a run whose broker ran elsewhere): the files only

@@ -12,7 +12,9 @@ import contextlib
 import json
 import math
 import re
+import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ from asyncrl_proto.subjects import ADAPTERS_KV_KEY
 from services.buffer.state import Auditor, LedgerError, ledger_events, lineage_entry, new_events, prompt_of
 from services.common import procs, sample_records
 from services.common.procs import EXITS_FILE, RESTARTS_FILE
-from services.common.run_store import registrations, run_config
+from services.common.run_store import admin_credentials, registrations, run_config, store_server
 from services.dashboard.diagnosis import diagnose, length_guard
 
 READ_BATCH = 5000
@@ -64,10 +66,9 @@ class JsonLines:
 
 
 def _json(path: Path) -> Any:
-    try:
+    """The JSON file's value; None when it is missing or not JSON (yet)."""
+    with contextlib.suppress(OSError, ValueError):
         return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def pid_alive(pid: Any) -> bool:
@@ -126,11 +127,9 @@ class Partition:
     """One ledger and what is folded from it: the run's own, or (multi-LoRA) one adapter
     registration's, with its own trained.jsonl."""
 
-    def __init__(self, key: str, trained_path: Path, subject: str | None = None, name: str = "",
-                 state: str = ""):  # fmt: skip
-        self.key, self.name, self.state = key, name, state
-        self.subject = subject
-        """Its ledger subject (None: the run's own, known once connected)."""
+    def __init__(self, trained_path: Path, subject: str | None = None, name: str = "", state: str = ""):
+        self.name, self.state, self.subject = name, state, subject
+        """`subject`: its ledger subject (None: the run's own, known once connected)."""
         self.trained = JsonLines(trained_path)
         self.auditor = Auditor()
         self.ledger_seq = 0
@@ -191,7 +190,7 @@ class RunData:
         self.metrics = JsonLines(self.run_dir / "metrics.jsonl")
         self.evals = JsonLines(self.run_dir / "eval.jsonl")
         self.restarts = JsonLines(self.run_dir / RESTARTS_FILE)
-        self.main = Partition("", self.run_dir / "trained.jsonl")
+        self.main = Partition(self.run_dir / "trained.jsonl")
         self.partitions: dict[str, Partition] = {"": self.main}
         """The run's own ledger (""), and with multi-LoRA each adapter registration's ("name@rid")."""
         self.live_seq = 0
@@ -334,7 +333,7 @@ class RunData:
                     key = f"{name}@{rid[:12]}"
                     if key not in self.partitions:
                         trained = self.run_dir / "adapters" / name / rid / "trained.jsonl"
-                        self.partitions[key] = Partition(key, trained, s.of(rid).ledger, name, state)
+                        self.partitions[key] = Partition(trained, s.of(rid).ledger, name, state)
                         self.partitions[key].trained.refresh()
                     self.partitions[key].state = state
                     await self.partitions[key].read(bus, s.ledger_stream)
@@ -353,12 +352,6 @@ class RunData:
                     d = decode(data, DeadLetter)
                     self.dead_letters.append({"subject": d.original_subject, "reason": d.reason[:500],
                                               "service": d.service, "at": d.ts, "bytes": d.num_bytes})  # fmt: skip
-
-    def audit(self, key: str = "") -> dict:
-        return self.part(key).audit()
-
-    def committed_step(self, key: str = "") -> int:
-        return self.part(key).auditor.state.committed_step
 
     def lineage(self, group_index: int, key: str = "") -> dict:
         """A prompt's whole history: its ledger events (each attempt: released, put, leased,
@@ -390,3 +383,51 @@ class RunData:
                 pauses[e["engine"]].append((e["paused_at"], e["resumed_at"]))
         trainer = [(r["time"], r["weight_version"]) for r in self.metrics.rows if "time" in r and "weight_version" in r]
         return {"engines": dict(engines), "pauses": dict(pauses), "trainer": trainer}
+
+
+class StreamSource:
+    """A connected Bus on the run's streams, opened on first use and reopened after an error: the live
+    run's NATS server, or, for a finished run, a nats-server of its own on a copy of the run's store
+    (the run's files are never written)."""
+
+    def __init__(self, run_dir: Path, live: bool):
+        cfg = run_config(run_dir)
+        self.run_dir, self.live, self.url, self.run_id = run_dir, live, cfg.get("nats_url"), cfg["run_id"]
+        self._stack = contextlib.ExitStack()
+        self._bus = None
+
+    def start(self) -> None:
+        """A finished run: copy its store and serve the copy (seconds for a long run's ledger)."""
+        if self.live:
+            return
+        tmp = Path(self._stack.enter_context(tempfile.TemporaryDirectory(prefix="asyncrl-dashboard-")))
+        store = self.run_dir / "nats"
+        if not store.exists():
+            raise RuntimeError(f"{store} does not exist: the run's streams are not on this machine")
+        # weight snapshots (the object bucket's stream) are not what a dashboard reads: not copied
+        shutil.copytree(store, tmp / "nats", ignore=shutil.ignore_patterns("OBJ_*"))
+        srv = self._stack.enter_context(store_server(self.run_dir, tmp / "nats", log_name="nats-server",
+                                                     log_dir=tmp))  # nothing written into the run  # fmt: skip
+        self.url = srv.url
+
+    async def bus(self):
+        from services.common.bus import Bus
+
+        if self._bus is None:
+            self._bus = await Bus.connect(self.url, self.run_id, "dashboard", connect_timeout_s=10,
+                                          creds=admin_credentials(self.run_dir))  # fmt: skip
+        return self._bus
+
+    async def reset(self) -> None:
+        if self._bus is not None:
+            with contextlib.suppress(Exception):
+                await self._bus.close()
+            self._bus = None
+
+    async def close(self) -> None:
+        await self.reset()
+        self._stack.close()
+
+    def close_now(self) -> None:
+        """Before any connection (a start that failed): the copy and its server, gone."""
+        self._stack.close()

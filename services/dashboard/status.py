@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from services.dashboard.data import RunData, is_live
+from services.dashboard.data import RunData, StreamSource, is_live
 from services.dashboard.views import num as _f
 
 
@@ -64,7 +64,7 @@ def render(data: RunData, ledger: dict | None, ledger_note: str = "") -> str:
 
 async def _read_ledger(data: RunData, source) -> tuple[dict | None, str]:
     """A finished run's audit.json, or (live) the ledger read on (its balance comes after the
-    files are: `data.audit()`); and a note on where it came from."""
+    files are: `data.main.audit()`); and a note on where it came from."""
     if source is None:
         path = data.run_dir / "audit.json"
         if path.exists():
@@ -79,17 +79,15 @@ async def _read_ledger(data: RunData, source) -> tuple[dict | None, str]:
 
 
 async def _run(a) -> int:
-    from services.dashboard.source import StreamSource
-
     data = RunData(a.run_dir)
     live = is_live(data.run_dir)
-    source = StreamSource(data.run_dir, True, data.config.get("nats_url"), data.run_id) if live else None
+    source = StreamSource(data.run_dir, True) if live else None
     try:
         while True:
             ledger, note = await _read_ledger(data, source)  # the ledger before the files (see Dashboard.refresh)
             data.refresh_files()
             if source is not None and not note:
-                ledger = data.audit()
+                ledger = data.main.audit()
             screen = render(data, ledger, note)
             if a.watch and sys.stdout.isatty():
                 sys.stdout.write("\x1b[H\x1b[2J")

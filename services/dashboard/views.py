@@ -54,8 +54,6 @@ def staleness_columns(data: RunData, max_columns: int = 300, adapter: str = "") 
     max_columns columns."""
     per_step = data.part(adapter).step_staleness
     steps = sorted(per_step)
-    if not steps:
-        return []
     per = max(1, -(-len(steps) // max_columns))
     out = []
     for k in range(0, len(steps), per):
@@ -171,9 +169,9 @@ def _tone(service: dict) -> str:
 def overview(data: RunData, x: str = "step", adapter: str = "") -> dict:
     """The overview page's values (templates/overview.html)."""
     b = buffer_facts(data, adapter)
-    rep = data.audit(adapter)
+    rep = data.part(adapter).audit()
     return {
-        "s": data.summary(), "charts": charts(data, x, adapter), "x": x, "adapter": adapter,
+        "s": data.summary(), "charts": charts(data, x, adapter), "adapter": adapter,
         "partitions": data.partitions if len(data.partitions) > 1 else {},
         "buffer": [(k, readable(v)) for k, v in b.items() if k != "dead_letters"], "dead": b["dead_letters"][-10:],
         "services": [dict(svc, tone=_tone(svc)) for svc in data.services()],

@@ -1,4 +1,4 @@
-"""The dashboard's pages on a small synthetic finished run (services/dashboard/routes.py, views.py,
+"""The dashboard's pages on a small synthetic finished run (services/dashboard/app.py, views.py,
 templates/): the charts' containers and their data, the vendored uPlot served with its licence,
 tables written as text (never a Python repr), autoescaping, and a finished run's services shown
 with their exit codes (exits.json) rather than as "not running"."""
