@@ -36,6 +36,8 @@ PROG = "asyncrl eval-adapter"
 GEN_BATCH_ROWS = 64
 """Samples generated together, in one KV cache."""
 NOT_RUN_FLAGS = ("adapter", "base", "max_prompts", "seed", "json_out")
+"""parser()'s flags that are not RunConfig flags: every other flag it parses goes into the RunConfig (a new
+flag of this command alone belongs here)."""
 
 
 class AdapterEvalError(ValueError):
