@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from services.dashboard.views import num
+from services.common.run_store import num
 
 BAR = "{l_bar}{bar:20}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}"
 """The progress line: percent, bar, step/total, elapsed<ETA, then progress_fields."""

@@ -38,12 +38,12 @@ from services.common.config import RunConfig
 from services.common.engine_commands import builtin_engine_command, builtin_engine_flags, sglang_server_command
 from services.common.httpauth import HTTP_ROLES, HTTP_TOKEN_ENV, Keys, engine_token
 from services.common.natsserver import EmbeddedNats, NatsCluster, local_nats
+from services.common.run_store import num
 from services.common.schedule import is_eval_point
 from services.common.secrets import RM_TOKEN_ENV, NatsCredentials, without_identity
 from services.common.snapshot import COMPLETE_MARKER, is_complete
 from services.common.validate import EvalPoints, eval_result_problem, finite_metrics
 from services.common.versions import VersionBound
-from services.dashboard.views import num
 from services.prepare import Prepared, create_streams, prepare_launch
 from services.raycluster import Placement
 from services.supervisor import LaunchError, Supervisor

@@ -64,3 +64,8 @@ def registrations(registry: AdapterRegistryState, run_dir: Path) -> list[tuple[s
         if d.is_dir() and _REGISTRATION_ID.fullmatch(d.name) and d.name not in known:
             out.append((d.parent.name, d.name, "completed (pruned from the registry)"))
     return out
+
+
+def num(v, fmt: str = "{:.3f}") -> str:
+    """A run record's figure as text, or "-" where the record has no number."""
+    return fmt.format(v) if isinstance(v, (int, float)) else "-"

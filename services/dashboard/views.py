@@ -9,6 +9,7 @@ import collections
 import signal
 import time
 
+from services.common.run_store import num  # noqa: F401 - the pages and status.py read it here
 from services.dashboard.data import MAX_POINTS, RunData, series
 
 CURVE_KEYS = {"reward": "rollout/reward/mean", "step_time": "perf/step_time_s", "rollout_wait": "perf/rollout_wait_s",
@@ -148,9 +149,6 @@ def readable(v) -> str:
         return f"{v:.4g}"
     return "-" if v is None else str(v)
 
-
-def num(v, fmt: str = "{:.3f}") -> str:
-    return fmt.format(v) if isinstance(v, (int, float)) else "-"
 
 
 def clock(at) -> str:
