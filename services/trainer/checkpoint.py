@@ -27,12 +27,7 @@ def save_checkpoint(
     marker = path / COMPLETE_MARKER
     marker.unlink(missing_ok=True)
     save_model(model, path / "hf", tokenizer_dir)
-    state = {
-        "optimizer": optimizer.state_dict(),
-        "step": step,
-        "version": version,
-        "torch_rng": torch.get_rng_state(),
-    }
+    state = {"optimizer": optimizer.state_dict(), "step": step, "version": version, "torch_rng": torch.get_rng_state()}
     torch.save(state, path / "trainer_state.pt")
     marker.write_text(json.dumps({"step": step, "version": version}))
     tmp = save_dir / (LATEST + ".tmp")

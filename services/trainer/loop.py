@@ -133,6 +133,7 @@ class TrainLoop:
     async def step(self, w: Work) -> None:
         w.started = time.perf_counter()  # its batch in hand (perf/step_time_s runs from here)
         await self.mode.train(w)
+        w.train_s = time.perf_counter() - w.started
         await self.mode.before_records(w)
         append_trained(w.records_dir, w.step, w.groups)
         await self.samples.record(w.records_dir, w.step, w.version, w.groups, w.refs, w.std)

@@ -89,19 +89,15 @@ def transformer_config(cfg: ModelConfig):
 # ---- HF <-> Megatron layouts -------------------------------------------------------------------
 
 
-def _fuse_qkv(q, k, v, cfg: ModelConfig):
-    """Megatron's fused QKV: per query group, that group's query heads, then its key, then its value."""
+def _fuse_qkv(q, k, v, cfg: ModelConfig, dim: int = 0):
+    """Megatron's fused QKV along `dim` (0: weights; -1: activations [..., features], the fused QKV
+    linear's output layout): per query group, that group's query heads, then its key, then its value."""
+    q, k, v = (x.movedim(dim, 0) for x in (q, k, v))
     g, d = cfg.num_key_value_heads, cfg.head_dim
     per = cfg.num_attention_heads // g
     tail = q.shape[1:]
     fused = torch.cat([q.reshape(g, per * d, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)], dim=1)
-    return fused.reshape(-1, *tail)
-
-
-def _fuse_qkv_last(q, k, v, cfg: ModelConfig):
-    """_fuse_qkv on the last dimension: activations [..., features] of q, k and v -> the fused
-    QKV linear's output layout."""
-    return _fuse_qkv(q.movedim(-1, 0), k.movedim(-1, 0), v.movedim(-1, 0), cfg).movedim(0, -1)
+    return fused.reshape(-1, *tail).movedim(0, dim)
 
 
 def _split_qkv(qkv, cfg: ModelConfig):
@@ -198,7 +194,7 @@ class MegatronCausalLM(nn.Module):
         for i, layer in enumerate(self.gpt.decoder.layers):
             attn, mlp = layer.self_attention, layer.mlp
             for module, names, fuse in (
-                (attn.linear_qkv, ("q_proj", "k_proj", "v_proj"), lambda p: _fuse_qkv_last(*p, cfg)),
+                (attn.linear_qkv, ("q_proj", "k_proj", "v_proj"), lambda p: _fuse_qkv(*p, cfg, dim=-1)),
                 (attn.linear_proj, ("o_proj",), None),
                 (mlp.linear_fc1, ("gate_proj", "up_proj"), lambda p: torch.cat(p, dim=-1)),
                 (mlp.linear_fc2, ("down_proj",), None),
@@ -214,8 +210,7 @@ class MegatronCausalLM(nn.Module):
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor]) -> None:
         mg = hf_to_megatron(hf, self.cfg)
         own = {k.removeprefix("gpt."): v for k, v in self.state_dict().items() if not k.endswith("_extra_state")}
-        missing = sorted(set(own) - set(mg))
-        if missing:
+        if missing := sorted(set(own) - set(mg)):
             raise ValueError(f"HF weights do not cover the Megatron model: missing {missing[:5]}")
         with torch.no_grad():
             for name, p in own.items():

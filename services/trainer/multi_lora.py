@@ -194,7 +194,7 @@ class AdapterTraining(Mode):
         for t, reply in batch:
             t.waited, t.asked_at = time.monotonic() - t.asked_at, 0.0
             std = bool(c.trainer.grpo_std_normalization and t.run.spec.n_samples_per_prompt > 1)
-            work.append(Work(step=t.step, version=t.step, records_dir=self._trained_path(t).parent,
+            work.append(Work(step=t.step, version=t.step, records_dir=self._reg_dir(t.run),
                              axis=f"{t.run.name}/step", std=std, refs={r.group_index: r for r in reply.refs},
                              metrics=reply.metrics, owner=(t, reply, info)))  # fmt: skip
         return work
@@ -285,22 +285,18 @@ class AdapterTraining(Mode):
         if t is not None and t.run.state is AdapterState.ACTIVE and t.step >= t.total:
             t.run = await self._control("retire", t.run, reason=f"its budget of {t.total} steps is reached")
 
-    def _base_path(self, run: AdapterRun) -> Path:
-        return adapter_dir(self.run_dir, run.name, run.registration_id, 0).parent / "base_step"
-
-    def _base_step(self, run: AdapterRun) -> int:
-        """The steps of the save the registration started from (0: fresh, or none recorded)."""
-        try:
-            return int(self._base_path(run).read_text())
-        except (OSError, ValueError):
-            return 0
+    def _reg_dir(self, run: AdapterRun) -> Path:
+        """The registration's directory: its versions (`v<k>`), trained.jsonl, samples and base_step."""
+        return adapter_dir(self.run_dir, run.name, run.registration_id, 0).parent
 
     def _track(self, run: AdapterRun, step: int, total: int | None = None) -> Track:
         """Its track; `total` (its budget) from its data unless given (one retiring needs none)."""
         if total is None:
             d = self.config.data
             total = adapter_total_steps(run, len(load_rows(run.spec.data, d.input_key, d.label_key, d.metadata_key)))
-        t = Track(run=run, total=total, step=step, base=self._base_step(run))
+        t = Track(run=run, total=total, step=step)
+        with contextlib.suppress(OSError, ValueError):  # none recorded: 0, as a fresh one
+            t.base = int((self._reg_dir(run) / "base_step").read_text())
         self.tracks[run.registration_id] = t
         return t
 
@@ -311,17 +307,16 @@ class AdapterTraining(Mode):
         self.optimizer.reset(run.slot)
         if latest is not None:
             try:
-                saved_spec, tensors = await asyncio.to_thread(load_adapter, latest)
-                self.lora.set_slot(run.slot, saved_spec, tensors)
+                self.lora.set_slot(run.slot, *await asyncio.to_thread(load_adapter, latest))
                 log.info("adapter %s resumes from its save %s", run.name, latest)
             except LoraError as e:
                 raise MultiLoraError(f"adapter {run.name}: its save {latest} does not fit: {e}") from e
         else:
             self.lora.init_slot(run.slot, spec, seed=self.config.data.seed + run.slot)
-        base = self._base_path(run)
+        base = self._reg_dir(run) / "base_step"
         base.parent.mkdir(parents=True, exist_ok=True)
         tmp = base.with_suffix(".tmp")
-        tmp.write_text(f"{_save_step(latest) if latest is not None else 0}\n")
+        tmp.write_text(f"{int(latest.name[5:]) if latest is not None else 0}\n")
         tmp.replace(base)  # before version 0 is out: a restart finds it wherever it resumes
         t = self._track(run, step=0)
         await self._publish(t)
@@ -340,17 +335,17 @@ class AdapterTraining(Mode):
                 return None, reply.error
             await asyncio.sleep(1.0)
 
-    async def _resume_adapter(self, run: AdapterRun, total: int | None = None) -> bool:
+    async def _resume_adapter(self, run: AdapterRun, total: int | None = None) -> Track | None:
         """After a trainer restart: from the version published after the partition's committed
         step; a step trained, reported and published but not committed (killed in between) is
         committed now rather than trained again, so no version number ever names two weights, and
         the records of the steps after it are dropped (trained again, or never if it retires).
-        False when its buffer partition does not say where (one retiring: `total` 0)."""
+        None when its buffer partition does not say where (one retiring: `total` 0)."""
         committed, why = await self._committed_step(run)
         if committed is None:
             if total is None:  # its partition does not open (its data gone or unreadable): retired by _follow
                 raise MultiLoraError(f"adapter {run.name}: the buffer cannot say where to resume: {why}")
-            return False
+            return None
         t = self._track(run, committed + 1, total)
         if run.step == t.step + 1 and is_complete(adapter_dir(self.run_dir, run.name, t.rid, run.step)):
             t.step += 1  # that version is out: its step's records were written before it
@@ -363,14 +358,13 @@ class AdapterTraining(Mode):
         self.optimizer.reset(run.slot)
         await announce_adapter(self.bus, self.run_dir, run.name, t.rid, t.step, self.store)  # a kill may have cut it
         log.info("adapter %s resumed at its step %d (its optimizer state is lost)", run.name, t.step)
-        return True
+        return t
 
     async def _retire(self, run: AdapterRun) -> None:
         t = self.tracks.get(run.registration_id)
         if t is None:  # a restart found it retiring: resumed as an active one (its data is not needed)
-            if await self._resume_adapter(run, total=0):
-                t = self.tracks[run.registration_id]
-            else:  # its partition never opened (its data unreadable): nothing was leased; its newest version
+            if (t := await self._resume_adapter(run, total=0)) is None:
+                # its partition never opened (its data unreadable): nothing was leased; its newest version
                 t = Track(run=run, total=0)
                 self.tracks[run.registration_id] = t
                 await self._resume_weights(t)
@@ -398,7 +392,7 @@ class AdapterTraining(Mode):
 
     def _versions(self, t: Track) -> list[Path]:
         """Its version directories on disk (`v<k>`), oldest first."""
-        d = adapter_dir(self.run_dir, t.run.name, t.rid, 0).parent
+        d = self._reg_dir(t.run)
         return sorted((p for p in d.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
 
     async def _resume_weights(self, t: Track) -> None:
@@ -406,8 +400,7 @@ class AdapterTraining(Mode):
             v = int(p.name[1:])
             if is_complete(p):
                 try:
-                    spec, tensors = await asyncio.to_thread(load_adapter, p)
-                    self.lora.set_slot(t.run.slot, spec, tensors)
+                    self.lora.set_slot(t.run.slot, *await asyncio.to_thread(load_adapter, p))
                 except LoraError as e:
                     log.error("adapter %s: its version %d does not load (%s); trying the one before", t.run.name, v, e)
                     continue
@@ -436,7 +429,6 @@ class AdapterTraining(Mode):
 
     async def train(self, w: Work) -> None:
         t, reply, _ = w.owner
-        t0 = time.perf_counter()
         w.groups = assemble_batch(
             [await self.link.load_group(ref) for ref in reply.refs], t.run.spec.n_samples_per_prompt
         )
@@ -449,7 +441,6 @@ class AdapterTraining(Mode):
             (batches,) = build_step_batches(w.groups, w.std, c.rollout.reward_key, self.pad_id, max_tokens_of(c), 1)
             w.stats = await asyncio.to_thread(train_adapter_step, self.model, self.lora, self.optimizer, t.run.slot,
                                               batches, self.loss_cfg, c.trainer.clip_grad)  # fmt: skip
-        w.train_s = time.perf_counter() - t0
         crash.point("trainer", "adapter_stepped_before_records")
         t.step += 1
 
@@ -491,19 +482,15 @@ class AdapterTraining(Mode):
             await asyncio.to_thread(remove_snapshot, old)
 
     async def _commit_step(self, t: Track, step: int) -> None:
-        if error := await self.link.commit(self.bus.subjects.of(t.rid).buffer_commit, step, t.step,
-                                           f"commit of adapter {t.run.name} step {step}"):  # fmt: skip
-            raise MultiLoraError(f"buffer refused commit of adapter {t.run.name} step {step}: {error}")
+        await self.link.commit(self.bus.subjects.of(t.rid).buffer_commit, step, t.step,
+                               f"commit of adapter {t.run.name} step {step}", MultiLoraError)  # fmt: skip
 
     # ---- records ---------------------------------------------------------------------------------
-    def _trained_path(self, t: Track) -> Path:
-        return adapter_dir(self.run_dir, t.run.name, t.rid, 0).parent / "trained.jsonl"
-
     def _truncate(self, t: Track) -> None:
         """The steps after the committed one are trained again: drop their records, in its
         trained.jsonl and in the run's metrics.jsonl (this registration's lines only)."""
-        keep_lines(self._trained_path(t), lambda rec: rec["step"] < t.step)
-        sample_records.drop_after(self._trained_path(t).parent, t.step - 1)
+        keep_lines(self._reg_dir(t.run) / "trained.jsonl", lambda rec: rec["step"] < t.step)
+        sample_records.drop_after(self._reg_dir(t.run), t.step - 1)
         axis = f"{t.run.name}/step"
         keep_lines(self.records.path, lambda rec: rec.get("registration") != t.rid or rec[axis] < t.step)
 
@@ -561,12 +548,8 @@ def _batch_info(batch: list[tuple[Track, BufferGetReply]]) -> dict[str, float]:
             "perf/fully_async/batch_n_samples": _batch_samples(batch)}  # fmt: skip
 
 
-def _save_step(path: Path) -> int:
-    return int(path.name[5:])
-
-
 def _latest_save(save: Path) -> Path | None:
     """The newest `step_<k>` PEFT directory of an adapter's save directory: the most steps (a
     name registered again continues the count of the save it started from)."""
-    steps = [(_save_step(p), p) for p in save.glob("step_*") if p.name[5:].isdigit() and is_complete(p)]
+    steps = [(int(p.name[5:]), p) for p in save.glob("step_*") if p.name[5:].isdigit() and is_complete(p)]
     return max(steps)[1] if steps else None

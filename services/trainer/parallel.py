@@ -19,7 +19,6 @@ adapter state between steps, so a slot set up, resumed or freed on rank 0 needs 
 from __future__ import annotations
 
 import datetime
-import logging
 
 import torch
 import torch.distributed as dist
@@ -38,8 +37,6 @@ from services.trainer.core import (
     step_denominator,
 )
 
-log = logging.getLogger(__name__)
-
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
 """The longest one step's collective waits for the other ranks."""
 COMMAND_TIMEOUT = datetime.timedelta(days=365)
@@ -52,30 +49,26 @@ def max_tokens_of(config) -> int | None:
     return config.trainer.max_tokens_per_gpu if config.trainer.use_dynamic_batch_size else None
 
 
-def shard_batches(groups, rank: int, world: int, std_norm: bool, reward_key, pad_id: int, max_tokens: int | None):
-    """This rank's micro-batches: the samples sorted by length and dealt round-robin."""
+def shard_step(groups, cfg: LossConfig, std_norm: bool, reward_key, pad_id: int, max_tokens: int | None):
+    """This rank, the world size, this rank's micro-batches (the samples sorted by length and dealt
+    round-robin) and the whole step's loss denominator (summed over the ranks' shares)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     items = sorted(samples_with_advantages(groups, std_norm, reward_key), key=lambda it: len(it[0].tokens))
-    return micro_batches(items[rank::world], pad_id, max_tokens)
-
-
-def step_denominators(batches) -> dict[str, float]:
-    """The whole step's loss denominators (token and sequence), summed over the ranks' shares."""
-    counts = torch.tensor([step_denominator(batches, a) for a in ("token", "sequence")], dtype=torch.float64)
-    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-    return {"token": counts[0].item(), "sequence": counts[1].item()}
+    batches = micro_batches(items[rank::world], pad_id, max_tokens)
+    denom = torch.tensor([step_denominator(batches, cfg.aggregation)], dtype=torch.float64)
+    dist.all_reduce(denom, op=dist.ReduceOp.SUM)
+    return rank, world, batches, denom.item()
 
 
 def dp_train_step(model, optimizer, groups, cfg: LossConfig, clip_grad: float, *, std_norm: bool, reward_key,
                   pad_id: int, max_tokens: int | None, ref_model=None) -> dict:  # fmt: skip
     """One data-parallel step; call on every rank with the same groups."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    batches = shard_batches(groups, rank, world, std_norm, reward_key, pad_id, max_tokens)
-    denoms = step_denominators(batches)
-    if denoms[cfg.aggregation] == 0:  # every rank sees the same: no update (every group FAILED)
+    rank, world, batches, denom = shard_step(groups, cfg, std_norm, reward_key, pad_id, max_tokens)
+    if denom == 0:  # every rank sees the same: no update (every group FAILED)
         return {**SKIPPED, "train/dp_world_size": world}
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    parts = accumulate_gradients(model, batches, cfg, denoms[cfg.aggregation], ref_model)
+    parts = accumulate_gradients(model, batches, cfg, denom, ref_model)
     for p in model.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -91,17 +84,15 @@ def dp_adapter_step(model, lora, optimizer, slot: int, spec: LoraSpec, groups, c
                     std_norm: bool, reward_key, pad_id: int, max_tokens: int | None) -> dict:  # fmt: skip
     """One data-parallel step of the adapter in `slot`; call on every rank with the same groups.
     `optimizer` is rank 0's SlotAdamW (None elsewhere); the stats are rank 0's ({} elsewhere)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     factors = [*lora.A.values(), *lora.B.values()]
     for p in factors:  # rank 0's adapter, as it is now
         dist.broadcast(p.data[slot], src=0)
-    if rank != 0:
+    if dist.get_rank() != 0:
         lora.adopt_slot(slot, spec)
-    batches = shard_batches(groups, rank, world, std_norm, reward_key, pad_id, max_tokens)
-    denoms = step_denominators(batches)
-    if denoms[cfg.aggregation] == 0:  # every rank sees the same: no update
+    rank, world, batches, denom = shard_step(groups, cfg, std_norm, reward_key, pad_id, max_tokens)
+    if denom == 0:  # every rank sees the same: no update
         return {**SKIPPED, "train/dp_world_size": world} if rank == 0 else {}
-    parts = adapter_gradients(model, lora, slot, batches, cfg, denoms[cfg.aggregation])
+    parts = adapter_gradients(model, lora, slot, batches, cfg, denom)
     for p in factors:
         g = p.grad[slot].contiguous() if p.grad is not None else torch.zeros_like(p.data[slot])
         dist.reduce(g, dst=0, op=dist.ReduceOp.SUM)

@@ -47,9 +47,7 @@ class DataParallel:
         self.model, self.optimizer, self.ref_model = model, optimizer, ref_model
         self.shard = {"reward_key": config.rollout.reward_key, "pad_id": pad_id, "max_tokens": max_tokens_of(config)}
         self.world = config.trainer.num_ranks
-        self.procs = []
-        self.actors = []
-        self.runs = []  # Ray: each actor's run
+        self.procs, self.actors, self.runs = [], [], []  # Ray: the actors and each one's run
         self.master_addr = connect_ray(config) if config.trainer.use_ray else "127.0.0.1"
         self.port = procs.free_port(self.master_addr)
         self.backend = backend_for(config.trainer.dist_backend)

@@ -106,10 +106,8 @@ class TrainerService(Service):
         cfg_file.write_text(json.dumps(self.config.model_dump(mode="json")))
         from services.trainer.ranks import DataParallel
 
-        self.dp = await asyncio.to_thread(
-            DataParallel, self.config, self.model, optimizer, ref_model, self.pad_id, cfg_file,
-            self.run_dir / "logs",
-        )  # fmt: skip
+        self.dp = await asyncio.to_thread(DataParallel, self.config, self.model, optimizer, ref_model, self.pad_id,
+                                          cfg_file, self.run_dir / "logs")  # fmt: skip
         log.info("data parallel over %d ranks (%s)", self.config.trainer.num_ranks, self.dp.backend)
 
     def loops(self):

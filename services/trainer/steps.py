@@ -96,10 +96,11 @@ class BufferLink:
             self.bus.subjects.rollouts_stream, ref.stream_seq)  # fmt: skip
         return decode(data, RolloutGroup).samples
 
-    async def commit(self, subject: str, step: int, version: int, what: str) -> str:
-        """Tell the buffer `step` is done (trained, and resumable at `version`); its refusal, if any."""
+    async def commit(self, subject: str, step: int, version: int, what: str, error=TrainerError) -> None:
+        """Tell the buffer `step` is done (trained, and resumable at `version`); `error` if it refuses."""
         reply = await self.request(subject, BufferCommit(step=step, version=version), BufferCommitReply, what)
-        return reply.error
+        if reply.error:
+            raise error(f"buffer refused {what}: {reply.error}")
 
 
 class Records:

@@ -138,8 +138,7 @@ class WeightSender:
         path = self.weights_dir / f"v{version}"
         on_disk = load_state_dict(path)
         own = hf_state(self.model)
-        missing = sorted(set(own) - set(on_disk))
-        if missing:
+        if missing := sorted(set(own) - set(on_disk)):
             raise ValueError(f"snapshot {path} lacks {missing[:3]}")
         return {n: on_disk[n].to(dtype=t.dtype) for n, t in own.items()}
 
