@@ -31,9 +31,7 @@ class TextView:
         self.tail_tokens = longest + 2
 
     def decode(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(ids, self.skip_special)
+        return self.tokenizer.decode(ids, self.skip_special) if self.tokenizer is not None else ""
 
     def stop_check(self, req) -> str | None:
         if self.stops:
@@ -62,14 +60,10 @@ class TextView:
         return text
 
     def _cut(self, text: str, matched: str) -> str:
-        if matched in self.stops:
-            pos, end = text.find(matched), text.find(matched) + len(matched)
-        else:
-            m = re.search(matched, text)
-            pos, end = (m.start(), m.end()) if m else (-1, -1)
-        if pos < 0:
+        m = re.search(re.escape(matched) if matched in self.stops else matched, text)
+        if m is None:
             return text
-        return text[:end] if self.no_stop_trim else text[:pos]
+        return text[: m.end()] if self.no_stop_trim else text[: m.start()]
 
     def _hold_back(self, text: str) -> str:
         keep = len(text)

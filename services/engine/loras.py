@@ -68,8 +68,7 @@ class EngineLoras:
         name = typed(body, "lora_name", str, required=True)
         path = typed(body, "lora_path", str, required=True)
         typed(body, "pinned", bool)  # accepted, and changes nothing
-        if body.get("lora_id") is not None:
-            typed(body, "lora_id", str)
+        typed(body, "lora_id", str)
         if not NAME.match(name):
             raise BadRequest("lora_name must be 1-128 characters of letters, digits and . _ - : @ (not . or ..)")
         with self.lock:

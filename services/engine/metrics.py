@@ -92,16 +92,14 @@ class EngineMetrics:
         sched = self.server.scheduler
         snap, st = sched.snapshot(), sched.stats
         values = {**snap, "cache_hit_rate": st.cache_hit_rate, "gen_throughput": st.gen_throughput,
-                  "weight_load_duration_seconds": st.weight_load_duration_s}  # fmt: skip
+                  "weight_load_duration_seconds": st.weight_load_duration_s,
+                  **{name: getattr(st, name) for name in COUNTERS}}  # fmt: skip
         names, label_values = list(self.labels), list(self.labels.values())
-        for name, doc in GAUGES.items():
-            fam = GaugeMetricFamily(f"sglang:{name}", doc, labels=names)
-            fam.add_metric(label_values, float(values[name]))
-            yield fam
-        for name, doc in COUNTERS.items():
-            fam = CounterMetricFamily(f"sglang:{name}", doc, labels=names)
-            fam.add_metric(label_values, float(getattr(st, name)))
-            yield fam
+        for family, docs in ((GaugeMetricFamily, GAUGES), (CounterMetricFamily, COUNTERS)):
+            for name, doc in docs.items():
+                fam = family(f"sglang:{name}", doc, labels=names)
+                fam.add_metric(label_values, float(values[name]))
+                yield fam
         for name, doc in HISTOGRAMS.items():
             yield histogram_family(f"sglang:{name}", doc, self.labels, getattr(st.latency, name))
 

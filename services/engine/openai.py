@@ -104,13 +104,12 @@ class OpenAIRoutes:
 
     def _sampling(self, raw: dict, body: dict):
         try:
-            params, text, n = sampling_params(raw, self.server.limits, "", self.server.tokenizer)
+            return sampling_params(raw, self.server.limits, "", self.server.tokenizer)
         except BadRequest as e:
             msg = str(e)
             for ours, theirs in _RENAMED.items():
                 msg = msg.replace(theirs, ours)
             raise OpenAIError(msg, next((k for k in body if msg.startswith(k)), None)) from None
-        return params, text, n
 
     def completion_seqs(self, body: Any) -> tuple[list[Sequence], list[list[int]], dict]:
         raw = self._common(body, COMPLETION_FIELDS)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,19 +149,21 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _number(raw: dict, key: str, default: float, where: str) -> float:
+def _number(raw: dict, key: str, default: float, where: str, bounds: str = "", ok: Callable | None = None) -> float:
+    """raw[key] as a finite float (`default` when absent or null) that is `ok`, else a 400: it must be `bounds`."""
     v = raw.get(key)
     if v is None:
-        return default
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        v = default
+    elif not isinstance(v, (int, float)) or isinstance(v, bool):
         raise BadRequest(f"{where}{key} must be a number, got {type(v).__name__}")
-    v = float(v)
-    if not math.isfinite(v):
+    elif not math.isfinite(v := float(v)):
         raise BadRequest(f"{where}{key} must be finite, got {v}")
+    if ok is not None and not ok(v):
+        raise BadRequest(f"{where}{key} must be {bounds}, got {v}")
     return v
 
 
-def _integer(raw: dict, key: str, default: int, where: str, lo: int, hi: int | None = None) -> int:
+def _integer(raw: dict, key: str, default: int | None, where: str, lo: int, hi: int | None = None) -> int | None:
     v = raw.get(key)
     if v is None:
         return default
@@ -225,12 +228,8 @@ def sampling_params(
     n = _integer(raw, "n", 1, where, 1, MAX_N)
     max_new = _integer(raw, "max_new_tokens", 128, where, 0, limits.context_length)
     min_new = _integer(raw, "min_new_tokens", 0, where, 0, max_new)
-    temperature = _number(raw, "temperature", 1.0, where)
-    if temperature < 0:
-        raise BadRequest(f"{where}temperature must be >= 0, got {temperature}")
-    top_p = _number(raw, "top_p", 1.0, where)
-    if not 0 < top_p <= 1:
-        raise BadRequest(f"{where}top_p must be in (0, 1], got {top_p}")
+    temperature = _number(raw, "temperature", 1.0, where, ">= 0", lambda v: v >= 0)
+    top_p = _number(raw, "top_p", 1.0, where, "in (0, 1]", lambda v: 0 < v <= 1)
     top_k = _integer(raw, "top_k", -1, where, -1)
     if top_k == 0:
         raise BadRequest(f"{where}top_k must be -1 (whole vocabulary) or >= 1, got 0")
@@ -242,19 +241,13 @@ def sampling_params(
             f"{where}spaces_between_special_tokens false is not implemented by the built-in engine "
             "unless skip_special_tokens is true"
         )
-    min_p = _number(raw, "min_p", 0.0, where)
-    if not 0 <= min_p <= 1:
-        raise BadRequest(f"{where}min_p must be in [0, 1], got {min_p}")
+    min_p = _number(raw, "min_p", 0.0, where, "in [0, 1]", lambda v: 0 <= v <= 1)
     penalties = {k: _number(raw, k, 0.0, where) for k in ("frequency_penalty", "presence_penalty")}
-    for k, v in penalties.items():
+    for k, v in penalties.items():  # both are numbers before either is out of range
         if not -2 <= v <= 2:
             raise BadRequest(f"{where}{k} must be in [-2, 2], got {v}")
-    repetition = _number(raw, "repetition_penalty", 1.0, where)
-    if not 0 < repetition <= 2:
-        raise BadRequest(f"{where}repetition_penalty must be in (0, 2], got {repetition}")
-    seed = raw.get("sampling_seed")
-    if seed is not None:
-        seed = _integer(raw, "sampling_seed", 0, where, 0, 2**63 - 1)
+    repetition = _number(raw, "repetition_penalty", 1.0, where, "in (0, 2]", lambda v: 0 < v <= 2)
+    seed = _integer(raw, "sampling_seed", None, where, 0, 2**63 - 1)
     stop, stop_regex = _strings(raw, "stop", where), _strings(raw, "stop_regex", where)
     if (stop or stop_regex) and tokenizer is None:
         raise BadRequest(f"{where}stop and stop_regex need a tokenizer, and this engine has none")

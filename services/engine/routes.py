@@ -105,9 +105,8 @@ def native_routes(server) -> APIRouter:
 
     @r.get("/healthz")
     async def healthz():
-        return PlainTextResponse(
-            "ok\n" if sched.alive else "scheduler thread died\n", status_code=200 if sched.alive else 503
-        )
+        alive = sched.alive
+        return PlainTextResponse("ok\n" if alive else "scheduler thread died\n", status_code=200 if alive else 503)
 
     @r.get("/readyz")
     async def readyz():
@@ -339,14 +338,13 @@ def lora_routes(server) -> APIRouter:
 
     async def lora_call(op: str, body: dict):
         """SGLang's LoRA answer: {success, error_message, loaded_adapters}, a 400 on failure."""
-        if server.loras is None:
-            return JSONResponse({"success": False, "error_message": "LoRA is not enabled on this engine: "
-                                 "start it with --enable-lora", "loaded_adapters": {}}, status_code=400)  # fmt: skip
 
         def failed(message: str) -> JSONResponse:
-            return JSONResponse({"success": False, "error_message": message, "loaded_adapters": server.loras.loaded()},
-                                status_code=400)  # fmt: skip
+            loaded = server.loras.loaded() if server.loras is not None else {}
+            return JSONResponse({"success": False, "error_message": message, "loaded_adapters": loaded}, 400)
 
+        if server.loras is None:
+            return failed("LoRA is not enabled on this engine: start it with --enable-lora")
         path = body.get("lora_path") if op == "load" else None
         try:  # an object-store version is fetched first
             if isinstance(path, str):

@@ -382,10 +382,8 @@ class Scheduler:
 
     def _take_slot(self) -> int:
         # prefer a slot that caches nothing, else the least recently freed one
-        for i, s in enumerate(self.free_slots):
-            if s not in self.slot_prompt:
-                return self.free_slots.pop(i)
-        s = self.free_slots.pop(0)
+        s = next((s for s in self.free_slots if s not in self.slot_prompt), self.free_slots[0])
+        self.free_slots.remove(s)
         self.slot_prompt.pop(s, None)
         return s
 
@@ -395,10 +393,8 @@ class Scheduler:
             req.slot = None
 
     def _prefix_source(self, prompt: tuple[int, ...]) -> int | None:
-        for slot, cached in self.slot_prompt.items():
-            if cached == prompt and self.slot_kv_epoch.get(slot) == self.kv_epoch:
-                return slot
-        return None
+        resident = (s for s, cached in self.slot_prompt.items() if cached == prompt)
+        return next((s for s in resident if self.slot_kv_epoch.get(s) == self.kv_epoch), None)
 
     def _admit(self) -> None:
         """Move waiting requests into free slots. A fresh request whose prompt is resident in
@@ -473,11 +469,8 @@ class Scheduler:
                 log.warning("request %s failed inside the scheduler: %r", p.reqs[0].rid, e)
                 return StepOutput([0], [0.0], [None], [None], [(500, f"the engine failed on this request: {e!r:.300}")])
         parts = [self._forward_each(_Planned([r], [f], [slot])) for r, f, slot in zip(p.reqs, p.feeds, p.slots, strict=True)]
-        return StepOutput(
-            tokens=[t for o in parts for t in o.tokens], logprobs=[x for o in parts for x in o.logprobs],
-            top=[x for o in parts for x in o.top], prompt=[x for o in parts for x in o.prompt],
-            errors=[(o.errors or [None])[0] for o in parts],
-        )  # fmt: skip
+        merged = {n: [x for o in parts for x in getattr(o, n)] for n in ("tokens", "logprobs", "top", "prompt")}
+        return StepOutput(**merged, errors=[(o.errors or [None])[0] for o in parts])
 
     def _probe(self, slot: int, error: Exception) -> None:
         """Raise `error` unless a one-token forward pass in `slot` (the failing request's: it is
@@ -524,17 +517,13 @@ class Scheduler:
         self.stats.record_generated(generated)
 
     def _maybe_finish(self, req: Request, tok: int) -> None:
-        p = req.params
-        n = len(req.output_ids)
-        reason = None
+        p, n = req.params, len(req.output_ids)
         if n >= p.min_new_tokens and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)):
-            reason = {"type": "stop", "matched": tok}
+            self._finish(req, {"type": "stop", "matched": tok}, running=True)
         elif n >= p.min_new_tokens and req.stop_check is not None and (matched := req.stop_check(req)) is not None:
-            reason = {"type": "stop", "matched": matched}
+            self._finish(req, {"type": "stop", "matched": matched}, running=True)
         elif n >= p.max_new_tokens or len(req.seq) >= self.context_length:
-            reason = {"type": "length", "length": n}
-        if reason is not None:
-            self._finish(req, reason, running=True)
+            self._finish(req, {"type": "length", "length": n}, running=True)
 
     def _finish(self, req: Request, reason: dict, running: bool = False) -> None:
         """Under `_work`; running: the request is in `running` (it leaves, its slot is freed)."""

@@ -96,10 +96,7 @@ class EngineServer:
         async def refused(request: Request, e: BadRequest | RequestFailed):  # a 400, or the status it failed with
             return JSONResponse({"error": {"message": str(e)}}, status_code=getattr(e, "status", 400))
 
-        app.include_router(native_routes(self))
-        app.include_router(info_routes(self))
+        for routes in (native_routes, info_routes, control_routes, weight_routes, lora_routes):
+            app.include_router(routes(self))
         add_openai_routes(app, self)
-        app.include_router(control_routes(self))
-        app.include_router(weight_routes(self))
-        app.include_router(lora_routes(self))
         return app
