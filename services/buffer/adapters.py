@@ -143,9 +143,7 @@ class AdapterPartitions:
 
     def metric_values(self) -> dict[str, float]:
         runs = {r.registration_id: r.name for r in self.adapters.runs}
-        out: dict[str, float] = {}
-        for rid, part in self.parts.items():
-            out.update({f"{runs.get(rid, rid)}/{k}": v for k, v in part.metric_values().items()})
+        out = {f"{runs.get(rid, rid)}/{k}": v for rid, p in self.parts.items() for k, v in p.metric_values().items()}
         out["perf/fully_async/queue_length"] = sum(len(p.state.stored) for p in self.parts.values())
         out["buffer/partitions"] = len(self.parts)
         return out
@@ -219,12 +217,10 @@ class AdapterPartitions:
             if not t.cancelled() and t.exception() is not None:
                 self.svc.fail(t.exception())
 
-        tasks = []
-        for name, fn in self.parts[rid].loops().items():
-            t = asyncio.create_task(fn(), name=f"{name}-{rid[:8]}")
+        loops = self.parts[rid].loops()
+        self._part_tasks[rid] = [asyncio.create_task(fn(), name=f"{name}-{rid[:8]}") for name, fn in loops.items()]
+        for t in self._part_tasks[rid]:
             t.add_done_callback(done)
-            tasks.append(t)
-        self._part_tasks[rid] = tasks
 
     async def _close(self, rid: str) -> None:
         """Its loops stop; its stored groups are recorded dropped (`retired`) and its ledger

@@ -91,9 +91,8 @@ class DefaultDataBuffer(DataBuffer):
                 f"buffer capacity floor({config.async_.data_buffer_capacity_factor} * "
                 f"{config.rollout.batch_size}) = {self.capacity}: it must hold at least one group"
             )
-        self._filter = None
-        if config.rollout.dynamic_sampling_filter_path:
-            self._filter = load_object(config.rollout.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
+        path = config.rollout.dynamic_sampling_filter_path
+        self._filter = load_object(path, "--dynamic-sampling-filter-path") if path else None
         self._groups: collections.deque[Group] = collections.deque()
         self._cond = asyncio.Condition()
         self._latest_version: int | None = None
@@ -156,22 +155,17 @@ class DefaultDataBuffer(DataBuffer):
                 await self._cond.wait_for(lambda: len(self._groups) > 0)
                 group = self._groups.popleft()
                 self._cond.notify_all()
-            if await self._consume(group, current_version):
-                return group
-
-    async def _consume(self, group: Group, current_version: int | None) -> bool:
-        """Staleness at consumption: False (and the unused-samples handler) past the limit."""
-        st = staleness(current_version, group)
-        limit = self.config.async_.max_weight_staleness
-        if limit is not None and st is not None and st > limit:
-            self._stale += 1
-            self._emit("stale", group)
-            await self._handle_unused(group)
-            return False
-        if st is not None:
-            self._consumed_staleness.append(st)
-        self._emit("consumed", group)
-        return True
+            st = staleness(current_version, group)
+            limit = self.config.async_.max_weight_staleness
+            if limit is not None and st is not None and st > limit:  # stale at consumption: to the handler
+                self._stale += 1
+                self._emit("stale", group)
+                await self._handle_unused(group)
+                continue
+            if st is not None:
+                self._consumed_staleness.append(st)
+            self._emit("consumed", group)
+            return group
 
     async def _handle_unused(self, group: Group) -> None:
         if self.config.async_.unused_samples_handler == "retry":
@@ -196,8 +190,7 @@ class DefaultDataBuffer(DataBuffer):
             m[M + "avg_staleness"] = sum(self._consumed_staleness) / len(self._consumed_staleness)
             m[M + "max_staleness"] = max(self._consumed_staleness)
         m.update(self.stored_staleness())
-        for reason, count in self._drops.items():
-            m[f"rollout/dynamic_filter/drop_{reason}"] = count
+        m.update({f"rollout/dynamic_filter/drop_{reason}": count for reason, count in self._drops.items()})
         self._aborted = self._stale = 0
         self._drops.clear()
         self._consumed_staleness = []

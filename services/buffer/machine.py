@@ -156,8 +156,7 @@ class BufferMachine:
         now = time.time()
         self.seen_at = dict.fromkeys(state.outstanding, now)  # a restart gives each a full deadline again
         self.progress_at = now
-        for gid, rg in zip(state.stored, stored, strict=True):
-            self.gid_of[rg.group_index] = gid
+        self.gid_of.update({rg.group_index: gid for gid, rg in zip(state.stored, stored, strict=True)})
         return [rg.samples for rg in stored]
 
     # ---- release -----------------------------------------------------------------------------
@@ -236,8 +235,7 @@ class BufferMachine:
             # the run waits for them, and a live producer has room to take them: nobody works on
             # those no heartbeat names (a prompt still queued behind busy producers is left alone)
             deadline = min(deadline, self.config.async_.stall_report_s)
-        for gone in set(self.seen_at) - set(self.state.outstanding):
-            del self.seen_at[gone]
+        self.seen_at = {gid: at for gid, at in self.seen_at.items() if gid in self.state.outstanding}
         for gid, p in list(self.state.outstanding.items()):
             if gid in self.releasing or (self.putting is not None and self.putting.group_id == gid):
                 continue
@@ -259,23 +257,21 @@ class BufferMachine:
     def on_group(self, msg: Any, stream_seq: int, rg: RolloutGroup | None, undecodable: str | None,
                  raw: bytes) -> Out:  # fmt: skip
         """A group read from ROLLOUTS (`rg` None when not even its identity decodes)."""
-        gid = group_id(rg.group_index, rg.attempt) if rg is not None else ""
+        gi, attempt = (rg.group_index, rg.attempt) if rg is not None else (-1, 0)
+        gid = group_id(gi, attempt) if rg is not None else ""
         state = self.group_state(gid)
+        common = {"group_id": gid, "group_index": gi, "attempt": attempt, "stream_seq": stream_seq}
         if (problem := undecodable or self.group_problem(rg)) is not None:
             # its only fault a weight version nobody published: honest work an engine was told a version
             # it does not run (weight-sync brings it back to the live version): not trained, its prompt not lost
             honest = undecodable is None and state is GroupState.OUTSTANDING
             if honest and group_problem(rg.group_id, rg.group_index, rg.attempt, rg.samples, self.limits) is None:
-                self._record("put", outcome="aborted", recycled=True, reason=problem[:500], group_id=gid,
-                             group_index=rg.group_index, attempt=rg.attempt, stream_seq=stream_seq)  # fmt: skip
+                self._record("put", outcome="aborted", recycled=True, reason=problem[:500], **common)
                 return self._out(settle=Verdict.TERM, dead_letters=[(msg, f"{problem}: its prompt goes back")])
-            self._record("put", outcome="rejected", reason=problem[:500], group_id=gid,
-                         group_index=rg.group_index if rg is not None else -1,
-                         attempt=rg.attempt if rg is not None else 0, stream_seq=stream_seq)  # fmt: skip
+            self._record("put", outcome="rejected", reason=problem[:500], **common)
             return self._out(settle=Verdict.TERM, dead_letters=[(msg, problem)])
-        common = {"group_id": gid, "group_index": rg.group_index, "attempt": rg.attempt}
         if state is not GroupState.OUTSTANDING:
-            self._record("put", outcome="duplicate", stream_seq=stream_seq, **common)
+            self._record("put", outcome="duplicate", **common)
             return self._out(settle=Verdict.ACK)
         self.gid_of[rg.group_index] = gid
         if rg.producer_id in self.producers:
@@ -283,7 +279,7 @@ class BufferMachine:
         if len(raw) <= INLINE_MAX_BYTES:
             self.raw_of[gid] = raw
         samples = flatten_group(rg.samples)
-        self.putting = Put(**common, stream_seq=stream_seq, oldest_version=oldest_weight_version(rg.samples),
+        self.putting = Put(**common, oldest_version=oldest_weight_version(rg.samples),
                            failed=all(s.status == SampleStatus.FAILED for s in samples))  # fmt: skip
         return self._out(settle=Verdict.PUT)
 
@@ -366,8 +362,7 @@ class BufferMachine:
     # ---- leases ------------------------------------------------------------------------------
     def step_to_fill(self) -> int | None:
         """The oldest requested step short of a complete lease."""
-        steps = [s for s in self.requested if self.lease_state(s) is LeaseState.OPEN]
-        return min(steps) if steps else None
+        return min((s for s in self.requested if self.lease_state(s) is LeaseState.OPEN), default=None)
 
     def on_handed(self, step: int, group: list, version: int | None) -> Out:
         """The DataBuffer's get() handed `group` for `step`, judged against `version`."""
@@ -386,8 +381,7 @@ class BufferMachine:
         count, lease = self.requested.get(step), self.state.leases.get(step)
         replies = []
         if count is not None and lease is not None and len(lease.refs) >= count and not lease.complete:
-            metrics = self._metrics()
-            self._record("lease_complete", step=step, metrics={k: float(v) for k, v in metrics.items()})
+            self._record("lease_complete", step=step, metrics={k: float(v) for k, v in self._metrics().items()})
             replies = [(w, self.get_reply(step)) for w in self.waiting.pop(step, [])]
         return self._out(replies=replies)
 
@@ -476,7 +470,7 @@ class BufferMachine:
             self.raw_of.pop(r.group_id, None)
         if req.step > self.state.committed_step:
             self.progress_at = time.time()
-            self.step_clock.committed(self.progress_at)
+            self.step_clock.commits.append(self.progress_at)
             self._record("committed", step=req.step)
         replies = [(msg, BufferCommitReply(step=req.step, num_groups_committed=len(done)))]
         for step in [s for s in self.requested if s <= req.step]:

@@ -65,9 +65,6 @@ class StepClock:
         self.limit_s = limit_s
         self.commits: collections.deque[float] = collections.deque(maxlen=51)
 
-    def committed(self, at: float) -> None:
-        self.commits.append(at)
-
     def stall_after(self) -> float:
         """Seconds without step progress that make a stall: STALL_STEPS x the run's median step
         (over its last 50 commits, at least STALL_FLOOR_S), at most `limit_s` (--stall-report-s);

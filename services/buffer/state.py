@@ -21,6 +21,7 @@ A custom DataBuffer hides its decisions: its puts are recorded as outcome "accep
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import msgspec
 
@@ -78,10 +79,8 @@ def _recycle(state: BufferState, p: PromptMsg) -> None:
 def ledger_events(data: bytes) -> list[LedgerEvent]:
     """The events of one LEDGER message: a LedgerBatch, or a single LedgerEvent (ledgers
     written before appends were batched)."""
-    try:
+    with contextlib.suppress(MalformedMessage):
         return decode(data, LedgerBatch).events
-    except MalformedMessage:
-        pass
     try:
         return [decode(data, LedgerEvent)]
     except MalformedMessage as e:
@@ -261,10 +260,8 @@ def lineage_entry(ev) -> dict:
     else:  # the group id names the attempt (g<index>-a<attempt>); not every event fills `attempt`
         tail = ev.group_id.rpartition("-a")[2]
         rec["attempt"], rec["group_id"] = int(tail) if tail.isdigit() else ev.attempt, ev.group_id
-    for k in ("step", "outcome", "reason", "staleness"):
-        v = getattr(ev, k)
-        if v not in (None, "", -1):
-            rec[k] = v
+    fields = {k: getattr(ev, k) for k in ("step", "outcome", "reason", "staleness")}
+    rec.update({k: v for k, v in fields.items() if v not in (None, "", -1)})
     if ev.recycled:
         rec["recycled"] = True
     return rec
@@ -303,7 +300,6 @@ class Auditor:
     def report(self, remaining_prompts: set[str] | None = None, remaining_rollouts: set[str] | None = None,
                trained_by_trainer: dict[int, list[int]] | None = None) -> dict:  # fmt: skip
         state, terminal, trained_steps = self.state, self.terminal, self.trained_steps
-        first_release = self.first_release
         problems = list(self.problems)
         in_flight = collections.Counter()
         unpublished = 0
@@ -326,12 +322,10 @@ class Auditor:
         accounted |= {r.prompt.group_index for r in state.stored.values()}
         accounted |= {r.group_index for lease in state.leases.values() for r in lease.refs}
         accounted |= {p.group_index for p in state.recycled}
-        lost = sorted(first_release - accounted)
-        for gi in lost[:20]:
-            problems.append(f"prompt {gi} was released and has no outcome: lost")
+        lost = sorted(self.first_release - accounted)
+        problems += [f"prompt {gi} was released and has no outcome: lost" for gi in lost[:20]]
         twice = sorted(gi for gi, n in trained_steps.items() if n > 1)
-        for gi in twice[:20]:
-            problems.append(f"prompt {gi} was trained {trained_steps[gi]} times")
+        problems += [f"prompt {gi} was trained {trained_steps[gi]} times" for gi in twice[:20]]
         if trained_by_trainer is not None:
             # the trainer records a step before committing it: a step it trained whose commit the
             # run did not see (stopped in between) is still leased, and will be trained again
@@ -341,12 +335,10 @@ class Auditor:
             if not ledger_trained <= set(by_trainer) or not set(by_trainer) <= ledger_trained | leased:
                 diff = sorted((ledger_trained - set(by_trainer)) | (set(by_trainer) - ledger_trained - leased))[:10]
                 problems.append(f"trainer and ledger disagree on trained prompts, e.g. {diff}")
-            for gi, n in by_trainer.items():
-                if n > 1:
-                    problems.append(f"the trainer recorded prompt {gi} {n} times")
+            problems += [f"the trainer recorded prompt {gi} {n} times" for gi, n in by_trainer.items() if n > 1]
         outcomes = collections.Counter(terminal.values())
         return {
-            "released_prompts": len(first_release),
+            "released_prompts": len(self.first_release),
             "trained": outcomes.get("trained", 0),
             "failed": outcomes.get("failed", 0),
             "filtered": {k.removeprefix("filtered/"): v for k, v in outcomes.items() if k.startswith("filtered/")},

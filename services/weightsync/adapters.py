@@ -95,26 +95,22 @@ class AdapterSync:
         """The adapter's live version, unless its registration is done (then None: nothing of
         that name is live)."""
         if name not in self.live:
-            raw = await self.bus.kv_get(live_key(name))
-            if raw is not None:
-                try:
-                    live = decode(raw, AdapterLive)
-                except MalformedMessage as e:
-                    log.error("KV %s holds no AdapterLive (%s): taken as no live version", live_key(name), e)
-                else:
-                    if live.registration_id not in self.done:
-                        self.live[name] = live
+            live = await self._read(live_key(name), AdapterLive, "AdapterLive", ": taken as no live version")
+            if live is not None and live.registration_id not in self.done:
+                self.live[name] = live
         return self.live.get(name)
 
-    async def _registry(self) -> AdapterRegistryState | None:
-        raw = await self.bus.kv_get(ADAPTERS_KV_KEY)
-        if raw is None:
-            return None
+    async def _read(self, key: str, kind: type, what: str, note: str = ""):
+        """KV `key` as a `kind`; None when it is absent, or holds something else (logged)."""
+        raw = await self.bus.kv_get(key)
         try:
-            return decode(raw, AdapterRegistryState)
+            return decode(raw, kind) if raw is not None else None
         except MalformedMessage as e:
-            log.error("KV %s holds no adapter registry state (%s)", ADAPTERS_KV_KEY, e)
+            log.error("KV %s holds no %s (%s)%s", key, what, e, note)
             return None
+
+    async def _registry(self) -> AdapterRegistryState | None:
+        return await self._read(ADAPTERS_KV_KEY, AdapterRegistryState, "adapter registry state")
 
     async def recover(self) -> None:
         """After a restart: the live versions of every adapter the registry knows (so that
@@ -196,9 +192,7 @@ class AdapterSync:
         UNLOAD_WAIT_S): the engines hold 2 slots per adapter (--max-loras-per-batch 2N), its live
         version and the next, so a version loaded while its predecessor's predecessor still
         drains would find no slot. Other adapters' drains hold no load up."""
-        for engine_name, task in list(self._unloads.items()):
-            if task.done():
-                del self._unloads[engine_name]
+        self._unloads = {n: task for n, task in self._unloads.items() if not task.done()}
         done = {rid[:12] for rid in self.done} if new_registration else set()
         mine = [t for n, t in self._unloads.items() if n.startswith(f"{name}@") or _registration_of(n) in done]
         if mine:
@@ -229,8 +223,7 @@ class AdapterSync:
             for name in sorted(n for n in loaded if _registration_of(n) in done):
                 self._unload_later(name)
             for live in list(self.live.values()):
-                stale = {n for n in loaded if n.startswith(f"{live.name}@") and n != live.engine_name}
-                for name in sorted(stale):
+                for name in sorted({n for n in loaded if n.startswith(f"{live.name}@") and n != live.engine_name}):
                     self._unload_later(name)
                 if live.engine_name not in loaded:
                     log.warning("engine %s lacks adapter %s: loading it", url, live.engine_name)

@@ -104,9 +104,8 @@ class DistributedUpdater:
                                                   self.group_name, reply.backend)
             for i, u in enumerate(urls)
         ), return_exceptions=True)  # fmt: skip
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
+        if errors := [r for r in results if isinstance(r, BaseException)]:
+            raise errors[0]
         self.num_groups_formed += 1
         log.info("weight transfer group formed: trainer %s:%d and %d engines (%s, %d tensors)",
                  reply.master_address, reply.master_port, len(urls), reply.backend, len(reply.names))  # fmt: skip

@@ -156,7 +156,7 @@ class WeightSyncService(Service):
             deadline = time.monotonic() + timeout_s
             while True:
                 try:
-                    v = (await self.client.model_info(url)).get("weight_version")
+                    versions.add(_version((await self.client.model_info(url)).get("weight_version")))
                     break
                 except EngineError as e:
                     if time.monotonic() > deadline:
@@ -165,7 +165,6 @@ class WeightSyncService(Service):
                         ) from e
                     log.info("waiting for engine %s (%s)", url, type(e).__name__)
                     await asyncio.sleep(1.0)
-            versions.add(_version(v))
         if len(versions) != 1:
             log.warning("engines disagree on their weight version: %s; taking the lowest", versions)
         return min(versions)
