@@ -23,28 +23,28 @@ def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-def _field_kind(annotation) -> tuple[str, tuple | None]:
-    """Classify a field annotation as bool / int / float / str / list_int / list_str, plus the
-    Literal choices if any."""
+def _field_kind(annotation) -> tuple[type, bool, tuple | None]:
+    """A field annotation's type (bool / int / float / str; a list's: int / str), whether it is a
+    list, and its Literal choices if any."""
     args = typing.get_args(annotation)
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         return _field_kind(next(a for a in args if a is not type(None)))
     if origin is typing.Literal:
-        return "str", tuple(args)
+        return str, False, tuple(args)
     if origin is list:
-        return ("list_int" if args and args[0] is int else "list_str"), None
-    return {bool: "bool", int: "int", float: "float"}.get(annotation, "str"), None
+        return (int if args and args[0] is int else str), True, None
+    return (annotation if annotation in (bool, int, float) else str), False, None
 
 
 _BOOLS = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off"), False)
 
 
-def _parse_scalar(kind: str, text: str):
-    if text.lower() in ("none", "null") and kind != "str":
+def _parse_scalar(tp: type, text: str):
+    if text.lower() in ("none", "null") and tp is not str:
         return None
-    if kind != "bool":
-        return {"int": int, "float": float}.get(kind, str)(text)
+    if tp is not bool:
+        return tp(text)
     if text.lower() not in _BOOLS:
         raise ValueError(f"not a boolean: {text!r}")
     return _BOOLS[text.lower()]
@@ -90,21 +90,20 @@ def add_config_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] 
         if name in skip:
             continue
         info, group = flag.section.model_fields[flag.field], groups[flag.section]
-        kind, choices = _field_kind(info.annotation)
+        tp, is_list, choices = _field_kind(info.annotation)
         kw: dict = {"dest": name, "default": argparse.SUPPRESS, "help": (info.description or "").replace("%", "%%")}
-        if kind == "bool":
+        if tp is bool:
             group.add_argument(flag_name(name), action=argparse.BooleanOptionalAction, **kw)
-        elif kind.startswith("list"):
-            elem = int if kind == "list_int" else str
+        elif is_list:
             extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
             action = "extend" if extra.get("repeatable") else "store"  # repeatable: every use adds its values
-            group.add_argument(flag_name(name), nargs="*", type=elem, metavar="X", action=action, **kw)
+            group.add_argument(flag_name(name), nargs="*", type=tp, metavar="X", action=action, **kw)
         else:
             group.add_argument(
                 flag_name(name),
-                type=lambda t, k=kind: _parse_scalar(k, t),
+                type=lambda t, k=tp: _parse_scalar(k, t),
                 choices=choices,
-                metavar=("{" + ",".join(choices) + "}") if choices else kind.upper(),
+                metavar=("{" + ",".join(choices) + "}") if choices else tp.__name__.upper(),
                 **kw,
             )
 
@@ -130,14 +129,10 @@ def read_config_file(path: str | Path) -> dict:
 def env_overrides(environ: dict[str, str]) -> dict:
     out = {}
     for name, flag in FLAGS.items():
-        info, key = flag.section.model_fields[flag.field], ENV_PREFIX + name.upper()
-        if key not in environ:
+        if (text := environ.get(ENV_PREFIX + name.upper())) is None:
             continue
-        kind, _ = _field_kind(info.annotation)
-        if kind.startswith("list"):
-            out[name] = [_parse_scalar(kind.removeprefix("list_"), t) for t in environ[key].split()]
-        else:
-            out[name] = _parse_scalar(kind, environ[key])
+        tp, is_list, _ = _field_kind(flag.section.model_fields[flag.field].annotation)
+        out[name] = [_parse_scalar(tp, t) for t in text.split()] if is_list else _parse_scalar(tp, text)
     return out
 
 

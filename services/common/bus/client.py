@@ -26,7 +26,6 @@ from services.common.bus.errors import (
     STREAM_EXISTS_DIFFERENTLY,
     BusError,
     SequenceConflict,
-    StoreFull,
     StreamFull,
     StreamSetupError,
     fatal_connect_error,
@@ -77,11 +76,10 @@ class Bus:
             creds = NatsCredentials.from_env(role)
             if in_url and not (creds.user or creds.token or creds.creds_file or creds.nkey_file):
                 creds = dataclasses.replace(creds, **in_url)
-        bus: Bus | None = None  # the callbacks read it once it exists
-        connecting = True
+        bus: Bus | None = None  # the callbacks read it once it exists (None: still connecting)
 
         async def on_error(e: Exception) -> None:
-            if connecting and (fatal := fatal_connect_error(e, url, creds, service)):
+            if bus is None and (fatal := fatal_connect_error(e, url, creds, service)):
                 raise fatal  # out of nats.connect(): wrong credentials never succeed on a retry
             if isinstance(e, nats.js.errors.APIError) and bus is not None:
                 # nats-py turns an error answer to an async publish into an exception inside its
@@ -128,7 +126,6 @@ class Bus:
                     ) from e
                 log.info("waiting for NATS at %s (%s)", url, e)
                 await asyncio.sleep(0.5)
-        connecting = False
         bus = cls(nc, Subjects(run_id=run_id), service)
         return bus
 
@@ -149,11 +146,9 @@ class Bus:
         copies on a JetStream cluster (--nats-replicas; the run's consumers inherit it).
         Idempotent; needs the admin role (the launcher, `asyncrl init-run`): services only use
         what exists."""
+        enums = {"retention": api.RetentionPolicy, "storage": api.StorageType, "discard": api.DiscardPolicy}
         for spec in self.subjects.stream_specs(partitioned, rollouts_max_msgs):
-            spec = dict(spec)
-            spec["retention"] = api.RetentionPolicy(spec["retention"])
-            spec["storage"] = api.StorageType(spec["storage"])
-            spec["discard"] = api.DiscardPolicy(spec["discard"])
+            spec = spec | {key: enum(spec[key]) for key, enum in enums.items()}
             cfg = api.StreamConfig(**spec, num_replicas=replicas)
             await through_outage(lambda cfg=cfg: self._add_or_update_stream(cfg), cfg.name, 120.0, "create")
         bucket = self.subjects.kv_bucket
@@ -456,8 +451,8 @@ class Bus:
 
     async def dead_letter(self, subject: str, data: bytes, reason: str) -> bool:
         """Record a message that failed validation on DEADLETTER (its first DEAD_LETTER_DATA_BYTES,
-        its size and digest, the reason), count it, log it. Never fails the caller: a dead letter
-        that cannot be stored is logged (False)."""
+        its size and digest, the reason), count it, log it. Never fails the caller but for a full
+        store (StoreFull, which stops the run): a dead letter that cannot be stored is logged (False)."""
         target = self.subjects.deadletter(subject)
         self.dead_lettered[subject.removeprefix(self.subjects._s(""))] += 1
         log.error("dead-lettered a message from %s to %s: %s", subject, target, reason)
@@ -466,8 +461,6 @@ class Bus:
                             sha256=hashlib.sha256(data).hexdigest())  # fmt: skip
         try:
             await self.publish(target, letter)
-        except StoreFull:
-            raise
         except (TimeoutError, StreamFull, nats.errors.Error, nats.js.errors.Error, OSError) as e:
             log.error("the dead letter from %s could not be stored (%s); it is only logged", subject, e)
             return False

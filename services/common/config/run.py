@@ -105,6 +105,27 @@ def by_section(flags: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+FULLY_ASYNC_REFUSES = {
+    "colocate": "--fully-async cannot be combined with --colocate: training and rollout must run on separate devices "
+    "so that generation never stops; drop --colocate",
+    "partial_rollout": "--fully-async cannot be combined with --partial-rollout: the fully-async producer recycles "
+    "aborted groups itself; drop --partial-rollout",
+    "rollout_function_path": "--fully-async cannot be combined with a custom rollout function "
+    "(--rollout-function-path): the fully-async producer owns the rollout loop; use "
+    "--custom-generate-function-path to customise generation instead",
+}
+NOT_SUPPORTED = {
+    "colocate": "--colocate is not supported: training and rollout run as separate processes on separate devices, "
+    "with no offload between them; drop --colocate",
+    "partial_rollout": "--partial-rollout is not supported: an aborted group is regenerated whole (set "
+    "--async-unused-samples-handler retry to retry it); drop --partial-rollout",
+    "rollout_function_path": "--rollout-function-path is not supported: the producer owns the rollout loop; "
+    "customise generation with --custom-generate-function-path and rewards with --custom-rm-path",
+}
+"""Miles's flags that asyncrl has no use for (one process per role, on its own devices; the producer
+owns the rollout loop), and why each is refused: under --fully-async, and in the other modes."""
+
+
 class RunConfig(BaseModel):
     """The run's sections; below, the values and rules that join them."""
 
@@ -265,39 +286,8 @@ class RunConfig(BaseModel):
                     "--fully-async cannot use --pause-generation-mode abort: generation is always in "
                     "flight, so every weight update would kill it and force a full regeneration"
                 )
-            if a.colocate:
-                errs.append(
-                    "--fully-async cannot be combined with --colocate: training and rollout must run "
-                    "on separate devices so that generation never stops; drop --colocate"
-                )
-            if a.partial_rollout:
-                errs.append(
-                    "--fully-async cannot be combined with --partial-rollout: the fully-async producer "
-                    "recycles aborted groups itself; drop --partial-rollout"
-                )
-            if r.function_path:
-                errs.append(
-                    "--fully-async cannot be combined with a custom rollout function "
-                    "(--rollout-function-path): the fully-async producer owns the rollout loop; use "
-                    "--custom-generate-function-path to customise generation instead"
-                )
-        else:  # accepted by Miles outside fully async; asyncrl has neither, so it says so
-            if a.colocate:
-                errs.append(
-                    "--colocate is not supported: training and rollout run as separate processes on separate "
-                    "devices, with no offload between them; drop --colocate"
-                )
-            if a.partial_rollout:
-                errs.append(
-                    "--partial-rollout is not supported: an aborted group is regenerated whole (set "
-                    "--async-unused-samples-handler retry to retry it); drop --partial-rollout"
-                )
-            if r.function_path:
-                errs.append(
-                    "--rollout-function-path is not supported: the producer owns the rollout loop; customise "
-                    "generation with --custom-generate-function-path and rewards with --custom-rm-path"
-                )
-        return errs
+        refused = FULLY_ASYNC_REFUSES if i.fully_async else NOT_SUPPORTED
+        return errs + [why for flag, why in refused.items() if self.flag(flag)]
 
     @joins(AsyncSection, RolloutSection)
     def _capacity_problems(self) -> list[str]:
