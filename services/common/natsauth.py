@@ -163,8 +163,7 @@ def write_deploy_secrets(run_id: str, out_dir) -> dict[str, str]:
     route_password = keep_or_make_token(out / "route-password")
     write_secret_file(out / "routes.conf", routes_conf(route_password, COMPOSE_ROUTES))
     for role in ROLES:
-        if role in passwords:
-            write_roles_file(out / "roles" / role / "nats.json", {role: passwords[role]})
+        write_roles_file(out / "roles" / role / "nats.json", {role: passwords[role]})
         write_secret_file(out / "roles" / role / "run-token", token)
     return passwords
 

@@ -77,8 +77,7 @@ def pid_alive(pid: int) -> bool:
         return True
     # a zombie still answers kill(0); read its state
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-        return state != "Z"
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except (FileNotFoundError, IndexError):
         return False
 

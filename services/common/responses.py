@@ -7,6 +7,8 @@ from __future__ import annotations
 from asyncrl_proto.messages import Sample, SampleStatus
 
 FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+ENGINE_META = {"cached_tokens": 0, "num_retractions": 0, "e2e_latency": 0.0}
+"""meta_info entries kept in a sample's metadata["engine"], with their value when absent."""
 
 
 def versions_of(meta: dict) -> list[int]:
@@ -60,8 +62,4 @@ def apply_response(sample: Sample, input_ids: list[int], resp: dict) -> None:
     for v in versions_of(meta):
         if not sample.weight_versions or sample.weight_versions[-1] != v:
             sample.weight_versions.append(v)
-    sample.metadata["engine"] = {
-        "cached_tokens": meta.get("cached_tokens", 0),
-        "num_retractions": meta.get("num_retractions", 0),
-        "e2e_latency": meta.get("e2e_latency", 0.0),
-    }
+    sample.metadata["engine"] = {k: meta.get(k, default) for k, default in ENGINE_META.items()}

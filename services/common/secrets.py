@@ -123,16 +123,13 @@ class NatsCredentials:
 
     def describe(self) -> str:
         """What kind of identity this is, for error messages (no secret in it)."""
-        if self.creds_file:
-            what = f"the credentials file {self.creds_file}"
-        elif self.nkey_file:
-            what = f"the NKey seed file {self.nkey_file}"
-        elif self.token:
-            what = "a token"
-        elif self.user:
-            what = f"user {self.user!r} with a password"
-        else:
-            what = "no credentials"
+        kinds = (
+            (self.creds_file, f"the credentials file {self.creds_file}"),
+            (self.nkey_file, f"the NKey seed file {self.nkey_file}"),
+            (self.token, "a token"),
+            (self.user, f"user {self.user!r} with a password"),
+        )
+        what = next((text for given, text in kinds if given), "no credentials")
         return what + (f", TLS CA {self.tls_ca}" if self.tls_ca else "")
 
     def connect_kwargs(self) -> dict:
@@ -239,8 +236,7 @@ class RedactingFilter(logging.Filter):
             if clean != msg:
                 record.msg, record.args = clean, None
             if record.exc_info and record.exc_info[1] is not None:
-                text = logging.Formatter().formatException(record.exc_info)
-                record.exc_text = redact_text(text, self.secret_values)
+                record.exc_text = redact_text(logging.Formatter().formatException(record.exc_info), self.secret_values)
         return True
 
 

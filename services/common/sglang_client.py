@@ -146,8 +146,7 @@ class SGLangClient:
         """One call, raced against the engine being declared down; cancelled -> aborted there."""
         self.outstanding[url] += 1
         call = asyncio.ensure_future(self._post_in_slot(url, body))
-        # raced against the engine's next failure; `pick` may choose an engine marked down
-        # (none is up), and then a success marks it up again
+        # `pick` may choose an engine marked down (none is up): then a success marks it up again
         down = asyncio.ensure_future(self._down_event(url).wait())
         try:
             await asyncio.wait({call, down}, return_when=asyncio.FIRST_COMPLETED)
@@ -269,12 +268,8 @@ class SGLangClient:
         the trainer announced it) and `stage` (keep the version aside until update_weight_version)
         are asyncrl's extensions: for built-in engines only."""
         body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": False}
-        if weight_version is not None:
-            body["weight_version"] = weight_version
-        if digest:
-            body["weight_digest"] = digest
-        if stage:
-            body["stage"] = True
+        extensions = {"weight_version": weight_version, "weight_digest": digest or None, "stage": stage or None}
+        body |= {k: v for k, v in extensions.items() if v is not None}
         return await self._call("POST", url, "/update_weights_from_distributed", body)
 
     async def update_weight_version(self, url: str, version: str) -> dict:

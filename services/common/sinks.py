@@ -124,11 +124,8 @@ class Sinks:
     record's own value of `axis`."""
 
     def __init__(self, config, run_dir: Path):
-        self.sinks = []
-        if config.trainer.use_tensorboard:
-            self.sinks.append(TensorBoardSink(config, run_dir))
-        if config.trainer.use_wandb:
-            self.sinks.append(WandbSink(config, run_dir))
+        wanted = {TensorBoardSink: config.trainer.use_tensorboard, WandbSink: config.trainer.use_wandb}
+        self.sinks = [sink(config, run_dir) for sink, on in wanted.items() if on]
 
     def log(self, record: dict, axis: str) -> None:
         """The record's series that live on `axis` (a step record also carries the eval
