@@ -97,16 +97,14 @@ def iter_stage_weights(model: CausalLM, path: str | Path) -> Generator[None, Non
     shapes are checked from the files' headers before any tensor is read."""
     files = _weight_files(Path(path))
     own = dict(model.named_parameters())
-    where: dict[str, Path] = {}
     shapes: dict[str, tuple] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
-            for n in fh.keys():
-                where[n], shapes[n] = f, tuple(fh.get_slice(n).get_shape())
+            shapes.update((n, tuple(fh.get_slice(n).get_shape())) for n in fh.keys())
     if model.cfg.tie_word_embeddings:
-        where.pop("lm_head.weight", None)
-    missing = sorted(set(own) - set(where))
-    unexpected = sorted(set(where) - set(own) - {"lm_head.weight"})
+        shapes.pop("lm_head.weight", None)
+    missing = sorted(set(own) - set(shapes))
+    unexpected = sorted(set(shapes) - set(own) - {"lm_head.weight"})
     if missing or unexpected:
         raise ValueError(f"snapshot {path} does not match the model: missing {missing[:5]}, unexpected "
                          f"{unexpected[:5]}")  # fmt: skip

@@ -93,10 +93,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        h = x.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,8 +157,7 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def forward(self, x_btc, cos, sin, allowed_btt):
-        q, k, v = self._qkv(x_btc, cos, sin)
-        return self._attend(q, k, v, allowed_btt)
+        return self._attend(*self._qkv(x_btc, cos, sin), allowed_btt)
 
     def forward_cached(self, x_ntc, cos, sin, layer: int, cache: KVCache, slots_n, pos_nt, allowed_ntk):
         q, k, v = self._qkv(x_ntc, cos, sin)
@@ -255,10 +252,9 @@ class CausalLM(nn.Module):
         cos, sin = rope_cos_sin(pos_nt, self.cfg.head_dim, self.cfg.rope_theta)
         x = self.model.embed_tokens(input_ids_nt)
         for i, layer in enumerate(self.model.layers):
-            h = layer.self_attn.forward_cached(
+            x = x + layer.self_attn.forward_cached(
                 layer.input_layernorm(x), cos, sin, i, cache, slots_n, pos_nt, allowed_ntk
             )
-            x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.lm_head(self.model.norm(x))
 

@@ -272,13 +272,16 @@ class MultiLora(nn.Module):
         spec = self.specs[slot]
         if spec is None:
             raise LoraError(f"slot {slot} holds no adapter")
-        out = {}
-        for i in range(self.num_layers):
-            for m in spec.target_modules:
-                key = f"l{i}_{m}"
-                out[peft_key(i, m, "A")] = self.A[key][slot, : spec.rank].detach().clone()
-                out[peft_key(i, m, "B")] = self.B[key][slot, :, : spec.rank].detach().clone()
-        return out
+        return {
+            peft_key(i, m, f): self._factor(f"l{i}_{m}", f, slot, spec.rank).detach().clone()
+            for i in range(self.num_layers)
+            for m in spec.target_modules
+            for f in "AB"
+        }
+
+    def _factor(self, key: str, factor: str, slot: int, rank: int) -> torch.Tensor:
+        """A slot's factor A [rank, in] or B [out, rank] of the module `key`: a view."""
+        return self.A[key][slot, :rank] if factor == "A" else self.B[key][slot, :, :rank]
 
     @torch.no_grad()
     def set_slot(self, slot: int, spec: LoraSpec, tensors: dict[str, torch.Tensor]) -> None:
@@ -290,23 +293,18 @@ class MultiLora(nn.Module):
         if missing or unexpected:
             raise LoraError(f"the adapter does not match rank/targets: missing {missing[:3]}, unexpected "
                             f"{unexpected[:3]}")  # fmt: skip
-        placed = {}
+        placed = []
         for name, t in tensors.items():
             layer, _, module, factor = _PEFT_KEY.match(name).groups()
-            key = f"l{layer}_{module}"
-            target = self.A[key] if factor == "A" else self.B[key]
-            shape = (spec.rank, target.shape[-1]) if factor == "A" else (target.shape[1], spec.rank)
-            if tuple(t.shape) != shape:
-                raise LoraError(f"{name} has shape {tuple(t.shape)}, this model needs {shape}")
+            target = self._factor(f"l{layer}_{module}", factor, slot, spec.rank)
+            if t.shape != target.shape:
+                raise LoraError(f"{name} has shape {tuple(t.shape)}, this model needs {tuple(target.shape)}")
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise LoraError(f"{name} holds non-finite values (NaN or inf)")
-            placed[(key, factor)] = t
+            placed.append((target, t))
         self.clear_slot(slot)
-        for (key, factor), t in placed.items():
-            if factor == "A":
-                self.A[key][slot, : spec.rank] = t.to(self.A[key].dtype)
-            else:
-                self.B[key][slot, :, : spec.rank] = t.to(self.B[key].dtype)
+        for target, t in placed:
+            target.copy_(t)
         self.adopt_slot(slot, spec)
 
 

@@ -90,22 +90,18 @@ class TransferGroup:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a group of {world_size}")
         self.name, self.backend, self.rank, self.world_size = name, backend, rank, world_size
-        timeout = datetime.timedelta(seconds=timeout_s)
         self.store = store or open_store(master_address, master_port, world_size, rank == 0, timeout_s)
         # the store keys of SGLang's init_custom_process_group (its group name) and of torch's
         # process group helper inside it (the group, then the device), so that an SGLang server's
         # rank meets this one
         device = "cuda" if backend == "nccl" else "cpu"
         prefixed = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{name}/", dist.PrefixStore(name, self.store)))
+        group = dist.ProcessGroupGloo if backend == "gloo" else dist.ProcessGroupNCCL
+        opts = group._Options() if backend == "gloo" else group.Options()
+        opts._timeout = datetime.timedelta(seconds=timeout_s)
         if backend == "gloo":
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = timeout
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(master_address))]
-            self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
-        else:
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            self.pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+            opts._devices = [group.create_device(hostname=local_address_towards(master_address))]
+        self.pg = group(prefixed, rank, world_size, opts)
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
     def broadcast(self, tensor: torch.Tensor) -> None:

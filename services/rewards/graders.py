@@ -103,26 +103,22 @@ def _symbolic(answer: str, gold: str) -> bool:
     return bool(parsed_gold and parsed and verify(parsed_gold, parsed))
 
 
-def same_answer(answer: str, label: Any) -> bool:
-    """Whether an answer equals the label (a `\\boxed{}` label is unboxed), by the module's `math` rule."""
+def math_compare(answer: str, label: Any, metadata: dict | None = None) -> float:
+    """1.0 if an answer equals the label (a `\\boxed{}` label is unboxed) by the module's `math` rule, else 0.0."""
     gold = str(label).strip() if label is not None else ""
     answer = answer.strip()
     if not gold or not answer:
-        return False
+        return 0.0
     gold = (last_boxed(gold) or gold).strip()
     if answer == gold:
-        return True
+        return 1.0
     verdict = decide(answer, gold)
-    return verdict if verdict is not None else _symbolic(answer, gold)
+    return float(verdict if verdict is not None else _symbolic(answer, gold))
 
 
 def after_think(response: str) -> str:
     """The answer of `gpqa` and `ifbench`: the text after the last `</think>`, else the whole response."""
     return response.rsplit("</think>", 1)[-1]
-
-
-def math_compare(answer: str, label: Any, metadata: dict) -> float:
-    return 1.0 if same_answer(answer, label) else 0.0
 
 
 def deepscaler_extract(response: str) -> str | None:
@@ -369,7 +365,7 @@ def warm_up() -> None:
     here is left to the samples (each fails with the reason), not to the pool, which would
     restart the worker forever."""
     try:
-        same_answer("1", "1")
+        math_compare("1", "1")
         _symbolic("\\frac{\\sqrt{2}}{2}", "\\frac{1}{\\sqrt{2}}")
     except Exception:  # noqa: BLE001 - reported by the first sample that needs it
         pass

@@ -64,7 +64,6 @@ class RewardHub:
         r = config.rollout
         self.default = default
         self.timeout_s = r.reward_timeout_s
-        self.has_url = bool(r.rm_url)
         self.pool = _pools.setdefault(r.reward_num_workers, GraderPool(r.reward_num_workers))
         self.remote = RemoteRewardModel(r.rm_url, r.reward_timeout_s, r.rm_max_concurrency, r.rm_retries) \
             if r.rm_url else None
@@ -73,7 +72,7 @@ class RewardHub:
     async def __call__(self, config, sample) -> Any:
         meta = sample.metadata if isinstance(sample.metadata, dict) else {}
         name = meta.get("rm_type") or self.default
-        if not isinstance(name, str) or (problem := rm_type_problem(name, self.has_url)) is not None:
+        if not isinstance(name, str) or (problem := rm_type_problem(name, self.remote is not None)) is not None:
             raise ValueError(problem if isinstance(name, str) else f"metadata.rm_type {name!r:.60} is not a name")
         boxed, base = split_rm_type(name)
         if base in TASK_REWARDS:

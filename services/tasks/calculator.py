@@ -97,14 +97,10 @@ async def generate(config, sample: Sample, engine, sampling_params: dict) -> Sam
     return traj.finish()
 
 
-def final_answer(sample: Sample) -> str:
-    """The text after the calculator's result, or the whole response when there was no call."""
-    turns = sample.metadata.get("turns") or [sample.response]
-    if sample.metadata.get("tool_calls"):
-        return turns[1] if len(turns) > 1 else ""  # no budget left to answer after the call
-    return turns[0]
-
-
 async def reward(config, sample: Sample) -> float:
-    """The soft positional score of the final answer against the sum."""
-    return score(final_answer(sample), str(sample.label))
+    """The soft positional score of the final answer against the sum: the text after the
+    calculator's result, or the whole response when there was no call."""
+    turns = sample.metadata.get("turns") or [sample.response]
+    if not sample.metadata.get("tool_calls"):
+        return score(turns[0], str(sample.label))
+    return score(turns[1] if len(turns) > 1 else "", str(sample.label))  # "": no budget left to answer after the call

@@ -109,11 +109,9 @@ def warm_start(model, next_pair: Callable[[random.Random], tuple[list[int], list
     rng = random.Random(seed + 7)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     for _ in range(steps):
-        seqs, masks = [], []
-        for _ in range(batch):
-            prompt, answer = next_pair(rng)
-            seqs.append(prompt + answer)
-            masks.append([0] * len(prompt) + [1] * len(answer))
+        pairs = [next_pair(rng) for _ in range(batch)]
+        seqs = [prompt + answer for prompt, answer in pairs]
+        masks = [[0] * len(prompt) + [1] * len(answer) for prompt, answer in pairs]
         width = max(map(len, seqs))
         ids = torch.tensor([s + [PAD_ID] * (width - len(s)) for s in seqs])
         loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.tasks.reverse_digits import NUM_EVAL_PROMPTS, NUM_TRAIN_PROMPTS, distinct_rows, score, write_split
+from services.tasks.reverse_digits import NUM_EVAL_PROMPTS, NUM_TRAIN_PROMPTS, distinct_rows, write_split
+from services.tasks.reverse_digits import reward as reward  # the task's reward (TASK_REWARDS names it)
 
 NAME = "copy-digits"
 OPERATOR = "+"
@@ -30,9 +31,3 @@ def write_datasets(data_dir: str | Path, seed: int = 0) -> tuple[Path, Path]:
     eval_rows = make_rows(NUM_EVAL_PROMPTS, seed + 1)
     train_rows = make_rows(NUM_TRAIN_PROMPTS, seed, exclude={r["label"] for r in eval_rows})
     return write_split(data_dir, "copy_digits", train_rows, eval_rows)
-
-
-async def reward(config, sample) -> float:
-    """The task's reward function, with the --custom-rm-path signature: reverse-digits' soft
-    positional score against the digits as given."""
-    return score(sample.response, str(sample.label))

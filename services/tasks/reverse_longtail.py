@@ -10,8 +10,8 @@ with every run, `rollout/response_len/*` and `eval/<set>/response_len/*`, p99 in
 short strings are what the tiny model learns (reverse-digits' task); the long ones are the
 stragglers. The reward is reverse-digits' own (`reward`): its soft positional score over the whole
 response (positions right / max(len(output), len(target))), so a longer or shorter answer than
-the label costs reward and the lengths stay the data's. Unlike services/tasks/longtail.py (a throughput workload that forces lengths with
-`ignore_eos`), nothing is padded: the model writes every token and stops by itself.
+the label costs reward and the lengths stay the data's. Unlike services/tasks/longtail.py (a throughput
+workload that forces lengths with `ignore_eos`), nothing is padded: the model writes every token and stops by itself.
 
 The model is the digit Llama of reverse-digits (same 16-token alphabet and chat format) with a
 context that fits the longest prompt and answer, warm-started on pairs of this distribution, so

@@ -166,8 +166,7 @@ class WeightStore:
             manifest = json.loads(await self._read_object(info))
         except ValueError:
             return None
-        ok = isinstance(manifest, dict) and isinstance(manifest.get("files"), dict)
-        return manifest if ok else None
+        return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) else None
 
     async def _read_object(self, info: dict, out=None) -> bytes:
         """An object's bytes (or written to `out`), chunk by chunk, checked against its digest."""

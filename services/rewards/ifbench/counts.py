@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import string
 from collections import Counter
+from itertools import pairwise
 
 from services.rewards.ifbench.text import (
     PUNCTUATION_SPACE,
@@ -266,21 +267,15 @@ def odd_even_syllables(text: str) -> bool:
 def last_first(text: str) -> bool:
     """Each sentence starts with the word the one before ended with."""
     found = sentences(text)
-    for before, after in zip(found, found[1:], strict=False):
-        last, first = before.rstrip(PUNCTUATION_SPACE).split(), after.lstrip(PUNCTUATION_SPACE).split()
-        if not last or not first or last[-1].lower() != first[0].lower():
-            return False
-    return True
+    pairs = ((a.rstrip(PUNCTUATION_SPACE).split(), b.lstrip(PUNCTUATION_SPACE).split()) for a, b in pairwise(found))
+    return all(last and first and last[-1].lower() == first[0].lower() for last, first in pairs)
 
 
 @checker("words:paragraph_last_first")
 def paragraph_last_first(text: str) -> bool:
     """Each line starts and ends with the same word."""
-    for line in text.split("\n"):
-        words = line.strip().lower().strip(PUNCTUATION_SPACE).split()
-        if words and words[0] != words[-1]:
-            return False
-    return True
+    lines = (line.strip().lower().strip(PUNCTUATION_SPACE).split() for line in text.split("\n"))
+    return all(not words or words[0] == words[-1] for words in lines)
 
 
 @checker("words:no_consecutive")
