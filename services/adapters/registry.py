@@ -69,8 +69,7 @@ def parse_spec(raw: Any, *, file_exists: Callable[[str], bool] = os.path.isfile)
     that is not exactly one, a data file that does not exist (`file_exists`)."""
     if not isinstance(raw, dict):
         raise SpecError(f"an adapter spec is a mapping of fields ({', '.join(SPEC_FIELDS)}), not {type(raw).__name__}")
-    unknown = sorted(str(k) for k in raw if k not in SPEC_FIELDS)
-    if unknown:
+    if unknown := sorted(str(k) for k in raw if k not in SPEC_FIELDS):
         raise SpecError(f"unknown field(s) in the adapter spec: {', '.join(unknown)}; the fields are "
                         f"{', '.join(SPEC_FIELDS)}")  # fmt: skip
     try:
@@ -158,8 +157,7 @@ class AdapterRegistry:
         return next((r for r in reversed(self.state.runs) if r.name == name), None)
 
     def get(self, name: str) -> AdapterRun:
-        run = self.current(name)
-        if run is None:
+        if (run := self.current(name)) is None:
             raise RegistryError(f"no adapter named {name!r:.140}: GET /adapter_runs lists them", 404)
         return run
 
@@ -207,8 +205,7 @@ class AdapterRegistry:
                     f"save directory {spec.save!r} is used by adapter {other.name!r} ({other.state.value}): give "
                     "each adapter its own save directory"
                 )
-        free = self.free_slots()
-        if not free:
+        if not (free := self.free_slots()):
             names = ", ".join(f"{r.name} ({r.state.value})" for r in self.holding())
             raise RegistryError(
                 f"No free adapter slots: all {self.num_slots} are taken ({names}); retire one "
@@ -244,9 +241,8 @@ class AdapterRegistry:
         self.state.slot_versions[run.slot] += step - run.step
         run.step = step
         run.slot_version = self.state.slot_versions[run.slot]
-        now = self.clock()
-        run.updated_at = now
-        self._changed(now)
+        run.updated_at = self.clock()
+        self._changed(run.updated_at)
         return run
 
     def retire(self, name: str, reason: str = "", registration_id: str = "") -> AdapterRun:

@@ -133,8 +133,7 @@ def assemble(sample: Sample, prompt_ids: list[int] | None, turns: list[dict], de
         if turn["prompt_ids"][: len(context)] != context:
             raise TurnMismatch(f"turn {k}'s prompt does not begin with the conversation so far (the chat template "
                                "renders an earlier turn differently): not one token sequence")  # fmt: skip
-        added = turn["prompt_ids"][len(context) :]
-        if added:
+        if added := turn["prompt_ids"][len(context) :]:
             traj.env_turn(added, decode(added))
         pairs = [[lp, t, None] for lp, t in zip(turn["logprobs"], turn["ids"], strict=True)]
         text = turn["text"] if turn["text"] is not None else decode(turn["ids"])  # a reply of tool calls: as written

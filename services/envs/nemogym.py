@@ -119,13 +119,11 @@ def _text(content, where: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
-        parts = []
         for part in content:
             if not (isinstance(part, dict) and isinstance(part.get("text"), str)):
                 raise EnvError(f"{where}: only text content can reach the model (got "
                                f"{part.get('type') if isinstance(part, dict) else part!r:.60})")  # fmt: skip
-            parts.append(part["text"])
-        return "".join(parts)
+        return "".join(part["text"] for part in content)
     raise EnvError(f"{where}: content must be text or a list of text parts")
 
 
@@ -263,16 +261,6 @@ def _client() -> aiohttp.ClientSession:
 # ---- the episode -------------------------------------------------------------------------------
 
 
-async def _ask(engine, body: dict) -> dict | None:
-    """One chat turn on an engine; None when the conversation no longer fits the model's context."""
-    try:
-        return await ask_engine(engine.client, body, "nemogym")
-    except EngineError as e:
-        if "context length" in str(e):
-            return None
-        raise
-
-
 async def _episode(config, sample: Sample, engine, sampling_params: dict) -> Sample:
     r = config.rollout
     row = nemogym_row(sample)
@@ -305,10 +293,14 @@ async def _episode(config, sample: Sample, engine, sampling_params: dict) -> Sam
             if left <= 0:
                 stop = "budget"
                 break
-            answer = await _ask(engine, {**chat, "messages": messages, "max_tokens": min(budget, left)})
-            if answer is None:
+            body = {**chat, "messages": messages, "max_tokens": min(budget, left)}
+            try:
+                answer = await ask_engine(engine.client, body, "nemogym")
+            except EngineError as e:  # "context length": the conversation no longer fits the model's context
+                if "context length" not in str(e):
+                    raise
                 if not turns:
-                    raise EnvError("the row's prompt does not fit the model's context length")
+                    raise EnvError("the row's prompt does not fit the model's context length") from None
                 stop = "context"
                 break
             turns.append(recorded_turn(answer, bool(tools)))

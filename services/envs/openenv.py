@@ -77,7 +77,6 @@ def check(config) -> None:
 
 async def _episode(config, sample: Sample, engine, sampling_params: dict) -> Sample:
     r = config.rollout
-    url = r.env_spec.url
     tok = engine.tokenizer
     traj = Trajectory(sample, sample.metadata.pop("_input_ids"))
     budget = int(sampling_params.get("max_new_tokens", r.max_response_len))
@@ -86,8 +85,7 @@ async def _episode(config, sample: Sample, engine, sampling_params: dict) -> Sam
     cut: list[bool] = []  # an observation was cut at the context length
 
     def observe(data: dict) -> None:
-        text = observation_text(data.get("observation") or {}, r.env_observation_key)
-        if text:
+        if text := observation_text(data.get("observation") or {}, r.env_observation_key):
             ids = tok.encode(text, add_special_tokens=False)
             room = max(0, traj.room(engine.context_length))
             if len(ids) > room:  # out of the loss: cut to what the model can see, and the episode ends
@@ -95,7 +93,7 @@ async def _episode(config, sample: Sample, engine, sampling_params: dict) -> Sam
                 cut.append(True)
             traj.env_turn(ids, text)
 
-    async with _connect(url) as ws:
+    async with _connect(r.env_spec.url) as ws:
         first = await call(ws, "reset", dict(sample.metadata.get("env_reset") or {}))
         observe(first)
         done = bool(first.get("done"))

@@ -136,9 +136,7 @@ def load_prompts(config, max_prompts: int | None) -> list[dict]:
     try:
         rows = load_rows(d.prompt_data, d.input_key, d.label_key, d.metadata_key, tool_key=d.tool_key)
     except (DataError, OSError, UnicodeDecodeError) as e:
-        raise AdapterEvalError(
-            f"{e} (pass a JSONL file with one {{{config.data.input_key!r}: ...}} object a line)"
-        ) from None
+        raise AdapterEvalError(f"{e} (pass a JSONL file with one {{{d.input_key!r}: ...}} object a line)") from None
     rows = rows[:max_prompts] if max_prompts else rows
     if r.custom_rm_path:
         return rows  # a custom reward scores every row (it reads a row's rm_type itself, if it wants)
@@ -260,12 +258,9 @@ def score_model(model, lora, slot: int, tokenizer, rows: list[dict], ids: list[l
     from services.rewards import score_sample
 
     n = config.rollout.n_samples_per_prompt
-    samples, prompts = [], []
-    for p, row in enumerate(rows):
-        for j in range(n):
-            samples.append(Sample(index=p * n + j, group_index=p, prompt=row["prompt"], label=row["label"],
-                                  metadata=dict(row["metadata"])))  # fmt: skip
-            prompts.append(ids[p])
+    samples = [Sample(index=p * n + j, group_index=p, prompt=row["prompt"], label=row["label"],
+                      metadata=dict(row["metadata"])) for p, row in enumerate(rows) for j in range(n)]  # fmt: skip
+    prompts = [ids[s.group_index] for s in samples]
     eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     # each sample's generator: torch seeds it with the low 32 bits only, so --seed and the index
     # are mixed within them (1_000_003 is odd: another --seed, another stream)

@@ -100,8 +100,7 @@ def eval_dataset_configs(config) -> list[EvalDataset]:
     else:
         pairs = c.eval.prompt_data
         entries, defaults = [{"name": pairs[i], "path": pairs[i + 1]} for i in range(0, len(pairs), 2)], {}
-    unknown = sorted({k for e in (*entries, defaults) for k in e} - {"name", *FIELDS})
-    if unknown:
+    if unknown := sorted({k for e in (*entries, defaults) for k in e} - {"name", *FIELDS}):
         raise ValueError(f"--eval-config: unsupported dataset settings {unknown}; supported: {list(FIELDS)}")
     d, e, r = c.data, c.eval, c.rollout
     flags = {"input_key": d.input_key, "label_key": d.label_key, "metadata_key": d.metadata_key,
@@ -132,9 +131,8 @@ def load_eval_sets(config, check=None) -> list[tuple[EvalDataset, list[dict]]]:
         if check is not None and ds.rm_type is not None and (problem := check({"metadata": {"rm_type": ds.rm_type}})):
             raise ValueError(f"eval dataset {ds.name}: {problem}")
         rows = load_rows(ds.path, ds.input_key, ds.label_key, ds.metadata_key, check, config.data.tool_key)
+        rm_type = {"rm_type": ds.rm_type} if ds.rm_type is not None else {}
         for row in rows:
-            row["metadata"] = {**(row.get("metadata") or {}), **ds.metadata_overrides}
-            if ds.rm_type is not None:
-                row["metadata"]["rm_type"] = ds.rm_type
+            row["metadata"] = {**(row.get("metadata") or {}), **ds.metadata_overrides, **rm_type}
         out.append((ds, rows))
     return out

@@ -26,10 +26,9 @@ SERVER_ENV = "ASYNCRL_EVAL_SERVER_URL"
 class SGLangServerEval(CheckpointEvalFn):
     def __init__(self, config):
         super().__init__(config)
-        url = os.environ.get(SERVER_ENV)
-        if not url:
+        self.url = os.environ.get(SERVER_ENV)
+        if not self.url:
             raise ValueError(f"{type(self).__name__} needs {SERVER_ENV}=http://host:port: the server to evaluate on")
-        self.url = url
         self.tokenizer = Tokenizer(config.data.hf_checkpoint)
         self.reward_fn = resolve_reward(config)
 

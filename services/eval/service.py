@@ -82,10 +82,9 @@ class EvalService(Service):
             name: reward_function(config, ds.rm_type or config.rollout.rm_type, config.rollout.custom_rm_path)
             for name, (ds, _) in self.sets.items()
         }
-        rollout_urls = (
-            [config.infra.rollout_router_url] if config.infra.rollout_router_url else config.infra.rollout_engine_urls
-        )
-        self.client = SGLangClient(rollout_urls, api_key=self.engine_token)  # the shared backend's engines
+        i = config.infra
+        urls = [i.rollout_router_url] if i.rollout_router_url else i.rollout_engine_urls
+        self.client = SGLangClient(urls, api_key=self.engine_token)  # the shared backend's engines
         self.generate_fn = generate_function(config)  # at start: a connector's missing extra fails here
         self.fleet_client: SGLangClient | None = None
         self.fleet_children = []
@@ -149,8 +148,7 @@ class EvalService(Service):
     async def teardown(self) -> None:
         if self.evaluator is not None:
             try:
-                out = self.evaluator.dispose()
-                if inspect.isawaitable(out):
+                if inspect.isawaitable(out := self.evaluator.dispose()):
                     await out
             except Exception as e:  # shutting down anyway: say so, go on
                 log.error("%s.dispose raised %s: %s", self.config.eval.function_path, type(e).__name__, e)
@@ -283,10 +281,8 @@ class EvalService(Service):
 
     def _snapshot(self, req: EvalRequest) -> str:
         path = resolved(req.snapshot_uri) if req.snapshot_uri else None
-        if path is None or not path.is_dir():
-            raise EvalSkip("ckpt_missing")
-        # the initial --hf-checkpoint was not written by this run, so it has no marker to wait for
-        if not is_complete(path) and path.resolve() != Path(self.config.data.hf_checkpoint).resolve():
+        initial = Path(self.config.data.hf_checkpoint).resolve()  # not written by this run: it has no marker
+        if path is None or not path.is_dir() or not (is_complete(path) or path.resolve() == initial):
             raise EvalSkip("ckpt_missing")
         return str(path)
 
@@ -315,8 +311,7 @@ class EvalService(Service):
                                  for name, (ds, _) in self.sets.items()},
         }  # fmt: skip
         out = self.evaluator.evaluate_checkpoint(snapshot, inp)
-        if inspect.isawaitable(out):
-            out = await out
+        out = await out if inspect.isawaitable(out) else out
         return {(k if k.startswith("eval/") else f"eval/{k}"): float(v) for k, v in (out or {}).items()}
 
     # ---- generation and scoring ----------------------------------------------------------------
@@ -341,9 +336,7 @@ class EvalService(Service):
         }  # fmt: skip
         try:
             out = self.eval_log_fn(point_name(req), for_plugins(self.config), payload, {"eval/step": point_name(req)})
-            if inspect.isawaitable(out):
-                out = await out
-            return bool(out)
+            return bool(await out if inspect.isawaitable(out) else out)
         except Exception as e:  # a logging plugin never loses the point: the default metrics are kept
             log.warning("--custom-eval-rollout-log-function-path raised at eval point %d: %s", point_name(req), e)
             return False
@@ -419,5 +412,4 @@ def dataset_metrics(config, name: str, samples: list[Sample]) -> dict[str, float
 async def evaluate_dataset(
     client, tokenizer, reward_fn, config, name: str, rows: list[dict], params: dict, n: int
 ) -> dict:
-    samples = await generate_dataset(client, tokenizer, reward_fn, config, rows, params, n)
-    return dataset_metrics(config, name, samples)
+    return dataset_metrics(config, name, await generate_dataset(client, tokenizer, reward_fn, config, rows, params, n))

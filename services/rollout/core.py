@@ -124,7 +124,7 @@ class Pauses:
         if token in self.ended:
             return f"the pause {token} has ended: it cannot begin again"
         if (spent := self.spent(now)) >= self.budget_s:
-            self._end_nats(now)
+            self._end(self._nats_tokens(), now)
             return (f"the pause {token} is refused: pauses over NATS held production {spent:.0f}s of the last "
                     f"{self.window_s:.0f}s, their budget (--submission-pause-budget)")  # fmt: skip
         began = self.began.setdefault(token, now)
@@ -136,11 +136,10 @@ class Pauses:
         self._track(now)
         return None
 
-    def _end_nats(self, now: float) -> list[str]:
-        gone = self._nats_tokens()
-        for t in gone:
+    def _end(self, tokens: list[str], now: float) -> list[str]:
+        for t in tokens:
             self.resume(t, now)
-        return gone
+        return tokens
 
     def pause_by_admin(self, token: str) -> None:
         self.until[token] = math.inf
@@ -152,9 +151,7 @@ class Pauses:
 
     def lapse(self, now: float) -> list[str]:
         """End the pauses whose time is up, and every NATS pause once their budget is spent; their tokens."""
-        gone = [t for t, until in self.until.items() if until <= now]
-        for t in gone:
-            self.resume(t, now)
+        gone = self._end([t for t, until in self.until.items() if until <= now], now)
         if self.spent(now) >= self.budget_s:
-            gone += self._end_nats(now)
+            gone += self._end(self._nats_tokens(), now)
         return gone

@@ -55,11 +55,10 @@ class SingleModel:
     partitioned = False
 
     def __init__(self, config, subjects, engine, reward_fn: Callable):
-        self.n = config.rollout.n_samples_per_prompt
+        r = config.rollout
+        self.n = r.n_samples_per_prompt
         self.subjects = subjects
-        self._context = GroupContext(
-            engine, reward_fn, group_rm=bool(config.rollout.group_rm and config.rollout.custom_rm_path)
-        )
+        self._context = GroupContext(engine, reward_fn, group_rm=bool(r.group_rm and r.custom_rm_path))
 
     def group_size(self, prompt: PromptMsg) -> int:
         return self.n

@@ -297,14 +297,11 @@ class RolloutService(Service):
             ids = self.tokenizer.prompt_ids(prompt.prompt, self.config.data.apply_chat_template, prompt.tools)
         except Exception as e:  # a prompt of the wrong shape, a template that fails on it
             raise PromptError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from None
-        if not ids or min(ids) < 0 or max(ids) >= self.limits.vocab_size:
-            raise PromptError(
-                f"the prompt's token ids are empty or outside the vocabulary [0, {self.limits.vocab_size})"
-            )
-        if len(ids) >= self.limits.context_length:
-            raise PromptError(
-                f"the prompt ({len(ids)} tokens) does not fit the context length {self.limits.context_length}"
-            )
+        lim = self.limits
+        if not ids or min(ids) < 0 or max(ids) >= lim.vocab_size:
+            raise PromptError(f"the prompt's token ids are empty or outside the vocabulary [0, {lim.vocab_size})")
+        if len(ids) >= lim.context_length:
+            raise PromptError(f"the prompt ({len(ids)} tokens) does not fit the context length {lim.context_length}")
         return ids
 
     def _check_samples(self, samples: list[Sample]) -> None:
@@ -415,18 +412,16 @@ class RolloutService(Service):
         return {"inflight_groups": self.config.inflight_groups, "in_work": in_work}
 
     def status(self) -> dict:
+        c = self.client
         return {
             "granularity": self.credits.granularity,
             "credits_free": self.credits.free,
             "credits_total": self.credits.total,
             "groups_in_flight": len(self.groups_in_flight),
             "submission_paused": not self.submission_open.is_set(),
-            "engines": {
-                u: {"outstanding": self.client.outstanding[u], "healthy": self.client.healthy[u]}
-                for u in self.client.urls
-            },
-            "generate_retries": self.client.num_retried,
-            "generate_aborted": self.client.num_aborted,
+            "engines": {u: {"outstanding": c.outstanding[u], "healthy": c.healthy[u]} for u in c.urls},
+            "generate_retries": c.num_retried,
+            "generate_aborted": c.num_aborted,
             **self.counters,
         }
 
