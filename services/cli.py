@@ -44,10 +44,9 @@ def _resolve(prog: str, argv: list[str], sync: bool):
     for field, extra in passthrough.items():
         if extra:
             args[field] = list(args.get(field, [])) + extra
-    config_file = args.pop("config_file")
     args["driver"] = "sync" if sync else "async"
     try:
-        config = resolve_config(args, config_file)
+        config = resolve_config(args, args.pop("config_file"))
     except (ConfigError, OSError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -48,14 +48,6 @@ from services.prepare import Prepared, create_streams, prepare_launch
 from services.raycluster import Placement
 from services.supervisor import LaunchError, Supervisor
 
-SERVICE_MODULES = {
-    "buffer": "services.buffer",
-    "weight-sync": "services.weightsync",
-    "eval": "services.eval",
-    "rollout": "services.rollout",
-    "trainer": "services.trainer",
-    "adapters": "services.adapters",
-}
 FINAL_EVAL_TIMEOUT_S = 300.0
 
 
@@ -151,8 +143,7 @@ class Launcher:
                                nodes=infra.nats_cluster, run_id=infra.run_id, max_file_store=infra.nats_max_file_store,
                                sync_interval=infra.nats_sync).start()  # fmt: skip
         self.nats_url = self.nats.url
-        for i, node in enumerate(self.nats.nodes):
-            self.procs.extra_pids[self.nats.pid_name(i)] = node.proc.pid
+        self.procs.extra_pids |= {self.nats.pid_name(i): node.proc.pid for i, node in enumerate(self.nats.nodes)}
         self.procs.write_pids()
         nodes = {self.nats.pid_name(i): {"url": n.url, "monitor": f"http://127.0.0.1:{n.http_port}" if n.http_port else None}
                  for i, n in enumerate(self.nats.nodes)}  # fmt: skip
@@ -174,11 +165,10 @@ class Launcher:
             lora = (c.multi_lora.n_adapters, c.multi_lora.max_rank)
             flags = builtin_engine_flags(c, c.data.seed + i, f"engine-{i}", lora)
             flags |= {"--host": host} if self.placement else {}
-            role = None
-            if c.engines_read_bucket:  # it fetches weights or adapters with a read-only identity
+            role = "engine" if c.engines_read_bucket else None
+            if role:  # it fetches weights or adapters with a read-only identity
                 flags |= {"--nats-url": self.nats_url, "--run-id": c.infra.run_id,
                           "--weights-cache-dir": str(self.run_dir / "engine-cache" / f"engine-{i}")}  # fmt: skip
-                role = "engine"
             cmd = self._placed(f"engine-{i}", builtin_engine_command(c.data.hf_checkpoint, port, flags))
             self._spawn(f"engine-{i}", cmd, f"http://{host}:{port}", "/health_generate", role=role,
                         extra_env={procs.CPU_ENV: pins[0][i]} if pins else None)  # fmt: skip
@@ -193,14 +183,12 @@ class Launcher:
                 "--engine sglang needs SGLang installed (pip install 'sglang[all]') on a machine with GPUs; "
                 "or attach to running servers with --rollout-external-engine-addrs HOST:PORT ..."
             )
-        urls = []
         # SGLang takes its API key only on its command line (documented in the README)
         key = ["--api-key", self.run_token]
-        for i, (cmd, env) in enumerate(
-            sglang_engine_commands(c, [procs.free_port() for _ in range(c.infra.rollout_num_engines)])
-        ):
-            urls.append(f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}")
-            self._spawn(f"engine-{i}", cmd + key, urls[-1], "/health", extra_env=env)
+        ports = [procs.free_port() for _ in range(c.infra.rollout_num_engines)]
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        for i, (cmd, env) in enumerate(sglang_engine_commands(c, ports)):
+            self._spawn(f"engine-{i}", cmd + key, urls[i], "/health", extra_env=env)
         if c.infra.use_sglang_router:
             if importlib.util.find_spec("sglang_router") is None:
                 raise LaunchError("--use-sglang-router needs the sglang-router package (pip install sglang-router)")
@@ -218,7 +206,7 @@ class Launcher:
         infra = self.config.infra
         pins = procs.split_cpus(infra.rollout_num_engines) if infra.pin_cpus and name == "trainer" else None
         self._spawn(label, self._placed(label, [
-            sys.executable, "-m", SERVICE_MODULES[name], "--nats-url", self.nats_url, "--run-id",
+            sys.executable, "-m", f"services.{name.replace('-', '')}", "--nats-url", self.nats_url, "--run-id",
             self.config.infra.run_id, "--http-host", host, "--http-port", str(port), "--instance-id", label,
         ]), f"http://{host}:{port}", "/healthz", role=name,
             extra_env={procs.CPU_ENV: pins[1]} if pins and not placed else None)  # fmt: skip
@@ -243,8 +231,7 @@ class Launcher:
         with httpx.Client(timeout=2.0, headers=self.procs.headers) as http:
             while pending:
                 self.check_children()
-                for label in [x for x in pending if self.procs.child(x).given_up]:  # the run goes on without it
-                    del pending[label]
+                pending = {x: u for x, u in pending.items() if not self.procs.child(x).given_up}  # the run goes on
                 for label, url in list(pending.items()):
                     path = {"engine": "/health_generate", "router": "/health"}.get(label.split("-")[0], "/readyz")
                     with contextlib.suppress(httpx.HTTPError):
@@ -271,8 +258,7 @@ class Launcher:
         if not self.procs.take_restart(self.nats_restarts.setdefault(i, [])):
             raise LaunchError(
                 f"{name} exited {self.config.infra.service_restarts + 1} times in "
-                f"{self.config.infra.restart_window_s:.0f}s; "
-                f"see {node.log_path}"
+                f"{self.config.infra.restart_window_s:.0f}s; see {node.log_path}"
             )
         self.out(f"  {name} exited with code {node.proc.returncode}; restarting on the same store")
         node.start()
@@ -436,8 +422,7 @@ class Launcher:
         self.out(f"run {self.config.infra.run_id} in {self.run_dir}")
         self.out(f"  nats: {self.nats_url}")
         for label, url in self.services.items():
-            pid = self.procs.child(label).proc.pid
-            self.out(f"  {label:<12} pid {pid:<7} {url}")
+            self.out(f"  {label:<12} pid {self.procs.child(label).proc.pid:<7} {url}")
         (self.run_dir / "services.json").write_text(json.dumps(self.services, indent=2))
         if "dashboard" in self.services:
             self.out(f"dashboard: {self.services['dashboard']}/ (log in with the run token, "
@@ -526,12 +511,9 @@ def ledger_counts(r: dict) -> dict:
 
 
 def ledger_line(r: dict) -> str:
-    c = ledger_counts(r)
-    return (
-        f"{c['released']} prompts released, {c['trained']} trained once, {c['failed']} failed, "
-        f"{c['filtered']} filtered, {c['dropped']} dropped, {c['rejected']} rejected, "
-        f"{c['in_flight_at_end']} in flight at the end, {c['lost']} lost, {c['trained_twice']} trained twice"
-    )
+    """ledger_counts as a line: "N prompts released, N trained once, N failed, ..., N trained twice"."""
+    names = {"released": "prompts released", "trained": "trained once", "in_flight_at_end": "in flight at the end"}
+    return ", ".join(f"{n} {names.get(k, k.replace('_', ' '))}" for k, n in ledger_counts(r).items())
 
 
 def launch(config: RunConfig, out=print, progress=None) -> dict:

@@ -189,9 +189,7 @@ def role_credentials(config: RunConfig, roles: tuple[str, ...] = ROLES) -> dict[
         except SecretError as e:
             raise LaunchError(str(e)) from None
         # the engine's identity only matters when engines fetch weights or adapters from the object store
-        needed = [r for r in roles if r != "engine" or config.engines_read_bucket]
-        missing = [r for r in needed if r not in given]
-        if missing:
+        if missing := [r for r in roles if (r != "engine" or config.engines_read_bucket) and r not in given]:
             raise LaunchError(
                 f"--nats-roles-file {config.infra.nats_roles_file} has no identity for {', '.join(missing)}"
             )

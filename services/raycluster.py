@@ -77,8 +77,7 @@ class Placement:
         self.pg_name = f"{self.namespace}-placement"
         engines = 0 if config.infra.rollout_external_engine_addrs else config.infra.rollout_num_engines
         sizes = {"trainer": config.trainer.num_ranks, "rollout": engines + config.infra.rollout_num_producers}
-        address = os.environ.get("RAY_ADDRESS") or None
-        self.ray = ray = init_ray(address, self.namespace, num_cpus=sum(sizes.values()))
+        self.ray = ray = init_ray(os.environ.get("RAY_ADDRESS") or None, self.namespace, num_cpus=sum(sizes.values()))
         from ray.util.placement_group import placement_group
 
         self.address = ray.get_runtime_context().gcs_address
@@ -190,9 +189,8 @@ def attach(argv: list[str]) -> int:
     """The launcher's local child for a placed one: runs the command in its host, relays the
     output, exits with its exit code; SIGTERM stops the remote command first."""
     p = argparse.ArgumentParser(prog="python -m services.raycluster attach")
-    p.add_argument("--actor", required=True)
-    p.add_argument("--namespace", required=True)
-    p.add_argument("--address", required=True)
+    for flag in ("--actor", "--namespace", "--address"):
+        p.add_argument(flag, required=True)
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd

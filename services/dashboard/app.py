@@ -102,8 +102,7 @@ class Dashboard:
                 await self.refresh()
 
     def authorized(self, request: Request) -> bool:
-        given = request.headers.get("authorization", "")
-        scheme, _, value = given.partition(" ")
+        scheme, _, value = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() == "bearer" and self.keys.role_of(value.strip().encode()) == ADMIN:
             return True
         cookie = request.cookies.get(self.cookie, "")

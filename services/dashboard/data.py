@@ -104,12 +104,8 @@ def downsample(xs: list[float], ys: list[float], n: int = MAX_POINTS) -> tuple[l
     """At most n points: the mean of each of n equal runs of the series."""
     if len(xs) <= n:
         return xs, ys
-    out_x, out_y = [], []
-    for k in range(n):
-        lo, hi = k * len(xs) // n, (k + 1) * len(xs) // n
-        out_x.append(sum(xs[lo:hi]) / (hi - lo))
-        out_y.append(sum(ys[lo:hi]) / (hi - lo))
-    return out_x, out_y
+    bins = [(k * len(xs) // n, (k + 1) * len(xs) // n) for k in range(n)]
+    return [sum(xs[lo:hi]) / (hi - lo) for lo, hi in bins], [sum(ys[lo:hi]) / (hi - lo) for lo, hi in bins]
 
 
 def series(rows: list[dict], key: str, x: str = "step") -> tuple[list[float], list[float]]:
@@ -205,11 +201,8 @@ class RunData:
 
     # ---- files ---------------------------------------------------------------------------------
     def refresh_files(self) -> None:
-        self.metrics.refresh()
-        self.evals.refresh()
-        self.restarts.refresh()
-        for part in list(self.partitions.values()):
-            part.trained.refresh()
+        for lines in (self.metrics, self.evals, self.restarts, *(part.trained for part in self.partitions.values())):
+            lines.refresh()
 
     def part(self, key: str = "") -> Partition:
         """A partition by key; KeyError names the ones there are."""
@@ -364,10 +357,8 @@ class RunData:
         fate = part.auditor.fate(group_index)
         restarts = []
         if events:
-            lo, hi = events[0]["at"], events[-1]["at"]
-            if fate in (None, "in flight"):
-                hi = time.time()
-            restarts = [r for r in self.restarts.rows if lo <= r.get("at", 0) <= hi]
+            hi = time.time() if fate in (None, "in flight") else events[-1]["at"]
+            restarts = [r for r in self.restarts.rows if events[0]["at"] <= r.get("at", 0) <= hi]
         return {"group_index": group_index, "fate": fate, "events": events,
                 "trained_step": trained_at[-1] if trained_at and fate in ("trained", "failed") else None,
                 "restarts": restarts}  # fmt: skip

@@ -80,8 +80,7 @@ async def _read_ledger(data: RunData, source) -> tuple[dict | None, str]:
 
 async def _run(a) -> int:
     data = RunData(a.run_dir)
-    live = is_live(data.run_dir)
-    source = StreamSource(data.run_dir, True) if live else None
+    source = StreamSource(data.run_dir, True) if is_live(data.run_dir) else None
     try:
         while True:
             ledger, note = await _read_ledger(data, source)  # the ledger before the files (see Dashboard.refresh)

@@ -56,13 +56,10 @@ def staleness_columns(data: RunData, max_columns: int = 300, adapter: str = "") 
     per_step = data.part(adapter).step_staleness
     steps = sorted(per_step)
     per = max(1, -(-len(steps) // max_columns))
-    out = []
-    for k in range(0, len(steps), per):
-        merged = collections.Counter()
-        for s in steps[k : k + per]:
-            merged.update(per_step[s])
-        out.append((steps[k], dict(merged)))
-    return out
+    return [
+        (steps[k], dict(sum((per_step[s] for s in steps[k : k + per]), collections.Counter())))
+        for k in range(0, len(steps), per)
+    ]
 
 
 def buffer_facts(data: RunData, adapter: str = "") -> dict:
@@ -148,7 +145,6 @@ def readable(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return "-" if v is None else str(v)
-
 
 
 def clock(at) -> str:
