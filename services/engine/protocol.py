@@ -10,8 +10,8 @@ client never gets silently different behaviour from what it asked for.
 
 from __future__ import annotations
 
-import math
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -156,8 +156,9 @@ def _number(raw: dict, key: str, default: float, where: str, bounds: str = "", o
         v = default
     elif not isinstance(v, (int, float)) or isinstance(v, bool):
         raise BadRequest(f"{where}{key} must be a number, got {type(v).__name__}")
-    elif not math.isfinite(v := float(v)):
-        raise BadRequest(f"{where}{key} must be finite, got {v}")
+    elif not abs(v) <= sys.float_info.max:  # NaN, inf, or an integer too large for a float
+        raise BadRequest(f"{where}{key} must be finite, got {v!r:.40}")
+    v = float(v)
     if ok is not None and not ok(v):
         raise BadRequest(f"{where}{key} must be {bounds}, got {v}")
     return v

@@ -50,6 +50,15 @@ def test_an_overflowing_sampling_input_fails_alone_with_a_400(live_engine, param
     assert_serves(live_engine)
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "frequency_penalty", "repetition_penalty"])
+def test_an_integer_too_large_for_a_float_is_a_400_naming_its_field(live_engine, field):
+    r = generate(live_engine, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, field: 10**400}})
+    assert r.status_code == 400, r.text[:300]
+    assert f"sampling_params.{field} must be finite" in r.json()["error"]["message"]
+    assert len(r.json()["error"]["message"]) < 200
+    assert_serves(live_engine)
+
+
 def test_a_request_that_breaks_the_forward_pass_fails_alone_and_the_batch_goes_on(tiny_model_dir, monkeypatch):
     """A request whose forward pass raises (here: a prefill holding token 11 raises, as a bug in
     a kernel would) gets a 500; the requests batched with it are answered normally."""
