@@ -49,9 +49,9 @@ def parse_uri(uri: str) -> tuple[str, int] | None:
     if not uri.startswith(SCHEME):
         return None
     bucket, _, name = uri[len(SCHEME) :].partition("/")
-    if not bucket or not name.startswith("v") or not name[1:].isdigit() or len(name) > 20:
+    if not bucket or not (m := re.fullmatch(r"v([0-9]{1,19})", name)):
         return None
-    return bucket, int(name[1:])
+    return bucket, int(m[1])
 
 
 def adapter_key(name: str, registration_id: str, version: int) -> str:

@@ -29,6 +29,12 @@ async def connect(server, role: str) -> Bus:
     return await connect_role(server, role)
 
 
+@pytest.mark.parametrize("name", ["v\u00b2", "v\u0663", "v", "v1x", "1", "v" + "9" * 20])
+def test_a_uri_whose_name_is_not_v_and_ascii_digits_is_not_a_version(name):
+    assert parse_uri(f"nats-object://bucket/{name}") is None
+    assert parse_uri("nats-object:///v1") is None and parse_uri("nats-object://bucket/v" + "9" * 19)[1] == 10**19 - 1
+
+
 async def test_the_trainer_stores_the_engine_fetches_and_cannot_write(server, tiny_model_dir, tmp_path):
     admin, trainer, engine = [await connect(server, r) for r in ("admin", "trainer", "engine")]
     try:
