@@ -365,9 +365,7 @@ class AdapterTraining(Mode):
         if t is None:  # a restart found it retiring: resumed as an active one (its data is not needed)
             if (t := await self._resume_adapter(run, total=0)) is None:
                 # its partition never opened (its data unreadable): nothing was leased; its newest version
-                t = Track(run=run, total=0)
-                self.tracks[run.registration_id] = t
-                await self._resume_weights(t)
+                await self._resume_weights(t := self._track(run, step=0, total=0))
         if t.get is not None:
             t.get.cancel()
             t.get = None

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from asyncrl_proto import AdapterControl, AdapterControlReply, BufferCommit, BufferCommitReply, BufferGetReply
-from asyncrl_proto.messages import AdapterRun, AdapterSpec, AdapterState
+from asyncrl_proto.messages import NO_PARTITION_ERROR, AdapterRun, AdapterSpec, AdapterState
 from asyncrl_proto.subjects import Subjects
 from services.common.config import RunConfig
 from services.common.validate import Limits
@@ -253,6 +253,29 @@ def test_a_name_registered_again_continues_the_step_count_of_the_save_it_starts_
     asyncio.run(trainer._retire(svc.run))
     assert _latest_save(tmp_path / "save") == tmp_path / "save" / "step_7"
     assert svc.run.state is AdapterState.COMPLETED
+
+
+def test_a_retiring_adapter_whose_partition_never_opens_saves_under_its_full_step_count(tmp_path):
+    """A name registered again from its save step_5 trained 2 versions; the trainer restarts and
+    finds it retiring with its partition unopenable: its final save is step_7 (base + step), not
+    step_2, which would lose to step_5 as the name's newest save."""
+    from services.trainer.multi_lora import _latest_save
+
+    svc, _ = setup_run(tmp_path, [0, 1, 2], {0, 1, 2}, trained_steps=2, reported=2)
+    (adapter_dir(svc.config.infra.run_dir, "rev", RID, 0).parent / "base_step").write_text("5\n")
+    svc.config = svc.config.model_copy(update={"buffer_timeout_s": 0.0})
+    answer = svc._request
+
+    async def no_partition(subject, req, reply_type, what):
+        if isinstance(req, AdapterControl):
+            return await answer(subject, req, reply_type, what)
+        return BufferGetReply(step=req.step, error=f"adapter {RID} {NO_PARTITION_ERROR}")
+
+    svc._request = no_partition
+    asyncio.run(trainer_of(svc)._retire(svc.run))
+    assert _latest_save(tmp_path / "save") == tmp_path / "save" / "step_7"
+    assert saved_version(tmp_path / "save" / "step_7") == 2.0  # its newest version
+    assert svc.controls == ["cleanup", "complete"]
 
 
 @pytest.mark.parametrize("service_mode", [True, False])
