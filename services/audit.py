@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import sys
 from pathlib import Path
@@ -45,10 +46,11 @@ async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None, prompt:
             )
         except BusError as e:
             report["weights_stored"] = f"not listed: {e}"
-        raw = await through_outage(lambda: bus.kv_get(ADAPTERS_KV_KEY), "the adapter registry", ELECTION_S, "read")
-        if raw is not None:  # multi-LoRA: every registration's partition balances on its own
+        read = functools.partial(bus.kv_get, ADAPTERS_KV_KEY, AdapterRegistryState)
+        reg = await through_outage(read, "the adapter registry", ELECTION_S, "read")
+        if reg is not None:  # multi-LoRA: every registration's partition balances on its own
             report["adapters"] = {}
-            for name, rid, state in registrations(decode(raw, AdapterRegistryState), run_dir):
+            for name, rid, state in registrations(reg, run_dir):
                 trained = run_dir / "adapters" / name / rid / "trained.jsonl"
                 part = await _collect_partition(bus, bus.subjects.of(rid), trained)
                 part["state"] = state

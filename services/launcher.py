@@ -41,7 +41,7 @@ from services.common.natsserver import EmbeddedNats, NatsCluster, local_nats
 from services.common.run_store import num
 from services.common.schedule import is_eval_point
 from services.common.secrets import RM_TOKEN_ENV, NatsCredentials, without_identity
-from services.common.snapshot import COMPLETE_MARKER, is_complete
+from services.common.snapshot import COMPLETE_MARKER, is_complete, numbered
 from services.common.validate import EvalPoints, eval_result_problem, finite_metrics
 from services.common.versions import VersionBound
 from services.prepare import Prepared, create_streams, prepare_launch
@@ -364,8 +364,8 @@ class Launcher:
         if not child.name.startswith("engine-") or self.placement:  # placed: its node may not see weights/
             return child.launch_cmd
         weights = self.run_dir / "weights"
-        versions = [int(p.name[1:]) for p in weights.glob("v*") if p.name[1:].isdigit()]
-        for version in sorted((v for v in versions if v >= self.live_version > 0), reverse=True):
+        versions = [v for v, _ in numbered(weights.glob("v*")) if v >= self.live_version > 0]
+        for version in reversed(versions):
             stable = weights / f"restart-{child.name}"
             if link_snapshot(weights / f"v{version}", stable):
                 cmd = list(child.launch_cmd)

@@ -350,10 +350,8 @@ class Partition:
         await self.apply(self.core.on_version(msg, version))
 
     async def read_live_version(self) -> None:
-        raw = await self.bus.kv_get("live_version")
-        with contextlib.suppress(MalformedMessage):
-            if raw is not None:
-                await self.on_live(None, decode(raw, WeightsLive).version)
+        if (live := await self.bus.kv_get("live_version", WeightsLive)) is not None:
+            await self.on_live(None, live.version)
 
     async def on_heartbeat(self, msg, hb: Heartbeat) -> None:
         await self.apply(self.core.on_heartbeat(msg, hb, time.time()))

@@ -3,7 +3,9 @@ reader never takes a half-written one. Free of torch, for the launcher and the e
 
 from __future__ import annotations
 
+import re
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 COMPLETE_MARKER = ".complete"
@@ -11,6 +13,14 @@ COMPLETE_MARKER = ".complete"
 
 def is_complete(path: str | Path) -> bool:
     return (Path(path) / COMPLETE_MARKER).exists()
+
+
+def numbered(items: Iterable[str | Path], prefix: str = "v", suffix: str = "") -> list[tuple[int, str | Path]]:
+    """(k, item) for each item (a path, by its name, or a name) named `<prefix><k><suffix>`, k in
+    ASCII digits, by k: `v²` or `step_x` is some other file, never a version (int() refuses it)."""
+    pattern = re.compile(re.escape(prefix) + "([0-9]+)" + re.escape(suffix))
+    found = ((m, item) for item in items if (m := pattern.fullmatch(getattr(item, "name", item))))
+    return sorted(((int(m[1]), item) for m, item in found), key=lambda kv: kv[0])
 
 
 def remove_snapshot(path: str | Path) -> None:

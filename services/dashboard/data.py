@@ -319,17 +319,15 @@ class RunData:
         refresh, in batches (the event loop serves pages between them)."""
         s = bus.subjects
         await self.main.read(bus, s.ledger_stream)
-        raw = await bus.kv_get(ADAPTERS_KV_KEY)
-        if raw is not None:  # multi-LoRA: every registration's partition, as the audit reads them
-            with contextlib.suppress(MalformedMessage):
-                for name, rid, state in registrations(decode(raw, AdapterRegistryState), self.run_dir):
-                    key = f"{name}@{rid[:12]}"
-                    if key not in self.partitions:
-                        trained = self.run_dir / "adapters" / name / rid / "trained.jsonl"
-                        self.partitions[key] = Partition(trained, s.of(rid).ledger, name, state)
-                        self.partitions[key].trained.refresh()
-                    self.partitions[key].state = state
-                    await self.partitions[key].read(bus, s.ledger_stream)
+        if (reg := await bus.kv_get(ADAPTERS_KV_KEY, AdapterRegistryState)) is not None:
+            for name, rid, state in registrations(reg, self.run_dir):  # multi-LoRA, as the audit reads them
+                key = f"{name}@{rid[:12]}"
+                if key not in self.partitions:
+                    trained = self.run_dir / "adapters" / name / rid / "trained.jsonl"
+                    self.partitions[key] = Partition(trained, s.of(rid).ledger, name, state)
+                    self.partitions[key].trained.refresh()
+                self.partitions[key].state = state
+                await self.partitions[key].read(bus, s.ledger_stream)
         while batch := await bus.read_since(s.weights_stream, s.weights_live, self.live_seq, READ_BATCH):
             for seq, data in batch:
                 self.live_seq = seq

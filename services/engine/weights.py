@@ -11,7 +11,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from services.common.snapshot import is_complete
+from services.common.snapshot import is_complete, numbered
 from services.weights.store import WeightStore, adapter_key, parse_adapter_uri, parse_uri
 
 log = logging.getLogger(__name__)
@@ -55,8 +55,7 @@ class ObjectWeights:
     def _prune(dest: Path) -> None:
         """Keep `dest` and the newest KEEP versions (`v<N>` directories) beside it. An
         adapter version's files are in memory once loaded: a pruned one loads again by fetching."""
-        versions = sorted((p for p in dest.parent.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
-        for old in versions[:-KEEP]:
+        for _, old in numbered(dest.parent.glob("v*"))[:-KEEP]:
             if old != dest:
                 shutil.rmtree(old, ignore_errors=True)
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import inspect
 import json
 import logging
@@ -33,7 +32,7 @@ import shutil
 import time
 from pathlib import Path
 
-from asyncrl_proto import ControlMsg, EvalRequest, EvalResult, MalformedMessage, WeightsLive, decode
+from asyncrl_proto import ControlMsg, EvalRequest, EvalResult, WeightsLive
 from asyncrl_proto.messages import Sample, SampleStatus, scalar_reward
 from services.common import crash, procs
 from services.common.bus import Settle, fetch_some, keep_alive, settle
@@ -117,14 +116,12 @@ class EvalService(Service):
     async def _kv_live(self) -> None:
         """KV live_version, checked like a message: only a version the trainer published counts
         (a forged 10**9 would have every point evaluated at once on weights not yet live)."""
-        if (raw := await self.bus.kv_get("live_version")) is None:
+        if (live := await self.bus.kv_get("live_version", WeightsLive)) is None:
             return
-        with contextlib.suppress(MalformedMessage):
-            version = decode(raw, WeightsLive).version
-            if await self.published.allows(version):
-                self.live_version = max(self.live_version or 0, version)
-            else:
-                log.error("KV live_version names v%d, never published: ignored", version)
+        if await self.published.allows(live.version):
+            self.live_version = max(self.live_version or 0, live.version)
+        else:
+            log.error("KV live_version names v%d, never published: ignored", live.version)
 
     async def _start_fleet(self) -> None:
         urls = list(self.config.eval.engine_urls)

@@ -10,14 +10,12 @@ judges staleness by.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
 from collections.abc import Callable
 
-from asyncrl_proto import AdapterLive, AdapterRegistryState, PromptMsg, decode
-from asyncrl_proto.codec import MalformedMessage
+from asyncrl_proto import AdapterLive, AdapterRegistryState, PromptMsg
 from asyncrl_proto.messages import AdapterRun, AdapterState, flatten_group
 from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX, ADAPTERS_KV_KEY
 from services.rewards import reward_function
@@ -97,10 +95,8 @@ class AdapterMode:
         if time.monotonic() - self._read_at < REREAD_S:
             return
         self._read_at = time.monotonic()
-        raw = await self.bus.kv_get(ADAPTERS_KV_KEY)
-        with contextlib.suppress(MalformedMessage):
-            if raw is not None:
-                self.runs = {r.registration_id: r for r in decode(raw, AdapterRegistryState).runs}
+        if (state := await self.bus.kv_get(ADAPTERS_KV_KEY, AdapterRegistryState)) is not None:
+            self.runs = {r.registration_id: r for r in state.runs}
 
     async def run(self, rid: str) -> AdapterRun:
         if rid not in self.runs or self.runs[rid].state is not AdapterState.ACTIVE:
@@ -115,10 +111,7 @@ class AdapterMode:
     async def live(self, run: AdapterRun) -> AdapterLive:
         """The adapter version every engine serves now (read for every group: weight-sync
         unloads a version soon after the next is live)."""
-        raw = await self.bus.kv_get(f"{ADAPTER_LIVE_KV_PREFIX}.{run.name}")
-        live = None
-        with contextlib.suppress(MalformedMessage):
-            live = decode(raw, AdapterLive) if raw is not None else None
+        live = await self.bus.kv_get(f"{ADAPTER_LIVE_KV_PREFIX}.{run.name}", AdapterLive)
         if live is None or live.registration_id != run.registration_id:
             raise NotYet(f"adapter {run.name!r} has no version on the engines yet")
         return live

@@ -38,13 +38,11 @@ from asyncrl_proto import (
     AdapterRegistryState,
     BufferGetReply,
     BufferGetRequest,
-    decode,
 )
-from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import NO_PARTITION_ERROR, AdapterRun, AdapterState, flatten_group
 from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX, ADAPTERS_KV_KEY
 from services.common import crash, sample_records
-from services.common.snapshot import is_complete, remove_snapshot, snapshots_to_remove
+from services.common.snapshot import is_complete, numbered, remove_snapshot, snapshots_to_remove
 from services.data.source import DataError, adapter_total_steps, load_rows
 from services.model.lora import LoraError, LoraSpec, MultiLora, SlotAdamW, load_adapter, save_adapter
 from services.trainer.adapter_push import adapter_dir, announce_adapter, publish_adapter
@@ -139,12 +137,7 @@ class AdapterTraining(Mode):
 
     # ---- the registry ----------------------------------------------------------------------------
     async def _read_registry(self) -> AdapterRegistryState:
-        raw = await self.bus.kv_get(ADAPTERS_KV_KEY)
-        if raw is not None:
-            try:
-                self.registry = decode(raw, AdapterRegistryState)
-            except MalformedMessage as e:
-                log.error("ignoring the registry's KV value: %s", e)
+        self.registry = await self.bus.kv_get(ADAPTERS_KV_KEY, AdapterRegistryState) or self.registry
         return self.registry
 
     async def _control(self, op: str, run: AdapterRun, step: int = 0, reason: str = "") -> AdapterRun:
@@ -391,7 +384,7 @@ class AdapterTraining(Mode):
     def _versions(self, t: Track) -> list[Path]:
         """Its version directories on disk (`v<k>`), oldest first."""
         d = self._reg_dir(t.run)
-        return sorted((p for p in d.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
+        return [p for _, p in numbered(d.glob("v*"))]
 
     async def _resume_weights(self, t: Track) -> None:
         for p in reversed(self._versions(t)):
@@ -470,8 +463,9 @@ class AdapterTraining(Mode):
             return
         live = -1  # unknown: every version among the newest few stays
         with contextlib.suppress(Exception):  # a broker away, a value that does not decode
-            raw = await asyncio.wait_for(self.bus.kv_get(f"{ADAPTER_LIVE_KV_PREFIX}.{t.run.name}"), LIVE_READ_S)
-            if raw is not None and (now := decode(raw, AdapterLive)).registration_id == t.rid:
+            key = f"{ADAPTER_LIVE_KV_PREFIX}.{t.run.name}"
+            now = await asyncio.wait_for(self.bus.kv_get(key, AdapterLive), LIVE_READ_S)
+            if now is not None and now.registration_id == t.rid:
                 live = now.version
         backing = adapter_dir(self.run_dir, t.run.name, t.rid, t.step)
         for old in snapshots_to_remove(versions, keep, backing, live):
@@ -549,5 +543,5 @@ def _batch_info(batch: list[tuple[Track, BufferGetReply]]) -> dict[str, float]:
 def _latest_save(save: Path) -> Path | None:
     """The newest `step_<k>` PEFT directory of an adapter's save directory: the most steps (a
     name registered again continues the count of the save it started from)."""
-    steps = [(int(p.name[5:]), p) for p in save.glob("step_*") if p.name[5:].isdigit() and is_complete(p)]
+    steps = [(k, p) for k, p in numbered(save.glob("step_*"), "step_") if is_complete(p)]
     return max(steps)[1] if steps else None

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from asyncrl_proto import WeightsLive, WeightsPublished, decode
+from asyncrl_proto import WeightsLive, WeightsPublished
 from services.common import crash
-from services.common.snapshot import is_complete, remove_snapshot, snapshots_to_remove
+from services.common.snapshot import is_complete, numbered, remove_snapshot, snapshots_to_remove
 from services.common.versions import publish_weights
 from services.model.hf_io import save_model
 from services.model.transfer import local_address_towards
@@ -39,9 +39,7 @@ class WeightPublisher:
         self.bus = bus
         self.model = model
         self.weights_dir = weights_dir
-        self.snapshots: list[Path] = sorted(
-            (p for p in weights_dir.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:])
-        )
+        self.snapshots: list[Path] = [p for _, p in numbered(weights_dir.glob("v*"))]
         self.store: WeightStore | None = None
         if config.async_.update_weight_transfer_mode == "object-store":
             self.store = WeightStore(bus, chunk_size=config.async_.update_weight_buffer_size)
@@ -109,9 +107,9 @@ class WeightPublisher:
     async def live_version(self, newest: int) -> int:
         """The engines' version (KV live_version); `newest` (the newest pushed) when it cannot be read."""
         try:
-            raw = await self.bus.kv_get("live_version")
+            live = await self.bus.kv_get("live_version", WeightsLive)
             # never beyond what this trainer pushed (a forged value would let it delete the live snapshot)
-            return min(decode(raw, WeightsLive).version, newest) if raw is not None else 0
+            return min(live.version, newest) if live is not None else 0
         except Exception:  # a broker away, a value that does not decode: retain as before
             return newest
 
@@ -138,8 +136,8 @@ class WeightPublisher:
             return
         deadline = time.monotonic() + FINAL_BROADCAST_TIMEOUT_S
         while time.monotonic() < deadline:
-            raw = await self.bus.kv_get("live_version")
-            if raw is not None and decode(raw, WeightsLive).version >= version:
+            live = await self.bus.kv_get("live_version", WeightsLive)
+            if live is not None and live.version >= version:
                 return
             await asyncio.sleep(0.2)
         log.error("weights v%d were not live within %.0fs of the last step: the engines keep an older version",

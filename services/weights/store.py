@@ -29,7 +29,7 @@ import re
 import shutil
 from pathlib import Path
 
-from services.common.snapshot import COMPLETE_MARKER
+from services.common.snapshot import COMPLETE_MARKER, numbered
 
 log = logging.getLogger(__name__)
 
@@ -136,9 +136,7 @@ class WeightStore:
 
     async def stored_versions(self) -> list[int]:
         """The complete versions in the bucket (listing needs the admin role: `asyncrl audit`)."""
-        marker = "/" + COMPLETE_MARKER
-        names = [n for n in await self.bus.objects.names(self.bucket) if n.endswith(marker) and n.startswith("v")]
-        return sorted(int(n[1 : -len(marker)]) for n in names if n[1 : -len(marker)].isdigit())
+        return [k for k, _ in numbered(await self.bus.objects.names(self.bucket), "v", "/" + COMPLETE_MARKER)]
 
     # ---- reading (weight-sync, engines, a restarted trainer) ----------------------------------
     async def _info(self, name: str) -> dict | None:

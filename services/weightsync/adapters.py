@@ -33,7 +33,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from asyncrl_proto import AdapterLive, AdapterPublished, AdapterRegistryState, MalformedMessage, decode, encode
+from asyncrl_proto import AdapterLive, AdapterPublished, AdapterRegistryState, encode
 from asyncrl_proto.messages import AdapterState, adapter_engine_name
 from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX, ADAPTERS_KV_KEY
 from services.common import crash
@@ -95,22 +95,13 @@ class AdapterSync:
         """The adapter's live version, unless its registration is done (then None: nothing of
         that name is live)."""
         if name not in self.live:
-            live = await self._read(live_key(name), AdapterLive, "AdapterLive", ": taken as no live version")
+            live = await self.bus.kv_get(live_key(name), AdapterLive)
             if live is not None and live.registration_id not in self.done:
                 self.live[name] = live
         return self.live.get(name)
 
-    async def _read(self, key: str, kind: type, what: str, note: str = ""):
-        """KV `key` as a `kind`; None when it is absent, or holds something else (logged)."""
-        raw = await self.bus.kv_get(key)
-        try:
-            return decode(raw, kind) if raw is not None else None
-        except MalformedMessage as e:
-            log.error("KV %s holds no %s (%s)%s", key, what, e, note)
-            return None
-
     async def _registry(self) -> AdapterRegistryState | None:
-        return await self._read(ADAPTERS_KV_KEY, AdapterRegistryState, "adapter registry state")
+        return await self.bus.kv_get(ADAPTERS_KV_KEY, AdapterRegistryState)
 
     async def recover(self) -> None:
         """After a restart: the live versions of every adapter the registry knows (so that

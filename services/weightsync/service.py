@@ -30,10 +30,8 @@ from pathlib import Path
 from asyncrl_proto import (
     AdapterPublished,
     EngineSwitch,
-    MalformedMessage,
     WeightsLive,
     WeightsPublished,
-    decode,
     encode,
 )
 from services.common import crash
@@ -112,10 +110,7 @@ class WeightSyncService(Service):
         """distributed: the tensor digest of the version this process made live (a catch-up load checks it)."""
 
     async def setup(self) -> None:
-        raw = await self.bus.kv_get("live_version")
-        live = None
-        with contextlib.suppress(MalformedMessage):
-            live = decode(raw, WeightsLive) if raw is not None else None
+        live = await self.bus.kv_get("live_version", WeightsLive)
         if live is not None and not await self.published.allows(live.version):
             # derived state is checked like a message: a live version nobody published (a forged
             # or corrupt KV value) would make every real version look applied already

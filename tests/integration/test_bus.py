@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from asyncrl_proto import DeadLetter, PromptMsg, decode
+from asyncrl_proto import DeadLetter, PromptMsg, WeightsLive, decode, encode
 from services.common.bus import Bus, fetch_some
 from tests.conftest import pull
 
@@ -22,6 +22,22 @@ async def test_streams_are_idempotent_and_publishes_dedupe(nats_server, run_id):
         assert decode(await bus.get_payload(s.rollouts_stream, a.seq), PromptMsg).group_index == 1
         await bus.kv_put("k", b"v")
         assert await bus.kv_get("k") == b"v" and await bus.kv_get("missing") is None
+    finally:
+        await bus.close()
+
+
+async def test_a_typed_kv_read_takes_a_value_that_does_not_decode_as_absent(nats_server, run_id, caplog):
+    """A corrupt or forged KV value (live_version, the adapter registry) is logged and read as
+    None by every reader, instead of raising in the one that happened to read it."""
+    bus = await Bus.connect(nats_server.url, run_id, "test")
+    try:
+        await bus.ensure_streams()
+        assert await bus.kv_get("live_version", WeightsLive) is None
+        await bus.kv_put("live_version", b"\xc1 not msgpack")
+        assert await bus.kv_get("live_version", WeightsLive) is None
+        assert "KV live_version holds no WeightsLive" in caplog.text
+        await bus.kv_put("live_version", encode(WeightsLive(version=3)))
+        assert (await bus.kv_get("live_version", WeightsLive)).version == 3
     finally:
         await bus.close()
 

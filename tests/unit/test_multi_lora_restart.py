@@ -137,15 +137,15 @@ def test_old_adapter_versions_are_removed_but_those_the_engines_may_be_loading(t
     """A long adapter run does not fill the disk: after each commit its versions beyond the
     newest --keep-weight-snapshots go, except the engines' live version of it (a restarted engine
     reloads it), those newer, and the one behind the committed step."""
-    from asyncrl_proto import AdapterLive, encode
+    from asyncrl_proto import AdapterLive
     from services.trainer.multi_lora import Track
 
     svc, _ = setup_run(tmp_path, list(range(10)), set(range(10)), trained_steps=9, reported=9)
     live = {"version": 5}
 
-    async def kv_get(key):
-        assert key == "adapter_live.rev"
-        return encode(AdapterLive(name="rev", registration_id=RID, version=live["version"], engine_name="x"))
+    async def kv_get(key, kind):
+        assert key == "adapter_live.rev" and kind is AdapterLive
+        return AdapterLive(name="rev", registration_id=RID, version=live["version"], engine_name="x")
 
     svc.bus.kv_get = kv_get
     trainer = trainer_of(svc)

@@ -211,8 +211,15 @@ class Bus:
                 ) from None
         return self._kv
 
-    async def kv_get(self, key: str) -> bytes | None:
-        return (await self.kv_entry(key))[0]
+    async def kv_get(self, key: str, kind: type | None = None) -> Any:
+        """A key's value; None when it does not exist. With `kind`: the value decoded as one,
+        None too when it holds anything else (logged: a corrupt or forged value is not fatal)."""
+        raw = (await self.kv_entry(key))[0]
+        try:
+            return decode(raw, kind) if kind is not None and raw is not None else raw
+        except MalformedMessage as e:
+            log.error("KV %s holds no %s, ignored (%s)", key, kind.__name__, e)
+            return None
 
     async def kv_entry(self, key: str) -> tuple[bytes | None, int]:
         """(value, revision) of a key from one read; (None, 0) when it does not exist (or was deleted)."""
