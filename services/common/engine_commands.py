@@ -51,6 +51,11 @@ def builtin_engine_flags(config, seed: int, instance: str,
     return flags
 
 
+SGLANG_LAUNCHER_FLAGS = ("--model-path", "--model", "--host", "--port", "--random-seed", "--weight-version")
+"""What the launcher sets on every SGLang server it starts, per engine: a --sglang-<flag> naming one
+would contradict it (the launcher would wait on a port the server does not listen on)."""
+
+
 def sglang_server_command(model_path: str, port: int, seed: int, args: list[str]) -> list[str]:
     """`sglang.launch_server` on 127.0.0.1:`port` with metrics on, then `args` (--sglang-* of the run)."""
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", "127.0.0.1",

@@ -80,6 +80,8 @@ RULES = [
     ({"nats_replicas": 3}, "--nats-replicas 3 needs as many NATS nodes: add --nats-cluster 3"),
     ({"sglang_server_args": ["--tool-call-parser", "qwen3_coder"]}, "--sglang-tool-call-parser 'qwen3_coder': the built-in engine knows qwen25, hermes"),
     ({"sglang_server_args": ["--tool-call-parser"]}, "--sglang-tool-call-parser '': the built-in engine knows"),
+    ({"engine": "sglang", "sglang_server_args": ["--port", "30000"]}, "--sglang-port: the launcher sets --port for each SGLang server"),
+    ({"engine": "sglang", "sglang_server_args": ["--mem-fraction-static", "0.5", "--random-seed=3"]}, "the launcher sets --random-seed"),
     ({"tis_mode": "mask"}, "--tis-mode mask sets how --use-tis weights tokens: add --use-tis"),
     ({"use_tis": True, "tis_clip_low": 2.0}, "--tis-clip-low (2.0) must be below --tis-clip (2.0)"),
 ]  # fmt: skip

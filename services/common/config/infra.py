@@ -7,7 +7,7 @@ from pydantic import AfterValidator, Field, SecretStr
 
 from asyncrl_proto.subjects import check_run_id
 from services.common.config.base import Section
-from services.common.engine_commands import TOOL_CALL_PARSERS, tool_call_parser
+from services.common.engine_commands import SGLANG_LAUNCHER_FLAGS, TOOL_CALL_PARSERS, tool_call_parser
 
 
 class InfraSection(Section):
@@ -191,6 +191,11 @@ class InfraSection(Section):
                 errs.append(f"--sglang-tool-call-parser {name!r}: the built-in engine knows {', '.join(TOOL_CALL_PARSERS)} "
                             "(the <tool_call> JSON blocks of Qwen and Hermes templates); other parsers need "
                             "--engine sglang")  # fmt: skip
+        if taken := sorted({a.split("=")[0] for a in self.sglang_server_args} & set(SGLANG_LAUNCHER_FLAGS)):
+            errs.append(
+                f"--sglang-{taken[0][2:]}: the launcher sets {', '.join(taken)} for each SGLang server it starts "
+                "(its own port, seed and weights); drop the flag"
+            )
         if self.nats_sync is not None and not re.fullmatch(r"always|\d+(ms|s|m|h)", self.nats_sync):
             errs.append(f"--nats-sync must be `always` or an interval like 500ms, 1s, 2m (got {self.nats_sync!r})")
         if self.nats_cluster == 2:
