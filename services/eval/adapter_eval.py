@@ -197,9 +197,7 @@ def generate(model, lora, slot: int, prompts: list[list[int]], seeds: list[int],
     max_len = min(context_length, max(map(len, prompts)) + max_new_tokens)
     cache = KVCache(model.cfg, n, max_len, dtype=next(model.parameters()).dtype)
     gens = [torch.Generator().manual_seed(s) for s in seeds]
-    outputs: list[list[int]] = [[] for _ in range(n)]
-    logprobs: list[list[float]] = [[] for _ in range(n)]
-    finish: list[str | None] = [None] * n
+    out = [Generated([], [], "") for _ in range(n)]
 
     def forward(ids_nt, rows: list[int], start_n: list[int]):
         use = lora.rows([slot] * len(rows)) if lora is not None and slot >= 0 else contextlib.nullcontext()
@@ -207,29 +205,27 @@ def generate(model, lora, slot: int, prompts: list[list[int]], seeds: list[int],
             return model.forward_cached(ids_nt, cache, torch.tensor(rows), torch.tensor(start_n))[:, -1]
 
     logits = torch.empty(n, model.cfg.vocab_size)
-    by_length: dict[int, list[int]] = {}
-    for i, p in enumerate(prompts):
-        by_length.setdefault(len(p), []).append(i)
-    for rows in by_length.values():  # prompts of one length prefill together
-        logits[rows] = forward(torch.tensor([prompts[i] for i in rows]), rows, [0] * len(rows)).float()
-    active = list(range(n))
-    while active:
+    feed = dict(enumerate(prompts))  # row -> the ids it runs next: its prompt, then its last token
+    while feed:
+        by_length: dict[int, list[int]] = {}
+        for i, ids in feed.items():
+            by_length.setdefault(len(ids), []).append(i)
+        for rows in by_length.values():  # rows of one length run together: the prompts, then one token each
+            start = [len(prompts[i]) + len(out[i].output_ids) - len(feed[i]) for i in rows]
+            logits[rows] = forward(torch.tensor([feed[i] for i in rows]), rows, start).float()
+        active, feed = list(feed), {}
         tokens, chosen = _choose(logits[active], temperature, [gens[i] for i in active])
-        still = []
         for i, tok, lp in zip(active, tokens, chosen, strict=True):
-            outputs[i].append(tok)
-            logprobs[i].append(lp)
+            o = out[i]
+            o.output_ids.append(tok)
+            o.logprobs.append(lp)
             if tok in eos_ids:
-                finish[i] = "stop"
-            elif len(outputs[i]) >= max_new_tokens or len(prompts[i]) + len(outputs[i]) >= max_len:
-                finish[i] = "length"
+                o.finish = "stop"
+            elif len(o.output_ids) >= max_new_tokens or len(prompts[i]) + len(o.output_ids) >= max_len:
+                o.finish = "length"
             else:
-                still.append(i)
-        active = still
-        if active:
-            step = torch.tensor([[outputs[i][-1]] for i in active])
-            logits[active] = forward(step, active, [len(prompts[i]) + len(outputs[i]) - 1 for i in active]).float()
-    return [Generated(outputs[i], logprobs[i], finish[i]) for i in range(n)]
+                feed[i] = [tok]
+    return out
 
 
 def _choose(logits_nv, temperature: float, gens: list) -> tuple[list[int], list[float]]:

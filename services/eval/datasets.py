@@ -94,15 +94,14 @@ def dataset_entries(doc: dict) -> tuple[list[dict], dict]:
 
 def eval_dataset_configs(config) -> list[EvalDataset]:
     """The run's held-out sets with every setting resolved (see the module)."""
-    c = config
-    if c.eval.config:
-        entries, defaults = dataset_entries(read_document(c.eval.config))
+    if config.eval.config:
+        entries, defaults = dataset_entries(read_document(config.eval.config))
     else:
-        pairs = c.eval.prompt_data
+        pairs = config.eval.prompt_data
         entries, defaults = [{"name": pairs[i], "path": pairs[i + 1]} for i in range(0, len(pairs), 2)], {}
     if unknown := sorted({k for e in (*entries, defaults) for k in e} - {"name", *FIELDS}):
         raise ValueError(f"--eval-config: unsupported dataset settings {unknown}; supported: {list(FIELDS)}")
-    d, e, r = c.data, c.eval, c.rollout
+    d, e, r = config.data, config.eval, config.rollout
     flags = {"input_key": d.input_key, "label_key": d.label_key, "metadata_key": d.metadata_key,
              "n_samples_per_eval_prompt": e.n_samples_per_eval_prompt, "temperature": e.temperature,
              "top_p": e.top_p if e.top_p is not None else r.top_p, "top_k": r.top_k,

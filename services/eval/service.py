@@ -75,11 +75,10 @@ class EvalService(Service):
         config = self.config  # its own sections from here on (services.common.config.view)
         self.backend = config.eval.backend
         self.tokenizer = Tokenizer(config.data.hf_checkpoint)
-        self.sets = {ds.name: (ds, rows) for ds, rows in load_eval_sets(config)}  # --eval-prompt-data / --eval-config
-        self.datasets = {name: rows for name, (_, rows) in self.sets.items()}
-        self.reward_fns = {
-            name: reward_function(config, ds.rm_type or config.rollout.rm_type, config.rollout.custom_rm_path)
-            for name, (ds, _) in self.sets.items()
+        r = config.rollout
+        self.sets = {  # --eval-prompt-data / --eval-config: each set, its rows and its reward
+            ds.name: (ds, rows, reward_function(config, ds.rm_type or r.rm_type, r.custom_rm_path))
+            for ds, rows in load_eval_sets(config)
         }
         i = config.infra
         urls = [i.rollout_router_url] if i.rollout_router_url else i.rollout_engine_urls
@@ -300,12 +299,12 @@ class EvalService(Service):
             "step": point_name(req),
             "weight_version": str(point_name(req)),
             "trainer_version": req.version,
-            "datasets": self.datasets,
+            "datasets": {name: rows for name, (_, rows, _) in self.sets.items()},
             "n_samples_per_prompt": self.config.eval.n_samples_per_eval_prompt,
             "sampling_params": next(iter(self.sets.values()))[0].sampling_params() if self.sets else {},
             "dataset_settings": {name: {"n_samples_per_eval_prompt": ds.n_samples_per_eval_prompt,
                                         "sampling_params": ds.sampling_params(), "rm_type": ds.rm_type}
-                                 for name, (ds, _) in self.sets.items()},
+                                 for name, (ds, _, _) in self.sets.items()},
         }  # fmt: skip
         out = self.evaluator.evaluate_checkpoint(snapshot, inp)
         out = await out if inspect.isawaitable(out) else out
@@ -314,11 +313,9 @@ class EvalService(Service):
     # ---- generation and scoring ----------------------------------------------------------------
     async def _evaluate_all(self, client: SGLangClient, req: EvalRequest) -> dict[str, float]:
         c, data = for_plugins(self.config), {}
-        for name, (ds, rows) in self.sets.items():  # one set after another
+        for name, (ds, rows, reward_fn) in self.sets.items():  # one set after another
             params, n = ds.sampling_params(), ds.n_samples_per_eval_prompt
-            data[name] = await generate_dataset(
-                client, self.tokenizer, self.reward_fns[name], c, rows, params, n, self.generate_fn
-            )
+            data[name] = await generate_dataset(client, self.tokenizer, reward_fn, c, rows, params, n, self.generate_fn)
         if self.eval_log_fn is not None and await self._custom_eval_log(req, data):
             return {}
         return {k: v for name, samples in data.items() for k, v in dataset_metrics(self.config, name, samples).items()}
@@ -347,7 +344,8 @@ class EvalService(Service):
     def status(self) -> dict:
         return {"backend": self.backend, "busy": self.busy, "live_version": self.live_version,
                 "fleet": self.fleet_client.urls if self.fleet_client else [],
-                "datasets": {k: len(v) for k, v in self.datasets.items()}, "results": self.results[-10:]}  # fmt: skip
+                "datasets": {k: len(rows) for k, (_, rows, _) in self.sets.items()},
+                "results": self.results[-10:]}  # fmt: skip
 
     def metric_values(self) -> dict[str, float]:
         return {"eval/busy": float(self.busy), "eval/points_total": len(self.results),
