@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -36,7 +37,7 @@ import time
 from pathlib import Path
 
 from services.common import procs
-from services.supervisor import LaunchError, write_json
+from services.supervisor import LaunchError
 from services.trainer.worker import NODE_IP_ENV, PLACEMENT_ENV
 
 READY_TIMEOUT_S = 120.0
@@ -121,7 +122,7 @@ class Placement:
         info = {"address": self.address, "namespace": self.namespace, "placement_group": self.pg_name,
                 "strategy": "SPREAD", "bundles": {s: {"index": i, **self.pg.bundle_specs[i]} for s, i in self.bundles.items()},
                 "children": self.children}  # fmt: skip
-        write_json(self.run_dir / "ray.json", info)
+        procs.replace_file(self.run_dir / "ray.json", json.dumps(info, indent=2))
 
     def close(self) -> None:
         """The hosts and the placement group go (their subprocesses die with them), then our driver."""

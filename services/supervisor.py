@@ -34,13 +34,6 @@ class LaunchError(RuntimeError):
     pass
 
 
-def write_json(path: Path, obj) -> None:
-    """`path` replaced whole (written beside it, then renamed): a reader never sees it half-written."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    tmp.replace(path)
-
-
 @dataclass
 class Child:
     name: str
@@ -96,7 +89,7 @@ class Supervisor:
 
     def write_pids(self) -> None:
         pids = {c.name: c.proc.pid for c in self.children} | self.extra_pids | {"launcher": os.getpid()}
-        write_json(self.run_dir / "pids.json", pids)
+        procs.replace_file(self.run_dir / "pids.json", json.dumps(pids, indent=2))
 
     def record_exits(self, stopped: dict[str, subprocess.Popen | None]) -> None:
         """exits.json, replaced whole: the pid and exit code of each process in `stopped` that has
@@ -104,7 +97,7 @@ class Supervisor:
         ended = {n: p for n, p in stopped.items() if p is not None and p.returncode is not None}
         self.exits |= {n: {"pid": p.pid, "code": p.returncode} for n, p in ended.items()}
         if self.exits:
-            write_json(self.run_dir / procs.EXITS_FILE, self.exits)
+            procs.replace_file(self.run_dir / procs.EXITS_FILE, json.dumps(self.exits, indent=2))
 
     def tail(self, name: str, n: int = 15) -> str:
         try:

@@ -56,6 +56,17 @@ def spawn(
         )
 
 
+def replace_file(path: Path, data: str | bytes, mode: int = 0o666) -> Path:
+    """`path` replaced whole by `data` (written beside it, then renamed): a reader never sees it
+    half-written. A new file gets `mode` (less the umask)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
+    os.replace(tmp, path)
+    return path
+
+
 def stop(proc: subprocess.Popen, timeout_s: float = 10.0) -> int | None:
     """SIGTERM, wait up to timeout_s, then SIGKILL. Returns the exit code."""
     if proc.poll() is not None:

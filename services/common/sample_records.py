@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 from asyncrl_proto.messages import SampleStatus, flatten_group
+from services.common.procs import replace_file
 
 DIR = "samples"
 MAX_TEXT = 20_000
@@ -104,9 +104,7 @@ def write(run_dir: str | Path, record: dict, keep: int) -> None:
         return
     records_dir(run_dir).mkdir(parents=True, exist_ok=True)
     path = _path(run_dir, record["step"])
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(gzip.compress(json.dumps(record, separators=(",", ":")).encode(), compresslevel=5))
-    os.replace(tmp, path)
+    replace_file(path, gzip.compress(json.dumps(record, separators=(",", ":")).encode(), compresslevel=5))
     _path(run_dir, record["step"] - keep).unlink(missing_ok=True)
 
 

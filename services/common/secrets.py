@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from services.common.procs import replace_file
+
 RUN_TOKEN_ENV = "ASYNCRL_RUN_TOKEN"
 RUN_TOKEN_FILE_ENV = "ASYNCRL_RUN_TOKEN_FILE"
 ROLES_FILE_ENV = "ASYNCRL_NATS_ROLES_FILE"
@@ -59,12 +61,7 @@ def write_secret_file(path: str | Path, text: str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.parent.chmod(0o700)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-    return path
+    return replace_file(path, text, 0o600)
 
 
 def read_secret_file(path: str | Path, what: str) -> str:
