@@ -19,7 +19,7 @@ from pathlib import Path
 from asyncrl_proto import AdapterRegistryState, PromptMsg, RolloutGroupView, decode, group_id
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.subjects import ADAPTERS_KV_KEY
-from services.buffer.state import Auditor, LedgerError, ledger_events, lineage_entry, new_events, prompt_of
+from services.buffer.state import Auditor, lineage_entry, prompt_of
 from services.common.run_store import admin_credentials, registrations, run_config, store_server
 from services.weights.store import WeightStore
 
@@ -65,13 +65,9 @@ async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None, prompt:
 
 async def _collect_partition(bus, s, trained_path: Path, prompt: int | None = None) -> dict:
     """The audit report of one partition: the run's (a single model), or one adapter registration's."""
-    skipped: list[str] = []
-    events = []
-    for i, d in enumerate(await bus.read_stream(s.ledger_stream, s.ledger)):
-        try:
-            events += ledger_events(d)
-        except LedgerError as e:
-            skipped.append(f"ledger message #{i + 1}: {e}")
+    auditor = Auditor()
+    ledger = await bus.read_stream(s.ledger_stream, s.ledger)
+    unique = auditor.read([(f"#{i}", d) for i, d in enumerate(ledger, 1)])
     prompts = {
         group_id(p.group_index, p.attempt)
         for p in _decoded(await bus.read_stream(s.prompts_stream, only=s.prompts), PromptMsg)  # a work queue
@@ -86,24 +82,19 @@ async def _collect_partition(bus, s, trained_path: Path, prompt: int | None = No
             with contextlib.suppress(ValueError, KeyError, TypeError):  # a torn last line of a killed trainer
                 rec = json.loads(line)
                 trained[int(rec["step"])] = list(rec["groups"])
-    unique = new_events(events, 0, skipped)
-    auditor = Auditor()
-    auditor.feed(unique)
     report = auditor.report(remaining_prompts=prompts, remaining_rollouts=rollouts, trained_by_trainer=trained)
-    report["ledger_skipped"] = skipped
+    report["ledger_skipped"] = auditor.skipped
     if prompt is not None:  # one prompt's history and how the audit settles it
         report["prompt"] = {"group_index": prompt, "fate": auditor.fate(prompt),
                             "events": [lineage_entry(e) for e in unique if prompt_of(e) == prompt]}  # fmt: skip
     return report
 
 
-def _decoded(datas: list[bytes], tp) -> list:
+def _decoded(datas: list[bytes], tp):
     """The messages that decode as `tp` (a malformed one was dead-lettered by its consumer)."""
-    out = []
     for d in datas:
         with contextlib.suppress(MalformedMessage):
-            out.append(decode(d, tp))
-    return out
+            yield decode(d, tp)
 
 
 def audit_run(run_dir: str | Path, prompt: int | None = None) -> dict:

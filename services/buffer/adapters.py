@@ -208,9 +208,8 @@ class AdapterPartitions:
     async def _adapter_version(self, rid: str) -> int:
         """The newest version of a registration's adapter: the steps the registry says it took
         (read only: a partition's own loop may ask, and must never close itself)."""
-        raw, _ = await self.svc.bus.kv_entry(ADAPTERS_KV_KEY)
-        runs = decode(raw, AdapterRegistryState).runs if raw is not None else []
-        return max((r.step for r in runs if r.registration_id == rid), default=0)
+        reg = await self.svc.bus.kv_get(ADAPTERS_KV_KEY, AdapterRegistryState) or AdapterRegistryState()
+        return max((r.step for r in reg.runs if r.registration_id == rid), default=0)
 
     def _start(self, rid: str) -> None:
         def done(t: asyncio.Task) -> None:

@@ -306,11 +306,10 @@ class BufferMachine:
         gid = ident.group_id if ident is not None else ""
         common = {"group_id": gid, "group_index": ident.group_index if ident else -1,
                   "attempt": ident.attempt if ident else 0, "stream_seq": stream_seq}  # fmt: skip
-        if ident is not None and gid in self.state.outstanding:
-            self._record("put", outcome="foreign", reason="its adapter registration is closed", **common)
-            return self._out(settle=Verdict.ACK)
         if ident is not None:
-            self._record("put", outcome="duplicate", **common)
+            foreign = gid in self.state.outstanding
+            reason = "its adapter registration is closed" if foreign else ""
+            self._record("put", outcome="foreign" if foreign else "duplicate", reason=reason, **common)
             return self._out(settle=Verdict.ACK)
         problem = "undecodable RolloutGroup for a closed adapter registration"
         self._record("put", outcome="rejected", reason=problem, **common)

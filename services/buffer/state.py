@@ -234,19 +234,6 @@ def audit(events, remaining_prompts: set[str] | None = None, remaining_rollouts:
     return auditor.report(remaining_prompts, remaining_rollouts, trained_by_trainer)
 
 
-def new_events(events, after: int, skipped: list[str]) -> list:
-    """The events after sequence `after`, in order, each once: an append retried beyond the dedupe
-    window appears twice on the ledger (the first is kept, the repeat said in `skipped`)."""
-    out = []
-    for ev in sorted(events, key=lambda e: e.seq):
-        if ev.seq <= after:
-            skipped.append(f"ledger event {ev.seq} appears more than once (kept the first)")
-            continue
-        out.append(ev)
-        after = ev.seq
-    return out
-
-
 def prompt_of(ev) -> int:
     """The prompt (group index) an event is about; -1 for a step's (lease_complete, committed)."""
     return ev.prompt.group_index if ev.kind == "released" and ev.prompt is not None else ev.group_index
@@ -268,7 +255,8 @@ def lineage_entry(ev) -> dict:
 
 
 class Auditor:
-    """The audit as a fold: `feed` events as they come (a live dashboard), `report` at any time."""
+    """The audit as a fold: `read` ledger messages (or `feed` events) as they come (a live
+    dashboard), `report` at any time."""
 
     def __init__(self):
         self.state = BufferState()
@@ -279,6 +267,31 @@ class Auditor:
         self.first_release: set[int] = set()
         self.broken = False
         """An event could not follow the state: the rest of the ledger is not folded."""
+        self.read_up_to = 0
+        """The last ledger event `read` took (its seq)."""
+        self.skipped: list[str] = []
+        """What `read` skipped: ledger messages that are not the buffer's, events appended twice."""
+
+    def read(self, messages) -> list:
+        """Fold ledger messages, `(where, data)` pairs: their events after those read before, in
+        order, each once. A message that is not the buffer's is said in `skipped` (`ledger message
+        <where>`), and so is an event appended twice (an append retried beyond the dedupe window:
+        the first is kept). Returns the events folded."""
+        events = []
+        for where, data in messages:
+            try:
+                events += ledger_events(data)
+            except LedgerError as e:
+                self.skipped.append(f"ledger message {where}: {e}")
+        fresh = []
+        for ev in sorted(events, key=lambda e: e.seq):
+            if ev.seq <= self.read_up_to:
+                self.skipped.append(f"ledger event {ev.seq} appears more than once (kept the first)")
+                continue
+            fresh.append(ev)
+            self.read_up_to = ev.seq
+        self.feed(fresh)
+        return fresh
 
     def feed(self, events) -> None:
         for ev in events:

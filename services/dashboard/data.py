@@ -22,7 +22,7 @@ from typing import Any
 from asyncrl_proto import AdapterRegistryState, DeadLetter, WeightsLive, decode
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.subjects import ADAPTERS_KV_KEY
-from services.buffer.state import Auditor, LedgerError, ledger_events, lineage_entry, new_events, prompt_of
+from services.buffer.state import Auditor, lineage_entry, prompt_of
 from services.common import procs, sample_records
 from services.common.procs import EXITS_FILE, RESTARTS_FILE
 from services.common.run_store import admin_credentials, registrations, run_config, store_server
@@ -129,13 +129,10 @@ class Partition:
         self.trained = JsonLines(trained_path)
         self.auditor = Auditor()
         self.ledger_seq = 0
-        self.last_event = 0
-        """The last ledger event read (its `seq`)."""
         self.prompt_events: dict[int, list[dict]] = collections.defaultdict(list)
         """Per prompt (group index): its ledger events, in order (the lineage view)."""
         self.step_staleness: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
         """Per step: how many of its leased groups had each staleness."""
-        self.ledger_skipped: list[str] = []
         self._audit: tuple | None = None
 
     async def read(self, bus, stream: str) -> None:
@@ -144,14 +141,7 @@ class Partition:
         while batch := await bus.read_since(stream, subject, self.ledger_seq, READ_BATCH):
             for seq, data in batch:
                 self.ledger_seq = seq
-                try:
-                    events = ledger_events(data)
-                except LedgerError as e:
-                    self.ledger_skipped.append(f"ledger message {seq}: {e}")
-                    continue
-                for ev in new_events(events, self.last_event, self.ledger_skipped):
-                    self.last_event = ev.seq
-                    self.auditor.feed([ev])
+                for ev in self.auditor.read([(seq, data)]):
                     self.index(ev)
             await asyncio.sleep(0)
 
@@ -170,11 +160,9 @@ class Partition:
             st = self.auditor.state
             # a live run's trainer records a step as soon as it trains it; the ledger read so far may
             # not hold that step's whole lease yet (read a moment earlier): held against it once it does
-            def seen(step: int) -> bool:
-                return step <= st.committed_step or (step in st.leases and st.leases[step].complete)
-
-            trained = {int(r["step"]): list(r["groups"]) for r in rows
-                       if "step" in r and "groups" in r and seen(int(r["step"]))}  # fmt: skip
+            seen = {step for step, lease in st.leases.items() if lease.complete}
+            trained = {int(r["step"]): list(r["groups"]) for r in rows if "step" in r and "groups" in r
+                       and (int(r["step"]) <= st.committed_step or int(r["step"]) in seen)}  # fmt: skip
             self._audit = (key, self.auditor.report(trained_by_trainer=trained))
         return self._audit[1]
 

@@ -100,13 +100,10 @@ class AdapterSync:
                 self.live[name] = live
         return self.live.get(name)
 
-    async def _registry(self) -> AdapterRegistryState | None:
-        return await self.bus.kv_get(ADAPTERS_KV_KEY, AdapterRegistryState)
-
     async def recover(self) -> None:
         """After a restart: the live versions of every adapter the registry knows (so that
         `converge` can give them back to an engine that lost them), less the completed ones."""
-        reg = await self._registry()
+        reg = await self.bus.kv_get(ADAPTERS_KV_KEY, AdapterRegistryState)
         if reg is None:
             return
         for name in sorted({run.name for run in reg.runs}):
@@ -117,7 +114,7 @@ class AdapterSync:
         """Note the registrations the registry holds COMPLETED; unload from every engine the live
         version of each (in the background: each engine lets its requests finish first), and
         forget it."""
-        reg = reg or await self._registry()
+        reg = reg or await self.bus.kv_get(ADAPTERS_KV_KEY, AdapterRegistryState)
         if reg is None:
             return
         self.done |= {r.registration_id for r in reg.runs if r.state is AdapterState.COMPLETED}
@@ -130,19 +127,17 @@ class AdapterSync:
     async def apply(self, pub: AdapterPublished) -> bool:
         """Make `pub` the adapter's live version on every engine; False when it is not newer (of the
         same registration), or comes from an older registration of the name (a late message)."""
-        if pub.registration_id in self.done:  # a late message of a completed registration
-            self.num_skipped += 1
-            return False
-        old = await self.live_of(pub.name)
-        if old is None or old.registration_id != pub.registration_id:  # a new registration: a slot was freed
-            await self.release_completed()
-            if pub.registration_id in self.done:
-                self.num_skipped += 1
-                return False
+        if pub.registration_id not in self.done:  # else a late message of a completed registration
             old = await self.live_of(pub.name)
-        if old is not None and (
-            (old.registration_id == pub.registration_id and pub.version <= old.version)
-            or (old.registration_id != pub.registration_id and pub.created_at < old.created_at)
+            if old is None or old.registration_id != pub.registration_id:  # a new registration: a slot was freed
+                await self.release_completed()
+                old = await self.live_of(pub.name)
+        if pub.registration_id in self.done or (
+            old is not None
+            and (
+                (old.registration_id == pub.registration_id and pub.version <= old.version)
+                or (old.registration_id != pub.registration_id and pub.created_at < old.created_at)
+            )
         ):
             self.num_skipped += 1
             return False

@@ -137,13 +137,12 @@ class WeightSyncService(Service):
                 await self.distributed.leave()
         await self.client.close()
 
-    def _paused(self, seconds: float, url: str | None = None) -> None:
+    def _paused(self, seconds: float, url: str) -> None:
         self.last_pause_s = seconds
         self.pauses.append(seconds)
         self.observe("weight_sync/pause_seconds", seconds)
-        if url is not None:  # the engine's pause, for its EngineSwitch when the version goes live
-            now = time.time()
-            self._windows[url] = EngineSwitch(engine=url, paused_at=now - seconds, resumed_at=now)
+        now = time.time()  # the engine's pause, for its EngineSwitch when the version goes live
+        self._windows[url] = EngineSwitch(engine=url, paused_at=now - seconds, resumed_at=now)
 
     async def _engine_version(self, timeout_s: float = 120.0) -> int:
         versions = set()
