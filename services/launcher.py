@@ -32,6 +32,7 @@ import httpx
 
 from asyncrl_proto import EvalRequest, EvalResult, ProgressRecord, WeightsLive, decode
 from asyncrl_proto.codec import MalformedMessage
+from services.buffer.state import ledger_counts
 from services.common import procs
 from services.common.bus import STORE_DIR_ENV, Bus
 from services.common.config import RunConfig
@@ -493,21 +494,6 @@ def format_progress(step: int, total: int, rec: dict) -> str:
         f" | v{rec.get('weight_version', '-')}"
         f" | {f('perf/step_time_s', '{:.2f}')}s/step (wait {f('perf/rollout_wait_s', '{:.2f}')}s, train {f('perf/train_time_s', '{:.2f}')}s)"
     )
-
-
-def ledger_counts(r: dict) -> dict:
-    """An audit report's counts, as result.json and the console show them."""
-    return {
-        "released": r["released_prompts"],
-        "trained": r["trained"],
-        "failed": r["failed"],
-        "filtered": sum(r["filtered"].values()),
-        "dropped": r["aborted_dropped"] + r["stale_dropped"] + r.get("foreign_dropped", 0) + r.get("retired_dropped", 0),
-        "rejected": r["rejected"],
-        "in_flight_at_end": sum(r["in_flight_at_end"].values()),
-        "lost": r["lost"],
-        "trained_twice": r["trained_twice"],
-    }
 
 
 def ledger_line(r: dict) -> str:

@@ -239,6 +239,21 @@ def prompt_of(ev) -> int:
     return ev.prompt.group_index if ev.kind == "released" and ev.prompt is not None else ev.group_index
 
 
+def ledger_counts(r: dict) -> dict:
+    """An audit report's counts, as result.json and the console show them."""
+    return {
+        "released": r["released_prompts"],
+        "trained": r["trained"],
+        "failed": r["failed"],
+        "filtered": sum(r["filtered"].values()),
+        "dropped": r["aborted_dropped"] + r["stale_dropped"] + r.get("foreign_dropped", 0) + r.get("retired_dropped", 0),
+        "rejected": r["rejected"],
+        "in_flight_at_end": sum(r["in_flight_at_end"].values()),
+        "lost": r["lost"],
+        "trained_twice": r["trained_twice"],
+    }
+
+
 def lineage_entry(ev) -> dict:
     """One event in a prompt's history (`asyncrl audit --prompt`, the dashboard's lineage view)."""
     rec = {"seq": ev.seq, "kind": ev.kind, "at": ev.ts}

@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from services.buffer.state import ledger_counts
 from services.dashboard.data import RunData, StreamSource, is_live
 from services.dashboard.views import num as _f
 
@@ -41,14 +42,12 @@ def render(data: RunData, ledger: dict | None, ledger_note: str = "") -> str:
     if s.get("length_warning"):
         lines.append(s["length_warning"])
     if ledger:
-        filtered = sum(ledger["filtered"].values()) if isinstance(ledger.get("filtered"), dict) else 0
-        in_flight = ledger.get("in_flight_at_end", {})
-        lines.append(f"ledger: {ledger['released_prompts']} released, {ledger['trained']} trained, {ledger['failed']} "
-                     f"failed, {filtered} filtered, {ledger['aborted_dropped'] + ledger['stale_dropped']} dropped, "
-                     f"{ledger['rejected']} rejected, {ledger['recycled']} recycled, "
-                     f"{sum(in_flight.values()) if isinstance(in_flight, dict) else in_flight} in flight, "
-                     f"{ledger['lost']} lost, {ledger['trained_twice']} trained twice "
-                     f"({'balanced' if ledger['balanced'] else 'NOT BALANCED'}){ledger_note}")  # fmt: skip
+        c = ledger_counts(ledger)  # dropped: aborted, stale, and a multi-LoRA run's foreign and retired
+        lines.append(f"ledger: {c['released']} released, {c['trained']} trained, {c['failed']} failed, "
+                     f"{c['filtered']} filtered, {c['dropped']} dropped, {c['rejected']} rejected, "
+                     f"{ledger['recycled']} recycled, {c['in_flight_at_end']} in flight, {c['lost']} lost, "
+                     f"{c['trained_twice']} trained twice ({'balanced' if ledger['balanced'] else 'NOT BALANCED'})"
+                     f"{ledger_note}")  # fmt: skip
     else:
         lines.append(f"ledger: {ledger_note or 'not read'}")
     lines.append("services:")
