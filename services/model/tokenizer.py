@@ -110,7 +110,7 @@ def _compile_template(source):
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     if isinstance(source, list):  # several named templates: transformers takes "default"
-        source = next((t["template"] for t in source if t.get("name") == "default"), None)
+        source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
     if not isinstance(source, str) or not source:
         raise ValueError("the tokenizer has no usable chat template")
 
@@ -123,4 +123,7 @@ def _compile_template(source):
     )
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return env.from_string(source)
+    try:
+        return env.from_string(source)
+    except Exception as e:  # jinja2's TemplateSyntaxError: a request cannot fix it, the checkpoint can
+        raise ValueError(f"the tokenizer's chat template does not compile ({type(e).__name__}: {e})") from None

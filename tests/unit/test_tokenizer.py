@@ -40,6 +40,26 @@ def test_chat_template_flag_without_a_template_says_what_to_do(tiny_model_dir, t
         Tokenizer(d).prompt_ids("12", chat_template=True)
 
 
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ([{"name": "tool_use", "template": "x"}, {"name": "default"}], "no usable chat template"),
+        (["not a named template", {"name": "default", "template": 3}], "no usable chat template"),
+        ("{% for m in messages %}{{ m['content'] }}", "does not compile \\(TemplateSyntaxError"),
+    ],
+)
+def test_a_malformed_chat_template_is_a_value_error_that_says_so(tiny_model_dir, tmp_path, template, message):
+    """What callers catch (a 400 from the engine, a data error from the producer): a named template
+    without its text, or one that does not compile, raised KeyError or jinja2's own error before."""
+    d = tmp_path / "bad"
+    shutil.copytree(tiny_model_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = template
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
+        Tokenizer(d).prompt_ids("12", chat_template=True)
+
+
 def test_the_bundled_chat_template_renders_as_transformers_renders_it(tiny_model_dir):
     """The engine renders templates with jinja2 alone; transformers (test extra) must agree."""
     transformers = pytest.importorskip("transformers")
