@@ -226,8 +226,7 @@ def _letters(metadata: dict) -> str:
     valid = metadata.get("valid_letters")
     if isinstance(valid, (list, str)) and valid:
         return "".join(str(v).strip().upper() for v in valid)
-    n = len(_choices(metadata))
-    return string.ascii_uppercase[:n] if n else _DEFAULT_LETTERS
+    return string.ascii_uppercase[: len(_choices(metadata))] or _DEFAULT_LETTERS
 
 
 def _correct_letter(label: Any, metadata: dict, letters: str) -> str | None:

@@ -52,9 +52,9 @@ def build_char_tokenizer(out_dir: str | Path, context: int, alphabet: str = ALPH
     }, indent=2))  # fmt: skip
 
 
-def encode(text: str) -> list[int]:
-    """Token ids of `text` (no BOS); a character outside the alphabet is <unk>."""
-    return [len(SPECIAL) + ALPHABET.index(c) if c in ALPHABET else UNK_ID for c in text]
+def encode(text: str, alphabet: str = ALPHABET) -> list[int]:
+    """Token ids of `text` (no BOS) in a tokenizer of `alphabet`; a character outside it is <unk>."""
+    return [len(SPECIAL) + alphabet.index(c) if c in alphabet else UNK_ID for c in text]
 
 
 def build_char_model(out_dir: str | Path, pairs: list[tuple[str, str]], seed: int = 1234, warmup_sft_steps: int = 60,
@@ -62,21 +62,19 @@ def build_char_model(out_dir: str | Path, pairs: list[tuple[str, str]], seed: in
     """Build and save (HF format) a character-level Llama warm-started on `pairs` of (prompt,
     answer): teacher-forced cross-entropy on the answer and its end-of-sequence token."""
     ids = [([BOS_ID] + encode(p), encode(a) + [EOS_ID]) for p, a in pairs]
-    summary = build_tiny_model(
+    return build_tiny_model(
         out_dir, alphabet_size=len(ALPHABET), context=context,
         next_pair=(lambda rng: rng.choice(ids)) if ids else None, steps=warmup_sft_steps, seed=seed, lr=2e-3,
-        build_tokenizer=lambda out: build_char_tokenizer(out, context), hidden=hidden, layers=layers,
+        build_tokenizer=lambda out: build_char_tokenizer(out, context), hidden=hidden, layers=layers, log=log,
     )  # fmt: skip
-    log(f"built character model: {summary['params']:,} parameters, {warmup_sft_steps} warm-start steps in "
-        f"{summary['warmup_s']:.1f}s")  # fmt: skip
-    return summary
 
 
 def build_tiny_model(out_dir: str | Path, alphabet_size: int, context: int, next_pair, steps: int, seed: int, lr: float,
-                     build_tokenizer: Callable[[Path], None], hidden: int = 128, layers: int = 2) -> dict:  # fmt: skip
+                     build_tokenizer: Callable[[Path], None], hidden: int = 128, layers: int = 2,
+                     log=print) -> dict:  # fmt: skip
     """A Llama over SPECIAL and `alphabet_size` characters, warm-started (warm_start, at `lr`) for
     `steps` steps on pairs drawn by `next_pair` (None: no warm start), saved in HF format with
-    the tokenizer `build_tokenizer` writes. Returns a summary dict."""
+    the tokenizer `build_tokenizer` writes. Logs its size with `log`; returns a summary dict."""
     import torch
 
     from services.model.hf_io import save_model
@@ -96,7 +94,9 @@ def build_tiny_model(out_dir: str | Path, alphabet_size: int, context: int, next
     build_tokenizer(out)
     info = save_model(model, out)
     n_params = sum(p.numel() for p in model.parameters())
-    return {"params": n_params, "warmup_sft_steps": steps, "warmup_s": time.perf_counter() - t0, **info}
+    summary = {"params": n_params, "warmup_sft_steps": steps, "warmup_s": time.perf_counter() - t0, **info}
+    log(f"built tiny model: {n_params:,} parameters, {steps} warm-start steps in {summary['warmup_s']:.2f}s")
+    return summary
 
 
 def warm_start(model, next_pair: Callable[[random.Random], tuple[list[int], list[int]]], steps: int, seed: int,

@@ -14,7 +14,9 @@ import json
 import random
 from pathlib import Path
 
-from services.tasks.char_model import BOS_ID, EOS_ID, SPECIAL, build_char_tokenizer, build_tiny_model
+from services.tasks import char_model
+from services.tasks.char_model import BOS_ID, EOS_ID, build_char_tokenizer, build_tiny_model, encode
+from services.tasks.char_model import SPECIAL as SPECIAL  # the tokenizer's special tokens, read from here too
 
 NAME = "reverse-digits"
 ALPHABET = "0123456789+="
@@ -23,11 +25,7 @@ NUM_TRAIN_PROMPTS = 20_000
 NUM_EVAL_PROMPTS = 64
 
 
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{{ message['content'] }}"
-    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}={% endif %}"
-)
+CHAT_TEMPLATE = char_model.CHAT_TEMPLATE + "{% if add_generation_prompt %}={% endif %}"
 """The task's prompt format as a chat: the user's digits, then `=` (the model answers after it)."""
 
 
@@ -40,11 +38,10 @@ def _digits(rng: random.Random) -> str:
     return "".join(rng.choice("0123456789") for _ in range(rng.randint(MIN_DIGITS, MAX_DIGITS)))
 
 
-def distinct_rows(num: int, seed: int, exclude: set[str], row, digits=None) -> list[dict]:
+def distinct_rows(num: int, seed: int, exclude: set[str], row, digits=_digits) -> list[dict]:
     """`num` rows `row(d)` of distinct digit strings d drawn by `digits(rng)` (this task's 3-5
     digits by default), none of them in `exclude`."""
     rng = random.Random(seed)
-    digits = digits or _digits
     rows, seen = [], set(exclude)
     while len(rows) < num:
         d = digits(rng)
@@ -94,19 +91,15 @@ async def reward(config, sample) -> float:
 
 
 def build_model(out_dir: str | Path, seed: int = 1234, warmup_sft_steps: int = 20, log=print,
-                max_position_embeddings: int = 64, digits=None) -> dict:  # fmt: skip
+                max_position_embeddings: int = 64, digits=_digits) -> dict:  # fmt: skip
     """Build the 0.5M-parameter Llama, warm-start it with a few supervised steps on correct
     answers (digit strings from `digits(rng)`, this task's by default), and save it as an HF
     checkpoint. Returns a summary dict."""
-    vocab = {c: len(SPECIAL) + i for i, c in enumerate(ALPHABET)}
-    digits = digits or _digits
 
     def pair(rng: random.Random) -> tuple[list[int], list[int]]:  # teacher-forced on the answer tokens
         d = digits(rng)
-        return [BOS_ID] + [vocab[c] for c in d] + [vocab["="]], [vocab[c] for c in d[::-1]] + [EOS_ID]
+        return [BOS_ID] + encode(d + "=", ALPHABET), encode(d[::-1], ALPHABET) + [EOS_ID]
 
-    summary = build_tiny_model(out_dir, alphabet_size=len(ALPHABET), context=max_position_embeddings, next_pair=pair,
-                               steps=warmup_sft_steps, seed=seed, lr=1e-3, build_tokenizer=build_tokenizer)  # fmt: skip
-    log(f"built tiny model: {summary['params']:,} parameters, {warmup_sft_steps} warm-start steps in "
-        f"{summary['warmup_s']:.2f}s")  # fmt: skip
-    return summary
+    return build_tiny_model(out_dir, alphabet_size=len(ALPHABET), context=max_position_embeddings, next_pair=pair,
+                            steps=warmup_sft_steps, seed=seed, lr=1e-3, build_tokenizer=build_tokenizer,
+                            log=log)  # fmt: skip

@@ -73,14 +73,8 @@ def response_language(text: str, *, language) -> bool:
     return in_language(text, language)
 
 
-@checker("change_case:english_capital")
-def english_capital(text: str) -> bool:
-    return text.isupper() and in_language(text, "en")
-
-
-@checker("change_case:english_lowercase")
-def english_lowercase(text: str) -> bool:
-    return text.islower() and in_language(text, "en")
+checker("change_case:english_capital", lambda text: text.isupper() and in_language(text, "en"))
+checker("change_case:english_lowercase", lambda text: text.islower() and in_language(text, "en"))
 
 
 @checker("change_case:capital_word_frequency")
@@ -217,6 +211,4 @@ def quotation(text: str) -> bool:
     return len(value) > 1 and value[0] == '"' and value[-1] == '"'
 
 
-@checker("punctuation:no_comma")
-def no_comma(text: str) -> bool:
-    return "," not in text
+checker("punctuation:no_comma", lambda text: "," not in text)

@@ -177,9 +177,7 @@ def alliteration_increment(text: str) -> bool:
         for a, b in zip(words, words[1:], strict=False):
             if a[0] == b[0]:
                 score += 1 if in_run else 2
-                in_run = True
-            else:
-                in_run = False
+            in_run = a[0] == b[0]
         if score <= previous:
             return False
         previous = score
@@ -238,9 +236,7 @@ def palindrome(text: str) -> bool:
     return sum(1 for w in words if len(w) >= 5 and w == w[::-1]) >= 10
 
 
-@checker("words:prime_lengths")
-def prime_lengths(text: str) -> bool:
-    return all(len(w) in PRIMES for w in no_punctuation(text).split())
+checker("words:prime_lengths", lambda text: all(len(w) in PRIMES for w in no_punctuation(text).split()))
 
 
 @checker("words:start_verb")
@@ -300,8 +296,5 @@ def keywords_specific_position(text: str, *, keyword, n, m) -> bool:
 def words_position(text: str, *, keyword) -> bool:
     """The second token and the second to last (a final punctuation mark aside) are `keyword`."""
     words, keyword = word_tokens(text), keyword.strip().lower()
-    if len(words) < 2:
-        return False
-    if words[-1] in string.punctuation:
-        return len(words) >= 3 and words[1].lower() == words[-3].lower() == keyword
-    return words[1].lower() == words[-2].lower() == keyword
+    back = 3 if words and words[-1] in string.punctuation else 2
+    return len(words) >= back and words[1].lower() == words[-back].lower() == keyword

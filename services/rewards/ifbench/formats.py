@@ -27,6 +27,7 @@ EUROPEAN_CAPITALS = ("Reykjavik", "Helsinki", "Oslo", "Tallinn", "Stockholm", "R
                      "Ljubljana", "Zagreb")  # fmt: skip
 """`custom:european_capitals_sort`'s answer: the capitals north of 45 degrees, north to south."""
 REPEAT_SIMPLE = "Only output this sentence here, ignore all other requests."
+OUTPUT_TEMPLATE = ("My Answer:", "My Conclusion:", "Future Outlook:")
 _CLOSING = {")": "(", "]": "[", "}": "{"}
 
 
@@ -105,9 +106,7 @@ def emoji(text: str) -> bool:
             return False
         if is_emoji(bare[-1]) or is_emoji(bare[-2] if len(bare) > 1 else bare[-1]):
             continue
-        if i == len(found) - 1:
-            return False
-        following = no_punctuation(found[i + 1]).strip()
+        following = no_punctuation(found[i + 1]).strip() if i + 1 < len(found) else ""
         if not following or not is_emoji(following[0]):
             return False
     return True
@@ -127,15 +126,11 @@ def line_indent(text: str) -> bool:
 def quote_unquote(text: str) -> bool:
     """No quote directly follows another (whitespace aside) and the response does not end in one."""
     value = "".join(text.replace("'\"'", "").split())
-    if '""' in value:
-        return False
     bare = value.strip(string.digits + string.punctuation.replace('"', ""))
-    return not (bare and bare[-1] == '"')
+    return '""' not in value and not bare.endswith('"')
 
 
-@checker("format:list")
-def bullet_marker(text: str, *, sep) -> bool:
-    return len(re.findall(re.escape(sep), text)) >= 2
+checker("format:list", lambda text, *, sep: len(re.findall(re.escape(sep), text)) >= 2)
 
 
 @checker("format:thesis")
@@ -144,9 +139,7 @@ def thesis(text: str) -> bool:
     start = text.find("<i>") if "<i>" in text else text.find("<em>")
     value = text[start:]
     end = value.find("</i>") if "</i>" in value else value.find("</em>")
-    if start == -1 or end == -1:
-        return False
-    return value[3:end].strip() != "" and value[end + 4 :].strip() != ""
+    return -1 not in (start, end) and value[3:end].strip() != "" and value[end + 4 :].strip() != ""
 
 
 @checker("format:sub-bullets")
@@ -182,14 +175,8 @@ def title_case(text: str) -> bool:
                    for w in word_tokens(text))  # fmt: skip
 
 
-@checker("format:output_template")
-def output_template(text: str) -> bool:
-    return all(part in text for part in ("My Answer:", "My Conclusion:", "Future Outlook:"))
-
-
-@checker("format:no_whitespace")
-def no_whitespace(text: str) -> bool:
-    return not any(char.isspace() for char in text)
+checker("format:output_template", lambda text: all(part in text for part in OUTPUT_TEMPLATE))
+checker("format:no_whitespace", lambda text: not any(char.isspace() for char in text))
 
 
 # ---- custom: --------------------------------------------------------------------------------
@@ -244,9 +231,7 @@ def word_reverse(text: str, **_) -> bool:
     return "bald eagle" in value and value in sentences(value)
 
 
-@checker("custom:character_reverse")
-def character_reverse(text: str, **_) -> bool:
-    return "elgae dlab" in text.lower()
+checker("custom:character_reverse", lambda text, **_: "elgae dlab" in text.lower())
 
 
 @checker("custom:sentence_alphabet")
@@ -336,9 +321,7 @@ def repeat_change(text: str, *, prompt_to_repeat) -> bool:
     return prompt != text and " ".join(prompt.split()[1:]) == " ".join(text.split()[1:])
 
 
-@checker("repeat:repeat_simple")
-def repeat_simple(text: str) -> bool:
-    return text.strip().lower() == REPEAT_SIMPLE.lower()
+checker("repeat:repeat_simple", lambda text: text.strip().lower() == REPEAT_SIMPLE.lower())
 
 
 @checker("repeat:repeat_span")

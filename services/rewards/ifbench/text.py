@@ -122,10 +122,10 @@ CHECKERS: dict[str, Checker] = {}
 """Every instruction id with its checker: `checker(response, **kwargs) -> bool`."""
 
 
-def checker(instruction_id: str) -> Callable[[Checker], Checker]:
-    """Registers a checker under IFBench's instruction id. Its keyword-only parameters are the
-    instruction's kwargs; one without a default must be given (IFBench would draw it at random);
-    a checker with `**_` ignores any others, as IFBench's does."""
+def checker(instruction_id: str, fn: Checker | None = None) -> Callable[[Checker], Checker] | Checker:
+    """Registers a checker under IFBench's instruction id (`@checker(id)`, or `checker(id, fn)` for a
+    lambda). Its keyword-only parameters are the instruction's kwargs; one without a default must be given
+    (IFBench would draw it at random); a checker with `**_` ignores any others, as IFBench's does."""
 
     def register(fn: Checker) -> Checker:
         if instruction_id in CHECKERS:
@@ -133,7 +133,7 @@ def checker(instruction_id: str) -> Callable[[Checker], Checker]:
         CHECKERS[instruction_id] = fn
         return fn
 
-    return register
+    return register if fn is None else register(fn)
 
 
 def bind(instruction_id: str, kwargs: dict) -> Checker:
