@@ -6,21 +6,19 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 from pathlib import Path
 
 import torch
 
+from services.common.procs import replace_file
 from services.common.snapshot import COMPLETE_MARKER, is_complete
 from services.model.hf_io import load_weights_into, save_model
 
 LATEST = "latest_checkpointed_iteration.txt"
 
 
-def save_checkpoint(
-    save_dir: str | Path, step: int, model, optimizer, version: int, tokenizer_dir, keep: int = 2
-) -> Path:
+def save_checkpoint(save_dir: str | Path, step: int, model, optimizer, version: int, tokenizer_dir) -> Path:
     save_dir = Path(save_dir)
     path = save_dir / f"iter_{step:07d}"
     path.mkdir(parents=True, exist_ok=True)
@@ -30,10 +28,8 @@ def save_checkpoint(
     state = {"optimizer": optimizer.state_dict(), "step": step, "version": version, "torch_rng": torch.get_rng_state()}
     torch.save(state, path / "trainer_state.pt")
     marker.write_text(json.dumps({"step": step, "version": version}))
-    tmp = save_dir / (LATEST + ".tmp")
-    tmp.write_text(str(step))
-    os.replace(tmp, save_dir / LATEST)
-    for old in _complete(save_dir)[:-keep] if keep > 0 else []:
+    replace_file(save_dir / LATEST, str(step))
+    for old in _complete(save_dir)[:-2]:  # the two newest stay
         shutil.rmtree(old, ignore_errors=True)
     return path
 
@@ -42,12 +38,10 @@ def latest_checkpoint(save_dir: str | Path | None) -> Path | None:
     if not save_dir:
         return None
     save_dir = Path(save_dir)
-    latest = save_dir / LATEST
-    if latest.exists():  # written after the checkpoint's marker: names the newest complete one
-        with contextlib.suppress(ValueError):
-            path = save_dir / f"iter_{int(latest.read_text().strip()):07d}"
-            if is_complete(path):
-                return path
+    with contextlib.suppress(ValueError, FileNotFoundError):
+        path = save_dir / f"iter_{int((save_dir / LATEST).read_text().strip()):07d}"
+        if is_complete(path):  # LATEST, written after the checkpoint's marker, names the newest complete one
+            return path
     return next(reversed(_complete(save_dir)), None)  # e.g. LATEST lost
 
 

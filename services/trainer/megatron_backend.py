@@ -25,18 +25,14 @@ from torch import nn
 
 from services.model.llama import ModelConfig
 
-_SHIMMED = False
-
 
 def cpu_shims() -> None:
-    global _SHIMMED
-    if _SHIMMED or torch.cuda.is_available():
+    if torch.cuda.is_available():  # else the module docstring's shims (each call sets the same again)
         return
     from megatron.core.tensor_parallel import random as mrandom
 
     torch.cuda.current_device = lambda: torch.device("cpu")
     mrandom.CudaRNGStatesTracker.fork = lambda self, name="model-parallel-rng": contextlib.nullcontext()
-    _SHIMMED = True
 
 
 def init_megatron(seed: int = 1234) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 from asyncrl_proto import BufferGetReply, WeightsPublished, decode
 from asyncrl_proto.codec import MalformedMessage
 from asyncrl_proto.messages import SampleStatus, flatten_group
-from services.common import crash, sample_records
+from services.common import crash
 from services.common.config.view import for_plugins
 from services.common.plugins import load_object
 from services.common.versions import last_published_version
@@ -47,7 +47,6 @@ from services.trainer.policy import DriverPolicy
 from services.trainer.publish import WeightPublisher, master_address
 from services.trainer.rollout_stats import rollout_metrics
 from services.trainer.setup import TrainerError, build_optimizer, build_reference
-from services.trainer.steps import keep_lines
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +69,6 @@ class ModelTraining(Mode):
         """--keep-old-actor: the weights the engines run (the last pushed), the PPO denominator."""
         self.policy = DriverPolicy(c)
         self.run_dir = Path(c.infra.run_dir)
-        self.weights_dir = self.run_dir / "weights"
         log_fn, sample_filter = c.trainer.custom_rollout_log_function_path, c.rollout.sample_filter_path
         self.rollout_log_fn = load_object(log_fn, "--custom-rollout-log-function-path") if log_fn else None
         self.sample_filter = load_object(sample_filter, "--rollout-sample-filter-path") if sample_filter else None
@@ -82,7 +80,7 @@ class ModelTraining(Mode):
         self.step = 0
         self.loop_started = time.perf_counter()
         self.evals = EvalDispatch(c, svc.bus, svc.sinks, self.model, trainer_step=lambda: self.step)
-        self.weights = WeightPublisher(c, svc.bus, self.model, self.weights_dir)
+        self.weights = WeightPublisher(c, svc.bus, self.model, self.run_dir / "weights")
         """Weight versions: pushes, the bucket (object-store), the broadcast (distributed), retention."""
         self.ahead: Work | None = None
         """one-step: the next lease, completed before an update step's push."""
@@ -114,19 +112,16 @@ class ModelTraining(Mode):
         reply = await self.svc.link.request(self.bus.subjects.buffer_get, req, BufferGetReply,
                                             "question where to resume")  # fmt: skip
         committed = reply.committed_step
-        if ckpt is None or int(ckpt.name.removeprefix("iter_")) < committed:  # taken after step <N> (iter_<N>)
-            self.version = published
-            await self._resume_from_snapshot(committed)
+        if ckpt is not None and int(ckpt.name.removeprefix("iter_")) >= committed:  # iter_<N>: after step <N>
+            info = await asyncio.to_thread(load_checkpoint, ckpt, self.model, self.optimizer)
+            self.step = info["step"] + 1
+            self.version = max(info["version"], published)
+            self.svc.records.drop_after(self.run_dir, info["step"])
+            await self._commit(info["step"])  # in case we died between the checkpoint and its commit
+            log.info("resumed from %s: next step %d, weight version %d", ckpt, self.step, self.version)
             return
-        info = await asyncio.to_thread(load_checkpoint, ckpt, self.model, self.optimizer)
-        self.step = info["step"] + 1
-        self.version = max(info["version"], published)
-        self._truncate_records(info["step"])
-        await self._commit(info["step"])  # in case we died between the checkpoint and its commit
-        log.info("resumed from %s: next step %d, weight version %d", ckpt, self.step, self.version)
-
-    async def _resume_from_snapshot(self, committed: int) -> None:
-        self._truncate_records(committed)  # the steps after it are trained again
+        self.version = published
+        self.svc.records.drop_after(self.run_dir, committed)  # the steps after it are trained again
         if committed < 0:
             return
         self.step = committed + 1
@@ -135,7 +130,7 @@ class ModelTraining(Mode):
             log.error("no weight snapshot of step %d is left: resuming from the initial weights; the updates of "
                       "steps 0..%d are lost (--save keeps them)", committed, committed)  # fmt: skip
             return
-        await asyncio.to_thread(load_weights_into, self.model, self.weights_dir / f"v{pub.version}")
+        await asyncio.to_thread(load_weights_into, self.model, self.weights.weights_dir / f"v{pub.version}")
         self.committed_version = pub.version
         lost = f", and the updates of steps {pub.step + 1}..{committed}" if pub.step < committed else ""
         log.warning("resumed without a checkpoint from the weights v%d pushed after step %d: next step %d, weight "
@@ -155,12 +150,6 @@ class ModelTraining(Mode):
             if pub is not None and pub.step <= step and await self.weights.have_snapshot(pub):
                 return pub
         return None
-
-    def _truncate_records(self, last_step: int) -> None:
-        """Steps after the checkpoint are trained again: drop their records."""
-        for path in (self.svc.records.path, self.run_dir / "trained.jsonl"):
-            keep_lines(path, lambda rec: rec["step"] <= last_step)
-        sample_records.drop_after(self.run_dir, last_step)
 
     # ---- the loop's steps (services.trainer.loop) ----------------------------------------------
     async def start(self) -> None:
@@ -321,10 +310,9 @@ class ModelTraining(Mode):
             log.info("step %d saved on %s (--save-trigger-sentinel), which is now deleted", step, sentinel)
             sentinel.unlink(missing_ok=True)
         resumable = bool(saved and c.trainer.save) if c.trainer.checkpoints_resume else pushed
-        if not (resumable or step + 1 == c.rollout.total_steps):
-            return
-        crash.point("trainer", "checkpoint_before_commit")
-        await self._commit(step)
+        if resumable or step + 1 == c.rollout.total_steps:
+            crash.point("trainer", "checkpoint_before_commit")
+            await self._commit(step)
 
     async def _commit(self, step: int) -> None:
         await self.svc.link.commit(self.bus.subjects.buffer_commit, step, self.version, f"commit of step {step}")
@@ -378,4 +366,5 @@ class ModelTraining(Mode):
                 "trainer/nonfinite_updates_skipped_total": self.num_nonfinite_skipped}  # fmt: skip
 
     async def stop(self) -> None:
-        await self.weights.stop()
+        if self.weights.sender is not None:
+            await self.weights.sender.stop()

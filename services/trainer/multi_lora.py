@@ -41,7 +41,7 @@ from asyncrl_proto import (
 )
 from asyncrl_proto.messages import NO_PARTITION_ERROR, AdapterRun, AdapterState, flatten_group
 from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX, ADAPTERS_KV_KEY
-from services.common import crash, sample_records
+from services.common import crash, procs
 from services.common.snapshot import is_complete, numbered, remove_snapshot, snapshots_to_remove
 from services.data.source import DataError, adapter_total_steps, load_rows
 from services.model.lora import LoraError, LoraSpec, MultiLora, SlotAdamW, load_adapter, save_adapter
@@ -52,7 +52,7 @@ from services.trainer.loop import Mode, Work
 from services.trainer.parallel import max_tokens_of
 from services.trainer.rollout_stats import rollout_metrics
 from services.trainer.setup import TrainerError
-from services.trainer.steps import BufferLink, Records, SampleCheck, keep_lines
+from services.trainer.steps import BufferLink, Records, SampleCheck
 from services.weights.store import WeightStore
 
 log = logging.getLogger(__name__)
@@ -98,8 +98,8 @@ class Track:
 
 class AdapterTraining(Mode):
     """The trainer's multi-LoRA mode (services.trainer.loop asks it what to train). `lifecycle`:
-    the service it runs in (`stopping`, `wait_stopped`, `stop`, `start_ranks`); `dp`: the
-    data-parallel ranks (--trainer-num-ranks), set once they have joined."""
+    the service it runs in (`stopping`, `wait_stopped`, `stop`, `start_ranks`, and `dp`: the
+    data-parallel ranks of --trainer-num-ranks, set once they have joined)."""
 
     def __init__(self, config, bus, model, link: BufferLink, records: Records, check: SampleCheck,
                  loss_cfg: LossConfig, pad_id: int, lifecycle):  # fmt: skip
@@ -112,7 +112,6 @@ class AdapterTraining(Mode):
         self.loss_cfg = loss_cfg
         self.pad_id = pad_id
         self.lifecycle = lifecycle
-        self.dp = None
         self.model.requires_grad_(False)
         self.lora = MultiLora(self.model, c.multi_lora.n_adapters, c.multi_lora.max_rank)
         self.optimizer = SlotAdamW(self.lora, lr=c.trainer.lr, betas=(c.trainer.adam_beta1, c.trainer.adam_beta2),
@@ -126,14 +125,10 @@ class AdapterTraining(Mode):
         self.global_batch_size = c.trainer.global_batch_size or samples
         """Samples a batch collects across adapters before it ships (the coalescing target)."""
         self.empty_since = 0.0
-        self._store: WeightStore | None = None
-
-    @property
-    def store(self) -> WeightStore | None:
+        self.store: WeightStore | None = None
         """The run's weights bucket when adapters travel through it (config.adapter_transfer_mode)."""
-        if self._store is None and self.config.adapter_transfer_mode == "object-store":
-            self._store = WeightStore(self.bus, chunk_size=self.config.async_.update_weight_buffer_size)
-        return self._store
+        if c.adapter_transfer_mode == "object-store":
+            self.store = WeightStore(bus, chunk_size=c.async_.update_weight_buffer_size)
 
     # ---- the registry ----------------------------------------------------------------------------
     async def _read_registry(self) -> AdapterRegistryState:
@@ -145,11 +140,8 @@ class AdapterTraining(Mode):
         for up to --buffer-timeout-s, then fails the trainer (restarted), never the adapter."""
         req = AdapterControl(op=op, name=run.name, registration_id=run.registration_id, step=step, reason=reason)
         deadline = time.monotonic() + self.config.async_.buffer_timeout_s
-        while True:
-            reply = await self.link.request(self.bus.subjects.adapters_control, req, AdapterControlReply,
-                                            f"{op} of adapter {run.name}")  # fmt: skip
-            if not reply.retry:
-                break
+        while (reply := await self.link.request(self.bus.subjects.adapters_control, req, AdapterControlReply,
+                                                f"{op} of adapter {run.name}")).retry:  # fmt: skip
             if time.monotonic() > deadline or self.lifecycle.stopping:
                 raise TrainerError(f"the registry could not store {op} of adapter {run.name!r} for "
                                    f"{self.config.async_.buffer_timeout_s:.0f}s: {reply.error}")  # fmt: skip
@@ -163,7 +155,6 @@ class AdapterTraining(Mode):
     async def setup(self) -> None:
         """Adapters only: the base never changes, so there is nothing of the model to resume."""
         await self.lifecycle.start_ranks(None, None)
-        self.dp = self.lifecycle.dp
 
     async def next(self) -> list[Work] | None:
         """The registry followed, then the leases that completed together (a batch); None once
@@ -306,48 +297,39 @@ class AdapterTraining(Mode):
                 raise MultiLoraError(f"adapter {run.name}: its save {latest} does not fit: {e}") from e
         else:
             self.lora.init_slot(run.slot, spec, seed=self.config.data.seed + run.slot)
-        base = self._reg_dir(run) / "base_step"
+        base = self._reg_dir(run) / "base_step"  # before version 0 is out: a restart finds it wherever it resumes
         base.parent.mkdir(parents=True, exist_ok=True)
-        tmp = base.with_suffix(".tmp")
-        tmp.write_text(f"{int(latest.name[5:]) if latest is not None else 0}\n")
-        tmp.replace(base)  # before version 0 is out: a restart finds it wherever it resumes
+        procs.replace_file(base, f"{int(latest.name[5:]) if latest is not None else 0}\n")
         t = self._track(run, step=0)
         await self._publish(t)
         t.run = await self._control("activate", run)
 
-    async def _committed_step(self, run: AdapterRun) -> tuple[int | None, str]:
-        """Its partition's committed step, or None and why when the buffer cannot say within
-        --buffer-timeout-s (a partition the buffer is still opening answers an error: asked again)."""
-        deadline = time.monotonic() + self.config.async_.buffer_timeout_s
-        while True:
-            reply = await self._ask(run.registration_id, BufferGetRequest(step=0, count=run.spec.rollout_batch_size,
-                                                                          wait_s=0.0), "question where to resume")  # fmt: skip
-            if not reply.error or "already committed" in reply.error:
-                return reply.committed_step, ""
-            if time.monotonic() > deadline:
-                return None, reply.error
-            await asyncio.sleep(1.0)
-
-    async def _resume_adapter(self, run: AdapterRun, total: int | None = None) -> Track | None:
+    async def _resume_adapter(self, run: AdapterRun, total: int | None = None) -> Track:
         """After a trainer restart: from the version published after the partition's committed
         step; a step trained, reported and published but not committed (killed in between) is
         committed now rather than trained again, so no version number ever names two weights, and
         the records of the steps after it are dropped (trained again, or never if it retires).
-        None when its buffer partition does not say where (one retiring: `total` 0)."""
-        committed, why = await self._committed_step(run)
-        if committed is None:
-            if total is None:  # its partition does not open (its data gone or unreadable): retired by _follow
-                raise MultiLoraError(f"adapter {run.name}: the buffer cannot say where to resume: {why}")
-            return None
-        t = self._track(run, committed + 1, total)
+        A partition the buffer is still opening answers an error: asked again for up to
+        --buffer-timeout-s; then one retiring (`total` 0) keeps its newest version that loads (its
+        partition never opened, its data unreadable: nothing was leased)."""
+        deadline = time.monotonic() + self.config.async_.buffer_timeout_s
+        req = BufferGetRequest(step=0, count=run.spec.rollout_batch_size, wait_s=0.0)
+        while (reply := await self._ask(run.registration_id, req, "question where to resume")).error:
+            if "already committed" in reply.error:
+                break
+            if time.monotonic() > deadline:
+                if total is None:  # its partition does not open (its data gone or unreadable): retired by _follow
+                    raise MultiLoraError(f"adapter {run.name}: the buffer cannot say where to resume: {reply.error}")
+                return await self._resume_weights(self._track(run, step=0, total=total))
+            await asyncio.sleep(1.0)
+        t = self._track(run, reply.committed_step + 1, total)
         if run.step == t.step + 1 and is_complete(adapter_dir(self.run_dir, run.name, t.rid, run.step)):
             t.step += 1  # that version is out: its step's records were written before it
             await self._commit_step(t, t.step - 1)
         while t.step > 0 and not is_complete(adapter_dir(self.run_dir, run.name, t.rid, t.step)):
             t.step -= 1  # never written: from the version before it (the steps after are trained again)
-        self._truncate(t)
-        spec, tensors = await asyncio.to_thread(load_adapter, adapter_dir(self.run_dir, run.name, t.rid, t.step))
-        self.lora.set_slot(run.slot, spec, tensors)
+        self.records.drop_after(self._reg_dir(run), t.step - 1, f"{run.name}/step", t.rid)
+        self.lora.set_slot(run.slot, *await asyncio.to_thread(load_adapter, self._reg_dir(run) / f"v{t.step}"))
         self.optimizer.reset(run.slot)
         await announce_adapter(self.bus, self.run_dir, run.name, t.rid, t.step, self.store)  # a kill may have cut it
         log.info("adapter %s resumed at its step %d (its optimizer state is lost)", run.name, t.step)
@@ -356,9 +338,7 @@ class AdapterTraining(Mode):
     async def _retire(self, run: AdapterRun) -> None:
         t = self.tracks.get(run.registration_id)
         if t is None:  # a restart found it retiring: resumed as an active one (its data is not needed)
-            if (t := await self._resume_adapter(run, total=0)) is None:
-                # its partition never opened (its data unreadable): nothing was leased; its newest version
-                await self._resume_weights(t := self._track(run, step=0, total=0))
+            t = await self._resume_adapter(run, total=0)
         if t.get is not None:
             t.get.cancel()
             t.get = None
@@ -381,14 +361,9 @@ class AdapterTraining(Mode):
         t.run = await self._control("complete", run)
         log.info("adapter %s completed at its step %d: saved to %s, slot %d free", run.name, t.step, out, run.slot)
 
-    def _versions(self, t: Track) -> list[Path]:
-        """Its version directories on disk (`v<k>`), oldest first."""
-        d = self._reg_dir(t.run)
-        return [p for _, p in numbered(d.glob("v*"))]
-
-    async def _resume_weights(self, t: Track) -> None:
-        for p in reversed(self._versions(t)):
-            v = int(p.name[1:])
+    async def _resume_weights(self, t: Track) -> Track:
+        """The track, at its newest version on disk (`v<k>`) that loads (none: as it was)."""
+        for v, p in reversed(numbered(self._reg_dir(t.run).glob("v*"))):
             if is_complete(p):
                 try:
                     self.lora.set_slot(t.run.slot, *await asyncio.to_thread(load_adapter, p))
@@ -396,7 +371,8 @@ class AdapterTraining(Mode):
                     log.error("adapter %s: its version %d does not load (%s); trying the one before", t.run.name, v, e)
                     continue
                 t.step = v
-                return
+                break
+        return t
 
     # ---- one adapter step ------------------------------------------------------------------------
     async def _ask(self, rid: str, req: BufferGetRequest, what: str) -> BufferGetReply:
@@ -425,8 +401,8 @@ class AdapterTraining(Mode):
         )
         self.check.exclude_invalid(w.groups, max_version=t.step, n=t.run.spec.n_samples_per_prompt)
         c = self.config
-        if self.dp is not None:  # --trainer-num-ranks: the samples split over the ranks
-            w.stats = await asyncio.to_thread(self.dp.train_adapter, self.lora, self.optimizer, t.run.slot, w.groups,
+        if (dp := self.lifecycle.dp) is not None:  # --trainer-num-ranks: the samples split over the ranks
+            w.stats = await asyncio.to_thread(dp.train_adapter, self.lora, self.optimizer, t.run.slot, w.groups,
                                               self.loss_cfg, w.std)  # fmt: skip
         else:
             (batches,) = build_step_batches(w.groups, w.std, c.rollout.reward_key, self.pad_id, max_tokens_of(c), 1)
@@ -458,7 +434,7 @@ class AdapterTraining(Mode):
         newest --keep-weight-snapshots, the one behind its committed step (a restart resumes from
         it), and those newer than the engines' live version of it (weight-sync may be loading one)."""
         keep = max(1, self.config.trainer.keep_weight_snapshots)
-        versions = self._versions(t)
+        versions = [p for _, p in numbered(self._reg_dir(t.run).glob("v*"))]  # oldest first
         if len(versions) <= keep:
             return
         live = -1  # unknown: every version among the newest few stays
@@ -478,14 +454,6 @@ class AdapterTraining(Mode):
                                f"commit of adapter {t.run.name} step {step}", MultiLoraError)  # fmt: skip
 
     # ---- records ---------------------------------------------------------------------------------
-    def _truncate(self, t: Track) -> None:
-        """The steps after the committed one are trained again: drop their records, in its
-        trained.jsonl and in the run's metrics.jsonl (this registration's lines only)."""
-        keep_lines(self._reg_dir(t.run) / "trained.jsonl", lambda rec: rec["step"] < t.step)
-        sample_records.drop_after(self._reg_dir(t.run), t.step - 1)
-        axis = f"{t.run.name}/step"
-        keep_lines(self.records.path, lambda rec: rec.get("registration") != t.rid or rec[axis] < t.step)
-
     async def record(self, w: Work) -> dict:
         t, reply, info = w.owner
         n = t.run.name

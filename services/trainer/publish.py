@@ -93,25 +93,21 @@ class WeightPublisher:
         # a version newer than the engines' live one may be loading right now: deleting it under
         # weight-sync loses that whole update (the engines stay behind a cycle longer), so those
         # stay too, up to SNAPSHOT_LAG_FACTOR x --keep-weight-snapshots (engines that are away)
-        live = await self.live_version(version)
+        try:
+            live = await self.bus.kv_get("live_version", WeightsLive)
+            # the engines' version, never beyond what this trainer pushed (a forged value would let it
+            # delete the live snapshot)
+            live = min(live.version, version) if live is not None else 0
+        except Exception:  # a broker away, a value that does not decode: retain as before
+            live = version
         for old in snapshots_to_remove(self.snapshots, keep, backing, live):
             self.snapshots.remove(old)
             remove_snapshot(old)
         if self.store is not None:  # the same versions, by number
-            stored = [Path(f"v{v}") for v in sorted(self.stored)]
-            committed = Path(f"v{committed_version}") if committed_version is not None else None
-            for v in [int(p.name[1:]) for p in snapshots_to_remove(stored, keep, committed, live)]:
+            stored = [self.weights_dir / f"v{v}" for v in sorted(self.stored)]
+            for v in [int(p.name[1:]) for p in snapshots_to_remove(stored, keep, backing, live)]:
                 await self.store.retire(v)
                 self.stored.discard(v)
-
-    async def live_version(self, newest: int) -> int:
-        """The engines' version (KV live_version); `newest` (the newest pushed) when it cannot be read."""
-        try:
-            live = await self.bus.kv_get("live_version", WeightsLive)
-            # never beyond what this trainer pushed (a forged value would let it delete the live snapshot)
-            return min(live.version, newest) if live is not None else 0
-        except Exception:  # a broker away, a value that does not decode: retain as before
-            return newest
 
     async def have_snapshot(self, pub: WeightsPublished) -> bool:
         """The snapshot of `pub` is on local disk, or (object-store) fetched from the bucket now:
@@ -143,19 +139,13 @@ class WeightPublisher:
         log.error("weights v%d were not live within %.0fs of the last step: the engines keep an older version",
                   version, FINAL_BROADCAST_TIMEOUT_S)  # fmt: skip
 
-    async def stop(self) -> None:
-        if self.sender is not None:
-            await self.sender.stop()
-
 
 def master_address(config) -> str:
     """Where the engines reach the trainer's weight transfer group: --update-weight-master-address,
     the node's address a Ray placement gave this process, or this host's address on its route to
     the NATS server (an address the other hosts of the run reach; 127.0.0.1 with a local server)."""
-    if config.async_.update_weight_master_address:
-        return config.async_.update_weight_master_address
-    if os.environ.get(NODE_IP_ENV):
-        return os.environ[NODE_IP_ENV]
+    if given := config.async_.update_weight_master_address or os.environ.get(NODE_IP_ENV):
+        return given
     host = urlsplit((config.infra.nats_url or "").split(",")[0].strip()).hostname or "127.0.0.1"
     try:
         return local_address_towards(host)

@@ -3,9 +3,9 @@ model's (services.trainer.model_mode) and the adapters' (services.trainer.multi_
 
 - `BufferLink`: request/reply to the buffer that rides out a restarting buffer or broker, the
   wait for a step's lease, its payloads, and commits;
-- `Records`: metrics.jsonl and the metric sinks (`emit`), and where the records' axis resumes;
-- `append_trained` / `keep_lines`: trained.jsonl (the audit holds it against the ledger) and the
-  records a restart drops (the steps after the committed one are trained again);
+- `Records`: metrics.jsonl and the metric sinks (`emit`), where the records' axis resumes, and
+  the records a restart drops (`drop_after`: the steps after the committed one are trained again);
+- `append_trained` / `keep_lines`: trained.jsonl (the audit holds it against the ledger);
 - `SampleCheck`: the samples a loop must not train on, left out of the loss and counted;
 - `SampleRecorder`: every trained sample kept for the dashboard (services/common/sample_records.py).
 
@@ -33,7 +33,7 @@ from asyncrl_proto import (
     decode,
 )
 from asyncrl_proto.messages import SampleStatus, flatten_group
-from services.common import sample_records
+from services.common import procs, sample_records
 from services.common.bus import TransportError
 from services.common.validate import Limits, sample_problem
 from services.trainer.core import LossConfig, missing_logprobs, samples_with_advantages
@@ -136,6 +136,13 @@ class Records:
                     last = max(last, int(json.loads(x)["step"]))
         return last + 1
 
+    def drop_after(self, records_dir: Path, last_step: int, axis: str = "step", rid: str | None = None) -> None:
+        """The steps after `last_step` are trained again: drop their records, in `records_dir`'s
+        trained.jsonl and samples, and in metrics.jsonl on `axis` (`rid`: one registration's only)."""
+        keep_lines(records_dir / "trained.jsonl", lambda rec: rec["step"] <= last_step)
+        sample_records.drop_after(records_dir, last_step)
+        keep_lines(self.path, lambda rec: rec.get("registration") != rid or rec[axis] <= last_step)
+
 
 def append_trained(records_dir: Path, step: int, groups: list[list]) -> None:
     """`<records_dir>/trained.jsonl`: the prompts (group indexes) each step trained on."""
@@ -154,9 +161,7 @@ def keep_lines(path: Path, keep) -> None:
         with contextlib.suppress(ValueError, KeyError, TypeError):
             if keep(json.loads(x)):
                 kept.append(x)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(x + "\n" for x in kept))
-    tmp.replace(path)
+    procs.replace_file(path, "".join(x + "\n" for x in kept))
 
 
 class SampleCheck:

@@ -168,16 +168,12 @@ class WeightSender:
         async with self._lock:
             await self._close()
 
-    def _group_state(self) -> str | None:
-        f = self._forming
-        if f is None or not f.done():
-            return None if f is None else "forming"
-        return "formed" if not f.cancelled() and f.exception() is None else "failed"
-
     def status(self) -> dict:
+        f = self._forming
+        failed = f is not None and f.done() and (f.cancelled() or f.exception() is not None)
         return {
             "held_version": self.held[0] if self.held else None,
-            "group": self._group_state(),
+            "group": None if f is None else "forming" if not f.done() else "failed" if failed else "formed",
             "num_sends": self.num_sends,
             "last_send_s": self.last_send_s,
         }
