@@ -49,10 +49,9 @@ class TextView:
     def text(self, output_ids: list[int], finish_reason: dict | None) -> str:
         """The output text; `finish_reason` None: a streamed prefix of an unfinished request."""
         matched = (finish_reason or {}).get("matched")
-        ids = output_ids
-        if isinstance(matched, int) and not self.no_stop_trim and ids:
-            ids = ids[:-1]  # a matched stop token is not detokenized into text (SGLang)
-        text = self.decode(ids)
+        if isinstance(matched, int) and not self.no_stop_trim and output_ids:
+            output_ids = output_ids[:-1]  # a matched stop token is not detokenized into text (SGLang)
+        text = self.decode(output_ids)
         if isinstance(matched, str):
             return self._cut(text, matched)
         if finish_reason is None:

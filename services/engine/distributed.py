@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.engine.protocol import BadRequest, typed, updated_message
-from services.model.hf_io import NonFiniteWeights, check_finite
+from services.model.hf_io import check_finite
 from services.model.transfer import GROUP_TIMEOUT_S, Digest, TransferGroup, dtype_of
 
 DEFAULT_GROUP = "weight_update_group"
@@ -42,11 +42,8 @@ class _Incoming:
 
 
 def _checked(received: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
-    """The received tensors in the model's devices and dtypes; ValueError if any is not finite."""
-    try:
-        check_finite(received, "received weights")
-    except NonFiniteWeights as e:
-        raise ValueError(str(e)) from None
+    """The received tensors in the model's devices and dtypes; ValueError (NonFiniteWeights) if any is not finite."""
+    check_finite(received, "received weights")
     return {n: received[n].to(device=p.device, dtype=p.dtype).contiguous() for n, p in params.items()}
 
 

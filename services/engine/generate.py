@@ -13,6 +13,7 @@ last one; a batch's chunks carry `index`), then `data: [DONE]`. The OpenAI route
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.engine.detok import TextView
-from services.engine.protocol import BadRequest, Sequence
+from services.engine.protocol import BadRequest, Sequence, raise_if_failed
 from services.engine.request import Request as EngineRequest
 from services.engine.scheduler import Scheduler
 
@@ -45,21 +46,21 @@ class Generation:
         self.tokenizer = tokenizer
         self.loras = loras
 
-    def check_loras(self, seqs: list[Sequence]) -> None:
-        """BadRequest now (before a stream starts) if a sequence names an adapter not loaded."""
+    def check_loras(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """(slot, uid) of each sequence's adapter, (-1, 0) for the base model; BadRequest if one
+        names an adapter not loaded (called alone: before a stream starts)."""
         if self.loras is None:
             if any(seq.lora is not None for seq in seqs):
                 raise BadRequest("lora_path: this engine serves no LoRA adapters; start it with --enable-lora")
-            return
+            return [(-1, 0)] * len(seqs)
         with self.loras.lock:
-            for seq in seqs:
-                self.loras.resolve(seq.lora)
+            return [self.loras.resolve(seq.lora) for seq in seqs]
 
-    def submit(self, seqs: list[Sequence], queue: asyncio.Queue, tokens: bool = True) -> list[Tracked]:
-        """Queue every sequence; progress arrives on `queue` as (index, tokens so far) and
-        (index, None) when the request is finished. tokens False: only the ends arrive (a caller
-        that waits for the whole answer wakes once per request, not once per token)."""
-        loop = asyncio.get_running_loop()
+    def submit(self, seqs: list[Sequence], tokens: bool = True) -> tuple[list[Tracked], asyncio.Queue]:
+        """Queue every sequence; the queue their progress arrives on (`progress` reads it) is returned
+        with them: (index, tokens so far), and (index, None) when the request is finished. tokens False:
+        only the ends arrive (a caller that waits for the whole answer wakes once per request, not per token)."""
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         tracked = []
         for i, seq in enumerate(seqs):
             view = TextView(self.tokenizer, seq)
@@ -76,17 +77,12 @@ class Generation:
                                 top_logprobs_num=seq.top_logprobs_num,
                                 stop_check=view.stop_check if view.stops or view.regexes else None)  # fmt: skip
             tracked.append(Tracked(i, seq, req, view))
-        if self.loras is None:
-            self.check_loras(seqs)
-            for t in tracked:
+        lock = self.loras.lock if self.loras is not None else contextlib.nullcontext()
+        with lock:  # resolved and queued together: an unload never misses these requests
+            for t, (slot, uid) in zip(tracked, self.check_loras(seqs), strict=True):
+                t.req.lora_slot, t.req.lora_uid = slot, uid
                 self.scheduler.add_request(t.req)
-            return tracked
-        with self.loras.lock:  # resolved and queued together: an unload never misses these requests
-            for t in tracked:
-                t.req.lora_slot, t.req.lora_uid = self.loras.resolve(t.seq.lora)
-            for t in tracked:
-                self.scheduler.add_request(t.req)
-        return tracked
+        return tracked, queue
 
     async def progress(self, tracked: list[Tracked], queue: asyncio.Queue) -> AsyncIterator[tuple[Tracked, int]]:
         """(sequence, tokens to show) at each step of progress, until all are finished; a
@@ -113,11 +109,12 @@ class Generation:
                     self.scheduler.abort(rid=t.req.rid)
 
     async def run(self, seqs: list[Sequence]) -> list[Tracked]:
-        """Submit and wait until every sequence is finished."""
-        queue: asyncio.Queue = asyncio.Queue()
-        tracked = self.submit(seqs, queue, tokens=False)
+        """Submit and wait until every sequence is finished; RequestFailed (a 400 or 500) for a
+        request the scheduler failed alone."""
+        tracked, queue = self.submit(seqs, tokens=False)
         async for _ in self.progress(tracked, queue):
             pass
+        raise_if_failed(t.req for t in tracked)
         return tracked
 
     # ---- SGLang's /generate --------------------------------------------------------------------
@@ -161,8 +158,7 @@ class Generation:
             meta["input_top_logprobs"] = tops(req.input_top_logprobs or [])
 
     async def stream(self, seqs: list[Sequence], is_batch: bool) -> AsyncIterator[bytes]:
-        queue: asyncio.Queue = asyncio.Queue()
-        tracked = self.submit(seqs, queue)
+        tracked, queue = self.submit(seqs)
         async for t, n in self.progress(tracked, queue):
             chunk = self.output(t, n)
             if is_batch:

@@ -40,9 +40,9 @@ class EngineLoras:
         self.lora = MultiLora(scheduler.model, n_slots=max_loras, max_rank=max_rank, targets=targets)
         scheduler.lora = self.lora
         self.max_rank, self.targets = max_rank, tuple(targets)
-        self.lock = threading.Lock()
-        """Held to resolve names and queue their requests, and to mark an adapter unloading: an
-        unload never misses a request that resolved its adapter before it."""
+        self.lock = threading.RLock()
+        """Held to resolve names and queue their requests, and to mark an adapter unloading: an unload
+        never misses a request that resolved its adapter before it (reentrant: queueing resolves under it)."""
         self.adapters: dict[str, Resident] = {}
         self._uids = itertools.count(1)
 

@@ -11,7 +11,6 @@ tool calls come back as OpenAI's `message.tool_calls` (non-streaming answers onl
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from typing import Any
@@ -20,7 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.engine.generate import Tracked, sse, weight_spans
-from services.engine.protocol import MAX_SEQUENCES, BadRequest, Sequence, raise_if_failed, sampling_params, token_ids
+from services.engine.protocol import MAX_SEQUENCES, BadRequest, Sequence, sampling_params, token_ids
+from services.engine.routes import body_of
 from services.engine.tool_calls import arguments_for_template, parse_tool_calls
 
 MAX_LOGPROBS = 20
@@ -84,16 +84,15 @@ class OpenAIRoutes:
         self.generation = server.generation
 
     # ---- requests ---------------------------------------------------------------------------
-    def _common(self, body: Any, fields: set[str]) -> dict:
-        _check(isinstance(body, dict), "the request body must be a JSON object", None)
+    def _common(self, body: dict, fields: set[str]) -> dict:
         unknown = sorted(set(body) - fields - set(NEUTRAL_ONLY))
         _check(not unknown, f"{unknown[0] if unknown else ''} is not a field the built-in engine implements",
                unknown[0] if unknown else None)  # fmt: skip
         for key, neutral in NEUTRAL_ONLY.items():
             _check(body.get(key) in neutral, f"{key} is not implemented by the built-in engine", key)
         # one model is served: like SGLang, any name reaches it (routers fill in names of their own)
-        _check(body.get("model") is None or isinstance(body.get("model"), str), "model must be a string", "model")
-        _check(body.get("user") is None or isinstance(body.get("user"), str), "user must be a string", "user")
+        for key in ("model", "user"):
+            _check(body.get(key) is None or isinstance(body[key], str), f"{key} must be a string", key)
         opts = body.get("stream_options")
         _check(opts is None or (isinstance(opts, dict) and set(opts) <= {"include_usage"}),
                "stream_options may hold only include_usage", "stream_options")  # fmt: skip
@@ -111,7 +110,7 @@ class OpenAIRoutes:
                 msg = msg.replace(theirs, ours)
             raise OpenAIError(msg, next((k for k in body if msg.startswith(k)), None)) from None
 
-    def completion_seqs(self, body: Any) -> tuple[list[Sequence], list[list[int]], dict]:
+    def completion_seqs(self, body: dict) -> tuple[list[Sequence], list[list[int]], dict]:
         raw = self._common(body, COMPLETION_FIELDS)
         for key, neutral in (("suffix", (None, "")), ("best_of", (None, body.get("n") or 1))):
             _check(body.get(key) in neutral, f"{key} is not implemented by the built-in engine", key)
@@ -140,7 +139,7 @@ class OpenAIRoutes:
         except BadRequest as e:
             raise OpenAIError(str(e), "prompt") from None
 
-    def chat_seqs(self, body: Any) -> tuple[list[Sequence], list[list[int]], dict]:
+    def chat_seqs(self, body: dict) -> tuple[list[Sequence], list[list[int]], dict]:
         raw = self._common(body, CHAT_FIELDS)
         if body.get("max_completion_tokens") is not None:
             raw["max_new_tokens"] = body["max_completion_tokens"]
@@ -199,12 +198,11 @@ class OpenAIRoutes:
         _check(tok is not None and tok.has_chat_template, "the model's tokenizer has no chat template", "messages")
         try:
             rendered = tok.render_chat(clean, add_generation_prompt=True, tools=tools)
+            return token_ids(tok.encode(rendered, add_special_tokens=False), "messages", self.server.limits)
+        except BadRequest as e:  # the prompt does not fit
+            raise OpenAIError(str(e), "messages") from None
         except ValueError as e:
             raise OpenAIError(f"the chat template failed: {e}", "messages") from None
-        try:
-            return token_ids(tok.encode(rendered, add_special_tokens=False), "messages", self.server.limits)
-        except BadRequest as e:
-            raise OpenAIError(str(e), "messages") from None
 
     # ---- responses --------------------------------------------------------------------------
     @staticmethod
@@ -218,14 +216,26 @@ class OpenAIRoutes:
         reason = t.req.finish_reason or {}
         return reason.get("type"), reason.get("matched")
 
-    def _completion_logprobs(self, t: Tracked, lo: int, hi: int, offset: int, echo: bool) -> dict:
+    def _logprobs(self, t: Tracked, lo: int, hi: int, offset: int, echo: bool, chat: bool) -> dict | None:
+        """The log-probs of output tokens lo..hi (from lo 0 with `echo`: the prompt's first), in
+        OpenAI's chat or completion shape; None unless the request asked for them."""
         view, req = t.view, t.req
+        if not t.seq.return_logprob:
+            return None
         entries = []
         if echo and lo == 0 and req.input_logprobs is not None:
             tops = req.input_top_logprobs or [None] * len(req.input_ids)
             entries += list(zip(req.input_ids, req.input_logprobs, tops, strict=True))
         tops = req.output_top_logprobs[lo:hi] if t.seq.top_logprobs_num else [None] * (hi - lo)
         entries += list(zip(req.output_ids[lo:hi], req.output_logprobs[lo:hi], tops, strict=True))
+        if chat:
+
+            def entry(tid, lp):
+                piece = view.token_text(tid)
+                return {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
+
+            return {"content": [entry(tid, lp) | {"top_logprobs": [entry(i, v) for v, i in top or []]}
+                                for tid, lp, top in entries]}  # fmt: skip
         out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tid, lp, top in entries:
             piece = view.token_text(tid)
@@ -235,20 +245,6 @@ class OpenAIRoutes:
             out["text_offset"].append(offset)
             offset += len(piece)
         return out
-
-    def _chat_logprobs(self, t: Tracked, lo: int, hi: int) -> dict:
-        view, req = t.view, t.req
-
-        def entry(tid, lp):
-            piece = view.token_text(tid)
-            return {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
-
-        content = []
-        for j in range(lo, hi):
-            e = entry(req.output_ids[j], req.output_logprobs[j])
-            top = req.output_top_logprobs[j] if t.seq.top_logprobs_num else []
-            content.append(e | {"top_logprobs": [entry(i, v) for v, i in top]})
-        return {"content": content}
 
     def _ids(self, t: Tracked, meta: dict) -> dict:
         """With return_token_ids: the choice's sampled ids and, in SGLang's meta_info shape, the
@@ -276,9 +272,7 @@ class OpenAIRoutes:
                         reason = "tool_calls" if reason == "stop" else reason
             else:
                 choice = {"index": t.index, "text": (t.view.decode(req.input_ids) if meta["echo"] else "") + text}
-            lp, n = None, len(req.output_ids)
-            if t.seq.return_logprob:
-                lp = self._chat_logprobs(t, 0, n) if chat else self._completion_logprobs(t, 0, n, 0, meta["echo"])
+            lp = self._logprobs(t, 0, len(req.output_ids), 0, meta.get("echo", False), chat)
             choice |= {"logprobs": lp, "finish_reason": reason, "matched_stop": matched}
             choices.append(choice | self._ids(t, meta))
         kind = "chat.completion" if chat else "text_completion"
@@ -288,8 +282,7 @@ class OpenAIRoutes:
 
     async def stream(self, seqs, prompts, meta, chat: bool, include_usage: bool):
         """OpenAI chunks: each carries one choice's new text (and its new tokens' logprobs)."""
-        queue: asyncio.Queue = asyncio.Queue()
-        tracked = self.generation.submit(seqs, queue)
+        tracked, queue = self.generation.submit(seqs)
         kind = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": meta["id"], "object": kind, "created": int(time.time()), "model": self.server.served_model_name}
         sent_text, sent_tokens = [0] * len(tracked), [0] * len(tracked)
@@ -306,10 +299,7 @@ class OpenAIRoutes:
             i, req = t.index, t.req
             text = echoed[i] + t.view.text(req.output_ids[:n], req.finish_reason if t.done else None)
             delta, sent_text[i] = text[sent_text[i] :], max(sent_text[i], len(text))
-            lp = None
-            if t.seq.return_logprob:
-                lp = (self._chat_logprobs(t, sent_tokens[i], n) if chat else
-                      self._completion_logprobs(t, sent_tokens[i], n, sent_text[i] - len(delta), meta["echo"]))  # fmt: skip
+            lp = self._logprobs(t, sent_tokens[i], n, sent_text[i] - len(delta), meta.get("echo", False), chat)
             sent_tokens[i] = n
             reason, matched = self._finish(t) if t.done else (None, None)
             text = {"delta": {"content": delta} if delta else {}} if chat else {"text": delta}
@@ -320,11 +310,9 @@ class OpenAIRoutes:
 
     async def answer(self, request: Request, chat: bool):
         try:
-            body = await request.json()
-        except ValueError as e:
-            return _error(OpenAIError(f"invalid JSON: {e}"))
-        except RecursionError:  # the parser's depth limit
-            return _error(OpenAIError("invalid JSON: nested too deeply"))
+            body = await body_of(request, optional=False)
+        except BadRequest as e:  # not JSON, or not an object
+            return _error(OpenAIError(str(e)))
         try:
             seqs, prompts, meta = self.chat_seqs(body) if chat else self.completion_seqs(body)
             stream, include_usage = _flag(body, "stream"), bool((body.get("stream_options") or {}).get("include_usage"))
@@ -336,9 +324,7 @@ class OpenAIRoutes:
         if stream:
             return StreamingResponse(self.stream(seqs, prompts, meta, chat, include_usage),
                                      media_type="text/event-stream")  # fmt: skip
-        tracked = await self.generation.run(seqs)
-        raise_if_failed(t.req for t in tracked)  # a 400 or 500 for a request the scheduler failed alone
-        return self.body(tracked, prompts, meta, chat)
+        return self.body(await self.generation.run(seqs), prompts, meta, chat)
 
     def _adapter(self, model: str | None) -> str | None:
         """The LoRA adapter a `model` names, as SGLang: "<adapter>" or "<served-model>:<adapter>";
@@ -377,9 +363,6 @@ def add_openai_routes(app: FastAPI, server) -> None:
         return routes.models()
 
     @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await routes.answer(request, chat=False)
-
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await routes.answer(request, chat=True)
+    async def completions(request: Request):
+        return await routes.answer(request, chat=request.url.path.endswith("/chat/completions"))

@@ -139,14 +139,15 @@ def typed(body: dict, key: str, kind: type | tuple, default=None, required: bool
         if required:
             raise BadRequest(f"{key} is required")
         return None
-    if not isinstance(v, kind) or (kind is not bool and isinstance(v, bool)):
+    if not _is(v, kind):
         names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
         raise BadRequest(f"{key} must be a {names}, got {type(v).__name__}")
     return v
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _is(v: Any, kind: type | tuple) -> bool:
+    """isinstance, but a bool is only a bool (never an int)."""
+    return isinstance(v, kind) and (kind is bool or not isinstance(v, bool))
 
 
 def _number(raw: dict, key: str, default: float, where: str, bounds: str = "", ok: Callable | None = None) -> float:
@@ -154,7 +155,7 @@ def _number(raw: dict, key: str, default: float, where: str, bounds: str = "", o
     v = raw.get(key)
     if v is None:
         v = default
-    elif not isinstance(v, (int, float)) or isinstance(v, bool):
+    elif not _is(v, (int, float)):
         raise BadRequest(f"{where}{key} must be a number, got {type(v).__name__}")
     elif not abs(v) <= sys.float_info.max:  # NaN, inf, or an integer too large for a float
         raise BadRequest(f"{where}{key} must be finite, got {v!r:.40}")
@@ -170,7 +171,7 @@ def _integer(raw: dict, key: str, default: int | None, where: str, lo: int, hi: 
         return default
     if isinstance(v, float) and v.is_integer():
         v = int(v)
-    if not _is_int(v):
+    if not _is(v, int):
         raise BadRequest(f"{where}{key} must be an integer, got {type(v).__name__}")
     if v < lo or (hi is not None and v > hi):
         raise BadRequest(f"{where}{key} must be in [{lo}, {hi if hi is not None else 'inf'}], got {v}")
@@ -197,7 +198,7 @@ def token_ids(v: Any, field: str, limits: Limits, prompt: bool = True) -> list[i
     if not isinstance(v, list) or not v:
         raise BadRequest(f"{field} must be a non-empty list of token ids")
     for t in v:
-        if not _is_int(t):
+        if not _is(t, int):
             raise BadRequest(f"{field} must hold integers, got {type(t).__name__}")
         if not 0 <= t < limits.vocab_size:
             raise BadRequest(f"{field} holds token id {t}, outside the vocabulary [0, {limits.vocab_size})")
@@ -294,7 +295,7 @@ def _logit_bias(v: Any, limits: Limits, where: str) -> dict[int, float]:
             raise BadRequest(f"{where}logit_bias has key {key!r:.40}, not a token id") from None
         if not 0 <= tid < limits.vocab_size:
             raise BadRequest(f"{where}logit_bias has token id {tid}, outside the vocabulary [0, {limits.vocab_size})")
-        if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not abs(bias) <= FLOAT32_MAX:
+        if not _is(bias, (int, float)) or not abs(bias) <= FLOAT32_MAX:
             raise BadRequest(f"{where}logit_bias[{key}] must be a finite number (in float32, the dtype it is added "
                              "in: |bias| <= 3.4e38)")  # fmt: skip
         out[tid] = float(bias)
@@ -391,15 +392,11 @@ def _loras(v: Any, count: int) -> list[str | None]:
 def _per_prompt(v: Any, field: str, count: int, kind: type) -> list:
     if v is None:
         return [None] * count
-
-    def fits(x) -> bool:
-        return isinstance(x, kind) and (kind is bool or not isinstance(x, bool))
-
     if isinstance(v, list):
-        if len(v) != count or not all(fits(x) for x in v):
+        if len(v) != count or not all(_is(x, kind) for x in v):
             raise BadRequest(f"{field} must be one {kind.__name__} or a list of {count}")
         items = v
-    elif fits(v):
+    elif _is(v, kind):
         items = [v] * count
     else:
         raise BadRequest(f"{field} must be a {kind.__name__}, got {type(v).__name__}")

@@ -15,16 +15,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from services.engine.metrics import engine_metrics
-from services.engine.protocol import BadRequest, parse_generate, raise_if_failed, typed, updated_message
+from services.engine.protocol import BadRequest, parse_generate, typed, updated_message
 from services.weights.store import SCHEME, WeightStoreError
 
 log = logging.getLogger(__name__)
 SGLANG_COMPAT_VERSION = "0.5.16"
 
 
-async def body_of(request: Request) -> dict:
+async def body_of(request: Request, optional: bool = True) -> dict:
+    """The request's JSON object ({} for no body when `optional`); BadRequest if it is not one."""
     raw = await request.body()
-    if not raw:
+    if not raw and optional:
         return {}
     try:
         data = json.loads(raw)
@@ -59,9 +60,7 @@ def native_routes(server) -> APIRouter:
     async def generated(body: dict) -> dict | list:
         """A non-streaming /generate: the response object, or a list of them for a batch."""
         seqs, is_batch = parse_generate(body, server.limits, server.tokenizer)
-        tracked = await server.generation.run(seqs)
-        raise_if_failed(t.req for t in tracked)
-        outs = [server.generation.output(t) for t in tracked]
+        outs = [server.generation.output(t) for t in await server.generation.run(seqs)]
         return outs if is_batch else outs[0]
 
     @r.api_route("/generate", methods=["POST", "PUT"])
@@ -231,17 +230,13 @@ def weight_routes(server) -> APIRouter:
     r, sched = APIRouter(), server.scheduler
 
     @r.post("/stage_weights")
-    async def stage_weights(request: Request):
-        if not server.staged_loading:
-            return JSONResponse({"detail": "Not Found"}, status_code=404)
-        return await from_disk(await body_of(request), stage=True)
-
     @r.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request):
-        return await from_disk(await body_of(request), stage=False)
-
-    async def from_disk(body: dict, stage: bool):
-        """Stage (stage) or load the snapshot at `model_path`: a directory or a `nats-object://` URI."""
+    async def from_disk(request: Request):
+        """Stage (/stage_weights) or load the snapshot at `model_path`: a directory or a `nats-object://` URI."""
+        stage = request.url.path.endswith("/stage_weights")
+        if stage and not server.staged_loading:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        body = await body_of(request)
         path = typed(body, "model_path", str)
         if not path:
             return refused("model_path is required")
@@ -329,15 +324,10 @@ def lora_routes(server) -> APIRouter:
     r = APIRouter()
 
     @r.post("/load_lora_adapter")
-    async def load_lora_adapter(request: Request):
-        return await lora_call("load", await body_of(request))
-
     @r.post("/unload_lora_adapter")
-    async def unload_lora_adapter(request: Request):
-        return await lora_call("unload", await body_of(request))
-
-    async def lora_call(op: str, body: dict):
+    async def lora_call(request: Request):
         """SGLang's LoRA answer: {success, error_message, loaded_adapters}, a 400 on failure."""
+        load, body = request.url.path.endswith("/load_lora_adapter"), await body_of(request)
 
         def failed(message: str) -> JSONResponse:
             loaded = server.loras.loaded() if server.loras is not None else {}
@@ -345,7 +335,7 @@ def lora_routes(server) -> APIRouter:
 
         if server.loras is None:
             return failed("LoRA is not enabled on this engine: start it with --enable-lora")
-        path = body.get("lora_path") if op == "load" else None
+        path = body.get("lora_path") if load else None
         try:  # an object-store version is fetched first
             if isinstance(path, str):
                 body = {**body, "lora_path": await local_copy(server, path, adapter=True)}
@@ -354,7 +344,7 @@ def lora_routes(server) -> APIRouter:
         except (OSError, TimeoutError) as e:  # the broker away: asked again
             return failed(f"could not fetch {path!r:.200}: {e}")
         try:  # their own threads: an unload waiting for its requests never takes one from pause/continue
-            fn = server.loras.load if op == "load" else server.loras.unload
+            fn = server.loras.load if load else server.loras.unload
             return await asyncio.get_running_loop().run_in_executor(server.lora_pool, fn, body)
         except (BadRequest, TimeoutError) as e:
             return failed(str(e))

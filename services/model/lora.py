@@ -150,9 +150,7 @@ class MultiLora(nn.Module):
             sites = model.lora_sites(self.targets)
         else:
             sites = [LoraSite(_module_of(model, i, name), i, (name,)) for i in range(self.num_layers) for name in self.targets]
-        self._hooks = [site.module.register_forward_hook(self._fused_hook(site) if site.fuse or site.batch_dim
-                                                         else self._hook(f"l{site.layer}_{site.names[0]}"))
-                       for site in sites]  # fmt: skip
+        self._hooks = [site.module.register_forward_hook(self._hook(site)) for site in sites]
         self.register_buffer("scale", torch.zeros(n_slots, dtype=ref.dtype))
         self.specs: list[LoraSpec | None] = [None] * n_slots
         self._rows: tuple[int, list[tuple[int, int, int]]] | None = None
@@ -181,33 +179,13 @@ class MultiLora(nn.Module):
         finally:
             self._rows = previous
 
-    def _hook(self, key: str):
-        def add_delta(_module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor | None:
-            """out[rows] += scale * (x A^T) B^T for each run of rows of one adapter: two matmuls
-            per run, on views, at the adapter's own rank."""
-            if self._rows is None or not self._rows[1]:
-                return None
-            n, runs = self._rows
-            if out.shape[0] != n:
-                raise LoraError(f"rows name {n} slots for a batch of {out.shape[0]}")
-            x = inputs[0]
-            module = key.split("_", 1)[1]
-            for slot, s, e in runs:
-                spec = self.specs[slot]
-                if module not in spec.target_modules:  # its factors here are zero: nothing to add
-                    continue
-                a, b = self.A[key][slot, : spec.rank], self.B[key][slot, :, : spec.rank]
-                h = x[s:e].reshape(-1, x.shape[-1]) @ a.t()
-                out[s:e].view(-1, out.shape[-1]).addmm_(h, b.t(), alpha=spec.scale)
-            return out
-
-        return add_delta
-
-    def _fused_hook(self, site: LoraSite):
-        def add_fused(_module: nn.Module, inputs: tuple, out):
-            """out + the deltas of the site's modules for each run of rows of one adapter, laid
-            out by `fuse` (zeros for a module the adapter does not target), not in place: the
-            output may be a tuple (Megatron's linears return (output, bias))."""
+    def _hook(self, site: LoraSite):
+        def add_delta(_module: nn.Module, inputs: tuple, out):
+            """The deltas of the site's modules for each run of rows of one adapter, two matmuls
+            per run at the adapter's own rank. One linear: out[rows] += scale * (x A^T) B^T, in
+            place, on views. Fused or sequence first: laid out by `fuse` (zeros for a module the
+            adapter does not target), not in place: the output may be a tuple (Megatron's linears
+            return (output, bias))."""
             if self._rows is None or not self._rows[1]:
                 return None
             n, runs = self._rows
@@ -215,9 +193,20 @@ class MultiLora(nn.Module):
             bd = site.batch_dim
             if y.shape[bd] != n:
                 raise LoraError(f"rows name {n} slots for a batch of {y.shape[bd]}")
-            x, delta = inputs[0], torch.zeros_like(y)
+            x = inputs[0]
+            if not (site.fuse or bd):
+                module, key = site.names[0], f"l{site.layer}_{site.names[0]}"
+                for slot, s, e in runs:
+                    spec = self.specs[slot]
+                    if module not in spec.target_modules:  # its factors here are zero: nothing to add
+                        continue
+                    a, b = self.A[key][slot, : spec.rank], self.B[key][slot, :, : spec.rank]
+                    h = x[s:e].reshape(-1, x.shape[-1]) @ a.t()
+                    out[s:e].view(-1, out.shape[-1]).addmm_(h, b.t(), alpha=spec.scale)
+                return out
+            delta = torch.zeros_like(y)
             for slot, s, e in runs:
-                spec, xs = self.specs[slot], inputs[0].narrow(bd, s, e - s)
+                spec, xs = self.specs[slot], x.narrow(bd, s, e - s)
                 parts = []
                 for name in site.names:
                     key = f"l{site.layer}_{name}"
@@ -229,7 +218,7 @@ class MultiLora(nn.Module):
                 delta.narrow(bd, s, e - s).add_(site.fuse(parts) if site.fuse else parts[0])
             return (y + delta, *out[1:]) if isinstance(out, tuple) else y + delta
 
-        return add_fused
+        return add_delta
 
     # ---- slots -----------------------------------------------------------------------------------
     def _check_spec(self, spec: LoraSpec) -> None:
@@ -311,13 +300,10 @@ class MultiLora(nn.Module):
 # ---- PEFT directories ------------------------------------------------------------------------------
 def save_adapter(lora: MultiLora, slot: int, out_dir: str | Path, base_model: str = "") -> Path:
     """Write a slot's adapter as a PEFT directory: stale marker removed first, marker written last."""
-    spec = lora.specs[slot]
-    if spec is None:
-        raise LoraError(f"slot {slot} holds no adapter")
+    tensors = {k: v.contiguous().cpu() for k, v in lora.slot_tensors(slot).items()}  # LoraError for an empty slot
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / COMPLETE_MARKER).unlink(missing_ok=True)
-    tensors = {k: v.contiguous().cpu() for k, v in lora.slot_tensors(slot).items()}
     if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
         raise LoraError(f"refusing to write {out}: the adapter holds non-finite values")
     tmp = out / "adapter_model.safetensors.tmp"
@@ -326,7 +312,7 @@ def save_adapter(lora: MultiLora, slot: int, out_dir: str | Path, base_model: st
     except SafetensorError as e:  # a full disk, a path that is a directory: what OSError means to callers
         raise OSError(f"cannot write {tmp}: {e}") from e
     tmp.replace(out / "adapter_model.safetensors")
-    (out / "adapter_config.json").write_text(json.dumps(spec.peft_config(base_model), indent=2))
+    (out / "adapter_config.json").write_text(json.dumps(lora.specs[slot].peft_config(base_model), indent=2))
     (out / COMPLETE_MARKER).write_text("")
     return out
 
