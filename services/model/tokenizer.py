@@ -56,7 +56,9 @@ class Tokenizer:
         """The chat template reads a `tools` variable (transformers' convention for tool schemas)."""
         source = self._cfg.get("chat_template")
         if isinstance(source, list):
-            source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+            source = next(
+                (t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None
+            )
         return isinstance(source, str) and re.search(r"\btools\b", source) is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -60,6 +60,18 @@ def test_a_malformed_chat_template_is_a_value_error_that_says_so(tiny_model_dir,
         Tokenizer(d).prompt_ids("12", chat_template=True)
 
 
+def test_template_renders_tools_reads_the_default_of_named_templates(tiny_model_dir, tmp_path):
+    """Several named templates: the "default" one is read, and an entry that is not a named template
+    is skipped, as rendering skips it (it raised AttributeError, a 500 for a request with tools)."""
+    d = tmp_path / "named"
+    shutil.copytree(tiny_model_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    for default, renders in ((TOOLS_TEMPLATE, True), ("{{ messages }}", False)):
+        cfg["chat_template"] = ["not a named template", {"name": "default", "template": default}]
+        (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+        assert Tokenizer(d).template_renders_tools is renders
+
+
 def test_the_bundled_chat_template_renders_as_transformers_renders_it(tiny_model_dir):
     """The engine renders templates with jinja2 alone; transformers (test extra) must agree."""
     transformers = pytest.importorskip("transformers")
