@@ -224,9 +224,9 @@ class Launcher:
                                   "--http-host", infra.http_host, "--http-port", str(port)],
                     url, "/healthz", extra_env=self.creds["admin"].env(), essential=False)  # fmt: skip
 
-    def wait_ready(self, timeout_s: float | None = None) -> None:
-        if timeout_s is None:  # an SGLang server loads and captures CUDA graphs: minutes, not seconds
-            timeout_s = 900.0 if self.config.infra.engine == "sglang" else 180.0
+    def wait_ready(self) -> None:
+        # an SGLang server loads and captures CUDA graphs: minutes, not seconds
+        timeout_s = 900.0 if self.config.infra.engine == "sglang" else 180.0
         deadline = time.monotonic() + timeout_s
         pending = dict(self.services)
         with httpx.Client(timeout=2.0, headers=self.procs.headers) as http:

@@ -263,7 +263,7 @@ async def create_streams(bus, config: RunConfig) -> None:
     await bus.kv_put("config", json.dumps(config.model_dump(mode="json")).encode())
 
 
-def init_run(config: RunConfig, log=print) -> RunConfig:
+def init_run(config: RunConfig, log=print) -> None:
     if not config.infra.nats_url:
         raise LaunchError("init-run needs --nats-url: the services it prepares for read their config from NATS")
     if not config.infra.rollout_engine_urls and not config.infra.rollout_external_engine_addrs:
@@ -280,4 +280,3 @@ def init_run(config: RunConfig, log=print) -> RunConfig:
     (Path(config.infra.run_dir) / "config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
     asyncio.run(publish_run_config(config))
     log(f"run {config.infra.run_id} prepared in {config.infra.run_dir}; config published to {config.infra.nats_url}")
-    return config

@@ -54,13 +54,13 @@ def with_ray_defaults(config):
     return config
 
 
-def init_ray(address: str | None, namespace: str, node_ip: str | None = None, num_cpus: int | None = None):
+def init_ray(address: str | None, namespace: str, num_cpus: int | None = None):
     """Join the cluster at `address`, or start a new local one for this run (never one found on the
     machine), gone with this process. A local one gets Ray's token authentication with a token of
     its own in our environment, which the children inherit (Ray would otherwise write one to ~/.ray)."""
-    kw = {"_node_ip_address": node_ip} if node_ip else {}
+    kw = {}
     if address is None:
-        address, kw = "local", kw | {"num_cpus": num_cpus, "include_dashboard": False}
+        address, kw = "local", {"num_cpus": num_cpus, "include_dashboard": False}
         if "RAY_AUTH_MODE" not in os.environ:
             os.environ |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     import ray
@@ -152,7 +152,7 @@ class ChildHost:
     def address(self) -> tuple[str, int]:
         return self.node_ip, procs.free_port(self.node_ip)
 
-    def start(self, cmd: list[str], env: dict[str, str], cwd: str) -> int:
+    def start(self, cmd: list[str], env: dict[str, str], cwd: str) -> None:
         """Run `cmd` here (a previous run of it stopped first), told its node and placement."""
         with self.lock:
             if self.proc is not None:
@@ -162,7 +162,6 @@ class ChildHost:
                 env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
             self.log.write_bytes(b"")
             self.proc = procs.spawn(cmd, log_path=self.log, env=env, cwd=cwd if Path(cwd).is_dir() else None)
-            return self.proc.pid
 
     def poll(self, offset: int, wait_s: float) -> tuple[bytes, int | None]:
         """Output after `offset` and the exit code (None while it runs); waits up to wait_s for either."""

@@ -306,11 +306,10 @@ class AdapterRegistry:
         """The oldest COMPLETED registrations go past MAX_HISTORY of them, or while the state is
         above MAX_STATE_BYTES encoded."""
         done = [r for r in self.state.runs if r.state is COMPLETED]
-        old = {id(r) for r in done[: max(0, len(done) - MAX_HISTORY)]}
-        self.state.runs = [r for r in self.state.runs if id(r) not in old]
+        drop = {id(r) for r in done[: max(0, len(done) - MAX_HISTORY)]}
+        self.state.runs = [r for r in self.state.runs if id(r) not in drop]
         size = len(encode(self.state))
-        drop = set()
-        for r in done[len(old) :]:
+        for r in done[len(drop) :]:
             if size <= MAX_STATE_BYTES:
                 break
             drop.add(id(r))

@@ -203,7 +203,7 @@ class AdapterPartitions:
         bound = Bound(lambda rid=run.registration_id: self._adapter_version(rid), run.step)
         log.info("buffer partition of adapter %s (registration %s)", run.name, run.registration_id)
         return Partition(self.svc, adapter_config(self.svc.config, run), self.svc.bus.subjects.of(run.registration_id), bound,
-                         QueueSub(), self.svc.consumer.ack_wait_s)  # fmt: skip
+                         QueueSub())  # fmt: skip
 
     async def _adapter_version(self, rid: str) -> int:
         """The newest version of a registration's adapter: the steps the registry says it took

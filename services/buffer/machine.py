@@ -303,11 +303,9 @@ class BufferMachine:
         retired): an outstanding one is recorded `foreign` and dropped; a repeat is a duplicate;
         one that names nothing released is rejected."""
         ident = group_identity(raw)
-        gid = ident.group_id if ident is not None else ""
-        common = {"group_id": gid, "group_index": ident.group_index if ident else -1,
-                  "attempt": ident.attempt if ident else 0, "stream_seq": stream_seq}  # fmt: skip
+        common = msgspec.structs.asdict(ident or GroupIdentity()) | {"stream_seq": stream_seq}
         if ident is not None:
-            foreign = gid in self.state.outstanding
+            foreign = ident.group_id in self.state.outstanding
             reason = "its adapter registration is closed" if foreign else ""
             self._record("put", outcome="foreign" if foreign else "duplicate", reason=reason, **common)
             return self._out(settle=Verdict.ACK)

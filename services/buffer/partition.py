@@ -96,11 +96,11 @@ async def drop_dead_lettered(bus, seq: int) -> None:
 
 
 class Partition:
-    """`svc` is the hosting Service (bus, fail, background, observe); `config` this partition's
+    """`svc` is the hosting Service (bus, consumer, fail, background, observe); `config` this partition's
     (a multi-LoRA adapter's data, batch size and budget); `published` the bound on the versions
     its groups and gets may name; `rollouts` where its ROLLOUTS messages arrive."""
 
-    def __init__(self, svc, config, subjects: Subjects, published, rollouts, ack_wait_s: float):
+    def __init__(self, svc, config, subjects: Subjects, published, rollouts):
         self.svc = svc
         self.bus = svc.bus
         self.config = config
@@ -124,7 +124,6 @@ class Partition:
         self._step_groups: list[list] = []  # the groups of the step being leased, filtered ones included
         self.ledger = Ledger(self.bus, svc.fail, svc.background, subjects)
         self.rollouts = rollouts
-        self.ack_wait_s = ack_wait_s
         self._wake_release, self._wake_pump = asyncio.Event(), asyncio.Event()
         self._stall_said: str | None = None
         self.expired_total = 0
@@ -249,7 +248,7 @@ class Partition:
                 await self.ledger.flush()  # what is decided becomes durable meanwhile
                 for m in pending:
                     await settle(m, Settle.IN_PROGRESS)  # and the waiting messages stay ours
-                await asyncio.wait({put}, timeout=self.ack_wait_s / 3)
+                await asyncio.wait({put}, timeout=self.svc.consumer.ack_wait_s / 3)
         finally:
             put.cancel()  # stopping (or a closed partition): nothing is decided after it
         put.result()

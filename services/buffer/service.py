@@ -65,7 +65,7 @@ class OnePartition(Partition):
     engines' live version (the multi-LoRA layout is services/buffer/adapters.py)."""
 
     def __init__(self, svc) -> None:
-        super().__init__(svc, svc.config, svc.bus.subjects, svc.published, None, svc.consumer.ack_wait_s)
+        super().__init__(svc, svc.config, svc.bus.subjects, svc.published, None)
         self.parts = {"": self}
 
     async def setup(self) -> None:

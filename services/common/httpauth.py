@@ -114,12 +114,10 @@ def keys_from_env(run_token: str | None, environ: Mapping[str, str] | None = Non
     return Keys.of_run(run_token) if run_token else None
 
 
-def engine_token_from_env(role: str, run_token: str | None, single_key_engines: bool,
-                          environ: Mapping[str, str] | None = None) -> str | None:  # fmt: skip
+def engine_token_from_env(role: str, run_token: str | None, single_key_engines: bool) -> str | None:
     """The token this process sends to the engines: $ASYNCRL_HTTP_TOKEN, else derived from the run
     token (the run token itself for engines that take one key: SGLang's)."""
-    env = os.environ if environ is None else environ
-    if token := env.get(HTTP_TOKEN_ENV):
+    if token := os.environ.get(HTTP_TOKEN_ENV):
         return token
     return engine_token(run_token, role, single_key_engines) if run_token else None
 

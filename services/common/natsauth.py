@@ -31,6 +31,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from asyncrl_proto.subjects import ADAPTER_LIVE_KV_PREFIX, ADAPTERS_KV_KEY, Subjects, inbox_prefix
+from services.common import secrets
 
 ROLES = ("admin", "buffer", "trainer", "rollout", "weight-sync", "eval", "engine", "adapters")
 SERVICE_ROLES = ROLES[1:]
@@ -154,17 +155,15 @@ def write_deploy_secrets(run_id: str, out_dir) -> dict[str, str]:
       routes.conf              a 3-node cluster's route user and routes (deploy/nats-cluster.conf)
       roles/<role>/            what one service may see: its own identity (nats.json) and the
                                run token (roles/engine/: the read-only weights identity)."""
-    from services.common.secrets import keep_or_make_passwords, keep_or_make_token, write_roles_file, write_secret_file
-
     out = Path(out_dir)
-    passwords = keep_or_make_passwords(out / "nats.json", ROLES)
-    token = keep_or_make_token(out / "run-token")
-    write_secret_file(out / "auth.conf", server_auth_conf(run_id, passwords))
-    route_password = keep_or_make_token(out / "route-password")
-    write_secret_file(out / "routes.conf", routes_conf(route_password, COMPOSE_ROUTES))
+    passwords = secrets.keep_or_make_passwords(out / "nats.json", ROLES)
+    token = secrets.keep_or_make_token(out / "run-token")
+    secrets.write_secret_file(out / "auth.conf", server_auth_conf(run_id, passwords))
+    route_password = secrets.keep_or_make_token(out / "route-password")
+    secrets.write_secret_file(out / "routes.conf", routes_conf(route_password, COMPOSE_ROUTES))
     for role in ROLES:
-        write_roles_file(out / "roles" / role / "nats.json", {role: passwords[role]})
-        write_secret_file(out / "roles" / role / "run-token", token)
+        secrets.write_roles_file(out / "roles" / role / "nats.json", {role: passwords[role]})
+        secrets.write_secret_file(out / "roles" / role / "run-token", token)
     return passwords
 
 
@@ -173,15 +172,14 @@ def k8s_secrets(run_id: str) -> str:
     asyncrl-nats-auth (auth.conf for the nats pod), asyncrl-run-token, and one
     asyncrl-nats-<role> per role holding only that role's password. New secrets every call: apply
     it once per run (applying it again rotates every password; restart nats and the pods then)."""
-    from services.common.secrets import new_secret
 
     def secret(name: str, data: dict[str, str]) -> str:
         items = "\n".join(f"  {k}: {base64.b64encode(v.encode()).decode()}" for k, v in data.items())
         return f"apiVersion: v1\nkind: Secret\nmetadata: {{name: {name}}}\ntype: Opaque\ndata:\n{items}\n"
 
-    passwords = {r: new_secret() for r in ROLES}
-    routes = routes_conf(new_secret(), K8S_ROUTES)
+    passwords = {r: secrets.new_secret() for r in ROLES}
+    routes = routes_conf(secrets.new_secret(), K8S_ROUTES)
     docs = [secret("asyncrl-nats-auth", {"auth.conf": server_auth_conf(run_id, passwords), "routes.conf": routes}),
-            secret("asyncrl-run-token", {"run-token": new_secret()})]  # fmt: skip
+            secret("asyncrl-run-token", {"run-token": secrets.new_secret()})]  # fmt: skip
     docs += [secret(f"asyncrl-nats-{r}", {"user": r, "password": passwords[r]}) for r in ROLES]
     return "---\n".join(docs)

@@ -89,12 +89,11 @@ class EmbeddedNats:
             )
         return text + self.auth_conf
 
-    def spawn(self) -> subprocess.Popen:
+    def spawn(self) -> None:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         conf = write_secret_file(self.store_dir / "nats-server.conf", self.config_text())
         self.proc = procs.spawn([nats_server_binary(), "-c", str(conf)], log_path=self.log_path)
-        return self.proc
 
     def start(self, timeout_s: float = 20.0) -> EmbeddedNats:
         self.spawn()
@@ -125,12 +124,6 @@ class EmbeddedNats:
     def stop(self) -> None:
         if self.proc is not None:
             procs.stop(self.proc)
-
-    def kill(self) -> None:
-        """SIGKILL, for crash tests."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
     def __enter__(self) -> EmbeddedNats:
         return self.start()

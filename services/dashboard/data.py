@@ -41,17 +41,17 @@ class JsonLines:
     def __init__(self, path: Path):
         self.path, self.offset, self.rows, self.inode = path, 0, [], None
 
-    def refresh(self) -> list[dict]:
+    def refresh(self) -> None:
         """Read what was appended (one caller at a time: the dashboard's refresh, `asyncrl status`)."""
         try:
             st = self.path.stat()
         except FileNotFoundError:
-            return self.rows
+            return
         size = st.st_size
         if size < self.offset or st.st_ino != self.inode:  # replaced (a restarted trainer dropped steps): again
             self.offset, self.rows, self.inode = 0, [], st.st_ino
         if size == self.offset:
-            return self.rows
+            return
         with self.path.open("rb") as f:
             f.seek(self.offset)
             chunk = f.read(size - self.offset)
@@ -62,7 +62,6 @@ class JsonLines:
                 if isinstance(row, dict):
                     self.rows.append(row)
         self.offset += end
-        return self.rows
 
 
 def _json(path: Path) -> Any:

@@ -39,7 +39,6 @@ class EngineLoras:
         self.scheduler = scheduler
         self.lora = MultiLora(scheduler.model, n_slots=max_loras, max_rank=max_rank, targets=targets)
         scheduler.lora = self.lora
-        self.max_rank, self.targets = max_rank, tuple(targets)
         self.lock = threading.RLock()
         """Held to resolve names and queue their requests, and to mark an adapter unloading: an unload
         never misses a request that resolved its adapter before it (reentrant: queueing resolves under it)."""
@@ -116,8 +115,8 @@ class EngineLoras:
         return {"success": True, "error_message": "", "loaded_adapters": self.loaded()}
 
     def info(self) -> dict:
-        return {"enable_lora": True, "max_loras_per_batch": self.lora.n_slots, "max_lora_rank": self.max_rank,
-                "lora_target_modules": list(self.targets)}  # fmt: skip
+        return {"enable_lora": True, "max_loras_per_batch": self.lora.n_slots, "max_lora_rank": self.lora.max_rank,
+                "lora_target_modules": list(self.lora.targets)}  # fmt: skip
 
 
 def parse_lora_paths(items: list[str]) -> list[dict]:

@@ -311,12 +311,11 @@ class OpenAIRoutes:
     async def answer(self, request: Request, chat: bool):
         try:
             body = await body_of(request, optional=False)
-        except BadRequest as e:  # not JSON, or not an object
-            return _error(OpenAIError(str(e)))
-        try:
             seqs, prompts, meta = self.chat_seqs(body) if chat else self.completion_seqs(body)
             stream, include_usage = _flag(body, "stream"), bool((body.get("stream_options") or {}).get("include_usage"))
             adapter = self._adapter(body.get("model"))
+        except BadRequest as e:  # the body: not JSON, or not an object
+            return _error(OpenAIError(str(e)))
         except OpenAIError as e:
             return _error(e)
         for seq in seqs:

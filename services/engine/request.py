@@ -43,7 +43,6 @@ class Request:
     finish_reason: dict | None = None
     num_retractions: int = 0
     cached_tokens: int = 0
-    admitted: bool = False
     created_at: float = field(default_factory=time.time)
     finished_at: float = 0.0
     admitted_at: float = 0.0

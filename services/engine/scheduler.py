@@ -412,8 +412,7 @@ class Scheduler:
                 deferred.append(req)
                 continue
             req.slot = self._take_slot()
-            if not req.admitted:
-                req.admitted = True
+            if not req.admitted_at:  # its first slot
                 req.admitted_at = time.time()
                 self.stats.prompt_tokens_total += len(req.input_ids)
             req.kv_len = 0

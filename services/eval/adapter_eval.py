@@ -199,11 +199,6 @@ def generate(model, lora, slot: int, prompts: list[list[int]], seeds: list[int],
     gens = [torch.Generator().manual_seed(s) for s in seeds]
     out = [Generated([], [], "") for _ in range(n)]
 
-    def forward(ids_nt, rows: list[int], start_n: list[int]):
-        use = lora.rows([slot] * len(rows)) if lora is not None and slot >= 0 else contextlib.nullcontext()
-        with torch.no_grad(), use:
-            return model.forward_cached(ids_nt, cache, torch.tensor(rows), torch.tensor(start_n))[:, -1]
-
     logits = torch.empty(n, model.cfg.vocab_size)
     feed = dict(enumerate(prompts))  # row -> the ids it runs next: its prompt, then its last token
     while feed:
@@ -211,8 +206,11 @@ def generate(model, lora, slot: int, prompts: list[list[int]], seeds: list[int],
         for i, ids in feed.items():
             by_length.setdefault(len(ids), []).append(i)
         for rows in by_length.values():  # rows of one length run together: the prompts, then one token each
-            start = [len(prompts[i]) + len(out[i].output_ids) - len(feed[i]) for i in rows]
-            logits[rows] = forward(torch.tensor([feed[i] for i in rows]), rows, start).float()
+            start = torch.tensor([len(prompts[i]) + len(out[i].output_ids) - len(feed[i]) for i in rows])
+            use = lora.rows([slot] * len(rows)) if lora is not None and slot >= 0 else contextlib.nullcontext()
+            with torch.no_grad(), use:
+                ids_nt = torch.tensor([feed[i] for i in rows])
+                logits[rows] = model.forward_cached(ids_nt, cache, torch.tensor(rows), start)[:, -1].float()
         active, feed = list(feed), {}
         tokens, chosen = _choose(logits[active], temperature, [gens[i] for i in active])
         for i, tok, lp in zip(active, tokens, chosen, strict=True):

@@ -367,18 +367,16 @@ async def generate_dataset(
         ids = tokenizer.prompt_ids(row["prompt"], config.data.apply_chat_template, row.get("tools"))
         meta = dict(row["metadata"], _input_ids=ids)
         s = Sample(index=index, prompt=row["prompt"], label=row["label"], metadata=meta)
-        failure = None
         try:
             out = await generate(config, s, engine, params)
         except Exception as e:  # one failed episode (an environment's error) fails its sample, not the point
-            out, failure = s, f"generation failed: {type(e).__name__}: {e}"
+            s.metadata.pop("_input_ids", None)
+            mark_failed(s, f"generation failed: {type(e).__name__}: {e}", "generate_error")
+            return [s]
         out = out if isinstance(out, list) else [out]  # a generate function may return a trajectory's samples
         for x in out:
             x.metadata.pop("_input_ids", None)
-            if failure is not None:
-                mark_failed(x, failure, "generate_error")
-            else:
-                await score_sample(reward_fn, config, x)
+            await score_sample(reward_fn, config, x)
         return out
 
     done = await asyncio.gather(*(one(r, i * n + k) for i, r in enumerate(rows) for k in range(n)))

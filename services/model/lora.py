@@ -35,10 +35,11 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
 
 from asyncrl_proto.messages import MAX_LORA_SCALE
+from services.common.procs import replace_file
 from services.common.snapshot import COMPLETE_MARKER
 from services.model.llama import CausalLM
 
@@ -161,11 +162,11 @@ class MultiLora(nn.Module):
     def rows(self, slot_n: torch.Tensor | Sequence[int] | None) -> Iterator[None]:
         """Forward passes inside use adapter slot_n[i] for batch row i (-1: the base model). Rows
         of one adapter next to each other cost least (the engine sorts its batch by adapter)."""
-        slots = None if slot_n is None else [int(x) for x in torch.as_tensor(slot_n, dtype=torch.long).flatten()]
-        if slots is not None and any(not -1 <= x < self.n_slots for x in slots):
-            raise LoraError(f"rows must be slot numbers in -1..{self.n_slots - 1}")
         runs = None
-        if slots is not None:  # (slot, first row, end row) of each run of one adapter
+        if slot_n is not None:  # (slot, first row, end row) of each run of one adapter
+            slots = [int(x) for x in torch.as_tensor(slot_n, dtype=torch.long).flatten()]
+            if any(not -1 <= x < self.n_slots for x in slots):
+                raise LoraError(f"rows must be slot numbers in -1..{self.n_slots - 1}")
             runs, start = [], 0
             for i in range(1, len(slots) + 1):
                 if i == len(slots) or slots[i] != slots[start]:
@@ -306,12 +307,7 @@ def save_adapter(lora: MultiLora, slot: int, out_dir: str | Path, base_model: st
     (out / COMPLETE_MARKER).unlink(missing_ok=True)
     if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
         raise LoraError(f"refusing to write {out}: the adapter holds non-finite values")
-    tmp = out / "adapter_model.safetensors.tmp"
-    try:
-        save_file(tensors, str(tmp))
-    except SafetensorError as e:  # a full disk, a path that is a directory: what OSError means to callers
-        raise OSError(f"cannot write {tmp}: {e}") from e
-    tmp.replace(out / "adapter_model.safetensors")
+    replace_file(out / "adapter_model.safetensors", save(tensors))  # a full disk is an OSError, as callers expect
     (out / "adapter_config.json").write_text(json.dumps(lora.specs[slot].peft_config(base_model), indent=2))
     (out / COMPLETE_MARKER).write_text("")
     return out

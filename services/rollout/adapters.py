@@ -91,16 +91,12 @@ class AdapterMode:
             raise PromptError(f"n_samples {prompt.n_samples} is outside 1..{self.n} (--n-samples-per-prompt, "
                               "the largest adapter group of this run)")  # fmt: skip
 
-    async def _read_registry(self) -> None:
-        if time.monotonic() - self._read_at < REREAD_S:
-            return
-        self._read_at = time.monotonic()
-        if (state := await self.bus.kv_get(ADAPTERS_KV_KEY, AdapterRegistryState)) is not None:
-            self.runs = {r.registration_id: r for r in state.runs}
-
     async def run(self, rid: str) -> AdapterRun:
-        if rid not in self.runs or self.runs[rid].state is not AdapterState.ACTIVE:
-            await self._read_registry()
+        stale = rid not in self.runs or self.runs[rid].state is not AdapterState.ACTIVE
+        if stale and time.monotonic() - self._read_at >= REREAD_S:
+            self._read_at = time.monotonic()
+            if (state := await self.bus.kv_get(ADAPTERS_KV_KEY, AdapterRegistryState)) is not None:
+                self.runs = {r.registration_id: r for r in state.runs}
         run = self.runs.get(rid)
         if run is None:  # the buffer releases prompts of registrations the registry holds: read it again soon
             raise NotYet(f"adapter registration {rid[:64]!r} is not in the registry read here yet")
@@ -108,27 +104,19 @@ class AdapterMode:
             raise Closed(f"adapter registration {rid[:64]!r} is completed")
         return run
 
-    async def live(self, run: AdapterRun) -> AdapterLive:
-        """The adapter version every engine serves now (read for every group: weight-sync
-        unloads a version soon after the next is live)."""
-        live = await self.bus.kv_get(f"{ADAPTER_LIVE_KV_PREFIX}.{run.name}", AdapterLive)
-        if live is None or live.registration_id != run.registration_id:
-            raise NotYet(f"adapter {run.name!r} has no version on the engines yet")
-        return live
-
-    def reward(self, run: AdapterRun) -> Callable:
-        if (rid := run.registration_id) not in self._rewards:
-            self._rewards[rid] = reward_function(self.config, run.spec.rm_type, run.spec.custom_rm_path)
-        return self._rewards[rid]
-
     async def context(self, msg, prompt: PromptMsg) -> GroupContext:
         rid = rid_of(msg)
         try:
             run = await self.run(rid)
-            live = await self.live(run)
+            # the adapter version every engine serves now (read for every group: weight-sync
+            # unloads a version soon after the next is live)
+            live = await self.bus.kv_get(f"{ADAPTER_LIVE_KV_PREFIX}.{run.name}", AdapterLive)
+            if live is None or live.registration_id != run.registration_id:
+                raise NotYet(f"adapter {run.name!r} has no version on the engines yet")
             if prompt.n_samples != run.spec.n_samples_per_prompt:
                 raise Closed(f"n_samples {prompt.n_samples} differs from the adapter's {run.spec.n_samples_per_prompt}")
-            reward = self.reward(run)
+            if (reward := self._rewards.get(rid)) is None:  # one per registration (rid is run.registration_id)
+                reward = self._rewards[rid] = reward_function(self.config, run.spec.rm_type, run.spec.custom_rm_path)
         except NotYet as e:
             if msg.metadata.num_delivered < MAX_NOT_YET_DELIVERIES:
                 raise Requeue(str(e), 0.5) from None

@@ -18,7 +18,7 @@ from services.model.hf_io import load_weights_into, save_model
 LATEST = "latest_checkpointed_iteration.txt"
 
 
-def save_checkpoint(save_dir: str | Path, step: int, model, optimizer, version: int, tokenizer_dir) -> Path:
+def save_checkpoint(save_dir: str | Path, step: int, model, optimizer, version: int, tokenizer_dir) -> None:
     save_dir = Path(save_dir)
     path = save_dir / f"iter_{step:07d}"
     path.mkdir(parents=True, exist_ok=True)
@@ -31,7 +31,6 @@ def save_checkpoint(save_dir: str | Path, step: int, model, optimizer, version: 
     replace_file(save_dir / LATEST, str(step))
     for old in _complete(save_dir)[:-2]:  # the two newest stay
         shutil.rmtree(old, ignore_errors=True)
-    return path
 
 
 def latest_checkpoint(save_dir: str | Path | None) -> Path | None:

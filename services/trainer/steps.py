@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -196,19 +197,17 @@ class SampleRecorder:
 
     def __init__(self, model_dir: str, reward_key: str | None, keep: int):
         self.model_dir, self.reward_key, self.keep = model_dir, reward_key, keep
-        self._decode = None
 
-    def decode(self, ids: list[int]) -> str:
-        if self._decode is None:
-            try:
-                from services.model.tokenizer import Tokenizer
+    @functools.cached_property
+    def decode(self) -> Callable[[list[int]], str]:
+        try:
+            from services.model.tokenizer import Tokenizer
 
-                tok = Tokenizer(self.model_dir)
-                self._decode = lambda x: tok.decode(x, skip_special_tokens=False)
-            except Exception as e:  # no tokenizer.json: the records show token ids
-                log.warning("sample records show token ids, not text: %s", e)
-                self._decode = lambda x: " ".join(map(str, x))
-        return self._decode(ids)
+            tok = Tokenizer(self.model_dir)
+            return lambda x: tok.decode(x, skip_special_tokens=False)
+        except Exception as e:  # no tokenizer.json: the records show token ids
+            log.warning("sample records show token ids, not text: %s", e)
+            return lambda x: " ".join(map(str, x))
 
     async def record(self, where: Path, step: int, version: int, groups: list[list], refs: dict, std: bool) -> None:
         if self.keep <= 0:

@@ -87,7 +87,6 @@ class WeightSyncService(Service):
         self.store = WeightStore(bus) if config.async_.update_weight_transfer_mode == "object-store" else None
         self.pauses: collections.deque[float] = collections.deque(maxlen=1000)
         """Seconds each engine spent paused per update (pause call to continue answered), newest last."""
-        self.last_pause_s = 0.0
         self.last_phases: dict[str, dict[str, float]] = {}
         """Per engine: seconds of each phase of its last update (stage, pause, flush, load, continue, verify)."""
         self._windows: dict[str, EngineSwitch] = {}
@@ -138,7 +137,6 @@ class WeightSyncService(Service):
         await self.client.close()
 
     def _paused(self, seconds: float, url: str) -> None:
-        self.last_pause_s = seconds
         self.pauses.append(seconds)
         self.observe("weight_sync/pause_seconds", seconds)
         now = time.time()  # the engine's pause, for its EngineSwitch when the version goes live
@@ -467,7 +465,7 @@ class WeightSyncService(Service):
             "pause_mode": self.config.async_.pause_generation_mode,
             "last_update_s": self.last_update_s,
             "transfer_mode": self.config.async_.update_weight_transfer_mode,
-            "last_pause_s": self.last_pause_s,
+            "last_pause_s": self.pauses[-1] if self.pauses else 0.0,
             "last_update_phases_s": self.last_phases,
             "pauses_s": list(self.pauses)[-100:],
             "num_updates": self.num_updates,
@@ -480,7 +478,7 @@ class WeightSyncService(Service):
         return {
             "weight_sync/live_version": self.live_version if self.live_version is not None else -1,
             "weight_sync/last_update_seconds": self.last_update_s,
-            "weight_sync/last_pause_seconds": self.last_pause_s,
+            "weight_sync/last_pause_seconds": self.pauses[-1] if self.pauses else 0.0,
             "weight_sync/updates_total": self.num_updates,
             "weight_sync/skipped_versions_total": self.num_skipped,
             "weight_sync/rejected_total": sum(self.bus.dead_lettered.values()),

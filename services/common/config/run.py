@@ -27,16 +27,14 @@ from services.common.config.multi_lora import MULTI_LORA_IGNORES, MultiLoraSecti
 from services.common.config.rollout import RolloutSection
 from services.common.config.trainer import TrainerSection
 
-SECTIONS: tuple[type[Section], ...] = (
-    InfraSection, DataSection, RolloutSection, AsyncSection, TrainerSection, EvalSection, MultiLoraSection
-)  # fmt: skip
-"""The configuration's sections, in the order --help shows them."""
-
 SECTION_NAMES: dict[type[Section], str] = {
     InfraSection: "infra", DataSection: "data", RolloutSection: "rollout", AsyncSection: "async_",
     TrainerSection: "trainer", EvalSection: "eval", MultiLoraSection: "multi_lora",
 }  # fmt: skip
 """Each section's attribute on RunConfig (`config.async_`: `async` is a Python keyword)."""
+
+SECTIONS: tuple[type[Section], ...] = tuple(SECTION_NAMES)
+"""The configuration's sections, in the order --help shows them."""
 
 MILES_NAMES: dict[tuple[str, str], str] = {
     **{("rollout", f): "rollout_" + f for f in (
