@@ -285,7 +285,7 @@ class OpenAIRoutes:
         tracked, queue = self.generation.submit(seqs)
         kind = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": meta["id"], "object": kind, "created": int(time.time()), "model": self.server.served_model_name}
-        sent_text, sent_tokens = [0] * len(tracked), [0] * len(tracked)
+        sent_text, sent_tokens, offsets = [0] * len(tracked), [0] * len(tracked), [0] * len(tracked)
         echoed = [t.view.decode(t.req.input_ids) if not chat and meta["echo"] else "" for t in tracked]
 
         def chunk(choices: list[dict], **usage) -> bytes:
@@ -299,8 +299,9 @@ class OpenAIRoutes:
             i, req = t.index, t.req
             text = echoed[i] + t.view.text(req.output_ids[:n], req.finish_reason if t.done else None)
             delta, sent_text[i] = text[sent_text[i] :], max(sent_text[i], len(text))
-            lp = self._logprobs(t, sent_tokens[i], n, sent_text[i] - len(delta), meta.get("echo", False), chat)
+            lp = self._logprobs(t, sent_tokens[i], n, offsets[i], meta.get("echo", False), chat)
             sent_tokens[i] = n
+            offsets[i] += sum(map(len, lp["tokens"])) if lp is not None and not chat else 0  # as the whole answer's
             reason, matched = self._finish(t) if t.done else (None, None)
             text = {"delta": {"content": delta} if delta else {}} if chat else {"text": delta}
             yield chunk([{"index": i, **text, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}])

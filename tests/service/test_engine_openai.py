@@ -119,6 +119,21 @@ async def test_streaming_completions_and_chat(client):
     assert finish == {i: ch.finish_reason for i, ch in enumerate(whole.choices)}
 
 
+async def test_streamed_echo_logprobs_have_the_offsets_of_the_whole_answer(client):
+    """Streamed or not, a completion's text_offset is the same: each token's offset is the length
+    of the tokens before it, the echoed prompt's included, however the chunks fall (a streamed
+    answer's offsets restarted from its text after the first chunk, which has no `<s>`)."""
+    c, _ = client
+    ask = {"model": "m", "prompt": "12345=", "max_tokens": 10, "temperature": 0, "echo": True, "logprobs": 1,
+           "extra_body": {"ignore_eos": True}}  # fmt: skip
+    full = (await c.completions.create(**ask)).choices[0].logprobs
+    chunks = [ch async for ch in await c.completions.create(**ask, stream=True)]
+    tokens = [t for ch in chunks for t in ch.choices[0].logprobs.tokens]
+    offsets = [o for ch in chunks for o in ch.choices[0].logprobs.text_offset]
+    assert len(chunks) > 1 and tokens == full.tokens and offsets == full.text_offset
+    assert offsets == [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+
+
 async def test_openai_errors_are_400s_that_name_the_field(client, tiny_model_dir):
     c, engine = client
     cases = [
