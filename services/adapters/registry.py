@@ -274,10 +274,13 @@ class AdapterRegistry:
 
     def apply(self, req: AdapterControl) -> AdapterRun:
         """One trainer request (asyncrl_proto.AdapterControl)."""
-        if req.op not in OPS:
-            raise RegistryError(f"unknown op {req.op!r:.40}: one of {', '.join(OPS)}", 400)
-        extra = {"stepped": [req.step], "retire": [req.reason or "by the trainer"]}.get(req.op, [])
-        return getattr(self, req.op)(req.name, *extra, req.registration_id)  # OPS are the methods' names
+        if req.op in ("activate", "cleanup", "complete"):
+            return getattr(self, req.op)(req.name, req.registration_id)
+        if req.op == "stepped":
+            return self.stepped(req.name, req.step, req.registration_id)
+        if req.op == "retire":
+            return self.retire(req.name, req.reason or "by the trainer", req.registration_id)
+        raise RegistryError(f"unknown op {req.op!r:.40}: one of {', '.join(OPS)}", 400)
 
     # ---- inside ----------------------------------------------------------------------------------
     def _run(self, name: str, registration_id: str) -> AdapterRun:

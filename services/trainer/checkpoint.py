@@ -37,7 +37,7 @@ def latest_checkpoint(save_dir: str | Path | None) -> Path | None:
     if not save_dir:
         return None
     save_dir = Path(save_dir)
-    with contextlib.suppress(ValueError, FileNotFoundError):
+    with contextlib.suppress(ValueError, FileNotFoundError, NotADirectoryError):
         path = save_dir / f"iter_{int((save_dir / LATEST).read_text().strip()):07d}"
         if is_complete(path):  # LATEST, written after the checkpoint's marker, names the newest complete one
             return path

@@ -98,7 +98,7 @@ class WeightPublisher:
             # the engines' version, never beyond what this trainer pushed (a forged value would let it
             # delete the live snapshot)
             live = min(live.version, version) if live is not None else 0
-        except Exception:  # a broker away, a value that does not decode: retain as before
+        except Exception:  # a broker away: retain as before (a value that does not decode reads as none)
             live = version
         for old in snapshots_to_remove(self.snapshots, keep, backing, live):
             self.snapshots.remove(old)

@@ -159,7 +159,7 @@ def keep_lines(path: Path, keep) -> None:
         return
     kept = []
     for x in path.read_text().splitlines():
-        with contextlib.suppress(ValueError, KeyError, TypeError):
+        with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):  # a line that is no record
             if keep(json.loads(x)):
                 kept.append(x)
     procs.replace_file(path, "".join(x + "\n" for x in kept))

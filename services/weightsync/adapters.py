@@ -127,17 +127,19 @@ class AdapterSync:
     async def apply(self, pub: AdapterPublished) -> bool:
         """Make `pub` the adapter's live version on every engine; False when it is not newer (of the
         same registration), or comes from an older registration of the name (a late message)."""
-        if pub.registration_id not in self.done:  # else a late message of a completed registration
+        if pub.registration_id in self.done:  # a late message of a completed registration
+            self.num_skipped += 1
+            return False
+        old = await self.live_of(pub.name)
+        if old is None or old.registration_id != pub.registration_id:  # a new registration: a slot was freed
+            await self.release_completed()
+            if pub.registration_id in self.done:
+                self.num_skipped += 1
+                return False
             old = await self.live_of(pub.name)
-            if old is None or old.registration_id != pub.registration_id:  # a new registration: a slot was freed
-                await self.release_completed()
-                old = await self.live_of(pub.name)
-        if pub.registration_id in self.done or (
-            old is not None
-            and (
-                (old.registration_id == pub.registration_id and pub.version <= old.version)
-                or (old.registration_id != pub.registration_id and pub.created_at < old.created_at)
-            )
+        if old is not None and (
+            (old.registration_id == pub.registration_id and pub.version <= old.version)
+            or (old.registration_id != pub.registration_id and pub.created_at < old.created_at)
         ):
             self.num_skipped += 1
             return False
