@@ -46,8 +46,13 @@ async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None, prompt:
             )
         except BusError as e:
             report["weights_stored"] = f"not listed: {e}"
-        read = functools.partial(bus.kv_get, ADAPTERS_KV_KEY, AdapterRegistryState)
-        reg = await through_outage(read, "the adapter registry", ELECTION_S, "read")
+        read = functools.partial(bus.kv_get, ADAPTERS_KV_KEY)
+        raw = await through_outage(read, "the adapter registry", ELECTION_S, "read")
+        try:
+            reg = decode(raw, AdapterRegistryState) if raw is not None else None
+        except MalformedMessage as e:  # its adapters' ledgers cannot be found: nothing says they balance
+            report["problems"].append(f"the adapter registry (KV {ADAPTERS_KV_KEY}) does not decode: {e}")
+            report["balanced"], reg = False, AdapterRegistryState()
         if reg is not None:  # multi-LoRA: every registration's partition balances on its own
             report["adapters"] = {}
             for name, rid, state in registrations(reg, run_dir):

@@ -162,3 +162,16 @@ async def test_closing_a_bus_whose_server_is_gone_does_not_raise(tmp_path, run_i
     await bus.nc.publish("x", b"y")  # pending, for a server that is gone
     await bus.close()  # raised ConnectionResetError before
     assert bus.closing
+
+
+async def test_a_stream_never_written_to_reads_as_empty(nats_server, run_id):
+    """Its first and last sequence are 0 and there is no message 0: `asyncrl audit` of a run whose
+    producers never published (read message by message, a work-queue stream) raised BusError."""
+    bus = await Bus.connect(nats_server.url, run_id, "test")
+    try:
+        await bus.ensure_streams()
+        s = bus.subjects
+        assert await bus.read_stream(s.rollouts_stream) == []
+        assert await bus.read_stream(s.ledger_stream, s.ledger) == []
+    finally:
+        await bus.close()

@@ -338,3 +338,20 @@ async def test_multi_lora_junk_for_no_registration_is_dead_lettered_and_leaves_t
     finally:
         await svc.stop()
         await h.close()
+
+
+async def test_an_adapter_registry_that_does_not_decode_fails_the_audit(nats_server, run_id, tmp_path):
+    """The audit finds each adapter's ledger through the registry: a KV value that does not decode
+    leaves nothing that says those ledgers balance, so the report says so (it raised before; a
+    typed read would have taken it as a single-model run, balanced)."""
+    from asyncrl_proto.subjects import ADAPTERS_KV_KEY
+
+    bus = await Bus.connect(nats_server.url, run_id, "test")
+    try:
+        await bus.ensure_streams()
+        await bus.kv_put(ADAPTERS_KV_KEY, b"\xc1 not msgpack")
+    finally:
+        await bus.close()
+    report = await collect(nats_server.url, run_id, tmp_path)
+    assert not report["balanced"] and report["adapters"] == {}
+    assert any(f"the adapter registry (KV {ADAPTERS_KV_KEY}) does not decode" in p for p in report["problems"])

@@ -53,6 +53,8 @@ class Bus:
         self.subjects = subjects
         self.service = service
         self._kv = None
+        self._kv_bad: set[tuple[str, int]] = set()
+        """(key, revision) of the KV values a typed read found undecodable: each logged once."""
         self.closing = False
         self.refused: nats.js.errors.APIError | None = None
         """The last JetStream API error the server answered an async publish with."""
@@ -214,11 +216,13 @@ class Bus:
     async def kv_get(self, key: str, kind: type | None = None) -> Any:
         """A key's value; None when it does not exist. With `kind`: the value decoded as one,
         None too when it holds anything else (logged: a corrupt or forged value is not fatal)."""
-        raw = (await self.kv_entry(key))[0]
+        raw, revision = await self.kv_entry(key)
         try:
             return decode(raw, kind) if kind is not None and raw is not None else raw
         except MalformedMessage as e:
-            log.error("KV %s holds no %s, ignored (%s)", key, kind.__name__, e)
+            if (key, revision) not in self._kv_bad:  # read again every few seconds by some: said once
+                self._kv_bad.add((key, revision))
+                log.error("KV %s holds no %s, ignored (%s)", key, kind.__name__, e)
             return None
 
     async def kv_entry(self, key: str) -> tuple[bytes | None, int]:
@@ -384,11 +388,11 @@ class Bus:
 
     async def _read_stream(self, stream: str, subject: str | None, only: str | None = None) -> list[bytes]:
         bounds = await self.stream_bounds(stream)
-        if bounds is None:
+        if bounds is None or not bounds[2]:  # a stream never written to has first and last 0: no message 0
             return []
         first, last, total = bounds
         out: list[bytes] = []
-        if subject is not None and total:
+        if subject is not None:
             cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL,
                                      inactive_threshold=30.0)  # fmt: skip
             sub = await self.js.pull_subscribe(subject, stream=stream, config=cfg)
