@@ -42,12 +42,13 @@ def render(data: RunData, ledger: dict | None, ledger_note: str = "") -> str:
     if s.get("length_warning"):
         lines.append(s["length_warning"])
     if ledger:
-        c = ledger_counts(ledger)  # dropped: aborted, stale, and a multi-LoRA run's foreign and retired
-        lines.append(f"ledger: {c['released']} released, {c['trained']} trained, {c['failed']} failed, "
-                     f"{c['filtered']} filtered, {c['dropped']} dropped, {c['rejected']} rejected, "
-                     f"{ledger['recycled']} recycled, {c['in_flight_at_end']} in flight, {c['lost']} lost, "
-                     f"{c['trained_twice']} trained twice ({'balanced' if ledger['balanced'] else 'NOT BALANCED'})"
-                     f"{ledger_note}")  # fmt: skip
+        for name, part in (ledger.get("adapters") or {"": ledger}).items():  # multi-LoRA: each registration's
+            c = ledger_counts(part)  # dropped: aborted, stale, and an adapter's foreign and retired groups
+            lines.append(f"ledger{name and ' of adapter ' + name}: {c['released']} released, {c['trained']} trained, "
+                         f"{c['failed']} failed, {c['filtered']} filtered, {c['dropped']} dropped, {c['rejected']} "
+                         f"rejected, {part['recycled']} recycled, {c['in_flight_at_end']} in flight, {c['lost']} lost, "
+                         f"{c['trained_twice']} trained twice ({'balanced' if part['balanced'] else 'NOT BALANCED'})"
+                         f"{ledger_note}")  # fmt: skip
     else:
         lines.append(f"ledger: {ledger_note or 'not read'}")
     lines.append("services:")
