@@ -82,6 +82,7 @@ RULES = [
     ({"sglang_server_args": ["--tool-call-parser"]}, "--sglang-tool-call-parser '': the built-in engine knows"),
     ({"engine": "sglang", "sglang_server_args": ["--port", "30000"]}, "--sglang-port: the launcher sets --port for each SGLang server"),
     ({"engine": "sglang", "sglang_server_args": ["--mem-fraction-static", "0.5", "--random-seed=3"]}, "the launcher sets --random-seed"),
+    ({"eval_num_gpus": 1, "eval_sglang_args": ["--port", "31000"]}, "--eval-sglang-port: the eval fleet sets --port"),
     ({"tis_mode": "mask"}, "--tis-mode mask sets how --use-tis weights tokens: add --use-tis"),
     ({"use_tis": True, "tis_clip_low": 2.0}, "--tis-clip-low (2.0) must be below --tis-clip (2.0)"),
 ]  # fmt: skip

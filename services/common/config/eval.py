@@ -5,6 +5,7 @@ from typing import Literal
 from pydantic import Field
 
 from services.common.config.base import Section
+from services.common.engine_commands import SGLANG_LAUNCHER_FLAGS
 
 
 class EvalSection(Section):
@@ -91,6 +92,11 @@ class EvalSection(Section):
             errs.append(
                 "--eval-sglang-* configures the dedicated eval fleet, which needs --eval-num-gpus > 0. "
                 f"Got {given} with --eval-num-gpus 0."
+            )
+        if taken := sorted({a.split("=")[0] for a in self.sglang_args} & set(SGLANG_LAUNCHER_FLAGS)):
+            errs.append(
+                f"--eval-sglang-{taken[0][2:]}: the eval fleet sets {', '.join(taken)} for each SGLang server it "
+                "starts (its own port, seed and weights); drop the flag"
             )
         tp = [a for a in self.sglang_args if a.split("=")[0] in ("--tp-size", "--tp", "--tensor-parallel-size")]
         if tp:

@@ -191,7 +191,8 @@ class InfraSection(Section):
                 errs.append(f"--sglang-tool-call-parser {name!r}: the built-in engine knows {', '.join(TOOL_CALL_PARSERS)} "
                             "(the <tool_call> JSON blocks of Qwen and Hermes templates); other parsers need "
                             "--engine sglang")  # fmt: skip
-        if taken := sorted({a.split("=")[0] for a in self.sglang_server_args} & set(SGLANG_LAUNCHER_FLAGS)):
+        taken = sorted({a.split("=")[0] for a in self.sglang_server_args} & set(SGLANG_LAUNCHER_FLAGS))
+        if taken and self.engine == "sglang" and not self.rollout_external_engine_addrs:
             errs.append(
                 f"--sglang-{taken[0][2:]}: the launcher sets {', '.join(taken)} for each SGLang server it starts "
                 "(its own port, seed and weights); drop the flag"
