@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import sys
 from pathlib import Path
@@ -46,8 +45,7 @@ async def collect(nats_url: str, run_id: str, run_dir: Path, creds=None, prompt:
             )
         except BusError as e:
             report["weights_stored"] = f"not listed: {e}"
-        read = functools.partial(bus.kv_get, ADAPTERS_KV_KEY)
-        raw = await through_outage(read, "the adapter registry", ELECTION_S, "read")
+        raw = await through_outage(lambda: bus.kv_get(ADAPTERS_KV_KEY), "the adapter registry", ELECTION_S, "read")
         try:
             reg = decode(raw, AdapterRegistryState) if raw is not None else None
         except MalformedMessage as e:  # its adapters' ledgers cannot be found: nothing says they balance

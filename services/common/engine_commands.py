@@ -56,6 +56,11 @@ SGLANG_LAUNCHER_FLAGS = ("--model-path", "--model", "--host", "--port", "--rando
 would contradict it (the launcher would wait on a port the server does not listen on)."""
 
 
+def launcher_flags_in(sglang_args: list[str]) -> list[str]:
+    """The SGLANG_LAUNCHER_FLAGS among a run's --sglang-* (or --eval-sglang-*) arguments, sorted."""
+    return sorted({a.split("=")[0] for a in sglang_args} & set(SGLANG_LAUNCHER_FLAGS))
+
+
 def sglang_server_command(model_path: str, port: int, seed: int, args: list[str]) -> list[str]:
     """`sglang.launch_server` on 127.0.0.1:`port` with metrics on, then `args` (--sglang-* of the run)."""
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", "127.0.0.1",

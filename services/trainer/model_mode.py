@@ -366,5 +366,4 @@ class ModelTraining(Mode):
                 "trainer/nonfinite_updates_skipped_total": self.num_nonfinite_skipped}  # fmt: skip
 
     async def stop(self) -> None:
-        if self.weights.sender is not None:
-            await self.weights.sender.stop()
+        await self.weights.stop()

@@ -139,6 +139,10 @@ class WeightPublisher:
         log.error("weights v%d were not live within %.0fs of the last step: the engines keep an older version",
                   version, FINAL_BROADCAST_TIMEOUT_S)  # fmt: skip
 
+    async def stop(self) -> None:
+        if self.sender is not None:
+            await self.sender.stop()
+
 
 def master_address(config) -> str:
     """Where the engines reach the trainer's weight transfer group: --update-weight-master-address,

@@ -5,7 +5,7 @@ from typing import Literal
 from pydantic import Field
 
 from services.common.config.base import Section
-from services.common.engine_commands import SGLANG_LAUNCHER_FLAGS
+from services.common.engine_commands import launcher_flags_in
 
 
 class EvalSection(Section):
@@ -93,7 +93,7 @@ class EvalSection(Section):
                 "--eval-sglang-* configures the dedicated eval fleet, which needs --eval-num-gpus > 0. "
                 f"Got {given} with --eval-num-gpus 0."
             )
-        if taken := sorted({a.split("=")[0] for a in self.sglang_args} & set(SGLANG_LAUNCHER_FLAGS)):
+        if taken := launcher_flags_in(self.sglang_args):
             errs.append(
                 f"--eval-sglang-{taken[0][2:]}: the eval fleet sets {', '.join(taken)} for each SGLang server it "
                 "starts (its own port, seed and weights); drop the flag"

@@ -7,7 +7,7 @@ from pydantic import AfterValidator, Field, SecretStr
 
 from asyncrl_proto.subjects import check_run_id
 from services.common.config.base import Section
-from services.common.engine_commands import SGLANG_LAUNCHER_FLAGS, TOOL_CALL_PARSERS, tool_call_parser
+from services.common.engine_commands import TOOL_CALL_PARSERS, launcher_flags_in, tool_call_parser
 
 
 class InfraSection(Section):
@@ -191,7 +191,7 @@ class InfraSection(Section):
                 errs.append(f"--sglang-tool-call-parser {name!r}: the built-in engine knows {', '.join(TOOL_CALL_PARSERS)} "
                             "(the <tool_call> JSON blocks of Qwen and Hermes templates); other parsers need "
                             "--engine sglang")  # fmt: skip
-        taken = sorted({a.split("=")[0] for a in self.sglang_server_args} & set(SGLANG_LAUNCHER_FLAGS))
+        taken = launcher_flags_in(self.sglang_server_args)
         if taken and self.engine == "sglang" and not self.rollout_external_engine_addrs:
             errs.append(
                 f"--sglang-{taken[0][2:]}: the launcher sets {', '.join(taken)} for each SGLang server it starts "
