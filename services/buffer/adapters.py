@@ -22,7 +22,7 @@ from asyncrl_proto.messages import AdapterRun, AdapterState
 from asyncrl_proto.subjects import ADAPTERS_KV_KEY
 from services.buffer.machine import cap_problem
 from services.buffer.out import Verdict
-from services.buffer.partition import SETTLE_OF, Bound, Partition, QueueSub, drop_dead_lettered
+from services.buffer.partition import Bound, Partition, QueueSub, drop_dead_lettered
 from services.common import crash
 from services.common.bus import Settle, next_batch, settle
 from services.common.config import ConfigView
@@ -284,6 +284,6 @@ class AdapterPartitions:
         out = part.core.on_foreign(msg, msg.metadata.sequence.stream, msg.data)
         stored = await part.apply(out, durable=True)
         crash.point("buffer", "appended_before_ack")
-        await settle(msg, SETTLE_OF[out.settle or Verdict.ACK])
+        await settle(msg, Settle(out.settle or Verdict.ACK))
         if any(m is msg for m in stored):  # undecodable: its letter is on DEADLETTER
             await drop_dead_lettered(self.svc.bus, msg.metadata.sequence.stream)

@@ -25,7 +25,7 @@ class GroupState(enum.Enum):
 
 
 class Verdict(str, enum.Enum):
-    """The machine's word on a ROLLOUTS message; the partition maps it to the bus (one place)."""
+    """The machine's word on a ROLLOUTS message; an ACK or TERM settles it as the bus's `Settle` of that value."""
 
     ACK = "ack"  # decided (stored elsewhere, a duplicate, foreign): acknowledge it
     TERM = "term"  # rejected: never redelivered

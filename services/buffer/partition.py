@@ -48,10 +48,6 @@ from services.data.source import make_prompt_source
 log = logging.getLogger(__name__)
 
 
-SETTLE_OF = {Verdict.ACK: Settle.ACK, Verdict.TERM: Settle.TERM}
-"""How a ROLLOUTS message is settled on the machine's word (a PUT is acknowledged once put)."""
-
-
 class Bound(VersionBound):
     """The newest version the trainer may name, re-read with `read` (an adapter's: the registry)."""
 
@@ -240,7 +236,7 @@ class Partition:
             if await self.bus.dead_letter(m.subject, m.data, reason):
                 self._dead_lettered.append(seq)
         if out.settle is not Verdict.PUT:
-            return SETTLE_OF[out.settle]
+            return Settle(out.settle)
         put = asyncio.ensure_future(self._plugin(self.buffer.put(rg.samples), "put"))
         try:
             await asyncio.wait({put}, timeout=0.05)

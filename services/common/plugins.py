@@ -1,9 +1,10 @@
 """Plugins named by import path (--custom-rm-path, --data-buffer-class, --eval-function-path, ...):
-one importer, whose error names the flag and its value."""
+one importer, whose error names the flag and its value, and `maybe_await` for a sync or async plugin's answer."""
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
 
@@ -22,3 +23,8 @@ def load_object(path: str, what: str) -> Any:
         return getattr(module, attr)
     except AttributeError:
         raise ValueError(f"{what} {path!r}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+async def maybe_await(x: Any) -> Any:
+    """A plugin's answer, awaited when it is awaitable (a plugin may be sync or async)."""
+    return await x if inspect.isawaitable(x) else x

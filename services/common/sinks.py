@@ -20,8 +20,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-AXES = {"eval/": "eval/step"}
-"""Series prefix -> its step metric; everything else is on rollout/step."""
+EVAL_AXIS = "eval/step"
 DEFAULT_AXIS = "rollout/step"
 
 
@@ -44,12 +43,12 @@ def length_statistics(prefix: str, lengths: list) -> dict[str, float]:
 
 
 def axis_of(key: str) -> str:
-    return next((axis for prefix, axis in AXES.items() if key.startswith(prefix)), DEFAULT_AXIS)
+    return EVAL_AXIS if key.startswith("eval/") else DEFAULT_AXIS
 
 
 def scalars(record: dict) -> dict[str, float]:
     """The finite numbers of a record (booleans as 0/1), without the axes themselves."""
-    axes = (DEFAULT_AXIS, *AXES.values())
+    axes = (DEFAULT_AXIS, EVAL_AXIS)
     return {
         k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v) and k not in axes
     }
@@ -97,10 +96,9 @@ class WandbSink:
             dir=str(directory),
             config=config.model_dump(mode="json"),  # secrets are excluded from the dump
         )
-        for axis in (DEFAULT_AXIS, *AXES.values()):
+        for axis in (DEFAULT_AXIS, EVAL_AXIS):
             self.run.define_metric(axis)
-        for prefix, axis in AXES.items():
-            self.run.define_metric(prefix + "*", step_metric=axis)
+        self.run.define_metric("eval/*", step_metric=EVAL_AXIS)
         for prefix in ("rollout/*", "perf/*", "train/*"):
             self.run.define_metric(prefix, step_metric=DEFAULT_AXIS)
         log.info("W&B run %s (%s mode) in %s", self.run.id, config.trainer.wandb_mode or "online", directory)

@@ -172,15 +172,10 @@ class EvalPoints:
     def problem(self, step: int, version: int) -> str | None:
         """Why a result for (step, version) is refused, or None; taken when None."""
         wanted = self.requested.get(step)
-        if step in self.taken:
-            return f"eval result for step {step}: that point was answered already"
-        if wanted is None and step > self.unknown_before:
-            return f"eval result for step {step}: no eval point was requested there"
-        if wanted is not None and version not in wanted:
+        if wanted is not None and version not in wanted and step not in self.taken:
             return (f"eval result for step {step}: the point was requested for weights "
                     f"{', '.join(f'v{v}' for v in sorted(wanted))}, not v{version}")  # fmt: skip
-        self.taken.add(step)
-        return None
+        return self.skip_problem(step, wanted is not None or step <= self.unknown_before)
 
     def skip_problem(self, step: int, on_schedule: bool) -> str | None:
         """Why a skip result for a point no request named (the trainer skips a busy point or a

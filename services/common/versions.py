@@ -41,7 +41,7 @@ async def last_published_version(bus: Bus, at_least: int = 0, scan: int = 64) ->
     if at_least > 0 and kv >= at_least:
         return kv  # what the caller needs to know: one read, not a scan of WEIGHTS at every version
     newest, wanted = max(kv, 0), max(at_least, kv + 1, 1)
-    async for pub in _announcements(bus, scan):
+    async for pub in announcements(bus, scan):
         newest = max(newest, pub.version)
         if newest >= wanted:
             break
@@ -53,13 +53,13 @@ async def published_announcement(bus: Bus, version: int, scan: int = 64) -> Weig
     message back (at most `scan` messages): what a reader that never consumed it (lost, taken by
     another consumer, acknowledged by a predecessor that died) catches up from. None when it is
     not there."""
-    async for pub in _announcements(bus, scan):
+    async for pub in announcements(bus, scan):
         if pub.version == version:
             return pub
     return None
 
 
-async def _announcements(bus: Bus, scan: int):
+async def announcements(bus: Bus, scan: int):
     """The announcements that decode among the last `scan` messages of WEIGHTS, newest first."""
     s = bus.subjects
     raw = await bus.get_last(s.weights_stream, s.weights_published)

@@ -10,9 +10,9 @@ RUN_DIR/secrets/run-token.
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 from pathlib import Path
+from socket import AF_INET, AF_INET6, create_server
 
 
 def parser() -> argparse.ArgumentParser:
@@ -69,10 +69,8 @@ def main(argv: list[str]) -> int:
         source.close_now()
         source = None
     app = build_app(Dashboard(run_dir, _keys(run_dir), source, live=a.live))
-    sock = socket.socket(socket.AF_INET6 if ":" in a.http_host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((a.http_host, a.http_port))
-    sock.listen(128)  # a browser that connects before the server is up waits, not refused
+    v6 = ":" in a.http_host  # "::" takes IPv4 too; a browser that connects before the server is up waits, not refused
+    sock = create_server((a.http_host, a.http_port), family=AF_INET6 if v6 else AF_INET, backlog=128, dualstack_ipv6=v6)
     host = "127.0.0.1" if a.http_host in ("0.0.0.0", "::") else a.http_host
     print(f"dashboard of {run_dir} at http://{host}:{sock.getsockname()[1]}/ (the run token opens it)", flush=True)
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])

@@ -65,14 +65,9 @@ class TextView:
         return text[: m.end()] if self.no_stop_trim else text[: m.start()]
 
     def _hold_back(self, text: str) -> str:
-        keep = len(text)
-        while keep and text[keep - 1] == REPLACEMENT:
-            keep -= 1
+        keep = len(text.rstrip(REPLACEMENT))
         for s in self.stops:
-            for k in range(min(len(s), keep), 0, -1):
-                if text[keep - k : keep] == s[:k]:
-                    keep -= k
-                    break
+            keep -= next((k for k in range(min(len(s), keep), 0, -1) if text[keep - k : keep] == s[:k]), 0)
         return text[:keep]
 
     def token_text(self, token_id: int) -> str:

@@ -122,12 +122,8 @@ class EngineStats:
     """The engine's counters since it started, and its generation throughput over the last 10 s."""
 
     def __init__(self) -> None:
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
-        self.cached_tokens_total = 0
-        self.num_requests_total = 0
-        self.num_aborted_requests_total = 0
-        self.num_retracted_requests_total = 0
+        for name in COUNTERS:  # prompt_tokens_total, ..., num_retracted_requests_total: the table names them all
+            setattr(self, name, 0)
         self.weight_load_duration_s = 0.0
         """The last weight update's time under the model lock (generation stopped)."""
         self.weight_stage_duration_s = 0.0

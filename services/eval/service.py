@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import inspect
 import json
 import logging
 import shutil
@@ -38,7 +37,7 @@ from services.common import crash, procs
 from services.common.bus import Settle, fetch_some, keep_alive, settle
 from services.common.config import AsyncSection, DataSection, EvalSection, RolloutSection, TrainerSection
 from services.common.config.view import for_plugins
-from services.common.plugins import load_object
+from services.common.plugins import load_object, maybe_await
 from services.common.runtime import Service, wait_event
 from services.common.sglang_client import SGLangClient
 from services.common.sinks import length_statistics, statistics_of
@@ -144,8 +143,7 @@ class EvalService(Service):
     async def teardown(self) -> None:
         if self.evaluator is not None:
             try:
-                if inspect.isawaitable(out := self.evaluator.dispose()):
-                    await out
+                await maybe_await(self.evaluator.dispose())
             except Exception as e:  # shutting down anyway: say so, go on
                 log.error("%s.dispose raised %s: %s", self.config.eval.function_path, type(e).__name__, e)
         for client in (self.client, self.fleet_client):
@@ -306,8 +304,7 @@ class EvalService(Service):
                                         "sampling_params": ds.sampling_params(), "rm_type": ds.rm_type}
                                  for name, (ds, _, _) in self.sets.items()},
         }  # fmt: skip
-        out = self.evaluator.evaluate_checkpoint(snapshot, inp)
-        out = await out if inspect.isawaitable(out) else out
+        out = await maybe_await(self.evaluator.evaluate_checkpoint(snapshot, inp))
         return {(k if k.startswith("eval/") else f"eval/{k}"): float(v) for k, v in (out or {}).items()}
 
     # ---- generation and scoring ----------------------------------------------------------------
@@ -330,7 +327,7 @@ class EvalService(Service):
         }  # fmt: skip
         try:
             out = self.eval_log_fn(point_name(req), for_plugins(self.config), payload, {"eval/step": point_name(req)})
-            return bool(await out if inspect.isawaitable(out) else out)
+            return bool(await maybe_await(out))
         except Exception as e:  # a logging plugin never loses the point: the default metrics are kept
             log.warning("--custom-eval-rollout-log-function-path raised at eval point %d: %s", point_name(req), e)
             return False

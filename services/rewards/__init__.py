@@ -5,12 +5,11 @@ producer."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Awaitable, Callable
 
 from asyncrl_proto.messages import Sample, SampleStatus
-from services.common.plugins import load_object
+from services.common.plugins import load_object, maybe_await
 from services.common.validate import reward_problem
 
 log = logging.getLogger(__name__)
@@ -34,10 +33,6 @@ def reward_function(config, rm_type: str | None, custom_rm_path: str | None) -> 
     return RewardHub(config, rm_type or default)
 
 
-async def _maybe_await(x):
-    return await x if inspect.isawaitable(x) else x
-
-
 def mark_failed(sample: Sample, why: str, key: str = "reward_error") -> None:
     """A sample that cannot be trained on: FAILED, no reward, the reason in its metadata."""
     sample.status = SampleStatus.FAILED
@@ -49,7 +44,7 @@ async def score_sample(fn: Callable[..., Awaitable[float]], config, sample: Samp
     """Sets sample.reward; a reward function that raises, or returns anything but a finite
     number (or a dict of them holding --reward-key), marks the sample FAILED. Returns success."""
     try:
-        reward = await _maybe_await(fn(config, sample))
+        reward = await maybe_await(fn(config, sample))
     except Exception as e:  # a user's reward function: contain it, record it
         mark_failed(sample, f"{type(e).__name__}: {e}")
         log.warning("reward function raised on sample %s: %s", sample.index, e)
@@ -64,7 +59,7 @@ async def score_sample(fn: Callable[..., Awaitable[float]], config, sample: Samp
 
 async def score_group(fn, config, group: list[Sample]) -> bool:
     try:
-        rewards = await _maybe_await(fn(config, group))
+        rewards = await maybe_await(fn(config, group))
         if not isinstance(rewards, (list, tuple)) or len(rewards) != len(group):
             raise ValueError(f"--group-rm function returned {rewards!r:.80} for {len(group)} samples, not a list of "
                              "one reward each")  # fmt: skip

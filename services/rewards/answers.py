@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
+from itertools import accumulate
 
 from services.rewards.exact import HUGE, approximate, far_apart, same_value, value
 
@@ -144,14 +145,8 @@ def is_words(normalized: str) -> bool:
 def nesting(text: str) -> int:
     """How deep brackets and braces nest in the text (math-verify's parser is exponential in the
     depth of plain groups, so deep answers are not sent to it)."""
-    depth = deepest = 0
-    for ch in text:
-        if ch in "([{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif ch in ")]}":
-            depth = max(depth - 1, 0)
-    return deepest
+    depths = accumulate(text, lambda d, c: d + 1 if c in "([{" else max(d - 1, 0) if c in ")]}" else d, initial=0)
+    return max(depths)
 
 
 @lru_cache(maxsize=4096)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from services.rewards.answers import decide, nesting
+from services.rewards.answers import _brace_pairs, decide, nesting
 from services.rewards.ifbench import followed
 from services.rewards.ifbench.text import no_punctuation
 
@@ -58,17 +58,8 @@ _BOXED = re.compile(r"\\boxed *\{")
 def last_boxed(text: str) -> str | None:
     """The content of the last `\\boxed{...}` (nested braces allowed), or None."""
     m = _BOXED.match(text, text.rfind("\\boxed"))
-    if m is None:
-        return None
-    i, depth = m.end() - 1, 0
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j]
-    return None
+    close = _brace_pairs(text[m.end() - 1 :]).get(0) if m else None  # the "}" that closes its "{" (index 0)
+    return None if close is None else text[m.end() : m.end() - 1 + close]
 
 
 # ---- math -----------------------------------------------------------------------------------

@@ -13,12 +13,11 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import inspect
 import multiprocessing
 import random
 from typing import Any
 
-from services.common.plugins import load_object
+from services.common.plugins import load_object, maybe_await
 from services.rewards.graders import grade, warm_up
 from services.common.config.rm_types import TASK_REWARDS, rm_type_problem, split_rm_type
 from services.rewards.remote import RemoteRewardModel
@@ -78,8 +77,7 @@ class RewardHub:
         if base in TASK_REWARDS:
             fn = self._task_rewards.get(base) or self._task_rewards.setdefault(
                 base, load_object(TASK_REWARDS[base], "--rm-type"))  # fmt: skip
-            out = fn(config, sample)
-            return await out if inspect.isawaitable(out) else out
+            return await maybe_await(fn(config, sample))
         if base == "random":
             return float(random.randint(0, 1))
         if base == "remote_rm":  # the response as it is, as Miles sends it (boxed_ or not)

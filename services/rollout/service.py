@@ -120,7 +120,7 @@ class RolloutService(Service):
         await self.client.close()
 
     def loops(self):
-        loops = {"submit": self._submit_loop, "keep_prompts": self._keep_prompts_alive, "pauses": self._lapse_pauses}
+        loops = {"submit": self._submit_loop, "pauses": self._lapse_pauses}
         if (a := self.config.async_).rollout_health_check_interval > 0:
             loops["engine_health"] = lambda: self.client.monitor_health(
                 a.rollout_health_check_interval, a.rollout_health_check_timeout
@@ -187,36 +187,37 @@ class RolloutService(Service):
         if (spare := self.n - self.mode.group_size(prompt)) > 0:  # a smaller group: its spare credits now
             self.credits.give_back(spare)
             given_back[0] = spare
-        try:
+        async with keep_alive(msg, max(0.5, self.config.async_.prompt_ack_wait_s / 3)):  # only the dead lose prompts
             try:
-                rg = await self._generate_group(prompt, input_ids, started, given_back, ctx)
-            except asyncio.CancelledError:
-                # stopping: the prompt goes back to the queue now rather than after ack_wait
-                # (a nak is one buffered publish, sent at the latest when the connection closes)
-                with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(settle(msg, Settle.NAK), 2.0)
-                raise
-            except Exception as e:
-                if (delay := await self.mode.requeue_after(msg, e)) is not None:
-                    await settle(msg, Settle.NAK, delay=delay)
+                try:
+                    rg = await self._generate_group(prompt, input_ids, started, given_back, ctx)
+                except asyncio.CancelledError:
+                    # stopping: the prompt goes back to the queue now rather than after ack_wait
+                    # (a nak is one buffered publish, sent at the latest when the connection closes)
+                    with contextlib.suppress(BaseException):
+                        await asyncio.wait_for(settle(msg, Settle.NAK), 2.0)
+                    raise
+                except Exception as e:
+                    if (delay := await self.mode.requeue_after(msg, e)) is not None:
+                        await settle(msg, Settle.NAK, delay=delay)
+                        return
+                    await self._group_failed(msg, prompt, started, e)
                     return
-                await self._group_failed(msg, prompt, started, e)
-                return
-            self.failures.pop(rg.group_id, None)
-            crash.point("rollout", "generated_before_publish")
-            try:
-                await self._publish_group(msg, rg)
-            except Exception as e:  # the broker is away: the finished work is not a failure
-                log.warning("publishing group %s failed (%s); its prompt goes back to the queue", rg.group_id, e)
-                await settle(msg, Settle.NAK, delay=1.0)
-                return
-            crash.point("rollout", "published_before_ack")
-            await settle(msg)
-            self.counters["groups_published"] += 1
-            self.counters["samples_generated"] += len(rg.samples)
-        finally:
-            self.groups_in_flight.pop(id(msg), None)
-            self.credits.group_done(given_back[0])
+                self.failures.pop(rg.group_id, None)
+                crash.point("rollout", "generated_before_publish")
+                try:
+                    await self._publish_group(msg, rg)
+                except Exception as e:  # the broker is away: the finished work is not a failure
+                    log.warning("publishing group %s failed (%s); its prompt goes back to the queue", rg.group_id, e)
+                    await settle(msg, Settle.NAK, delay=1.0)
+                    return
+                crash.point("rollout", "published_before_ack")
+                await settle(msg)
+                self.counters["groups_published"] += 1
+                self.counters["samples_generated"] += len(rg.samples)
+            finally:
+                self.groups_in_flight.pop(id(msg), None)
+                self.credits.group_done(given_back[0])
 
     async def _publish_group(self, msg, rg: RolloutGroup) -> None:
         """Publish a finished group, holding its prompt: while the buffer's input stream holds its
@@ -349,14 +350,6 @@ class RolloutService(Service):
                     self.counters["reward_failures"] += 1
         given_back[0] += self.credits.trajectory_done()
         return out
-
-    async def _keep_prompts_alive(self) -> None:
-        """in_progress() on every prompt being generated, so ack_wait only expires for the dead."""
-        interval = max(0.5, self.config.async_.prompt_ack_wait_s / 3)
-        while True:
-            await asyncio.sleep(interval)
-            for msg, _, _ in list(self.groups_in_flight.values()):
-                await settle(msg, Settle.IN_PROGRESS)
 
     # ---- control ---------------------------------------------------------------------------------
     async def _on_control(self, msg) -> None:

@@ -39,8 +39,7 @@ def adapter_gradients(model: CausalLM, lora: MultiLora, slot: int, batches: list
     """The gradient of one adapter's loss over `batches` (divided by the step's `denom`) in its
     factors' `.grad`, other slots' rows zero; (stats, loss tokens) per micro-batch."""
     model.train()
-    for p in (*lora.A.values(), *lora.B.values()):
-        p.grad = None
+    lora.zero_grad()
 
     def base(*args, **kwargs):  # the KL reference: the base model's forward with no adapter rows
         with lora.rows(None):

@@ -19,18 +19,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import copy
-import inspect
 import logging
 import time
 from pathlib import Path
 
-from asyncrl_proto import BufferGetReply, WeightsPublished, decode
-from asyncrl_proto.codec import MalformedMessage
+from asyncrl_proto import BufferGetReply, WeightsPublished
 from asyncrl_proto.messages import SampleStatus, flatten_group
 from services.common import crash
 from services.common.config.view import for_plugins
-from services.common.plugins import load_object
-from services.common.versions import last_published_version
+from services.common.plugins import load_object, maybe_await
+from services.common.versions import announcements, last_published_version
 from services.model.hf_io import load_weights_into, save_model
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.core import (
@@ -139,15 +137,9 @@ class ModelTraining(Mode):
 
     async def _snapshot_of(self, step: int) -> WeightsPublished | None:
         """The newest complete weight snapshot pushed after `step` or before it (WEIGHTS, newest first)."""
-        s = self.bus.subjects
-        first, last, _ = await self.bus.stream_bounds(s.weights_stream) or (1, 0, 0)
-        for seq in range(last, first - 1, -1):
-            raw = await self.bus.get_msg(s.weights_stream, seq)
-            try:
-                pub = decode(raw.data, WeightsPublished) if raw and raw.subject == s.weights_published else None
-            except MalformedMessage:
-                continue
-            if pub is not None and pub.step <= step and await self.weights.have_snapshot(pub):
+        first, last, _ = await self.bus.stream_bounds(self.bus.subjects.weights_stream) or (1, 0, 0)
+        async for pub in announcements(self.bus, last - first + 1):  # back to the first message
+            if pub.step <= step and await self.weights.have_snapshot(pub):
                 return pub
         return None
 
@@ -349,9 +341,7 @@ class ModelTraining(Mode):
         """Miles's log_rollout_data(rollout_id, args, samples, rollout_extra_metrics, rollout_time)."""
         try:
             out = self.rollout_log_fn(w.step, for_plugins(self.config), samples, dict(w.metrics), w.rollout_time)
-            if inspect.isawaitable(out):
-                out = await out
-            return bool(out)
+            return bool(await maybe_await(out))
         except Exception as e:  # a logging plugin never stops training: the default logging runs
             log.warning("--custom-rollout-log-function-path raised at step %d: %s", w.step, e)
             return False

@@ -47,12 +47,11 @@ from services.data.source import DataError, adapter_total_steps, load_rows
 from services.model.lora import LoraError, LoraSpec, MultiLora, SlotAdamW, load_adapter, save_adapter
 from services.trainer.adapter_push import adapter_dir, announce_adapter, publish_adapter
 from services.trainer.adapters import train_adapter_step
-from services.trainer.core import LossConfig, assemble_batch, build_step_batches
+from services.trainer.core import assemble_batch, build_step_batches
 from services.trainer.loop import Mode, Work
 from services.trainer.parallel import max_tokens_of
 from services.trainer.rollout_stats import rollout_metrics
 from services.trainer.setup import TrainerError
-from services.trainer.steps import BufferLink, Records, SampleCheck
 from services.weights.store import WeightStore
 
 log = logging.getLogger(__name__)
@@ -97,28 +96,22 @@ class Track:
 
 
 class AdapterTraining(Mode):
-    """The trainer's multi-LoRA mode (services.trainer.loop asks it what to train). `lifecycle`:
-    the service it runs in (`stopping`, `wait_stopped`, `stop`, `start_ranks`, and `dp`: the
-    data-parallel ranks of --trainer-num-ranks, set once they have joined)."""
+    """The trainer's multi-LoRA mode (services.trainer.loop asks it what to train). `svc`: the
+    service it runs in (the pieces both modes share; `stopping`, `wait_stopped`, `stop`, `start_ranks`,
+    and `dp`: the data-parallel ranks of --trainer-num-ranks, set once they have joined)."""
 
-    def __init__(self, config, bus, model, link: BufferLink, records: Records, check: SampleCheck,
-                 loss_cfg: LossConfig, pad_id: int, lifecycle):  # fmt: skip
-        self.config = c = config
-        self.bus = bus
-        self.model = model
-        self.link = link
-        self.records = records
-        self.check = check
-        self.loss_cfg = loss_cfg
-        self.pad_id = pad_id
-        self.lifecycle = lifecycle
+    def __init__(self, svc) -> None:
+        self.svc = svc
+        self.config = c = svc.config
+        self.bus = svc.bus
+        self.model = svc.model
         self.model.requires_grad_(False)
         self.lora = MultiLora(self.model, c.multi_lora.n_adapters, c.multi_lora.max_rank)
         self.optimizer = SlotAdamW(self.lora, lr=c.trainer.lr, betas=(c.trainer.adam_beta1, c.trainer.adam_beta2),
                                    weight_decay=c.trainer.weight_decay)  # fmt: skip
         self.tracks: dict[str, Track] = {}
         self.registry = AdapterRegistryState()
-        self.steps_total = records.next_step()
+        self.steps_total = svc.records.next_step()
         """The records' own axis (`step`): every adapter step, one after another, across restarts."""
         self.run_dir = Path(c.infra.run_dir)
         samples = c.rollout.batch_size * c.rollout.n_samples_per_prompt
@@ -128,7 +121,7 @@ class AdapterTraining(Mode):
         self.store: WeightStore | None = None
         """The run's weights bucket when adapters travel through it (config.adapter_transfer_mode)."""
         if c.adapter_transfer_mode == "object-store":
-            self.store = WeightStore(bus, chunk_size=c.async_.update_weight_buffer_size)
+            self.store = WeightStore(self.bus, chunk_size=c.async_.update_weight_buffer_size)
 
     # ---- the registry ----------------------------------------------------------------------------
     async def _read_registry(self) -> AdapterRegistryState:
@@ -140,9 +133,9 @@ class AdapterTraining(Mode):
         for up to --buffer-timeout-s, then fails the trainer (restarted), never the adapter."""
         req = AdapterControl(op=op, name=run.name, registration_id=run.registration_id, step=step, reason=reason)
         deadline = time.monotonic() + self.config.async_.buffer_timeout_s
-        while (reply := await self.link.request(self.bus.subjects.adapters_control, req, AdapterControlReply,
-                                                f"{op} of adapter {run.name}")).retry:  # fmt: skip
-            if time.monotonic() > deadline or self.lifecycle.stopping:
+        while (reply := await self.svc.link.request(self.bus.subjects.adapters_control, req, AdapterControlReply,
+                                                    f"{op} of adapter {run.name}")).retry:  # fmt: skip
+            if time.monotonic() > deadline or self.svc.stopping:
                 raise TrainerError(f"the registry could not store {op} of adapter {run.name!r} for "
                                    f"{self.config.async_.buffer_timeout_s:.0f}s: {reply.error}")  # fmt: skip
             log.warning("the registry could not store %s of adapter %s (%s); asking again", op, run.name, reply.error)
@@ -154,7 +147,7 @@ class AdapterTraining(Mode):
     # ---- the loop's steps (services.trainer.loop) ----------------------------------------------
     async def setup(self) -> None:
         """Adapters only: the base never changes, so there is nothing of the model to resume."""
-        await self.lifecycle.start_ranks(None, None)
+        await self.svc.start_ranks(None, None)
 
     async def next(self) -> list[Work] | None:
         """The registry followed, then the leases that completed together (a batch); None once
@@ -170,7 +163,7 @@ class AdapterTraining(Mode):
         active = [t for t in self.tracks.values() if t.run.state is AdapterState.ACTIVE]
         if not active:
             self.empty_since = 0.0  # idle, not waiting: nothing to warn about
-            await self.lifecycle.wait_stopped(c.multi_lora.idle_poll_s)
+            await self.svc.wait_stopped(c.multi_lora.idle_poll_s)
             return []
         batch = await self._collect(active)
         info = _batch_info(batch)
@@ -233,7 +226,7 @@ class AdapterTraining(Mode):
             return batch
         self.empty_since = 0.0
         deadline = now + c.multi_lora.max_coalesce_wait_s
-        while not self.lifecycle.stopping and _batch_samples(batch) < self.global_batch_size:
+        while not self.svc.stopping and _batch_samples(batch) < self.global_batch_size:
             others = [t for t in active if all(t is not b for b, _ in batch)]
             if not others or (left := deadline - time.monotonic()) <= 0:
                 break
@@ -328,7 +321,7 @@ class AdapterTraining(Mode):
             await self._commit_step(t, t.step - 1)
         while t.step > 0 and not is_complete(adapter_dir(self.run_dir, run.name, t.rid, t.step)):
             t.step -= 1  # never written: from the version before it (the steps after are trained again)
-        self.records.drop_after(self._reg_dir(run), t.step - 1, f"{run.name}/step", t.rid)
+        self.svc.records.drop_after(self._reg_dir(run), t.step - 1, f"{run.name}/step", t.rid)
         self.lora.set_slot(run.slot, *await asyncio.to_thread(load_adapter, self._reg_dir(run) / f"v{t.step}"))
         self.optimizer.reset(run.slot)
         await announce_adapter(self.bus, self.run_dir, run.name, t.rid, t.step, self.store)  # a kill may have cut it
@@ -376,7 +369,7 @@ class AdapterTraining(Mode):
 
     # ---- one adapter step ------------------------------------------------------------------------
     async def _ask(self, rid: str, req: BufferGetRequest, what: str) -> BufferGetReply:
-        return await self.link.request(self.bus.subjects.of(rid).buffer_get, req, BufferGetReply, what)
+        return await self.svc.link.request(self.bus.subjects.of(rid).buffer_get, req, BufferGetReply, what)
 
     async def _get(self, t: Track) -> BufferGetReply | None:
         req = BufferGetRequest(step=t.step, count=t.run.spec.rollout_batch_size, current_version=t.step,
@@ -397,17 +390,17 @@ class AdapterTraining(Mode):
     async def train(self, w: Work) -> None:
         t, reply, _ = w.owner
         w.groups = assemble_batch(
-            [await self.link.load_group(ref) for ref in reply.refs], t.run.spec.n_samples_per_prompt
+            [await self.svc.link.load_group(ref) for ref in reply.refs], t.run.spec.n_samples_per_prompt
         )
-        self.check.exclude_invalid(w.groups, max_version=t.step, n=t.run.spec.n_samples_per_prompt)
+        self.svc.check.exclude_invalid(w.groups, max_version=t.step, n=t.run.spec.n_samples_per_prompt)
         c = self.config
-        if (dp := self.lifecycle.dp) is not None:  # --trainer-num-ranks: the samples split over the ranks
+        if (dp := self.svc.dp) is not None:  # --trainer-num-ranks: the samples split over the ranks
             w.stats = await asyncio.to_thread(dp.train_adapter, self.lora, self.optimizer, t.run.slot, w.groups,
-                                              self.loss_cfg, w.std)  # fmt: skip
+                                              self.svc.loss_cfg, w.std)  # fmt: skip
         else:
-            (batches,) = build_step_batches(w.groups, w.std, c.rollout.reward_key, self.pad_id, max_tokens_of(c), 1)
+            (batches,) = build_step_batches(w.groups, w.std, c.rollout.reward_key, self.svc.pad_id, max_tokens_of(c), 1)
             w.stats = await asyncio.to_thread(train_adapter_step, self.model, self.lora, self.optimizer, t.run.slot,
-                                              batches, self.loss_cfg, c.trainer.clip_grad)  # fmt: skip
+                                              batches, self.svc.loss_cfg, c.trainer.clip_grad)  # fmt: skip
         crash.point("trainer", "adapter_stepped_before_records")
         t.step += 1
 
@@ -450,8 +443,8 @@ class AdapterTraining(Mode):
             await asyncio.to_thread(remove_snapshot, old)
 
     async def _commit_step(self, t: Track, step: int) -> None:
-        await self.link.commit(self.bus.subjects.of(t.rid).buffer_commit, step, t.step,
-                               f"commit of adapter {t.run.name} step {step}", MultiLoraError)  # fmt: skip
+        await self.svc.link.commit(self.bus.subjects.of(t.rid).buffer_commit, step, t.step,
+                                   f"commit of adapter {t.run.name} step {step}", MultiLoraError)  # fmt: skip
 
     # ---- records ---------------------------------------------------------------------------------
     async def record(self, w: Work) -> dict:
@@ -480,12 +473,12 @@ class AdapterTraining(Mode):
         return record
 
     async def finish(self, error: str | None = None) -> None:
-        await self.records.finish(self.steps_total, error=error)
+        await self.svc.records.finish(self.steps_total, error=error)
         if error:
             log.error("multi-LoRA training failed after %d adapter steps: %s", self.steps_total, error)
         else:
             log.info("multi-LoRA training finished: every adapter is completed (%d adapter steps)", self.steps_total)
-        self.lifecycle.stop()
+        self.svc.stop()
 
     def status(self) -> dict:
         return {"adapter_steps": self.steps_total, "mode": self.config.infra.mode,

@@ -85,8 +85,7 @@ class TrainerService(Service):
         if config.multi_lora.n_adapters > 0:  # adapters on the frozen base, their own optimizer
             from services.trainer.multi_lora import AdapterTraining
 
-            self.mode = AdapterTraining(config, bus, self.model, self.link, self.records, self.check, self.loss_cfg,
-                                        self.pad_id, lifecycle=self)  # fmt: skip
+            self.mode = AdapterTraining(self)
         else:
             from services.trainer.model_mode import ModelTraining
 

@@ -126,8 +126,34 @@ def test_a_value_or_rule_that_joins_sections_reads_only_the_sections_it_names(na
 
 
 def test_every_rule_that_joins_sections_runs():
-    rules = {n for n, v in vars(RunConfig).items() if callable(v) and hasattr(v, "joins")}
-    assert rules == set(RunConfig.JOINT_RULES)
+    """One config that breaks every rule that joins sections: each rule's problem is reported, in
+    the order the rules are written."""
+    broken = {  # rule: the start of the problem this config gives it
+        "_mode_problems": "--over-sampling-batch-size applies to the train and one-step",
+        "_capacity_problems": "--async-max-concurrent-samples (1) must be >= --n-samples-per-prompt (2)",
+        "_transfer_problems": "--update-weight-transfer-mode object-store needs the built-in engine",
+        "_batch_problems": "--num-steps-per-rollout 1000 exceeds the rollout's 32 samples",
+        "_snapshot_eval_problems": "Snapshot eval requires --eval-interval.",
+        "_multi_lora_problems": "Multi-LoRA async (--multi-lora-n-adapters) pushes every adapter version",
+    }
+    assert list(broken) == [n for n, v in vars(RunConfig).items() if callable(v) and hasattr(v, "joins")]
+    with pytest.raises(ValueError) as e:
+        RunConfig(
+            fully_async=True,
+            over_sampling_batch_size=64,
+            async_max_concurrent_samples=1,
+            n_samples_per_prompt=2,
+            update_weight_transfer_mode="object-store",
+            engine="sglang",
+            num_steps_per_rollout=1000,
+            eval_num_gpus=1,
+            multi_lora_n_adapters=2,
+            update_weights_interval=2,
+        )
+    lines = str(e.value).splitlines()
+    found = [next((i for i, line in enumerate(lines) if piece in line), None) for piece in broken.values()]
+    assert None not in found, str(e.value)
+    assert found == sorted(found)
 
 
 def test_a_section_rule_reads_its_own_section_only():

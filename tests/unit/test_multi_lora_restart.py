@@ -76,9 +76,9 @@ class Link(BufferLink):
 
 
 def trainer_of(svc) -> AdapterTraining:
-    return AdapterTraining(svc.config, svc.bus, svc.model, Link(svc), Records(svc.metrics_path, None, svc.bus),
-                            SampleCheck(Limits(n=2, vocab_size=16, context_length=16), loss_config(svc.config)),
-                            loss_config(svc.config), pad_id=0, lifecycle=svc)  # fmt: skip
+    svc.link, svc.records, svc.loss_cfg = Link(svc), Records(svc.metrics_path, None, svc.bus), loss_config(svc.config)
+    svc.check, svc.pad_id = SampleCheck(Limits(n=2, vocab_size=16, context_length=16), svc.loss_cfg), 0
+    return AdapterTraining(svc)
 
 
 def setup_run(tmp_path, versions: list[int], complete: set[int], trained_steps: int, reported: int):
@@ -302,7 +302,7 @@ def test_every_adapter_completed_ends_the_run_unless_in_service_mode(tmp_path, s
         finished.append(1)
 
     trainer._read_registry, svc.wait_stopped, trainer.finish = read_registry, wait_stopped, finish
-    asyncio.run(TrainLoop(trainer, trainer.records, SampleRecorder(str(tmp_path), None, keep=0), lifecycle=svc).run())
+    asyncio.run(TrainLoop(trainer, svc.records, SampleRecorder(str(tmp_path), None, keep=0), lifecycle=svc).run())
     if service_mode:
         assert (len(reads), waits, finished) == (3, [7.0] * 3, [])
     else:

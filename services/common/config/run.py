@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -83,8 +83,8 @@ def home_of(name: str) -> str | None:
 
 
 def joins(*sections: type[Section]):
-    """Marks a derived value or a rule as joining these sections (and only these: a test reads its
-    body and fails on a section it reads without naming it here)."""
+    """Marks a derived value or a rule as joining these sections (and only these: a test reads its body
+    and fails on a section it reads without naming it here); RunConfig._validate runs every rule so marked."""
 
     def mark(fn):
         fn.joins = sections
@@ -400,17 +400,12 @@ class RunConfig(BaseModel):
                         "staleness is counted in its own steps): drop --update-weights-interval")  # fmt: skip
         return errs
 
-    JOINT_RULES: ClassVar[tuple[str, ...]] = (
-        "_mode_problems", "_capacity_problems", "_transfer_problems", "_batch_problems", "_snapshot_eval_problems",
-        "_multi_lora_problems",
-    )  # fmt: skip
-
     @model_validator(mode="after")
     def _validate(self) -> RunConfig:
         """Every section's own rules, on that section alone, then the rules that join sections;
         all of them reported at once, with what to set instead."""
         errs = [e for attr in SECTION_NAMES.values() for e in getattr(self, attr).problems()]
-        errs += [e for rule in self.JOINT_RULES for e in getattr(self, rule)()]
+        errs += [e for fn in vars(RunConfig).values() if callable(fn) and hasattr(fn, "joins") for e in fn(self)]
         if errs:
             raise ConfigError("\n".join(errs))
         return self

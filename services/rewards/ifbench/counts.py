@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import string
 from collections import Counter
-from itertools import pairwise
+from itertools import groupby, pairwise
 
 from services.rewards.ifbench.text import (
     PUNCTUATION_SPACE,
@@ -173,11 +173,8 @@ def alliteration_increment(text: str) -> bool:
     previous = -1
     for sentence in sentences(text):
         words = [w for w in (w.lstrip(PUNCTUATION_SPACE) for w in sentence.lower().split()) if w]
-        score, in_run = 0, False
-        for a, b in zip(words, words[1:], strict=False):
-            if a[0] == b[0]:
-                score += 1 if in_run else 2
-            in_run = a[0] == b[0]
+        runs = (len(list(g)) for _, g in groupby(w[0] for w in words))
+        score = sum(k for k in runs if k > 1)
         if score <= previous:
             return False
         previous = score
