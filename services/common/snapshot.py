@@ -23,6 +23,15 @@ def numbered(items: Iterable[str | Path], prefix: str = "v", suffix: str = "") -
     return sorted(((int(m[1]), item) for m, item in found), key=lambda kv: kv[0])
 
 
+def version_number(reported) -> int:
+    """A weight version (as an engine reports it) as a number: SGLang's initial "default" (the
+    launch weights), None and anything else not a number are 0."""
+    try:
+        return int(reported)
+    except (TypeError, ValueError):
+        return 0
+
+
 def remove_snapshot(path: str | Path) -> None:
     """Delete a snapshot, its marker first: whoever reads or links it meanwhile finds it
     incomplete instead of taking a directory whose files are going."""

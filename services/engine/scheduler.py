@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common import crash
+from services.common.snapshot import version_number
 from services.engine.metrics import EngineStats
 from services.engine.request import Request, SamplingParams
 from services.engine.sampling import StepOutput, prompt_logprobs, sample
@@ -211,7 +212,7 @@ class Scheduler:
             if plan:
                 t_step = time.perf_counter()
                 with self._model_lock:
-                    version, epoch = self._version_int(), self.kv_epoch
+                    version, epoch = version_number(self.weight_version), self.kv_epoch
                     outputs = [self._forward_each(p) for p in plan]
                 self._last_step_s = time.perf_counter() - t_step
                 crash.point("engine", "mid_step")
@@ -373,12 +374,6 @@ class Scheduler:
             self.kv_epoch += 1
             self.slot_prompt.clear()
             return True
-
-    def _version_int(self) -> int:
-        try:
-            return int(self.weight_version)
-        except ValueError:
-            return 0
 
     def _take_slot(self) -> int:
         # prefer a slot that caches nothing, else the least recently freed one

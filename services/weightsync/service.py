@@ -41,7 +41,7 @@ from services.common.promexport import LATENCY_BUCKETS_S
 from services.common.repeats import Repeats
 from services.common.runtime import Service
 from services.common.sglang_client import EngineError, FlushRefused, SGLangClient
-from services.common.snapshot import COMPLETE_MARKER, is_complete, resolved
+from services.common.snapshot import COMPLETE_MARKER, is_complete, resolved, version_number
 from services.common.versions import VersionBound, published_announcement
 from services.weights.store import WeightStore, WeightStoreError
 from services.weightsync.adapters import AdapterSync
@@ -53,14 +53,6 @@ UPDATE_DEADLINE_S = 120.0
 """An engine that takes a version for this long (a restarting one comes back within it) fails us."""
 CONVERGE_EVERY_S = 5.0
 """While idle, every engine is checked this often: on the live version, and generating."""
-
-
-def _version(reported) -> int:
-    """An engine's weight version as a number (SGLang's initial "default" is the launch weights, 0)."""
-    try:
-        return int(reported)
-    except (TypeError, ValueError):
-        return 0
 
 
 class WeightSyncService(Service):
@@ -148,7 +140,7 @@ class WeightSyncService(Service):
             deadline = time.monotonic() + timeout_s
             while True:
                 try:
-                    versions.add(_version((await self.client.model_info(url)).get("weight_version")))
+                    versions.add(version_number((await self.client.model_info(url)).get("weight_version")))
                     break
                 except EngineError as e:
                     if time.monotonic() > deadline:
@@ -252,7 +244,7 @@ class WeightSyncService(Service):
         """An engine reporting `got` must take the live version again: it is behind it, on a
         version nobody published, or `loading-<N>` (a distributed broadcast cut off inside the
         pause: an SGLang server may hold part of it)."""
-        v = _version(got)
+        v = version_number(got)
         return str(got).startswith("loading-") or v < live or not await self.published.allows(v)
 
     async def _apply_updates(self) -> None:

@@ -393,22 +393,8 @@ class Bus:
         first, last, total = bounds
         out: list[bytes] = []
         if subject is not None:
-            cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL,
-                                     inactive_threshold=30.0)  # fmt: skip
-            sub = await self.js.pull_subscribe(subject, stream=stream, config=cfg)
-            try:
-                expected = (await sub.consumer_info()).num_pending  # what matches `subject`
-                got = 0
-                while got < expected:
-                    try:
-                        msgs = await sub.fetch(min(1000, expected - got), timeout=2.0)
-                    except TimeoutError:  # nats-py's is one too; a cluster electing a leader
-                        raise BusError(f"read {got} of {expected} messages of {stream}, then nothing") from None
-                    got += len(msgs)
-                    out += [m.data for m in msgs if m.data]
-            finally:
-                await sub.unsubscribe()
-            return out
+            msgs = await _pending(self.js, stream, subject, None, deliver_policy=api.DeliverPolicy.ALL)
+            return [m.data for m in msgs if m.data]
         for seq in range(first, last + 1):
             raw = await self.get_msg(stream, seq)
             if raw is not None and raw.data and (only is None or raw.subject == only):
@@ -421,26 +407,10 @@ class Bus:
         bounds = await self.stream_bounds(stream)
         if bounds is None or bounds[1] <= after:
             return []
-        cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-                                 opt_start_seq=max(after + 1, bounds[0]), inactive_threshold=30.0)  # fmt: skip
-        sub = await self.js.pull_subscribe(subject, stream=stream, config=cfg)
-        out: list[tuple[int, bytes]] = []
-        name = None
-        try:
-            info = await sub.consumer_info()
-            name, expected = info.name, min(limit, info.num_pending)
-            while len(out) < expected:
-                try:
-                    msgs = await sub.fetch(min(1000, expected - len(out)), timeout=2.0)
-                except TimeoutError:
-                    break  # what arrived is enough for this read; the next one continues
-                out += [(m.metadata.sequence.stream, m.data) for m in msgs]
-        finally:
-            await sub.unsubscribe()
-            if name is not None:  # gone now, not after its inactivity threshold: no consumer piles up
-                with contextlib.suppress(Exception):
-                    await self.js.delete_consumer(stream, name)
-        return out
+        policy = api.DeliverPolicy.BY_START_SEQUENCE
+        start = max(after + 1, bounds[0])
+        msgs = await _pending(self.js, stream, subject, limit, deliver_policy=policy, opt_start_seq=start)
+        return [(m.metadata.sequence.stream, m.data) for m in msgs]
 
     async def consumer_ack_floor(self, stream: str, durable: str) -> int:
         """The stream sequence below which the consumer `durable` has acknowledged everything."""
@@ -493,6 +463,32 @@ class Bus:
             reason = f"undecodable {tp.__name__}: {e}"
         await (self.dead_letter_msg(msg, reason) if jetstream else self.dead_letter(msg.subject, msg.data, reason))
         return None
+
+
+async def _pending(js, stream: str, subject: str, limit: int | None, **deliver) -> list:
+    """What an ephemeral consumer of `subject` (delivering as `deliver` says) has pending when
+    made, fetched in large batches. With `limit`, at most that many, and a fetch that times out
+    ends the read; without, every one, or BusError (the caller reads again)."""
+    cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, inactive_threshold=30.0, **deliver)
+    sub = await js.pull_subscribe(subject, stream=stream, config=cfg)
+    out: list = []
+    name = None
+    try:
+        info = await sub.consumer_info()
+        name, expected = info.name, info.num_pending if limit is None else min(limit, info.num_pending)
+        while len(out) < expected:
+            try:
+                out += await sub.fetch(min(1000, expected - len(out)), timeout=2.0)
+            except TimeoutError:  # nats-py's is one too; a cluster electing a leader
+                if limit is None:
+                    raise BusError(f"read {len(out)} of {expected} messages of {stream}, then nothing") from None
+                break  # what arrived is enough for this read; the next one continues
+    finally:
+        await sub.unsubscribe()
+        if name is not None:  # gone now, not after its inactivity threshold: no consumer piles up
+            with contextlib.suppress(Exception):
+                await js.delete_consumer(stream, name)
+    return out
 
 
 def _consumer_config(spec: ConsumerSpec) -> api.ConsumerConfig:
