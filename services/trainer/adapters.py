@@ -85,19 +85,3 @@ def train_adapter_step(
         return dict(SKIPPED)
     parts = adapter_gradients(model, lora, slot, batches, cfg, denom)
     return apply_adapter_update(lora, optimizer, slot, parts, clip_grad)
-
-
-def train_adapters(
-    model: CausalLM,
-    lora: MultiLora,
-    optimizer: SlotAdamW,
-    per_slot: dict[int, list[TrainBatch]],
-    cfg: LossConfig,
-    clip_grad: float,
-) -> dict[int, dict[str, float]]:
-    """A step for every adapter whose batch is complete (the keys of `per_slot`), each on its own;
-    stats per slot."""
-    if any(p.requires_grad for p in model.parameters()):
-        raise ValueError("multi-LoRA training needs a frozen base model: requires_grad_(False) on its weights")
-    return {slot: train_adapter_step(model, lora, optimizer, slot, batches, cfg, clip_grad)
-            for slot, batches in sorted(per_slot.items())}  # fmt: skip
