@@ -470,10 +470,7 @@ def link_snapshot(src: Path, dst: Path) -> bool:
     try:
         if not is_complete(src):
             return False
-        dst.mkdir(parents=True)
-        for f in src.iterdir():
-            if f.name != COMPLETE_MARKER:
-                os.link(f, dst / f.name)
+        shutil.copytree(src, dst, copy_function=os.link, ignore=shutil.ignore_patterns(COMPLETE_MARKER))
         # the marker last: a deletion removes it first (remove_snapshot), so linking it means
         # no deletion had begun when the files above were listed
         os.link(src / COMPLETE_MARKER, dst / COMPLETE_MARKER)
