@@ -201,10 +201,7 @@ def url_credentials(url: str) -> tuple[str, dict[str, str]]:
     parts = urlsplit(first)
     if not parts.username and not parts.password:
         return url, {}
-    host = parts.hostname or ""
-    netloc = f"[{host}]" if ":" in host else host
-    if parts.port:
-        netloc += f":{parts.port}"
+    netloc = parts.netloc.rpartition("@")[2]  # the host and port as written
     clean = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment)) + sep + rest
     if parts.password is None:
         return clean, {"token": parts.username}
