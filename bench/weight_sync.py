@@ -129,7 +129,7 @@ async def cell(arm: str, size: str, model: Path, a, tmp: Path) -> dict:
         for _ in range(a.updates):
             t0 = time.perf_counter()
             await client.pause(url, "retract")
-            await client.flush_cache(url)
+            await client.flush_cache_within(url, 60.0)
             await client.continue_generation(url)
             ideal.append(time.perf_counter() - t0)
         await client.close()

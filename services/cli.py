@@ -24,6 +24,7 @@ import argparse
 import importlib
 import json
 import sys
+from functools import partial
 
 
 def _resolve(prog: str, argv: list[str], sync: bool):
@@ -62,8 +63,7 @@ def _init_run_config(argv: list[str]):
     return _resolve("asyncrl init-run", [a for a in argv if a != "--driver-sync"], "--driver-sync" in argv)
 
 
-def _cmd_init_run(argv: list[str]) -> int:
-    config = _init_run_config(argv)
+def _init_run(config) -> int:
     from services.prepare import LaunchError, init_run
 
     try:
@@ -74,9 +74,7 @@ def _cmd_init_run(argv: list[str]) -> int:
     return 0
 
 
-def _cmd_train(argv: list[str], sync: bool) -> int:
-    prog = "asyncrl train" if sync else "asyncrl train-async"
-    config = _resolve(prog, argv, sync)
+def _train(prog: str, config) -> int:
     from services.console import Console
     from services.launcher import LaunchError, format_progress, launch
 
@@ -151,33 +149,9 @@ def _cmd_secrets(argv: list[str]) -> int:
     return 0
 
 
-def check_argv(argv: list[str]) -> None:
-    """Parse a command line with the real parsers without running anything (SystemExit on an
-    invalid one). Used to check that deploy files only run real commands with valid flags."""
-    cmd, rest = argv[0], argv[1:]
-    if cmd in ("train", "train-async"):
-        _resolve(f"asyncrl {cmd}", rest, cmd == "train")
-    elif cmd == "init-run":
-        _init_run_config(rest)
-    elif cmd == "service":
-        from services.common.entry import SERVICES, service_parser
-
-        if not rest or rest[0] not in SERVICES:
-            raise SystemExit(f"unknown service {rest[:1]}")
-        service_parser(rest[0]).parse_args(rest[1:])
-    elif cmd == "engine":
-        importlib.import_module(COMMANDS[cmd]).parse_args(rest)
-    elif cmd in ("eval-adapter", "dashboard"):
-        importlib.import_module(COMMANDS[cmd]).parser().parse_args(rest)
-    elif cmd == "secrets":
-        if "-h" in rest or "--help" in rest or "--run-id" not in rest:
-            raise SystemExit("asyncrl secrets needs --run-id")
-    else:
-        raise SystemExit(f"unknown command {cmd!r}")
-
-
-def _cmd_service(argv: list[str]) -> int:
-    from services.common.entry import SERVICES, service_main
+def _service_args(argv: list[str]) -> tuple[str, list[str]]:
+    """`asyncrl service NAME ...`: (NAME, its flags) once its parser took them, or the usage without a NAME."""
+    from services.common.entry import SERVICES, service_parser
 
     if not argv or argv[0] not in SERVICES:
         asked = bool(argv) and argv[0] in ("-h", "--help")
@@ -187,25 +161,43 @@ def _cmd_service(argv: list[str]) -> int:
             "`asyncrl service NAME --help` lists its flags.",
             file=sys.stdout if asked else sys.stderr,
         )
-        return 0 if asked else 2
-    service_main(argv[0], argv[1:])
-    return 0
+        raise SystemExit(0 if asked else 2)
+    service_parser(argv[0]).parse_args(argv[1:])  # service_main parses them again: it also runs a service alone
+    return argv[0], argv[1:]
 
 
 COMMANDS = {
-    "train": lambda argv: _cmd_train(argv, sync=True),
-    "train-async": lambda argv: _cmd_train(argv, sync=False),
-    "init-run": _cmd_init_run,
-    "service": _cmd_service,
-    "engine": "services.engine.__main__",
-    "audit": "services.audit",
-    "status": "services.dashboard.status",
-    "dashboard": "services.dashboard.__main__",
-    "build-model": _cmd_build_model,
-    "eval-adapter": "services.eval.adapter_eval",
-    "secrets": _cmd_secrets,
+    "train": (partial(_resolve, "asyncrl train", sync=True), partial(_train, "asyncrl train")),
+    "train-async": (partial(_resolve, "asyncrl train-async", sync=False), partial(_train, "asyncrl train-async")),
+    "init-run": (_init_run_config, _init_run),
+    "service": (_service_args, lambda a: importlib.import_module("services.common.entry").service_main(*a)),
+    "engine": (lambda module: module.parse_args, "services.engine.__main__"),
+    "audit": (None, "services.audit"),
+    "status": (None, "services.dashboard.status"),
+    "dashboard": (lambda module: module.parser().parse_args, "services.dashboard.__main__"),
+    "build-model": (None, _cmd_build_model),
+    "eval-adapter": (lambda module: module.parser().parse_args, "services.eval.adapter_eval"),
+    "secrets": (None, _cmd_secrets),
 }
-"""Each command: its function, or the module whose main(argv) runs it (imported only then)."""
+"""Each command: (parse, run). run(parse(argv)) runs it; parse alone (check_argv's) exits on an invalid command line;
+None: run parses argv itself. A module's name as run: its main(argv) parses argv and runs it (imported only then), and
+parse(module) gives the module's own parse step."""
+
+
+def check_argv(argv: list[str]) -> None:
+    """Parse a command line with the real parsers without running anything (SystemExit on an
+    invalid one). Used to check that deploy files only run real commands with valid flags."""
+    cmd, rest = argv[0], argv[1:]
+    parse, run = COMMANDS.get(cmd, (None, None))
+    if cmd == "secrets":  # its parser is _cmd_secrets's own: here only the flag it needs
+        if "-h" in rest or "--help" in rest or "--run-id" not in rest:
+            raise SystemExit("asyncrl secrets needs --run-id")
+    elif parse is None:
+        raise SystemExit(f"unknown command {cmd!r}")
+    elif isinstance(run, str):  # a module's command: parse(module) is its parse step
+        parse(importlib.import_module(run))(rest)
+    else:
+        parse(rest)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,13 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0
-    run = COMMANDS.get(argv[0])
-    if run is None:
+    if argv[0] not in COMMANDS:
         print(f"asyncrl: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    parse, run = COMMANDS[argv[0]]
     if isinstance(run, str):
-        run = importlib.import_module(run).main
-    return run(argv[1:]) or 0
+        return importlib.import_module(run).main(argv[1:]) or 0
+    return run(parse(argv[1:]) if parse else argv[1:]) or 0
 
 
 if __name__ == "__main__":

@@ -250,13 +250,20 @@ def run_env(run_dir, role_env: bool = True) -> dict[str, str]:
             "ASYNCRL_RUN_TOKEN_FILE": str(secrets / "run-token")}  # fmt: skip
 
 
+def with_test_token(cls, config, bus, **kw):
+    """A service built as the launcher's children are, its run token (TEST_TOKEN) in its environment."""
+    from unittest import mock
+
+    with mock.patch.dict("os.environ", {"ASYNCRL_RUN_TOKEN": TEST_TOKEN}):
+        return cls(config, bus, **kw)
+
+
 async def start_service(cls, config, nats_url: str, run_id: str, **kw) -> RunningService:
     from services.common.bus import Bus
 
-    kw.setdefault("http_token", TEST_TOKEN)
     bus = await Bus.connect(nats_url, run_id, cls.name)
     await bus.ensure_streams()  # what the launcher does before it starts a service
-    service = cls(config, bus, **kw)
+    service = with_test_token(cls, config, bus, **kw)
     task = asyncio.ensure_future(service.run())
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 30

@@ -31,7 +31,7 @@ from asyncrl_proto import Heartbeat
 from services.common.bus import Bus
 from services.common.config import ConfigView, RunConfig
 from services.common.config.view import view
-from services.common.httpauth import OPEN_PATHS, Keys, engine_token_from_env, keys_from_env, require_token
+from services.common.httpauth import OPEN_PATHS, engine_token_from_env, keys_from_env, require_token
 from services.common.promexport import LabelledProcessCollector, ServiceCollector
 from services.common.secrets import install_log_redaction, run_token_from_env
 
@@ -88,18 +88,14 @@ class Service:
         instance_id: str | None = None,
         http_host: str = "127.0.0.1",
         http_port: int = 0,
-        http_token: str | None = None,
     ):
-        """http_token: the run token (default: from the environment, services.common.secrets).
-        This service's routes answer the admin only (services.common.httpauth); it calls the
-        engines with its role's token (`engine_token`). Without a run token, or the keys and
-        token the launcher gives, its protected routes refuse everyone."""
+        """The run token comes from the environment (services.common.secrets). This service's
+        routes answer the admin only (services.common.httpauth); it calls the engines with its
+        role's token (`engine_token`). Without a run token, or the keys and token the launcher
+        gives, its protected routes refuse everyone."""
         self.config = view(config, self.reads, f"{type(self).__name__}")
-        if http_token is not None:
-            self.http_keys: Keys | None = Keys.of_run(http_token)
-        else:
-            http_token = run_token_from_env()
-            self.http_keys = keys_from_env(http_token)
+        http_token = run_token_from_env()
+        self.http_keys = keys_from_env(http_token)
         self.engine_token = engine_token_from_env(self.name, http_token, config.infra.engines_take_one_key)
         """What this service sends to the engines (None: they ask for nothing)."""
         self.bus = bus

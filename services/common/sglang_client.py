@@ -291,9 +291,6 @@ class SGLangClient:
                 log.warning("pinning %s to %s failed (attempt %d): %s", url, model_path, attempt + 1, e)
         return False
 
-    async def flush_cache(self, url: str) -> bool:
-        return await self._succeeds("POST", url, "/flush_cache", None, 60.0)
-
     async def flush_cache_within(self, url: str, timeout_s: float, every_s: float = 1.0) -> None:
         """Flush a paused engine's prefix cache, asking again every `every_s` (an SGLang server
         refuses while requests are still resident) for up to `timeout_s`, as Miles does; then
@@ -302,7 +299,7 @@ class SGLangClient:
         attempts = 0
         while True:
             attempts += 1
-            if await self.flush_cache(url):
+            if await self._succeeds("POST", url, "/flush_cache", None, 60.0):
                 if attempts > 1:
                     log.info("%s flushed its cache at attempt %d", url, attempts)
                 return

@@ -167,7 +167,8 @@ def overview(data: RunData, x: str = "step", adapter: str = "") -> dict:
     return {
         "s": data.summary(), "charts": charts(data, x, adapter), "adapter": adapter,
         "partitions": data.partitions if len(data.partitions) > 1 else {},
-        "buffer": [(k, readable(v)) for k, v in b.items() if k != "dead_letters"], "dead": b["dead_letters"][-10:],
+        "buffer": [(k, readable(v)) for k, v in b.items() if k != "dead_letters"],
+        "dead": [(d["subject"], d["service"], d["reason"]) for d in b["dead_letters"][-10:]],
         "services": [dict(svc, tone=_tone(svc)) for svc in data.services()],
         "audit": rep, "audit_rows": [(k, readable(rep[k])) for k in AUDIT_KEYS],
         "steps": data.sample_steps(adapter), "errors": data.errors(), "streams_error": data.streams_error,

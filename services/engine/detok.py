@@ -67,7 +67,10 @@ class TextView:
     def _hold_back(self, text: str) -> str:
         keep = len(text.rstrip(REPLACEMENT))
         for s in self.stops:
-            keep -= next((k for k in range(min(len(s), keep), 0, -1) if text[keep - k : keep] == s[:k]), 0)
+            for k in range(min(len(s), keep), 0, -1):
+                if text[keep - k : keep] == s[:k]:
+                    keep -= k
+                    break
         return text[:keep]
 
     def token_text(self, token_id: int) -> str:

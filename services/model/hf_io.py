@@ -51,9 +51,7 @@ def check_finite(state: dict[str, torch.Tensor], where: str) -> None:
 
 def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a snapshot; NonFiniteWeights if any holds NaN or inf."""
-    state: dict[str, torch.Tensor] = {}
-    for f in _weight_files(Path(path)):
-        state.update(load_file(str(f)))
+    state = {name: t for f in _weight_files(Path(path)) for name, t in load_file(str(f)).items()}
     check_finite(state, f"snapshot {path}")
     return state
 

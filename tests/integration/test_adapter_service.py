@@ -22,7 +22,7 @@ from services.common.bus import SequenceConflict
 from services.common.config import RunConfig
 from services.common.procs import free_port
 from services.common.secrets import ROLES_FILE_ENV, RUN_TOKEN_ENV, write_roles_file
-from tests.conftest import AUTH, TEST_TOKEN, RunningService, connect_role, wait_until
+from tests.conftest import AUTH, TEST_TOKEN, RunningService, connect_role, wait_until, with_test_token
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ async def fresh_run(server):
 
 async def start(server, cfg: RunConfig) -> RunningService:
     bus = await connect_role(server, "adapters")
-    service = AdapterService(cfg, bus, http_token=TEST_TOKEN)
+    service = with_test_token(AdapterService, cfg, bus)
     task = asyncio.ensure_future(service.run())
     await wait_until(lambda: service.ready or task.done(), 20, "the registry ready")
     if task.done():

@@ -31,7 +31,7 @@ from services.common.bus import Bus, fetch_some
 from services.common.versions import VersionBound, last_published_version, publish_weights
 from services.model.hf_io import load_model, save_model
 from services.weightsync.service import WeightSyncService
-from tests.conftest import TEST_TOKEN, EngineThread, RunningService, pull, start_service, wait_until
+from tests.conftest import EngineThread, RunningService, pull, start_service, wait_until, with_test_token
 from tests.integration.test_buffer_service import Harness, config
 
 
@@ -320,7 +320,7 @@ async def test_multi_lora_junk_for_no_registration_is_dead_lettered_and_leaves_t
     and leave ROLLOUTS once settled (a flood of them would otherwise fill the stream's cap)."""
     bus = await Bus.connect(nats_server.url, run_id, "buffer")
     await bus.ensure_streams(partitioned=True)  # what the launcher does for a multi-LoRA run
-    service = BufferService(config(task_data, tiny_model_dir, multi_lora_n_adapters=2), bus, http_token=TEST_TOKEN)
+    service = with_test_token(BufferService, config(task_data, tiny_model_dir, multi_lora_n_adapters=2), bus)
     svc = RunningService(service, asyncio.ensure_future(service.run()))
     h = await Bus.connect(nats_server.url, run_id, "test")
     try:
