@@ -119,12 +119,12 @@ def recorded_turn(answer: dict, tools_offered: bool) -> dict:
     }  # fmt: skip
 
 
-def assemble(sample: Sample, prompt_ids: list[int] | None, turns: list[dict], decode) -> Sample:
-    """The sample of a recorded conversation (see the module). `prompt_ids`: the ids the sample
-    starts from (the first turn's prompt when None); `decode`: ids -> text, for the record."""
+def assemble(sample: Sample, turns: list[dict], decode) -> Sample:
+    """The sample of a recorded conversation (see the module), from its first turn's prompt on;
+    `decode`: ids -> text, for the record."""
     if not turns:
         raise TurnMismatch("the episode made no model call")
-    traj = Trajectory(sample, prompt_ids if prompt_ids is not None else turns[0]["prompt_ids"])
+    traj = Trajectory(sample, turns[0]["prompt_ids"])
     offered = [turn["tool_calls"] for turn in turns if turn.get("tool_calls") is not None]
     if offered:  # an episode that had tools counts its calls (rollout/tool_call_ratio); one without has no metric
         traj.tool_calls = sum(offered)

@@ -319,7 +319,7 @@ async def _episode(config, sample: Sample, engine, sampling_params: dict) -> Sam
                 text = await server.tool(call, offered)
                 output.append({"type": "function_call_output", "call_id": call.get("id"), "output": text})
                 messages.append({"role": "tool", "tool_call_id": call.get("id"), "content": text})
-        out = assemble(sample, None, turns, lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=False))
+        out = assemble(sample, turns, lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=False))
         if out.status is SampleStatus.ABORTED:
             return out  # regenerated, never verified: what the server made of a cut turn means nothing
         verdict = await server.call("verify", {**row, "response": response_object(params, output, stop)})

@@ -176,7 +176,7 @@ async def generate(config, sample: Sample, engine, sampling_params: dict) -> Sam
     errors = [str(getattr(e, "message", e))[:300] for e in trace.errors or []][:3]
     if not turns:
         raise RuntimeError(f"the verifiers episode made no model call: {errors or 'no error given'}")
-    out = assemble(sample, None, turns, lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=False))
+    out = assemble(sample, turns, lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=False))
     if out.status is SampleStatus.ABORTED:
         return out  # regenerated, never scored: what the task made of a cut turn means nothing
     if errors or trace.reward is None:

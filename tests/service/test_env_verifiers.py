@@ -96,13 +96,13 @@ def test_turns_that_do_not_extend_the_conversation_are_refused():
         return {"prompt_ids": prompt, "ids": ids, "logprobs": [-0.1] * len(ids), "text": "x",
                 "meta_info": {"weight_version": "2", "finish_reason": {"type": "stop"}}}  # fmt: skip
 
-    s = assemble(Sample(index=0), None, [turn([1, 5], [6, 2]), turn([1, 5, 6, 2, 9, 9], [7])], str)
+    s = assemble(Sample(index=0), [turn([1, 5], [6, 2]), turn([1, 5, 6, 2, 9, 9], [7])], str)
     assert s.tokens == [1, 5, 6, 2, 9, 9, 7] and s.loss_mask == [1, 1, 0, 0, 1]
     assert s.rollout_log_probs == [-0.1, -0.1, 0.0, 0.0, -0.1] and s.metadata["prompt_length"] == 2
     with pytest.raises(TurnMismatch, match="turn 1"):
-        assemble(Sample(index=0), None, [turn([1, 5], [6, 2]), turn([1, 5, 6, 3], [7])], str)
+        assemble(Sample(index=0), [turn([1, 5], [6, 2]), turn([1, 5, 6, 3], [7])], str)
     with pytest.raises(TurnMismatch, match="no model call"):
-        assemble(Sample(index=0), None, [], str)
+        assemble(Sample(index=0), [], str)
 
 
 async def test_an_episode_the_task_could_not_score_fails_with_the_reason(tiny_model_dir):
@@ -138,7 +138,7 @@ def test_a_turn_the_engine_aborted_ends_the_sample_aborted():
         return {"prompt_ids": prompt, "ids": ids, "logprobs": [-0.1] * len(ids), "text": "x",
                 "meta_info": {"weight_version": "2", "finish_reason": {"type": reason}}}  # fmt: skip
 
-    s = assemble(Sample(index=0), None, [turn([1, 5], [6], "abort"), turn([1, 5, 6, 9], [7], "stop")], str)
+    s = assemble(Sample(index=0), [turn([1, 5], [6], "abort"), turn([1, 5, 6, 9], [7], "stop")], str)
     assert s.status is SampleStatus.ABORTED and s.tokens == [1, 5, 6] and s.metadata["turns"] == ["x"]
 
 
