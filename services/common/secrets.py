@@ -201,6 +201,7 @@ def url_credentials(url: str) -> tuple[str, dict[str, str]]:
     parts = urlsplit(first)
     if not parts.username and not parts.password:
         return url, {}
+    parts.port  # noqa: B018 (ValueError on a port that is not one, as nats-py would raise later)
     netloc = parts.netloc.rpartition("@")[2]  # the host and port as written
     clean = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment)) + sep + rest
     if parts.password is None:

@@ -1,5 +1,6 @@
 """The `.complete` marker of an HF snapshot or checkpoint: written last, deleted first, so a
-reader never takes a half-written one. Free of torch, for the launcher and the eval service."""
+reader never takes a half-written one; the version numbers in snapshots' names and engines'
+answers. Free of torch, for the launcher, the engine and the eval service."""
 
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ _RELATION = re.compile(r"[<>≤≥≠]|\\(?:le|ge|leq|geq|neq|ne|lt|gt)(?![a-z])
 _UNICODE = {"−": "-", "–": "-", "×": "\\times ", "·": "\\cdot ", "÷": "\\div ", "π": "\\pi ", "∞": "\\infty "}
 
 
-def _brace_pairs(text: str) -> dict[int, int]:
+def brace_pairs(text: str) -> dict[int, int]:
     """{index of "{": index of the "}" that closes it}, in one pass."""
     pairs, stack = {}, []
     for m in _BRACE.finditer(text):
@@ -57,7 +57,7 @@ def _brace_pairs(text: str) -> dict[int, int]:
 def _unwrap(text: str) -> str:
     """Without enclosing math delimiters, `\\text{...}`-like wrappers and outer braces, layer by
     layer (each in constant time: a deep answer costs one pass)."""
-    pairs, s, e = _brace_pairs(text), 0, len(text)
+    pairs, s, e = brace_pairs(text), 0, len(text)
     while True:
         while s < e and text[s].isspace():
             s += 1

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from services.rewards.answers import _brace_pairs, decide, nesting
+from services.rewards.answers import brace_pairs, decide, nesting
 from services.rewards.ifbench import followed
 from services.rewards.ifbench.text import no_punctuation
 
@@ -58,7 +58,7 @@ _BOXED = re.compile(r"\\boxed *\{")
 def last_boxed(text: str) -> str | None:
     """The content of the last `\\boxed{...}` (nested braces allowed), or None."""
     m = _BOXED.match(text, text.rfind("\\boxed"))
-    close = _brace_pairs(text[m.end() - 1 :]).get(0) if m else None  # the "}" that closes its "{" (index 0)
+    close = brace_pairs(text[m.end() - 1 :]).get(0) if m else None  # the "}" that closes its "{" (index 0)
     return None if close is None else text[m.end() : m.end() - 1 + close]
 
 

@@ -11,12 +11,11 @@ returns exactly the credits taken.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import re
 import time
 from collections.abc import Callable
-
-from services.common.runtime import wait_event
 
 
 class Credits:
@@ -65,7 +64,9 @@ class Credits:
         self._give(self.n - given_back_already)
 
     async def wait_changed(self, timeout: float) -> None:
-        await wait_event(self._changed, timeout)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._changed.wait()
         self._changed.clear()
 
 

@@ -115,6 +115,7 @@ def test_a_step_published_before_the_kill_is_committed_and_kept(tmp_path):
     # step 2 was trained, reported (registry step 3) and published (v3), not committed
     svc, trained = setup_run(tmp_path, [0, 1, 2, 3], {0, 1, 2, 3}, trained_steps=3, reported=3)
     trainer = trainer_of(svc)
+    assert not any(p.requires_grad for p in svc.model.parameters()), "the adapter mode freezes the base it trains on"
     asyncio.run(trainer._follow(svc.run))
     assert svc.commits == [2] and svc.controls == ["cleanup", "complete"]
     assert [json.loads(x)["step"] for x in trained.read_text().splitlines()] == [0, 1, 2]

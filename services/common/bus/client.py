@@ -487,7 +487,7 @@ async def _pending(js, stream: str, subject: str, limit: int | None, **deliver) 
         await sub.unsubscribe()
         if name is not None:  # gone now, not after its inactivity threshold: no consumer piles up
             with contextlib.suppress(Exception):
-                await js.delete_consumer(stream, name)
+                await asyncio.wait_for(js.delete_consumer(stream, name), 1.0)
     return out
 
 
