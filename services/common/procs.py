@@ -13,7 +13,7 @@ import signal
 import socket
 import subprocess
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from functools import partial
 from pathlib import Path
 
@@ -32,11 +32,9 @@ EXITS_FILE = "exits.json"
 
 
 def _die_with_parent() -> None:
-    try:
+    with suppress(OSError):  # not Linux: orphans are then stopped by PID at shutdown only
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: orphans are then stopped by PID at shutdown only
 
 
 def spawn(

@@ -37,6 +37,7 @@ comparison with the label. The `boxed_` prefix replaces the extraction with the 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import multiprocessing
@@ -354,11 +355,9 @@ def warm_up() -> None:
     collection over sympy's objects paused one grading in a few thousand by 30-40 ms). A failure
     here is left to the samples (each fails with the reason), not to the pool, which would
     restart the worker forever."""
-    try:
+    with contextlib.suppress(Exception):  # reported by the first sample that needs it
         math_compare("1", "1")
         _symbolic("\\frac{\\sqrt{2}}{2}", "\\frac{1}{\\sqrt{2}}")
-    except Exception:  # noqa: BLE001 - reported by the first sample that needs it
-        pass
     if multiprocessing.parent_process() is not None:
         gc.collect()
         gc.freeze()
