@@ -363,23 +363,9 @@ class SlotAdamW:
                     p[s].mul_(1 - self.lr * self.weight_decay)
                 p[s].addcdiv_(m[s] / c1, (v[s] / c2).sqrt_().add_(self.eps), value=-self.lr)
 
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-
     @torch.no_grad()
     def reset(self, slot: int) -> None:
         for m, v in zip(self.m, self.v, strict=True):
             m[slot].zero_()
             v[slot].zero_()
         self.steps[slot] = 0
-
-    def state_dict(self) -> dict:
-        return {"m": self.m, "v": self.v, "steps": list(self.steps)}
-
-    def load_state_dict(self, state: dict) -> None:
-        if len(state["m"]) != len(self.m) or any(a.shape != b.shape for a, b in zip(state["m"], self.m, strict=True)):
-            raise LoraError("the optimizer state does not match these LoRA slots")
-        self.m = [t.clone() for t in state["m"]]
-        self.v = [t.clone() for t in state["v"]]
-        self.steps = list(state["steps"])

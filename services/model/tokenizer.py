@@ -35,10 +35,8 @@ class Tokenizer:
         tok = self._cfg.get(key)
         if isinstance(tok, dict):
             tok = tok.get("content")
-        if isinstance(tok, str):
-            tid = self._tok.token_to_id(tok)
-            if tid is not None:
-                return tid
+        if isinstance(tok, str) and (tid := self._tok.token_to_id(tok)) is not None:
+            return tid
         if isinstance(fallback, list):
             return fallback[0] if fallback else None
         return fallback

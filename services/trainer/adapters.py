@@ -30,10 +30,6 @@ from services.trainer.core import (
 )
 
 
-def slot_grad_norm(lora: MultiLora, slot: int) -> float:
-    return grad_norm([p.grad[slot] for p in (*lora.A.values(), *lora.B.values()) if p.grad is not None])
-
-
 def adapter_gradients(model: CausalLM, lora: MultiLora, slot: int, batches: list[TrainBatch], cfg: LossConfig,
                       denom: float) -> list[tuple[dict[str, float], int]]:  # fmt: skip
     """The gradient of one adapter's loss over `batches` (divided by the step's `denom`) in its
@@ -57,15 +53,15 @@ def apply_adapter_update(lora: MultiLora, optimizer: SlotAdamW, slot: int, parts
     """Clip the slot's gradient norm and step it, unless the loss or the norm is not finite (that
     adapter's update is skipped); the step's stats (merged from `parts`) with the norm."""
     stats = merge_stats(parts)
-    norm = slot_grad_norm(lora, slot) if math.isfinite(stats.get("train/loss", 0.0)) else math.nan
+    grads = [p.grad[slot] for p in (*lora.A.values(), *lora.B.values()) if p.grad is not None]  # views (clip in place)
+    norm = grad_norm(grads) if math.isfinite(stats.get("train/loss", 0.0)) else math.nan
     if math.isfinite(norm):
         if clip_grad > 0 and norm > clip_grad:
             with torch.no_grad():
-                for p in (*lora.A.values(), *lora.B.values()):
-                    if p.grad is not None:
-                        p.grad[slot].mul_(clip_grad / (norm + 1e-6))
+                for g in grads:
+                    g.mul_(clip_grad / (norm + 1e-6))
         optimizer.step([slot])
-    optimizer.zero_grad()
+    lora.zero_grad()
     return finish_stats(stats, norm, parts)
 
 

@@ -122,9 +122,7 @@ def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
     pairs = list(_GLOBAL_NAMES)
     if not cfg.tie_word_embeddings:
         pairs.append(("lm_head.weight", "output_layer.weight"))
-    for i in range(cfg.num_hidden_layers):
-        pairs += [(h.format(i=i), m.format(i=i)) for h, m in _LAYER_NAMES]
-    return pairs
+    return pairs + [(h.format(i=i), m.format(i=i)) for i in range(cfg.num_hidden_layers) for h, m in _LAYER_NAMES]
 
 
 def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

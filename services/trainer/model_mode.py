@@ -315,7 +315,6 @@ class ModelTraining(Mode):
         """The step's metrics, with Miles's names on Miles's axis (rollout/step). A
         --custom-rollout-log-function-path that returns True replaces the rollout ones."""
         samples = [s for g in w.groups for s in flatten_group(g)]
-        tokens = sum(s.response_length for s in samples)
         step_s = time.perf_counter() - w.started
         rec = {
             "step": w.step,
@@ -332,7 +331,7 @@ class ModelTraining(Mode):
         if not (self.rollout_log_fn is not None and await self._custom_rollout_log(w, samples)):
             rec.update(rollout_metrics(samples, self.config.rollout.reward_key, list(w.groups)))
             rec["perf/rollout_time"] = w.rollout_time
-            rec["perf/tokens_per_s"] = tokens / step_s if step_s > 0 else 0.0
+            rec["perf/tokens_per_s"] = sum(s.response_length for s in samples) / step_s if step_s > 0 else 0.0
             rec.update(w.metrics)
         rec.update(self.evals.take_answered())
         return rec

@@ -3,6 +3,8 @@ multi-LoRA adapter's."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from asyncrl_proto.messages import SampleStatus, flatten_group, scalar_reward
 from services.common.sinks import length_statistics, statistics_of
 from services.envs.trajectory import tool_call_metrics
@@ -41,14 +43,11 @@ def zero_std_metrics(groups: list[list], reward_key: str | None) -> dict[str, fl
     """Miles's rollout/zero_std/*: the groups whose scored rewards are all equal (no advantage, so
     nothing to learn), counted per reward rounded to 0.1, and the shares all 0 and all 1 of all
     groups. A step where most groups are all 0 (too hard) or all 1 (too easy) cannot move."""
-    counts: dict[str, int] = {}
-    for g in groups:
-        rewards = [scalar_reward(s, reward_key) for s in flatten_group(g) if s.status != SampleStatus.FAILED]
-        if rewards and all(r == rewards[0] for r in rewards):
-            key = f"{round(rewards[0], 1):.1f}"
-            counts[key] = counts.get(key, 0) + 1
+    scored = ([scalar_reward(s, reward_key) for s in flatten_group(g) if s.status != SampleStatus.FAILED]
+              for g in groups)  # fmt: skip
+    counts = Counter(f"{round(r[0], 1):.1f}" for r in scored if r and all(x == r[0] for x in r))
     out = {f"rollout/zero_std/count_{k}": float(v) for k, v in counts.items()}
     if groups:
-        out["rollout/zero_std/all_zero_percentage"] = counts.get("0.0", 0) / len(groups)
-        out["rollout/zero_std/all_one_percentage"] = counts.get("1.0", 0) / len(groups)
+        out["rollout/zero_std/all_zero_percentage"] = counts["0.0"] / len(groups)
+        out["rollout/zero_std/all_one_percentage"] = counts["1.0"] / len(groups)
     return out

@@ -114,10 +114,7 @@ class WeightSender:
         return TransferReply(ok=True, version=version, gone=self._tensors(version) is None)
 
     def _tensors(self, version: int) -> tuple[dict[str, torch.Tensor], str] | None:
-        for kept in (self.held, self.prepared):
-            if kept is not None and kept[0] == version:
-                return kept[1], kept[2]
-        return None
+        return next((kept[1:] for kept in (self.held, self.prepared) if kept is not None and kept[0] == version), None)
 
     async def _send(self, req: TransferRequest) -> TransferReply:
         if self._forming is None:
