@@ -20,6 +20,7 @@ Every field is checked before anything is received; a bad request is a 400 namin
 
 from __future__ import annotations
 
+import socket
 import threading
 from dataclasses import dataclass, field
 
@@ -63,9 +64,8 @@ class DistributedReceiver:
     def init_group(self, body: dict) -> dict:
         """Blocking: returns once every rank has joined (at most the group's timeout)."""
         address = typed(body, "master_address", str, required=True)
-        port = typed(body, "master_port", int, required=True)
-        rank = typed(body, "rank_offset", int, required=True)
-        world = typed(body, "world_size", int, required=True)
+        port, rank, world = (typed(body, key, int, required=True)
+                             for key in ("master_port", "rank_offset", "world_size"))  # fmt: skip
         name = typed(body, "group_name", str, default=DEFAULT_GROUP)
         backend = typed(body, "backend", str, default="nccl")
         if not 0 < port < 65536:
@@ -98,9 +98,8 @@ class DistributedReceiver:
     # ---- updates -------------------------------------------------------------------------------
     def update(self, body: dict) -> dict:
         """Receive one bucket; once the version is whole and checked, swap it in."""
-        names = typed(body, "names", list, required=True)
-        dtypes = typed(body, "dtypes", list, required=True)
-        shapes = typed(body, "shapes", list, required=True)
+        names, dtypes, shapes = (typed(body, key, list, required=True)
+                                 for key in ("names", "dtypes", "shapes"))  # fmt: skip
         name = typed(body, "group_name", str, default=DEFAULT_GROUP)
         version = typed(body, "weight_version", (str, int))
         expected = typed(body, "weight_digest", str)
@@ -135,8 +134,7 @@ class DistributedReceiver:
                 group.close()
                 raise ValueError(f"the broadcast failed ({e}); the group {name} is closed: initialize it again") from e
             params = dict(self.scheduler.model.named_parameters())
-            missing = [n for n in params if n not in inc.tensors]
-            if missing:
+            if missing := [n for n in params if n not in inc.tensors]:
                 return {"success": True, "complete": False, "message": f"Received {len(plan)} tensors; "
                         f"{len(missing)} of {len(params)} still to come for weight version {version}."}  # fmt: skip
             self._incoming = None
@@ -221,8 +219,6 @@ def reach_master(address: str, port: int) -> None:
     """Rank 0 listens before the engines are asked to join: a master that refuses or does not
     answer within MASTER_CONNECT_TIMEOUT_S is a 400 now, not a store that retries for the group's
     whole timeout."""
-    import socket
-
     try:
         socket.create_connection((address, port), timeout=MASTER_CONNECT_TIMEOUT_S).close()
     except OSError as e:

@@ -11,6 +11,7 @@ tool calls come back as OpenAI's `message.tool_calls` (non-streaming answers onl
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from typing import Any
@@ -236,15 +237,12 @@ class OpenAIRoutes:
 
             return {"content": [entry(tid, lp) | {"top_logprobs": [entry(i, v) for v, i in top or []]}
                                 for tid, lp, top in entries]}  # fmt: skip
-        out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for tid, lp, top in entries:
-            piece = view.token_text(tid)
-            out["tokens"].append(piece)
-            out["token_logprobs"].append(lp)
-            out["top_logprobs"].append(None if top is None else {view.token_text(i): v for v, i in top})
-            out["text_offset"].append(offset)
-            offset += len(piece)
-        return out
+        text = view.token_text
+        pieces = [text(tid) for tid, _, _ in entries]
+        tops = [None if top is None else {text(i): v for v, i in top} for _, _, top in entries]
+        offsets = itertools.accumulate(map(len, pieces), initial=offset)  # where each piece starts
+        return {"tokens": pieces, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": tops, "text_offset": list(offsets)[:-1]}  # fmt: skip
 
     def _ids(self, t: Tracked, meta: dict) -> dict:
         """With return_token_ids: the choice's sampled ids and, in SGLang's meta_info shape, the

@@ -355,15 +355,14 @@ class Scheduler:
 
     def wait_lora_idle(self, lora_slot: int, timeout_s: float) -> None:
         """Return once no request queued, waiting or running uses the LoRA slot."""
-        deadline = time.monotonic() + timeout_s
-        with self._work:
+
+        def idle() -> bool:
             self._drain_inbox()
-            while any(r.lora_slot == lora_slot for r in itertools.chain(self.running, self.waiting)):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError("requests using the adapter did not finish; abort them first")
-                self._work.wait(timeout=left)
-                self._drain_inbox()
+            return all(r.lora_slot != lora_slot for r in (*self.running, *self.waiting))
+
+        with self._work:
+            if not self._work.wait_for(idle, timeout_s):
+                raise TimeoutError("requests using the adapter did not finish; abort them first")
 
     # ---- planning ------------------------------------------------------------------------------
     def flush_cache(self) -> bool:

@@ -56,9 +56,7 @@ class EngineWeights:
         with s._work:
             self._wait_quiet(timeout_s)
             staged, self._staged = self._staged, None
-        if staged is not None and staged[0] != self._snapshot_key(model_path, weight_version):
-            staged = None  # staged something else: read this one
-        if staged is not None:
+        if staged is not None and staged[0] == self._snapshot_key(model_path, weight_version):
             s.stats.num_staged_swaps_total += 1
             return s.call(self._load, lambda: swap_in(s.model, staged[1]), weight_version) | {"staged": True}
         return s.call(self._load, lambda: load_weights_into(s.model, model_path), weight_version) | {"staged": False}
@@ -73,10 +71,9 @@ class EngineWeights:
     def _wait_quiet(self, timeout_s: float) -> None:
         """Under `_work`: return once paused, or once no request is in flight (SGLang's writer lock)."""
         s = self.s
-        deadline = time.monotonic() + timeout_s
-        while not s.paused_mode and (s.running or s.waiting or s._inbox):
-            if not s._work.wait(timeout=max(0.0, deadline - time.monotonic())):
-                raise TimeoutError("in-flight requests did not finish; pause generation first")
+        if not s._work.wait_for(lambda: s.paused_mode or not (s.running or s.waiting or s._inbox),
+                                timeout_s):  # fmt: skip
+            raise TimeoutError("in-flight requests did not finish; pause generation first")
 
     def _load(self, load, weight_version) -> dict:
         s = self.s

@@ -34,7 +34,8 @@ class ObjectWeights:
 
     async def local(self, uri: str, adapter: bool = False) -> Path:
         """The local copy of a snapshot (adapter: an adapter version) of this run's bucket,
-        fetched unless already here."""
+        fetched unless already here; of the `v<N>` directories beside it, the newest KEEP stay (an
+        adapter version's files are in memory once loaded: a pruned one loads again by fetching)."""
         parsed = parse_adapter_uri(uri) if adapter else parse_uri(uri)
         if parsed is None:
             form = "adapters/<name>/<registration>/v<N>" if adapter else "v<N>"
@@ -48,16 +49,10 @@ class ObjectWeights:
             if not is_complete(dest):
                 await (store.fetch_adapter(*key, dest) if adapter else store.fetch(key[0], dest))
                 log.info("fetched %s from the object store into %s", uri, dest)
-            self._prune(dest)
+            for _, old in numbered(dest.parent.glob("v*"))[:-KEEP]:
+                if old != dest:  # and `dest` itself
+                    shutil.rmtree(old, ignore_errors=True)
             return dest
-
-    @staticmethod
-    def _prune(dest: Path) -> None:
-        """Keep `dest` and the newest KEEP versions (`v<N>` directories) beside it. An
-        adapter version's files are in memory once loaded: a pruned one loads again by fetching."""
-        for _, old in numbered(dest.parent.glob("v*"))[:-KEEP]:
-            if old != dest:
-                shutil.rmtree(old, ignore_errors=True)
 
     async def close(self) -> None:
         if self.bus is not None:

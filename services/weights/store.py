@@ -46,10 +46,8 @@ class WeightStoreError(RuntimeError):
 
 def parse_uri(uri: str) -> tuple[str, int] | None:
     """(bucket, version) of a `nats-object://<bucket>/v<N>` URI; None for anything else."""
-    if not uri.startswith(SCHEME):
-        return None
     bucket, _, name = uri[len(SCHEME) :].partition("/")
-    if not bucket or not (m := re.fullmatch(r"v([0-9]{1,19})", name)):
+    if not uri.startswith(SCHEME) or not bucket or not (m := re.fullmatch(r"v([0-9]{1,19})", name)):
         return None
     return bucket, int(m[1])
 
@@ -66,11 +64,9 @@ def adapter_uri(bucket: str, name: str, registration_id: str, version: int) -> s
 def parse_adapter_uri(uri: str) -> tuple[str, str, str, int] | None:
     """(bucket, name, registration, version) of a `nats-object://<bucket>/adapters/<name>/<registration>/v<N>`
     URI; None for anything else (a name of `.` or `..` included)."""
-    if not uri.startswith(SCHEME):
-        return None
     bucket, _, key = uri[len(SCHEME) :].partition("/")
     m = _ADAPTER_KEY.fullmatch(key)
-    if not bucket or m is None or m.group(1) in (".", ".."):
+    if not uri.startswith(SCHEME) or not bucket or m is None or m.group(1) in (".", ".."):
         return None
     return bucket, m.group(1), m.group(2), int(m.group(3))
 

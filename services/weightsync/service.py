@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import json
 import logging
 import time
@@ -401,17 +402,14 @@ class WeightSyncService(Service):
         sequence: pause; flush the prefix cache unless requests stay resident (in_place), so no
         new request reuses KV computed with the old weights; load with flush_cache false (SGLang
         asserts a flush that finds resident requests) - a staged engine only swaps; continue."""
-        phases: dict[str, float] = {}
-        t = time.perf_counter()
+        laps = [("", time.perf_counter())]  # (phase, when it ended)
 
         def lap(name: str) -> None:
-            nonlocal t
-            now = time.perf_counter()
-            phases[name], t = now - t, now
+            laps.append((name, time.perf_counter()))
 
         await self.client.stage_weights(url, uri, str(version))
         lap("stage")
-        t0 = t
+        t0 = laps[-1][1]
         await self.client.pause(url, mode)
         lap("pause")
         crash.point("weight-sync", "paused")
@@ -428,7 +426,7 @@ class WeightSyncService(Service):
             self._paused(time.perf_counter() - t0, url)
         got = (await self.client.model_info(url)).get("weight_version")
         lap("verify")
-        self.last_phases[url] = {k: round(v, 4) for k, v in phases.items()}
+        self.last_phases[url] = {k: round(b - a, 4) for (_, a), (k, b) in itertools.pairwise(laps)}
         if str(got) != str(version):
             raise EngineError(f"{url} reports weight_version {got!r} after loading v{version}")
         self._took.append(url)
