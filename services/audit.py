@@ -166,8 +166,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(format_report(report))
-        if "prompt" in report:
-            pr = report["prompt"]
+        if (pr := report.get("prompt")) is not None:
             print(f"\nprompt {pr['group_index']}: {pr['fate'] or 'never released'}")
             for e in pr["events"]:
                 extra = " ".join(f"{k}={e[k]}" for k in ("outcome", "step", "staleness", "reason", "recycled") if k in e)

@@ -97,9 +97,8 @@ def spec_problems(spec: AdapterSpec) -> list[str]:
                     "would overflow the model")  # fmt: skip
     if not spec.target_modules:
         errs.append(f"target_modules is empty: name modules among {', '.join(LORA_TARGET_MODULES)}")
-    for module in spec.target_modules:
-        if module not in LORA_TARGET_MODULES:
-            errs.append(f"target_modules: {module!r} is not one of {', '.join(LORA_TARGET_MODULES)}")
+    errs += [f"target_modules: {m!r} is not one of {', '.join(LORA_TARGET_MODULES)}" for m in spec.target_modules
+             if m not in LORA_TARGET_MODULES]  # fmt: skip
     if len(set(spec.target_modules)) != len(spec.target_modules):
         errs.append("target_modules names a module twice")
     if not spec.data:
@@ -224,10 +223,7 @@ class AdapterRegistry:
     def activate(self, name: str, registration_id: str = "") -> AdapterRun:
         """PENDING -> ACTIVE: the trainer has set up the adapter's slot."""
         run = self._run(name, registration_id)
-        if run.state is ACTIVE:
-            return run
-        self._require(run, "activate", {PENDING}, "only a pending adapter is activated")
-        return self._move(run, ACTIVE, "activated")
+        return self._move(run, ACTIVE, "activated", {PENDING}, "activate", "only a pending adapter is activated")
 
     def stepped(self, name: str, step: int, registration_id: str = "") -> AdapterRun:
         """The adapter has taken optimizer steps up to `step`: records it and raises its slot's
@@ -247,30 +243,23 @@ class AdapterRegistry:
 
     def retire(self, name: str, reason: str = "", registration_id: str = "") -> AdapterRun:
         """ACTIVE -> RETIRING (DELETE, or the trainer reached the budget); PENDING -> CLEANUP
-        (nothing was trained). Repeated on a RETIRING adapter: nothing changes."""
+        (nothing was trained). Repeated on a RETIRING adapter (its move is to RETIRING): nothing changes."""
         run = self._run(name, registration_id)
-        if run.state is RETIRING:
-            return run
-        self._require(run, "retire", {PENDING, ACTIVE},
-                      "only a pending or active adapter is retired; it is already being finished")  # fmt: skip
         why = f"retired: {reason}" if reason else "retired"
-        return self._move(run, CLEANUP if run.state is PENDING else RETIRING, why)
+        return self._move(run, CLEANUP if run.state is PENDING else RETIRING, why, {PENDING, ACTIVE}, "retire",
+                          "only a pending or active adapter is retired; it is already being finished")  # fmt: skip
 
     def cleanup(self, name: str, registration_id: str = "") -> AdapterRun:
         """RETIRING -> CLEANUP: the adapter's final save is running."""
         run = self._run(name, registration_id)
-        if run.state is CLEANUP:
-            return run
-        self._require(run, "start the cleanup of", {RETIRING}, "retire it first (DELETE /adapter_runs/NAME)")
-        return self._move(run, CLEANUP, "final save running")
+        return self._move(run, CLEANUP, "final save running", {RETIRING}, "start the cleanup of",
+                          "retire it first (DELETE /adapter_runs/NAME)")  # fmt: skip
 
     def complete(self, name: str, registration_id: str = "") -> AdapterRun:
         """CLEANUP -> COMPLETED: saved; its slot is free for the next registration."""
         run = self._run(name, registration_id)
-        if run.state is COMPLETED:
-            return run
-        self._require(run, "complete", {CLEANUP}, "only an adapter whose final save is running completes")
-        return self._move(run, COMPLETED, "completed")
+        return self._move(run, COMPLETED, "completed", {CLEANUP}, "complete",
+                          "only an adapter whose final save is running completes")  # fmt: skip
 
     def apply(self, req: AdapterControl) -> AdapterRun:
         """One trainer request (asyncrl_proto.AdapterControl)."""
@@ -297,7 +286,13 @@ class AdapterRegistry:
         if run.state not in allowed:
             raise RegistryError(f"cannot {verb} adapter {run.name!r} in state {run.state.value} ({hint})")
 
-    def _move(self, run: AdapterRun, to: AdapterState, message: str) -> AdapterRun:
+    def _move(self, run: AdapterRun, to: AdapterState, message: str, allowed: set[AdapterState], verb: str,
+              hint: str) -> AdapterRun:  # fmt: skip
+        """`run` from a state in `allowed` to `to` (else refused, see _require); one already in `to`
+        (the request repeated) is left as it is."""
+        if run.state is to:
+            return run
+        self._require(run, verb, allowed, hint)
         now = self.clock()
         run.state, run.message, run.updated_at = to, message, now
         if to is COMPLETED:

@@ -39,9 +39,7 @@ class DynamicFilterOutput:
 
 def staleness(current_version: int | None, group: Group) -> int | None:
     oldest = oldest_weight_version(group)
-    if current_version is None or oldest is None:
-        return None
-    return current_version - oldest
+    return None if current_version is None or oldest is None else current_version - oldest
 
 
 class DataBuffer:

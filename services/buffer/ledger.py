@@ -67,10 +67,9 @@ class Ledger:
                     continue
                 try:
                     apply(self.state, ev)
+                    replayed += 1
                 except StateError as e:
                     self._problem(f"ledger message {seq}: {e}; skipped")
-                    continue
-                replayed += 1
             self.state.log_stream_seq = seq
         return replayed
 

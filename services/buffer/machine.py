@@ -168,11 +168,8 @@ class BufferMachine:
         # answered a released prompt (a heartbeat alone, under any id, adds nothing)
         caps = [cap for pid, (_, cap) in self.producers.items() if pid in self.answered]
         s = self.state
-        need = 0
-        if self.want_step is not None:
-            for step in range(s.committed_step + 1, self.want_step + self.lookahead + 1):
-                lease = s.leases.get(step)
-                need += self.config.rollout.batch_size - (len(lease.refs) if lease else 0)
+        steps = range(s.committed_step + 1, self.want_step + self.lookahead + 1) if self.want_step is not None else []
+        need = sum(self.config.rollout.batch_size - (len(s.leases[t].refs) if t in s.leases else 0) for t in steps)
         accounted = (s.counters.get("trained", 0) + s.counters.get("failed", 0) + len(s.stored) + len(s.outstanding)
                      + len(self.releasing) + sum(len(lease.refs) for lease in s.leases.values()))  # fmt: skip
         budget = self.config.async_.max_weight_staleness
@@ -398,8 +395,7 @@ class BufferMachine:
         if not 0 <= req.wait_s <= 30:
             return f"get(wait_s={req.wait_s}): at most 30 s"
         for name in ("current_version", "release_min_version"):
-            v = getattr(req, name)
-            if v is not None and not 0 <= v <= self.published():
+            if (v := getattr(req, name)) is not None and not 0 <= v <= self.published():
                 return f"get({name}={v}): that weight version was never published (newest {self.published()})"
         return None
 
@@ -488,8 +484,7 @@ class BufferMachine:
         (a forged WeightsLive(10**9) would otherwise make every group stale)."""
         if not 0 <= version <= self.published():
             return Out(dead_letters=[(msg, f"live version {version} was never published (newest {self.published()})")])
-        if self.live_version is None or version > self.live_version:
-            self.live_version = version
+        self.live_version = version if self.live_version is None else max(self.live_version, version)
         return Out()
 
     def on_heartbeat(self, msg: Any, hb: Heartbeat, now: float) -> Out:

@@ -117,8 +117,7 @@ def apply(state: BufferState, ev: LedgerEvent) -> None:
             state.outstanding.pop(ev.group_id, None)
             state.count(ev.outcome)
             return
-        p = state.outstanding.pop(ev.group_id, None)
-        if p is None:
+        if (p := state.outstanding.pop(ev.group_id, None)) is None:
             raise StateError(f"put of {ev.group_id}, which is not outstanding")
         if ev.outcome in ("stored", "accepted"):
             state.stored[ev.group_id] = StoredRef(
@@ -138,14 +137,12 @@ def apply(state: BufferState, ev: LedgerEvent) -> None:
         else:
             raise StateError(f"unknown put outcome {ev.outcome!r}")
     elif kind == "expired":  # released, then neither answered nor in work within --prompt-deadline-s
-        p = state.outstanding.pop(ev.group_id, None)
-        if p is None:
+        if (p := state.outstanding.pop(ev.group_id, None)) is None:
             raise StateError(f"expiry of {ev.group_id}, which is not outstanding")
         state.count("expired")
         _recycle(state, p)
     elif kind == "stale":
-        ref = state.stored.pop(ev.group_id, None)
-        if ref is None:
+        if (ref := state.stored.pop(ev.group_id, None)) is None:
             raise StateError(f"stale rejection of {ev.group_id}, which is not stored")
         state.count("stale_recycled" if ev.recycled else "stale_dropped")
         if ev.recycled:
@@ -155,8 +152,7 @@ def apply(state: BufferState, ev: LedgerEvent) -> None:
             raise StateError(f"retirement of {ev.group_id}, which is neither stored nor leased")
         state.count("retired_dropped")
     elif kind == "leased":
-        ref = state.stored.pop(ev.group_id, None)
-        if ref is None:
+        if (ref := state.stored.pop(ev.group_id, None)) is None:
             raise StateError(f"lease of {ev.group_id}, which is not stored")
         lease = state.leases.setdefault(ev.step, LeaseRecord(step=ev.step))
         lease.refs.append(
@@ -321,9 +317,7 @@ class Auditor:
     def fate(self, group_index: int) -> str | None:
         """How a prompt ended (trained, failed, filtered/<reason>, aborted_dropped, stale_dropped,
         rejected, ...), "in flight" while it has not, None if never released."""
-        if group_index in self.terminal:
-            return self.terminal[group_index]
-        return "in flight" if group_index in self.first_release else None
+        return self.terminal.get(group_index) or ("in flight" if group_index in self.first_release else None)
 
     def report(self, remaining_prompts: set[str] | None = None, remaining_rollouts: set[str] | None = None,
                trained_by_trainer: dict[int, list[int]] | None = None) -> dict:  # fmt: skip
@@ -346,10 +340,9 @@ class Auditor:
         for lease in state.leases.values():
             in_flight["leased_uncommitted"] += len(lease.refs)
         in_flight["recycled_waiting"] = len(state.recycled)
-        accounted = set(terminal) | {p.group_index for p in state.outstanding.values()}
+        leased = {r.group_index for lease in state.leases.values() for r in lease.refs}
+        accounted = set(terminal) | leased | {p.group_index for p in [*state.outstanding.values(), *state.recycled]}
         accounted |= {r.prompt.group_index for r in state.stored.values()}
-        accounted |= {r.group_index for lease in state.leases.values() for r in lease.refs}
-        accounted |= {p.group_index for p in state.recycled}
         lost = sorted(self.first_release - accounted)
         problems += [f"prompt {gi} was released and has no outcome: lost" for gi in lost[:20]]
         twice = sorted(gi for gi, n in trained_steps.items() if n > 1)
@@ -359,7 +352,6 @@ class Auditor:
             # run did not see (stopped in between) is still leased, and will be trained again
             by_trainer = collections.Counter(gi for gis in trained_by_trainer.values() for gi in gis)
             ledger_trained = {gi for gi, t in terminal.items() if t in ("trained", "failed")}
-            leased = {r.group_index for lease in state.leases.values() for r in lease.refs}
             if not ledger_trained <= set(by_trainer) or not set(by_trainer) <= ledger_trained | leased:
                 diff = sorted((ledger_trained - set(by_trainer)) | (set(by_trainer) - ledger_trained - leased))[:10]
                 problems.append(f"trainer and ledger disagree on trained prompts, e.g. {diff}")
@@ -397,10 +389,9 @@ class Auditor:
         if ev.kind == "put" and ev.outcome in ("rejected", "foreign") and ev.group_id in state.outstanding:
             terminal[ev.group_index] = ev.outcome
         if ev.kind == "committed":
-            for step in [s for s in state.leases if s <= ev.step]:
-                for ref in state.leases[step].refs:
-                    self.trained_steps[ref.group_index] = self.trained_steps.get(ref.group_index, 0) + 1
-                    terminal[ref.group_index] = "failed" if ref.failed else "trained"
+            for ref in [r for s, lease in state.leases.items() if s <= ev.step for r in lease.refs]:
+                self.trained_steps[ref.group_index] = self.trained_steps.get(ref.group_index, 0) + 1
+                terminal[ref.group_index] = "failed" if ref.failed else "trained"
         apply(state, ev)
         gi = ev.group_index
         if ev.kind == "put" and ev.outcome == "filtered":
