@@ -138,11 +138,8 @@ def env_overrides(environ: dict[str, str]) -> dict:
 
 def resolve_config(cli: dict, config_file: str | None = None, environ: dict[str, str] | None = None) -> RunConfig:
     """Merge the sources in precedence order and validate once."""
-    merged: dict = {}
-    if config_file:
-        merged.update(read_config_file(config_file))
-    merged.update(env_overrides(environ if environ is not None else dict(os.environ)))
-    merged.update(cli)
+    merged = read_config_file(config_file) if config_file else {}
+    merged |= env_overrides(environ if environ is not None else dict(os.environ)) | cli
     if unknown := sorted(set(merged) - set(FLAGS)):
         names = ", ".join(flag_name(u) for u in unknown)
         raise ConfigError(f"unknown settings: {names} (see `asyncrl train-async --help` for the flags)")

@@ -39,12 +39,8 @@ def apply_response(sample: Sample, input_ids: list[int], resp: dict) -> None:
     that produced a token."""
     meta = resp.get("meta_info", {})
     pairs = meta.get("output_token_logprobs")
-    if pairs is not None:
-        new_tokens = [int(p[1]) for p in pairs]
-        logprobs = [float(p[0]) for p in pairs]
-    else:
-        new_tokens = list(resp.get("output_ids", []))
-        logprobs = []
+    new_tokens = list(resp.get("output_ids", [])) if pairs is None else [int(p[1]) for p in pairs]
+    logprobs = [float(p[0]) for p in pairs or []]
     if not sample.tokens:
         sample.tokens = list(input_ids)
     offset = sample.response_length

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import itertools
 import json
 import logging
 import time
@@ -69,26 +71,23 @@ class SGLangClient:
         self.num_aborted = 0
         self._down: dict[str, asyncio.Event] = {}
         self._aborts: set[asyncio.Task] = set()  # fire-and-forget aborts, referenced until done
-        self._session: aiohttp.ClientSession | None = None
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._slots = {u: asyncio.Semaphore(max_concurrency) for u in self.urls} if max_concurrency else {}
         self._flags: dict[str, dict] = {}  # url -> its /server_info (asyncrl's extension flags)
 
-    @property
-    def http(self) -> aiohttp.ClientSession:
-        if self._session is None:  # created lazily: it must belong to the running event loop
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=120),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
-                headers=self._headers,
-            )
-        return self._session
+    @functools.cached_property
+    def http(self) -> aiohttp.ClientSession:  # lazily: it must belong to the running event loop
+        return aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=120),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+            headers=self._headers,
+        )
 
     async def close(self) -> None:
         if self._aborts:  # aborts of cancelled requests go out before the session closes
             await asyncio.wait(self._aborts, timeout=2.0)
-        if self._session is not None:
-            await self._session.close()
+        if "http" in self.__dict__:  # a session was made
+            await self.http.close()
 
     def pick(self, exclude: set[str] = frozenset()) -> str:
         candidates = [u for u in self.urls if u not in exclude]
@@ -296,9 +295,7 @@ class SGLangClient:
         refuses while requests are still resident) for up to `timeout_s`, as Miles does; then
         FlushRefused. Weights must never load over KV computed with the old ones."""
         deadline = time.monotonic() + timeout_s
-        attempts = 0
-        while True:
-            attempts += 1
+        for attempts in itertools.count(1):
             if await self._succeeds("POST", url, "/flush_cache", None, 60.0):
                 if attempts > 1:
                     log.info("%s flushed its cache at attempt %d", url, attempts)

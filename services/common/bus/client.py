@@ -312,20 +312,11 @@ class Bus:
             raise BusError(f"the server refused a publish on {items[0][0]}: {self.refused}")
         raise BusError(f"{len(pending)} of {len(futures)} publishes were not acknowledged within {timeout_s}s")
 
-    async def publish_durably(
-        self,
-        items: list[tuple[str, Any, str | None]],
-        what: str,
-        deadline_s: float = 180.0,
-        expected_last_seq: int | None = None,
-        expected_last_subject_seq: int | None = None,
-    ) -> list[api.PubAck]:
-        """publish_batch, retried through a broker outage (msg ids make retries idempotent);
-        gives up loudly after deadline_s."""
-        return await through_outage(
-            lambda: self.publish_batch(items, expected_last_seq=expected_last_seq,
-                                       expected_last_subject_seq=expected_last_subject_seq), what, deadline_s
-        )  # fmt: skip
+    async def publish_durably(self, items: list[tuple[str, Any, str | None]], what: str,
+                              deadline_s: float = 180.0, **expected: int | None) -> list[api.PubAck]:  # fmt: skip
+        """publish_batch (with its expected_last_seq / expected_last_subject_seq), retried through a
+        broker outage (msg ids make retries idempotent); gives up loudly after deadline_s."""
+        return await through_outage(lambda: self.publish_batch(items, **expected), what, deadline_s)
 
     async def publish_core(self, subject: str, msg: Any) -> None:
         await self.nc.publish(subject, encode(msg))
@@ -360,10 +351,8 @@ class Bus:
         finds none asks the stream's leader: on a cluster any replica answers a direct get, one
         behind the leader too."""
         for d in (True, False) if direct else (False,):
-            try:
+            with contextlib.suppress(nats.js.errors.NotFoundError):
                 return await self.js.get_msg(stream, direct=d, **kw)
-            except nats.js.errors.NotFoundError:
-                continue
         return None
 
     async def get_msg(self, stream: str, seq: int, *, direct: bool = False):
@@ -390,16 +379,11 @@ class Bus:
         bounds = await self.stream_bounds(stream)
         if bounds is None or not bounds[2]:  # a stream never written to has first and last 0: no message 0
             return []
-        first, last, total = bounds
-        out: list[bytes] = []
         if subject is not None:
             msgs = await _pending(self.js, stream, subject, None, deliver_policy=api.DeliverPolicy.ALL)
             return [m.data for m in msgs if m.data]
-        for seq in range(first, last + 1):
-            raw = await self.get_msg(stream, seq)
-            if raw is not None and raw.data and (only is None or raw.subject == only):
-                out.append(raw.data)
-        return out
+        return [m.data for seq in range(bounds[0], bounds[1] + 1)
+                if (m := await self.get_msg(stream, seq)) and m.data and only in (None, m.subject)]  # fmt: skip
 
     async def read_since(self, stream: str, subject: str, after: int = 0, limit: int = 100_000) -> list[tuple[int, bytes]]:
         """(stream sequence, payload) of the messages on `subject` after sequence `after`, at most
@@ -417,7 +401,6 @@ class Bus:
         return (await self.js.consumer_info(stream, durable)).ack_floor.stream_seq
 
     async def purge_below(self, stream: str, seq: int) -> None:
-        """Delete every message of `stream` below sequence `seq`."""
         await self.js.purge_stream(stream, seq=seq)
 
     async def delete_msg(self, stream: str, seq: int) -> None:

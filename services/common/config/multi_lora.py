@@ -22,15 +22,12 @@ def adapter_name_problem(name: str) -> str | None:
 def adapter_pairs(entries: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
     """--multi-lora-adapter's values as (name, yaml path) pairs, and what is wrong with them. Each
     adapter is NAME YAML (two values) or NAME=YAML (one)."""
-    pairs, errs, i = [], [], 0
-    while i < len(entries):
-        entry = entries[i]
+    pairs, errs, rest = [], [], iter(entries)
+    for entry in rest:
         if "=" in entry:
             name, _, path = entry.partition("=")
-            i += 1
-        elif i + 1 < len(entries):
-            name, path = entry, entries[i + 1]
-            i += 2
+        elif (path := next(rest, None)) is not None:
+            name = entry
         else:
             errs.append(f"--multi-lora-adapter {entry!r} has no YAML file: give NAME YAML (or NAME=YAML)")
             break

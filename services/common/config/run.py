@@ -290,8 +290,7 @@ class RunConfig(BaseModel):
     @joins(AsyncSection, RolloutSection)
     def _capacity_problems(self) -> list[str]:
         errs = []
-        capacity = self.buffer_capacity
-        if capacity < 1:
+        if (capacity := self.buffer_capacity) < 1:
             errs.append(
                 f"buffer capacity floor({self.async_.data_buffer_capacity_factor} * "
                 f"{self.rollout.batch_size}) = {capacity} holds no group: raise "
