@@ -42,9 +42,7 @@ def _resolve(prog: str, argv: list[str], sync: bool):
     add_config_arguments(p, skip=("driver",))
     argv, passthrough = split_passthrough(argv)
     args = vars(p.parse_args(argv))
-    for field, extra in passthrough.items():
-        if extra:
-            args[field] = list(args.get(field, [])) + extra
+    args |= {f: list(args.get(f, [])) + extra for f, extra in passthrough.items() if extra}
     args["driver"] = "sync" if sync else "async"
     try:
         config = resolve_config(args, args.pop("config_file"))

@@ -55,15 +55,12 @@ FINAL_EVAL_TIMEOUT_S = 300.0
 def sglang_engine_commands(c: RunConfig, ports: list[int]) -> list[tuple[list[str], dict]]:
     """One `sglang.launch_server` command per engine: the checkpoint, a port, version 0,
     metrics on, its own slice of GPUs, then every --sglang-<flag> of the run."""
-    out, g = [], c.infra.rollout_num_gpus_per_engine
-    extra = list(c.infra.sglang_server_args)
-    for i, port in enumerate(ports):
-        args = ["--weight-version", "0"]
-        if not {"--tp-size", "--tp"} & {a.split("=")[0] for a in extra}:
-            args += ["--tp-size", str(g)]
-        cmd = sglang_server_command(c.data.hf_checkpoint, port, c.data.seed + i, args + extra)
-        out.append((cmd, {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in range(i * g, (i + 1) * g))}))
-    return out
+    g, extra = c.infra.rollout_num_gpus_per_engine, c.infra.sglang_server_args
+    tp = [] if {"--tp-size", "--tp"} & {a.split("=")[0] for a in extra} else ["--tp-size", str(g)]
+    args = ["--weight-version", "0", *tp, *extra]
+    return [(sglang_server_command(c.data.hf_checkpoint, port, c.data.seed + i, args),
+             {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in range(i * g, (i + 1) * g))})
+            for i, port in enumerate(ports)]  # fmt: skip
 
 
 class Launcher:
@@ -504,10 +501,9 @@ def launch(config: RunConfig, out=print, progress=None) -> dict:
     After training, with the services stopped and the broker still up, the ledger is audited
     (RUN_DIR/audit.json)."""
     launcher = Launcher(prepare_launch(config, log=out), out=out, progress=progress)
-    old_term, old_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the run the way Ctrl-C does
-    # and so does SIGINT, even when a shell started this run in the background (which ignores it)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # SIGTERM stops the run the way Ctrl-C does, and so does SIGINT, even when a shell started this
+    # run in the background (which ignores it); each one's handler before is put back at the end
+    old = {s: signal.signal(s, signal.default_int_handler) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         result = asyncio.run(launcher.run())
         launcher.procs.stop_all()
@@ -539,6 +535,6 @@ def launch(config: RunConfig, out=print, progress=None) -> dict:
             )
     finally:
         launcher.shutdown()
-        signal.signal(signal.SIGTERM, old_term)
-        signal.signal(signal.SIGINT, old_int)
+        for s, handler in old.items():
+            signal.signal(s, handler)
     return result

@@ -45,9 +45,8 @@ def prepare_run(config: RunConfig, log=print) -> RunConfig:
     run_dir = Path(config.infra.run_dir or Path("runs") / run_id).resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     updates: dict = {"run_id": run_id, "run_dir": str(run_dir)}
-    for field in ("save", "save_hf", "load", "eval_hf_dir", "prompt_data"):  # services may run elsewhere
-        if config.flag(field):
-            updates[field] = str(Path(config.flag(field)).resolve())
+    paths = ("save", "save_hf", "load", "eval_hf_dir", "prompt_data")  # services may run elsewhere
+    updates |= {f: str(Path(config.flag(f)).resolve()) for f in paths if config.flag(f)}
     if config.eval.config:  # inlined, with absolute paths: every service reads the same document
         updates.update(inline_eval_config(config))
     d = config.data
@@ -143,9 +142,7 @@ def inline_eval_config(config: RunConfig) -> dict:
         entries, defaults = dataset_entries(doc)
     except ValueError as e:
         raise LaunchError(str(e)) from None
-    for e in entries:
-        if "path" in e:
-            e["path"] = str(Path(e["path"]).resolve())
+    entries = [e | {"path": str(Path(e["path"]).resolve())} if "path" in e else e for e in entries]
     text = json.dumps({"eval": {"defaults": defaults, "datasets": entries}})
     return {"eval_config": "base64:" + base64.b64encode(text.encode()).decode(),
             "eval_prompt_data": [x for e in entries for x in (str(e["name"]), e.get("path", ""))]}  # fmt: skip

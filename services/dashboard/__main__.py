@@ -36,9 +36,8 @@ def _keys(run_dir: Path):
 
     if os.environ.get(HTTP_KEYS_ENV):
         return keys_from_env(None)
-    token = run_token_from_env()
-    if token is None and (run_dir / "secrets" / "run-token").exists():
-        token = (run_dir / "secrets" / "run-token").read_text().strip()
+    path = run_dir / "secrets" / "run-token"
+    token = run_token_from_env() or (path.read_text().strip() if path.exists() else None)
     if token is None:
         raise SystemExit("asyncrl dashboard: no run token: set $ASYNCRL_RUN_TOKEN (the run's token opens it)")
     return Keys.of_run(token)

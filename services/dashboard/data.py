@@ -78,8 +78,7 @@ def pid_alive(pid: Any) -> bool:
 def is_live(run_dir: Path) -> bool:
     """The run's launcher still runs: pids.json names it, no result.json says it ended, and (where
     /proc tells) that pid is still a Python process, not a stranger that reused the number."""
-    pids = _json(run_dir / "pids.json") or {}
-    pid = pids.get("launcher")
+    pid = (_json(run_dir / "pids.json") or {}).get("launcher")
     if (run_dir / "result.json").exists() or not pid_alive(pid):
         return False
     try:
@@ -109,13 +108,9 @@ def downsample(xs: list[float], ys: list[float], n: int = MAX_POINTS) -> tuple[l
 
 def series(rows: list[dict], key: str, x: str = "step") -> tuple[list[float], list[float]]:
     """(x, y) of every row holding a finite `key`, downsampled."""
-    xs, ys = [], []
-    for r in rows:
-        v, at = r.get(key), r.get(x)
-        if isinstance(v, (int, float)) and isinstance(at, (int, float)) and math.isfinite(v):
-            xs.append(float(at))
-            ys.append(float(v))
-    return downsample(xs, ys)
+    ok = [r for r in rows if isinstance(r.get(key), (int, float))
+          and isinstance(r.get(x), (int, float)) and math.isfinite(r[key])]  # fmt: skip
+    return downsample([float(r[x]) for r in ok], [float(r[key]) for r in ok])
 
 
 class Partition:
@@ -261,9 +256,8 @@ class RunData:
         pids = _json(self.run_dir / "pids.json") or {}
         exits = _json(self.run_dir / EXITS_FILE) or {}
         gone = "not running" if self.live_now() else "stopped"
-        restarts = collections.defaultdict(list)
-        for r in self.restarts.rows:
-            restarts[r.get("name")].append(r)
+        restarts = collections.Counter(r.get("name") for r in self.restarts.rows)
+        last_restart = {r.get("name"): r for r in self.restarts.rows}
         out = []
         for name in sorted(set(urls) | set(pids)):
             url, pid = urls.get(name), pids.get(name)
@@ -274,8 +268,7 @@ class RunData:
                 "name": name, "url": url, "pid": pid, "running": running, "exit_code": code,
                 "state": "running" if running else gone if code is None else exit_state(code),
                 "metrics": f"{url}/metrics" if url else None,
-                "restarts": len(restarts.get(name, [])),
-                "last_restart": restarts[name][-1] if restarts.get(name) else None,
+                "restarts": restarts[name], "last_restart": last_restart.get(name),
             })  # fmt: skip
         return out
 

@@ -93,10 +93,8 @@ def _chart(key: str, title: str, x: str, time_x: bool, y: str, lines: list[tuple
     page's size) and how it is drawn (`smooth`: the smoothing slider applies; `points`, `dash`,
     `stepped`, `bands`: [start, end] spans shaded in its colour). Lines without a point are left out;
     a chart without any says `empty` instead."""
-    out = []
-    for label, (xs, ys), how in lines:
-        if xs:
-            out.append({"label": label, "xs": [round(v, 3) for v in xs], "ys": [float(f"{v:.6g}") for v in ys], **how})
+    out = [{"label": label, "xs": [round(v, 3) for v in xs], "ys": [float(f"{v:.6g}") for v in ys],
+            **how} for label, (xs, ys), how in lines if xs]  # fmt: skip
     return {"id": key, "title": title, "x": x, "time": time_x, "y": y, "empty": "" if out else empty, "series": out}
 
 
