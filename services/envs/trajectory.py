@@ -75,12 +75,10 @@ class Trajectory:
         if s.response_length and len(s.rollout_log_probs) != s.response_length:
             s.rollout_log_probs = []  # an engine without log-probs: none at all, never a partial list
         s.loss_mask = self.mask
-        s.metadata["turns"] = self.turns
-        s.metadata["env_turns"] = self.env_turns
+        s.metadata.update(turns=self.turns, env_turns=self.env_turns)
         if self.tool_calls is not None:
             s.metadata["tool_calls"] = self.tool_calls
-        s.metadata["turn_versions"] = self.turn_versions
-        s.metadata["prompt_length"] = len(self.prompt_ids)
+        s.metadata.update(turn_versions=self.turn_versions, prompt_length=len(self.prompt_ids))
         return s
 
 

@@ -107,12 +107,10 @@ def eval_dataset_configs(config) -> list[EvalDataset]:
              "top_p": e.top_p if e.top_p is not None else r.top_p, "top_k": r.top_k,
              "max_response_len": e.max_response_len or r.max_response_len,
              "stop_token_ids": list(r.stop_token_ids), "rm_type": None, "metadata_overrides": {}}  # fmt: skip
-    out = []
-    for e in entries:
-        if "path" not in e:
-            raise ValueError(f"--eval-config: dataset {e['name']!r} has no `path`")
-        values = {k: e.get(k, defaults.get(k, flags.get(k))) for k in FIELDS}
-        out.append(EvalDataset(name=str(e["name"]), **values))
+    if no_path := [e["name"] for e in entries if "path" not in e]:
+        raise ValueError(f"--eval-config: dataset {no_path[0]!r} has no `path`")
+    out = [EvalDataset(name=str(e["name"]), **{k: e.get(k, defaults.get(k, flags.get(k))) for k in FIELDS})
+           for e in entries]  # fmt: skip
     names = [d.name for d in out]
     if len(set(names)) != len(names):
         raise ValueError(f"--eval-config: dataset names must be unique (got {names})")

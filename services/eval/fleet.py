@@ -43,10 +43,9 @@ def fleet_server_args(rollout_args: list[str], overrides: list[str], rollout_tp:
     is an explicit --sglang-tp-size, else --rollout-num-gpus-per-engine)."""
     flags = parse_flags(rollout_args)
     rollout_tp = next((int(flags[k]) for k in TP_FLAGS if flags.get(k) is not None), rollout_tp)
-    flags = {k: v for k, v in flags.items() if k not in TP_FLAGS and k not in OFF_FOR_EVAL}
+    dropped = TP_FLAGS + OFF_FOR_EVAL + (NOT_INHERITED_ACROSS_TP if eval_tp != rollout_tp else ())
+    flags = {k: v for k, v in flags.items() if k not in dropped}
     if eval_tp != rollout_tp:
-        for k in NOT_INHERITED_ACROSS_TP:
-            flags.pop(k, None)
         log.info("Eval tp=%d != rollout tp=%d; dp_size, pp_size, ep_size, attn_cp_size default to 1. Override with "
                  "--eval-sglang-*.", eval_tp, rollout_tp)  # fmt: skip
     for k, v in parse_flags(overrides).items():

@@ -393,9 +393,8 @@ def dataset_metrics(config, name: str, samples: list[Sample]) -> dict[str, float
     }
     if versions:
         out.update(statistics_of(f"eval/{name}/weight_version", versions))
-        out[f"eval/{name}/weight_version/mixed_version_ratio"] = sum(
-            len(set(s.weight_versions)) > 1 for s in samples
-        ) / len(samples)
+        mixed = sum(len(set(s.weight_versions)) > 1 for s in samples)
+        out[f"eval/{name}/weight_version/mixed_version_ratio"] = mixed / len(samples)
     return out
 
 

@@ -114,9 +114,7 @@ def normalize(text: str) -> tuple[str, frozenset[str]]:
     """The comparable string (lower case, no spaces, no dollars, percent signs, degree marks,
     `\\left`/`\\right`, spacing commands, thousands separators or enclosing `\\text{}`), with its
     units apart: ("5", {"cm"}) for `5\\text{ cm}`."""
-    text = _unwrap(str(text))
-    for old, new in _UNICODE.items():
-        text = text.replace(old, new)
+    text = _unwrap(str(text)).translate(str.maketrans(_UNICODE))
     for old in _DROPPED:
         text = text.replace(old, "")
     text = _LEFT_RIGHT.sub("", text).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\\\", "\\")

@@ -290,8 +290,7 @@ def reasoning_gym_extract(response: str) -> str:
     """The answer as reasoning-gym's datasets expect it: the last `<answer>...</answer>`, else the
     first non-empty line after the last `</think>`. What follows the answer earns nothing (a
     scorer that gives credit by position would otherwise pay for padding after it)."""
-    tagged = _ANSWER_TAG.findall(response)
-    if tagged:
+    if tagged := _ANSWER_TAG.findall(response):
         return tagged[-1].strip()
     return next((line.strip() for line in after_think(response).splitlines() if line.strip()), "")
 

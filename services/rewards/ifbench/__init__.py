@@ -45,8 +45,7 @@ def followed(response: str, metadata: dict) -> list[bool]:
     if not ids:
         raise ValueError("rm_type ifbench needs metadata.instruction_id_list (IFBench's instruction ids) and "
                          "metadata.kwargs (one dict per instruction)")  # fmt: skip
-    unknown = [i for i in ids if i not in CHECKERS]
-    if unknown:
+    if unknown := [i for i in ids if i not in CHECKERS]:
         raise ValueError(f"rm_type ifbench does not know the instruction {', '.join(map(repr, unknown))}: IFBench's "
                          "ids are listed in docs/tasks.md")  # fmt: skip
     out = []

@@ -90,11 +90,8 @@ def punctuation(text: str) -> bool:
 def words_japanese(text: str, *, N) -> bool:
     """Every N-th whitespace word (numbers aside) holds a Japanese character."""
     every = count("N", N, 1)
-    for i, word in enumerate(text.split()):
-        word = word.strip(PUNCTUATION_SPACE)
-        if (i + 1) % every == 0 and word and not word.isdigit() and not _JAPANESE.search(word):
-            return False
-    return True
+    words = (w.strip(PUNCTUATION_SPACE) for i, w in enumerate(text.split(), 1) if i % every == 0)
+    return all(not w or w.isdigit() or _JAPANESE.search(w) for w in words)
 
 
 @checker("count:pronouns")
