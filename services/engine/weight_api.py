@@ -59,6 +59,7 @@ class EngineWeights:
         if staged is not None and staged[0] == self._snapshot_key(model_path, weight_version):
             s.stats.num_staged_swaps_total += 1
             return s.call(self._load, lambda: swap_in(s.model, staged[1]), weight_version) | {"staged": True}
+        staged = None  # a staged copy of another snapshot (a whole model) is freed before the read
         return s.call(self._load, lambda: load_weights_into(s.model, model_path), weight_version) | {"staged": False}
 
     def update_weights_from_tensors(self, tensors: dict, weight_version: str | None, timeout_s: float = 600) -> dict:

@@ -40,7 +40,9 @@ _WORD = re.compile(r"[a-z]{3,}")
 _SPACES = re.compile(r"(\\[a-z]+)?\s+(?=([a-z])?)")
 """Spaces, dropped, but for one between a command and a letter (`\\pi r`)."""
 _RELATION = re.compile(r"[<>≤≥≠]|\\(?:le|ge|leq|geq|neq|ne|lt|gt)(?![a-z])")
-_UNICODE = {"−": "-", "–": "-", "×": "\\times ", "·": "\\cdot ", "÷": "\\div ", "π": "\\pi ", "∞": "\\infty "}
+_UNICODE = str.maketrans(
+    {"−": "-", "–": "-", "×": "\\times ", "·": "\\cdot ", "÷": "\\div ", "π": "\\pi ", "∞": "\\infty "}
+)
 
 
 def brace_pairs(text: str) -> dict[int, int]:
@@ -114,7 +116,7 @@ def normalize(text: str) -> tuple[str, frozenset[str]]:
     """The comparable string (lower case, no spaces, no dollars, percent signs, degree marks,
     `\\left`/`\\right`, spacing commands, thousands separators or enclosing `\\text{}`), with its
     units apart: ("5", {"cm"}) for `5\\text{ cm}`."""
-    text = _unwrap(str(text)).translate(str.maketrans(_UNICODE))
+    text = _unwrap(str(text)).translate(_UNICODE)
     for old in _DROPPED:
         text = text.replace(old, "")
     text = _LEFT_RIGHT.sub("", text).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\\\", "\\")

@@ -312,11 +312,13 @@ class Bus:
             raise BusError(f"the server refused a publish on {items[0][0]}: {self.refused}")
         raise BusError(f"{len(pending)} of {len(futures)} publishes were not acknowledged within {timeout_s}s")
 
-    async def publish_durably(self, items: list[tuple[str, Any, str | None]], what: str,
-                              deadline_s: float = 180.0, **expected: int | None) -> list[api.PubAck]:  # fmt: skip
-        """publish_batch (with its expected_last_seq / expected_last_subject_seq), retried through a
-        broker outage (msg ids make retries idempotent); gives up loudly after deadline_s."""
-        return await through_outage(lambda: self.publish_batch(items, **expected), what, deadline_s)
+    async def publish_durably(self, items: list[tuple[str, Any, str | None]], what: str, deadline_s: float = 180.0,
+                              expected_last_seq: int | None = None,
+                              expected_last_subject_seq: int | None = None) -> list[api.PubAck]:  # fmt: skip
+        """publish_batch, retried through a broker outage (msg ids make retries idempotent); gives
+        up loudly after deadline_s."""
+        return await through_outage(lambda: self.publish_batch(items, expected_last_seq=expected_last_seq,
+                                    expected_last_subject_seq=expected_last_subject_seq), what, deadline_s)  # fmt: skip
 
     async def publish_core(self, subject: str, msg: Any) -> None:
         await self.nc.publish(subject, encode(msg))
