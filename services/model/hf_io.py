@@ -99,15 +99,12 @@ def iter_stage_weights(model: CausalLM, path: str | Path) -> Generator[None, Non
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
             shapes.update((n, tuple(fh.get_slice(n).get_shape())) for n in fh.keys())
-    if model.cfg.tie_word_embeddings:
-        shapes.pop("lm_head.weight", None)
     missing = sorted(set(own) - set(shapes))
-    unexpected = sorted(set(shapes) - set(own) - {"lm_head.weight"})
+    unexpected = sorted(set(shapes) - set(own) - {"lm_head.weight"})  # a tied lm_head is the embedding
     if missing or unexpected:
         raise ValueError(f"snapshot {path} does not match the model: missing {missing[:5]}, unexpected "
                          f"{unexpected[:5]}")  # fmt: skip
-    wrong = [n for n, p in own.items() if shapes[n] != tuple(p.shape)]
-    if wrong:
+    if wrong := [n for n, p in own.items() if shapes[n] != tuple(p.shape)]:
         raise ValueError(f"snapshot {path} does not match the model: {wrong[0]} has shape "
                          f"{shapes[wrong[0]]}, the model's is {tuple(own[wrong[0]].shape)}")  # fmt: skip
     out: dict[str, torch.Tensor] = {}

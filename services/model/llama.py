@@ -14,7 +14,7 @@ Two entry points:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,6 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -83,7 +82,7 @@ class ModelConfig:
         if self.model_type == "llama":
             d["attention_bias"] = self.attention_bias
             d["mlp_bias"] = False
-        return {**d, **self.extra}
+        return d
 
 
 class RMSNorm(nn.Module):

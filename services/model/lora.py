@@ -26,6 +26,7 @@ On disk an adapter is a PEFT LoRA directory, the format SGLang's `/load_lora_ada
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import re
@@ -112,11 +113,6 @@ class LoraSite:
     fuse: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
 
 
-def _module_of(model: CausalLM, layer: int, name: str) -> nn.Linear:
-    block = model.model.layers[layer]
-    return getattr(block.self_attn if name in ATTENTION else block.mlp, name)
-
-
 def module_shape(cfg, name: str) -> tuple[int, int]:
     """(in, out) features of a Llama layer's HF module `name` under a model config."""
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
@@ -149,8 +145,10 @@ class MultiLora(nn.Module):
                 self.B[f"l{i}_{name}"] = nn.Parameter(torch.zeros(n_slots, fan_out, max_rank, dtype=ref.dtype))
         if hasattr(model, "lora_sites"):
             sites = model.lora_sites(self.targets)
-        else:
-            sites = [LoraSite(_module_of(model, i, name), i, (name,)) for i in range(self.num_layers) for name in self.targets]
+        else:  # the built-in model's: each target linear of a layer's attention or MLP
+            blocks = model.model.layers
+            sites = [LoraSite(getattr(blocks[i].self_attn if name in ATTENTION else blocks[i].mlp, name), i, (name,))
+                     for i in range(self.num_layers) for name in self.targets]  # fmt: skip
         self._hooks = [site.module.register_forward_hook(self._hook(site)) for site in sites]
         self.register_buffer("scale", torch.zeros(n_slots, dtype=ref.dtype))
         self.specs: list[LoraSpec | None] = [None] * n_slots
@@ -167,13 +165,9 @@ class MultiLora(nn.Module):
             slots = [int(x) for x in torch.as_tensor(slot_n, dtype=torch.long).flatten()]
             if any(not -1 <= x < self.n_slots for x in slots):
                 raise LoraError(f"rows must be slot numbers in -1..{self.n_slots - 1}")
-            runs, start = [], 0
-            for i in range(1, len(slots) + 1):
-                if i == len(slots) or slots[i] != slots[start]:
-                    if slots[start] >= 0 and self.specs[slots[start]] is not None:
-                        runs.append((slots[start], start, i))
-                    start = i
-            runs = (len(slots), runs)
+            ends = itertools.accumulate(len(list(run)) for _, run in itertools.groupby(slots))
+            runs = (len(slots), [(slots[s], s, e) for s, e in itertools.pairwise([0, *ends])
+                                 if slots[s] >= 0 and self.specs[slots[s]] is not None])  # fmt: skip
         previous, self._rows = self._rows, runs
         try:
             yield
@@ -225,8 +219,7 @@ class MultiLora(nn.Module):
     def _check_spec(self, spec: LoraSpec) -> None:
         if spec.rank > self.max_rank:
             raise LoraError(f"rank {spec.rank} is above this model's max LoRA rank {self.max_rank}")
-        missing = sorted(set(spec.target_modules) - set(self.targets))
-        if missing:
+        if missing := sorted(set(spec.target_modules) - set(self.targets)):
             raise LoraError(f"target_modules {missing} are not served here (LoRA targets: {', '.join(self.targets)})")
 
     @torch.no_grad()
@@ -327,8 +320,7 @@ def load_adapter(path: str | Path) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
         tensors = load_file(str(p / "adapter_model.safetensors"))
     except (OSError, ValueError, SafetensorError) as e:  # a missing, truncated or corrupt file
         raise LoraError(f"{p}: cannot read adapter_model.safetensors ({e})") from None
-    bad = [k for k in tensors if not _PEFT_KEY.match(k)]
-    if bad:
+    if bad := [k for k in tensors if not _PEFT_KEY.match(k)]:
         raise LoraError(f"{p}: {bad[0]!r:.120} is not a LoRA weight of a Llama layer")
     return spec, tensors
 

@@ -86,10 +86,9 @@ def samples_with_advantages(
     the advantages and of the batch altogether."""
     out: list[tuple[Sample, float]] = []
     for g in groups:
-        flat = [s for s in flatten_group(g) if s.status != SampleStatus.FAILED]
-        if flat:
+        if flat := [s for s in flatten_group(g) if s.status != SampleStatus.FAILED]:
             advs = group_advantages([scalar_reward(s, reward_key) for s in flat], std_normalization)
-            out += list(zip(flat, advs, strict=True))
+            out += zip(flat, advs, strict=True)
     return out
 
 
@@ -384,10 +383,8 @@ def finish_stats(stats: dict[str, float], norm: float, parts: list[tuple[dict[st
     out = {k: v for k, v in stats.items() if math.isfinite(v)}
     if math.isfinite(norm):
         out["train/grad_norm"] = norm
-    out["train/nonfinite_skipped"] = float(bad)
-    out["train/num_micro_batches"] = len(parts)
-    out["train/num_loss_tokens"] = sum(n for _, n in parts)
-    return out
+    return out | {"train/nonfinite_skipped": float(bad), "train/num_micro_batches": len(parts),
+                  "train/num_loss_tokens": sum(n for _, n in parts)}  # fmt: skip
 
 
 def set_old_logprobs(model: CausalLM, step_batches: list[list[TrainBatch]], temperature: float) -> None:

@@ -100,8 +100,7 @@ def _split_qkv(qkv, cfg: ModelConfig):
     g, d = cfg.num_key_value_heads, cfg.head_dim
     per = cfg.num_attention_heads // g
     tail = qkv.shape[1:]
-    x = qkv.reshape(g, (per + 2) * d, *tail)
-    q, k, v = x[:, : per * d], x[:, per * d : (per + 1) * d], x[:, (per + 1) * d :]
+    q, k, v = qkv.reshape(g, (per + 2) * d, *tail).split([per * d, d, d], dim=1)
     return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
 
 

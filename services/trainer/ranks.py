@@ -183,8 +183,7 @@ def start_ray_workers(world: int, args: list[str], files: dict[str, bytes] | Non
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     gpus = 1 if torch.cuda.is_available() else 0
-    placed = os.environ.get(PLACEMENT_ENV)
-    if placed:
+    if placed := os.environ.get(PLACEMENT_ENV):
         _, name, bundle = placed.split("/")
         pg, bundles = get_placement_group(name), [int(bundle)] * world
     else:

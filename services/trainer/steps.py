@@ -179,9 +179,7 @@ class SampleCheck:
         """`max_version`: the newest version a sample may name; `n`: the group size (a multi-LoRA
         adapter's own)."""
         limits = dataclasses.replace(self.limits, max_version=max_version, n=self.limits.n if n is None else n)
-        for s in (s for g in groups for s in flatten_group(g)):
-            if s.status == SampleStatus.FAILED:
-                continue
+        for s in (s for g in groups for s in flatten_group(g) if s.status != SampleStatus.FAILED):
             if (problem := sample_problem(s, limits) or missing_logprobs(s, self.loss_cfg)) is not None:
                 self.num_invalid += 1
                 log.error("sample %s of group %s cannot be trained on (%s): left out of the loss",
