@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -89,14 +90,12 @@ class Generation:
         finished one is marked done. Unfinished requests are aborted if the reader stops."""
         try:
             while not all(t.done for t in tracked):
+                items = [await queue.get()]  # every request ends: the scheduler answers each, even when it dies
+                while not queue.empty():
+                    items.append(queue.get_nowait())
                 latest: dict[int, int | None] = {}
-                item = await queue.get()  # every request ends: the scheduler answers each, even when it dies
-                while True:
-                    i, n = item
+                for i, n in items:
                     latest[i] = None if n is None or latest.get(i, 0) is None else max(n, latest.get(i, 0))
-                    if queue.empty():
-                        break
-                    item = queue.get_nowait()
                 for i, n in latest.items():
                     t = tracked[i]
                     if t.done:
@@ -174,10 +173,7 @@ def sse(obj: Any) -> bytes:
 def weight_spans(req: EngineRequest, n: int) -> list[dict]:
     """The weight versions that produced the first n output tokens: [{version, start, end}] over
     output-token positions (end exclusive), as SGLang 0.5.23."""
-    spans: list[dict] = []
-    for pos, v in enumerate(req.token_versions[:n]):
-        if spans and spans[-1]["version"] == v:
-            spans[-1]["end"] = pos + 1
-        else:
-            spans.append({"version": v, "start": pos, "end": pos + 1})
-    return spans
+    versions = req.token_versions[:n]
+    starts = [pos for pos, v in enumerate(versions) if pos == 0 or v != versions[pos - 1]]
+    return [{"version": versions[start], "start": start, "end": end}  # a span ends where the next starts
+            for start, end in itertools.pairwise([*starts, len(versions)])]  # fmt: skip

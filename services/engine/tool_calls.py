@@ -63,10 +63,8 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
                       "function": {"name": body["name"], "arguments": arguments}})  # fmt: skip
         kept.append(text[last:start])
         last = end
-    if not calls:
-        return text, []
     kept.append(text[last:])
-    return "".join(kept).strip(), calls
+    return ("".join(kept).strip(), calls) if calls else (text, [])
 
 
 def arguments_for_template(message: dict) -> dict:

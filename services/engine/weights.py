@@ -25,13 +25,6 @@ class ObjectWeights:
         self.bus = None
         self._lock = asyncio.Lock()
 
-    async def _store(self) -> WeightStore:
-        from services.common.bus import Bus
-
-        if self.bus is None:
-            self.bus = await Bus.connect(self.nats_url, self.run_id, "engine", connect_timeout_s=10)
-        return WeightStore(self.bus)
-
     async def local(self, uri: str, adapter: bool = False) -> Path:
         """The local copy of a snapshot (adapter: an adapter version) of this run's bucket,
         fetched unless already here; of the `v<N>` directories beside it, the newest KEEP stay (an
@@ -42,7 +35,11 @@ class ObjectWeights:
             raise ValueError(f"{uri!r:.120} is not a nats-object://<bucket>/{form} URI")
         bucket, *key = parsed
         async with self._lock:
-            store = await self._store()
+            if self.bus is None:  # connected at the first fetch
+                from services.common.bus import Bus
+
+                self.bus = await Bus.connect(self.nats_url, self.run_id, "engine", connect_timeout_s=10)
+            store = WeightStore(self.bus)
             if bucket != store.bucket:
                 raise ValueError(f"{uri!r:.120} is not in this run's weights bucket {store.bucket}")
             dest = self.cache_dir / (adapter_key(*key) if adapter else f"v{key[0]}")
