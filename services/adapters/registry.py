@@ -85,11 +85,8 @@ def parse_spec(raw: Any, *, file_exists: Callable[[str], bool] = os.path.isfile)
 
 def spec_problems(spec: AdapterSpec) -> list[str]:
     """What is wrong with a spec besides its types (no I/O)."""
-    errs = []
-    for field, value in (("rank", spec.rank), ("rollout_batch_size", spec.rollout_batch_size),
-                         ("n_samples_per_prompt", spec.n_samples_per_prompt)):  # fmt: skip
-        if value < 1:
-            errs.append(f"{field} must be an integer >= 1 (got {value})")
+    sizes = {f: getattr(spec, f) for f in ("rank", "rollout_batch_size", "n_samples_per_prompt")}
+    errs = [f"{f} must be an integer >= 1 (got {v})" for f, v in sizes.items() if v < 1]
     if not (math.isfinite(spec.alpha) and spec.alpha > 0):
         errs.append(f"alpha must be a number > 0 (got {spec.alpha})")
     elif spec.rank >= 1 and spec.alpha / spec.rank > MAX_LORA_SCALE:
@@ -113,9 +110,8 @@ def spec_problems(spec: AdapterSpec) -> list[str]:
     if (spec.num_step is None) == (spec.num_epoch is None):
         errs.append("give exactly one budget: num_step (optimizer steps) or num_epoch (passes over data)"
                     + (", not both" if spec.num_step is not None else ""))  # fmt: skip
-    for field, value in (("num_step", spec.num_step), ("num_epoch", spec.num_epoch)):
-        if value is not None and value < 1:
-            errs.append(f"{field} must be an integer >= 1 (got {value})")
+    budgets = {f: v for f in ("num_step", "num_epoch") if (v := getattr(spec, f)) is not None}
+    errs += [f"{f} must be an integer >= 1 (got {v})" for f, v in budgets.items() if v < 1]
     size = len(encode(spec))
     if size > MAX_SPEC_BYTES:  # the whole registry is one KV value: one tenant must not fill it
         errs.append(f"the spec takes {size} bytes encoded (metadata and paths included); at most {MAX_SPEC_BYTES}")

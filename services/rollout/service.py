@@ -245,13 +245,12 @@ class RolloutService(Service):
         samples = [self._new_sample(prompt, i, _input_ids=input_ids) for i in range(self.mode.group_size(prompt))]
         tasks = [asyncio.create_task(self._run_trajectory(s, given_back, ctx)) for s in samples]
         try:
-            results = await asyncio.gather(*tasks)
+            group = await asyncio.gather(*tasks)
         except BaseException:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)  # all settle before the group fails
             raise
-        group = list(results)
         ctx.finish(group)
         if ctx.group_rm:
             if not await score_group(ctx.reward_fn, for_plugins(self.config), group):
