@@ -129,10 +129,9 @@ def read_config_file(path: str | Path) -> dict:
 def env_overrides(environ: dict[str, str]) -> dict:
     out = {}
     for name, flag in FLAGS.items():
-        if (text := environ.get(ENV_PREFIX + name.upper())) is None:
-            continue
-        tp, is_list, _ = _field_kind(flag.section.model_fields[flag.field].annotation)
-        out[name] = [_parse_scalar(tp, t) for t in text.split()] if is_list else _parse_scalar(tp, text)
+        if (text := environ.get(ENV_PREFIX + name.upper())) is not None:
+            tp, is_list, _ = _field_kind(flag.section.model_fields[flag.field].annotation)
+            out[name] = [_parse_scalar(tp, t) for t in text.split()] if is_list else _parse_scalar(tp, text)
     return out
 
 

@@ -56,9 +56,13 @@ SGLANG_LAUNCHER_FLAGS = ("--model-path", "--model", "--host", "--port", "--rando
 would contradict it (the launcher would wait on a port the server does not listen on)."""
 
 
-def launcher_flags_in(sglang_args: list[str]) -> list[str]:
-    """The SGLANG_LAUNCHER_FLAGS among a run's --sglang-* (or --eval-sglang-*) arguments, sorted."""
-    return sorted({a.split("=")[0] for a in sglang_args} & set(SGLANG_LAUNCHER_FLAGS))
+def launcher_flags_problem(sglang_args: list[str], prefix: str, who: str) -> str | None:
+    """Why a run's --sglang-* (or --eval-sglang-*: `prefix`) arguments name SGLANG_LAUNCHER_FLAGS
+    (`who` sets them itself for each server), or None."""
+    if taken := sorted({a.split("=")[0] for a in sglang_args} & set(SGLANG_LAUNCHER_FLAGS)):
+        return (f"{prefix}{taken[0][2:]}: {who} sets {', '.join(taken)} for each SGLang server it "
+                "starts (its own port, seed and weights); drop the flag")  # fmt: skip
+    return None
 
 
 def sglang_server_command(model_path: str, port: int, seed: int, args: list[str]) -> list[str]:

@@ -88,22 +88,18 @@ class Keys:
         return cls({role: digest(role_token(run_token, role)) for role in HTTP_ROLES})
 
     def role_of(self, token: bytes) -> str | None:
-        h = digest(token)
-        found = None
-        for role, expected in self.hashes.items():  # every one compared: no early exit to time
-            if hmac.compare_digest(h, expected):
-                found = role
-        return found
+        h = digest(token)  # compared with every role's: no early exit to time
+        found = [role for role, expected in self.hashes.items() if hmac.compare_digest(h, expected)]
+        return found[-1] if found else None
 
     def env(self) -> dict[str, str]:
         return {HTTP_KEYS_ENV: json.dumps(self.hashes, sort_keys=True)}
 
 
-def keys_from_env(run_token: str | None, environ: Mapping[str, str] | None = None) -> Keys | None:
+def keys_from_env(run_token: str | None, environ: Mapping[str, str] = os.environ) -> Keys | None:
     """This process's verifier: $ASYNCRL_HTTP_KEYS, else every role's derived from the run token,
     else None (its protected routes refuse everyone)."""
-    env = os.environ if environ is None else environ
-    if raw := env.get(HTTP_KEYS_ENV):
+    if raw := environ.get(HTTP_KEYS_ENV):
         try:
             hashes = json.loads(raw)
         except ValueError:

@@ -60,10 +60,9 @@ def registrations(registry: AdapterRegistryState, run_dir: Path) -> list[tuple[s
     (RUN_DIR/adapters/<name>/<registration>), as "completed (pruned from the registry)"."""
     out = [(r.name, r.registration_id, r.state.value) for r in registry.runs]
     known = {rid for _, rid, _ in out}
-    for d in sorted((run_dir / "adapters").glob("*/*")):
-        if d.is_dir() and _REGISTRATION_ID.fullmatch(d.name) and d.name not in known:
-            out.append((d.parent.name, d.name, "completed (pruned from the registry)"))
-    return out
+    return out + [(d.parent.name, d.name, "completed (pruned from the registry)")
+                  for d in sorted((run_dir / "adapters").glob("*/*"))
+                  if d.is_dir() and _REGISTRATION_ID.fullmatch(d.name) and d.name not in known]  # fmt: skip
 
 
 def num(v, fmt: str = "{:.3f}") -> str:

@@ -22,6 +22,7 @@ trained from with --update-weights-interval 1.
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import time
 from pathlib import Path
@@ -60,12 +61,8 @@ def segments(sample, decode) -> list[list]:
         version[max(0, start) : min(n, end)] = [v] * (min(n, end) - max(0, start))
     if not sample.version_spans and len(set(sample.weight_versions)) == 1:  # an engine without spans
         version = [sample.weight_versions[0] if m else None for m in mask]
-    out, start = [], 0
-    for i in range(1, n + 1):
-        if i == n or version[i] != version[start] or mask[i] != mask[start]:
-            out.append([_text(decode(ids[start:i])), version[start], int(mask[start])])
-            start = i
-    return out
+    runs = [list(r) for _, r in itertools.groupby(range(n), key=lambda i: (version[i], mask[i]))]
+    return [[_text(decode(ids[r[0] : r[-1] + 1])), version[r[0]], int(mask[r[0]])] for r in runs]
 
 
 def step_record(step: int, version: int, groups: list[list], advantages: dict[int, float],

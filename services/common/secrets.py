@@ -26,6 +26,7 @@ import logging
 import os
 import secrets
 import ssl
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -74,12 +75,11 @@ def read_secret_file(path: str | Path, what: str) -> str:
     return text
 
 
-def run_token_from_env(environ: dict[str, str] | None = None) -> str | None:
-    env = os.environ if environ is None else environ
-    if env.get(RUN_TOKEN_ENV):
-        return env[RUN_TOKEN_ENV]
-    if env.get(RUN_TOKEN_FILE_ENV):
-        return read_secret_file(env[RUN_TOKEN_FILE_ENV], f"the run token (${RUN_TOKEN_FILE_ENV})")
+def run_token_from_env(environ: Mapping[str, str] = os.environ) -> str | None:
+    if token := environ.get(RUN_TOKEN_ENV):
+        return token
+    if path := environ.get(RUN_TOKEN_FILE_ENV):
+        return read_secret_file(path, f"the run token (${RUN_TOKEN_FILE_ENV})")
     return None
 
 
@@ -97,12 +97,11 @@ class NatsCredentials:
     tls_key: str | None = None
 
     @classmethod
-    def from_env(cls, role: str | None = None, environ: dict[str, str] | None = None) -> NatsCredentials:
+    def from_env(cls, role: str | None = None, environ: Mapping[str, str] = os.environ) -> NatsCredentials:
         """This process's credentials: its role's entry of $ASYNCRL_NATS_ROLES_FILE if there is
         one, else the ASYNCRL_NATS_* variables; TLS settings always from the variables."""
-        env = os.environ if environ is None else environ
-        values = {name: env.get(var) or None for name, var in NATS_ENV.items()}
-        entry = load_roles_file(env[ROLES_FILE_ENV]).get(role) if env.get(ROLES_FILE_ENV) and role else None
+        values = {name: environ.get(var) or None for name, var in NATS_ENV.items()}
+        entry = load_roles_file(environ[ROLES_FILE_ENV]).get(role) if environ.get(ROLES_FILE_ENV) and role else None
         if entry is not None:
             values |= {k: entry.get(k) for k in _ROLE_KEYS.values()}
         return cls(**values)
@@ -227,20 +226,18 @@ class RedactingFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if self.secret_values:
             msg = record.getMessage()
-            clean = redact_text(msg, self.secret_values)
-            if clean != msg:
+            if (clean := redact_text(msg, self.secret_values)) != msg:
                 record.msg, record.args = clean, None
             if record.exc_info and record.exc_info[1] is not None:
                 record.exc_text = redact_text(logging.Formatter().formatException(record.exc_info), self.secret_values)
         return True
 
 
-def without_identity(environ: dict[str, str] | None = None) -> dict[str, str]:
+def without_identity(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """Ours without any credential: no NATS identity, no run token, no HTTP token or keys, no
     reward model token (a child is given its own by whoever starts it)."""
-    env = os.environ if environ is None else environ
     drop = ("ASYNCRL_NATS_", RUN_TOKEN_ENV, "ASYNCRL_HTTP_", RM_TOKEN_ENV)
-    return {k: v for k, v in env.items() if not k.startswith(drop)}
+    return {k: v for k, v in environ.items() if not k.startswith(drop)}
 
 
 def install_log_redaction(extra: list[str] | None = None) -> None:

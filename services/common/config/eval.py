@@ -5,7 +5,7 @@ from typing import Literal
 from pydantic import Field
 
 from services.common.config.base import Section
-from services.common.engine_commands import launcher_flags_in
+from services.common.engine_commands import launcher_flags_problem
 
 
 class EvalSection(Section):
@@ -93,11 +93,8 @@ class EvalSection(Section):
                 "--eval-sglang-* configures the dedicated eval fleet, which needs --eval-num-gpus > 0. "
                 f"Got {given} with --eval-num-gpus 0."
             )
-        if taken := launcher_flags_in(self.sglang_args):
-            errs.append(
-                f"--eval-sglang-{taken[0][2:]}: the eval fleet sets {', '.join(taken)} for each SGLang server it "
-                "starts (its own port, seed and weights); drop the flag"
-            )
+        if problem := launcher_flags_problem(self.sglang_args, "--eval-sglang-", "the eval fleet"):
+            errs.append(problem)
         tp = [a for a in self.sglang_args if a.split("=")[0] in ("--tp-size", "--tp", "--tensor-parallel-size")]
         if tp:
             errs.append(
@@ -107,4 +104,3 @@ class EvalSection(Section):
         if len(self.prompt_data) % 2:
             errs.append("--eval-prompt-data takes NAME PATH pairs, e.g. --eval-prompt-data aime aime.jsonl")
         return errs
-

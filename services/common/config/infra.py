@@ -7,7 +7,7 @@ from pydantic import AfterValidator, Field, SecretStr
 
 from asyncrl_proto.subjects import check_run_id
 from services.common.config.base import Section
-from services.common.engine_commands import TOOL_CALL_PARSERS, launcher_flags_in, tool_call_parser
+from services.common.engine_commands import TOOL_CALL_PARSERS, launcher_flags_problem, tool_call_parser
 
 
 class InfraSection(Section):
@@ -191,12 +191,9 @@ class InfraSection(Section):
                 errs.append(f"--sglang-tool-call-parser {name!r}: the built-in engine knows {', '.join(TOOL_CALL_PARSERS)} "
                             "(the <tool_call> JSON blocks of Qwen and Hermes templates); other parsers need "
                             "--engine sglang")  # fmt: skip
-        taken = launcher_flags_in(self.sglang_server_args)
-        if taken and self.engine == "sglang" and not self.rollout_external_engine_addrs:
-            errs.append(
-                f"--sglang-{taken[0][2:]}: the launcher sets {', '.join(taken)} for each SGLang server it starts "
-                "(its own port, seed and weights); drop the flag"
-            )
+        problem = launcher_flags_problem(self.sglang_server_args, "--sglang-", "the launcher")
+        if problem and self.engine == "sglang" and not self.rollout_external_engine_addrs:
+            errs.append(problem)
         if self.nats_sync is not None and not re.fullmatch(r"always|\d+(ms|s|m|h)", self.nats_sync):
             errs.append(f"--nats-sync must be `always` or an interval like 500ms, 1s, 2m (got {self.nats_sync!r})")
         if self.nats_cluster == 2:
