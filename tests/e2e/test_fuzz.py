@@ -264,7 +264,10 @@ def test_every_http_route_answers_4xx_never_5xx_never_hangs(run, kind):
         headers = {"Content-Type": "application/json"} | ({} if auth else {"Authorization": "Bearer wrong"})
         r = run.http.request(method, target + path, content=body, headers=headers)  # 15 s timeout: a hang fails
         COUNTS[f"http {kind}"] += 1
-        assert r.status_code < 500, (method, path, body[:200], r.status_code, r.text[:300])
+        # a readiness probe answers 503 while its service sets up: the buffer, restarted now and then by
+        # the ledger fuzz, may be doing so (its /healthz already answers)
+        not_ready = path == "/readyz" and r.status_code == 503 and r.text == "not ready\n"
+        assert r.status_code < 500 or not_ready, (method, path, body[:200], r.status_code, r.text[:300])
         if not auth and path not in ("/healthz", "/readyz", "/metrics", "/health", "/health_generate", "/login"):
             # the dashboard sends a browser without the token to its login page
             expected = 303 if kind == "dashboard" and not path.startswith("/api/") else 401
